@@ -1,0 +1,25 @@
+# The two commands the README promises: `make demo` and `make test`, both from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+GPUS ?= 2
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	TAAS_DEVICE=$${TAAS_DEVICE:-cpu} TAAS_GPUS=$${TAAS_GPUS:-$(GPUS)} $(PY) examples/run_demo.py
+
+test: $(VENV)/.installed
+	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/launch.py
+
+clean:
+	rm -rf $(VENV) .demo build src/*.egg-info

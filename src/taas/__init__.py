@@ -1,0 +1,63 @@
+"""What a notebook imports inside and outside taas cells: where am I in the job?
+
+    import taas
+    taas.rank(), taas.local_rank(), taas.world_size(), taas.is_main(), taas.device()
+
+Inside a taas cell's ranks these read the environment the launch set; in the kernel they
+answer as rank 0 of a job of 1, so the same code runs in both places.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["device", "is_main", "local_rank", "local_world_size", "rank", "world_size"]
+
+
+def rank() -> int:
+    """This process's rank in the whole job (0 in the kernel)."""
+    return _int("RANK", 0)
+
+
+def local_rank() -> int:
+    """This process's rank on its node: the index of its GPU (0 in the kernel)."""
+    return _int("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    """Number of ranks in the job (1 in the kernel)."""
+    return _int("WORLD_SIZE", 1)
+
+
+def local_world_size() -> int:
+    """Number of ranks on this node (1 in the kernel)."""
+    return _int("LOCAL_WORLD_SIZE", 1)
+
+
+def is_main() -> bool:
+    """True in rank 0, the one rank that writes to the project folder (and in the kernel)."""
+    return rank() == 0
+
+
+def device() -> Any:
+    """The rank's ``torch.device``: its own GPU on CUDA runs, the CPU otherwise.
+
+    In the kernel: the first GPU if CUDA is available, else the CPU.
+    """
+    import torch
+
+    chosen = os.environ.get("TAAS_DEVICE", "").strip().lower()
+    if "TAAS_RUN_ID" in os.environ:  # inside a rank: the launch resolved the device
+        return torch.device("cuda", local_rank()) if chosen == "cuda" else torch.device("cpu")
+    if chosen == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", 0)
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise RuntimeError(f"{name}={value!r} in the environment is not a whole number") from None

@@ -1,0 +1,58 @@
+"""taas-magic: run one notebook cell as a distributed PyTorch training job.
+
+    %load_ext taas_magic
+
+    #!g2.8
+    #pragma taas --gpus 8
+    <single-GPU training code, made distributed with init_process_group("nccl", init_method="env://")>
+
+Loading registers the `%%taas` / `%taas` magics and the transformer for `#!`/`#pragma taas`
+headers; unloading removes exactly those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .configurations import load_catalog
+from .errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
+from .pragma import PragmaTransformer
+
+__all__ = ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
+           "load_ipython_extension", "unload_ipython_extension"]
+__version__ = "0.1.0"
+
+_loaded: dict[int, tuple[Any, PragmaTransformer]] = {}
+
+
+def _is_configuration(name: str) -> bool:
+    try:
+        return name in load_catalog()
+    except Exception:
+        return False  # a broken TAAS_CONFIG file must not break every cell; %%taas reports it
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from .magics import TaasMagics
+
+    if id(ipython) in _loaded:
+        return
+    transformer = PragmaTransformer(_is_configuration)
+    magics = TaasMagics(ipython, transformer)
+    ipython.register_magics(magics)
+    ipython.input_transformers_cleanup.append(transformer)
+    _loaded[id(ipython)] = (magics, transformer)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    entry = _loaded.pop(id(ipython), None)
+    if entry is None:
+        return
+    magics, transformer = entry
+    if transformer in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(transformer)
+    manager = ipython.magics_manager
+    for kind in ("line", "cell"):
+        if manager.magics[kind].get("taas") == getattr(magics, "taas", None):
+            del manager.magics[kind]["taas"]
+    manager.registry.pop(type(magics).__name__, None)

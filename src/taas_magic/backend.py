@@ -1,0 +1,61 @@
+"""What the controller needs from a backend, and the events a running group of ranks reports.
+
+"Start these ranks with these environments and this task; tell me what they print, what they
+report, and when each exits and how." The contract holds no process ids, file descriptors or
+shared paths, so a cluster backend (one agent per node) can stand behind it as the local one does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, Union
+
+
+@dataclass(frozen=True)
+class Output:
+    """Bytes a rank (or anything it started) wrote to its stdout or stderr."""
+
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Report:
+    """A record the rank's worker sent: how the cell's code ended in that rank."""
+
+    rank: int
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A rank is gone; its output and reports have all been delivered before this event."""
+
+    rank: int
+    returncode: int  # as subprocess reports it: negative for death by a signal
+
+
+Event = Union[Output, Report, Exited]
+
+
+class RankGroup(Protocol):
+    """A started set of ranks; ``close`` leaves nothing behind, whatever state they are in."""
+
+    def events(self, timeout: float) -> list[Event]: ...
+
+    def running(self) -> set[int]: ...
+
+    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+        """Send a signal to the ranks (all running ones by default) and everything they started."""
+
+    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+        """Each rank's Python stack right now, as text."""
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, envs: dict[int, dict[str, str]], task: Any) -> RankGroup: ...

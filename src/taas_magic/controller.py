@@ -1,0 +1,229 @@
+"""One taas run from start to finish: start the ranks, pump their output, watch, stop, report.
+
+The only place that decides a run's outcome. Every way out — success, a failing rank, a
+timeout, an interrupt, an error of our own — passes through ``RankGroup.close``, so no
+process, pipe or port outlives the cell.
+
+Stopping escalates: a failure or timeout sends SIGTERM, then SIGKILL after 3 s; an interrupt
+sends SIGINT (so `finally` blocks and Lightning's shutdown run), SIGTERM after 3 s, SIGKILL
+after 6 s. Interrupting again skips to the next step.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .backend import Backend, Event, Exited, Output, RankGroup, Report
+from .environment import rank_environments
+from .errors import RankFailed, RunTimedOut
+from .rendezvous import free_port, new_run_id
+from .spec import LaunchSpec
+from .streams import RankOutput
+
+POLL_SECONDS = 0.05
+ON_FAILURE = ((0.0, signal.SIGTERM), (3.0, signal.SIGKILL))
+ON_INTERRUPT = ((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKILL))
+STACK_SECONDS = 2.0
+
+RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The cell was interrupted; every rank has been stopped."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(lines[0] if lines else "")
+        self.lines = lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.lines
+
+
+@dataclass
+class _Escalation:
+    """Signals to send at given delays after stopping began."""
+
+    steps: tuple[tuple[float, int], ...]
+    started: float = field(default_factory=time.monotonic)
+    sent: int = 0
+
+    def due(self, now: float) -> list[int]:
+        due = [sig for delay, sig in self.steps[self.sent :] if now - self.started >= delay]
+        self.sent += len(due)
+        return due
+
+    def skip_ahead(self) -> list[int]:
+        """An impatient second interrupt: the next step now."""
+        if self.sent >= len(self.steps):
+            return []
+        self.sent += 1
+        return [self.steps[self.sent - 1][1]]
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    time: float
+    summary: str  # one line: "ValueError: boom" or "killed by signal SIGSEGV"
+    details: list[str]  # traceback lines, or the last stderr lines of a crash
+
+
+def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
+        kernel_environ: Mapping[str, str]) -> None:
+    """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise."""
+    envs = rank_environments(spec, new_run_id(), free_port(spec.master_addr), kernel_environ)
+    output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0})
+    watch = _Watch(spec, output)
+    try:
+        group = backend.start(envs, task)
+        try:
+            watch.until_done(group)
+        finally:
+            group.close()
+    finally:
+        output.finish()
+    watch.raise_outcome()
+
+
+class _Watch:
+    """Consumes a group's events and steers it until every rank has exited."""
+
+    def __init__(self, spec: LaunchSpec, output: RankOutput):
+        self.spec = spec
+        self.output = output
+        self.records: dict[int, dict] = {}
+        self.exits: dict[int, tuple[int, float]] = {}
+        self.stopped: set[int] = set()  # ranks we signalled before they failed on their own
+        self.escalation: _Escalation | None = None
+        self.timed_out: dict[int, str] | None = None  # rank -> stack, when --timeout elapsed
+        self.interrupted = False
+
+    def until_done(self, group: RankGroup) -> None:
+        deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
+        while group.running():
+            try:
+                self._step(group, deadline)
+            except KeyboardInterrupt:
+                self._on_interrupt(group)
+
+    def _step(self, group: RankGroup, deadline: float | None) -> None:
+        for event in group.events(POLL_SECONDS):
+            self._handle(event)
+        self.output.flush_idle()
+        now = time.monotonic()
+        if self.escalation is None and self._failures():
+            self._begin_stop(group, ON_FAILURE)
+        elif self.escalation is None and deadline is not None and now >= deadline:
+            late = sorted(group.running())
+            self.timed_out = {rank: "" for rank in late}
+            self.timed_out.update(group.stacks(late, STACK_SECONDS))
+            for event in group.events(0):
+                self._handle(event)
+            self._begin_stop(group, ON_FAILURE)
+        if self.escalation is not None:
+            for signum in self.escalation.due(time.monotonic()):
+                group.signal(signum)
+
+    def _on_interrupt(self, group: RankGroup) -> None:
+        self.interrupted = True
+        if self.escalation is None or self.escalation.steps is not ON_INTERRUPT:
+            self._begin_stop(group, ON_INTERRUPT)
+        else:
+            for signum in self.escalation.skip_ahead():
+                group.signal(signum)
+
+    def _begin_stop(self, group: RankGroup, steps: tuple[tuple[float, int], ...]) -> None:
+        self.stopped |= group.running()
+        self.escalation = _Escalation(steps)
+
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, Output):
+            self.output.feed(event.rank, event.stream, event.data)
+        elif isinstance(event, Report):
+            self.records[event.rank] = event.record
+        elif isinstance(event, Exited):
+            self.exits[event.rank] = (event.returncode, time.monotonic())
+            self.output.finish(event.rank)
+
+    # -- outcome ----------------------------------------------------------------------------
+    def _failures(self) -> list[Failure]:
+        failures = []
+        for rank, (code, when) in sorted(self.exits.items()):
+            record = self.records.get(rank, {})
+            if record.get("status") in ("error", "interrupted"):
+                if record["status"] == "interrupted" and rank in self.stopped:
+                    continue  # we interrupted it
+                summary = f"{record.get('ename', 'Error')}: {record.get('evalue', '')}".rstrip(": ")
+                failures.append(Failure(rank, record.get("time", when), summary, record.get("traceback", [])))
+            elif code != 0 and rank not in self.stopped:
+                failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
+        return sorted(failures, key=lambda f: f.time)
+
+    def raise_outcome(self) -> None:
+        failures = self._failures()
+        if self.interrupted:
+            raise RunInterrupted(self._interrupt_lines())
+        if self.timed_out is not None:
+            raise RunTimedOut(*self._timeout_message())
+        if failures:
+            raise RankFailed(*self._failure_message(failures))
+
+    def _failure_message(self, failures: list[Failure]) -> tuple[str, list[str]]:
+        root = failures[0]
+        message = f"rank {root.rank} failed: {root.summary}"
+        lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+        if root.details:
+            lines += [f"{BOLD}rank {root.rank}'s traceback:{RESET}" if _is_traceback(root) else
+                      f"{BOLD}last lines rank {root.rank} wrote to stderr:{RESET}"]
+            lines += root.details
+        others = [f"rank {f.rank} ({f.summary})" for f in failures[1:]]
+        stopped = sorted(self.stopped - {f.rank for f in failures})
+        if others:
+            lines.append(f"also failed, after rank {root.rank}: " + "; ".join(others))
+        if stopped:
+            lines.append(f"stopped by taas after the failure: {_ranks(stopped)}")
+        return message, lines
+
+    def _timeout_message(self) -> tuple[str, list[str]]:
+        assert self.timed_out is not None
+        late = sorted(self.timed_out)
+        message = f"--timeout {self.spec.timeout:g} s elapsed: {_ranks(late)} still running, now stopped"
+        lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+        for rank in late:
+            lines.append(f"{BOLD}rank {rank} was here when the time ran out:{RESET}")
+            lines += (self.timed_out[rank] or "(no stack received)").rstrip("\n").splitlines()
+        return message, lines
+
+    def _interrupt_lines(self) -> list[str]:
+        how = ", ".join(f"{rank}: {_describe_stop(code, self.records.get(rank))}"
+                        for rank, (code, _) in sorted(self.exits.items()))
+        return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
+
+
+def _is_traceback(failure: Failure) -> bool:
+    return not failure.summary.startswith(("killed by", "exited with"))
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by signal {name}"
+    return f"exited with code {code} before the cell finished"
+
+
+def _describe_stop(code: int, record: dict | None) -> str:
+    if record and record.get("status") == "interrupted":
+        return "KeyboardInterrupt"
+    if record and record.get("status") == "ok":
+        return "had finished"
+    return _describe_exit(code) if code else "exited"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -1,0 +1,38 @@
+"""The errors a user can see from a taas cell.
+
+    TaasUsageError (an IPython UsageError)   bad input, reported in one line before anything starts
+    TaasRunError                              a run that started and did not succeed
+      ├── RankFailed                          a rank raised, exited non-zero or died by a signal
+      ├── RunTimedOut                         --timeout elapsed; shows where each rank was
+      └── (interrupts end the cell with the ordinary KeyboardInterrupt)
+
+Run errors implement IPython's ``_render_traceback_`` so the cell shows the failing rank's own
+traceback, not the extension's internals.
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+
+
+class TaasUsageError(UsageError):
+    """Bad options or configuration: one line naming the value and what is allowed."""
+
+
+class TaasRunError(RuntimeError):
+    """A run started and did not succeed; ``lines`` is what the cell shows."""
+
+    def __init__(self, message: str, lines: list[str]):
+        super().__init__(message)
+        self.lines = lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.lines
+
+
+class RankFailed(TaasRunError):
+    """At least one rank failed; the first failure is the root cause shown."""
+
+
+class RunTimedOut(TaasRunError):
+    """Ranks were still running when ``--timeout`` elapsed."""

@@ -1,0 +1,245 @@
+"""The local backend: ranks forked from the kernel, each in its own process group.
+
+Fork costs milliseconds and the ranks inherit the notebook's namespace. Each rank leads a
+process group, so a signal reaches everything it started (DataLoader workers included), and
+holds the read end of a lifeline pipe, so it dies with the kernel. This module owns every
+process and file descriptor of a run; ``close`` releases all of them, in every outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import selectors
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from . import worker
+from .backend import Event, Exited, Output, Report
+
+READ_SIZE = 1 << 16
+DRAIN_SECONDS = 2.0  # after a rank exits, how long its pipes may take to reach EOF
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    fds: dict[str, int]  # kernel-side read ends: stdout, stderr, report, stack
+    pidfd: int | None = None
+    returncode: int | None = None
+    report_buffer: bytes = b""
+    stack_text: str = ""
+    stack_updated: float = 0.0
+
+
+@dataclass
+class ForkBackend:
+    name: str = "fork"
+
+    def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
+        group = ForkedRanks()
+        try:
+            for rank, env in sorted(envs.items()):
+                group.fork(rank, env, task)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+
+@dataclass
+class ForkedRanks:
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+    _pending: list[Event] = field(default_factory=list)
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        self._lifeline_read, self._lifeline_write = os.pipe()
+        self._kernel_pgid = os.getpgrp()
+
+    # -- starting ---------------------------------------------------------------------------
+    def fork(self, rank: int, env: dict[str, str], task: worker.RankTask) -> None:
+        pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack")}
+        kernel_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns into the kernel's code
+            status = worker.EXIT_FAILED
+            try:
+                os.setpgid(0, 0)
+                self._close_kernel_side(pipes)
+                fds = worker.RankFds(
+                    stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
+                    stack=pipes["stack"][1], lifeline=self._lifeline_read,
+                )
+                status = worker.run(task, env, fds, kernel_pid)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(status)
+        try:
+            os.setpgid(pid, pid)  # also here, so a signal sent right away reaches the new group
+        except OSError:
+            pass
+        for read_end, write_end in pipes.values():
+            os.close(write_end)
+        state = _Rank(rank, pid, {name: ends[0] for name, ends in pipes.items()})
+        self.ranks[rank] = state
+        for name, fd in state.fds.items():
+            os.set_blocking(fd, False)
+            self._selector.register(fd, selectors.EVENT_READ, (rank, name))
+        if hasattr(os, "pidfd_open"):
+            state.pidfd = os.pidfd_open(pid)
+            self._selector.register(state.pidfd, selectors.EVENT_READ, (rank, "exit"))
+
+    def _close_kernel_side(self, own_pipes: dict[str, tuple[int, int]]) -> None:
+        """In a new rank: drop every descriptor that belongs to the kernel's side of the run."""
+        fds = [self._lifeline_write] + [ends[0] for ends in own_pipes.values()]
+        for other in self.ranks.values():
+            fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- watching ---------------------------------------------------------------------------
+    def running(self) -> set[int]:
+        return {r.rank for r in self.ranks.values() if r.returncode is None}
+
+    def events(self, timeout: float) -> list[Event]:
+        if self._pending:
+            timeout = 0
+        for key, _ in self._selector.select(timeout):
+            rank, name = key.data
+            if name == "exit":
+                self._on_exit(self.ranks[rank])
+            else:
+                self._read(self.ranks[rank], name, key.fd)
+        if not hasattr(os, "pidfd_open"):
+            self._poll_exits()
+        events, self._pending = self._pending, []
+        return events
+
+    def _read(self, state: _Rank, name: str, fd: int) -> bool:
+        try:
+            data = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self._selector.unregister(fd)
+            os.close(fd)
+            del state.fds[name]
+            return False
+        if name in ("stdout", "stderr"):
+            self._pending.append(Output(state.rank, name, data))
+        elif name == "report":
+            state.report_buffer += data
+            *lines, state.report_buffer = state.report_buffer.split(b"\n")
+            for line in lines:
+                self._pending.append(Report(state.rank, _decode_record(line)))
+        else:
+            state.stack_text += data.decode("utf-8", "replace")
+            state.stack_updated = time.monotonic()
+        return True
+
+    def _on_exit(self, state: _Rank) -> None:
+        """A rank ended: stop what it left running, reap it, deliver its last output, then say so."""
+        self._kill_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
+        _, status = os.waitpid(state.pid, 0)
+        state.returncode = os.waitstatus_to_exitcode(status)
+        if state.pidfd is not None:
+            self._selector.unregister(state.pidfd)
+            os.close(state.pidfd)
+            state.pidfd = None
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while state.fds and time.monotonic() < deadline:
+            ready = select.select(list(state.fds.values()), [], [], 0.05)[0]
+            for name, fd in list(state.fds.items()):
+                if fd in ready:
+                    self._read(state, name, fd)
+        self._pending.append(Exited(state.rank, state.returncode))
+
+    def _poll_exits(self) -> None:
+        for state in self.ranks.values():
+            if state.returncode is None:
+                info = os.waitid(os.P_PID, state.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None:
+                    self._on_exit(state)
+
+    # -- acting on ranks --------------------------------------------------------------------
+    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+        chosen = self.running() if ranks is None else set(ranks) & self.running()
+        for rank in sorted(chosen):
+            self._kill_group(self.ranks[rank], signum)
+
+    def _kill_group(self, state: _Rank, signum: int) -> None:
+        if state.pid == self._kernel_pgid or state.returncode is not None:
+            return  # never signal the kernel's own group; a reaped rank's id may belong to someone else now
+        try:
+            os.killpg(state.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+        """Ask faulthandler in each rank for all its threads' stacks; wait until they stop arriving."""
+        chosen = sorted(set(ranks) & self.running())
+        for rank in chosen:
+            self.ranks[rank].stack_text = ""
+            try:
+                os.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._pending.extend(self.events(0.05))
+            states = [self.ranks[r] for r in chosen]
+            if all(s.stack_text and time.monotonic() - s.stack_updated > 0.2 for s in states):
+                break
+        return {rank: self.ranks[rank].stack_text for rank in chosen}
+
+    # -- ending -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Kill whatever still runs, reap every rank, close every descriptor. Safe to call twice."""
+        if self._closed:
+            return
+        pending_interrupt = False
+        for state in self.ranks.values():
+            while state.returncode is None:
+                try:
+                    self._kill_group(state, signal.SIGKILL)
+                    _, status = os.waitpid(state.pid, 0)
+                    state.returncode = os.waitstatus_to_exitcode(status)
+                except ChildProcessError:
+                    state.returncode = -signal.SIGKILL
+                except KeyboardInterrupt:
+                    pending_interrupt = True  # finish cleaning up first
+        for state in self.ranks.values():
+            for fd in list(state.fds.values()) + ([state.pidfd] if state.pidfd is not None else []):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            state.fds.clear()
+            state.pidfd = None
+        for fd in (self._lifeline_read, self._lifeline_write):
+            os.close(fd)
+        self._selector.close()
+        self._closed = True
+        if pending_interrupt:
+            raise KeyboardInterrupt
+
+
+def _decode_record(line: bytes) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {"status": "error", "ename": "ProtocolError", "evalue": f"unreadable report {line[:80]!r}"}
+    return record if isinstance(record, dict) else {"status": "error", "ename": "ProtocolError", "evalue": repr(record)}

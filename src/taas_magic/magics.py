@@ -1,0 +1,119 @@
+"""`%%taas` and `%taas`: the glue from a cell to a run. Parse → spec → compile → run → report."""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from . import controller, machine, options
+from .configurations import load_catalog
+from .errors import TaasUsageError
+from .fork import ForkBackend
+from .pragma import PragmaTransformer
+from .spec import LaunchSpec, build
+from .worker import RankTask
+
+
+@magics_class
+class TaasMagics(Magics):
+    """Runs a cell as a distributed PyTorch job; see `%%taas?`."""
+
+    def __init__(self, shell, transformer: PragmaTransformer):
+        super().__init__(shell)
+        self.transformer = transformer
+        self.backend = ForkBackend()
+
+    @options.declare
+    @line_cell_magic
+    def taas(self, line: str, cell: str | None = None) -> None:
+        """Run this cell as a distributed PyTorch job: one process (rank) per GPU.
+
+        Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+        MASTER_PORT, ...), so `torch.distributed.init_process_group("nccl", init_method="env://")`
+        works unchanged and Lightning needs no init. `#!g2.8` / `#pragma taas --gpus 8` at the
+        top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
+        """
+        args = options.parse(TaasMagics.taas, line)
+        if cell is None:
+            if args.check:
+                self._check_configuration(args.check)
+            else:
+                print(self._settings())
+            return
+        spec = build(args, load_catalog(), machine.detect(), os.environ)
+        task = self._compile(line, cell, spec)
+        self._check_fork_is_safe(spec)
+        if spec.data_options_given:
+            print("taas: --cpus/--units are accepted, but data delivery is not active in this version: "
+                  "registered loaders run inside each rank", file=sys.stderr)
+        _import_torch_once()
+        controller.run(spec, task, self.backend, _write_to_cell, os.environ)
+
+    def _compile(self, line: str, cell: str, spec: LaunchSpec) -> RankTask:
+        """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
+
+        Line 1 stands for the `%%taas` line, so line numbers in tracebacks are the cell's own.
+        """
+        with self.transformer.disabled():
+            source = self.shell.transform_cell(f"# %%taas {line}\n{cell}")
+        filename = self.shell.compile.cache(source, self.shell.execution_count)
+        tree = self.shell.transform_ast(ast.parse(source, filename))
+        code = compile(tree, filename, "exec", dont_inherit=True)
+        return RankTask(code=code, device=spec.device, threads=spec.threads_per_rank)
+
+    def _check_fork_is_safe(self, spec: LaunchSpec) -> None:
+        if not hasattr(os, "fork"):
+            raise TaasUsageError("this platform cannot fork processes; taas cells need Linux or macOS")
+        if spec.device == "cuda" and machine.cuda_initialized_in_kernel():
+            raise TaasUsageError(
+                "CUDA is already initialized in this kernel (an earlier cell used the GPU), and forked ranks "
+                "cannot use CUDA after that: restart the kernel and keep GPU work inside taas cells"
+            )
+
+    def _check_configuration(self, name: str) -> None:
+        """`#!NAME` alone: the cell runs here; warn in one line if this machine lacks what NAME needs."""
+        catalog = load_catalog()
+        configuration = catalog.get(name)
+        found = machine.detect()
+        if configuration.gpus and found.cuda_devices < configuration.gpus:
+            print(f"taas: {name} needs {configuration.gpus} GPUs, this machine has {found.cuda_devices}: "
+                  "running the cell in the kernel anyway", file=sys.stderr)
+        elif not configuration.gpus and found.cpus < configuration.cpus:
+            print(f"taas: {name} needs {configuration.cpus} vCPUs, this machine has {found.cpus}: "
+                  "running the cell in the kernel anyway", file=sys.stderr)
+
+    def _settings(self) -> str:
+        catalog = load_catalog()
+        found = machine.detect()
+        try:
+            device = options.default_device()
+        except TaasUsageError as e:
+            device = f"invalid ({e})"
+        names = ", ".join(catalog.names())
+        return "\n".join([
+            f"taas backend:        {self.backend.name} (ranks are forked from this kernel)",
+            f"configurations:      {'; '.join(catalog.sources)}",
+            f"                     {names}",
+            f"CUDA devices:        {found.cuda_devices} visible"
+            + (" (CUDA initialized in this kernel: GPU ranks cannot be forked)"
+               if machine.cuda_initialized_in_kernel() else ""),
+            f"CPU cores:           {found.cpus}",
+            f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
+            else f"default --device:    {device}",
+            "default --gpus:      the configuration's GPUs per node, else 1",
+            "default --output:    all (each line prefixed with its rank)",
+            "default --timeout:   none",
+        ])
+
+
+def _write_to_cell(stream: str, text: str) -> None:
+    """Ranks' output goes where the running cell's own output goes."""
+    (sys.stdout if stream == "stdout" else sys.stderr).write(text)
+
+
+def _import_torch_once() -> None:
+    """Ranks need torch; importing it here once lets every forked rank share it for free."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401

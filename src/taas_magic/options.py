@@ -1,0 +1,106 @@
+"""The options of `%%taas` / `#pragma taas`, declared once for parsing and for `%%taas?` help.
+
+Converters raise ``ArgumentTypeError`` with the value and what is allowed, so every bad option
+ends as a one-line ``UsageError`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Mapping
+
+from IPython.core import magic_arguments
+from IPython.utils.process import arg_split
+
+from .errors import TaasUsageError
+
+DEVICES = ("auto", "cuda", "cpu")
+OUTPUTS = ("all", "rank0")
+MAX_CPUS = 8
+
+
+def whole_number(low: int, high: int | None = None, note: str = "") -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        allowed = f"{low}-{high}" if high is not None else f"a whole number of {low} or more"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: use {allowed}{note}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: use {allowed}{note}")
+        return value
+
+    return convert
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: use a number of seconds greater than 0")
+    return value
+
+
+def declare(func: Callable) -> Callable:
+    """Decorate the magic with its options (the outermost decorator is listed first in help)."""
+    decorators = [
+        magic_arguments.magic_arguments(),
+        magic_arguments.argument(
+            "--gpus", type=whole_number(1), default=None, metavar="N",
+            help="number of ranks, one per GPU (default: the configuration's GPUs per node, else 1). "
+            "More than one node's worth (g2.8: 16, 32) needs a cluster.",
+        ),
+        magic_arguments.argument(
+            "--cpus", type=whole_number(0, MAX_CPUS, " (0 turns data delivery off)"), default=None, metavar="K",
+            help=f"CPU prefetch workers per registered DataLoader, 0-{MAX_CPUS}.",
+        ),
+        magic_arguments.argument(
+            "--units", type=whole_number(1), default=None, metavar="U",
+            help="elements to take from registered DataLoaders in total (default: as many as the ranks ask for).",
+        ),
+        magic_arguments.argument(
+            "--config", default=None, metavar="NAME",
+            help="machine configuration (g2.8, g1.4, c1.4, ...); `#!NAME` on the first line means the same.",
+        ),
+        magic_arguments.argument(
+            "--device", choices=DEVICES, default=None,
+            help="where ranks compute (default: $TAAS_DEVICE, else auto = CUDA, with an error where there is none).",
+        ),
+        magic_arguments.argument(
+            "--output", choices=OUTPUTS, default="all",
+            help="all: every rank's output, each line prefixed with its rank; rank0: rank 0's alone, unprefixed.",
+        ),
+        magic_arguments.argument(
+            "--timeout", type=seconds, default=None, metavar="SECONDS",
+            help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def parse(magic: Callable, line: str) -> argparse.Namespace:
+    """Parse a `%%taas` line; anything unknown is a one-line error naming it and the allowed options."""
+    parser = magic.parser
+    try:
+        argv = arg_split(line, strict=True)
+    except ValueError as e:
+        raise TaasUsageError(f"cannot split the options {line!r}: {e}") from e
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        allowed = ", ".join(a.option_strings[0] for a in parser._actions if a.help != argparse.SUPPRESS)
+        raise TaasUsageError(f"unknown option {unknown[0]!r}: allowed are {allowed}")
+    return namespace
+
+
+def default_device(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    value = environ.get("TAAS_DEVICE", "").strip().lower() or "auto"
+    if value not in DEVICES:
+        raise TaasUsageError(f"TAAS_DEVICE={value!r} is not allowed: use {', '.join(DEVICES)}")
+    return value

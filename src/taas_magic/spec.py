@@ -1,0 +1,125 @@
+"""The launch spec: everything one run needs, built from options, configurations and the machine.
+
+Built and validated once, before anything starts; nothing downstream re-reads options or the
+environment. Errors name the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Mapping
+
+from .configurations import Catalog, Configuration
+from .errors import TaasUsageError
+from .machine import Machine
+from .options import default_device
+
+LOOPBACK = "127.0.0.1"
+MAX_CPU_RANKS = 256  # a typo like --gpus 2000 with --device cpu must not fork-bomb the machine
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    world_size: int
+    nodes: int
+    ranks_per_node: int
+    device: str  # "cuda" or "cpu": auto is resolved here
+    configuration: Configuration | None
+    cpus: int | None  # data producers per registered loader; None: the default
+    units: int | None
+    output: str  # "all" or "rank0"
+    timeout: float | None
+    threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
+    master_addr: str = LOOPBACK
+
+    def __post_init__(self) -> None:
+        if self.world_size != self.nodes * self.ranks_per_node:
+            raise ValueError(f"world_size {self.world_size} != {self.nodes} nodes x {self.ranks_per_node}")
+
+    @property
+    def show_rank_prefix(self) -> bool:
+        return self.world_size > 1 and self.output == "all"
+
+    @property
+    def data_options_given(self) -> bool:
+        return self.cpus is not None or self.units is not None
+
+
+def build(
+    options: argparse.Namespace, catalog: Catalog, machine: Machine, environ: Mapping[str, str]
+) -> LaunchSpec:
+    configuration = catalog.get(options.config) if options.config else None
+    device = _device(options.device or default_device(environ), configuration)
+    world_size = options.gpus or (configuration.gpus if configuration and configuration.gpus else 1)
+    per_node = _ranks_per_node(world_size, configuration, catalog.max_nodes, device)
+    _check_machine(world_size, device, machine)
+    return LaunchSpec(
+        world_size=world_size,
+        nodes=world_size // per_node,
+        ranks_per_node=per_node,
+        device=device,
+        configuration=configuration,
+        cpus=options.cpus,
+        units=options.units,
+        output=options.output,
+        timeout=options.timeout,
+        threads_per_rank=_threads_per_rank(environ, machine, per_node),
+    )
+
+
+def _device(requested: str, configuration: Configuration | None) -> str:
+    if configuration is not None and configuration.gpus == 0 and requested != "cpu":
+        raise TaasUsageError(
+            f"{configuration.name} has no GPUs: run its ranks on CPU with --device cpu, or pick a g configuration"
+        )
+    return "cuda" if requested == "auto" else requested
+
+
+def _ranks_per_node(world_size: int, configuration: Configuration | None, max_nodes: int, device: str) -> int:
+    """Ranks on each node; a run that needs more than one node is refused here: this is one node."""
+    if configuration is None:
+        if device == "cpu" and world_size > MAX_CPU_RANKS:
+            raise TaasUsageError(f"--gpus {world_size} is too many CPU ranks for one machine: use 1-{MAX_CPU_RANKS}")
+        return world_size
+    per_node = configuration.gpus or configuration.cpus
+    if world_size <= per_node:
+        return world_size
+    node_counts = [n for n in (2, 4, 8, 16) if n <= max_nodes]
+    allowed = _one_of([f"1-{per_node}"] + [str(per_node * n) for n in node_counts])
+    unit = "GPUs" if configuration.gpus else "vCPUs"
+    if world_size % per_node or world_size // per_node not in node_counts:
+        raise TaasUsageError(
+            f"--gpus {world_size} does not fit {configuration.name} ({per_node} {unit} per node): use {allowed}"
+        )
+    raise TaasUsageError(
+        f"--gpus {world_size} needs {world_size // per_node} nodes of {configuration.name}: multi-node runs "
+        f"need a cluster, and this machine is one node: use --gpus 1-{per_node}"
+    )
+
+
+def _one_of(choices: list[str]) -> str:
+    return choices[0] if len(choices) == 1 else ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
+def _check_machine(world_size: int, device: str, machine: Machine) -> None:
+    if device != "cuda":
+        return
+    if machine.cuda_devices == 0:
+        raise TaasUsageError(
+            "no CUDA device is visible on this machine: run the ranks on CPU with --device cpu "
+            "(or set TAAS_DEVICE=cpu before starting the kernel)"
+        )
+    if world_size > machine.cuda_devices:
+        raise TaasUsageError(
+            f"--gpus {world_size} needs {world_size} CUDA devices, this machine has {machine.cuda_devices}: "
+            f"use --gpus 1-{machine.cuda_devices}, or --device cpu"
+        )
+
+
+def _threads_per_rank(environ: Mapping[str, str], machine: Machine, ranks_per_node: int) -> int:
+    """Split the cores among the ranks (as torchrun does), unless the user chose OMP_NUM_THREADS."""
+    chosen = environ.get("OMP_NUM_THREADS", "")
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
+    return max(1, machine.cpus // ranks_per_node)

@@ -1,0 +1,127 @@
+"""Ranks' byte streams become the cell's output: decoded, labelled by rank, never mixed mid-line.
+
+Text is passed on as soon as a line ends; a partial line (a prompt, a `\\r` progress bar) is
+passed on once its rank has been quiet for a moment, so nothing waits for the run to end.
+Carriage returns survive, each overwritten line keeping its label, so a tqdm bar renders as
+one updating line in the notebook.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+PARTIAL_LINE_DELAY = 0.1  # seconds a rank's unfinished line waits for more text
+TAIL_LINES = 20  # recent stderr lines kept per rank for crash reports
+_BREAKS = re.compile(r"(\r\n|\n|\r)")
+
+
+@dataclass
+class _Source:
+    """One rank's stdout or stderr."""
+
+    prefix: str
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    pending: str = ""
+    at_line_start: bool = True
+    last_data: float = 0.0
+
+
+@dataclass
+class _Target:
+    """One of the cell's output streams, and which source left its last line open."""
+
+    write: Callable[[str], object]
+    open_source: _Source | None = None
+
+
+class RankOutput:
+    """Feeds ranks' output into ``write(stream, text)``; shows the ranks in ``shown`` (all by default)."""
+
+    def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[int] | None = None):
+        self._targets = {name: _Target(lambda text, name=name: write(name, text)) for name in ("stdout", "stderr")}
+        self._prefix = prefix
+        self._shown = None if shown is None else set(shown)
+        self._sources: dict[tuple[int, str], _Source] = {}
+        self._tails: dict[int, deque[str]] = {}
+
+    def feed(self, rank: int, stream: str, data: bytes, now: float | None = None) -> None:
+        source = self._source(rank, stream)
+        text = source.decoder.decode(data)
+        if stream == "stderr":
+            self._keep_tail(rank, text)
+        if not self._is_shown(rank):
+            return
+        source.pending += text
+        source.last_data = time.monotonic() if now is None else now
+        end = _complete_prefix_length(source.pending)
+        if end:
+            self._emit(source, stream, source.pending[:end])
+            source.pending = source.pending[end:]
+
+    def flush_idle(self, now: float | None = None) -> None:
+        """Pass on partial lines whose rank has been quiet for ``PARTIAL_LINE_DELAY``."""
+        now = time.monotonic() if now is None else now
+        for (_, stream), source in self._sources.items():
+            if source.pending and now - source.last_data >= PARTIAL_LINE_DELAY:
+                self._emit(source, stream, source.pending)
+                source.pending = ""
+
+    def finish(self, rank: int | None = None) -> None:
+        """Pass on everything still held for ``rank`` (all ranks by default): the run is over for it."""
+        for (source_rank, stream), source in self._sources.items():
+            if rank is not None and source_rank != rank:
+                continue
+            text = source.pending + source.decoder.decode(b"", final=True)
+            source.pending = ""
+            if text and self._is_shown(source_rank):
+                self._emit(source, stream, text)
+
+    def tail(self, rank: int) -> list[str]:
+        """The last lines the rank wrote to stderr, shown or not: what a crash left behind."""
+        return list(self._tails.get(rank, ()))
+
+    def _source(self, rank: int, stream: str) -> _Source:
+        key = (rank, stream)
+        if key not in self._sources:
+            self._sources[key] = _Source(prefix=f"[rank {rank}] " if self._prefix else "")
+        return self._sources[key]
+
+    def _is_shown(self, rank: int) -> bool:
+        return self._shown is None or rank in self._shown
+
+    def _keep_tail(self, rank: int, text: str) -> None:
+        tail = self._tails.setdefault(rank, deque(maxlen=TAIL_LINES))
+        for line in text.splitlines():
+            if line.strip():
+                tail.append(line)
+
+    def _emit(self, source: _Source, stream: str, text: str) -> None:
+        target = self._targets[stream]
+        pieces = []
+        if target.open_source not in (None, source):
+            pieces.append("\n")  # another rank left a line open: end it rather than mix into it
+            target.open_source.at_line_start = True
+        for piece in _BREAKS.split(text):
+            if not piece:
+                continue
+            if _BREAKS.fullmatch(piece):
+                pieces.append(piece)
+                source.at_line_start = True
+            else:
+                if source.at_line_start:
+                    pieces.append(source.prefix)
+                pieces.append(piece)
+                source.at_line_start = False
+        target.write("".join(pieces))
+        target.open_source = None if text.endswith("\n") else source
+
+
+def _complete_prefix_length(text: str) -> int:
+    """Length of the part of ``text`` that ends at a line break (a lone trailing ``\\r`` may be half of ``\\r\\n``)."""
+    end = max(text.rfind("\n"), text.rfind("\r", 0, len(text) - 1))
+    return end + 1

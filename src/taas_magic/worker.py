@@ -1,0 +1,253 @@
+"""The first code in every rank: bind it to its place in the job, run the cell, report, exit.
+
+Runs in a process forked from the kernel, so it first cuts every tie to the kernel's machinery
+(ZeroMQ streams, display, input, signal handlers) and ties its life to the kernel's instead.
+It never returns: the process ends with ``os._exit`` so the kernel's atexit handlers never run.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import faulthandler
+import io
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up in the kernel, used in the child
+except (AttributeError, OSError):
+    _prctl = None
+
+
+@dataclass(frozen=True)
+class RankTask:
+    """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
+
+    code: CodeType
+    device: str  # "cuda" or "cpu"
+    threads: int  # intra-op threads on CPU
+
+
+@dataclass(frozen=True)
+class RankFds:
+    """The rank's ends of its channels to the kernel."""
+
+    stdout: int
+    stderr: int
+    report: int
+    stack: int
+    lifeline: int  # read end of a pipe only the kernel writes: EOF means the kernel is gone
+
+
+def run(task: RankTask, env: dict[str, str], fds: RankFds, kernel_pid: int) -> int:
+    """Become a rank and run the cell; returns the exit status for ``os._exit``."""
+    _tie_life_to_kernel(fds.lifeline, kernel_pid)
+    _redirect_output(fds.stdout, fds.stderr)
+    _reset_signals(fds.stack)
+    os.environ.update(env)
+    shell = _detach_from_kernel()
+    _bind_device(task, int(env["LOCAL_RANK"]), shell)
+    try:
+        return _execute(task.code, shell, fds.report)
+    finally:
+        _flush_all()
+        _end_descendants()
+
+
+def _tie_life_to_kernel(lifeline: int, kernel_pid: int) -> None:
+    """Kill this rank's whole process group as soon as the kernel dies, even by kill -9."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our children stay ours to end
+    if os.getppid() != kernel_pid:
+        os._exit(EXIT_FAILED)  # the kernel died before the line above took effect
+
+    def watch() -> None:
+        try:
+            while os.read(lifeline, 1):
+                pass
+        except OSError:
+            pass
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="taas-lifeline", daemon=True).start()
+
+
+def _end_descendants() -> None:
+    """Whatever the cell started and left running ends with the rank, even outside its process group."""
+    try:
+        import psutil
+
+        descendants = psutil.Process().children(recursive=True)
+    except Exception:
+        return
+    for process in descendants:
+        try:
+            process.kill()
+        except Exception:
+            pass
+
+
+def _redirect_output(stdout_fd: int, stderr_fd: int) -> None:
+    """Fds 1 and 2 become the rank's pipes, so C-level writes and child processes are caught too."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    old_streams = (sys.stdout, sys.stderr)
+    for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout = sys.__stdout__ = _text_stream(1)
+    sys.stderr = sys.__stderr__ = _text_stream(2)
+    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    # Loggers and libraries may hold the kernel's stream objects (ZeroMQ-backed, unusable here):
+    # make those objects write to the new streams.
+    for old, new in zip(old_streams, (sys.stdout, sys.stderr)):
+        for name in ("write", "writelines", "flush"):
+            try:
+                setattr(old, name, getattr(new, name))
+            except (AttributeError, TypeError):
+                pass
+
+
+def _text_stream(fd: int) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True)
+
+
+def _reset_signals(stack_fd: int) -> None:
+    """Interrupts become KeyboardInterrupt (so `finally` runs), SIGTERM ends the rank, SIGUSR1 dumps stacks."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
+
+
+def _detach_from_kernel() -> Any:
+    """Replace what talks to the kernel's frontend with plain-stream equivalents."""
+    builtins.input = _no_input
+    sys.displayhook = sys.__displayhook__
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    if shell is not None:
+        shell.display_pub.publish = _print_display_data
+    return shell
+
+
+def _no_input(prompt: object = "") -> str:
+    raise RuntimeError("input() is not available inside a taas cell's ranks: read input in an earlier cell")
+
+
+def _print_display_data(data: dict[str, Any], metadata: Any = None, **kwargs: Any) -> None:
+    text = data.get("text/plain") if isinstance(data, dict) else None
+    if text:
+        print(text)
+
+
+def _bind_device(task: RankTask, local_rank: int, shell: Any) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if task.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(task.threads)
+        _serve_nccl_with_gloo(torch, shell)
+
+
+def _serve_nccl_with_gloo(torch: Any, shell: Any) -> None:
+    """On CPU a notebook written for GPUs runs unchanged: backend "nccl" is given to gloo."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.init_process_group
+    noticed = []
+
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if str(backend).lower() == "nccl":
+            if not noticed and os.environ.get("RANK") == "0":
+                noticed.append(True)
+                print("taas: --device cpu: backend 'nccl' is served by 'gloo'", file=sys.stderr)
+            backend = "gloo"
+        return original(backend, *args, **kwargs)
+
+    dist.init_process_group = c10d.init_process_group = init_process_group
+    if shell is not None:
+        for name, value in list(shell.user_ns.items()):
+            if value is original:
+                shell.user_ns[name] = init_process_group
+
+
+def _execute(code: CodeType, shell: Any, report_fd: int) -> int:
+    namespace = shell.user_ns if shell is not None else {"__name__": "__main__"}
+    try:
+        exec(code, namespace)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            _report(report_fd, {"status": "ok"})
+            return 0
+        return _report_failure(report_fd, e, shell, f"the cell called sys.exit({e.code!r})")
+    except BaseException as e:
+        return _report_failure(report_fd, e, shell)
+    _report(report_fd, {"status": "ok"})
+    return 0
+
+
+def _report_failure(report_fd: int, error: BaseException, shell: Any, summary: str | None = None) -> int:
+    when = time.monotonic()  # before formatting: the earliest failure is the root cause
+    _flush_all()
+    interrupted = isinstance(error, KeyboardInterrupt)
+    _report(
+        report_fd,
+        {
+            "status": "interrupted" if interrupted else "error",
+            "time": when,
+            "ename": type(error).__name__,
+            "evalue": summary or str(error),
+            "traceback": _format_traceback(error, shell),
+        },
+    )
+    return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
+
+
+def _format_traceback(error: BaseException, shell: Any) -> list[str]:
+    """The traceback as IPython would show it in the kernel, without this module's frame."""
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    try:
+        if shell is not None:
+            return list(shell.InteractiveTB.structured_traceback(type(error), error, tb))
+    except Exception:
+        pass
+    import traceback
+
+    return traceback.format_exception(type(error), error, tb)
+
+
+def _report(fd: int, record: dict[str, Any]) -> None:
+    data = (json.dumps(record) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _flush_all() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
