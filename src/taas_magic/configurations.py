@@ -76,7 +76,11 @@ def _load(user_path: str, mtime: float | None) -> Catalog:
     if user_path:
         if mtime is None:
             raise TaasUsageError(f"{ENV_VAR}={user_path!r} does not name a readable file")
-        extra = _parse(Path(user_path).read_text("utf-8"), f"{ENV_VAR}={user_path!r}")
+        try:
+            text = Path(user_path).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
+            raise TaasUsageError(f"{ENV_VAR}={user_path!r} does not name a readable file ({e})") from e
+        extra = _parse(text, f"{ENV_VAR}={user_path!r}")
         raw = _merge(raw, extra)
         sources.append(user_path)
     return _build(raw, tuple(sources))
@@ -86,9 +90,13 @@ def _parse(text: str, origin: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise TaasUsageError(f"{origin} is not valid YAML: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("configurations", {}), dict):
-        raise TaasUsageError(f"{origin} must be a mapping with a 'configurations' mapping")
+        # PyYAML's message spans several lines; a usage error is one line.
+        raise TaasUsageError(f"{origin} is not valid YAML: {' '.join(str(e).split())}") from e
+    configurations = data.get("configurations", {}) if isinstance(data, dict) else None
+    if not isinstance(configurations, dict) or not all(
+        fields is None or isinstance(fields, dict) for fields in configurations.values()
+    ):
+        raise TaasUsageError(f"{origin} must be a mapping with a 'configurations' mapping of name: {{field: value}}")
     return data
 
 
@@ -114,7 +122,11 @@ def _build(raw: dict[str, Any], sources: tuple[str, ...]) -> Catalog:
             )
         except (TypeError, ValueError, AttributeError) as e:
             raise TaasUsageError(f"configuration {name!r} has a bad field ({e}) in {', '.join(sources)}") from e
-    return Catalog(configurations, max_nodes=int(raw.get("max_nodes", 4)), sources=sources)
+    try:
+        max_nodes = int(raw.get("max_nodes", 4))
+    except (TypeError, ValueError) as e:
+        raise TaasUsageError(f"max_nodes has a bad value ({e}) in {', '.join(sources)}") from e
+    return Catalog(configurations, max_nodes=max_nodes, sources=sources)
 
 
 def _mtime(path: str) -> float | None:

@@ -38,7 +38,9 @@ def seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds: use a number of seconds greater than 0"
+        ) from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} is not allowed: use a number of seconds greater than 0")
     return value

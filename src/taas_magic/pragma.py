@@ -115,11 +115,10 @@ class PragmaTransformer:
         if not self.active:
             return lines
         header = parse_header(lines, self.is_configuration)
-        if header is None or header.options is None:
-            line = misplaced_pragma(lines, header)
-            if line is not None:
-                raise TaasUsageError(
-                    f"#pragma taas on line {line} must be at the top of the cell "
-                    "(first line, or second after a #!<configuration> line); the cell did not run"
-                )
+        line = misplaced_pragma(lines, header)
+        if line is not None:
+            raise TaasUsageError(
+                f"#pragma taas on line {line} must be at the top of the cell "
+                "(first line, or second after a #!<configuration> line); the cell did not run"
+            )
         return transform(lines, self.is_configuration)

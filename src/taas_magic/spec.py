@@ -120,6 +120,6 @@ def _check_machine(world_size: int, device: str, machine: Machine) -> None:
 def _threads_per_rank(environ: Mapping[str, str], machine: Machine, ranks_per_node: int) -> int:
     """Split the cores among the ranks (as torchrun does), unless the user chose OMP_NUM_THREADS."""
     chosen = environ.get("OMP_NUM_THREADS", "")
-    if chosen.isdigit() and int(chosen) > 0:
+    if chosen.isdecimal() and int(chosen) > 0:  # isdigit() would accept "²", which int() refuses
         return int(chosen)
     return max(1, machine.cpus // ranks_per_node)

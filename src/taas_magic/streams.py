@@ -48,6 +48,7 @@ class RankOutput:
         self._shown = None if shown is None else set(shown)
         self._sources: dict[tuple[int, str], _Source] = {}
         self._tails: dict[int, deque[str]] = {}
+        self._tail_partial: dict[int, str] = {}  # a stderr line whose end has not arrived yet
 
     def feed(self, rank: int, stream: str, data: bytes, now: float | None = None) -> None:
         source = self._source(rank, stream)
@@ -83,7 +84,11 @@ class RankOutput:
 
     def tail(self, rank: int) -> list[str]:
         """The last lines the rank wrote to stderr, shown or not: what a crash left behind."""
-        return list(self._tails.get(rank, ()))
+        lines = list(self._tails.get(rank, ()))
+        partial = self._tail_partial.get(rank, "")
+        if partial.strip():
+            lines = (lines + [partial])[-TAIL_LINES:]
+        return lines
 
     def _source(self, rank: int, stream: str) -> _Source:
         key = (rank, stream)
@@ -96,7 +101,12 @@ class RankOutput:
 
     def _keep_tail(self, rank: int, text: str) -> None:
         tail = self._tails.setdefault(rank, deque(maxlen=TAIL_LINES))
-        for line in text.splitlines():
+        # Chunks end anywhere, often mid-line: a line is kept whole once its line break arrives.
+        lines = (self._tail_partial.pop(rank, "") + text).splitlines(keepends=True)
+        if lines and lines[-1].splitlines() == [lines[-1]]:
+            self._tail_partial[rank] = lines.pop()
+        for line in lines:
+            line = line.splitlines()[0]
             if line.strip():
                 tail.append(line)
 

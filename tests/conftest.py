@@ -1,0 +1,157 @@
+"""Shared fixtures: real Jupyter kernels driven through jupyter_client, as a notebook would.
+
+End-to-end tests assert on what a user sees (the cell's stream and error messages, the
+namespace) and on what must not remain afterwards (processes, ports, files).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class CellResult:
+    streams: list[tuple[str, str, float]] = field(default_factory=list)  # (name, text, arrival time)
+    error: dict | None = None
+    displays: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def text(self, name: str = "stdout") -> str:
+        return "".join(text for stream, text, _ in self.streams if stream == name)
+
+    @property
+    def stdout(self) -> str:
+        return self.text("stdout")
+
+    @property
+    def stderr(self) -> str:
+        return self.text("stderr")
+
+    @property
+    def traceback(self) -> str:
+        return ANSI.sub("", "\n".join(self.error["traceback"])) if self.error else ""
+
+    def ok(self) -> "CellResult":
+        assert self.error is None, f"cell failed: {self.error['ename']}: {self.error['evalue']}\n{self.traceback}"
+        return self
+
+
+class Kernel:
+    """A real ipykernel in its own process, with the extension loaded."""
+
+    def __init__(self, extra_env: dict[str, str] | None = None):
+        env = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+        self.pid = self.manager.provisioner.process.pid
+        self.execute("%load_ext taas_magic\nimport torch, torch.distributed, os, sys, time").ok()
+
+    def execute(self, code: str, timeout: float = 90, interrupt_after: float | None = None) -> CellResult:
+        result = CellResult()
+        started = time.monotonic()
+        msg_id = self.client.execute(code, allow_stdin=False)
+        interrupted = interrupt_after is None
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                msg = None
+            now = time.monotonic()
+            if not interrupted and now - started >= interrupt_after:
+                self.manager.interrupt_kernel()
+                interrupted = True
+            if now - started > timeout:
+                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}")
+            if msg is None or msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                result.streams.append((content["name"], content["text"], now - started))
+            elif kind == "error":
+                result.error = content
+            elif kind in ("display_data", "execute_result"):
+                result.displays.append(content["data"])
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        result.seconds = time.monotonic() - started
+        return result
+
+    def value(self, expression: str):
+        """Evaluate in the kernel (not in ranks) and return the printed repr's literal value."""
+        import ast
+
+        return ast.literal_eval(self.execute(f"print(repr({expression}))").ok().stdout.strip())
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+
+
+def processes_of_run(run_id: str) -> list[psutil.Process]:
+    """Every live process that carries the run's id in its environment: ranks and what they started."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("TAAS_RUN_ID") == run_id and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture
+def fresh_kernel():
+    k = Kernel()
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_children(request):
+    """After every test that used a kernel still alive, that kernel has no child processes left."""
+    yield
+    for k in request.node.funcargs.values():
+        if isinstance(k, Kernel) and k.manager.is_alive():
+            deadline = time.monotonic() + 5
+            while k.children() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not k.children(), f"left behind: {[p.cmdline() for p in k.children()]}"

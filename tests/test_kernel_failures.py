@@ -1,0 +1,194 @@
+"""When things go wrong in a taas cell: errors, crashes, timeouts, interrupts, a dying kernel.
+
+Each ends the cell promptly with an error the user can act on, and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import processes_of_run
+
+pytestmark = pytest.mark.kernel
+
+RUN_ID = "import os; print('RUN', os.environ['TAAS_RUN_ID'], flush=True) if os.environ['RANK'] == '0' else None\n"
+
+
+def run_id_of(result) -> str:
+    return re.search(r"RUN (taas-\w+)", result.stdout)[1]
+
+
+def test_a_raising_rank_fails_the_cell_with_its_own_traceback_while_others_wait(kernel):
+    kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
+    result = kernel.execute("""#pragma taas --gpus 3
+""" + RUN_ID + """import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    check(dist.get_rank())
+dist.all_reduce(torch.ones(1))  # ranks 0 and 2 block here, waiting for rank 1
+""", timeout=30)
+    assert result.error is not None
+    assert result.seconds < 10
+    assert result.error["ename"] == "RankFailed"
+    assert result.error["evalue"] == "rank 1 failed: ValueError: bad value 1"
+    tb = result.traceback
+    assert "check(dist.get_rank())" in tb and "raise ValueError(f'bad value {x}')" in tb
+    assert re.search(r"line 6", tb), "line numbers are the cell's own"
+    assert "taas_magic" not in tb and "worker.py" not in tb
+    assert "stopped by taas after the failure: ranks 0, 2" in tb
+    assert processes_of_run(run_id_of(result)) == []
+    assert kernel.execute("print('still usable')").ok().stdout == "still usable\n"
+
+
+def test_when_several_ranks_fail_the_first_is_shown_and_the_others_listed(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2
+import signal, time, taas
+if taas.rank() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # keeps running after taas's SIGTERM, until SIGKILL at 3 s
+    time.sleep(0.5)
+    raise RuntimeError("second")
+raise KeyError("first")
+""")
+    assert result.error["evalue"] == "rank 1 failed: KeyError: 'first'"
+    assert "also failed, after rank 1: rank 0 (RuntimeError: second)" in result.traceback
+
+
+@pytest.mark.parametrize(
+    "death, expected",
+    [
+        ("os._exit(7)", "rank 1 failed: exited with code 7 before the cell finished"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", "rank 1 failed: killed by signal SIGKILL"),
+        ("import ctypes; ctypes.string_at(0)", "rank 1 failed: killed by signal SIGSEGV"),
+    ],
+    ids=["os._exit", "SIGKILL", "segfault"],
+)
+def test_a_rank_that_dies_is_reported_with_its_exit_code_or_signal(kernel, death, expected):
+    result = kernel.execute(f"""#pragma taas --gpus 2
+import os, signal, sys, taas, time
+if taas.rank() == 1:
+    print("last words", file=sys.stderr)
+    {death}
+time.sleep(30)
+""", timeout=30)
+    assert result.error["evalue"] == expected
+    assert result.seconds < 10
+    assert "[rank 1] last words" in result.stderr
+    assert "last words" in result.traceback, "the crash report shows what the rank wrote last"
+
+
+def test_sys_exit_zero_is_success_and_nonzero_a_failure(kernel):
+    kernel.execute("#pragma taas --gpus 2\nimport sys\nsys.exit(0)").ok()
+    result = kernel.execute("#pragma taas --gpus 2\nimport sys, taas\nsys.exit(3 if taas.rank() else 0)")
+    assert result.error["evalue"] == "rank 1 failed: SystemExit: the cell called sys.exit(3)"
+
+
+def test_timeout_stops_late_ranks_and_shows_where_each_one_was(kernel):
+    kernel.execute("import time\ndef wait_for_data():\n    time.sleep(60)\n").ok()
+    result = kernel.execute("#pragma taas --gpus 2 --timeout 1.5\n" + RUN_ID + "wait_for_data()\n", timeout=30)
+    assert result.error["ename"] == "RunTimedOut"
+    assert result.error["evalue"] == "--timeout 1.5 s elapsed: ranks 0, 1 still running, now stopped"
+    assert result.seconds < 8
+    tb = result.traceback
+    for rank in (0, 1):
+        assert f"rank {rank} was here when the time ran out:" in tb
+    assert tb.count("wait_for_data") >= 2, tb
+    assert processes_of_run(run_id_of(result)) == []
+
+
+def test_interrupt_reaches_every_rank_and_their_workers_and_the_next_cell_runs(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2
+""" + RUN_ID + """import time, taas
+from torch.utils.data import DataLoader
+class Slow:
+    def __len__(self): return 1000
+    def __getitem__(self, i):
+        time.sleep(1)
+        return i
+loader = iter(DataLoader(Slow(), num_workers=2))
+try:
+    time.sleep(100)
+finally:
+    print("cleanup ran in rank", taas.rank(), flush=True)
+""", interrupt_after=3, timeout=30)
+    assert result.error is not None and result.error["ename"] in ("KeyboardInterrupt", "RunInterrupted")
+    assert "KeyboardInterrupt" in result.traceback
+    assert "[rank 0] cleanup ran in rank 0" in result.stdout
+    assert "[rank 1] cleanup ran in rank 1" in result.stdout
+    assert result.seconds < 10
+    assert processes_of_run(run_id_of(result)) == []
+    assert kernel.execute("#pragma taas --gpus 2\nprint('next')").ok().stdout.count("next") == 2
+
+
+def test_interrupt_escalates_to_sigkill_for_ranks_that_ignore_signals(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2
+""" + RUN_ID + """import signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(100)
+""", interrupt_after=2, timeout=30)
+    assert result.error is not None
+    assert 7 < result.seconds < 12, "SIGTERM after 3 s, SIGKILL after 6 s"
+    assert "SIGKILL" in result.traceback
+    assert processes_of_run(run_id_of(result)) == []
+
+
+def test_a_second_interrupt_skips_ahead(kernel):
+    msg_id = kernel.client.execute("""#pragma taas --gpus 2
+import signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+time.sleep(100)
+""")
+    time.sleep(2.5)
+    kernel.manager.interrupt_kernel()
+    time.sleep(0.5)
+    started = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    reply = kernel.client.get_shell_msg(timeout=20)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = kernel.client.get_shell_msg(timeout=20)
+    assert reply["content"]["status"] == "error"
+    assert time.monotonic() - started < 2.5, "SIGTERM came at once instead of after 3 s"
+
+
+def test_ranks_and_their_children_die_within_3_s_of_the_kernel(fresh_kernel):
+    fresh_kernel.client.execute("""#pragma taas --gpus 2
+import os, time
+from torch.utils.data import DataLoader
+class Slow:
+    def __len__(self): return 1000
+    def __getitem__(self, i):
+        time.sleep(1)
+        return i
+loader = iter(DataLoader(Slow(), num_workers=2))
+print("RUN", os.environ["TAAS_RUN_ID"], flush=True)
+time.sleep(100)
+""")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(fresh_kernel.children()) < 6:
+        time.sleep(0.1)
+    family = fresh_kernel.children()
+    assert len(family) >= 6, "2 ranks with 2 DataLoader workers each"
+    os.kill(fresh_kernel.pid, signal.SIGKILL)
+    gone, alive = psutil.wait_procs(family, timeout=3)
+    assert alive == [], [p.cmdline() for p in alive]
+
+
+def test_nothing_is_left_in_temp_folders_or_shared_memory(fresh_kernel):
+    import tempfile
+
+    folders = [tempfile.gettempdir(), "/dev/shm"]
+    before = {folder: set(os.listdir(folder)) for folder in folders if os.path.isdir(folder)}
+    fresh_kernel.execute("#pragma taas --gpus 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                         "dist.barrier()").ok()
+    fresh_kernel.execute("#pragma taas --gpus 2\nraise ValueError('x')")
+    fresh_kernel.execute("#pragma taas --gpus 2 --timeout 0.5\nimport time; time.sleep(9)")
+    after = {folder: set(os.listdir(folder)) for folder in before}
+    for folder in before:
+        new = {name for name in after[folder] - before[folder] if str(fresh_kernel.pid) not in name}
+        assert not new, f"left in {folder}: {new}"
