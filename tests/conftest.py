@@ -24,6 +24,7 @@ class CellResult:
     streams: list[tuple[str, str, float]] = field(default_factory=list)  # (name, text, arrival time)
     error: dict | None = None
     displays: list[dict] = field(default_factory=list)
+    reply: dict = field(default_factory=dict)  # the execute_reply's content (status, payload)
     seconds: float = 0.0
 
     def text(self, name: str = "stdout") -> str:
@@ -87,6 +88,10 @@ class Kernel:
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         result.seconds = time.monotonic() - started
+        reply = self.client.get_shell_msg(timeout=10)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.client.get_shell_msg(timeout=10)
+        result.reply = reply["content"]
         return result
 
     def value(self, expression: str):

@@ -16,7 +16,14 @@ from IPython.core.error import UsageError
 
 
 class TaasUsageError(UsageError):
-    """Bad options or configuration: one line naming the value and what is allowed."""
+    """Bad options or configuration: one line naming the value and what is allowed.
+
+    Shown as that one line (no traceback of the extension), and still an error for the
+    frontend, so "run all" stops at the cell.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31mUsageError\x1b[0m: {self}"]
 
 
 class TaasRunError(RuntimeError):

@@ -11,6 +11,7 @@ import os
 from typing import Callable, Mapping
 
 from IPython.core import magic_arguments
+from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
 from .errors import TaasUsageError
@@ -93,7 +94,10 @@ def parse(magic: Callable, line: str) -> argparse.Namespace:
         argv = arg_split(line, strict=True)
     except ValueError as e:
         raise TaasUsageError(f"cannot split the options {line!r}: {e}") from e
-    namespace, unknown = parser.parse_known_args(argv)
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except UsageError as e:  # argparse's own message: "argument --gpus: ..."
+        raise TaasUsageError(str(e)) from None
     if unknown:
         allowed = ", ".join(a.option_strings[0] for a in parser._actions if a.help != argparse.SUPPRESS)
         raise TaasUsageError(f"unknown option {unknown[0]!r}: allowed are {allowed}")
