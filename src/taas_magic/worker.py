@@ -59,6 +59,7 @@ def run(task: RankTask, env: dict[str, str], fds: RankFds, kernel_pid: int) -> i
     _reset_signals(fds.stack)
     os.environ.update(env)
     shell = _detach_from_kernel()
+    _look_like_a_script()
     _bind_device(task, int(env["LOCAL_RANK"]), shell)
     try:
         return _execute(task.code, shell, fds.report)
@@ -148,6 +149,24 @@ def _detach_from_kernel() -> Any:
     if shell is not None:
         shell.display_pub.publish = _print_display_data
     return shell
+
+
+def _look_like_a_script() -> None:
+    """A rank is a torchrun-style worker, not an interactive session: say so to libraries that ask.
+
+    Lightning refuses `strategy="ddp"` (and would start processes of its own) when it believes it
+    runs interactively; it decided that when the kernel imported it, so the copies of that
+    decision in already-imported Lightning modules are corrected too.
+    """
+    for name in ("ps1", "ps2"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", False):
+            module._IS_INTERACTIVE = False
+
+
+_LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
 
 
 def _no_input(prompt: object = "") -> str:

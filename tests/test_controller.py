@@ -1,0 +1,108 @@
+"""The controller's decisions, driven by a scripted group of ranks: outcome, root cause, escalation."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from taas_magic import controller
+from taas_magic.backend import Exited, Output, Report
+from taas_magic.errors import RankFailed
+from taas_magic.spec import LaunchSpec
+
+
+def spec(world_size: int = 2, timeout: float | None = None) -> LaunchSpec:
+    return LaunchSpec(world_size=world_size, nodes=1, ranks_per_node=world_size, device="cpu", configuration=None,
+                      cpus=None, units=None, output="all", timeout=timeout, threads_per_rank=1)
+
+
+class ScriptedGroup:
+    """Plays back batches of events; records the signals the controller sends."""
+
+    def __init__(self, batches: list[list], on_signal=None):
+        self.batches = list(batches)
+        self.alive = {0, 1}
+        self.signals: list[int] = []
+        self.on_signal = on_signal or (lambda group, signum: None)
+        self.closed = False
+
+    def events(self, timeout):
+        batch = self.batches.pop(0) if self.batches else []
+        for event in batch:
+            if isinstance(event, Exited):
+                self.alive.discard(event.rank)
+        return batch
+
+    def running(self):
+        return set(self.alive)
+
+    def signal(self, signum, ranks=None):
+        self.signals.append(signum)
+        self.on_signal(self, signum)
+
+    def stacks(self, ranks, timeout):
+        return {rank: f"stack of {rank}" for rank in ranks}
+
+    def close(self):
+        self.closed = True
+
+
+class ScriptedBackend:
+    name = "scripted"
+
+    def __init__(self, group):
+        self.group = group
+
+    def start(self, envs, task):
+        assert sorted(envs) == [0, 1]
+        return self.group
+
+
+def run(group, **kwargs):
+    written = []
+    controller.run(spec(**kwargs), None, ScriptedBackend(group), lambda s, t: written.append((s, t)), {})
+    return written
+
+
+def error(rank: int, when: float, name: str) -> Report:
+    return Report(rank, {"status": "error", "time": when, "ename": name, "evalue": "x", "traceback": [f"tb {rank}"]})
+
+
+def test_success_streams_output_and_closes_the_group():
+    group = ScriptedGroup([[Output(0, "stdout", b"hi\n"), Output(1, "stdout", b"there\n")],
+                           [Report(0, {"status": "ok"}), Exited(0, 0)], [Report(1, {"status": "ok"}), Exited(1, 0)]])
+    assert run(group) == [("stdout", "[rank 0] hi\n"), ("stdout", "[rank 1] there\n")]
+    assert group.closed and group.signals == []
+
+
+def test_the_earliest_failure_is_the_root_cause_even_if_reported_later():
+    def stop(group, signum):
+        group.batches.append([Exited(r, -signum) for r in sorted(group.alive)])
+
+    group = ScriptedGroup([[error(1, 20.0, "RuntimeError"), Exited(1, 1)], [error(0, 10.0, "ValueError")]], stop)
+    with pytest.raises(RankFailed) as caught:
+        run(group)
+    assert str(caught.value) == "rank 0 failed: ValueError: x"
+    assert "also failed, after rank 0: rank 1 (RuntimeError: x)" in "\n".join(caught.value.lines)
+    assert group.signals[0] == signal.SIGTERM and group.closed
+
+
+def test_a_rank_stopped_by_taas_is_not_reported_as_a_failure():
+    def stop(group, signum):
+        group.batches.append([Exited(0, -signum)])
+
+    group = ScriptedGroup([[Exited(1, -signal.SIGSEGV)]], stop)
+    with pytest.raises(RankFailed) as caught:
+        run(group)
+    assert str(caught.value) == "rank 1 failed: killed by signal SIGSEGV"
+    assert "stopped by taas after the failure: rank 0" in caught.value.lines
+
+
+def test_escalation_sends_each_signal_once_at_its_time():
+    escalation = controller._Escalation(controller.ON_INTERRUPT, started=100.0)
+    assert escalation.due(100.0) == [signal.SIGINT]
+    assert escalation.due(102.9) == []
+    assert escalation.due(103.0) == [signal.SIGTERM]
+    assert escalation.skip_ahead() == [signal.SIGKILL]
+    assert escalation.due(200.0) == [] and escalation.skip_ahead() == []

@@ -1,0 +1,125 @@
+"""The fork backend on its own, without a kernel: events, exits, signals, stacks, cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from taas_magic.backend import Exited, Output, Report
+from taas_magic.fork import ForkBackend
+from taas_magic.worker import RankTask
+
+
+def start(source: str, ranks: int = 2):
+    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
+    envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)} for rank in range(ranks)}
+    return ForkBackend().start(envs, task)
+
+
+def collect(group, seconds: float = 20):
+    events = []
+    deadline = time.monotonic() + seconds
+    while group.running() and time.monotonic() < deadline:
+        events += group.events(0.05)
+    return events
+
+
+def test_output_reports_and_exits_arrive_in_order_per_rank():
+    group = start("import os, sys\nprint('out', os.environ['RANK'])\nprint('err', file=sys.stderr)")
+    try:
+        events = collect(group)
+    finally:
+        group.close()
+    for rank in (0, 1):
+        mine = [e for e in events if e.rank == rank]
+        assert isinstance(mine[-1], Exited) and mine[-1].returncode == 0
+        assert Report(rank, {"status": "ok"}) in mine
+        assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stdout") == f"out {rank}\n".encode()
+        assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stderr") == b"err\n"
+
+
+def test_a_failure_report_carries_the_exception_and_a_timestamp():
+    group = start("raise ValueError('nope')", ranks=1)
+    try:
+        events = collect(group)
+    finally:
+        group.close()
+    (report,) = [e for e in events if isinstance(e, Report)]
+    assert report.record["status"] == "error" and report.record["ename"] == "ValueError"
+    assert report.record["evalue"] == "nope" and report.record["time"] <= time.monotonic()
+    assert any("nope" in line for line in report.record["traceback"])
+    assert [e.returncode for e in events if isinstance(e, Exited)] == [1]
+
+
+def test_each_rank_leads_its_own_process_group_and_signals_reach_its_children():
+    group = start("import subprocess, time\nsubprocess.Popen(['sleep', '60'])\nprint('ready', flush=True)\ntime.sleep(60)")
+    try:
+        deadline = time.monotonic() + 10
+        ready = 0
+        while ready < 2 and time.monotonic() < deadline:
+            ready += sum(e.data.count(b"ready") for e in group.events(0.05) if isinstance(e, Output))
+        pids = {rank: state.pid for rank, state in group.ranks.items()}
+        family = [psutil.Process(pid) for pid in pids.values()]
+        family += [child for p in family for child in p.children(recursive=True)]
+        assert len(family) == 4
+        for rank, pid in pids.items():
+            assert os.getpgid(pid) == pid != os.getpgrp()
+        group.signal(signal.SIGTERM)
+        events = collect(group)
+        assert sorted(e.returncode for e in events if isinstance(e, Exited)) == [-signal.SIGTERM] * 2
+        _, alive = psutil.wait_procs(family, timeout=3)
+        assert alive == []
+    finally:
+        group.close()
+
+
+def test_stacks_show_where_each_rank_is():
+    group = start("import time\ndef stuck_here():\n    time.sleep(60)\nprint('go', flush=True)\nstuck_here()")
+    try:
+        deadline = time.monotonic() + 10
+        started = 0
+        while started < 2 and time.monotonic() < deadline:
+            started += sum(e.data.count(b"go") for e in group.events(0.05) if isinstance(e, Output))
+        stacks = group.stacks([0, 1], timeout=3)
+        assert set(stacks) == {0, 1}
+        assert all("stuck_here" in text for text in stacks.values()), stacks
+    finally:
+        group.close()
+
+
+def test_close_kills_and_reaps_everything_and_closes_every_descriptor():
+    fds_before = set(os.listdir("/proc/self/fd"))
+    group = start("import time\ntime.sleep(60)")
+    pids = [state.pid for state in group.ranks.values()]
+    group.close()
+    group.close()  # twice is harmless
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_a_rank_dies_with_its_parent_via_the_lifeline():
+    # A child process stands in for the kernel: it forks ranks, then is killed with SIGKILL.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def fake_kernel():
+        group = start("import time\ntime.sleep(60)")
+        queue.put([state.pid for state in group.ranks.values()])
+        time.sleep(60)
+
+    kernel = ctx.Process(target=fake_kernel)
+    kernel.start()
+    pids = queue.get(timeout=20)
+    os.kill(kernel.pid, signal.SIGKILL)
+    kernel.join()
+    ranks = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+    _, alive = psutil.wait_procs(ranks, timeout=3)
+    assert alive == []

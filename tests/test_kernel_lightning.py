@@ -1,0 +1,45 @@
+"""PyTorch Lightning in a taas cell: it detects the torchrun-style launch and needs no init."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.kernel
+
+
+def test_lightning_trainer_runs_ddp_across_the_ranks_without_process_group_code(kernel):
+    kernel.execute("""
+import torch, pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+torch.manual_seed(0)
+X = torch.randn(256, 4)
+Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+""").ok()
+    result = kernel.execute("""#pragma taas --gpus 2
+import torch.distributed as dist
+model = Regression()
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=3, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
+w = model.layer.weight.detach().flatten()
+print("RESULT", trainer.global_rank, trainer.world_size, type(trainer.strategy.cluster_environment).__name__,
+      dist.get_world_size(), [round(v, 3) for v in w.tolist()])
+""", timeout=180).ok()
+    lines = [line.split("RESULT ", 1)[1] for line in result.stdout.splitlines() if "RESULT" in line]
+    assert len(lines) == 2, result.stdout + result.stderr
+    ranks = sorted(line.split()[0] for line in lines)
+    assert ranks == ["0", "1"]
+    assert all("2 TorchElasticEnvironment 2" in line for line in lines)
+    weights = {line.split("[", 1)[1] for line in lines}
+    assert len(weights) == 1, "DDP kept both ranks' weights identical"

@@ -1,0 +1,247 @@
+"""`%%taas` options through the real parser into a LaunchSpec: what is accepted, and how bad input is reported."""
+
+from __future__ import annotations
+
+from dataclasses import FrozenInstanceError
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+
+from taas_magic import options, spec
+from taas_magic.configurations import load_catalog
+from taas_magic.machine import Machine
+from taas_magic.magics import TaasMagics
+
+CATALOG = load_catalog({})
+EIGHT_GPUS = Machine(cpus=16, cuda_devices=8)
+NO_GPU = Machine(cpus=8, cuda_devices=0)
+
+
+def build(line: str, machine: Machine = EIGHT_GPUS, environ: dict[str, str] | None = None, catalog=CATALOG):
+    args = options.parse(TaasMagics.taas, line)
+    return spec.build(args, catalog, machine, {} if environ is None else environ)
+
+
+DEFAULTS = dict(cpus=None, units=None, output="all", timeout=None, configuration=None)
+
+GOOD = [
+    pytest.param("", EIGHT_GPUS, {}, dict(world_size=1, ranks_per_node=1, device="cuda", threads_per_rank=16),
+                 id="defaults"),
+    pytest.param("--gpus 4", EIGHT_GPUS, {}, dict(world_size=4, ranks_per_node=4, device="cuda", threads_per_rank=4),
+                 id="gpus"),
+    pytest.param("--gpus 8", EIGHT_GPUS, {}, dict(world_size=8, ranks_per_node=8, device="cuda", threads_per_rank=2),
+                 id="all-gpus"),
+    pytest.param("--config g2.8", EIGHT_GPUS, {},
+                 dict(world_size=8, ranks_per_node=8, device="cuda", threads_per_rank=2, configuration="g2.8"),
+                 id="configuration-sets-gpus"),
+    pytest.param("--config g2.8 --gpus 2", EIGHT_GPUS, {},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, configuration="g2.8"),
+                 id="configuration-with-fewer-gpus"),
+    pytest.param("--config g1.4 --gpus 3", EIGHT_GPUS, {},
+                 dict(world_size=3, ranks_per_node=3, device="cuda", threads_per_rank=5, configuration="g1.4"),
+                 id="part-of-a-node"),
+    pytest.param("--gpus 3 --device cpu", NO_GPU, {},
+                 dict(world_size=3, ranks_per_node=3, device="cpu", threads_per_rank=2), id="cpu-ranks"),
+    pytest.param("--gpus 32 --device cpu", Machine(cpus=4, cuda_devices=0), {},
+                 dict(world_size=32, ranks_per_node=32, device="cpu", threads_per_rank=1),
+                 id="more-ranks-than-cores-get-one-thread"),
+    pytest.param("--gpus 256 --device cpu", NO_GPU, {},
+                 dict(world_size=256, ranks_per_node=256, device="cpu", threads_per_rank=1), id="most-cpu-ranks"),
+    pytest.param("--config c1.4 --device cpu", NO_GPU, {},
+                 dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8, configuration="c1.4"),
+                 id="cpu-configuration"),
+    pytest.param("--config c1.8 --device cpu --gpus 8", NO_GPU, {},
+                 dict(world_size=8, ranks_per_node=8, device="cpu", threads_per_rank=1, configuration="c1.8"),
+                 id="cpu-configuration-full-node"),
+    pytest.param("--gpus 2 --output rank0 --timeout 2.5 --cpus 0 --units 100", EIGHT_GPUS, {},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, output="rank0",
+                      timeout=2.5, cpus=0, units=100), id="every-option"),
+    pytest.param("--gpus=2 --timeout=1e-3 --cpus=8", EIGHT_GPUS, {},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, timeout=0.001, cpus=8),
+                 id="equals-form"),
+    pytest.param("", NO_GPU, {"TAAS_DEVICE": "cpu"},
+                 dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8), id="TAAS_DEVICE-cpu"),
+    pytest.param("", NO_GPU, {"TAAS_DEVICE": " CPU "},
+                 dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8), id="TAAS_DEVICE-spaced-upper"),
+    pytest.param("--device cuda --gpus 2", EIGHT_GPUS, {"TAAS_DEVICE": "cpu"},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
+                 id="option-beats-TAAS_DEVICE"),
+    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "3"},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=3), id="OMP_NUM_THREADS-kept"),
+    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "0"},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8), id="OMP_NUM_THREADS-zero"),
+    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "many"},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8), id="OMP_NUM_THREADS-word"),
+    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "\u00b2"},
+                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
+                 id="OMP_NUM_THREADS-superscript"),
+]
+
+
+@pytest.mark.parametrize(("line", "machine", "environ", "expected"), GOOD)
+def test_good_lines_build_the_expected_spec(line: str, machine: Machine, environ: dict, expected: dict) -> None:
+    launch = build(line, machine, environ)
+    wanted = {**DEFAULTS, **expected}
+    got = {name: getattr(launch, name) for name in wanted}
+    got["configuration"] = launch.configuration.name if launch.configuration else None
+    assert got == wanted
+    assert launch.nodes == 1
+    assert launch.master_addr == "127.0.0.1"
+
+
+def test_spec_flags_and_immutability() -> None:
+    many = build("--gpus 2")
+    assert many.show_rank_prefix and not many.data_options_given
+    assert not build("--gpus 2 --output rank0").show_rank_prefix
+    assert not build("").show_rank_prefix  # one rank: nothing to tell apart
+    assert build("--cpus 0").data_options_given and build("--units 1").data_options_given
+    with pytest.raises(FrozenInstanceError):
+        many.world_size = 3  # type: ignore[misc]
+
+
+def test_spec_checks_its_own_arithmetic() -> None:
+    with pytest.raises(ValueError, match="world_size 3 != 1 nodes x 2"):
+        spec.LaunchSpec(world_size=3, nodes=1, ranks_per_node=2, device="cpu", configuration=None, cpus=None,
+                        units=None, output="all", timeout=None, threads_per_rank=1)
+
+
+BAD = [
+    pytest.param("--foo", EIGHT_GPUS, {}, ["'--foo'", "--gpus", "--cpus", "--units", "--config", "--device",
+                                           "--output", "--timeout"], id="unknown-option"),
+    pytest.param("--gpus 2 junk", EIGHT_GPUS, {}, ["'junk'", "--gpus"], id="positional-junk"),
+    pytest.param("--gpus 0", EIGHT_GPUS, {}, ["0 is out of range", "1 or more"], id="gpus-0"),
+    pytest.param("--gpus -2", EIGHT_GPUS, {}, ["-2 is out of range", "1 or more"], id="gpus-negative"),
+    pytest.param("--gpus x", EIGHT_GPUS, {}, ["'x' is not a whole number", "1 or more"], id="gpus-word"),
+    pytest.param("--gpus 2.5", EIGHT_GPUS, {}, ["'2.5' is not a whole number", "1 or more"], id="gpus-fraction"),
+    pytest.param("--gpus", EIGHT_GPUS, {}, ["--gpus", "expected one argument"], id="gpus-without-value"),
+    pytest.param("--gpus 12 --config g2.8", EIGHT_GPUS, {},
+                 ["--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"], id="gpus-12-on-g2.8"),
+    pytest.param("--gpus 16 --config g2.8", EIGHT_GPUS, {},
+                 ["--gpus 16 needs 2 nodes of g2.8", "multi-node runs need a cluster", "this machine is one node",
+                  "--gpus 1-8"], id="gpus-16-needs-a-cluster"),
+    pytest.param("--gpus 32 --config g2.8", EIGHT_GPUS, {}, ["--gpus 32 needs 4 nodes", "cluster"],
+                 id="gpus-32-needs-a-cluster"),
+    pytest.param("--gpus 64 --config g2.8", EIGHT_GPUS, {}, ["--gpus 64 does not fit", "1-8, 16 or 32"],
+                 id="gpus-64-more-than-max-nodes"),
+    pytest.param("--gpus 9 --config c1.8 --device cpu", NO_GPU, {},
+                 ["--gpus 9 does not fit c1.8 (8 vCPUs per node): use 1-8, 16 or 32"], id="cpu-configuration-too-big"),
+    pytest.param("--gpus 257 --device cpu", NO_GPU, {}, ["--gpus 257", "1-256"], id="too-many-cpu-ranks"),
+    pytest.param("--cpus 9", EIGHT_GPUS, {}, ["9 is out of range", "0-8"], id="cpus-9"),
+    pytest.param("--cpus -1", EIGHT_GPUS, {}, ["-1 is out of range", "0-8"], id="cpus-negative"),
+    pytest.param("--units -1", EIGHT_GPUS, {}, ["-1 is out of range", "1 or more"], id="units-negative"),
+    pytest.param("--units 0", EIGHT_GPUS, {}, ["0 is out of range", "1 or more"], id="units-0"),
+    pytest.param("--timeout 0", EIGHT_GPUS, {}, ["0 is not allowed", "greater than 0"], id="timeout-0"),
+    pytest.param("--timeout nan", EIGHT_GPUS, {}, ["nan is not allowed", "greater than 0"], id="timeout-nan"),
+    pytest.param("--timeout inf", EIGHT_GPUS, {}, ["inf is not allowed", "greater than 0"], id="timeout-inf"),
+    pytest.param("--timeout abc", EIGHT_GPUS, {}, ["'abc' is not a number of seconds", "greater than 0"],
+                 id="timeout-word"),
+    pytest.param("--config g9.9", EIGHT_GPUS, {},
+                 ["unknown configuration 'g9.9': known are c1.4, c1.8, c1.32, c1.80, g1.1, g1.2, g1.4, g2.1, g2.2, "
+                  "g2.4, g2.8"], id="unknown-configuration"),
+    pytest.param("--device gpu", EIGHT_GPUS, {}, ["'gpu'", "auto", "cuda", "cpu"], id="device-gpu"),
+    pytest.param("--output none", EIGHT_GPUS, {}, ["'none'", "all", "rank0"], id="output-none"),
+    pytest.param("--gpus 'unclosed", EIGHT_GPUS, {}, ["cannot split the options", "No closing quotation"],
+                 id="unclosed-quote"),
+    pytest.param("", NO_GPU, {}, ["no CUDA device is visible", "--device cpu", "TAAS_DEVICE=cpu"],
+                 id="auto-without-cuda"),
+    pytest.param("--device cuda", NO_GPU, {}, ["no CUDA device is visible", "--device cpu", "TAAS_DEVICE=cpu"],
+                 id="cuda-without-cuda"),
+    pytest.param("--gpus 4 --device cuda", Machine(cpus=8, cuda_devices=2), {},
+                 ["--gpus 4 needs 4 CUDA devices, this machine has 2: use --gpus 1-2, or --device cpu"],
+                 id="more-gpus-than-devices"),
+    pytest.param("--config g2.8", Machine(cpus=8, cuda_devices=2), {}, ["--gpus 8 needs 8 CUDA devices"],
+                 id="configuration-larger-than-machine"),
+    pytest.param("--config c1.4", EIGHT_GPUS, {},
+                 ["c1.4 has no GPUs: run its ranks on CPU with --device cpu"], id="cpu-configuration-on-cuda"),
+    pytest.param("--config c1.4 --device cuda", EIGHT_GPUS, {}, ["c1.4 has no GPUs", "--device cpu"],
+                 id="cpu-configuration-explicit-cuda"),
+    pytest.param("", EIGHT_GPUS, {"TAAS_DEVICE": "gpu"}, ["TAAS_DEVICE='gpu' is not allowed: use auto, cuda, cpu"],
+                 id="TAAS_DEVICE-gpu"),
+]
+
+
+@pytest.mark.parametrize(("line", "machine", "environ", "fragments"), BAD)
+def test_bad_lines_are_one_line_usage_errors(line: str, machine: Machine, environ: dict, fragments: list[str]) -> None:
+    with pytest.raises(UsageError) as raised:
+        build(line, machine, environ)
+    message = str(raised.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_hidden_check_option_is_not_advertised() -> None:
+    with pytest.raises(UsageError) as raised:
+        build("--frobnicate")
+    assert "--check" not in str(raised.value)
+    assert options.parse(TaasMagics.taas, "--check g2.8").check == "g2.8"
+
+
+def test_max_nodes_from_the_catalog_limits_the_suggestions(tmp_path) -> None:
+    path = tmp_path / "two-nodes.yaml"
+    path.write_text("max_nodes: 2\n")
+    catalog = load_catalog({"TAAS_CONFIG": str(path)})
+    with pytest.raises(UsageError, match=r"^--gpus 12 does not fit g2.8 \(8 GPUs per node\): use 1-8 or 16$"):
+        build("--gpus 12 --config g2.8", catalog=catalog)
+    with pytest.raises(UsageError, match=r"^--gpus 32 does not fit g2.8"):
+        build("--gpus 32 --config g2.8", catalog=catalog)
+
+
+# Property: whatever the line, the machine and the environment, the outcome is a spec or a UsageError.
+
+OPTION_NAMES = ["--gpus", "--cpus", "--units", "--config", "--device", "--output", "--timeout", "--check",
+                "--gp", "--c", "--foo", "-g", "-", "--", "-h"]
+VALUES = st.one_of(
+    st.integers(-10, 3000).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(CATALOG.names() + list(options.DEVICES) + list(options.OUTPUTS)
+                    + ["", "''", "nan", "-inf", "1e400", "'", '"', "\\", "{GPUS}", "$x", "\u00b2", "\u0663", "1_0"]),
+    st.text(max_size=6),
+)
+TOKENS = st.one_of(
+    st.sampled_from(OPTION_NAMES),
+    VALUES,
+    st.builds(lambda name, value: f"{name}={value}", st.sampled_from(OPTION_NAMES), VALUES),
+)
+OPTION_LINES = st.lists(TOKENS, max_size=10).map(" ".join)
+MACHINES = st.builds(Machine, cpus=st.integers(1, 256), cuda_devices=st.integers(0, 16))
+ENVIRONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "TAAS_DEVICE": st.one_of(st.sampled_from(["cpu", "cuda", "auto", "gpu", "", " CPU "]), st.text(max_size=4)),
+        "OMP_NUM_THREADS": st.one_of(st.integers(-2, 64).map(str), st.text(max_size=4)),
+    },
+)
+
+
+def spec_or_usage_error(line: str, machine: Machine, environ: dict[str, str]) -> None:
+    try:
+        launch = build(line, machine, environ)
+    except UsageError as e:
+        assert str(e)
+        return
+    assert isinstance(launch, spec.LaunchSpec)
+    assert launch.device in ("cuda", "cpu")
+    assert launch.world_size >= 1 and launch.nodes == 1 and launch.ranks_per_node == launch.world_size
+    assert launch.threads_per_rank >= 1
+    assert launch.output in options.OUTPUTS
+    if launch.device == "cuda":
+        assert launch.world_size <= machine.cuda_devices
+    else:
+        assert launch.world_size <= spec.MAX_CPU_RANKS
+
+
+@settings(max_examples=300, deadline=None)
+@given(line=st.text(max_size=40), machine=MACHINES, environ=ENVIRONS)
+def test_any_text_gives_a_spec_or_a_usage_error(line: str, machine: Machine, environ: dict[str, str]) -> None:
+    spec_or_usage_error(line, machine, environ)
+
+
+@settings(max_examples=300, deadline=None)
+@given(line=OPTION_LINES, machine=MACHINES, environ=ENVIRONS)
+def test_any_option_like_line_gives_a_spec_or_a_usage_error(
+    line: str, machine: Machine, environ: dict[str, str]
+) -> None:
+    spec_or_usage_error(line, machine, environ)

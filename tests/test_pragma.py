@@ -1,0 +1,245 @@
+"""The input transformer: which cells become `%%taas` / `%taas --check`, and which come back untouched."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from taas_magic.configurations import load_catalog
+from taas_magic.errors import TaasUsageError
+from taas_magic.pragma import PragmaTransformer, parse_header, transform
+
+CATALOG = load_catalog({})
+
+
+def is_configuration(name: str) -> bool:
+    return name in CATALOG
+
+
+def lines_of(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def is_header_line(line: str) -> bool:
+    return line.lstrip().startswith("#!") or "pragma" in line
+
+
+def assert_line_numbers_kept(before: list[str], after: list[str]) -> None:
+    """Line k of the cell stays line k of what runs: same length, every other line in place."""
+    assert len(after) == len(before)
+    for index, line in enumerate(before):
+        if line.strip() and not is_header_line(line):
+            assert after[index] == line, f"line {index + 1} moved or changed"
+
+
+BECOMES_CELL_MAGIC = [
+    pytest.param(
+        "#!g2.8\n#pragma taas --gpus 8\ntrain()\n",
+        "%%taas --config g2.8 --gpus 8\n\ntrain()\n",
+        id="shebang-then-pragma",
+    ),
+    pytest.param(
+        "#pragma taas --gpus 8\n#!g2.8\ntrain()\n",
+        "%%taas --config g2.8 --gpus 8\n\ntrain()\n",
+        id="pragma-then-shebang",
+    ),
+    pytest.param("#pragma taas --gpus 2\nx = 1\ny = 2\n", "%%taas --gpus 2\nx = 1\ny = 2\n", id="pragma-alone"),
+    pytest.param("#pragma taas\nx = 1\n", "%%taas\nx = 1\n", id="pragma-without-options"),
+    pytest.param("#!g1.1\n#pragma taas\nx = 1\n", "%%taas --config g1.1\n\nx = 1\n", id="shebang-and-bare-pragma"),
+    pytest.param(
+        "\n   \n#pragma taas --gpus 2\nx = 1\n", "%%taas --gpus 2\n\n\nx = 1\n", id="leading-blank-lines"
+    ),
+    pytest.param(
+        "\n#!g2.8\n#pragma taas --gpus 4\nx = 1\n",
+        "%%taas --config g2.8 --gpus 4\n\n\nx = 1\n",
+        id="leading-blank-then-shebang-and-pragma",
+    ),
+    pytest.param(
+        "#pragma taas --gpus {GPUS} --timeout $limit\nx = 1\n",
+        "%%taas --gpus {GPUS} --timeout $limit\nx = 1\n",
+        id="braces-and-dollar-kept-for-ipython",
+    ),
+    pytest.param(
+        "#!g2.8\r\n#pragma taas --gpus 8\r\nx = 1\r\ny = 2\r\n",
+        "%%taas --config g2.8 --gpus 8\n\nx = 1\r\ny = 2\r\n",
+        id="crlf",
+    ),
+    pytest.param("#  pragma   taas   --gpus 2   \nx = 1\n", "%%taas --gpus 2\nx = 1\n", id="extra-spaces"),
+    pytest.param("#!  g2.8  \n#pragma\ttaas\t--gpus 2\nx\n", "%%taas --config g2.8 --gpus 2\n\nx\n", id="spaces-and-tabs"),
+    pytest.param("#pragma taas --gpus 2", "%%taas --gpus 2\n", id="pragma-only-no-newline"),
+    # An unknown name next to a pragma is still ours: %%taas reports it with the known names.
+    pytest.param("#!g9.9\n#pragma taas\nx\n", "%%taas --config g9.9\n\nx\n", id="unknown-configuration-with-pragma"),
+]
+
+BECOMES_CHECK = [
+    pytest.param("#!g2.8\nx = 1\ny = 2\n", "%taas --check g2.8\nx = 1\ny = 2\n", id="shebang-alone"),
+    pytest.param(
+        "\n#!c1.4\r\nx = 1\r\n    y\r\n", "\n%taas --check c1.4\nx = 1\r\n    y\r\n", id="blank-then-shebang-crlf"
+    ),
+    pytest.param("#!g1.4", "%taas --check g1.4\n", id="shebang-only-no-newline"),
+    pytest.param("#!g2.8\n#!g1.1\nx\n", "%taas --check g2.8\n#!g1.1\nx\n", id="second-shebang-is-body"),
+]
+
+UNCHANGED = [
+    pytest.param("#!/usr/bin/env python\nprint(1)\n", id="unix-shebang"),
+    pytest.param("#!/usr/bin/python3\nprint(1)\n", id="unix-shebang-path"),
+    pytest.param("#!unknown-config\nprint(1)\n", id="unknown-configuration-alone"),
+    pytest.param("x = 1\ny = 2\n", id="ordinary-code"),
+    pytest.param("#pragma once\nx = 1\n", id="pragma-once"),
+    pytest.param("#pragma taasX --gpus 2\nx = 1\n", id="pragma-taasX"),
+    pytest.param("# pragma: no cover\nx = 1\n", id="coverage-pragma"),
+    pytest.param("x = 1  #pragma taas --gpus 2\n", id="pragma-after-code-on-a-line"),
+    pytest.param("s = '#!g2.8'\n", id="shebang-in-a-string"),
+    pytest.param("%%time\nx = 1\n", id="other-cell-magic"),
+    pytest.param("", id="empty-cell"),
+    pytest.param("\n  \n\t\n", id="blank-only-cell"),
+]
+
+
+@pytest.mark.parametrize(("cell", "expected"), BECOMES_CELL_MAGIC)
+def test_header_becomes_a_taas_cell_magic(cell: str, expected: str) -> None:
+    before = lines_of(cell)
+    after = transform(before, is_configuration)
+    assert "".join(after) == expected
+    assert_line_numbers_kept(before, after)
+    assert before == lines_of(cell), "the input list was changed in place"
+
+
+@pytest.mark.parametrize(("cell", "expected"), BECOMES_CHECK)
+def test_configuration_shebang_alone_becomes_a_check(cell: str, expected: str) -> None:
+    before = lines_of(cell)
+    after = transform(before, is_configuration)
+    assert "".join(after) == expected
+    assert_line_numbers_kept(before, after)
+
+
+@pytest.mark.parametrize("cell", UNCHANGED)
+def test_cells_that_are_not_ours_come_back_untouched(cell: str) -> None:
+    before = lines_of(cell)
+    assert transform(before, is_configuration) is before
+    assert PragmaTransformer(is_configuration)(before) is before
+    assert "".join(before) == cell
+
+
+@pytest.mark.parametrize(
+    ("cell", "first_line", "line_count", "configuration", "options"),
+    [
+        pytest.param("#!g2.8\n#pragma taas --gpus 8\n", 0, 2, "g2.8", "--gpus 8", id="both"),
+        pytest.param("\n\n#pragma taas\n", 2, 1, None, "", id="bare-pragma-after-blanks"),
+        pytest.param("#!g2.8\nx\n", 0, 1, "g2.8", None, id="shebang-alone"),
+    ],
+)
+def test_parse_header_reports_where_the_header_is(
+    cell: str, first_line: int, line_count: int, configuration: str | None, options: str | None
+) -> None:
+    header = parse_header(lines_of(cell), is_configuration)
+    assert header is not None
+    assert (header.first_line, header.line_count, header.configuration, header.options) == (
+        first_line, line_count, configuration, options,
+    )
+
+
+@pytest.mark.parametrize(
+    ("cell", "line"),
+    [
+        pytest.param("x = 1\n#pragma taas --gpus 2\n", 2, id="below-code"),
+        pytest.param("import os\n\n\n#  pragma  taas\n", 4, id="below-code-and-blanks"),
+        pytest.param("#!/usr/bin/env python\n#pragma taas --gpus 2\nx\n", 2, id="after-unix-shebang"),
+        pytest.param("#!g2.8\nx = 1\n#pragma taas\n", 3, id="below-a-check-shebang"),
+        pytest.param("#pragma taas --gpus 2\n#pragma taas --gpus 4\n", 2, id="second-pragma-in-header"),
+        pytest.param("#!g2.8\n#pragma taas --gpus 2\nx = 1\n#pragma taas --gpus 4\n", 4, id="second-pragma-in-body"),
+    ],
+)
+def test_a_pragma_below_the_header_is_an_error_naming_its_line(cell: str, line: int) -> None:
+    with pytest.raises(TaasUsageError) as raised:
+        PragmaTransformer(is_configuration)(lines_of(cell))
+    assert isinstance(raised.value, UsageError)
+    message = str(raised.value)
+    assert message.startswith(f"#pragma taas on line {line} must be at the top of the cell")
+    assert "\n" not in message
+
+
+def test_transformer_declares_side_effects() -> None:
+    assert PragmaTransformer.has_side_effects is True
+    assert PragmaTransformer(is_configuration).has_side_effects is True
+
+
+def test_disabled_returns_lines_untouched_and_then_reactivates() -> None:
+    transformer = PragmaTransformer(is_configuration)
+    taas_cell = lines_of("#pragma taas --gpus 2\nx = 1\n")
+    misplaced = lines_of("x = 1\n#pragma taas\n")
+    with transformer.disabled():
+        assert transformer(taas_cell) is taas_cell
+        assert transformer(misplaced) is misplaced
+    assert transformer(taas_cell) == ["%%taas --gpus 2\n", "x = 1\n"]
+    with pytest.raises(TaasUsageError):
+        transformer(misplaced)
+
+
+def test_disabled_reactivates_after_an_exception() -> None:
+    transformer = PragmaTransformer(is_configuration)
+    with pytest.raises(RuntimeError), transformer.disabled():
+        raise RuntimeError("inside")
+    assert transformer(["#pragma taas\n"]) == ["%%taas\n"]
+
+
+def test_configuration_lookup_is_the_callers() -> None:
+    """A shebang is ours exactly when the given predicate says its name is a configuration."""
+    asked: list[str] = []
+
+    def only_lab(name: str) -> bool:
+        asked.append(name)
+        return name == "lab.2"
+
+    assert transform(["#!lab.2\n", "x\n"], only_lab) == ["%taas --check lab.2\n", "x\n"]
+    cell = ["#!g2.8\n", "x\n"]
+    assert transform(cell, only_lab) is cell
+    assert asked == ["lab.2", "g2.8"]
+
+
+@pytest.fixture
+def shell():
+    """IPython's shell with the transformer registered where the extension puts it, removed afterwards."""
+    ipython = InteractiveShell.instance()
+    transformer = PragmaTransformer(is_configuration)
+    ipython.input_transformers_cleanup.append(transformer)
+    try:
+        yield ipython
+    finally:
+        ipython.input_transformers_cleanup.remove(transformer)
+
+
+@pytest.mark.parametrize(
+    ("cell", "expected"),
+    [
+        pytest.param(
+            "#!g2.8\n#pragma taas --gpus 8\ntrain()\n",
+            "get_ipython().run_cell_magic('taas', '--config g2.8 --gpus 8', '\\ntrain()\\n')\n",
+            id="shebang-and-pragma",
+        ),
+        pytest.param(
+            "#pragma taas --gpus {GPUS}\nx = 1\n",
+            "get_ipython().run_cell_magic('taas', '--gpus {GPUS}', 'x = 1\\n')\n",
+            id="pragma-with-braces",
+        ),
+        pytest.param(
+            "#!g2.8\nx = 1\n",
+            "get_ipython().run_line_magic('taas', '--check g2.8')\nx = 1\n",
+            id="shebang-alone",
+        ),
+        pytest.param("#!/usr/bin/env python\nx = 1\n", "#!/usr/bin/env python\nx = 1\n", id="unix-shebang"),
+    ],
+)
+def test_ipython_turns_the_transformed_cell_into_a_magic_call(shell, cell: str, expected: str) -> None:
+    assert shell.transform_cell(cell) == expected
+
+
+def test_ipython_reports_a_misplaced_pragma_from_transform_cell(shell) -> None:
+    with pytest.raises(TaasUsageError, match=r"^#pragma taas on line 2 "):
+        shell.transform_cell("x = 1\n#pragma taas --gpus 2\n")
+
+
+def test_ipython_completeness_check_does_not_call_the_transformer(shell) -> None:
+    """While typing, IPython asks whether input is complete; a misplaced pragma must not raise then."""
+    assert shell.input_transformer_manager.check_complete("x = 1\n#pragma taas\n")[0] == "complete"
