@@ -164,3 +164,19 @@ print("RUN", os.environ["TAAS_RUN_ID"], os.environ["MASTER_PORT"], sum(int(b.sum
     assert total == str(sum(range(64)))
     assert processes_of_run(run_id) == []
     assert port_is_free(int(port))
+
+
+def test_ranks_never_talk_to_the_frontend_through_the_kernels_sockets(kernel):
+    kernel.execute("import logging\nlog = logging.getLogger('taas-test')").ok()
+    result = kernel.execute("""#pragma taas --gpus 2
+from IPython.display import display
+display({"shown": "as text"})
+kernel = get_ipython().kernel
+for _ in range(20):
+    kernel.session.send(kernel.iopub_socket, "stream", {"name": "stdout", "text": "must not arrive"})
+log.warning("through a logger made in the kernel")
+""").ok()
+    assert "must not arrive" not in result.stdout
+    assert "[rank 0] {'shown': 'as text'}" in result.stdout
+    assert "[rank 1] through a logger made in the kernel" in result.stderr
+    assert kernel.execute("print('kernel ok')").ok().stdout == "kernel ok\n"

@@ -148,6 +148,11 @@ def _detach_from_kernel() -> Any:
     shell = get_ipython()
     if shell is not None:
         shell.display_pub.publish = _print_display_data
+        # Every message to the frontend (streams, displays, widget comms) goes through the kernel's
+        # session; this process's copies of the kernel's ZeroMQ sockets must never be used.
+        session = getattr(getattr(shell, "kernel", None), "session", None)
+        if session is not None:
+            session.send = _drop_message
     return shell
 
 
@@ -177,6 +182,10 @@ def _print_display_data(data: dict[str, Any], metadata: Any = None, **kwargs: An
     text = data.get("text/plain") if isinstance(data, dict) else None
     if text:
         print(text)
+
+
+def _drop_message(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _bind_device(task: RankTask, local_rank: int, shell: Any) -> None:
