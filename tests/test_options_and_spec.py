@@ -110,7 +110,8 @@ def test_spec_checks_its_own_arithmetic() -> None:
 BAD = [
     pytest.param("--foo", EIGHT_GPUS, {}, ["'--foo'", "--gpus", "--cpus", "--units", "--config", "--device",
                                            "--output", "--timeout"], id="unknown-option"),
-    pytest.param("--gpus 2 junk", EIGHT_GPUS, {}, ["'junk'", "--gpus"], id="positional-junk"),
+    pytest.param("junk", EIGHT_GPUS, {}, ["'junk'", "--gpus"], id="positional-junk"),
+    pytest.param("--gpus 2 junk", EIGHT_GPUS, {}, ["'junk'", "--gpus"], id="junk-after-options"),
     pytest.param("--gpus 0", EIGHT_GPUS, {}, ["0 is out of range", "1 or more"], id="gpus-0"),
     pytest.param("--gpus -2", EIGHT_GPUS, {}, ["-2 is out of range", "1 or more"], id="gpus-negative"),
     pytest.param("--gpus x", EIGHT_GPUS, {}, ["'x' is not a whole number", "1 or more"], id="gpus-word"),
@@ -211,7 +212,9 @@ ENVIRONS = st.fixed_dictionaries(
     {},
     optional={
         "TAAS_DEVICE": st.one_of(st.sampled_from(["cpu", "cuda", "auto", "gpu", "", " CPU "]), st.text(max_size=4)),
-        "OMP_NUM_THREADS": st.one_of(st.integers(-2, 64).map(str), st.text(max_size=4)),
+        "OMP_NUM_THREADS": st.one_of(
+            st.integers(-2, 64).map(str), st.sampled_from([" 4", "4.0", "\u00b2", "\u0663"]), st.text(max_size=4)
+        ),
     },
 )
 

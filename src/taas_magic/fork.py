@@ -66,7 +66,6 @@ class ForkedRanks:
     # -- starting ---------------------------------------------------------------------------
     def fork(self, rank: int, env: dict[str, str], task: worker.RankTask) -> None:
         pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack")}
-        kernel_pid = os.getpid()
         pid = os.fork()
         if pid == 0:  # the rank: never returns into the kernel's code
             status = worker.EXIT_FAILED
@@ -77,7 +76,7 @@ class ForkedRanks:
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], lifeline=self._lifeline_read,
                 )
-                status = worker.run(task, env, fds, kernel_pid)
+                status = worker.run(task, env, fds)
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -117,10 +116,12 @@ class ForkedRanks:
             timeout = 0
         for key, _ in self._selector.select(timeout):
             rank, name = key.data
-            if name == "exit":
-                self._on_exit(self.ranks[rank])
-            else:
-                self._read(self.ranks[rank], name, key.fd)
+            state = self.ranks[rank]
+            # An earlier key of this batch may have ended the rank and closed this descriptor.
+            if name == "exit" and state.pidfd == key.fd:
+                self._on_exit(state)
+            elif state.fds.get(name) == key.fd:
+                self._read(state, name, key.fd)
         if not hasattr(os, "pidfd_open"):
             self._poll_exits()
         events, self._pending = self._pending, []

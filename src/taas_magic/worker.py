@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -52,9 +51,9 @@ class RankFds:
     lifeline: int  # read end of a pipe only the kernel writes: EOF means the kernel is gone
 
 
-def run(task: RankTask, env: dict[str, str], fds: RankFds, kernel_pid: int) -> int:
+def run(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``."""
-    _tie_life_to_kernel(fds.lifeline, kernel_pid)
+    _tie_life_to_kernel(fds.lifeline)
     _redirect_output(fds.stdout, fds.stderr)
     _reset_signals(fds.stack)
     os.environ.update(env)
@@ -68,13 +67,14 @@ def run(task: RankTask, env: dict[str, str], fds: RankFds, kernel_pid: int) -> i
         _end_descendants()
 
 
-def _tie_life_to_kernel(lifeline: int, kernel_pid: int) -> None:
-    """Kill this rank's whole process group as soon as the kernel dies, even by kill -9."""
+def _tie_life_to_kernel(lifeline: int) -> None:
+    """Kill this rank's whole process group as soon as the kernel dies, even by kill -9.
+
+    The lifeline thread, not PR_SET_PDEATHSIG, does it: a death signal would end the rank alone
+    and leave its DataLoader workers running for seconds.
+    """
     if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our children stay ours to end
-    if os.getppid() != kernel_pid:
-        os._exit(EXIT_FAILED)  # the kernel died before the line above took effect
 
     def watch() -> None:
         try:
