@@ -29,6 +29,14 @@ class Report:
 
 
 @dataclass(frozen=True)
+class Result:
+    """Rank 0's pickled top-level names, sent once after the cell's code succeeded."""
+
+    rank: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class Exited:
     """A rank is gone; its output and reports have all been delivered before this event."""
 
@@ -36,7 +44,7 @@ class Exited:
     returncode: int  # as subprocess reports it: negative for death by a signal
 
 
-Event = Union[Output, Report, Exited]
+Event = Union[Output, Report, Result, Exited]
 
 
 class RankGroup(Protocol):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from .backend import Backend, Event, Exited, Output, RankGroup, Report
+from .backend import Backend, Event, Exited, Output, RankGroup, Report, Result
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
 from .rendezvous import free_port, new_run_id
@@ -71,8 +71,16 @@ class Failure:
     details: list[str]  # traceback lines, or the last stderr lines of a crash
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a successful run hands back: rank 0's pickled names and those it could not send."""
+
+    results: bytes
+    skipped: dict[str, str]
+
+
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
-        kernel_environ: Mapping[str, str]) -> None:
+        kernel_environ: Mapping[str, str]) -> Outcome:
     """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise."""
     envs = rank_environments(spec, new_run_id(), free_port(spec.master_addr), kernel_environ)
     output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0})
@@ -85,7 +93,10 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
             group.close()
     finally:
         output.finish()
+        for line in watch.notices():
+            write("stderr", line + "\n")
     watch.raise_outcome()
+    return Outcome(watch.results, watch.records.get(0, {}).get("skipped", {}))
 
 
 class _Watch:
@@ -95,6 +106,8 @@ class _Watch:
         self.spec = spec
         self.output = output
         self.records: dict[int, dict] = {}
+        self.results = b""
+        self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
         self.exits: dict[int, tuple[int, float]] = {}
         self.stopped: set[int] = set()  # ranks we signalled before they failed on their own
         self.escalation: _Escalation | None = None
@@ -142,13 +155,26 @@ class _Watch:
     def _handle(self, event: Event) -> None:
         if isinstance(event, Output):
             self.output.feed(event.rank, event.stream, event.data)
+        elif isinstance(event, Report) and event.record.get("notice") == "save-skipped":
+            self.saves_skipped.setdefault(event.record.get("path", "?"), set()).add(event.rank)
         elif isinstance(event, Report):
             self.records[event.rank] = event.record
+        elif isinstance(event, Result):
+            self.results = event.data
         elif isinstance(event, Exited):
             self.exits[event.rank] = (event.returncode, time.monotonic())
             self.output.finish(event.rank)
 
     # -- outcome ----------------------------------------------------------------------------
+    def notices(self) -> list[str]:
+        """One line per cell for each kind of thing taas did on the user's behalf."""
+        if not self.saves_skipped:
+            return []
+        paths = ", ".join(repr(path) for path in sorted(self.saves_skipped))
+        ranks = sorted(set().union(*self.saves_skipped.values()))
+        return [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
+                "(guard other writes with taas.is_main())"]
+
     def _failures(self) -> list[Failure]:
         failures = []
         for rank, (code, when) in sorted(self.exits.items()):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from . import worker
-from .backend import Event, Exited, Output, Report
+from .backend import Event, Exited, Output, Report, Result
 
 READ_SIZE = 1 << 16
 DRAIN_SECONDS = 2.0  # after a rank exits, how long its pipes may take to reach EOF
@@ -29,12 +29,13 @@ DRAIN_SECONDS = 2.0  # after a rank exits, how long its pipes may take to reach 
 class _Rank:
     rank: int
     pid: int
-    fds: dict[str, int]  # kernel-side read ends: stdout, stderr, report, stack
+    fds: dict[str, int]  # kernel-side read ends: stdout, stderr, report, stack, results
     pidfd: int | None = None
     returncode: int | None = None
     report_buffer: bytes = b""
     stack_text: str = ""
     stack_updated: float = 0.0
+    results: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class ForkedRanks:
 
     # -- starting ---------------------------------------------------------------------------
     def fork(self, rank: int, env: dict[str, str], task: worker.RankTask) -> None:
-        pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack")}
+        pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack", "results")}
         pid = os.fork()
         if pid == 0:  # the rank: never returns into the kernel's code
             status = worker.EXIT_FAILED
@@ -74,7 +75,7 @@ class ForkedRanks:
                 self._close_kernel_side(pipes)
                 fds = worker.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
-                    stack=pipes["stack"][1], lifeline=self._lifeline_read,
+                    stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
                 )
                 status = worker.run(task, env, fds)
             except BaseException:
@@ -138,9 +139,13 @@ class ForkedRanks:
             self._selector.unregister(fd)
             os.close(fd)
             del state.fds[name]
+            if name == "results" and state.results:
+                self._pending.append(Result(state.rank, bytes(state.results)))
             return False
         if name in ("stdout", "stderr"):
             self._pending.append(Output(state.rank, name, data))
+        elif name == "results":
+            state.results += data
         elif name == "report":
             state.report_buffer += data
             *lines, state.report_buffer = state.report_buffer.split(b"\n")

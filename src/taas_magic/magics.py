@@ -7,7 +7,7 @@ import os
 import sys
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import controller, machine, options
+from . import controller, machine, options, results
 from .configurations import load_catalog
 from .errors import TaasUsageError
 from .fork import ForkBackend
@@ -49,7 +49,20 @@ class TaasMagics(Magics):
             print("taas: --cpus/--units are accepted, but data delivery is not active in this version: "
                   "registered loaders run inside each rank", file=sys.stderr)
         _import_torch_once()
-        controller.run(spec, task, self.backend, _write_to_cell, os.environ)
+        outcome = controller.run(spec, task, self.backend, _write_to_cell, os.environ)
+        self._take_back(outcome)
+
+    def _take_back(self, outcome: controller.Outcome) -> None:
+        """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
+        skipped = dict(outcome.skipped)
+        if outcome.results:
+            try:
+                self.shell.user_ns.update(results.loads(outcome.results))
+            except Exception as e:
+                skipped["(all)"] = f"could not be unpickled in the kernel: {type(e).__name__}: {e}"
+        if skipped:
+            listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
+            print(f"taas: not copied back from rank 0: {listed}", file=sys.stderr)
 
     def _compile(self, line: str, cell: str, spec: LaunchSpec) -> RankTask:
         """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
@@ -61,7 +74,8 @@ class TaasMagics(Magics):
         filename = self.shell.compile.cache(source, self.shell.execution_count)
         tree = self.shell.transform_ast(ast.parse(source, filename))
         code = compile(tree, filename, "exec", dont_inherit=True)
-        return RankTask(code=code, device=spec.device, threads=spec.threads_per_rank)
+        return_names = results.wanted(results.top_level_bindings(tree), spec.return_names)
+        return RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, return_names=return_names)
 
     def _check_fork_is_safe(self, spec: LaunchSpec) -> None:
         if not hasattr(os, "fork"):

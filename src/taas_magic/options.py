@@ -47,6 +47,16 @@ def seconds(text: str) -> float:
     return value
 
 
+def names_or_none(text: str) -> tuple[str, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    bad = [name for name in names if not name.isidentifier()]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of names: use a,b,c or none")
+    return names
+
+
 def declare(func: Callable) -> Callable:
     """Decorate the magic with its options (the outermost decorator is listed first in help)."""
     decorators = [
@@ -79,6 +89,11 @@ def declare(func: Callable) -> Callable:
         magic_arguments.argument(
             "--timeout", type=seconds, default=None, metavar="SECONDS",
             help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument(
+            "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",
+            help="names rank 0 sends back into the notebook (default: every name the cell binds at top level); "
+            "none: nothing comes back.",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
     ]

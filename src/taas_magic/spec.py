@@ -31,6 +31,7 @@ class LaunchSpec:
     output: str  # "all" or "rank0"
     timeout: float | None
     threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
+    return_names: tuple[str, ...] | None = None  # None: every name the cell binds; (): nothing
     master_addr: str = LOOPBACK
 
     def __post_init__(self) -> None:
@@ -65,6 +66,7 @@ def build(
         output=options.output,
         timeout=options.timeout,
         threads_per_rank=_threads_per_rank(environ, machine, per_node),
+        return_names=getattr(options, "return_names", None),
     )
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
+from . import results, storage
+
 PR_SET_CHILD_SUBREAPER = 36
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -38,6 +40,7 @@ class RankTask:
     code: CodeType
     device: str  # "cuda" or "cpu"
     threads: int  # intra-op threads on CPU
+    return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class RankFds:
     stderr: int
     report: int
     stack: int
+    results: int  # rank 0's pickled names, written once at the end
     lifeline: int  # read end of a pipe only the kernel writes: EOF means the kernel is gone
 
 
@@ -60,8 +64,11 @@ def run(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     shell = _detach_from_kernel()
     _look_like_a_script()
     _bind_device(task, int(env["LOCAL_RANK"]), shell)
+    rank = int(env["RANK"])
+    namespace = shell.user_ns if shell is not None else {"__name__": "__main__"}
+    storage.guard_torch_save(rank, lambda record: _report(fds.report, record), namespace)
     try:
-        return _execute(task.code, shell, fds.report)
+        return _execute(task, namespace, shell, fds, send_results=rank == 0)
     finally:
         _flush_all()
         _end_descendants()
@@ -222,19 +229,29 @@ def _serve_nccl_with_gloo(torch: Any, shell: Any) -> None:
                 shell.user_ns[name] = init_process_group
 
 
-def _execute(code: CodeType, shell: Any, report_fd: int) -> int:
-    namespace = shell.user_ns if shell is not None else {"__name__": "__main__"}
+def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool) -> int:
     try:
-        exec(code, namespace)
+        exec(task.code, namespace)
     except SystemExit as e:
-        if e.code in (None, 0):
-            _report(report_fd, {"status": "ok"})
-            return 0
-        return _report_failure(report_fd, e, shell, f"the cell called sys.exit({e.code!r})")
+        if e.code not in (None, 0):
+            return _report_failure(fds.report, e, shell, f"the cell called sys.exit({e.code!r})")
     except BaseException as e:
-        return _report_failure(report_fd, e, shell)
-    _report(report_fd, {"status": "ok"})
+        return _report_failure(fds.report, e, shell)
+    skipped = _send_results(task.return_names, namespace, fds.results) if send_results else {}
+    _report(fds.report, {"status": "ok", "skipped": skipped})
     return 0
+
+
+def _send_results(names: tuple[str, ...], namespace: dict[str, Any], fd: int) -> dict[str, str]:
+    """Pickle the cell's names into the results channel; returns {name: why} for those left out."""
+    present = {name: namespace[name] for name in names if name in namespace}
+    data, skipped = results.dumps(present) if present else (b"", {})
+    skipped.update({name: "not bound when the cell ended" for name in names if name not in namespace})
+    try:
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+    return skipped
 
 
 def _report_failure(report_fd: int, error: BaseException, shell: Any, summary: str | None = None) -> int:
@@ -268,9 +285,13 @@ def _format_traceback(error: BaseException, shell: Any) -> list[str]:
 
 
 def _report(fd: int, record: dict[str, Any]) -> None:
-    data = (json.dumps(record) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data) :]
+    _write_all(fd, (json.dumps(record) + "\n").encode())
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _flush_all() -> None:

@@ -1,0 +1,82 @@
+"""Results come back into the notebook, and only rank 0 writes files."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.kernel
+
+
+def test_names_bound_by_rank_0_come_back_and_equal_rank_0s_values(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2
+import torch, torch.distributed as dist, taas
+dist.init_process_group("gloo")
+torch.manual_seed(taas.rank())
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.ones(4, 3)).sum().backward()
+optimizer.step()
+history = [taas.rank(), 1.5]
+def double(x):
+    return 2 * x
+class Box:
+    size = 7
+weights = model.module.weight.detach().clone()
+print("W", weights.tolist())
+""").ok()
+    assert result.stderr == ""
+    rank0_weights = [line for line in result.stdout.splitlines() if line.startswith("[rank 0] W")][0].split(" W ")[1]
+    assert kernel.value("type(model).__name__") == "Linear", "DDP comes back as the module it wraps"
+    assert kernel.value("history") == [0, 1.5]
+    assert kernel.value("(double(4), Box.size)") == (8, 7)
+    assert kernel.value("str(model.weight.detach().tolist())") == rank0_weights
+    assert kernel.value("torch.equal(weights, model.weight.detach())") is True
+    assert kernel.value("optimizer.param_groups[0]['params'][0] is model.weight") is True
+
+
+def test_return_limits_what_comes_back_and_none_turns_it_off(kernel):
+    kernel.execute("#pragma taas --gpus 2 --return kept\nkept = 1\nnot_kept = 2").ok()
+    assert kernel.value("('kept' in globals(), 'not_kept' in globals())") == (True, False)
+    kernel.execute("#pragma taas --gpus 2 --return none\nnothing_back = 3").ok()
+    assert kernel.value("'nothing_back' in globals()") is False
+    result = kernel.execute("#pragma taas --gpus 2 --return missing\nx = 1").ok()
+    assert result.stderr == "taas: not copied back from rank 0: missing (not bound when the cell ended)\n"
+
+
+def test_objects_that_live_only_in_the_job_are_listed_in_one_notice_not_raised(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2
+import threading, torch.distributed as dist
+from torch.utils.data import DataLoader
+dist.init_process_group("gloo")
+group = dist.new_group([0, 1])
+loader = DataLoader(list(range(8)), num_workers=1, persistent_workers=True)
+batches = iter(loader)
+first = next(batches)
+lock = threading.Lock()
+value = 42
+""").ok()
+    notices = result.stderr.splitlines()
+    assert len(notices) == 1 and notices[0].startswith("taas: not copied back from rank 0: ")
+    for name in ("group", "loader", "batches", "lock"):
+        assert f" {name} (" in notices[0] or f": {name} (" in notices[0]
+    assert kernel.value("(value, first.tolist())") == (42, [0])
+
+
+def test_only_rank_0_writes_files_and_the_file_is_whole(kernel, tmp_path):
+    target = tmp_path / "model.pt"
+    result = kernel.execute(f"""#pragma taas --gpus 3
+import torch, taas
+torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank()))}}, {str(target)!r})
+""").ok()
+    assert result.stderr == (f"taas: torch.save to {str(target)!r} skipped in ranks 1, 2: only rank 0 writes files "
+                             "(guard other writes with taas.is_main())\n")
+    import torch
+
+    saved = torch.load(target)
+    assert saved["rank"] == 0 and torch.equal(saved["data"], torch.zeros(256, 256))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"], "no temporary file remains"
+
+
+def test_the_kernel_never_initializes_cuda_by_taking_results_back(kernel):
+    kernel.execute("#pragma taas --gpus 2\nimport torch\nt = torch.ones(3)").ok()
+    assert kernel.value("torch.cuda.is_initialized()") is False
