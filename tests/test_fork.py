@@ -15,7 +15,7 @@ from taas_magic.worker import RankTask
 
 
 def start(source: str, ranks: int = 2):
-    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1, return_names=())
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)} for rank in range(ranks)}
     return ForkBackend().start(envs, task)
 
@@ -37,7 +37,7 @@ def test_output_reports_and_exits_arrive_in_order_per_rank():
     for rank in (0, 1):
         mine = [e for e in events if e.rank == rank]
         assert isinstance(mine[-1], Exited) and mine[-1].returncode == 0
-        assert Report(rank, {"status": "ok"}) in mine
+        assert Report(rank, {"status": "ok", "skipped": {}}) in mine
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stdout") == f"out {rank}\n".encode()
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stderr") == b"err\n"
 
