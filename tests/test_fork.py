@@ -78,7 +78,7 @@ def test_each_rank_leads_its_own_process_group_and_signals_reach_its_children():
 
 
 def test_stacks_show_where_each_rank_is():
-    group = start("import time\ndef stuck_here():\n    time.sleep(60)\nprint('go', flush=True)\nstuck_here()")
+    group = start("import time\ndef stuck_here():\n    print('go', flush=True)\n    time.sleep(60)\nstuck_here()")
     try:
         deadline = time.monotonic() + 10
         started = 0
