@@ -101,10 +101,29 @@ class Kernel:
         return ast.literal_eval(self.execute(f"print(repr({expression}))").ok().stdout.strip())
 
     def children(self) -> list[psutil.Process]:
+        """The kernel's descendants, less the fork server the extension keeps (and nothing it started)."""
         try:
-            return psutil.Process(self.pid).children(recursive=True)
+            children = psutil.Process(self.pid).children(recursive=False)
         except psutil.NoSuchProcess:
             return []
+        found = []
+        for child in children:
+            try:
+                if self.is_fork_server(child):
+                    found += child.children(recursive=True)
+                else:
+                    found += [child] + child.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    @staticmethod
+    def is_fork_server(process: psutil.Process) -> bool:
+        return "taas_magic.agent" in " ".join(process.cmdline())
+
+    def fork_server(self) -> psutil.Process | None:
+        servers = [c for c in psutil.Process(self.pid).children() if self.is_fork_server(c)]
+        return servers[0] if servers else None
 
     def shutdown(self) -> None:
         self.client.stop_channels()

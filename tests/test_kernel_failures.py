@@ -174,6 +174,7 @@ time.sleep(100)
         time.sleep(0.1)
     family = fresh_kernel.children()
     assert len(family) >= 6, "2 ranks with 2 DataLoader workers each"
+    family.append(fresh_kernel.fork_server())
     os.kill(fresh_kernel.pid, signal.SIGKILL)
     gone, alive = psutil.wait_procs(family, timeout=3)
     assert alive == [], [p.cmdline() for p in alive]

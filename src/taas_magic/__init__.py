@@ -42,6 +42,7 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.append(transformer)
     _loaded[id(ipython)] = (magics, transformer)
+    magics.spawn_backend.warm_up()  # the fork server imports torch in the background from now on
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -49,6 +50,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     if entry is None:
         return
     magics, transformer = entry
+    magics.spawn_backend.shutdown()
     if transformer in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(transformer)
     manager = ipython.magics_manager

@@ -80,11 +80,11 @@ class Outcome:
 
 
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
-        kernel_environ: Mapping[str, str]) -> Outcome:
+        kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None) -> Outcome:
     """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise."""
     envs = rank_environments(spec, new_run_id(), free_port(spec.master_addr), kernel_environ)
     output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0})
-    watch = _Watch(spec, output)
+    watch = _Watch(spec, output, cell_names or {})
     try:
         group = backend.start(envs, task)
         try:
@@ -102,9 +102,10 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
 class _Watch:
     """Consumes a group's events and steers it until every rank has exited."""
 
-    def __init__(self, spec: LaunchSpec, output: RankOutput):
+    def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str]):
         self.spec = spec
         self.output = output
+        self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
         self.records: dict[int, dict] = {}
         self.results = b""
         self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
@@ -220,13 +221,35 @@ class _Watch:
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
         for rank in late:
             lines.append(f"{BOLD}rank {rank} was here when the time ran out:{RESET}")
-            lines += (self.timed_out[rank] or "(no stack received)").rstrip("\n").splitlines()
+            lines += user_stack(self.timed_out[rank], self.cell_names) or ["(no stack received)"]
         return message, lines
 
     def _interrupt_lines(self) -> list[str]:
         how = ", ".join(f"{rank}: {_describe_stop(code, self.records.get(rank))}"
                         for rank, (code, _) in sorted(self.exits.items()))
         return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
+
+
+def user_stack(dump: str, cell_names: Mapping[str, str]) -> list[str]:
+    """A faulthandler dump cut to what the user wrote: no taas threads, no frames below the cell."""
+    kept: list[str] = []
+    for block in dump.strip().split("\n\n"):
+        frames = block.splitlines()
+        if not frames or any("taas_magic" in line and " in watch" in line for line in frames):
+            continue  # the rank's lifeline thread
+        header, frames = frames[0], frames[1:]
+        inside = [line for line in _until_taas(frames)]
+        for filename, label in cell_names.items():
+            inside = [line.replace(f'File "{filename}"', label) for line in inside]
+        kept += [header] + inside
+    return kept
+
+
+def _until_taas(frames: list[str]) -> list[str]:
+    for index, line in enumerate(frames):
+        if "/taas_magic/" in line:
+            return frames[:index]
+    return frames
 
 
 def _is_traceback(failure: Failure) -> bool:

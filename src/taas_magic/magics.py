@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import linecache
 import os
 import sys
+from types import CodeType
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import controller, machine, options, results
+from . import controller, machine, options, results, shipping
+from .backend import Backend
 from .configurations import load_catalog
 from .errors import TaasUsageError
 from .fork import ForkBackend
+from .spawn import SpawnBackend
 from .pragma import PragmaTransformer
 from .spec import LaunchSpec, build
 from .worker import RankTask
@@ -23,7 +28,8 @@ class TaasMagics(Magics):
     def __init__(self, shell, transformer: PragmaTransformer):
         super().__init__(shell)
         self.transformer = transformer
-        self.backend = ForkBackend()
+        self.fork_backend = ForkBackend()
+        self.spawn_backend = SpawnBackend()
 
     @options.declare
     @line_cell_magic
@@ -43,14 +49,56 @@ class TaasMagics(Magics):
                 print(self._settings())
             return
         spec = build(args, load_catalog(), machine.detect(), os.environ)
-        task = self._compile(line, cell, spec)
-        self._check_fork_is_safe(spec)
+        tree, code = self._compile(line, cell)
+        task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank,
+                        return_names=results.wanted(results.top_level_bindings(tree), spec.return_names))
+        backend, task = self._choose_start(spec, tree, task)
         if spec.data_options_given:
             print("taas: --cpus/--units are accepted, but data delivery is not active in this version: "
                   "registered loaders run inside each rank", file=sys.stderr)
         _import_torch_once()
-        outcome = controller.run(spec, task, self.backend, _write_to_cell, os.environ)
+        try:
+            known = getattr(self.shell.compile, "_filename_map", {})  # IPython's file name -> cell number
+            cell_names = {name: f"Cell In[{number}]" for name, number in known.items()}
+            outcome = controller.run(spec, task, backend, _write_to_cell, os.environ, cell_names)
+        finally:
+            if isinstance(task, tuple):
+                task[1].close()
         self._take_back(outcome)
+
+    def _compile(self, line: str, cell: str) -> tuple[ast.Module, CodeType]:
+        """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
+
+        Line 1 stands for the `%%taas` line, so line numbers in tracebacks are the cell's own.
+        """
+        with self.transformer.disabled():
+            source = self.shell.transform_cell(f"# %%taas {line}\n{cell}")
+        filename = self.shell.compile.cache(source, self.shell.execution_count)
+        tree = self.shell.transform_ast(ast.parse(source, filename))
+        return tree, compile(tree, filename, "exec", dont_inherit=True)
+
+    def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, object]:
+        """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
+        cuda_in_kernel = machine.cuda_initialized_in_kernel()
+        start = spec.start
+        if start == "auto":
+            start = "spawn" if cuda_in_kernel or not hasattr(os, "fork") else "fork"
+            if start == "spawn":
+                print("taas: CUDA is initialized in this kernel, so the ranks start from the fork server "
+                      "(--start spawn)", file=sys.stderr)
+        if start == "fork":
+            if not hasattr(os, "fork"):
+                raise TaasUsageError("--start fork: this platform cannot fork processes; use --start spawn")
+            if spec.device == "cuda" and cuda_in_kernel:
+                raise TaasUsageError(
+                    "--start fork: CUDA is already initialized in this kernel (an earlier cell used the GPU), and "
+                    "forked ranks cannot use CUDA after that: use --start spawn (or auto)"
+                )
+            return self.fork_backend, task
+        shipment = shipping.pack(self.shell.user_ns, shipping.needed_names(tree, self.shell.user_ns))
+        source = "".join(linecache.getlines(task.code.co_filename))
+        rank_task = dataclasses.replace(task, source=source, cell_label=f"Cell In[{self.shell.execution_count}]")
+        return self.spawn_backend, (rank_task, shipment)
 
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
@@ -63,28 +111,6 @@ class TaasMagics(Magics):
         if skipped:
             listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
             print(f"taas: not copied back from rank 0: {listed}", file=sys.stderr)
-
-    def _compile(self, line: str, cell: str, spec: LaunchSpec) -> RankTask:
-        """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
-
-        Line 1 stands for the `%%taas` line, so line numbers in tracebacks are the cell's own.
-        """
-        with self.transformer.disabled():
-            source = self.shell.transform_cell(f"# %%taas {line}\n{cell}")
-        filename = self.shell.compile.cache(source, self.shell.execution_count)
-        tree = self.shell.transform_ast(ast.parse(source, filename))
-        code = compile(tree, filename, "exec", dont_inherit=True)
-        return_names = results.wanted(results.top_level_bindings(tree), spec.return_names)
-        return RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, return_names=return_names)
-
-    def _check_fork_is_safe(self, spec: LaunchSpec) -> None:
-        if not hasattr(os, "fork"):
-            raise TaasUsageError("this platform cannot fork processes; taas cells need Linux or macOS")
-        if spec.device == "cuda" and machine.cuda_initialized_in_kernel():
-            raise TaasUsageError(
-                "CUDA is already initialized in this kernel (an earlier cell used the GPU), and forked ranks "
-                "cannot use CUDA after that: restart the kernel and keep GPU work inside taas cells"
-            )
 
     def _check_configuration(self, name: str) -> None:
         """`#!NAME` alone: the cell runs here; warn in one line if this machine lacks what NAME needs."""
@@ -107,7 +133,8 @@ class TaasMagics(Magics):
             device = f"invalid ({e})"
         names = ", ".join(catalog.names())
         return "\n".join([
-            f"taas backend:        {self.backend.name} (ranks are forked from this kernel)",
+            "start:               auto (fork from this kernel; the fork server once CUDA is initialized here)",
+            f"fork server:         {self.spawn_backend.describe()}",
             f"configurations:      {'; '.join(catalog.sources)}",
             f"                     {names}",
             f"CUDA devices:        {found.cuda_devices} visible"

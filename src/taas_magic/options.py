@@ -17,6 +17,7 @@ from IPython.utils.process import arg_split
 from .errors import TaasUsageError
 
 DEVICES = ("auto", "cuda", "cpu")
+STARTS = ("auto", "fork", "spawn")
 OUTPUTS = ("all", "rank0")
 MAX_CPUS = 8
 
@@ -89,6 +90,12 @@ def declare(func: Callable) -> Callable:
         magic_arguments.argument(
             "--timeout", type=seconds, default=None, metavar="SECONDS",
             help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument(
+            "--start", choices=STARTS, default="auto",
+            help="fork: ranks are forked from the kernel (fastest, shares its memory); spawn: from a fork server "
+            "that never touched CUDA, with what the cell needs shipped by value; auto: fork unless CUDA is "
+            "initialized in the kernel.",
         ),
         magic_arguments.argument(
             "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",

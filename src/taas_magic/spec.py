@@ -32,6 +32,7 @@ class LaunchSpec:
     timeout: float | None
     threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
     return_names: tuple[str, ...] | None = None  # None: every name the cell binds; (): nothing
+    start: str = "auto"  # "auto", "fork" or "spawn"; auto is resolved when the cell runs
     master_addr: str = LOOPBACK
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ def build(
         timeout=options.timeout,
         threads_per_rank=_threads_per_rank(environ, machine, per_node),
         return_names=getattr(options, "return_names", None),
+        start=getattr(options, "start", "auto"),
     )
 
 

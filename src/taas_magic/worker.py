@@ -12,11 +12,13 @@ import ctypes
 import faulthandler
 import io
 import json
+import linecache
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from types import CodeType
 from typing import Any
@@ -41,6 +43,9 @@ class RankTask:
     device: str  # "cuda" or "cpu"
     threads: int  # intra-op threads on CPU
     return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
+    namespace: dict[str, Any] | None = None  # spawned ranks: the shipped names; forked: the kernel's own
+    source: str = ""  # the cell's code, for tracebacks where the kernel's line cache is not inherited
+    cell_label: str = ""  # "Cell In[5]": how tracebacks name the cell
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,24 @@ def run(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     os.environ.update(env)
     shell = _detach_from_kernel()
     _look_like_a_script()
-    _bind_device(task, int(env["LOCAL_RANK"]), shell)
+    namespace = _namespace(task, shell)
+    _bind_device(task, int(env["LOCAL_RANK"]), namespace)
     rank = int(env["RANK"])
-    namespace = shell.user_ns if shell is not None else {"__name__": "__main__"}
     storage.guard_torch_save(rank, lambda record: _report(fds.report, record), namespace)
     try:
-        return _execute(task, namespace, shell, fds, send_results=rank == 0)
+        return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
     finally:
         _flush_all()
         _end_descendants()
+
+
+def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
+    if task.namespace is not None:
+        if task.source:
+            linecache.cache[task.code.co_filename] = (len(task.source), None, task.source.splitlines(True),
+                                                      task.code.co_filename)
+        return task.namespace
+    return shell.user_ns if shell is not None else {"__name__": "__main__"}
 
 
 def _tie_life_to_kernel(lifeline: int) -> None:
@@ -195,7 +209,7 @@ def _drop_message(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _bind_device(task: RankTask, local_rank: int, shell: Any) -> None:
+def _bind_device(task: RankTask, local_rank: int, namespace: dict[str, Any]) -> None:
     torch = sys.modules.get("torch")
     if torch is None:
         return
@@ -203,10 +217,10 @@ def _bind_device(task: RankTask, local_rank: int, shell: Any) -> None:
         torch.cuda.set_device(local_rank)
     else:
         torch.set_num_threads(task.threads)
-        _serve_nccl_with_gloo(torch, shell)
+        _serve_nccl_with_gloo(torch, namespace)
 
 
-def _serve_nccl_with_gloo(torch: Any, shell: Any) -> None:
+def _serve_nccl_with_gloo(torch: Any, namespace: dict[str, Any]) -> None:
     """On CPU a notebook written for GPUs runs unchanged: backend "nccl" is given to gloo."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -223,10 +237,9 @@ def _serve_nccl_with_gloo(torch: Any, shell: Any) -> None:
         return original(backend, *args, **kwargs)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
-    if shell is not None:
-        for name, value in list(shell.user_ns.items()):
-            if value is original:
-                shell.user_ns[name] = init_process_group
+    for name, value in list(namespace.items()):
+        if value is original:
+            namespace[name] = init_process_group
 
 
 def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool) -> int:
@@ -234,9 +247,9 @@ def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds
         exec(task.code, namespace)
     except SystemExit as e:
         if e.code not in (None, 0):
-            return _report_failure(fds.report, e, shell, f"the cell called sys.exit({e.code!r})")
+            return _report_failure(fds.report, e, shell, task, f"the cell called sys.exit({e.code!r})")
     except BaseException as e:
-        return _report_failure(fds.report, e, shell)
+        return _report_failure(fds.report, e, shell, task)
     skipped = _send_results(task.return_names, namespace, fds.results) if send_results else {}
     _report(fds.report, {"status": "ok", "skipped": skipped})
     return 0
@@ -254,7 +267,7 @@ def _send_results(names: tuple[str, ...], namespace: dict[str, Any], fd: int) ->
     return skipped
 
 
-def _report_failure(report_fd: int, error: BaseException, shell: Any, summary: str | None = None) -> int:
+def _report_failure(report_fd: int, error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> int:
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
     _flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
@@ -265,23 +278,32 @@ def _report_failure(report_fd: int, error: BaseException, shell: Any, summary: s
             "time": when,
             "ename": type(error).__name__,
             "evalue": summary or str(error),
-            "traceback": _format_traceback(error, shell),
+            "traceback": _format_traceback(error, shell, task),
         },
     )
     return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
 
 
-def _format_traceback(error: BaseException, shell: Any) -> list[str]:
+def _format_traceback(error: BaseException, shell: Any, task: RankTask) -> list[str]:
     """The traceback as IPython would show it in the kernel, without this module's frame."""
     tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
     try:
         if shell is not None:
             return list(shell.InteractiveTB.structured_traceback(type(error), error, tb))
+        lines = _standalone_formatter().structured_traceback(type(error), error, tb)
+        label = task.cell_label or task.code.co_filename
+        return [line.replace(task.code.co_filename, label) for line in lines]
     except Exception:
-        pass
-    import traceback
+        return traceback.format_exception(type(error), error, tb)
 
-    return traceback.format_exception(type(error), error, tb)
+
+def _standalone_formatter() -> Any:
+    from IPython.core.ultratb import AutoFormattedTB
+
+    try:
+        return AutoFormattedTB(mode="Context", theme_name="linux")
+    except TypeError:  # IPython 8
+        return AutoFormattedTB(mode="Context", color_scheme="Linux")
 
 
 def _report(fd: int, record: dict[str, Any]) -> None:
