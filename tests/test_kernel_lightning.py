@@ -43,3 +43,7 @@ print("RESULT", trainer.global_rank, trainer.world_size, type(trainer.strategy.c
     assert all("2 TorchElasticEnvironment 2" in line for line in lines)
     weights = {line.split("[", 1)[1] for line in lines}
     assert len(weights) == 1, "DDP kept both ranks' weights identical"
+    # The trained LightningModule comes back to the notebook with rank 0's weights.
+    assert kernel.value("type(model).__name__") == "Regression"
+    back = kernel.value("str([round(v, 3) for v in model.layer.weight.detach().flatten().tolist()])")
+    assert "[" + weights.pop() == back
