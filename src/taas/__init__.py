@@ -5,6 +5,10 @@
 
 Inside a taas cell's ranks these read the environment the launch set; in the kernel they
 answer as rank 0 of a job of 1, so the same code runs in both places.
+
+    taas.register(loader), taas.unregister(loader), taas.registered()
+
+mark DataLoaders that taas cells serve from separate CPU prefetch workers.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["device", "is_main", "local_rank", "local_world_size", "rank", "world_size"]
+from .registry import register, registered, unregister
+
+__all__ = ["device", "is_main", "local_rank", "local_world_size", "rank", "register", "registered", "unregister",
+           "world_size"]
 
 
 def rank() -> int:

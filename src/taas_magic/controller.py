@@ -80,11 +80,18 @@ class Outcome:
 
 
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
-        kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None) -> Outcome:
-    """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise."""
+        kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None,
+        labels: Mapping[int, str] | None = None, status: Callable[[list[str]], object] | None = None) -> Outcome:
+    """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
+
+    ``labels`` names the processes that are not ranks (data producers, with negative keys);
+    ``status`` shows live progress lines (one per registered loader) in place.
+    """
     envs = rank_environments(spec, new_run_id(), free_port(spec.master_addr), kernel_environ)
-    output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0})
-    watch = _Watch(spec, output, cell_names or {})
+    labels = dict(labels or {})
+    output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0},
+                        labels=labels)
+    watch = _Watch(spec, output, cell_names or {}, labels, status or (lambda lines: None))
     try:
         group = backend.start(envs, task)
         try:
@@ -102,10 +109,15 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
 class _Watch:
     """Consumes a group's events and steers it until every rank has exited."""
 
-    def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str]):
+    def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
+                 labels: dict[int, str], status: Callable[[list[str]], object]):
         self.spec = spec
         self.output = output
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
+        self.labels = labels
+        self.status = status
+        self.progress: dict[str, dict] = {}  # loader name -> its latest counters
+        self.started = time.monotonic()
         self.records: dict[int, dict] = {}
         self.results = b""
         self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
@@ -130,6 +142,8 @@ class _Watch:
         now = time.monotonic()
         if self.escalation is None and self._failures():
             self._begin_stop(group, ON_FAILURE)
+        elif self.escalation is None and not any(key >= 0 for key in group.running()):
+            self._begin_stop(group, ON_FAILURE)  # every rank is done: the producers' work is over
         elif self.escalation is None and deadline is not None and now >= deadline:
             late = sorted(group.running())
             self.timed_out = {rank: "" for rank in late}
@@ -156,6 +170,9 @@ class _Watch:
     def _handle(self, event: Event) -> None:
         if isinstance(event, Output):
             self.output.feed(event.rank, event.stream, event.data)
+        elif isinstance(event, Report) and "stats" in event.record:
+            self.progress[event.record["stats"]] = event.record
+            self.status([_progress_line(name, stats) for name, stats in sorted(self.progress.items())])
         elif isinstance(event, Report) and event.record.get("notice") == "save-skipped":
             self.saves_skipped.setdefault(event.record.get("path", "?"), set()).add(event.rank)
         elif isinstance(event, Report):
@@ -169,6 +186,26 @@ class _Watch:
     # -- outcome ----------------------------------------------------------------------------
     def notices(self) -> list[str]:
         """One line per cell for each kind of thing taas did on the user's behalf."""
+        return self._save_notices() + self._delivery_summaries()
+
+    def _delivery_summaries(self) -> list[str]:
+        per_loader: dict[str, list[dict]] = {}
+        for rank, record in sorted(self.records.items()):
+            for name, summary in (record.get("delivery") or {}).items():
+                per_loader.setdefault(name, []).append(summary)
+        lines = []
+        for name, summaries in sorted(per_loader.items()):
+            taken = sum(s["taken"] for s in summaries)
+            span = max((s["span"] for s in summaries), default=0.0)
+            waited = sum(s["waited"] for s in summaries) / len(summaries)
+            share = waited / span if span > 0 else 0.0
+            first = max(s["first_wait"] for s in summaries)
+            rate = f"{taken / span:,.0f} elements/s" if span > 0 else "—"
+            lines.append(f"taas: {name}: {taken} elements delivered to {len(summaries)} ranks, {rate}, "
+                         f"ranks waited for data {share:.0%} of the time (first element after {first * 1000:.0f} ms)")
+        return lines
+
+    def _save_notices(self) -> list[str]:
         if not self.saves_skipped:
             return []
         paths = ", ".join(repr(path) for path in sorted(self.saves_skipped))
@@ -184,6 +221,8 @@ class _Watch:
                 if record["status"] == "interrupted" and rank in self.stopped:
                     continue  # we interrupted it
                 summary = f"{record.get('ename', 'Error')}: {record.get('evalue', '')}".rstrip(": ")
+                if record.get("where"):
+                    summary = f"{record['where']}: {summary}"
                 failures.append(Failure(rank, record.get("time", when), summary, record.get("traceback", [])))
             elif code != 0 and rank not in self.stopped:
                 failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
@@ -200,33 +239,42 @@ class _Watch:
 
     def _failure_message(self, failures: list[Failure]) -> tuple[str, list[str]]:
         root = failures[0]
-        message = f"rank {root.rank} failed: {root.summary}"
+        who = self._name(root.rank)
+        message = f"{who} failed: {root.summary}"
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
         if root.details:
-            lines += [f"{BOLD}rank {root.rank}'s traceback:{RESET}" if _is_traceback(root) else
-                      f"{BOLD}last lines rank {root.rank} wrote to stderr:{RESET}"]
+            lines += [f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else
+                      f"{BOLD}last lines {who} wrote to stderr:{RESET}"]
             lines += root.details
-        others = [f"rank {f.rank} ({f.summary})" for f in failures[1:]]
+        others = [f"{self._name(f.rank)} ({f.summary})" for f in failures[1:]]
         stopped = sorted(self.stopped - {f.rank for f in failures})
         if others:
-            lines.append(f"also failed, after rank {root.rank}: " + "; ".join(others))
+            lines.append(f"also failed, after {who}: " + "; ".join(others))
         if stopped:
-            lines.append(f"stopped by taas after the failure: {_ranks(stopped)}")
+            lines.append(f"stopped by taas after the failure: {self._names(stopped)}")
         return message, lines
+
+    def _name(self, key: int) -> str:
+        return self.labels.get(key, f"rank {key}")
+
+    def _names(self, keys: list[int]) -> str:
+        ranks = [key for key in keys if key >= 0]
+        others = [self._name(key) for key in sorted(keys, reverse=True) if key < 0]
+        return "; ".join(([_ranks(ranks)] if ranks else []) + others)
 
     def _timeout_message(self) -> tuple[str, list[str]]:
         assert self.timed_out is not None
-        late = sorted(self.timed_out)
-        message = f"--timeout {self.spec.timeout:g} s elapsed: {_ranks(late)} still running, now stopped"
+        late = sorted(self.timed_out, key=lambda key: (key < 0, abs(key)))
+        message = f"--timeout {self.spec.timeout:g} s elapsed: {self._names(late)} still running, now stopped"
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
         for rank in late:
-            lines.append(f"{BOLD}rank {rank} was here when the time ran out:{RESET}")
+            lines.append(f"{BOLD}{self._name(rank)} was here when the time ran out:{RESET}")
             lines += user_stack(self.timed_out[rank], self.cell_names) or ["(no stack received)"]
         return message, lines
 
     def _interrupt_lines(self) -> list[str]:
         how = ", ".join(f"{rank}: {_describe_stop(code, self.records.get(rank))}"
-                        for rank, (code, _) in sorted(self.exits.items()))
+                        for rank, (code, _) in sorted(self.exits.items()) if rank >= 0)
         return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
 
 
@@ -250,6 +298,14 @@ def _until_taas(frames: list[str]) -> list[str]:
         if "/taas_magic/" in line:
             return frames[:index]
     return frames
+
+
+def _progress_line(name: str, stats: dict) -> str:
+    consumed = stats.get("consumed", [])
+    taken = sum(consumed)
+    buffered = max(0, stats.get("produced", 0) - taken)
+    return (f"taas: {name}: {stats.get('produced', 0)} produced, {taken} consumed "
+            f"({', '.join(map(str, consumed))} per rank), {buffered} buffered")
 
 
 def _is_traceback(failure: Failure) -> bool:

@@ -8,6 +8,7 @@ process and file descriptor of a run; ``close`` releases all of them, in every o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -16,10 +17,11 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from . import worker
 from .backend import Event, Exited, Output, Report, Result
+from .delivery.service import DataService
 
 READ_SIZE = 1 << 16
 DRAIN_SECONDS = 2.0  # after a rank exits, how long its pipes may take to reach EOF
@@ -43,14 +45,39 @@ class ForkBackend:
     name: str = "fork"
 
     def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
+        """Fork the producers of registered loaders first (they start filling buffers), then the ranks."""
         group = ForkedRanks()
+        service = None
         try:
+            if task.loaders:
+                service = DataService(task.loaders, _namespace(task), len(envs))
+                for key, producer in service.producers():
+                    group.fork(key, _producer_env(envs), producer)
+                task = dataclasses.replace(task, loaders=service.rank_loaders())
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task)
         except BaseException:
             group.close()
             raise
+        finally:
+            if service is not None:
+                service.close()
         return group
+
+
+def _namespace(task: worker.RankTask) -> dict:
+    if task.namespace is not None:
+        return task.namespace
+    from IPython import get_ipython
+
+    return get_ipython().user_ns
+
+
+def _producer_env(envs: dict[int, dict[str, str]]) -> dict[str, str]:
+    """Producers are CPU workers of the run: its id, no rank, no GPU, one thread each."""
+    rank0 = envs[min(envs)]
+    return {"TAAS_RUN_ID": rank0["TAAS_RUN_ID"], "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "",
+            "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -65,7 +92,8 @@ class ForkedRanks:
         self._kernel_pgid = os.getpgrp()
 
     # -- starting ---------------------------------------------------------------------------
-    def fork(self, rank: int, env: dict[str, str], task: worker.RankTask) -> None:
+    def fork(self, rank: int, env: dict[str, str], task: Any) -> None:
+        """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer (negative key)."""
         pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack", "results")}
         pid = os.fork()
         if pid == 0:  # the rank: never returns into the kernel's code
@@ -77,7 +105,7 @@ class ForkedRanks:
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
                 )
-                status = worker.run(task, env, fds)
+                status = task.run(env, fds)
             except BaseException:
                 traceback.print_exc()
             finally:

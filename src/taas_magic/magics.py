@@ -12,6 +12,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from . import controller, machine, options, results, shipping
 from .backend import Backend
+from .delivery import planning
+from .delivery.service import producer_labels
 from .configurations import load_catalog
 from .errors import TaasUsageError
 from .fork import ForkBackend
@@ -50,21 +52,29 @@ class TaasMagics(Magics):
             return
         spec = build(args, load_catalog(), machine.detect(), os.environ)
         tree, code = self._compile(line, cell)
-        task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank,
+        _import_torch_once()
+        loaders = self._loaders(spec, tree)
+        task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(results.top_level_bindings(tree), spec.return_names))
         backend, task = self._choose_start(spec, tree, task)
-        if spec.data_options_given:
-            print("taas: --cpus/--units are accepted, but data delivery is not active in this version: "
-                  "registered loaders run inside each rank", file=sys.stderr)
-        _import_torch_once()
+        progress = _ProgressDisplay()
         try:
             known = getattr(self.shell.compile, "_filename_map", {})  # IPython's file name -> cell number
             cell_names = {name: f"Cell In[{number}]" for name, number in known.items()}
-            outcome = controller.run(spec, task, backend, _write_to_cell, os.environ, cell_names)
+            outcome = controller.run(spec, task, backend, _write_to_cell, os.environ, cell_names,
+                                     labels=producer_labels(loaders), status=progress.show)
         finally:
             if isinstance(task, tuple):
                 task[1].close()
         self._take_back(outcome)
+
+    def _loaders(self, spec: LaunchSpec, tree: ast.Module) -> tuple:
+        """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
+        names = planning.loaders_used(tree, self.shell.user_ns)
+        if spec.data_options_given and not names:
+            print("taas: --cpus/--units have no effect: the cell uses no registered DataLoader "
+                  "(taas.register(loader) in an earlier cell)", file=sys.stderr)
+        return planning.plans(spec, names, self.shell.user_ns)
 
     def _compile(self, line: str, cell: str) -> tuple[ast.Module, CodeType]:
         """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
@@ -147,6 +157,22 @@ class TaasMagics(Magics):
             "default --output:    all (each line prefixed with its rank)",
             "default --timeout:   none",
         ])
+
+
+class _ProgressDisplay:
+    """Live progress lines of data delivery: one display area in the cell, updated in place."""
+
+    def __init__(self) -> None:
+        self.handle = None
+
+    def show(self, lines: list[str]) -> None:
+        from IPython.display import display
+
+        data = {"text/plain": "\n".join(lines)}
+        if self.handle is None:
+            self.handle = display(data, raw=True, display_id=True)
+        else:
+            self.handle.update(data, raw=True)
 
 
 def _write_to_cell(stream: str, text: str) -> None:

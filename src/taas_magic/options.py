@@ -18,6 +18,7 @@ from .errors import TaasUsageError
 
 DEVICES = ("auto", "cuda", "cpu")
 STARTS = ("auto", "fork", "spawn")
+ORDERS = ("deterministic", "fastest")
 OUTPUTS = ("all", "rank0")
 MAX_CPUS = 8
 
@@ -74,6 +75,16 @@ def declare(func: Callable) -> Callable:
         magic_arguments.argument(
             "--units", type=whole_number(1), default=None, metavar="U",
             help="elements to take from registered DataLoaders in total (default: as many as the ranks ask for).",
+        ),
+        magic_arguments.argument(
+            "--order", choices=ORDERS, default="deterministic",
+            help="deterministic: every rank gets the same elements in the same order on every run; "
+            "fastest: a rank takes whichever of its elements is ready first.",
+        ),
+        magic_arguments.argument(
+            "--prefetch", type=whole_number(1), default=None, metavar="N",
+            help="elements a registered loader's producers may prepare ahead of the slowest rank "
+            "(default: enough to keep every producer busy).",
         ),
         magic_arguments.argument(
             "--config", default=None, metavar="NAME",

@@ -33,6 +33,8 @@ class LaunchSpec:
     threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
     return_names: tuple[str, ...] | None = None  # None: every name the cell binds; (): nothing
     start: str = "auto"  # "auto", "fork" or "spawn"; auto is resolved when the cell runs
+    order: str = "deterministic"  # how ranks take elements of registered loaders
+    prefetch: int | None = None  # elements producers may prepare ahead; None: the default
     master_addr: str = LOOPBACK
 
     def __post_init__(self) -> None:
@@ -69,6 +71,8 @@ def build(
         threads_per_rank=_threads_per_rank(environ, machine, per_node),
         return_names=getattr(options, "return_names", None),
         start=getattr(options, "start", "auto"),
+        order=getattr(options, "order", "deterministic"),
+        prefetch=getattr(options, "prefetch", None),
     )
 
 

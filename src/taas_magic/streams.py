@@ -42,12 +42,14 @@ class _Target:
 class RankOutput:
     """Feeds ranks' output into ``write(stream, text)``; shows the ranks in ``shown`` (all by default)."""
 
-    def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[int] | None = None):
+    def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[int] | None = None,
+                 labels: dict[int, str] | None = None):
         self._targets = {name: _Target(lambda text, name=name: write(name, text)) for name in ("stdout", "stderr")}
         self._prefix = prefix
         self._shown = None if shown is None else set(shown)
         self._sources: dict[tuple[int, str], _Source] = {}
         self._tails: dict[int, deque[str]] = {}
+        self._labels = labels or {}  # names of processes that are not ranks (data producers)
         self._tail_partial: dict[int, str] = {}  # a stderr line whose end has not arrived yet
 
     def feed(self, rank: int, stream: str, data: bytes, now: float | None = None) -> None:
@@ -93,7 +95,8 @@ class RankOutput:
     def _source(self, rank: int, stream: str) -> _Source:
         key = (rank, stream)
         if key not in self._sources:
-            self._sources[key] = _Source(prefix=f"[rank {rank}] " if self._prefix else "")
+            label = self._labels.get(rank, f"rank {rank}")
+            self._sources[key] = _Source(prefix=f"[{label}] " if self._prefix or rank in self._labels else "")
         return self._sources[key]
 
     def _is_shown(self, rank: int) -> bool:

@@ -46,6 +46,10 @@ class RankTask:
     namespace: dict[str, Any] | None = None  # spawned ranks: the shipped names; forked: the kernel's own
     source: str = ""  # the cell's code, for tracebacks where the kernel's line cache is not inherited
     cell_label: str = ""  # "Cell In[5]": how tracebacks name the cell
+    loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
+
+    def run(self, env: dict[str, str], fds: "RankFds") -> int:
+        return run_rank(self, env, fds)
 
 
 @dataclass(frozen=True)
@@ -60,23 +64,31 @@ class RankFds:
     lifeline: int  # read end of a pipe only the kernel writes: EOF means the kernel is gone
 
 
-def run(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
+def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``."""
+    shell = become_child(fds, env)
+    namespace = _namespace(task, shell)
+    _bind_device(task, int(env["LOCAL_RANK"]), namespace)
+    rank = int(env["RANK"])
+    storage.guard_torch_save(rank, lambda record: report(fds.report, record), namespace)
+    for plan in task.loaders:
+        namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
+    try:
+        return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
+    finally:
+        flush_all()
+        end_descendants()
+
+
+def become_child(fds: RankFds, env: dict[str, str]) -> Any:
+    """What every process forked for a run does first; returns the kernel's shell object, if any."""
     _tie_life_to_kernel(fds.lifeline)
     _redirect_output(fds.stdout, fds.stderr)
     _reset_signals(fds.stack)
     os.environ.update(env)
     shell = _detach_from_kernel()
     _look_like_a_script()
-    namespace = _namespace(task, shell)
-    _bind_device(task, int(env["LOCAL_RANK"]), namespace)
-    rank = int(env["RANK"])
-    storage.guard_torch_save(rank, lambda record: _report(fds.report, record), namespace)
-    try:
-        return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
-    finally:
-        _flush_all()
-        _end_descendants()
+    return shell
 
 
 def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
@@ -108,7 +120,7 @@ def _tie_life_to_kernel(lifeline: int) -> None:
     threading.Thread(target=watch, name="taas-lifeline", daemon=True).start()
 
 
-def _end_descendants() -> None:
+def end_descendants() -> None:
     """Whatever the cell started and left running ends with the rank, even outside its process group."""
     try:
         import psutil
@@ -251,8 +263,14 @@ def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds
     except BaseException as e:
         return _report_failure(fds.report, e, shell, task)
     skipped = _send_results(task.return_names, namespace, fds.results) if send_results else {}
-    _report(fds.report, {"status": "ok", "skipped": skipped})
+    report(fds.report, {"status": "ok", "skipped": skipped, "delivery": _delivery_summaries(task, namespace)})
     return 0
+
+
+def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, Any]:
+    """How each stand-in loader fared in this rank: elements received, time spent waiting."""
+    return {plan.name: namespace[plan.name].summary() for plan in task.loaders
+            if hasattr(namespace.get(plan.name), "summary")}
 
 
 def _send_results(names: tuple[str, ...], namespace: dict[str, Any], fd: int) -> dict[str, str]:
@@ -261,7 +279,7 @@ def _send_results(names: tuple[str, ...], namespace: dict[str, Any], fd: int) ->
     data, skipped = results.dumps(present) if present else (b"", {})
     skipped.update({name: "not bound when the cell ended" for name in names if name not in namespace})
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
     finally:
         os.close(fd)
     return skipped
@@ -269,30 +287,31 @@ def _send_results(names: tuple[str, ...], namespace: dict[str, Any], fd: int) ->
 
 def _report_failure(report_fd: int, error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> int:
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
-    _flush_all()
+    flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
-    _report(
+    report(
         report_fd,
         {
             "status": "interrupted" if interrupted else "error",
             "time": when,
             "ename": type(error).__name__,
             "evalue": summary or str(error),
-            "traceback": _format_traceback(error, shell, task),
+            "traceback": format_traceback(error, shell, task),
         },
     )
     return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
 
 
-def _format_traceback(error: BaseException, shell: Any, task: RankTask) -> list[str]:
+def format_traceback(error: BaseException, shell: Any, task: RankTask | None = None) -> list[str]:
     """The traceback as IPython would show it in the kernel, without this module's frame."""
     tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
     try:
         if shell is not None:
             return list(shell.InteractiveTB.structured_traceback(type(error), error, tb))
         lines = _standalone_formatter().structured_traceback(type(error), error, tb)
-        label = task.cell_label or task.code.co_filename
-        return [line.replace(task.code.co_filename, label) for line in lines]
+        if task is None or not task.cell_label:
+            return list(lines)
+        return [line.replace(task.code.co_filename, task.cell_label) for line in lines]
     except Exception:
         return traceback.format_exception(type(error), error, tb)
 
@@ -306,17 +325,17 @@ def _standalone_formatter() -> Any:
         return AutoFormattedTB(mode="Context", color_scheme="Linux")
 
 
-def _report(fd: int, record: dict[str, Any]) -> None:
-    _write_all(fd, (json.dumps(record) + "\n").encode())
+def report(fd: int, record: dict[str, Any]) -> None:
+    write_all(fd, (json.dumps(record) + "\n").encode())
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
-def _flush_all() -> None:
+def flush_all() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1,0 +1,8 @@
+"""Distributed data delivery: registered DataLoaders served to the ranks by CPU prefetch workers.
+
+    plan.py       which element of the stream goes to which rank, in which order (pure)
+    transport.py  one element across processes: a memory file per element, its descriptor on a socket
+    producer.py   a producer process: fetches its share of each pass with the loader's own parts
+    standin.py    what a rank iterates instead of the registered loader
+    service.py    the producers' side of a run: channels, shared counters, progress
+"""

@@ -1,0 +1,193 @@
+"""A producer: a process that fetches its share of a registered loader's stream for the ranks.
+
+Producer j of K takes the stream's elements whose number is j modulo K and builds each one
+with the loader's own dataset, sampler, collate_fn and worker processes, then sends it to the
+rank(s) it is for. Every producer computes the same pass orders: each starts from the same
+random state (they are forked from one process) and replays the sampler from it, pass after
+pass. Each sample is drawn under a seed made of the run's seed and its place in the stream,
+so random transforms give the same element whatever K is.
+
+Producers stay at most ``window`` rounds ahead of the slowest rank, which bounds memory and
+can never deadlock: the element the slowest rank waits for is always inside the window.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .. import worker
+from .counters import Counters
+from .plan import Pass, StreamPlan
+from .transport import send
+
+STATS_SECONDS = 0.5
+
+
+@dataclass
+class ProducerTask:
+    """Everything producer ``index`` needs; inherited by fork, never pickled."""
+
+    name: str  # the loader's name in the notebook
+    loader: Any
+    plan: StreamPlan
+    index: int
+    count: int  # K
+    window: int  # rounds ahead of the slowest rank
+    channels: list[socket.socket]  # producers' end of each rank's channel
+    counters: Counters
+    seed: int
+    reports_stats: bool
+
+    def run(self, env: dict[str, str], fds: worker.RankFds) -> int:
+        shell = worker.become_child(fds, env)
+        try:
+            self._produce(fds)
+        except BaseException as error:
+            worker.flush_all()
+            worker.report(fds.report, self._failure(error, shell))
+            return worker.EXIT_FAILED
+        finally:
+            worker.end_descendants()
+        self._report_until_stopped(fds)
+        return 0
+
+    # -- producing --------------------------------------------------------------------------
+    def _produce(self, fds: worker.RankFds) -> None:
+        self.current: tuple[int, int, list] | None = None
+        keys: collections.deque = collections.deque()
+        last_stats = time.monotonic()
+        for element in self._fetch(keys):
+            pass_, index, _ = self.current = keys.popleft()
+            destinations = self.plan.destinations(pass_, index)
+            self._wait_for_window(destinations[0][1], fds)
+            for rank, _ in destinations:
+                send(self.channels[rank], pass_.number, index, element)
+            self.counters.produced[self.index] += 1
+            if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
+                worker.report(fds.report, self.counters.stats(self.name))
+                last_stats = time.monotonic()
+        self.current = None
+
+    def _fetch(self, keys: collections.deque) -> Iterator[Any]:
+        """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
+        from torch.utils.data import DataLoader
+
+        loader = self.loader
+        batched = loader.batch_sampler is not None
+        mine = _Keys(self, keys, batched)
+        options = dict(
+            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=False,
+            worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
+            multiprocessing_context=loader.multiprocessing_context,
+        )
+        if loader.num_workers:
+            options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=True)
+        dataset = _Seeded(loader.dataset, self.seed)
+        if batched:
+            fetcher = DataLoader(dataset, batch_sampler=mine, **options)
+        else:
+            fetcher = DataLoader(dataset, batch_size=None, sampler=mine, **options)
+        yield from fetcher
+
+    def my_elements(self) -> Iterator[tuple[Pass, int, Any]]:
+        """(pass, index, sample indices) of this producer's elements, in stream order."""
+        import itertools
+
+        import torch
+
+        sampler = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
+        state = torch.get_rng_state()  # the same in every producer: they were forked from one process
+        number = 0
+        for pass_ in self.plan.passes():
+            saved, _ = torch.get_rng_state(), torch.set_rng_state(state)
+            order = list(itertools.islice(iter(sampler), pass_.real))
+            state, _ = torch.get_rng_state(), torch.set_rng_state(saved)
+            for index, indices in enumerate(order):
+                if (number + index) % self.count == self.index:
+                    yield pass_, index, indices
+            number += pass_.real
+
+    def _wait_for_window(self, round_: int, fds: worker.RankFds) -> None:
+        last_stats = time.monotonic()
+        pause = 0.0002
+        while round_ >= self.counters.slowest_rank() + self.window:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+            if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
+                worker.report(fds.report, self.counters.stats(self.name))
+                last_stats = time.monotonic()
+
+    def _report_until_stopped(self, fds: worker.RankFds) -> None:
+        """Done with the stream: keep the progress line alive until the ranks are done."""
+        while self.reports_stats:
+            worker.report(fds.report, self.counters.stats(self.name))
+            time.sleep(STATS_SECONDS)
+
+    def _failure(self, error: BaseException, shell: Any) -> dict[str, Any]:
+        where = ""
+        if self.current is not None:
+            pass_, index, indices = self.current
+            where = f" at element {index} of pass {pass_.number} (samples {_short(indices)})"
+        return {
+            "status": "interrupted" if isinstance(error, KeyboardInterrupt) else "error",
+            "time": time.monotonic(),
+            "ename": type(error).__name__,
+            "evalue": str(error),
+            "where": f"producer {self.index} of {self.name!r}{where}",
+            "traceback": worker.format_traceback(error, shell),
+        }
+
+
+class _Keys:
+    """The sampler the producer's own DataLoader iterates: this producer's elements, keyed."""
+
+    def __init__(self, producer: ProducerTask, keys: collections.deque, batched: bool):
+        self.producer = producer
+        self.keys = keys
+        self.batched = batched
+
+    def __iter__(self) -> Iterator[Any]:
+        for pass_, index, indices in self.producer.my_elements():
+            self.keys.append((pass_, index, indices))
+            if self.batched:
+                yield [(pass_.number, index, sample) for sample in indices]
+            else:
+                yield (pass_.number, index, indices)
+
+
+class _Seeded:
+    """The loader's dataset, each sample drawn under a seed fixed by its place in the stream."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __getitem__(self, key: tuple[int, int, int]) -> Any:
+        pass_number, index, sample = key
+        _seed_everything(hash((self.seed, pass_number, index, sample)) & 0x7FFF_FFFF_FFFF)
+        return self.dataset[sample]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _seed_everything(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+def _short(indices: Any) -> str:
+    if isinstance(indices, (list, tuple)) and len(indices) > 6:
+        return f"{indices[0]}, {indices[1]}, … {indices[-1]}: {len(indices)} in all"
+    return repr(indices)

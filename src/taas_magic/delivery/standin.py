@@ -1,0 +1,93 @@
+"""What a rank iterates in place of a registered loader: its share of the stream, in order.
+
+Each ``iter()`` is the next pass; ``len()`` is the rank's share of one pass, as with a
+``DistributedSampler``. Elements that arrive before their turn wait in a small buffer, so
+the order is the same on every run whatever the number of producers; with ``--order
+fastest`` the rank takes whatever of its share is ready first. Attributes the stand-in does
+not have (``dataset``, ``batch_size``…) are the original loader's.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import time
+from typing import Any, Iterator
+
+from .counters import Counters
+from .plan import StreamPlan
+from .transport import receive
+
+
+class StandIn:
+    def __init__(self, name: str, loader: Any, rank: int, plan: StreamPlan, channel: socket.socket,
+                 counters: Counters, fastest: bool, device: str):
+        self._name, self._loader, self._rank, self._plan = name, loader, rank, plan
+        self._channel, self._counters, self._fastest = channel, counters, fastest
+        self._pin = device == "cuda" and bool(getattr(loader, "pin_memory", False))
+        self._passes = plan.passes()
+        self._early: dict[tuple[int, int], list[Any]] = {}
+        self._taken = 0
+        self._waited = 0.0
+        self._first_wait: float | None = None
+        self._started: float | None = None
+        self._last: float | None = None
+
+    def __len__(self) -> int:
+        return self._plan.share()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __repr__(self) -> str:
+        return f"<taas stand-in for {self._name!r}: rank {self._rank}'s share of {len(self)} per pass>"
+
+    def __iter__(self) -> Iterator[Any]:
+        pass_ = next(self._passes, None)
+        if pass_ is None:
+            return  # --units used up
+        wanted = collections.Counter(self._plan.sequence(pass_, self._rank))
+        order = self._plan.sequence(pass_, self._rank)
+        for index in order:
+            chosen = None if self._fastest else index
+            element = self._take(pass_.number, chosen, wanted)
+            self._taken += 1
+            self._counters.consumed[self._rank] = self._taken
+            self._last = time.monotonic()
+            yield self._pinned(element)
+
+    def _take(self, pass_number: int, index: int | None, wanted: collections.Counter) -> Any:
+        """Element ``index`` of the pass, or (index None) any element of the rank's share that is here."""
+        if self._started is None:
+            self._started = time.monotonic()
+        while True:
+            for key in ([(pass_number, index)] if index is not None else list(self._early)):
+                if key in self._early and key[0] == pass_number and wanted[key[1]] > 0:
+                    wanted[key[1]] -= 1
+                    element = self._early[key].pop()
+                    if not self._early[key]:
+                        del self._early[key]
+                    return element
+            self._receive()
+
+    def _receive(self) -> None:
+        began = time.monotonic()
+        pass_number, index, element = receive(self._channel)
+        waited = time.monotonic() - began
+        self._waited += waited
+        if self._first_wait is None:
+            self._first_wait = waited
+        self._counters.wait_ns[self._rank] = int(self._waited * 1e9)
+        self._early.setdefault((pass_number, index), []).append(element)
+
+    def _pinned(self, element: Any) -> Any:
+        if not self._pin:
+            return element
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return pin_memory(element)
+
+    def summary(self) -> dict[str, float]:
+        span = (self._last or 0.0) - (self._started or 0.0)
+        return {"taken": self._taken, "waited": self._waited, "first_wait": self._first_wait or 0.0,
+                "span": max(span, 0.0)}

@@ -1,0 +1,109 @@
+"""One element (a batch) from a producer to a rank, without its tensor data passing through a pipe.
+
+The producer writes the element into an anonymous memory file — a small pickle whose tensors
+are references into the same file, then the tensors' bytes — and sends the file's descriptor
+over a SOCK_SEQPACKET socketpair. Each message is delivered whole, so several producers can
+share one rank's socket without a lock. The rank maps the file copy-on-write and its tensors
+view the mapping directly; when the last of them is gone, so is the memory. Nothing has a
+name, listens, or outlives the processes holding it.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import socket
+import struct
+from typing import Any
+
+_HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
+ALIGN = 64
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """(producers' end, rank's end) of one rank's channel."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+class _Encoder(pickle.Pickler):
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[tuple[int, Any]] = []
+        self.size = 0
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if type(obj) is torch.Tensor and obj.layout == torch.strided and obj.device.type == "cpu":
+            offset = -(-self.size // ALIGN) * ALIGN
+            nbytes = obj.numel() * obj.element_size()
+            self.tensors.append((offset, obj))
+            self.size = offset + nbytes
+            return _tensor_at, (offset, nbytes, str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+                                obj.requires_grad)
+        return NotImplemented
+
+
+def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> None:
+    """Write ``element`` into a new memory file and send its descriptor."""
+    import torch
+
+    buffer = io.BytesIO()
+    encoder = _Encoder(buffer)
+    encoder.dump(element)
+    skeleton = buffer.getvalue()
+    data_start = -(-len(skeleton) // ALIGN) * ALIGN
+    size = max(data_start + encoder.size, 1)
+    fd = os.memfd_create("taas-element", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as memory:
+            memory[: len(skeleton)] = skeleton
+            for offset, tensor in encoder.tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                if nbytes:
+                    target = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
+                    target.copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+                    del target
+        socket.send_fds(sock, [_HEADER.pack(pass_number, index, len(skeleton))], [fd])
+    finally:
+        os.close(fd)
+
+
+_reading: tuple[mmap.mmap, int] | None = None
+
+
+def receive(sock: socket.socket) -> tuple[int, int, Any]:
+    """The next element on the rank's channel: (pass number, index, element)."""
+    global _reading
+    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
+    if not header:
+        raise EOFError("every producer has closed this channel")
+    pass_number, index, skeleton_length = _HEADER.unpack(header)
+    fd = fds[0]
+    try:
+        size = os.fstat(fd).st_size
+        memory = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    _reading = (memory, -(-skeleton_length // ALIGN) * ALIGN)
+    try:
+        element = pickle.loads(memory[:skeleton_length])
+    finally:
+        _reading = None
+    return pass_number, index, element
+
+
+def _tensor_at(offset: int, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
+    import torch
+
+    memory, data_start = _reading
+    kind = getattr(torch, dtype)
+    if nbytes:
+        tensor = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
+        tensor = tensor.view(kind).view(shape)
+    else:
+        tensor = torch.empty(shape, dtype=kind)
+    return tensor.requires_grad_(True) if requires_grad else tensor
