@@ -69,6 +69,7 @@ class Failure:
     time: float
     summary: str  # one line: "ValueError: boom" or "killed by signal SIGSEGV"
     details: list[str]  # traceback lines, or the last stderr lines of a crash
+    where: str = ""  # what the process was doing: "at element 5 of pass 0 (samples …)"
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,8 @@ class _Watch:
                 if record["status"] == "interrupted" and rank in self.stopped:
                     continue  # we interrupted it
                 summary = f"{record.get('ename', 'Error')}: {record.get('evalue', '')}".rstrip(": ")
-                if record.get("where"):
-                    summary = f"{record['where']}: {summary}"
-                failures.append(Failure(rank, record.get("time", when), summary, record.get("traceback", [])))
+                failures.append(Failure(rank, record.get("time", when), summary, record.get("traceback", []),
+                                        record.get("where", "")))
             elif code != 0 and rank not in self.stopped:
                 failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
         return sorted(failures, key=lambda f: f.time)
@@ -240,7 +240,7 @@ class _Watch:
     def _failure_message(self, failures: list[Failure]) -> tuple[str, list[str]]:
         root = failures[0]
         who = self._name(root.rank)
-        message = f"{who} failed: {root.summary}"
+        message = f"{who} failed{' ' + root.where if root.where else ''}: {root.summary}"
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
         if root.details:
             lines += [f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else

@@ -59,11 +59,11 @@ class ProducerTask:
 
     # -- producing --------------------------------------------------------------------------
     def _produce(self, fds: worker.RankFds) -> None:
-        self.current: tuple[int, int, list] | None = None
-        keys: collections.deque = collections.deque()
+        self.pending: collections.deque = collections.deque()  # keys handed to the fetcher, oldest first
+        keys = self.pending
         last_stats = time.monotonic()
         for element in self._fetch(keys):
-            pass_, index, _ = self.current = keys.popleft()
+            pass_, index, _ = keys.popleft()
             destinations = self.plan.destinations(pass_, index)
             self._wait_for_window(destinations[0][1], fds)
             for rank, _ in destinations:
@@ -72,7 +72,6 @@ class ProducerTask:
             if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
                 worker.report(fds.report, self.counters.stats(self.name))
                 last_stats = time.monotonic()
-        self.current = None
 
     def _fetch(self, keys: collections.deque) -> Iterator[Any]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
@@ -131,15 +130,16 @@ class ProducerTask:
 
     def _failure(self, error: BaseException, shell: Any) -> dict[str, Any]:
         where = ""
-        if self.current is not None:
-            pass_, index, indices = self.current
+        pending = getattr(self, "pending", None)
+        if pending:  # the fetcher delivers in order: the oldest element not yet delivered is the one that failed
+            pass_, index, indices = pending[0]
             where = f" at element {index} of pass {pass_.number} (samples {_short(indices)})"
         return {
             "status": "interrupted" if isinstance(error, KeyboardInterrupt) else "error",
             "time": time.monotonic(),
             "ename": type(error).__name__,
             "evalue": str(error),
-            "where": f"producer {self.index} of {self.name!r}{where}",
+            "where": where.strip(),
             "traceback": worker.format_traceback(error, shell),
         }
 

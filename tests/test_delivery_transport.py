@@ -1,0 +1,52 @@
+"""One element across processes through a memory file, as producers send it and ranks receive it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from taas_magic.delivery import transport
+
+
+def roundtrip(element):
+    producers_end, rank_end = transport.channel_pair()
+    try:
+        transport.send(producers_end, 3, 7, element)
+        return transport.receive(rank_end)
+    finally:
+        producers_end.close()
+        rank_end.close()
+
+
+def test_tensors_and_structures_arrive_equal_and_writable():
+    element = {"x": torch.randn(4, 3, 8, 8), "y": torch.arange(4), "ids": ["a", "b"], "empty": torch.zeros(0, 5),
+               "view": torch.arange(20.0).reshape(4, 5)[:, 1:3], "half": torch.ones(3, dtype=torch.float16)}
+    pass_number, index, got = roundtrip(element)
+    assert (pass_number, index) == (3, 7)
+    for key in ("x", "y", "empty", "view", "half"):
+        assert torch.equal(got[key], element[key]) and got[key].dtype == element[key].dtype
+    assert got["ids"] == ["a", "b"]
+    got["x"].add_(1)  # the rank's copy is its own
+    assert not torch.equal(got["x"], element["x"])
+
+
+def test_from_another_process_and_nothing_stays_open():
+    producers_end, rank_end = transport.channel_pair()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            rank_end.close()
+            for i in range(20):
+                transport.send(producers_end, 0, i, (torch.full((1000,), float(i)), i))
+        finally:
+            os._exit(0)
+    received = [transport.receive(rank_end) for _ in range(20)]
+    os.waitpid(pid, 0)
+    assert [index for _, index, _ in received] == list(range(20))
+    assert all(float(element[0][0]) == index for _, index, element in received)
+    del received
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    producers_end.close()
+    rank_end.close()

@@ -1,0 +1,196 @@
+"""Data delivery in a real kernel: registered loaders served to the ranks by producer processes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import processes_of_run
+
+pytestmark = pytest.mark.kernel
+
+SETUP = """
+import os, torch, taas
+from torch.utils.data import DataLoader, Dataset
+class Indices(Dataset):
+    '''Element i is (i, pid of the process that built it).'''
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.tensor([i, os.getpid()])
+torch.manual_seed(0)
+loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
+taas.register(loader)
+"""
+
+COLLECT = """import json, os, taas
+seen = []
+for epoch in range(PASSES):
+    batches = [b[:, 0].tolist() for b in loader]
+    seen.append(batches)
+print("GOT " + json.dumps({"rank": taas.rank(), "pid": os.getpid(), "len": len(loader), "passes": seen}))
+"""
+
+
+@pytest.fixture(scope="module")
+def registered(kernel):
+    kernel.execute(SETUP).ok()
+    return kernel
+
+
+def received(result) -> dict[int, dict]:
+    found = {}
+    for match in re.finditer(r"GOT (\{.*\})", result.stdout):
+        record = json.loads(match[1])
+        found[record["rank"]] = record
+    return found
+
+
+def run(kernel, options: str, passes: int = 1):
+    result = kernel.execute(f"#pragma taas --gpus 2 {options}\n" + COLLECT.replace("PASSES", str(passes))).ok()
+    return result, received(result)
+
+
+@pytest.mark.parametrize("producers", [1, 2, 3])
+def test_every_element_exactly_once_equal_counts_same_order_whatever_k(registered, producers):
+    result, got = run(registered, f"--cpus {producers}", passes=2)
+    _, again = run(registered, "--cpus 1", passes=2)
+    assert sorted(got) == [0, 1]
+    for number in range(2):
+        per_rank = [[i for batch in got[rank]["passes"][number] for i in batch] for rank in (0, 1)]
+        assert len(got[0]["passes"][number]) == len(got[1]["passes"][number]) == got[0]["len"] == 7
+        union = per_rank[0] + per_rank[1]
+        assert sorted(set(union)) == list(range(50)), "every element of the pass is delivered"
+        assert len(union) == 54 and len(union) - len(set(union)) == 4, "13 batches padded to 14 with the first one"
+    assert got[0]["passes"][0] != got[0]["passes"][1], "each pass is reshuffled"
+    assert {r: g["passes"] for r, g in got.items()} == {r: g["passes"] for r, g in again.items()}, \
+        "the same order on every run, whatever the number of producers"
+    assert "taas: loader: 28 elements delivered to 2 ranks" in result.stderr
+
+
+def test_producers_are_processes_of_their_own(registered):
+    result = registered.execute("""#pragma taas --gpus 2 --cpus 2
+import json, os, taas
+builders = sorted({int(pid) for _ in range(2) for batch in loader for pid in batch[:, 1].tolist()})
+print("PIDS " + json.dumps([os.getpid(), os.getppid(), builders]))
+""").ok()
+    lines = [json.loads(line) for line in re.findall(r"PIDS (.*)", result.stdout)]
+    ranks = {rank for rank, _, _ in lines}
+    builders = {pid for _, _, pids in lines for pid in pids}
+    assert len(builders) == 2, "two producers built the elements"
+    assert not builders & (ranks | {registered.pid}), "neither the ranks nor the kernel"
+
+
+def test_units_end_the_stream_at_the_right_element_across_passes(registered):
+    _, got = run(registered, "--units 20", passes=3)
+    sizes = [[len(p) for p in got[rank]["passes"]] for rank in (0, 1)]
+    assert sizes == [[7, 4, 0], [7, 4, 0]], "13 batches, then 7 more (padded to 8), then nothing"
+    second = got[0]["passes"][1] + got[1]["passes"][1]
+    assert len({tuple(b) for b in second}) == 7, "the 7 units of the second pass, one of them twice"
+
+
+def test_fastest_order_still_delivers_each_element_once_per_place(registered):
+    _, got = run(registered, "--cpus 3 --order fastest")
+    union = [i for rank in (0, 1) for batch in got[rank]["passes"][0] for i in batch]
+    assert sorted(set(union)) == list(range(50)) and len(got[0]["passes"][0]) == len(got[1]["passes"][0])
+
+
+def test_cpus_0_turns_delivery_off_and_an_unregistered_loader_is_untouched(registered):
+    _, got = run(registered, "--cpus 0")
+    assert all(sum(len(b) for b in got[rank]["passes"][0]) == 50 for rank in (0, 1)), "each rank iterates it all"
+    registered.execute("taas.unregister(loader)").ok()
+    try:
+        result, got = run(registered, "")
+        assert all(g["len"] == 13 for g in got.values())
+        assert "elements delivered" not in result.stderr
+    finally:
+        registered.execute("taas.register(loader)").ok()
+    assert registered.value("len(loader)") == 13, "outside a taas cell the loader is unchanged"
+
+
+def test_a_loader_with_worker_processes_and_the_fork_server(registered):
+    registered.execute("workers = DataLoader(Indices(24), batch_size=3, num_workers=2)\ntaas.register(workers)").ok()
+    for start in ("fork", "spawn"):
+        result = registered.execute(f"""#pragma taas --gpus 2 --start {start}
+import taas
+mine = [i for batch in workers for i in batch[:, 0].tolist()]
+print("MINE", sorted(mine))
+""").ok()
+        mine = [json.loads(m) for m in re.findall(r"MINE (\[.*\])", result.stdout)]
+        assert sorted(mine[0] + mine[1]) == list(range(24)), start
+
+
+def test_a_failing_dataset_fails_the_cell_naming_the_loader_and_element(registered):
+    registered.execute("broken = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(broken)").ok()
+    result = registered.execute("""#pragma taas --gpus 2
+import os
+print("RUN", os.environ["TAAS_RUN_ID"], flush=True) if os.environ["RANK"] == "0" else None
+for batch in broken:
+    pass
+""", timeout=60)
+    assert result.error is not None and result.seconds < 15
+    assert result.error["evalue"].startswith("producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ")
+    assert "ValueError: sample 21 is corrupt" in result.error["evalue"]
+    assert "raise ValueError" in result.traceback
+    run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
+    assert processes_of_run(run_id) == []
+
+
+def test_a_killed_producer_is_reported_and_nothing_hangs(registered):
+    registered.execute("""
+import signal
+class Fragile(Indices):
+    def __getitem__(self, i):
+        if i == 30:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+fragile = DataLoader(Fragile(40), batch_size=4)
+taas.register(fragile)
+""").ok()
+    result = registered.execute("#pragma taas --gpus 2\nfor batch in fragile:\n    pass", timeout=60)
+    assert result.error["evalue"] == "producer 0 of fragile failed: killed by signal SIGKILL"
+    assert result.seconds < 15
+
+
+def test_an_interrupt_stops_ranks_and_producers(registered):
+    registered.execute("""
+import time
+class Slow(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.5)
+        return super().__getitem__(i)
+slow = DataLoader(Slow(1000), batch_size=2, num_workers=1)
+taas.register(slow)
+""").ok()
+    result = registered.execute("""#pragma taas --gpus 2 --cpus 2
+import os
+print("RUN", os.environ["TAAS_RUN_ID"], flush=True) if os.environ["RANK"] == "0" else None
+for batch in slow:
+    pass
+""", interrupt_after=3, timeout=30)
+    assert "KeyboardInterrupt" in result.traceback
+    run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
+    assert processes_of_run(run_id) == []
+    registered.execute("taas.unregister(slow)").ok()
+
+
+def test_progress_is_shown_in_one_display_while_the_cell_runs(registered):
+    registered.execute("""
+class Paced(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return super().__getitem__(i)
+paced = DataLoader(Paced(200), batch_size=2)
+taas.register(paced)
+""").ok()
+    result = registered.execute("#pragma taas --gpus 2\nfor batch in paced:\n    pass").ok()
+    progress = [d["text/plain"] for d in result.displays]
+    assert progress and progress[0].startswith("taas: paced: ")
+    assert "produced" in progress[0] and "consumed" in progress[0] and "buffered" in progress[0]
+    registered.execute("taas.unregister(paced)").ok()

@@ -1,0 +1,37 @@
+"""taas.register / unregister / registered."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from torch.utils.data import DataLoader
+
+import taas
+
+
+def test_register_is_idempotent_and_unregister_removes():
+    loader = DataLoader(list(range(4)))
+    taas.register(loader)
+    taas.register(loader)
+    assert taas.registered().count(loader) == 1
+    taas.unregister(loader)
+    assert loader not in taas.registered()
+
+
+def test_only_dataloaders_are_accepted():
+    with pytest.raises(TypeError, match="accepts a torch.utils.data.DataLoader, not builtins.list"):
+        taas.register([1, 2, 3])
+
+
+def test_unregistering_an_unknown_loader_names_it():
+    with pytest.raises(ValueError, match="DataLoader at 0x[0-9a-f]+ is not registered"):
+        taas.unregister(DataLoader([1]))
+
+
+def test_the_registry_does_not_keep_a_deleted_loader_alive():
+    loader = DataLoader(list(range(4)))
+    taas.register(loader)
+    del loader
+    gc.collect()
+    assert taas.registered() == []
