@@ -81,10 +81,11 @@ def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(kernel, heade
     assert kernel.children() == []
 
 
-def test_data_options_are_accepted_and_say_delivery_is_not_active(kernel):
+def test_data_options_without_a_registered_loader_say_they_have_no_effect(kernel):
     result = kernel.execute("#pragma taas --gpus 2 --cpus 2 --units 100\nprint('ran')").ok()
     assert result.stdout.count("] ran\n") == 2
-    assert result.stderr.count("data delivery is not active") == 1
+    assert result.stderr == ("taas: --cpus/--units have no effect: the cell uses no registered DataLoader "
+                             "(taas.register(loader) in an earlier cell)\n")
 
 
 def test_line_magic_shows_the_effective_settings(kernel):

@@ -143,7 +143,7 @@ class _Watch:
         now = time.monotonic()
         if self.escalation is None and self._failures():
             self._begin_stop(group, ON_FAILURE)
-        elif self.escalation is None and not any(key >= 0 for key in group.running()):
+        elif self.escalation is None and _only_producers(group.running()):
             self._begin_stop(group, ON_FAILURE)  # every rank is done: the producers' work is over
         elif self.escalation is None and deadline is not None and now >= deadline:
             late = sorted(group.running())
@@ -298,6 +298,10 @@ def _until_taas(frames: list[str]) -> list[str]:
         if "/taas_magic/" in line:
             return frames[:index]
     return frames
+
+
+def _only_producers(running: set[int]) -> bool:
+    return bool(running) and all(key < 0 for key in running)
 
 
 def _progress_line(name: str, stats: dict) -> str:
