@@ -150,3 +150,11 @@ def test_cache_picks_up_a_changed_file(tmp_path) -> None:
     path.unlink()
     with pytest.raises(TaasUsageError, match="does not name a readable file"):
         load_catalog({ENV_VAR: str(path)})
+
+
+@pytest.mark.parametrize("fields", ["{gpus: -1, cpus: 4}", "{gpus: 0, cpus: 0}", "{gpus: 1, cpus: 2, memory_gb: -5}"])
+def test_impossible_machines_are_refused(tmp_path, fields):
+    path = tmp_path / "odd.yaml"
+    path.write_text(f"configurations:\n  odd: {fields}\n")
+    with pytest.raises(TaasUsageError, match="configuration 'odd' has gpus"):
+        load_catalog({"TAAS_CONFIG": str(path)})

@@ -248,3 +248,21 @@ def test_any_option_like_line_gives_a_spec_or_a_usage_error(
     line: str, machine: Machine, environ: dict[str, str]
 ) -> None:
     spec_or_usage_error(line, machine, environ)
+
+
+def test_quotes_group_words_and_are_removed():
+    from taas_magic import options as opts
+    from taas_magic.magics import TaasMagics
+
+    assert opts.parse(TaasMagics.taas, "--config 'g2.8' --return 'a, b'").config == "g2.8"
+    assert opts.parse(TaasMagics.taas, "--return 'a, b'").return_names == ("a", "b")
+
+
+def test_abbreviated_options_are_not_guessed():
+    from IPython.core.error import UsageError
+
+    from taas_magic import options as opts
+    from taas_magic.magics import TaasMagics
+
+    with pytest.raises(UsageError, match="unknown option '--gp'"):
+        opts.parse(TaasMagics.taas, "--gp 2")

@@ -50,14 +50,17 @@ def is_main() -> bool:
 def device() -> Any:
     """The rank's ``torch.device``: its own GPU on CUDA runs, the CPU otherwise.
 
-    In the kernel: the first GPU if CUDA is available, else the CPU.
+    In the kernel: the first GPU if one is visible, else the CPU. It asks NVML, not
+    ``torch.cuda.is_available()``, which would keep later taas cells from forking GPU ranks.
     """
     import torch
 
     chosen = os.environ.get("TAAS_DEVICE", "").strip().lower()
     if "TAAS_RUN_ID" in os.environ:  # inside a rank: the launch resolved the device
         return torch.device("cuda", local_rank()) if chosen == "cuda" else torch.device("cpu")
-    if chosen == "cpu" or not torch.cuda.is_available():
+    from taas_magic.machine import cuda_device_count
+
+    if chosen == "cpu" or cuda_device_count() == 0:
         return torch.device("cpu")
     return torch.device("cuda", 0)
 

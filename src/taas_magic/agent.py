@@ -32,6 +32,7 @@ def main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     import torch  # noqa: F401  (the reason this process exists: ranks start with torch imported)
     import torch.distributed  # noqa: F401
+    import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
 
     channel.send(sock, ("ready", os.getpid()))
     try:
@@ -50,6 +51,8 @@ def _serve(sock: socket.socket, message: tuple, fds: list[int]) -> None:
     _, envs, task, shipment = message
     group: ForkedRanks | None = None
     try:
+        if task.context is not None:
+            task.context.apply()  # before unpickling: imports may depend on sys.path and the folder
         try:
             namespace = shipping.unpack(shipment.data, fds[0] if fds else None, shipment.tensors_size)
         finally:

@@ -122,10 +122,18 @@ def _build(raw: dict[str, Any], sources: tuple[str, ...]) -> Catalog:
             )
         except (TypeError, ValueError, AttributeError) as e:
             raise TaasUsageError(f"configuration {name!r} has a bad field ({e}) in {', '.join(sources)}") from e
+        found = configurations[str(name)]
+        if found.gpus < 0 or found.cpus < 1 or found.memory_gb < 0:
+            raise TaasUsageError(
+                f"configuration {name!r} has gpus: {found.gpus}, cpus: {found.cpus}, memory_gb: {found.memory_gb:g} "
+                f"in {', '.join(sources)}: use gpus >= 0, cpus >= 1 and memory_gb >= 0"
+            )
     try:
         max_nodes = int(raw.get("max_nodes", 4))
     except (TypeError, ValueError) as e:
         raise TaasUsageError(f"max_nodes has a bad value ({e}) in {', '.join(sources)}") from e
+    if max_nodes < 1:
+        raise TaasUsageError(f"max_nodes: {max_nodes} in {', '.join(sources)}: use 1 or more")
     return Catalog(configurations, max_nodes=max_nodes, sources=sources)
 
 

@@ -60,6 +60,27 @@ def _count_with_nvml(visible: str | None) -> int:
         return 0
 
 
+def fork_poisoned_for_cuda() -> bool:
+    """Whether a child forked now could not use CUDA.
+
+    Not only an initialized CUDA context does that: ``torch.cuda.is_available()`` and
+    ``device_count()`` in the kernel make every later fork unable to use CUDA, and nothing
+    in the parent says so. A child forked for a few milliseconds asks torch itself.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(os, "fork"):
+        return False
+    if cuda_initialized_in_kernel():
+        return True
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(1 if torch._C._cuda_isInBadFork() else 0)
+        finally:
+            os._exit(2)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+
+
 def cuda_initialized_in_kernel() -> bool:
     """Whether CUDA is initialized in this process, which makes forking ranks unsafe."""
     torch = sys.modules.get("torch")

@@ -19,8 +19,8 @@ from .errors import TaasUsageError
 from .fork import ForkBackend
 from .spawn import SpawnBackend
 from .pragma import PragmaTransformer
-from .spec import LaunchSpec, build
-from .worker import RankTask
+from .spec import LaunchSpec, build, resolve_start
+from .worker import KernelContext, RankTask
 
 
 @magics_class
@@ -89,25 +89,20 @@ class TaasMagics(Magics):
 
     def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, object]:
         """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
-        cuda_in_kernel = machine.cuda_initialized_in_kernel()
-        start = spec.start
-        if start == "auto":
-            start = "spawn" if cuda_in_kernel or not hasattr(os, "fork") else "fork"
-            if start == "spawn":
-                print("taas: CUDA is initialized in this kernel, so the ranks start from the fork server "
-                      "(--start spawn)", file=sys.stderr)
+        can_fork = hasattr(os, "fork")
+        unsafe = spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda()
+        start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
+        if notice:
+            print(notice, file=sys.stderr)
         if start == "fork":
-            if not hasattr(os, "fork"):
-                raise TaasUsageError("--start fork: this platform cannot fork processes; use --start spawn")
-            if spec.device == "cuda" and cuda_in_kernel:
-                raise TaasUsageError(
-                    "--start fork: CUDA is already initialized in this kernel (an earlier cell used the GPU), and "
-                    "forked ranks cannot use CUDA after that: use --start spawn (or auto)"
-                )
             return self.fork_backend, task
         shipment = shipping.pack(self.shell.user_ns, shipping.needed_names(tree, self.shell.user_ns))
-        source = "".join(linecache.getlines(task.code.co_filename))
-        rank_task = dataclasses.replace(task, source=source, cell_label=f"Cell In[{self.shell.execution_count}]")
+        rank_task = dataclasses.replace(
+            task,
+            source="".join(linecache.getlines(task.code.co_filename)),
+            cell_label=f"Cell In[{self.shell.execution_count}]",
+            context=KernelContext(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path)),
+        )
         return self.spawn_backend, (rank_task, shipment)
 
     def _take_back(self, outcome: controller.Outcome) -> None:
@@ -143,7 +138,7 @@ class TaasMagics(Magics):
             device = f"invalid ({e})"
         names = ", ".join(catalog.names())
         return "\n".join([
-            "start:               auto (fork from this kernel; the fork server once CUDA is initialized here)",
+            "start:               fork from this kernel; the fork server once CUDA was used here",
             f"fork server:         {self.spawn_backend.describe()}",
             f"configurations:      {'; '.join(catalog.sources)}",
             f"                     {names}",
@@ -156,6 +151,9 @@ class TaasMagics(Magics):
             "default --gpus:      the configuration's GPUs per node, else 1",
             "default --output:    all (each line prefixed with its rank)",
             "default --timeout:   none",
+            "default --start:     auto",
+            "default --return:    every name the cell binds at top level (rank 0's values)",
+            "default --cpus:      1 producer per registered loader the cell uses (0: no data delivery)",
         ])
 
 

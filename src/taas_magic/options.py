@@ -123,8 +123,9 @@ def declare(func: Callable) -> Callable:
 def parse(magic: Callable, line: str) -> argparse.Namespace:
     """Parse a `%%taas` line; anything unknown is a one-line error naming it and the allowed options."""
     parser = magic.parser
+    parser.allow_abbrev = False  # `--gp 2` is a typo to report, not a guess to make
     try:
-        argv = arg_split(line, strict=True)
+        argv = arg_split(line, posix=True, strict=True)  # posix: quotes group words and are removed
     except ValueError as e:
         raise TaasUsageError(f"cannot split the options {line!r}: {e}") from e
     try:

@@ -131,3 +131,28 @@ def _threads_per_rank(environ: Mapping[str, str], machine: Machine, ranks_per_no
     if chosen.isdecimal() and int(chosen) > 0:  # isdigit() would accept "²", which int() refuses
         return int(chosen)
     return max(1, machine.cpus // ranks_per_node)
+
+
+def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool) -> tuple[str, str]:
+    """The start method a run uses, and a one-line notice when ``auto`` did not pick fork.
+
+    Forking is the fast path; it is refused for GPU ranks once the kernel has touched CUDA,
+    where the fork server takes over.
+    """
+    if requested == "fork":
+        if not can_fork:
+            raise TaasUsageError("--start fork: this platform cannot fork processes; use --start spawn")
+        if device == "cuda" and fork_unsafe_for_cuda:
+            raise TaasUsageError(
+                "--start fork: CUDA was already used in this kernel (an earlier cell initialized it or asked "
+                "torch.cuda.is_available()), and forked ranks cannot use CUDA after that: use --start spawn (or auto)"
+            )
+        return "fork", ""
+    if requested == "spawn":
+        return "spawn", ""
+    if not can_fork:
+        return "spawn", "taas: this platform cannot fork the kernel, so the ranks start from the fork server"
+    if device == "cuda" and fork_unsafe_for_cuda:
+        return "spawn", ("taas: CUDA was already used in this kernel, so the ranks start from the fork server "
+                         "(--start spawn)")
+    return "fork", ""

@@ -36,6 +36,21 @@ except (AttributeError, OSError):
 
 
 @dataclass(frozen=True)
+class KernelContext:
+    """The kernel's process state that spawned ranks must see as forked ones do."""
+
+    environ: dict[str, str]
+    cwd: str
+    sys_path: list[str]
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.sys_path
+
+
+@dataclass(frozen=True)
 class RankTask:
     """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
 
@@ -47,6 +62,7 @@ class RankTask:
     source: str = ""  # the cell's code, for tracebacks where the kernel's line cache is not inherited
     cell_label: str = ""  # "Cell In[5]": how tracebacks name the cell
     loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
+    context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder and sys.path
 
     def run(self, env: dict[str, str], fds: "RankFds") -> int:
         return run_rank(self, env, fds)
@@ -96,8 +112,26 @@ def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
         if task.source:
             linecache.cache[task.code.co_filename] = (len(task.source), None, task.source.splitlines(True),
                                                       task.code.co_filename)
+        if _uses_name(task.code, "get_ipython"):
+            _standalone_shell(task.namespace)
         return task.namespace
     return shell.user_ns if shell is not None else {"__name__": "__main__"}
+
+
+def _uses_name(code: CodeType, name: str) -> bool:
+    return name in code.co_names or any(
+        isinstance(const, CodeType) and _uses_name(const, name) for const in code.co_consts)
+
+
+def _standalone_shell(namespace: dict[str, Any]) -> None:
+    """IPython syntax (magics, `!cmd`) in a spawned rank: a shell of its own over the rank's namespace."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False  # no history database for a rank
+    shell = InteractiveShell.instance(config=config, user_ns=namespace)
+    shell.display_pub.publish = _print_display_data
 
 
 def _tie_life_to_kernel(lifeline: int) -> None:

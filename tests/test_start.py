@@ -1,0 +1,41 @@
+"""Choosing how ranks start: fork when it is safe, the fork server when the kernel has used CUDA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from IPython.core.error import UsageError
+
+from taas_magic.spec import resolve_start
+
+
+@pytest.mark.parametrize(
+    "requested, device, unsafe, can_fork, expected",
+    [
+        ("auto", "cuda", False, True, ("fork", "")),
+        ("auto", "cpu", True, True, ("fork", "")),
+        ("auto", "cuda", True, True, ("spawn", "CUDA was already used in this kernel")),
+        ("auto", "cuda", False, False, ("spawn", "cannot fork the kernel")),
+        ("spawn", "cuda", False, True, ("spawn", "")),
+        ("fork", "cpu", True, True, ("fork", "")),
+    ],
+)
+def test_resolve_start(requested, device, unsafe, can_fork, expected):
+    start, notice = resolve_start(requested, device, unsafe, can_fork)
+    assert start == expected[0]
+    assert (expected[1] in notice) if expected[1] else notice == ""
+
+
+@pytest.mark.parametrize("can_fork, message", [(True, "CUDA was already used"), (False, "cannot fork")])
+def test_fork_is_refused_where_it_cannot_work(can_fork, message):
+    with pytest.raises(UsageError, match=message):
+        resolve_start("fork", "cuda", True, can_fork)
+
+
+def test_asking_torch_whether_cuda_is_available_makes_forks_unable_to_use_it():
+    probe = ("import torch\nfrom taas_magic.machine import fork_poisoned_for_cuda as p\n"
+             "before = p()\ntorch.cuda.is_available()\nprint(before, p(), torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True", "False"], out.stderr
