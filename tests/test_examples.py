@@ -1,0 +1,65 @@
+"""The example notebooks, executed headless as a user would run them (CPU, 2 ranks, small data)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from mnist_data import ensure_mnist  # noqa: E402
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mnist")
+    ensure_mnist(root, n_train=2000, n_test=400)
+    return root
+
+
+def execute(name: str, data: Path, output: Path, monkeypatch) -> str:
+    for key, value in {"TAAS_DEVICE": "cpu", "TAAS_GPUS": "2", "TAAS_EPOCHS": "1", "TAAS_DATA": str(data),
+                       "TAAS_OUTPUT": str(output)}.items():
+        monkeypatch.setenv(key, value)
+    notebook = nbformat.read(EXAMPLES / name, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(output)}}
+                            ).execute()
+    texts = []
+    for cell in notebook.cells:
+        for out in cell.get("outputs", []):
+            texts.append(out.get("text") or out.get("data", {}).get("text/plain", ""))
+    return "\n".join(texts)
+
+
+def accuracy(text: str) -> float:
+    return float(re.search(r"\[rank 0\] Test accuracy: ([\d.]+)%", text)[1])
+
+
+@pytest.mark.skipif(not (EXAMPLES / "mnist.ipynb").exists(), reason="examples/mnist.ipynb not present")
+def test_mnist_notebook(data, tmp_path, monkeypatch):
+    text = execute("mnist.ipynb", data, tmp_path, monkeypatch)
+    assert accuracy(text) > 80
+    assert text.count("Test accuracy") == 1, "only rank 0 reports"
+
+
+def test_lightning_notebook_trains_and_returns_the_model(data, tmp_path, monkeypatch):
+    text = execute("mnist_lightning.ipynb", data, tmp_path, monkeypatch)
+    assert accuracy(text) > 40, "one short epoch learns well beyond chance (10%)"
+    kernel_score = float(re.search(r"the returned model scores ([\d.]+)%", text)[1])
+    assert abs(kernel_score - accuracy(text)) < 0.5, "the model that came back is the one rank 0 trained"
+
+
+def test_data_delivery_notebook(data, tmp_path, monkeypatch):
+    text = execute("mnist_data_delivery.ipynb", data, tmp_path, monkeypatch)
+    assert accuracy(text) > 80
+    assert re.search(r"taas: train_loader: 32 elements delivered to 2 ranks", text), text[-2000:]
+    assert (tmp_path / "mnist_cnn_delivery.pt").exists()
+
