@@ -18,7 +18,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests
 
-bench: $(VENV)/.installed
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/launch.py
 
 clean:

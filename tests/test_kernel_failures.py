@@ -180,16 +180,23 @@ time.sleep(100)
     assert alive == [], [p.cmdline() for p in alive]
 
 
-def test_nothing_is_left_in_temp_folders_or_shared_memory(fresh_kernel):
-    import tempfile
+def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):
+    from conftest import Kernel
 
-    folders = [tempfile.gettempdir(), "/dev/shm"]
-    before = {folder: set(os.listdir(folder)) for folder in folders if os.path.isdir(folder)}
-    fresh_kernel.execute("#pragma taas --gpus 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
-                         "dist.barrier()").ok()
-    fresh_kernel.execute("#pragma taas --gpus 2\nraise ValueError('x')")
-    fresh_kernel.execute("#pragma taas --gpus 2 --timeout 0.5\nimport time; time.sleep(9)")
-    after = {folder: set(os.listdir(folder)) for folder in before}
-    for folder in before:
-        new = {name for name in after[folder] - before[folder] if str(fresh_kernel.pid) not in name}
-        assert not new, f"left in {folder}: {new}"
+    private = tmp_path / "tmp"
+    private.mkdir()
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    kernel = Kernel({"TMPDIR": str(private)})  # everything the kernel, taas and the ranks make goes here
+    try:
+        kernel.execute("#pragma taas --gpus 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                       "dist.barrier()").ok()
+        kernel.execute("#pragma taas --gpus 2\nraise ValueError('x')")
+        kernel.execute("#pragma taas --gpus 2 --timeout 0.5\nimport time; time.sleep(9)")
+        kernel.execute("#pragma taas --gpus 2 --start spawn\nimport torch\nx = torch.ones(4)").ok()
+        left = [p.name for p in private.iterdir() if str(kernel.pid) not in p.name]
+    finally:
+        kernel.shutdown()
+    assert left == []
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    ours = [name for name in shm_after - shm_before if name.startswith(("torch_", "taas", "psm_", "pymp"))]
+    assert ours == []

@@ -15,7 +15,7 @@ from taas_magic.spec import resolve_start
     "requested, device, unsafe, can_fork, expected",
     [
         ("auto", "cuda", False, True, ("fork", "")),
-        ("auto", "cpu", True, True, ("fork", "")),
+        ("auto", "cpu", True, True, ("spawn", "CUDA was already used in this kernel")),
         ("auto", "cuda", True, True, ("spawn", "CUDA was already used in this kernel")),
         ("auto", "cuda", False, False, ("spawn", "cannot fork the kernel")),
         ("spawn", "cuda", False, True, ("spawn", "")),

@@ -90,7 +90,9 @@ class TaasMagics(Magics):
     def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, object]:
         """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
         can_fork = hasattr(os, "fork")
-        unsafe = spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda()
+        # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
+        unsafe = machine.cuda_initialized_in_kernel() or (
+            spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda())
         start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
         if notice:
             print(notice, file=sys.stderr)

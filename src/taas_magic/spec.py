@@ -152,7 +152,7 @@ def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_f
         return "spawn", ""
     if not can_fork:
         return "spawn", "taas: this platform cannot fork the kernel, so the ranks start from the fork server"
-    if device == "cuda" and fork_unsafe_for_cuda:
+    if fork_unsafe_for_cuda:
         return "spawn", ("taas: CUDA was already used in this kernel, so the ranks start from the fork server "
                          "(--start spawn)")
     return "fork", ""
