@@ -19,7 +19,6 @@ import select
 import signal
 import socket
 import sys
-from typing import Any
 
 from . import channel, shipping
 from .fork import ForkBackend, ForkedRanks
@@ -30,9 +29,9 @@ POLL_SECONDS = 0.02
 def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's to forward
     sock = socket.socket(fileno=fd)
+    import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
     import torch  # noqa: F401  (the reason this process exists: ranks start with torch imported)
     import torch.distributed  # noqa: F401
-    import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
 
     channel.send(sock, ("ready", os.getpid()))
     try:

@@ -8,17 +8,18 @@ import linecache
 import os
 import sys
 from types import CodeType
+
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from . import controller, machine, options, results, shipping
 from .backend import Backend
+from .configurations import load_catalog
 from .delivery import planning
 from .delivery.service import producer_labels
-from .configurations import load_catalog
 from .errors import TaasUsageError
 from .fork import ForkBackend
-from .spawn import SpawnBackend
 from .pragma import PragmaTransformer
+from .spawn import SpawnBackend, SpawnRequest
 from .spec import LaunchSpec, build, resolve_start
 from .worker import KernelContext, RankTask
 
@@ -64,8 +65,8 @@ class TaasMagics(Magics):
             outcome = controller.run(spec, task, backend, _write_to_cell, os.environ, cell_names,
                                      labels=producer_labels(loaders), status=progress.show)
         finally:
-            if isinstance(task, tuple):
-                task[1].close()
+            if isinstance(task, SpawnRequest):
+                task.close()  # the shipped tensors' memory file
         self._take_back(outcome)
 
     def _loaders(self, spec: LaunchSpec, tree: ast.Module) -> tuple:
@@ -105,7 +106,7 @@ class TaasMagics(Magics):
             cell_label=f"Cell In[{self.shell.execution_count}]",
             context=KernelContext(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path)),
         )
-        return self.spawn_backend, (rank_task, shipment)
+        return self.spawn_backend, SpawnRequest(rank_task, shipment)
 
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""

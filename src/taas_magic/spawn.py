@@ -9,12 +9,12 @@ goes through the same channel, so the controller sees the same ``RankGroup`` as 
 from __future__ import annotations
 
 import dataclasses
-import os
 import select
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 from . import channel
@@ -74,6 +74,17 @@ class Agent:
             self.process.wait()
 
 
+@dataclass
+class SpawnRequest:
+    """A run for the fork server: the ranks' task and the names shipped for it."""
+
+    task: RankTask
+    shipment: Shipment
+
+    def close(self) -> None:
+        self.shipment.close()
+
+
 class SpawnBackend:
     name = "spawn"
 
@@ -90,8 +101,8 @@ class SpawnBackend:
         if self._agent is None or not self._agent.alive():
             self._agent = Agent()
 
-    def start(self, envs: dict[int, dict[str, str]], task: tuple[RankTask, Shipment]) -> "AgentRanks":
-        rank_task, shipment = task
+    def start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> "AgentRanks":
+        rank_task, shipment = request.task, request.shipment
         self.warm_up()
         agent = self._agent
         try:
