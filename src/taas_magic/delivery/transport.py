@@ -59,14 +59,11 @@ def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> Non
     fd = os.memfd_create("taas-element", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as memory:
-            memory[: len(skeleton)] = skeleton
-            for offset, tensor in encoder.tensors:
-                nbytes = tensor.numel() * tensor.element_size()
-                if nbytes:
-                    target = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
-                    target.copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-                    del target
+        os.pwrite(fd, skeleton, 0)
+        for offset, tensor in encoder.tensors:
+            if tensor.numel():
+                # One write straight from the tensor's memory: no mapping to fault in page by page.
+                os.pwrite(fd, tensor.detach().contiguous().view(-1).view(torch.uint8).numpy(), data_start + offset)
         socket.send_fds(sock, [_HEADER.pack(pass_number, index, len(skeleton))], [fd])
     finally:
         os.close(fd)
