@@ -194,3 +194,22 @@ taas.register(paced)
     assert progress and progress[0].startswith("taas: paced: ")
     assert "produced" in progress[0] and "consumed" in progress[0] and "buffered" in progress[0]
     registered.execute("taas.unregister(paced)").ok()
+
+
+def test_leaving_a_pass_early_or_iterating_on_one_rank_does_not_hang(registered):
+    registered.execute("few = DataLoader(torch.arange(40), batch_size=2)\ntaas.register(few)").ok()
+    result = registered.execute("""#pragma taas --gpus 2 --timeout 30
+first = next(iter(few))          # an iterator dropped after one element
+whole = sum(1 for b in few)      # the next pass, whole
+for i, b in enumerate(few):      # a pass left with break
+    if i == 3:
+        break
+again = sum(1 for b in few)
+print("COUNTS", first.tolist(), whole, again)
+""").ok()
+    assert "[rank 0] COUNTS [0, 1] 10 10" in result.stdout and "[rank 1] COUNTS [2, 3] 10 10" in result.stdout
+    assert "taas: few: 50 elements delivered to 2 ranks" in result.stderr  # 1 + 10 + 4 + 10 per rank
+    result = registered.execute("#pragma taas --gpus 2 --timeout 30\nif taas.is_main():\n"
+                                "    print('MAIN', sum(len(b) for b in few))").ok()
+    assert "[rank 0] MAIN 20" in result.stdout, "rank 0's share; the other rank's cell ended"
+    registered.execute("taas.unregister(few)").ok()

@@ -202,7 +202,8 @@ class _Watch:
             share = waited / span if span > 0 else 0.0
             first = max(s["first_wait"] for s in summaries)
             rate = f"{taken / span:,.0f} elements/s" if span > 0 else "—"
-            lines.append(f"taas: {name}: {taken} elements delivered to {len(summaries)} ranks, {rate}, "
+            ranks = f"{len(summaries)} rank{'s' if len(summaries) != 1 else ''}"
+            lines.append(f"taas: {name}: {taken} elements delivered to {ranks}, {rate}, "
                          f"ranks waited for data {share:.0%} of the time (first element after {first * 1000:.0f} ms)")
         return lines
 

@@ -92,6 +92,10 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     try:
         return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
     finally:
+        for plan in task.loaders:
+            finish = getattr(namespace.get(plan.name), "finish", None)
+            if finish is not None:
+                finish()
         flush_all()
         end_descendants()
 
@@ -330,7 +334,7 @@ def _report_failure(report_fd: int, error: BaseException, shell: Any, task: Rank
             "time": when,
             "ename": type(error).__name__,
             "evalue": summary or str(error),
-            "traceback": format_traceback(error, shell, task),
+            "traceback": [] if interrupted else format_traceback(error, shell, task),
         },
     )
     return EXIT_INTERRUPTED if interrupted else EXIT_FAILED

@@ -67,7 +67,8 @@ class ProducerTask:
             destinations = self.plan.destinations(pass_, index)
             self._wait_for_window(destinations[0][1], fds)
             for rank, _ in destinations:
-                send(self.channels[rank], pass_.number, index, element)
+                if not self.counters.is_done(rank):  # a rank whose cell has ended reads nothing more
+                    send(self.channels[rank], pass_.number, index, element)
             self.counters.produced[self.index] += 1
             if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
                 worker.report(fds.report, self.counters.stats(self.name))
@@ -134,14 +135,23 @@ class ProducerTask:
         if pending:  # the fetcher delivers in order: the oldest element not yet delivered is the one that failed
             pass_, index, indices = pending[0]
             where = f" at element {index} of pass {pass_.number} (samples {_short(indices)})"
+        interrupted = isinstance(error, KeyboardInterrupt)
         return {
-            "status": "interrupted" if isinstance(error, KeyboardInterrupt) else "error",
+            "status": "interrupted" if interrupted else "error",
             "time": time.monotonic(),
             "ename": type(error).__name__,
             "evalue": str(error),
             "where": where.strip(),
-            "traceback": worker.format_traceback(error, shell),
+            "traceback": [] if interrupted else worker.format_traceback(_past_taas(error), shell),
         }
+
+
+def _past_taas(error: BaseException) -> BaseException:
+    """The error with the producer's own frames cut off its traceback: they say nothing to the user."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None and "/taas_magic/" in tb.tb_frame.f_code.co_filename:
+        tb = tb.tb_next
+    return error.with_traceback(tb)
 
 
 class _Keys:

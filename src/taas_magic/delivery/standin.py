@@ -27,11 +27,14 @@ class StandIn:
         self._pin = device == "cuda" and bool(getattr(loader, "pin_memory", False))
         self._passes = plan.passes()
         self._early: dict[tuple[int, int], list[Any]] = {}
-        self._taken = 0
+        self._taken = 0  # rounds of the stream this rank is past (skipped ones included)
+        self._delivered = 0
         self._waited = 0.0
         self._first_wait: float | None = None
         self._started: float | None = None
         self._last: float | None = None
+        self._open: Any = None  # the pass being iterated
+        self._closed_pass = -1  # passes up to this one are over for this rank
 
     def __len__(self) -> int:
         return self._plan.share()
@@ -43,18 +46,41 @@ class StandIn:
         return f"<taas stand-in for {self._name!r}: rank {self._rank}'s share of {len(self)} per pass>"
 
     def __iter__(self) -> Iterator[Any]:
+        self._abandon()  # a pass left unfinished by an earlier iterator ends here
         pass_ = next(self._passes, None)
         if pass_ is None:
             return  # --units used up
-        wanted = collections.Counter(self._plan.sequence(pass_, self._rank))
+        self._open = pass_
         order = self._plan.sequence(pass_, self._rank)
-        for index in order:
-            chosen = None if self._fastest else index
-            element = self._take(pass_.number, chosen, wanted)
-            self._taken += 1
-            self._counters.consumed[self._rank] = self._taken
-            self._last = time.monotonic()
-            yield self._pinned(element)
+        wanted = collections.Counter(order)
+        try:
+            for index in order:
+                element = self._take(pass_.number, None if self._fastest else index, wanted)
+                self._taken += 1
+                self._delivered += 1
+                self._counters.consumed[self._rank] = self._taken
+                self._last = time.monotonic()
+                yield self._pinned(element)
+                if self._open is not pass_:
+                    return  # a newer iterator took over
+        finally:
+            if self._open is pass_:
+                self._abandon()
+
+    def _abandon(self) -> None:
+        """End the open pass: what is left of it is skipped, so producers need not wait for it."""
+        if self._open is None:
+            return
+        self._taken = self._open.first_round + self._open.rounds(self._plan.world)
+        self._counters.consumed[self._rank] = self._taken
+        for key in [key for key in self._early if key[0] <= self._open.number]:
+            del self._early[key]
+        self._closed_pass = self._open.number
+        self._open = None
+
+    def finish(self) -> None:
+        """The rank's cell has ended: producers send it nothing more."""
+        self._counters.done[self._rank] = 1
 
     def _take(self, pass_number: int, index: int | None, wanted: collections.Counter) -> Any:
         """Element ``index`` of the pass, or (index None) any element of the rank's share that is here."""
@@ -78,7 +104,8 @@ class StandIn:
         if self._first_wait is None:
             self._first_wait = waited
         self._counters.wait_ns[self._rank] = int(self._waited * 1e9)
-        self._early.setdefault((pass_number, index), []).append(element)
+        if pass_number > self._closed_pass:  # late arrivals of a skipped pass are dropped
+            self._early.setdefault((pass_number, index), []).append(element)
 
     def _pinned(self, element: Any) -> Any:
         if not self._pin:
@@ -89,5 +116,5 @@ class StandIn:
 
     def summary(self) -> dict[str, float]:
         span = (self._last or 0.0) - (self._started or 0.0)
-        return {"taken": self._taken, "waited": self._waited, "first_wait": self._first_wait or 0.0,
+        return {"taken": self._delivered, "waited": self._waited, "first_wait": self._first_wait or 0.0,
                 "span": max(span, 0.0)}
