@@ -41,7 +41,7 @@ def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(fresh_kernel):
     fresh_kernel.execute("%env TAAS_DEVICE=auto").ok()
     fresh_kernel.execute("import torch\nx = torch.zeros(1, device='cuda')").ok()
     result = fresh_kernel.execute("#pragma taas --gpus 1 --device cuda\nprint('started')")
-    assert "CUDA is already initialized in this kernel" in result.error["evalue"]
+    assert "CUDA was already used in this kernel" in result.error["evalue"]
     assert "started" not in result.stdout
     # CPU ranks do not touch CUDA, so they may still be forked.
     assert fresh_kernel.execute("#pragma taas --gpus 2 --device cpu\nprint('cpu ok')").ok().stdout.count("cpu ok") == 2

@@ -84,7 +84,7 @@ def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(kernel, heade
 def test_data_options_without_a_registered_loader_say_they_have_no_effect(kernel):
     result = kernel.execute("#pragma taas --gpus 2 --cpus 2 --units 100\nprint('ran')").ok()
     assert result.stdout.count("] ran\n") == 2
-    assert result.stderr == ("taas: --cpus/--units have no effect: the cell uses no registered DataLoader "
+    assert result.stderr == ("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
                              "(taas.register(loader) in an earlier cell)\n")
 
 

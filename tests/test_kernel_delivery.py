@@ -213,3 +213,20 @@ print("COUNTS", first.tolist(), whole, again)
                                 "    print('MAIN', sum(len(b) for b in few))").ok()
     assert "[rank 0] MAIN 20" in result.stdout, "rank 0's share; the other rank's cell ended"
     registered.execute("taas.unregister(few)").ok()
+
+
+def test_a_loader_reached_through_a_function_is_served_and_spawn_shuffles_like_fork(registered):
+    registered.execute("""
+torch.manual_seed(5)
+shuffled = DataLoader(Indices(24), batch_size=3, shuffle=True)
+taas.register(shuffled)
+def consume():
+    return [i for batch in shuffled for i in batch[:, 0].tolist()]
+""").ok()
+    orders = {}
+    for start in ("fork", "spawn"):
+        result = registered.execute(f"#pragma taas --gpus 2 --start {start}\nprint('ORDER', consume())").ok()
+        assert "taas: shuffled: 8 elements delivered to 2 ranks" in result.stderr, "served through consume()"
+        orders[start] = sorted(re.findall(r"\[rank \d\] ORDER (.*)", result.stdout))
+    assert orders["fork"] == orders["spawn"], "the kernel's random state reaches spawned producers too"
+    registered.execute("taas.unregister(shuffled)").ok()

@@ -98,6 +98,7 @@ def test_timeout_stops_late_ranks_and_shows_where_each_one_was(kernel):
     for rank in (0, 1):
         assert f"rank {rank} was here when the time ran out:" in tb
     assert tb.count("wait_for_data") >= 2, tb
+    assert "worker.py" not in tb and "taas-lifeline" not in tb, "only the user's frames"
     assert processes_of_run(run_id_of(result)) == []
 
 

@@ -115,8 +115,8 @@ def _build(raw: dict[str, Any], sources: tuple[str, ...]) -> Catalog:
         try:
             configurations[str(name)] = Configuration(
                 name=str(name),
-                gpus=int(fields.get("gpus", 0)),
-                cpus=int(fields.get("cpus", 1)),
+                gpus=_whole(fields.get("gpus", 0)),
+                cpus=_whole(fields.get("cpus", 1)),
                 memory_gb=float(fields.get("memory_gb", 0)),
                 gpu_model=str(fields.get("gpu_model", "")),
             )
@@ -135,6 +135,13 @@ def _build(raw: dict[str, Any], sources: tuple[str, ...]) -> Catalog:
     if max_nodes < 1:
         raise TaasUsageError(f"max_nodes: {max_nodes} in {', '.join(sources)}: use 1 or more")
     return Catalog(configurations, max_nodes=max_nodes, sources=sources)
+
+
+def _whole(value: Any) -> int:
+    """A count from YAML: 2.5 or true are mistakes to report, not numbers to truncate."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a whole number")
+    return value
 
 
 def _mtime(path: str) -> float | None:

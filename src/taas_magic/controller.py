@@ -280,7 +280,7 @@ class _Watch:
 
 
 def user_stack(dump: str, cell_names: Mapping[str, str]) -> list[str]:
-    """A faulthandler dump cut to what the user wrote: no taas threads, no frames below the cell."""
+    """A faulthandler dump cut to what matters: no taas threads, nothing below the cell's code."""
     kept: list[str] = []
     for block in dump.strip().split("\n\n"):
         frames = block.splitlines()
@@ -295,8 +295,9 @@ def user_stack(dump: str, cell_names: Mapping[str, str]) -> list[str]:
 
 
 def _until_taas(frames: list[str]) -> list[str]:
+    """Frames above the point where taas started the process's work (most recent first)."""
     for index, line in enumerate(frames):
-        if "/taas_magic/" in line:
+        if "/taas_magic/worker.py" in line or "/taas_magic/fork.py" in line:
             return frames[:index]
     return frames
 

@@ -73,7 +73,7 @@ class TaasMagics(Magics):
         """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
         names = planning.loaders_used(tree, self.shell.user_ns)
         if spec.data_options_given and not names:
-            print("taas: --cpus/--units have no effect: the cell uses no registered DataLoader "
+            print("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
                   "(taas.register(loader) in an earlier cell)", file=sys.stderr)
         return planning.plans(spec, names, self.shell.user_ns)
 
@@ -104,7 +104,7 @@ class TaasMagics(Magics):
             task,
             source="".join(linecache.getlines(task.code.co_filename)),
             cell_label=f"Cell In[{self.shell.execution_count}]",
-            context=KernelContext(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path)),
+            context=KernelContext.of_this_process(),
         )
         return self.spawn_backend, SpawnRequest(rank_task, shipment)
 
@@ -146,8 +146,8 @@ class TaasMagics(Magics):
             f"configurations:      {'; '.join(catalog.sources)}",
             f"                     {names}",
             f"CUDA devices:        {found.cuda_devices} visible"
-            + (" (CUDA initialized in this kernel: GPU ranks cannot be forked)"
-               if machine.cuda_initialized_in_kernel() else ""),
+            + (" (CUDA was used in this kernel: ranks start from the fork server)"
+               if machine.fork_poisoned_for_cuda() else ""),
             f"CPU cores:           {found.cpus}",
             f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
             else f"default --device:    {device}",

@@ -105,8 +105,8 @@ def declare(func: Callable) -> Callable:
         magic_arguments.argument(
             "--start", choices=STARTS, default="auto",
             help="fork: ranks are forked from the kernel (fastest, shares its memory); spawn: from a fork server "
-            "that never touched CUDA, with what the cell needs shipped by value; auto: fork unless CUDA is "
-            "initialized in the kernel.",
+            "that never touched CUDA, with what the cell needs shipped by value; auto: fork unless CUDA was "
+            "used in the kernel.",
         ),
         magic_arguments.argument(
             "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",

@@ -47,7 +47,8 @@ class LaunchSpec:
 
     @property
     def data_options_given(self) -> bool:
-        return self.cpus is not None or self.units is not None
+        return (self.cpus is not None or self.units is not None or self.prefetch is not None
+                or self.order != "deterministic")
 
 
 def build(

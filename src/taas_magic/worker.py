@@ -42,12 +42,34 @@ class KernelContext:
     environ: dict[str, str]
     cwd: str
     sys_path: list[str]
+    random_states: tuple[Any, Any, Any]  # torch's CPU generator, `random`, numpy (None if not imported)
+
+    @classmethod
+    def of_this_process(cls) -> "KernelContext":
+        import random
+
+        import torch
+
+        numpy = sys.modules.get("numpy")
+        states = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None)
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), states)
 
     def apply(self) -> None:
+        import random
+
+        import torch
+
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
         sys.path[:] = self.sys_path
+        torch_state, random_state, numpy_state = self.random_states
+        torch.set_rng_state(torch_state)  # the same shuffles and draws as ranks forked from the kernel
+        random.setstate(random_state)
+        if numpy_state is not None:
+            import numpy
+
+            numpy.random.set_state(numpy_state)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,34 @@ from .service import LoaderPlan
 
 
 def loaders_used(tree: ast.AST, namespace: dict[str, Any]) -> list[str]:
-    """Names the cell reads that refer to registered DataLoaders."""
+    """Registered DataLoaders the cell reads, directly or through the notebook's functions and classes."""
     from taas.registry import is_registered
 
-    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
-    return sorted(name for name in read if name in namespace and is_registered(namespace[name]))
+    pending = [node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in namespace:
+            continue
+        seen.add(name)
+        for function in _notebook_functions(namespace[name], namespace):
+            pending.extend(_global_names(function.__code__))
+    return sorted(name for name in seen if is_registered(namespace[name]))
+
+
+def _notebook_functions(value: Any, namespace: dict[str, Any]) -> list[Any]:
+    """The functions defined in the notebook that ``value`` is or holds (a class's methods)."""
+    candidates = list(vars(value).values()) if isinstance(value, type) else [value]
+    candidates = [getattr(c, "__func__", c) for c in candidates]  # staticmethod/classmethod
+    return [c for c in candidates if getattr(c, "__globals__", None) is namespace and hasattr(c, "__code__")]
+
+
+def _global_names(code: Any) -> list[str]:
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names += _global_names(const)
+    return names
 
 
 def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:
