@@ -43,7 +43,6 @@ def accuracy(text: str) -> float:
     return float(re.search(r"\[rank 0\] Test accuracy: ([\d.]+)%", text)[1])
 
 
-@pytest.mark.skipif(not (EXAMPLES / "mnist.ipynb").exists(), reason="examples/mnist.ipynb not present")
 def test_mnist_notebook(data, tmp_path, monkeypatch):
     text = execute("mnist.ipynb", data, tmp_path, monkeypatch)
     assert accuracy(text) > 80

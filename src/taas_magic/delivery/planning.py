@@ -48,7 +48,16 @@ def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tupl
         return ()
     for name in names:
         _check_servable(name, namespace[name], producers)
-    return tuple(LoaderPlan(name, producers, spec.units, spec.prefetch, spec.order == "fastest") for name in names)
+    return tuple(LoaderPlan(name, producers, spec.units, spec.prefetch, spec.order == "fastest",
+                            _seed(namespace[name])) for name in names)
+
+
+def _seed(loader: Any) -> int:
+    """The loader's own generator's seed, else the kernel's: the same whether ranks fork or spawn."""
+    import torch
+
+    generator = getattr(loader, "generator", None)
+    return generator.initial_seed() if generator is not None else torch.initial_seed()
 
 
 def _check_servable(name: str, loader: Any, producers: int) -> None:

@@ -29,6 +29,7 @@ class LoaderPlan:
     units: int | None
     prefetch: int | None
     fastest: bool
+    seed: int  # the run's seed for per-sample seeding, taken in the kernel
 
 
 def producer_key(loader_number: int, producer: int) -> int:
@@ -79,15 +80,11 @@ class DataService:
 
     @staticmethod
     def _runtime(plan: LoaderPlan, loader: Any, world: int) -> _LoaderRuntime:
-        import torch
-
         prefetch = plan.prefetch or default_prefetch(world, plan.producers, loader.num_workers)
-        generator = getattr(loader, "generator", None)
-        seed = generator.initial_seed() if generator is not None else torch.initial_seed()
         return _LoaderRuntime(
             plan=plan, loader=loader, stream=StreamPlan(len(loader), world, plan.units),
             channels=[channel_pair() for _ in range(world)], counters=Counters(plan.producers, world),
-            window=max(1, math.ceil(prefetch / world)), seed=seed,
+            window=max(1, math.ceil(prefetch / world)), seed=plan.seed,
         )
 
     def producers(self) -> list[tuple[int, ProducerTask]]:
