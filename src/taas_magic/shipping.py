@@ -121,16 +121,16 @@ def _write_tensors(tensors: list[tuple[int, Any]], size: int) -> int:
     fd = os.memfd_create("taas-tensors", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else _unlinked_tempfile()
     try:
         os.ftruncate(fd, max(size, 1))
-        with mmap.mmap(fd, max(size, 1)) as memory:
-            for offset, tensor in tensors:
-                source = tensor.detach()
-                if source.device.type != "cpu":
-                    source = source.cpu()
-                nbytes = source.numel() * source.element_size()
-                if nbytes:
-                    target = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset)
-                    target.copy_(source.contiguous().view(-1).view(torch.uint8))
-                    del target
+        for offset, tensor in tensors:
+            source = tensor.detach()
+            if source.device.type != "cpu":
+                source = source.cpu()
+            if source.numel():
+                # Straight from the tensor's memory into the file: one copy, no mapping to fault in.
+                data = source.contiguous().view(-1).view(torch.uint8).numpy()
+                written = 0
+                while written < data.nbytes:
+                    written += os.pwrite(fd, data[written:], offset + written)
     except BaseException:
         os.close(fd)
         raise
