@@ -30,6 +30,8 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's to forward
     sock = socket.socket(fileno=fd)
     import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
+
+    gc.freeze()  # what is imported stays: collections after each run look at the run's objects only
     import torch  # noqa: F401  (the reason this process exists: ranks start with torch imported)
     import torch.distributed  # noqa: F401
 

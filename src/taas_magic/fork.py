@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import worker
+from . import child, worker
 from .backend import Event, Exited, Output, Report, Result
 from .delivery.service import DataService
 
@@ -97,11 +97,11 @@ class ForkedRanks:
         pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack", "results")}
         pid = os.fork()
         if pid == 0:  # the rank: never returns into the kernel's code
-            status = worker.EXIT_FAILED
+            status = child.EXIT_FAILED
             try:
                 os.setpgid(0, 0)
                 self._close_kernel_side(pipes)
-                fds = worker.RankFds(
+                fds = child.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
                 )

@@ -1,22 +1,14 @@
-"""The first code in every rank: bind it to its place in the job, run the cell, report, exit.
+"""A rank's job: bind it to its place in the job, run the cell, send results and failures back.
 
-Runs in a process forked from the kernel, so it first cuts every tie to the kernel's machinery
-(ZeroMQ streams, display, input, signal handlers) and ties its life to the kernel's instead.
-It never returns: the process ends with ``os._exit`` so the kernel's atexit handlers never run.
+The process around it is set up by ``child.py``; what the rank runs arrives as a ``RankTask``,
+inherited by fork or, from the fork server, shipped with the names the cell needs.
 """
 
 from __future__ import annotations
 
-import builtins
-import ctypes
-import faulthandler
-import io
-import json
 import linecache
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,15 +16,17 @@ from types import CodeType
 from typing import Any
 
 from . import results, storage
-
-PR_SET_CHILD_SUBREAPER = 36
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130
-
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up in the kernel, used in the child
-except (AttributeError, OSError):
-    _prctl = None
+from .child import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    RankFds,
+    become_child,
+    end_descendants,
+    flush_all,
+    print_display_data,
+    report,
+    write_all,
+)
 
 
 @dataclass(frozen=True)
@@ -90,18 +84,6 @@ class RankTask:
         return run_rank(self, env, fds)
 
 
-@dataclass(frozen=True)
-class RankFds:
-    """The rank's ends of its channels to the kernel."""
-
-    stdout: int
-    stderr: int
-    report: int
-    stack: int
-    results: int  # rank 0's pickled names, written once at the end
-    lifeline: int  # read end of a pipe only the kernel writes: EOF means the kernel is gone
-
-
 def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``."""
     shell = become_child(fds, env)
@@ -120,17 +102,6 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
                 finish()
         flush_all()
         end_descendants()
-
-
-def become_child(fds: RankFds, env: dict[str, str]) -> Any:
-    """What every process forked for a run does first; returns the kernel's shell object, if any."""
-    _tie_life_to_kernel(fds.lifeline)
-    _redirect_output(fds.stdout, fds.stderr)
-    _reset_signals(fds.stack)
-    os.environ.update(env)
-    shell = _detach_from_kernel()
-    _look_like_a_script()
-    return shell
 
 
 def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
@@ -157,128 +128,7 @@ def _standalone_shell(namespace: dict[str, Any]) -> None:
     config = Config()
     config.HistoryManager.enabled = False  # no history database for a rank
     shell = InteractiveShell.instance(config=config, user_ns=namespace)
-    shell.display_pub.publish = _print_display_data
-
-
-def _tie_life_to_kernel(lifeline: int) -> None:
-    """Kill this rank's whole process group as soon as the kernel dies, even by kill -9.
-
-    The lifeline thread, not PR_SET_PDEATHSIG, does it: a death signal would end the rank alone
-    and leave its DataLoader workers running for seconds.
-    """
-    if _prctl is not None:
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our children stay ours to end
-
-    def watch() -> None:
-        try:
-            while os.read(lifeline, 1):
-                pass
-        except OSError:
-            pass
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="taas-lifeline", daemon=True).start()
-
-
-def end_descendants() -> None:
-    """Whatever the cell started and left running ends with the rank, even outside its process group."""
-    try:
-        import psutil
-
-        descendants = psutil.Process().children(recursive=True)
-    except Exception:
-        return
-    for process in descendants:
-        try:
-            process.kill()
-        except Exception:
-            pass
-
-
-def _redirect_output(stdout_fd: int, stderr_fd: int) -> None:
-    """Fds 1 and 2 become the rank's pipes, so C-level writes and child processes are caught too."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    old_streams = (sys.stdout, sys.stderr)
-    for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    sys.stdout = sys.__stdout__ = _text_stream(1)
-    sys.stderr = sys.__stderr__ = _text_stream(2)
-    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
-    # Loggers and libraries may hold the kernel's stream objects (ZeroMQ-backed, unusable here):
-    # make those objects write to the new streams.
-    for old, new in zip(old_streams, (sys.stdout, sys.stderr)):
-        for name in ("write", "writelines", "flush"):
-            try:
-                setattr(old, name, getattr(new, name))
-            except (AttributeError, TypeError):
-                pass
-
-
-def _text_stream(fd: int) -> io.TextIOWrapper:
-    raw = io.FileIO(fd, "w", closefd=False)
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True)
-
-
-def _reset_signals(stack_fd: int) -> None:
-    """Interrupts become KeyboardInterrupt (so `finally` runs), SIGTERM ends the rank, SIGUSR1 dumps stacks."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
-
-
-def _detach_from_kernel() -> Any:
-    """Replace what talks to the kernel's frontend with plain-stream equivalents."""
-    builtins.input = _no_input
-    sys.displayhook = sys.__displayhook__
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return None
-    shell = get_ipython()
-    if shell is not None:
-        shell.display_pub.publish = _print_display_data
-        # Every message to the frontend (streams, displays, widget comms) goes through the kernel's
-        # session; this process's copies of the kernel's ZeroMQ sockets must never be used.
-        session = getattr(getattr(shell, "kernel", None), "session", None)
-        if session is not None:
-            session.send = _drop_message
-    return shell
-
-
-def _look_like_a_script() -> None:
-    """A rank is a torchrun-style worker, not an interactive session: say so to libraries that ask.
-
-    Lightning refuses `strategy="ddp"` (and would start processes of its own) when it believes it
-    runs interactively; it decided that when the kernel imported it, so the copies of that
-    decision in already-imported Lightning modules are corrected too.
-    """
-    for name in ("ps1", "ps2"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-    for name, module in list(sys.modules.items()):
-        if name.partition(".")[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", False):
-            module._IS_INTERACTIVE = False
-
-
-_LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
-
-
-def _no_input(prompt: object = "") -> str:
-    raise RuntimeError("input() is not available inside a taas cell's ranks: read input in an earlier cell")
-
-
-def _print_display_data(data: dict[str, Any], metadata: Any = None, **kwargs: Any) -> None:
-    text = data.get("text/plain") if isinstance(data, dict) else None
-    if text:
-        print(text)
-
-
-def _drop_message(*args: Any, **kwargs: Any) -> None:
-    return None
+    shell.display_pub.publish = print_display_data
 
 
 def _bind_device(task: RankTask, local_rank: int, namespace: dict[str, Any]) -> None:
@@ -385,19 +235,3 @@ def _standalone_formatter() -> Any:
         return AutoFormattedTB(mode="Context", color_scheme="Linux")
 
 
-def report(fd: int, record: dict[str, Any]) -> None:
-    write_all(fd, (json.dumps(record) + "\n").encode())
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def flush_all() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .. import worker
+from .. import child, worker
 from .counters import Counters
 from .plan import Pass, StreamPlan
 from .transport import send
@@ -44,21 +44,21 @@ class ProducerTask:
     seed: int
     reports_stats: bool
 
-    def run(self, env: dict[str, str], fds: worker.RankFds) -> int:
-        shell = worker.become_child(fds, env)
+    def run(self, env: dict[str, str], fds: child.RankFds) -> int:
+        shell = child.become_child(fds, env)
         try:
             self._produce(fds)
         except BaseException as error:
-            worker.flush_all()
-            worker.report(fds.report, self._failure(error, shell))
-            return worker.EXIT_FAILED
+            child.flush_all()
+            child.report(fds.report, self._failure(error, shell))
+            return child.EXIT_FAILED
         finally:
-            worker.end_descendants()
+            child.end_descendants()
         self._report_until_stopped(fds)
         return 0
 
     # -- producing --------------------------------------------------------------------------
-    def _produce(self, fds: worker.RankFds) -> None:
+    def _produce(self, fds: child.RankFds) -> None:
         self.pending: collections.deque = collections.deque()  # keys handed to the fetcher, oldest first
         keys = self.pending
         last_stats = time.monotonic()
@@ -71,7 +71,7 @@ class ProducerTask:
                     send(self.channels[rank], pass_.number, index, element)
             self.counters.produced[self.index] += 1
             if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
-                worker.report(fds.report, self.counters.stats(self.name))
+                child.report(fds.report, self.counters.stats(self.name))
                 last_stats = time.monotonic()
 
     def _fetch(self, keys: collections.deque) -> Iterator[Any]:
@@ -113,20 +113,20 @@ class ProducerTask:
                     yield pass_, index, indices
             number += pass_.real
 
-    def _wait_for_window(self, round_: int, fds: worker.RankFds) -> None:
+    def _wait_for_window(self, round_: int, fds: child.RankFds) -> None:
         last_stats = time.monotonic()
         pause = 0.0002
         while round_ >= self.counters.slowest_rank() + self.window:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
             if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
-                worker.report(fds.report, self.counters.stats(self.name))
+                child.report(fds.report, self.counters.stats(self.name))
                 last_stats = time.monotonic()
 
-    def _report_until_stopped(self, fds: worker.RankFds) -> None:
+    def _report_until_stopped(self, fds: child.RankFds) -> None:
         """Done with the stream: keep the progress line alive until the ranks are done."""
         while self.reports_stats:
-            worker.report(fds.report, self.counters.stats(self.name))
+            child.report(fds.report, self.counters.stats(self.name))
             time.sleep(STATS_SECONDS)
 
     def _failure(self, error: BaseException, shell: Any) -> dict[str, Any]:

@@ -1,0 +1,850 @@
+"""How long a trivial distributed job takes to launch: taas cells against what a user would use instead.
+
+The job, in every rank: ``init_process_group("gloo")`` (env://), one ``all_reduce`` of a small
+tensor, ``barrier()``, ``destroy_process_group()``, exit. At 2 and 4 ranks, on CPU.
+
+Contenders, all in one run on one machine:
+  fork        a taas cell, ``--start fork`` (ranks forked from the kernel)
+  spawn       a taas cell, ``--start spawn`` (ranks forked from the fork server, names shipped by value)
+  accelerate  ``accelerate.notebook_launcher(job, num_processes=N)`` in a cell of the same kind of kernel
+  torchrun    ``torchrun --standalone --nproc-per-node N job.py`` as a subprocess (outside a notebook)
+
+How time is measured. For the three notebook contenders: from the kernel's ``busy`` status to its
+``idle`` status for the cell, both stamped by the kernel itself on iopub. That is what the user
+waits for, with the same IPython overhead for every contender and without the client's own
+latency. The accelerate cell also times ``notebook_launcher`` with ``time.perf_counter()``
+inside the cell (kept in the JSON, to show that overhead is small). For torchrun: the
+subprocess's wall time. Every figure is a median: the machine is shared and noisy.
+
+Cold and warm. Every kernel has imported torch before it is measured. "cold": the first launch
+in a fresh kernel, one fresh kernel per sample; for fork with the fork server already idle, for
+spawn right after ``%load_ext`` (so it includes waiting for the fork server to import torch).
+"warm": later launches in a kernel that runs only that contender's cells (no other launcher's
+leftovers), after one unmeasured launch at each size, with a pause between cells as a user
+re-running a cell would leave; the three kernels stay open and take turns, so the machine's
+noise falls on all alike. The same cells run back-to-back in one kernel are reported too:
+background work of one launch (the fork server's clean-up, say) can delay the next. torchrun
+starts fresh interpreters every time, so it is reported once.
+
+A launch that does not finish in HANG_SECONDS is counted as hung, left out of the medians, and
+its kernel replaced; the count is printed.
+
+Shipping: a 512 MiB tensor defined in an earlier cell, read by a 2-rank spawn cell; the
+effective rate is 512 MiB / (that cell's time - the trivial spawn cell's time), both medians
+from the same kernel, interleaved. Memory is sampled while the ranks hold the tensor, against
+the same cell holding a 16-element tensor: kernel, fork server and ranks together should hold
+at most one copy more than the kernel already did (the shared memory file the ranks map).
+
+Targets are printed as PASS/FAIL lines, never asserted: this is a measurement, not a test.
+Figures go to benchmarks/results/launch.json, the plot to docs/images/launch.png.
+
+    python benchmarks/launch.py            # about 4 minutes on 2 cores
+    python benchmarks/launch.py --quick    # fewer repetitions: about 1.5 minutes on a quiet machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+from jupyter_client.manager import KernelManager
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "launch.json"
+PLOT = ROOT / "docs" / "images" / "launch.png"
+KERNEL_LOG = Path(tempfile.gettempdir()) / "taas-bench-kernels.log"
+RANKS = (2, 4)
+PAUSE_SECONDS = 0.5  # between warm cells: a person re-running a cell is slower than a loop
+BIG_NUMEL = 128 * 2**20  # float32: 512 MiB
+BIG_BYTES = BIG_NUMEL * 4
+READY_MARKER = "taas-bench-ranks-ready"
+HOLD_SECONDS = 1.5  # how long the ranks keep the shipped tensor while memory is sampled
+HANG_SECONDS = 20.0  # a trivial launch takes well under a second here: one this late is stuck
+MAX_KERNELS_PER_SERIES = 4
+COPY_TOLERANCE = 0.10  # of the tensor's size: sampling noise, the ranks' own small allocations
+
+JOB = textwrap.dedent("""\
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert t[0].item() == dist.get_world_size(), t
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+# Every process the benchmark starts gets the same environment: CPU ranks, gloo on loopback.
+BENCH_ENV = {"TAAS_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
+
+TAAS_SETUP = "%load_ext taas_magic\nimport torch, torch.distributed, time"
+ACCELERATE_SETUP = ("import torch, torch.distributed, time\nfrom accelerate import notebook_launcher\n"
+                    "def job():\n" + textwrap.indent(JOB, "    "))
+
+
+@dataclass(frozen=True)
+class Settings:
+    cold_kernels: int  # fresh kernels per contender and rank count
+    warm_rounds: int  # measured launches per contender, rank count and pace, in one kernel
+    torchrun_runs: int
+    shipping_rounds: int
+
+
+FULL = Settings(cold_kernels=3, warm_rounds=7, torchrun_runs=3, shipping_rounds=5)
+QUICK = Settings(cold_kernels=1, warm_rounds=3, torchrun_runs=1, shipping_rounds=2)
+
+
+class BenchError(RuntimeError):
+    """A cell or a process of the benchmark failed: the figures would mean nothing."""
+
+
+class LaunchHung(BenchError):
+    """A launch did not finish within HANG_SECONDS; it is counted, left out of the medians, and killed."""
+
+
+Samples = dict[str, dict[int, list[float]]]  # "fork/warm" -> ranks -> seconds
+
+
+@dataclass
+class Tally:
+    """Everything measured, and everything that went wrong while measuring."""
+
+    samples: Samples = field(default_factory=dict)
+    launches: dict[str, int] = field(default_factory=dict)  # contender -> launches tried, measured or not
+    hangs: dict[str, dict[int, int]] = field(default_factory=dict)  # contender -> ranks -> launches that hung
+    left_behind: list[str] = field(default_factory=list)  # processes alive after a normal kernel shutdown
+    left_after_hang: list[str] = field(default_factory=list)  # ... after killing a kernel stuck in a launch
+
+    def add(self, key: str, ranks: int, seconds: float) -> None:
+        self.samples.setdefault(key, {}).setdefault(ranks, []).append(seconds)
+
+    def tried(self, contender: str) -> None:
+        self.launches[contender] = self.launches.get(contender, 0) + 1
+
+    def hung(self, contender: str, ranks: int) -> None:
+        by_ranks = self.hangs.setdefault(contender, {})
+        by_ranks[ranks] = by_ranks.get(ranks, 0) + 1
+
+
+# -- a real kernel, as a notebook drives it ----------------------------------------------------
+@dataclass
+class Cell:
+    kernel_seconds: float  # busy -> idle, stamped by the kernel
+    client_seconds: float  # execute request -> idle seen here
+    stdout: str
+    stderr: str
+    error: str | None
+
+
+@dataclass
+class Kernel:
+    """An ipykernel in its own process, driven over jupyter_client like a notebook frontend."""
+
+    manager: KernelManager = field(default_factory=lambda: KernelManager(kernel_name="python3"))
+    hung: bool = False  # a cell never finished: whatever the kernel started may be stuck too
+
+    def __post_init__(self) -> None:
+        with open(KERNEL_LOG, "ab") as log:  # the kernels' own chatter, kept out of the report
+            self.manager.start_kernel(env={**os.environ, **BENCH_ENV}, stdout=log, stderr=log)
+        self.pid: int = self.manager.provisioner.process.pid
+        self.client = self.manager.client()
+        try:
+            self.client.start_channels()
+            self.client.wait_for_ready(timeout=120)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def run(self, code: str, on_stream: Callable[[str], None] | None = None, timeout: float = 180) -> Cell:
+        """Execute one cell; raise BenchError if it fails, since its timing would be meaningless."""
+        cell = self._execute(code, on_stream, timeout)
+        if cell.error is not None:
+            raise BenchError(f"cell failed: {cell.error}\n--- cell ---\n{code}\n--- stderr ---\n{cell.stderr}"
+                             f"\n(the kernels' own output is in {KERNEL_LOG})")
+        return cell
+
+    def _execute(self, code: str, on_stream: Callable[[str], None] | None, timeout: float) -> Cell:
+        started = time.perf_counter()
+        msg_id = self.client.execute(code, allow_stdin=False)
+        stamps: dict[str, datetime.datetime] = {}
+        streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        error = None
+        while "idle" not in stamps:
+            if time.perf_counter() - started > timeout:
+                self.hung = True
+                raise LaunchHung(f"cell did not finish in {timeout:g} s:\n{code}")
+            try:
+                msg = self.client.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "status":
+                stamps[content["execution_state"]] = msg["header"]["date"]
+            elif kind == "stream":
+                streams[content["name"]].append(content["text"])
+                if on_stream is not None:
+                    on_stream(content["text"])
+            elif kind == "error":
+                error = f"{content['ename']}: {content['evalue']}"
+        client_seconds = time.perf_counter() - started
+        while self.client.get_shell_msg(timeout=30)["parent_header"].get("msg_id") != msg_id:
+            pass  # the execute_reply, so the next cell starts from a clean slate
+        return Cell((stamps["idle"] - stamps["busy"]).total_seconds(), client_seconds,
+                    "".join(streams["stdout"]), "".join(streams["stderr"]), error)
+
+    def fork_server(self) -> psutil.Process | None:
+        for child in psutil.Process(self.pid).children():
+            if "taas_magic.agent" in " ".join(child.cmdline()):
+                return child
+        return None
+
+    def wait_fork_server_idle(self, timeout: float = 120) -> None:
+        """Until the fork server has imported torch and stopped using CPU: it is waiting for work."""
+        server = self.fork_server()
+        if server is None:
+            raise BenchError("no fork server: was %load_ext taas_magic run?")
+        deadline = time.monotonic() + timeout
+        last, quiet_since = -1.0, time.monotonic()
+        while time.monotonic() < deadline:
+            used = sum(server.cpu_times()[:2])
+            if used - last > 0.005 or not _maps_library(server.pid, "libtorch_cpu"):
+                last, quiet_since = used, time.monotonic()
+            elif time.monotonic() - quiet_since >= 0.3:
+                return
+            time.sleep(0.05)
+        raise BenchError(f"the fork server was still busy after {timeout} s")
+
+    def shutdown(self) -> list[str]:
+        """Stop the kernel; return the command lines of its processes still alive 5 s later (then killed)."""
+        try:
+            started = [psutil.Process(self.pid)] + psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+        _, alive = psutil.wait_procs(started, timeout=5)
+        left = []
+        for process in alive:
+            try:
+                left.append(" ".join(process.cmdline())[:120])
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return left
+
+
+class fresh_kernel:
+    """A kernel that has run ``setup``, shut down on the way out whatever happens."""
+
+    def __init__(self, tally: Tally, setup: str, wait_for_fork_server: bool = False):
+        self.tally = tally
+        self.setup = setup
+        self.wait_for_fork_server = wait_for_fork_server
+
+    def __enter__(self) -> Kernel:
+        self.kernel = Kernel()
+        try:
+            self.kernel.run(self.setup)
+            if self.wait_for_fork_server:
+                self.kernel.wait_fork_server_idle()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.kernel
+
+    def __exit__(self, *exc: object) -> None:
+        left = self.kernel.shutdown()
+        (self.tally.left_after_hang if self.kernel.hung else self.tally.left_behind).extend(left)
+
+
+def _maps_library(pid: int, name: str) -> bool:
+    try:
+        return name in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+# -- the contenders in a notebook --------------------------------------------------------------
+def taas_cell(start: str, ranks: int, body: str = JOB) -> str:
+    return f"#pragma taas --gpus {ranks} --device cpu --start {start} --output rank0 --return none\n{body}"
+
+
+def accelerate_cell(ranks: int) -> str:
+    """A fresh port every time, as a careful user would pass; Accelerate's default is a fixed 29500."""
+    return (f"_t0 = time.perf_counter()\nnotebook_launcher(job, num_processes={ranks}, use_port='{fresh_port()}')\n"
+            "print('taas-bench-inside', time.perf_counter() - _t0)")
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    setup: str
+    cell: Callable[[int], str]
+    taas: bool  # its kernel starts a fork server, which warm figures wait for: it competes for the cores
+    cold_waits_for_server: bool  # fork: so its cold figure is the fork path's; spawn: its cold figure includes it
+
+
+FORK = Contender("fork", TAAS_SETUP, lambda ranks: taas_cell("fork", ranks), True, True)
+SPAWN = Contender("spawn", TAAS_SETUP, lambda ranks: taas_cell("spawn", ranks), True, False)
+ACCELERATE = Contender("accelerate", ACCELERATE_SETUP, accelerate_cell, False, False)
+NOTEBOOK_CONTENDERS = (FORK, SPAWN, ACCELERATE)
+
+_used_ports: set[int] = set()
+
+
+def fresh_port() -> int:
+    """A free loopback port never handed out before in this run, so no launch reuses another's."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _used_ports:
+            _used_ports.add(port)
+            return port
+
+
+def inside_seconds(cell: Cell) -> float | None:
+    for line in cell.stdout.splitlines():
+        if line.startswith("taas-bench-inside"):
+            return float(line.split()[1])
+    return None
+
+
+# -- measurements ------------------------------------------------------------------------------
+def launch(tally: Tally, kernel: Kernel, contender: Contender, key: str, ranks: int, measured: bool = True) -> bool:
+    """One launch; its time goes to ``key`` if measured. False if it hung (the kernel is then unusable)."""
+    tally.tried(contender.name)
+    try:
+        cell = kernel.run(contender.cell(ranks), timeout=HANG_SECONDS)
+    except LaunchHung:
+        tally.hung(contender.name, ranks)
+        return False
+    if measured:
+        tally.add(key, ranks, cell.kernel_seconds)
+        inside = inside_seconds(cell)
+        if inside is not None:
+            tally.add(f"{key} inside cell", ranks, inside)
+    return True
+
+
+def measure_cold(settings: Settings, tally: Tally, progress: Callable[[str], None]) -> None:
+    """The first launch in fresh kernels, one kernel per sample."""
+    for index in range(settings.cold_kernels):
+        for ranks in RANKS:
+            for contender in NOTEBOOK_CONTENDERS:
+                with fresh_kernel(tally, contender.setup, contender.cold_waits_for_server) as kernel:
+                    launch(tally, kernel, contender, f"{contender.name}/cold", ranks)
+        progress(f"cold kernels, round {index + 1}/{settings.cold_kernels}")
+
+
+class WarmKernel:
+    """One contender's kernel for warm launches, warmed up with one launch at each size.
+
+    A launch that hangs takes its kernel with it: the next launch gets a fresh kernel, warmed
+    up the same way, so the figures stay warm ones.
+    """
+
+    def __init__(self, tally: Tally, contender: Contender):
+        self.tally = tally
+        self.contender = contender
+        self.holder: fresh_kernel | None = None
+        self.kernel: Kernel | None = None
+
+    def start(self) -> None:
+        for _ in range(MAX_KERNELS_PER_SERIES):
+            self.holder = fresh_kernel(self.tally, self.contender.setup, self.contender.taas)
+            self.kernel = self.holder.__enter__()
+            if all(launch(self.tally, self.kernel, self.contender, "", n, measured=False) for n in RANKS):
+                return
+            self.close()
+        raise BenchError(f"{self.contender.name}: launches kept hanging in {MAX_KERNELS_PER_SERIES} fresh kernels")
+
+    def launch(self, key: str, ranks: int) -> None:
+        if self.kernel is None:
+            self.start()
+        if not launch(self.tally, self.kernel, self.contender, f"{self.contender.name}/{key}", ranks):
+            self.close()
+
+    def close(self) -> None:
+        if self.holder is not None:
+            holder, self.holder, self.kernel = self.holder, None, None
+            holder.__exit__()
+
+
+def measure_warm(settings: Settings, tally: Tally, progress: Callable[[str], None]) -> None:
+    """Later launches, one kernel per contender, all kept open.
+
+    Paced like a person, the contenders take turns (in a rotating order), so the machine's
+    noise falls on all of them alike; back-to-back, each kernel runs its series alone, as
+    "run all cells" would.
+    """
+    kernels = [WarmKernel(tally, contender) for contender in NOTEBOOK_CONTENDERS]
+    try:
+        for kernel in kernels:
+            kernel.start()
+        for round_ in range(settings.warm_rounds):
+            for ranks in RANKS:
+                for kernel in kernels[round_ % len(kernels):] + kernels[:round_ % len(kernels)]:
+                    time.sleep(PAUSE_SECONDS)
+                    kernel.launch("warm", ranks)
+        progress("warm, paced")
+        for kernel in kernels:
+            for _ in range(settings.warm_rounds):
+                for ranks in RANKS:
+                    kernel.launch("warm back-to-back", ranks)
+        progress("warm, back-to-back")
+    finally:
+        for kernel in kernels:
+            kernel.close()
+
+
+def measure_torchrun(settings: Settings, tally: Tally, progress: Callable[[str], None]) -> None:
+    with tempfile.TemporaryDirectory(prefix="taas-bench-") as folder:
+        script = Path(folder) / "job.py"
+        script.write_text(JOB)
+        for _ in range(settings.torchrun_runs):
+            for ranks in RANKS:
+                try:
+                    tally.add("torchrun/cold", ranks, run_torchrun(script, ranks))
+                except LaunchHung:
+                    tally.hung("torchrun", ranks)
+                tally.tried("torchrun")
+    progress("torchrun")
+
+
+def run_torchrun(script: Path, ranks: int, timeout: float = 6 * HANG_SECONDS) -> float:
+    """Wall time of one torchrun; its whole session is killed if it overruns, so no worker survives."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", f"--nproc-per-node={ranks}", str(script)]
+    env = {**os.environ, **BENCH_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+    started = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LaunchHung(f"torchrun did not finish in {timeout} s") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    seconds = time.perf_counter() - started
+    if process.returncode != 0:
+        raise BenchError(f"torchrun failed ({process.returncode}):\n{output.decode(errors='replace')}")
+    return seconds
+
+
+# -- shipping a big tensor ---------------------------------------------------------------------
+SHIP_BODY = JOB.replace("dist.barrier()", "total = float(big.sum())\n"
+                        "assert abs(total - big.numel()) < 1e-3 * big.numel(), total\ndist.barrier()")
+HOLD_BODY = textwrap.dedent(f"""\
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="env://")
+    total = float(held.sum())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print({READY_MARKER!r}, flush=True)
+    time.sleep({HOLD_SECONDS})
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+PACK_CELL = textwrap.dedent("""\
+    from taas_magic import shipping as _shipping
+    _t0 = time.perf_counter()
+    _shipment = _shipping.pack(globals(), ["big"])
+    print("taas-bench-inside", time.perf_counter() - _t0)
+    _shipment.close()
+    del _shipment
+""")
+
+
+def pss(pid: int) -> int:
+    """Proportional set size in bytes: shared pages divided among the processes that map them."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise BenchError(f"no Pss in /proc/{pid}/smaps_rollup")
+
+
+def shmem() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass
+class MemorySample:
+    kernel_pss: int = 0
+    kernel_rss: int = 0
+    server_pss: int = 0
+    server_rss: int = 0
+    ranks_pss: int = 0
+    ranks_rss: int = 0
+    ranks: int = 0
+    shmem: int = 0
+
+    @property
+    def total_pss(self) -> int:
+        return self.kernel_pss + self.server_pss + self.ranks_pss
+
+
+def sample_memory(kernel: Kernel) -> MemorySample:
+    server = kernel.fork_server()
+    sample = MemorySample(kernel_pss=pss(kernel.pid), kernel_rss=psutil.Process(kernel.pid).memory_info().rss,
+                          shmem=shmem())
+    if server is not None:
+        sample.server_pss, sample.server_rss = pss(server.pid), server.memory_info().rss
+        for rank in server.children(recursive=True):
+            sample.ranks_pss += pss(rank.pid)
+            sample.ranks_rss += rank.memory_info().rss
+            sample.ranks += 1
+    return sample
+
+
+def memory_while_held(kernel: Kernel, name: str) -> MemorySample:
+    """Run a 2-rank spawn cell that holds ``name``; sample memory once every rank has read all of it."""
+    taken: list[MemorySample] = []
+
+    def on_stream(text: str) -> None:
+        if READY_MARKER in text and not taken:
+            taken.append(sample_memory(kernel))
+
+    kernel.run(taas_cell("spawn", 2, f"held = {name}\n" + HOLD_BODY), on_stream=on_stream)
+    if not taken or taken[0].ranks < 2:
+        raise BenchError(f"no memory sample with both ranks alive: {taken}")
+    return taken[0]
+
+
+def measure_shipping(settings: Settings, tally: Tally, progress: Callable[[str], None]) -> dict:
+    """Time, rate and memory of shipping a 512 MiB tensor to 2 spawned ranks."""
+    with fresh_kernel(tally, TAAS_SETUP, wait_for_fork_server=True) as kernel:
+        kernel.run("small = torch.ones(16)")
+        before_big = sample_memory(kernel)
+        kernel.run(f"big = torch.ones({BIG_NUMEL})")
+        with_big = sample_memory(kernel)
+        trivial, shipped = [], []
+        for round_ in range(settings.shipping_rounds + 1):
+            time.sleep(PAUSE_SECONDS)
+            trivial_cell = kernel.run(taas_cell("spawn", 2)).kernel_seconds
+            time.sleep(PAUSE_SECONDS)
+            shipped_cell = kernel.run(taas_cell("spawn", 2, SHIP_BODY)).kernel_seconds
+            if round_:
+                trivial.append(trivial_cell)
+                shipped.append(shipped_cell)
+        pack = kernel_pack_seconds(kernel)
+        baseline = memory_while_held(kernel, "small")
+        held = memory_while_held(kernel, "big")
+        after = sample_memory(kernel)
+    progress("shipping")
+    return shipping_figures(trivial, shipped, pack, {"before_big": before_big, "with_big": with_big,
+                                                     "small_held": baseline, "big_held": held, "after": after})
+
+
+def kernel_pack_seconds(kernel: Kernel) -> float | None:
+    """The kernel's share of shipping (pickle + copy into the memory file), timed in the kernel.
+
+    Uses taas-magic's own packing function; if its interface has changed, the figure is left out.
+    """
+    cell = kernel._execute(PACK_CELL, None, 120)
+    return None if cell.error else inside_seconds(cell)
+
+
+def shipping_figures(trivial: list[float], shipped: list[float], pack: float | None,
+                     memory: dict[str, MemorySample]) -> dict:
+    extra_seconds = statistics.median(shipped) - statistics.median(trivial)
+    held, baseline = memory["big_held"], memory["small_held"]
+    extra = held.total_pss - baseline.total_pss
+    return {
+        "tensor_bytes": BIG_BYTES,
+        "trivial_spawn_seconds": trivial,
+        "shipping_cell_seconds": shipped,
+        "extra_seconds": extra_seconds,
+        "gb_per_second": BIG_BYTES / extra_seconds / 1e9 if extra_seconds > 0 else float("inf"),
+        "kernel_pack_seconds": pack,
+        "memory": {
+            "kernel_rss_before_big": memory["before_big"].kernel_rss,
+            "kernel_rss_with_big": memory["with_big"].kernel_rss,
+            "kernel_rss_while_ranks_hold_it": held.kernel_rss,
+            "kernel_rss_after": memory["after"].kernel_rss,
+            "kernel_extra_pss": held.kernel_pss - baseline.kernel_pss,
+            "server_extra_pss": held.server_pss - baseline.server_pss,
+            "server_extra_rss": held.server_rss - baseline.server_rss,
+            "ranks_extra_pss": held.ranks_pss - baseline.ranks_pss,
+            "ranks_extra_rss": held.ranks_rss - baseline.ranks_rss,
+            "shmem_extra": held.shmem - baseline.shmem,
+            "extra_bytes": extra,
+            "extra_copies": extra / BIG_BYTES,
+            "samples": {name: vars(sample) for name, sample in memory.items()},
+        },
+    }
+
+
+# -- report ------------------------------------------------------------------------------------
+ROWS = (  # (label, key, the Accelerate figure it is compared with)
+    ("taas --start fork, cold", "fork/cold", "accelerate/cold"),
+    ("taas --start fork, warm", "fork/warm", "accelerate/warm"),
+    ("taas --start fork, warm back-to-back", "fork/warm back-to-back", "accelerate/warm back-to-back"),
+    ("taas --start spawn, cold (right after load)", "spawn/cold", "accelerate/cold"),
+    ("taas --start spawn, warm", "spawn/warm", "accelerate/warm"),
+    ("taas --start spawn, warm back-to-back", "spawn/warm back-to-back", "accelerate/warm back-to-back"),
+    ("accelerate notebook_launcher, cold", "accelerate/cold", "accelerate/cold"),
+    ("accelerate notebook_launcher, warm", "accelerate/warm", "accelerate/warm"),
+    ("accelerate notebook_launcher, back-to-back", "accelerate/warm back-to-back", "accelerate/warm back-to-back"),
+    ("torchrun --standalone (subprocess)", "torchrun/cold", "accelerate/cold"),
+)
+
+
+def medians(samples: Samples) -> dict[str, dict[int, float]]:
+    return {key: {ranks: statistics.median(values) for ranks, values in by_ranks.items()}
+            for key, by_ranks in samples.items()}
+
+
+def table(median: dict[str, dict[int, float]]) -> str:
+    head = f"{'median wall time, seconds':<46}" + "".join(f"{f'{n} ranks':>10}{'/ accel.':>10}" for n in RANKS)
+    lines = [head, "-" * len(head)]
+    for label, key, reference in ROWS:
+        cells = "".join(f"{median[key][n]:>10.3f}{median[key][n] / median[reference][n]:>9.2f}x" for n in RANKS)
+        lines.append(f"{label:<46}{cells}")
+    lines.append("ratios: against Accelerate in the same phase (cold, warm or back-to-back); torchrun against cold")
+    return "\n".join(lines)
+
+
+def overhead_line(median: dict[str, dict[int, float]]) -> str:
+    """How much of a cell's busy->idle time is IPython's, not the launcher's: the method's blind spot."""
+    shares = {n: 1000 * (median["accelerate/warm"][n] - median["accelerate/warm inside cell"][n]) for n in RANKS}
+    return ("IPython's own share of a warm Accelerate cell (busy->idle minus perf_counter around the call): "
+            + _per_ranks(shares, "{:.1f} ms"))
+
+
+def checks(median: dict[str, dict[int, float]], shipping: dict) -> list[tuple[bool, str]]:
+    """Each target with the figures it was judged on."""
+    found = []
+    for phase in ("cold", "warm"):
+        ratios = {n: median[f"fork/{phase}"][n] / median[f"accelerate/{phase}"][n] for n in RANKS}
+        found.append((all(r <= 1.5 for r in ratios.values()),
+                      f"fork <= 1.5x Accelerate's time ({phase}): " + _per_ranks(ratios, "{:.2f}x")))
+    warm4 = median["spawn/warm"][4]
+    found.append((warm4 <= 0.5, f"warm spawn <= 0.5 s at 4 ranks: {warm4:.3f} s"))
+    speedups = {n: median["torchrun/cold"][n] / median["spawn/warm"][n] for n in RANKS}
+    found.append((all(s >= 3 for s in speedups.values()),
+                  "warm spawn >= 3x faster than torchrun: " + _per_ranks(speedups, "{:.1f}x")))
+    rate = shipping["gb_per_second"]
+    found.append((rate >= 1.0, f"shipping >= 1 GB/s: {rate:.2f} GB/s (512 MiB in {shipping['extra_seconds']:.3f} s)"))
+    copies = shipping["memory"]["extra_copies"]
+    found.append((copies <= 1 + COPY_TOLERANCE,
+                  f"kernel + fork server + ranks hold <= one extra copy: {copies:.2f} copies "
+                  f"({shipping['memory']['extra_bytes'] / 2**20:.0f} MiB; tolerance {COPY_TOLERANCE:.0%})"))
+    return found
+
+
+def _per_ranks(values: dict[int, float], form: str) -> str:
+    return ", ".join(f"{n} ranks {form.format(v)}" for n, v in values.items())
+
+
+def shipping_lines(shipping: dict) -> list[str]:
+    memory = shipping["memory"]
+    mib = 2**20
+    pack = shipping["kernel_pack_seconds"]
+    return [
+        f"shipping 512 MiB to 2 spawned ranks: cell {statistics.median(shipping['shipping_cell_seconds']):.3f} s, "
+        f"trivial spawn cell {statistics.median(shipping['trivial_spawn_seconds']):.3f} s, "
+        f"difference {shipping['extra_seconds']:.3f} s = {shipping['gb_per_second']:.2f} GB/s"
+        + (f" (the kernel's pack into the memory file alone: {pack:.3f} s)" if pack is not None else ""),
+        f"kernel RSS: {memory['kernel_rss_before_big'] / mib:.0f} MiB before the tensor, "
+        f"{memory['kernel_rss_with_big'] / mib:.0f} MiB with it, "
+        f"{memory['kernel_rss_while_ranks_hold_it'] / mib:.0f} MiB while the ranks hold it, "
+        f"{memory['kernel_rss_after'] / mib:.0f} MiB after",
+        f"extra while 2 ranks hold it (against the same cell holding 16 elements): "
+        f"kernel PSS {memory['kernel_extra_pss'] / mib:+.0f} MiB, "
+        f"fork server PSS {memory['server_extra_pss'] / mib:+.0f} MiB (RSS {memory['server_extra_rss'] / mib:+.0f}), "
+        f"ranks PSS {memory['ranks_extra_pss'] / mib:+.0f} MiB (RSS {memory['ranks_extra_rss'] / mib:+.0f}); "
+        f"system Shmem {memory['shmem_extra'] / mib:+.0f} MiB",
+    ]
+
+
+def trouble_lines(tally: Tally) -> list[str]:
+    """Hung launches and surviving processes: left out of the medians, so said out loud here."""
+    hangs = [f"{name} {sum(by.values())} of {tally.launches.get(name, 0)} ("
+             + ", ".join(f"{count} at {n} ranks" for n, count in sorted(by.items())) + ")"
+             for name, by in tally.hangs.items()]
+    lines = [f"launches that hung (killed after {HANG_SECONDS:g} s, not in the medians): "
+             + ("; ".join(hangs) if hangs else "none")]
+    lines.append(f"processes alive after their kernel was shut down: {len(tally.left_behind) or 'none'}")
+    if tally.left_after_hang:
+        lines.append(f"processes alive 5 s after killing a kernel stuck in a launch (then killed): "
+                     f"{len(tally.left_after_hang)}")
+    return lines
+
+
+def machine_info() -> dict:
+    import accelerate
+    import torch
+
+    import taas_magic
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load_average_at_end": [round(load, 2) for load in os.getloadavg()],
+        "cpu_model": _cpu_model(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "taas_magic": taas_magic.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write_results(path: Path, info: dict, settings: Settings, tally: Tally, shipping: dict,
+                  found: list[tuple[bool, str]], seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "machine": info,
+        "settings": {**vars(settings), "pause_seconds": PAUSE_SECONDS, "hang_seconds": HANG_SECONDS},
+        "timing": "notebook contenders: kernel busy->idle (iopub stamps); torchrun: subprocess wall time",
+        "medians_seconds": {key: {str(n): v for n, v in by.items()} for key, by in medians(tally.samples).items()},
+        "samples_seconds": {key: {str(n): v for n, v in by.items()} for key, by in tally.samples.items()},
+        "launches": tally.launches,
+        "hangs": {name: {str(n): count for n, count in by.items()} for name, by in tally.hangs.items()},
+        "shipping": shipping,
+        "checks": [{"passed": ok, "check": text} for ok, text in found],
+        "left_behind": tally.left_behind,
+        "left_behind_after_killing_a_hung_kernel": tally.left_after_hang,
+        "benchmark_seconds": round(seconds, 1),
+    }
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+# -- plot --------------------------------------------------------------------------------------
+BARS = (  # (label, key, colour, hatch): hatched = cold, solid = warm
+    ("taas fork, cold", "fork/cold", "#1f77b4", "//"),
+    ("taas fork, warm", "fork/warm", "#1f77b4", ""),
+    ("taas spawn, cold", "spawn/cold", "#2ca02c", "//"),
+    ("taas spawn, warm", "spawn/warm", "#2ca02c", ""),
+    ("Accelerate, cold", "accelerate/cold", "#ff7f0e", "//"),
+    ("Accelerate, warm", "accelerate/warm", "#ff7f0e", ""),
+    ("torchrun (always cold)", "torchrun/cold", "#7f7f7f", "//"),
+)
+
+
+def plot(path: Path, samples: Samples, info: dict) -> None:
+    """Grouped bars, one group per rank count; log scale, since torchrun is an order of magnitude off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    median = medians(samples)
+    figure, axes = plt.subplots(figsize=(10, 5.5), dpi=120)
+    width = 0.8 / len(BARS)
+    for index, (label, key, colour, hatch) in enumerate(BARS):
+        xs = [group + (index - (len(BARS) - 1) / 2) * width for group in range(len(RANKS))]
+        heights = [median[key][n] for n in RANKS]
+        low = [h - min(samples[key][n]) for h, n in zip(heights, RANKS)]
+        high = [max(samples[key][n]) - h for h, n in zip(heights, RANKS)]
+        axes.bar(xs, heights, width * 0.92, label=label, color="white" if hatch else colour,
+                 edgecolor=colour, hatch=hatch, linewidth=1.2, yerr=[low, high], capsize=2,
+                 error_kw={"elinewidth": 0.8, "ecolor": "#444444"})
+        for x, h, top in zip(xs, heights, high):
+            axes.text(x, (h + top) * 1.1, f"{h:.2f}", ha="center", va="bottom", fontsize=7)
+    axes.set_yscale("log")
+    axes.yaxis.set_major_locator(ticker.FixedLocator([0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50]))
+    axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.yaxis.set_minor_formatter(ticker.NullFormatter())
+    axes.set_xticks(range(len(RANKS)), [f"{n} ranks" for n in RANKS])
+    axes.set_ylabel("wall time, s (median; whiskers min-max; log scale)")
+    axes.set_xlabel("trivial gloo job on CPU: init_process_group, all_reduce, barrier, destroy_process_group")
+    axes.set_title("Launching a distributed job from a notebook: taas-magic, Accelerate, torchrun\n"
+                   f"{info['usable_cores']} cores, torch {info['torch']}, accelerate {info['accelerate']}, "
+                   f"{info['date'][:10]}; hatched: cold (first launch in a fresh kernel), solid: warm", fontsize=10)
+    axes.set_ylim(min(0.05, min(min(by.values()) for by in median.values()) / 2), axes.get_ylim()[1] * 4)
+    axes.grid(axis="y", which="both", alpha=0.25)
+    axes.legend(fontsize=8, ncol=4, loc="upper center")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+# -- main --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (about 1.5 minutes on a quiet machine)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON output (default: %(default)s)")
+    parser.add_argument("--plot", type=Path, default=PLOT, help="PNG output (default: %(default)s)")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    started = time.monotonic()
+
+    def progress(text: str) -> None:
+        print(f"[{time.monotonic() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+    tally = Tally()
+    load_at_start = [round(load, 2) for load in os.getloadavg()]
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1) / 2:
+        print(f"note: load average {load:.1f} on {os.cpu_count()} cores before starting: other work is running, "
+              "expect noisy figures", file=sys.stderr)
+    measure_warm(settings, tally, progress)
+    measure_cold(settings, tally, progress)
+    measure_torchrun(settings, tally, progress)
+    shipping = measure_shipping(settings, tally, progress)
+    info = {**machine_info(), "load_average_at_start": load_at_start}
+    median = medians(tally.samples)
+    found = checks(median, shipping)
+    print(table(median))
+    print(overhead_line(median))
+    print()
+    print("\n".join(shipping_lines(shipping)))
+    print()
+    for ok, text in found:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    print("\n".join(trouble_lines(tally)))
+    elapsed = time.monotonic() - started
+    write_results(args.results, info, settings, tally, shipping, found, elapsed)
+    plot(args.plot, tally.samples, info)
+    print(f"wrote {_shown(args.results)} and {_shown(args.plot)} ({elapsed:.0f} s)")
+    return 0
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
