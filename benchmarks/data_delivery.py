@@ -40,29 +40,32 @@ Figures go to benchmarks/results/data_delivery.json, the plot to docs/images/dat
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import platform
-import queue
 import re
 import statistics
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-from jupyter_client.manager import KernelManager
+from harness import (
+    ROOT,
+    BenchError,
+    Cell,
+    Kernel,
+    Progress,
+    arguments,
+    kill,
+    machine_info,
+    print_checks,
+    shown,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "data_delivery.json"
 PLOT = ROOT / "docs" / "images" / "data_delivery.png"
-KERNEL_LOG = Path(tempfile.gettempdir()) / "taas-bench-kernels.log"
 
 RANKS = 2
 BATCH = 32
@@ -76,9 +79,6 @@ SWEEP = (1, 2, 4, 8)
 HEAD_K = 4
 OUTPACE_K = 8
 MARKER = "taas-bench-rank"
-
-# Every process the benchmark starts gets the same environment: CPU ranks, gloo on loopback.
-BENCH_ENV = {"TAAS_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
 
 # Targets
 SCALING_TARGET = 3.2  # --cpus 4 against --cpus 1
@@ -99,125 +99,7 @@ FULL = Settings(repetitions=5, sweep_batches=48, short_batches=32, instant_batch
 QUICK = Settings(repetitions=3, sweep_batches=32, short_batches=16, instant_batches=40)
 
 
-class BenchError(RuntimeError):
-    """A cell or a process of the benchmark failed: the figures would mean nothing."""
-
-
 _LEFT_BEHIND: list[str] = []  # command lines of processes that outlived their cell or kernel
-
-
-# -- a real kernel, as a notebook drives it ----------------------------------------------------
-@dataclass
-class Cell:
-    kernel_seconds: float  # busy -> idle, stamped by the kernel
-    stdout: str
-    stderr: str
-    error: str | None
-
-
-class Kernel:
-    """An ipykernel in its own process, driven over jupyter_client like a notebook frontend."""
-
-    def __init__(self) -> None:
-        self.manager = KernelManager(kernel_name="python3")
-        with open(KERNEL_LOG, "ab") as log:  # the kernel's own chatter, kept out of the report
-            self.manager.start_kernel(env={**os.environ, **BENCH_ENV}, stdout=log, stderr=log)
-        self.pid: int = self.manager.provisioner.process.pid
-        self.client = self.manager.client()
-        try:
-            self.client.start_channels()
-            self.client.wait_for_ready(timeout=120)
-        except BaseException:
-            _LEFT_BEHIND.extend(self.shutdown())
-            raise
-
-    def run(self, code: str, timeout: float = 180) -> Cell:
-        """Execute one cell; raise BenchError if it fails, since its figures would be meaningless."""
-        cell = self._execute(code, timeout)
-        if cell.error is not None:
-            raise BenchError(f"cell failed: {cell.error}\n--- cell ---\n{code}\n--- stderr ---\n{cell.stderr}"
-                             f"\n(the kernel's own output is in {KERNEL_LOG})")
-        return cell
-
-    def _execute(self, code: str, timeout: float) -> Cell:
-        started = time.monotonic()
-        msg_id = self.client.execute(code, allow_stdin=False)
-        stamps: dict[str, datetime.datetime] = {}
-        streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        error = None
-        while "idle" not in stamps:
-            if time.monotonic() - started > timeout:
-                raise BenchError(f"cell did not finish in {timeout} s:\n{code}")
-            try:
-                msg = self.client.get_iopub_msg(timeout=1)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "status":
-                stamps[content["execution_state"]] = msg["header"]["date"]
-            elif kind == "stream":
-                streams[content["name"]].append(content["text"])
-            elif kind == "error":
-                error = f"{content['ename']}: {content['evalue']}"
-        while self.client.get_shell_msg(timeout=30)["parent_header"].get("msg_id") != msg_id:
-            pass  # the execute_reply, so the next cell starts from a clean slate
-        return Cell((stamps["idle"] - stamps["busy"]).total_seconds(), "".join(streams["stdout"]),
-                    "".join(streams["stderr"]), error)
-
-    def run_processes(self) -> list[psutil.Process]:
-        """What a cell started that is still alive: the kernel's descendants less the idle fork server."""
-        found = []
-        try:
-            children = psutil.Process(self.pid).children()
-        except psutil.NoSuchProcess:
-            return []
-        for child in children:
-            try:
-                is_server = "taas_magic.agent" in " ".join(child.cmdline())
-                found += ([] if is_server else [child]) + child.children(recursive=True)
-            except psutil.NoSuchProcess:
-                continue
-        return found
-
-    def wait_until_quiet(self, timeout: float = 120) -> None:
-        """Until the kernel and its fork server stop using CPU, so they do not compete with a measurement."""
-        processes = [psutil.Process(self.pid)] + psutil.Process(self.pid).children()
-        deadline = time.monotonic() + timeout
-        last, quiet_since = -1.0, time.monotonic()
-        while time.monotonic() < deadline:
-            used = sum(sum(p.cpu_times()[:2]) for p in processes if p.is_running())
-            if used - last > 0.01:
-                last, quiet_since = used, time.monotonic()
-            elif time.monotonic() - quiet_since >= 0.5:
-                return
-            time.sleep(0.1)
-        raise BenchError(f"the kernel or its fork server was still busy after {timeout} s")
-
-    def shutdown(self) -> list[str]:
-        """Stop the kernel; return the command lines of any of its processes alive 10 s later (then killed)."""
-        try:
-            started = [psutil.Process(self.pid)] + psutil.Process(self.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            started = []
-        self.client.stop_channels()
-        if self.manager.is_alive():
-            self.manager.shutdown_kernel(now=True)
-        _, alive = psutil.wait_procs(started, timeout=10)
-        return _kill(alive)
-
-
-def _kill(processes: list[psutil.Process]) -> list[str]:
-    """Kill these processes (each by its own id); return their command lines."""
-    left = []
-    for process in processes:
-        try:
-            left.append(" ".join(process.cmdline())[:120])
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return left
 
 
 # -- the cells ---------------------------------------------------------------------------------
@@ -366,7 +248,7 @@ def _check_nothing_left(kernel: Kernel, case: Case, grace: float = 5.0) -> None:
     deadline = time.monotonic() + grace
     while kernel.run_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _kill(kernel.run_processes())
+    left = kill(kernel.run_processes())
     _LEFT_BEHIND.extend(f"{case.key}: {line}" for line in left)
 
 
@@ -497,35 +379,6 @@ def checks(samples: Samples) -> list[tuple[bool, str]]:
 
 
 # -- results -----------------------------------------------------------------------------------
-def machine_info() -> dict:
-    import torch
-
-    import taas_magic
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "load_average_at_end": os.getloadavg(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "taas_magic": taas_magic.__version__,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 FIGURES = ("batches_per_second", "wait_share", "wait_share_after_first", "first_batch", "ms_per_batch",
            "cell_seconds")
 
@@ -648,40 +501,24 @@ def _transport(axes, samples: Samples) -> None:
 
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter passes, fewer repetitions (about 2 minutes)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON output (default: %(default)s)")
-    parser.add_argument("--plot", type=Path, default=PLOT, help="PNG output (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__, "shorter passes, fewer repetitions (about 2 minutes)", RESULTS, PLOT, argv)
     settings = QUICK if args.quick else FULL
-    started = time.monotonic()
-
-    def progress(text: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
-
+    progress = Progress()
     samples = run_all(settings, progress)
-    info = machine_info()
+    info = {**machine_info(), "load_average_at_end": os.getloadavg()}
     found = checks(samples)
     print(sweep_table(samples))
     print()
     print(other_tables(samples))
     print(equal_fetchers_line(samples))
     print()
-    for ok, text in found:
-        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    print_checks(found)
     print(f"processes left behind: {len(_LEFT_BEHIND) or 'none'}")
-    elapsed = time.monotonic() - started
+    elapsed = progress.elapsed()
     write_results(args.results, info, settings, samples, found, elapsed)
     plot(args.plot, samples, info)
-    print(f"wrote {_shown(args.results)} and {_shown(args.plot)} ({elapsed:.0f} s)")
+    print(f"wrote {shown(args.results)} and {shown(args.plot)} ({elapsed:.0f} s)")
     return 0
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
 
 
 if __name__ == "__main__":

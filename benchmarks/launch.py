@@ -44,12 +44,8 @@ Figures go to benchmarks/results/launch.json, the plot to docs/images/launch.png
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import platform
-import queue
 import signal
 import socket
 import statistics
@@ -63,12 +59,22 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
-from jupyter_client.manager import KernelManager
+from harness import (
+    BENCH_ENV,
+    ROOT,
+    BenchError,
+    Cell,
+    Hung,
+    Kernel,
+    Progress,
+    arguments,
+    machine_info,
+    print_checks,
+    shown,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "launch.json"
 PLOT = ROOT / "docs" / "images" / "launch.png"
-KERNEL_LOG = Path(tempfile.gettempdir()) / "taas-bench-kernels.log"
 RANKS = (2, 4)
 PAUSE_SECONDS = 0.5  # between warm cells: a person re-running a cell is slower than a loop
 BIG_NUMEL = 128 * 2**20  # float32: 512 MiB
@@ -89,9 +95,6 @@ JOB = textwrap.dedent("""\
     dist.destroy_process_group()
 """)
 
-# Every process the benchmark starts gets the same environment: CPU ranks, gloo on loopback.
-BENCH_ENV = {"TAAS_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
-
 TAAS_SETUP = "%load_ext taas_magic\nimport torch, torch.distributed, time"
 ACCELERATE_SETUP = ("import torch, torch.distributed, time\nfrom accelerate import notebook_launcher\n"
                     "def job():\n" + textwrap.indent(JOB, "    "))
@@ -107,14 +110,6 @@ class Settings:
 
 FULL = Settings(cold_kernels=3, warm_rounds=7, torchrun_runs=3, shipping_rounds=5)
 QUICK = Settings(cold_kernels=1, warm_rounds=3, torchrun_runs=1, shipping_rounds=2)
-
-
-class BenchError(RuntimeError):
-    """A cell or a process of the benchmark failed: the figures would mean nothing."""
-
-
-class LaunchHung(BenchError):
-    """A launch did not finish within HANG_SECONDS; it is counted, left out of the medians, and killed."""
 
 
 Samples = dict[str, dict[int, list[float]]]  # "fork/warm" -> ranks -> seconds
@@ -142,115 +137,6 @@ class Tally:
 
 
 # -- a real kernel, as a notebook drives it ----------------------------------------------------
-@dataclass
-class Cell:
-    kernel_seconds: float  # busy -> idle, stamped by the kernel
-    client_seconds: float  # execute request -> idle seen here
-    stdout: str
-    stderr: str
-    error: str | None
-
-
-@dataclass
-class Kernel:
-    """An ipykernel in its own process, driven over jupyter_client like a notebook frontend."""
-
-    manager: KernelManager = field(default_factory=lambda: KernelManager(kernel_name="python3"))
-    hung: bool = False  # a cell never finished: whatever the kernel started may be stuck too
-
-    def __post_init__(self) -> None:
-        with open(KERNEL_LOG, "ab") as log:  # the kernels' own chatter, kept out of the report
-            self.manager.start_kernel(env={**os.environ, **BENCH_ENV}, stdout=log, stderr=log)
-        self.pid: int = self.manager.provisioner.process.pid
-        self.client = self.manager.client()
-        try:
-            self.client.start_channels()
-            self.client.wait_for_ready(timeout=120)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def run(self, code: str, on_stream: Callable[[str], None] | None = None, timeout: float = 180) -> Cell:
-        """Execute one cell; raise BenchError if it fails, since its timing would be meaningless."""
-        cell = self._execute(code, on_stream, timeout)
-        if cell.error is not None:
-            raise BenchError(f"cell failed: {cell.error}\n--- cell ---\n{code}\n--- stderr ---\n{cell.stderr}"
-                             f"\n(the kernels' own output is in {KERNEL_LOG})")
-        return cell
-
-    def _execute(self, code: str, on_stream: Callable[[str], None] | None, timeout: float) -> Cell:
-        started = time.perf_counter()
-        msg_id = self.client.execute(code, allow_stdin=False)
-        stamps: dict[str, datetime.datetime] = {}
-        streams: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        error = None
-        while "idle" not in stamps:
-            if time.perf_counter() - started > timeout:
-                self.hung = True
-                raise LaunchHung(f"cell did not finish in {timeout:g} s:\n{code}")
-            try:
-                msg = self.client.get_iopub_msg(timeout=1)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "status":
-                stamps[content["execution_state"]] = msg["header"]["date"]
-            elif kind == "stream":
-                streams[content["name"]].append(content["text"])
-                if on_stream is not None:
-                    on_stream(content["text"])
-            elif kind == "error":
-                error = f"{content['ename']}: {content['evalue']}"
-        client_seconds = time.perf_counter() - started
-        while self.client.get_shell_msg(timeout=30)["parent_header"].get("msg_id") != msg_id:
-            pass  # the execute_reply, so the next cell starts from a clean slate
-        return Cell((stamps["idle"] - stamps["busy"]).total_seconds(), client_seconds,
-                    "".join(streams["stdout"]), "".join(streams["stderr"]), error)
-
-    def fork_server(self) -> psutil.Process | None:
-        for child in psutil.Process(self.pid).children():
-            if "taas_magic.agent" in " ".join(child.cmdline()):
-                return child
-        return None
-
-    def wait_fork_server_idle(self, timeout: float = 120) -> None:
-        """Until the fork server has imported torch and stopped using CPU: it is waiting for work."""
-        server = self.fork_server()
-        if server is None:
-            raise BenchError("no fork server: was %load_ext taas_magic run?")
-        deadline = time.monotonic() + timeout
-        last, quiet_since = -1.0, time.monotonic()
-        while time.monotonic() < deadline:
-            used = sum(server.cpu_times()[:2])
-            if used - last > 0.005 or not _maps_library(server.pid, "libtorch_cpu"):
-                last, quiet_since = used, time.monotonic()
-            elif time.monotonic() - quiet_since >= 0.3:
-                return
-            time.sleep(0.05)
-        raise BenchError(f"the fork server was still busy after {timeout} s")
-
-    def shutdown(self) -> list[str]:
-        """Stop the kernel; return the command lines of its processes still alive 5 s later (then killed)."""
-        try:
-            started = [psutil.Process(self.pid)] + psutil.Process(self.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            started = []
-        self.client.stop_channels()
-        if self.manager.is_alive():
-            self.manager.shutdown_kernel(now=True)
-        _, alive = psutil.wait_procs(started, timeout=5)
-        left = []
-        for process in alive:
-            try:
-                left.append(" ".join(process.cmdline())[:120])
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        return left
-
-
 class fresh_kernel:
     """A kernel that has run ``setup``, shut down on the way out whatever happens."""
 
@@ -260,7 +146,7 @@ class fresh_kernel:
         self.wait_for_fork_server = wait_for_fork_server
 
     def __enter__(self) -> Kernel:
-        self.kernel = Kernel()
+        self.kernel = Kernel(grace=5)
         try:
             self.kernel.run(self.setup)
             if self.wait_for_fork_server:
@@ -273,13 +159,6 @@ class fresh_kernel:
     def __exit__(self, *exc: object) -> None:
         left = self.kernel.shutdown()
         (self.tally.left_after_hang if self.kernel.hung else self.tally.left_behind).extend(left)
-
-
-def _maps_library(pid: int, name: str) -> bool:
-    try:
-        return name in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
 
 
 # -- the contenders in a notebook --------------------------------------------------------------
@@ -334,7 +213,7 @@ def launch(tally: Tally, kernel: Kernel, contender: Contender, key: str, ranks: 
     tally.tried(contender.name)
     try:
         cell = kernel.run(contender.cell(ranks), timeout=HANG_SECONDS)
-    except LaunchHung:
+    except Hung:
         tally.hung(contender.name, ranks)
         return False
     if measured:
@@ -424,7 +303,7 @@ def measure_torchrun(settings: Settings, tally: Tally, progress: Callable[[str],
             for ranks in RANKS:
                 try:
                     tally.add("torchrun/cold", ranks, run_torchrun(script, ranks))
-                except LaunchHung:
+                except Hung:
                     tally.hung("torchrun", ranks)
                 tally.tried("torchrun")
     progress("torchrun")
@@ -441,7 +320,7 @@ def run_torchrun(script: Path, ranks: int, timeout: float = 6 * HANG_SECONDS) ->
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise LaunchHung(f"torchrun did not finish in {timeout} s") from None
+        raise Hung(f"torchrun did not finish in {timeout} s") from None
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -564,7 +443,7 @@ def kernel_pack_seconds(kernel: Kernel) -> float | None:
 
     Uses taas-magic's own packing function; if its interface has changed, the figure is left out.
     """
-    cell = kernel._execute(PACK_CELL, None, 120)
+    cell = kernel.execute(PACK_CELL, timeout=120)
     return None if cell.error else inside_seconds(cell)
 
 
@@ -695,37 +574,6 @@ def trouble_lines(tally: Tally) -> list[str]:
     return lines
 
 
-def machine_info() -> dict:
-    import accelerate
-    import torch
-
-    import taas_magic
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "load_average_at_end": [round(load, 2) for load in os.getloadavg()],
-        "cpu_model": _cpu_model(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "accelerate": accelerate.__version__,
-        "taas_magic": taas_magic.__version__,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def write_results(path: Path, info: dict, settings: Settings, tally: Tally, shipping: dict,
                   found: list[tuple[bool, str]], seconds: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -744,6 +592,10 @@ def write_results(path: Path, info: dict, settings: Settings, tally: Tally, ship
         "benchmark_seconds": round(seconds, 1),
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def load_average() -> list[float]:
+    return [round(load, 2) for load in os.getloadavg()]
 
 
 # -- plot --------------------------------------------------------------------------------------
@@ -800,19 +652,11 @@ def plot(path: Path, samples: Samples, info: dict) -> None:
 
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (about 1.5 minutes on a quiet machine)")
-    parser.add_argument("--results", type=Path, default=RESULTS, help="JSON output (default: %(default)s)")
-    parser.add_argument("--plot", type=Path, default=PLOT, help="PNG output (default: %(default)s)")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__, "fewer repetitions (about 1.5 minutes on a quiet machine)", RESULTS, PLOT, argv)
     settings = QUICK if args.quick else FULL
-    started = time.monotonic()
-
-    def progress(text: str) -> None:
-        print(f"[{time.monotonic() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
-
+    progress = Progress()
     tally = Tally()
-    load_at_start = [round(load, 2) for load in os.getloadavg()]
+    load_at_start = load_average()
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1) / 2:
         print(f"note: load average {load:.1f} on {os.cpu_count()} cores before starting: other work is running, "
@@ -821,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     measure_cold(settings, tally, progress)
     measure_torchrun(settings, tally, progress)
     shipping = measure_shipping(settings, tally, progress)
-    info = {**machine_info(), "load_average_at_start": load_at_start}
+    info = {**machine_info("accelerate"), "load_average_at_end": load_average(), "load_average_at_start": load_at_start}
     median = medians(tally.samples)
     found = checks(median, shipping)
     print(table(median))
@@ -829,21 +673,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(shipping_lines(shipping)))
     print()
-    for ok, text in found:
-        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    print_checks(found)
     print("\n".join(trouble_lines(tally)))
-    elapsed = time.monotonic() - started
+    elapsed = progress.elapsed()
     write_results(args.results, info, settings, tally, shipping, found, elapsed)
     plot(args.plot, tally.samples, info)
-    print(f"wrote {_shown(args.results)} and {_shown(args.plot)} ({elapsed:.0f} s)")
+    print(f"wrote {shown(args.results)} and {shown(args.plot)} ({elapsed:.0f} s)")
     return 0
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
 
 
 if __name__ == "__main__":
