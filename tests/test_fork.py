@@ -28,6 +28,14 @@ def collect(group, seconds: float = 20):
     return events
 
 
+def wait_for(group, token: bytes, count: int = 2, seconds: float = 10) -> None:
+    """Until ``token`` was printed ``count`` times: the ranks have reached that line."""
+    deadline = time.monotonic() + seconds
+    seen = 0
+    while seen < count and time.monotonic() < deadline:
+        seen += sum(e.data.count(token) for e in group.events(0.05) if isinstance(e, Output))
+
+
 def test_output_reports_and_exits_arrive_in_order_per_rank():
     group = start("import os, sys\nprint('out', os.environ['RANK'])\nprint('err', file=sys.stderr)")
     try:
@@ -58,10 +66,7 @@ def test_a_failure_report_carries_the_exception_and_a_timestamp():
 def test_each_rank_leads_its_own_process_group_and_signals_reach_its_children():
     group = start("import subprocess, time\nsubprocess.Popen(['sleep', '60'])\nprint('ready', flush=True)\ntime.sleep(60)")
     try:
-        deadline = time.monotonic() + 10
-        ready = 0
-        while ready < 2 and time.monotonic() < deadline:
-            ready += sum(e.data.count(b"ready") for e in group.events(0.05) if isinstance(e, Output))
+        wait_for(group, b"ready")
         pids = {rank: state.pid for rank, state in group.ranks.items()}
         family = [psutil.Process(pid) for pid in pids.values()]
         family += [child for p in family for child in p.children(recursive=True)]
@@ -80,10 +85,7 @@ def test_each_rank_leads_its_own_process_group_and_signals_reach_its_children():
 def test_stacks_show_where_each_rank_is():
     group = start("import time\ndef stuck_here():\n    print('go', flush=True)\n    time.sleep(60)\nstuck_here()")
     try:
-        deadline = time.monotonic() + 10
-        started = 0
-        while started < 2 and time.monotonic() < deadline:
-            started += sum(e.data.count(b"go") for e in group.events(0.05) if isinstance(e, Output))
+        wait_for(group, b"go")
         stacks = group.stacks([0, 1], timeout=3)
         assert set(stacks) == {0, 1}
         assert all("stuck_here" in text for text in stacks.values()), stacks

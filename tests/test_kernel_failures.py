@@ -17,6 +17,17 @@ from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
 
+# DataLoader workers that are busy for a long time: grandchildren of the kernel to be cleaned up.
+SLOW_WORKERS = """import time
+from torch.utils.data import DataLoader
+class Slow:
+    def __len__(self): return 1000
+    def __getitem__(self, i):
+        time.sleep(1)
+        return i
+loader = iter(DataLoader(Slow(), num_workers=2))
+"""
+
 RUN_ID = "import os; print('RUN', os.environ['TAAS_RUN_ID'], flush=True) if os.environ['RANK'] == '0' else None\n"
 
 
@@ -104,14 +115,7 @@ def test_timeout_stops_late_ranks_and_shows_where_each_one_was(kernel):
 
 def test_interrupt_reaches_every_rank_and_their_workers_and_the_next_cell_runs(kernel):
     result = kernel.execute("""#pragma taas --gpus 2
-""" + RUN_ID + """import time, taas
-from torch.utils.data import DataLoader
-class Slow:
-    def __len__(self): return 1000
-    def __getitem__(self, i):
-        time.sleep(1)
-        return i
-loader = iter(DataLoader(Slow(), num_workers=2))
+""" + RUN_ID + SLOW_WORKERS + """import taas
 try:
     time.sleep(100)
 finally:
@@ -158,18 +162,7 @@ time.sleep(100)
 
 
 def test_ranks_and_their_children_die_within_3_s_of_the_kernel(fresh_kernel):
-    fresh_kernel.client.execute("""#pragma taas --gpus 2
-import os, time
-from torch.utils.data import DataLoader
-class Slow:
-    def __len__(self): return 1000
-    def __getitem__(self, i):
-        time.sleep(1)
-        return i
-loader = iter(DataLoader(Slow(), num_workers=2))
-print("RUN", os.environ["TAAS_RUN_ID"], flush=True)
-time.sleep(100)
-""")
+    fresh_kernel.client.execute("#pragma taas --gpus 2\n" + SLOW_WORKERS + "print('started', flush=True)\ntime.sleep(100)")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(fresh_kernel.children()) < 6:
         time.sleep(0.1)
