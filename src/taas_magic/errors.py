@@ -43,3 +43,9 @@ class RankFailed(TaasRunError):
 
 class RunTimedOut(TaasRunError):
     """Ranks were still running when ``--timeout`` elapsed."""
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message``: enough to say why, short enough for a one-line notice."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

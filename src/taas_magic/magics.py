@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from . import controller, machine, options, results, shipping
 from .backend import Backend
+from .cell_names import top_level_bindings
 from .configurations import load_catalog
 from .delivery import planning
 from .delivery.service import producer_labels
@@ -56,7 +57,7 @@ class TaasMagics(Magics):
         _import_torch_once()
         loaders = self._loaders(spec, tree)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
-                        return_names=results.wanted(results.top_level_bindings(tree), spec.return_names))
+                        return_names=results.wanted(top_level_bindings(tree), spec.return_names))
         backend, task = self._choose_start(spec, tree, task)
         progress = _ProgressDisplay()
         try:

@@ -8,7 +8,6 @@ is left out by name, with the reason, instead of failing a run that succeeded.
 
 from __future__ import annotations
 
-import ast
 import io
 import pickle
 import types
@@ -16,35 +15,7 @@ from typing import Any, Iterable
 
 import cloudpickle
 
-
-def top_level_bindings(tree: ast.Module) -> list[str]:
-    """Names a cell binds at its top level (assignments, defs, classes, imports, loop targets…)."""
-    names: dict[str, None] = {}
-
-    class Binder(ast.NodeVisitor):
-        def visit_Name(self, node: ast.Name) -> None:
-            if isinstance(node.ctx, ast.Store):
-                names[node.id] = None
-
-        def visit_FunctionDef(self, node: ast.AST) -> None:
-            names[node.name] = None  # its body binds locals, not cell names
-
-        visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
-
-        def visit_Lambda(self, node: ast.Lambda) -> None:
-            pass
-
-        def visit_alias(self, node: ast.alias) -> None:
-            if node.name != "*":
-                names[(node.asname or node.name).partition(".")[0]] = None
-
-        def visit_comprehension_scope(self, node: ast.AST) -> None:
-            pass
-
-        visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_comprehension_scope
-
-    Binder().visit(tree)
-    return list(names)
+from .errors import first_line
 
 
 class _ResultPickler(cloudpickle.Pickler):
@@ -95,7 +66,7 @@ def dumps(values: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
         try:
             _dump({name: value})
         except Exception as e:
-            skipped[name] = f"{type(value).__name__} cannot be pickled ({_first_line(e)})"
+            skipped[name] = f"{type(value).__name__} cannot be pickled ({first_line(e)})"
     kept = {name: value for name, value in kept.items() if name not in skipped}
     return _dump(kept), skipped
 
@@ -134,8 +105,3 @@ def wanted(bound: Iterable[str], requested: tuple[str, ...] | None) -> tuple[str
     if requested is None:
         return tuple(name for name in bound if not name.startswith("_"))
     return requested
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -24,17 +24,17 @@ from typing import Any
 
 import cloudpickle
 
-from .errors import TaasUsageError
+from . import memfile
+from .cell_names import names_read
+from .errors import TaasUsageError, first_line
 
 ANCHOR = "__taas_globals_anchor__"
 
 
 def needed_names(tree: ast.AST, namespace: dict[str, Any]) -> list[str]:
     """Names the cell reads that the kernel's namespace holds (builtins and IPython's own excluded)."""
-    read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)}
-    read |= {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
     hidden = _ipython_names(namespace)
-    return sorted(name for name in read if name in namespace and name not in hidden)
+    return sorted(name for name in names_read(tree) if name in namespace and name not in hidden)
 
 
 def _ipython_names(namespace: dict[str, Any]) -> set[str]:
@@ -79,17 +79,13 @@ class _ShippingPickler(cloudpickle.Pickler):
             if obj.is_sparse or obj.layout != torch.strided or obj.dtype in (torch.complex32,):
                 return super().reducer_override(obj)
             nbytes = obj.numel() * obj.element_size()
-            offset = _align(self.size)
+            offset = memfile.aligned(self.size)
             self.tensors.append((offset, obj))
             self.size = offset + nbytes
-            ref = _TensorRef(offset, nbytes, str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+            ref = _TensorRef(offset, nbytes, memfile.dtype_name(obj), tuple(obj.shape),
                              obj.requires_grad, isinstance(obj, torch.nn.Parameter))
             return _rebuild_tensor, (ref,)
         return super().reducer_override(obj)
-
-
-def _align(offset: int, alignment: int = 64) -> int:
-    return (offset + alignment - 1) // alignment * alignment
 
 
 def pack(namespace: dict[str, Any], names: list[str]) -> Shipment:
@@ -110,38 +106,19 @@ def _check_shippable(name: str, value: Any) -> None:
     except Exception as e:
         raise TaasUsageError(
             f"the cell needs {name!r} (a {type(value).__module__}.{type(value).__qualname__}), which cannot be "
-            f"sent to ranks started with --start spawn ({_first_line(e)}): create it inside the cell"
+            f"sent to ranks started with --start spawn ({first_line(e)}): create it inside the cell"
         ) from e
 
 
 def _write_tensors(tensors: list[tuple[int, Any]], size: int) -> int:
     """Copy every tensor's bytes into one anonymous memory file (the one extra copy)."""
-    import torch
-
-    fd = os.memfd_create("taas-tensors", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else _unlinked_tempfile()
+    fd = memfile.new_file("taas-tensors", size)
     try:
-        os.ftruncate(fd, max(size, 1))
         for offset, tensor in tensors:
-            source = tensor.detach()
-            if source.device.type != "cpu":
-                source = source.cpu()
-            if source.numel():
-                # Straight from the tensor's memory into the file: one copy, no mapping to fault in.
-                data = source.contiguous().view(-1).view(torch.uint8).numpy()
-                written = 0
-                while written < data.nbytes:
-                    written += os.pwrite(fd, data[written:], offset + written)
+            memfile.write_tensor(fd, tensor, offset)
     except BaseException:
         os.close(fd)
         raise
-    return fd
-
-
-def _unlinked_tempfile() -> int:
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix="taas-tensors-")
-    os.unlink(path)
     return fd
 
 
@@ -157,7 +134,7 @@ def unpack(data: bytes, tensors_fd: int | None, tensors_size: int) -> dict[str, 
     """
     global _mapped
     if tensors_fd is not None:
-        _mapped = mmap.mmap(tensors_fd, max(tensors_size, 1), access=mmap.ACCESS_COPY)  # writes stay private
+        _mapped = memfile.map_private(tensors_fd)
     try:
         shipped = pickle.loads(data)
     finally:
@@ -171,17 +148,7 @@ def unpack(data: bytes, tensors_fd: int | None, tensors_size: int) -> dict[str, 
 def _rebuild_tensor(ref: _TensorRef) -> Any:
     import torch
 
-    dtype = getattr(torch, ref.dtype)
-    if ref.nbytes:
-        flat = torch.frombuffer(_mapped, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
-        tensor = flat.view(dtype).view(ref.shape)
-    else:
-        tensor = torch.empty(ref.shape, dtype=dtype)
+    tensor = memfile.tensor_view(_mapped, ref.offset, ref.nbytes, ref.dtype, ref.shape)
     if ref.parameter:
         return torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
     return tensor.requires_grad_(ref.requires_grad) if ref.requires_grad else tensor
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

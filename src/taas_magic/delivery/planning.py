@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from ..cell_names import names_read
 from ..errors import TaasUsageError
 from ..spec import LaunchSpec
 from .service import LoaderPlan
@@ -14,7 +15,7 @@ def loaders_used(tree: ast.AST, namespace: dict[str, Any]) -> list[str]:
     """Registered DataLoaders the cell reads, directly or through the notebook's functions and classes."""
     from taas.registry import is_registered
 
-    pending = [node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)]
+    pending = list(names_read(tree))
     seen: set[str] = set()
     while pending:
         name = pending.pop()

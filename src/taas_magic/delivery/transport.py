@@ -18,8 +18,9 @@ import socket
 import struct
 from typing import Any
 
+from .. import memfile
+
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
-ALIGN = 64
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -37,33 +38,26 @@ class _Encoder(pickle.Pickler):
         import torch
 
         if type(obj) is torch.Tensor and obj.layout == torch.strided and obj.device.type == "cpu":
-            offset = -(-self.size // ALIGN) * ALIGN
+            offset = memfile.aligned(self.size)
             nbytes = obj.numel() * obj.element_size()
             self.tensors.append((offset, obj))
             self.size = offset + nbytes
-            return _tensor_at, (offset, nbytes, str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
-                                obj.requires_grad)
+            return _tensor_at, (offset, nbytes, memfile.dtype_name(obj), tuple(obj.shape), obj.requires_grad)
         return NotImplemented
 
 
 def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> None:
     """Write ``element`` into a new memory file and send its descriptor."""
-    import torch
-
     buffer = io.BytesIO()
     encoder = _Encoder(buffer)
     encoder.dump(element)
     skeleton = buffer.getvalue()
-    data_start = -(-len(skeleton) // ALIGN) * ALIGN
-    size = max(data_start + encoder.size, 1)
-    fd = os.memfd_create("taas-element", os.MFD_CLOEXEC)
+    data_start = memfile.aligned(len(skeleton))
+    fd = memfile.new_file("taas-element", data_start + encoder.size)
     try:
-        os.ftruncate(fd, size)
         os.pwrite(fd, skeleton, 0)
         for offset, tensor in encoder.tensors:
-            if tensor.numel():
-                # One write straight from the tensor's memory: no mapping to fault in page by page.
-                os.pwrite(fd, tensor.detach().contiguous().view(-1).view(torch.uint8).numpy(), data_start + offset)
+            memfile.write_tensor(fd, tensor, data_start + offset)
         socket.send_fds(sock, [_HEADER.pack(pass_number, index, len(skeleton))], [fd])
     finally:
         os.close(fd)
@@ -79,13 +73,11 @@ def receive(sock: socket.socket) -> tuple[int, int, Any]:
     if not header:
         raise EOFError("every producer has closed this channel")
     pass_number, index, skeleton_length = _HEADER.unpack(header)
-    fd = fds[0]
     try:
-        size = os.fstat(fd).st_size
-        memory = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        memory = memfile.map_private(fds[0])
     finally:
-        os.close(fd)
-    _reading = (memory, -(-skeleton_length // ALIGN) * ALIGN)
+        os.close(fds[0])
+    _reading = (memory, memfile.aligned(skeleton_length))
     try:
         element = pickle.loads(memory[:skeleton_length])
     finally:
@@ -94,13 +86,6 @@ def receive(sock: socket.socket) -> tuple[int, int, Any]:
 
 
 def _tensor_at(offset: int, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
-    import torch
-
     memory, data_start = _reading
-    kind = getattr(torch, dtype)
-    if nbytes:
-        tensor = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
-        tensor = tensor.view(kind).view(shape)
-    else:
-        tensor = torch.empty(shape, dtype=kind)
+    tensor = memfile.tensor_view(memory, data_start + offset, nbytes, dtype, shape)
     return tensor.requires_grad_(True) if requires_grad else tensor
