@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import ast
+from typing import Any
 
 
 def names_read(tree: ast.AST) -> set[str]:
     """Every name the cell loads (or declares global): candidates to take from the notebook."""
     read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)}
     return read | {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
+
+
+def code_names(code: Any) -> set[str]:
+    """Global and attribute names a compiled function or cell uses, nested functions included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= code_names(const)
+    return names
 
 
 def top_level_bindings(tree: ast.Module) -> list[str]:

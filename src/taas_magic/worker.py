@@ -16,6 +16,7 @@ from types import CodeType
 from typing import Any
 
 from . import results, storage
+from .cell_names import code_names
 from .child import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -109,15 +110,10 @@ def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
         if task.source:
             linecache.cache[task.code.co_filename] = (len(task.source), None, task.source.splitlines(True),
                                                       task.code.co_filename)
-        if _uses_name(task.code, "get_ipython"):
+        if "get_ipython" in code_names(task.code):
             _standalone_shell(task.namespace)
         return task.namespace
     return shell.user_ns if shell is not None else {"__name__": "__main__"}
-
-
-def _uses_name(code: CodeType, name: str) -> bool:
-    return name in code.co_names or any(
-        isinstance(const, CodeType) and _uses_name(const, name) for const in code.co_consts)
 
 
 def _standalone_shell(namespace: dict[str, Any]) -> None:

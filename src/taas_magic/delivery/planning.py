@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from ..cell_names import names_read
+from ..cell_names import code_names, names_read
 from ..errors import TaasUsageError
 from ..spec import LaunchSpec
 from .service import LoaderPlan
@@ -23,7 +23,7 @@ def loaders_used(tree: ast.AST, namespace: dict[str, Any]) -> list[str]:
             continue
         seen.add(name)
         for function in _notebook_functions(namespace[name], namespace):
-            pending.extend(_global_names(function.__code__))
+            pending.extend(code_names(function.__code__))
     return sorted(name for name in seen if is_registered(namespace[name]))
 
 
@@ -32,14 +32,6 @@ def _notebook_functions(value: Any, namespace: dict[str, Any]) -> list[Any]:
     candidates = list(vars(value).values()) if isinstance(value, type) else [value]
     candidates = [getattr(c, "__func__", c) for c in candidates]  # staticmethod/classmethod
     return [c for c in candidates if getattr(c, "__globals__", None) is namespace and hasattr(c, "__code__")]
-
-
-def _global_names(code: Any) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names += _global_names(const)
-    return names
 
 
 def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:

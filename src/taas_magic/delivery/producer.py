@@ -43,6 +43,7 @@ class ProducerTask:
     counters: Counters
     seed: int
     reports_stats: bool
+    _last_stats: float = 0.0  # when producer 0 last reported the counters
 
     def run(self, env: dict[str, str], fds: child.RankFds) -> int:
         shell = child.become_child(fds, env)
@@ -61,7 +62,6 @@ class ProducerTask:
     def _produce(self, fds: child.RankFds) -> None:
         self.pending: collections.deque = collections.deque()  # keys handed to the fetcher, oldest first
         keys = self.pending
-        last_stats = time.monotonic()
         for element in self._fetch(keys):
             pass_, index, _ = keys.popleft()
             destinations = self.plan.destinations(pass_, index)
@@ -70,9 +70,7 @@ class ProducerTask:
                 if not self.counters.is_done(rank):  # a rank whose cell has ended reads nothing more
                     send(self.channels[rank], pass_.number, index, element)
             self.counters.produced[self.index] += 1
-            if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
-                child.report(fds.report, self.counters.stats(self.name))
-                last_stats = time.monotonic()
+            self._report_stats(fds)
 
     def _fetch(self, keys: collections.deque) -> Iterator[Any]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
@@ -114,19 +112,23 @@ class ProducerTask:
             number += pass_.real
 
     def _wait_for_window(self, round_: int, fds: child.RankFds) -> None:
-        last_stats = time.monotonic()
         pause = 0.0002
         while round_ >= self.counters.slowest_rank() + self.window:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
-            if self.reports_stats and time.monotonic() - last_stats > STATS_SECONDS:
-                child.report(fds.report, self.counters.stats(self.name))
-                last_stats = time.monotonic()
+            self._report_stats(fds)
+
+    def _report_stats(self, fds: child.RankFds, every: float = STATS_SECONDS) -> None:
+        """Producer 0 sends the loader's counters now and then: the controller's progress line."""
+        now = time.monotonic()
+        if self.reports_stats and now - self._last_stats >= every:
+            self._last_stats = now
+            child.report(fds.report, self.counters.stats(self.name))
 
     def _report_until_stopped(self, fds: child.RankFds) -> None:
         """Done with the stream: keep the progress line alive until the ranks are done."""
         while self.reports_stats:
-            child.report(fds.report, self.counters.stats(self.name))
+            self._report_stats(fds, every=0.0)
             time.sleep(STATS_SECONDS)
 
     def _failure(self, error: BaseException, shell: Any) -> dict[str, Any]:
