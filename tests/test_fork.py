@@ -10,14 +10,14 @@ import psutil
 import pytest
 
 from taas_magic.backend import Exited, Output, Report
-from taas_magic.fork import ForkBackend
+from taas_magic.fork import ForkedRanks
 from taas_magic.worker import RankTask
 
 
 def start(source: str, ranks: int = 2):
     task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1, return_names=())
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)} for rank in range(ranks)}
-    return ForkBackend().start(envs, task)
+    return ForkedRanks.start(envs, task)
 
 
 def collect(group, seconds: float = 20):

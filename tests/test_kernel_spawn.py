@@ -77,13 +77,16 @@ def test_a_needed_name_that_cannot_be_shipped_fails_before_anything_starts(defin
 def test_auto_picks_spawn_when_the_kernel_reports_cuda_initialized(defined):
     defined.execute("import torch\n_real = torch.cuda.is_initialized\ntorch.cuda.is_initialized = lambda: True").ok()
     try:
-        result = defined.execute("#pragma taas --gpus 2 --output rank0\nimport os\nprint(os.getppid())").ok()
+        result = defined.execute(GRANDPARENT).ok()
         assert "the ranks start from the fork server (--start spawn)" in result.stderr
-        assert int(result.stdout) == defined.fork_server().pid
+        assert int(result.stdout) == defined.fork_server().pid, "ranks come from the run's supervisor, forked by the server"
     finally:
         defined.execute("torch.cuda.is_initialized = _real").ok()
-    result = defined.execute("#pragma taas --gpus 2 --output rank0\nimport os\nprint(os.getppid())").ok()
+    result = defined.execute(GRANDPARENT).ok()
     assert int(result.stdout) == defined.pid, "fork again once CUDA is not initialized"
+
+
+GRANDPARENT = "#pragma taas --gpus 2 --output rank0\nimport os, psutil\nprint(psutil.Process(os.getppid()).ppid())"
 
 
 def test_the_fork_server_survives_many_cells_without_leaking(defined):
@@ -94,7 +97,7 @@ def test_the_fork_server_survives_many_cells_without_leaking(defined):
         defined.execute("#pragma taas --gpus 2 --start spawn\nx = weights.sum() + SCALE").ok()
     assert defined.fork_server().pid == server.pid
     assert server.num_fds() <= fds
-    assert server.children() == []
+    assert server.children() == [], "each run's supervisor is reaped as soon as it ends"
     assert server.memory_info().rss < memory + 64 * 2**20
     maps = open(f"/proc/{server.pid}/maps").read()
     assert maps.count("taas-tensors") <= 1, "the shipped tensors of past runs are unmapped"
@@ -160,10 +163,10 @@ def test_unload_stops_the_fork_server_and_kernel_death_takes_it_along(fresh_kern
     fresh_kernel.execute("%load_ext taas_magic").ok()
     fresh_kernel.client.execute("#pragma taas --gpus 2 --start spawn\nimport time\nprint('up', flush=True)\ntime.sleep(60)")
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(fresh_kernel.children()) < 2:
+    while time.monotonic() < deadline and len(fresh_kernel.children()) < 3:
         time.sleep(0.1)
     family = fresh_kernel.children() + [fresh_kernel.fork_server()]
-    assert len(family) == 3
+    assert len(family) == 4, "the run's supervisor, its 2 ranks, the fork server"
     os.kill(fresh_kernel.pid, signal.SIGKILL)
     _, alive = psutil.wait_procs(family, timeout=3)
     assert alive == []

@@ -1,13 +1,16 @@
-"""The fork server: a process that has imported torch, never touches CUDA, and forks ranks.
+"""The fork server: a process that has imported torch, never touches CUDA, and forks supervisors.
 
 Started in the background when the extension loads (``python -m taas_magic.agent FD``), it
-serves one run at a time over its channel to the kernel: it unpacks the shipped namespace once,
-forks the ranks from itself (so they share it copy-on-write and start in milliseconds), and
-relays their events. It is a node agent in miniature: the same requests would drive a remote one.
+does one thing per run: fork a supervisor (``supervisor.py``), which unpacks the shipped names
+and forks the ranks from itself, so they share them copy-on-write and start in milliseconds.
+Nothing of a run ever lives in the server itself, so no run can leave it in a different state.
 
-It lives as long as its channel: when the kernel closes it or dies, the agent stops its ranks
-and exits. Requests: ("run", envs, task, shipment) → events…, ("signal", signum, ranks),
-("stacks", ranks, timeout), ("close",) → ("closed",).
+Its channel to the kernel carries requests one way only — ("run", run_id, secret, envs, task,
+shipment) with the run's own channel end and the tensors' memory file beside it — and
+each request is one datagram, so an interrupted kernel can never leave the two out of step.
+Everything about a run travels on the run's own channel, between the kernel and the run's
+supervisor. The server is a subreaper: processes of a supervisor that died come to it, and it
+ends them. It exits, ending everything it started, when its channel closes or its parent dies.
 """
 
 from __future__ import annotations
@@ -19,88 +22,100 @@ import select
 import signal
 import socket
 import sys
+from typing import Any
 
-from . import channel, shipping
-from .fork import ForkBackend, ForkedRanks
+from . import child, containment, shipping
+from .channel import Channel, ChannelBroken
+from .supervisor import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 
-POLL_SECONDS = 0.02
+CONTROL = "fork-server"  # the run id the control channel's messages carry
+SECRET_SIZE = 32
 
 
 def main(fd: int) -> None:
+    secret = _read_secret()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's to forward
-    sock = socket.socket(fileno=fd)
+    containment.become_subreaper()
     import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
-
-    gc.freeze()  # what is imported stays: collections after each run look at the run's objects only
     import torch  # noqa: F401  (the reason this process exists: ranks start with torch imported)
     import torch.distributed  # noqa: F401
 
-    channel.send(sock, ("ready", os.getpid()))
+    gc.freeze()  # what is imported stays: forked supervisors and ranks never walk it
+    control = Channel(socket.socket(fileno=fd), secret, CONTROL)
+    parent = os.getppid()
+    supervisors: dict[int, int] = {}  # pidfd -> pid: a supervisor is reaped the moment it ends
     try:
-        while True:
-            message, fds = channel.receive(sock)
-            if message[0] == "run":
-                _serve(sock, message, fds)
-                gc.collect()  # the run's namespace and tensor mapping go now, not at some later cell
-            elif message[0] == "close":
-                channel.send(sock, ("closed",))
-    except (channel.ChannelClosed, ConnectionError):
-        pass
-
-
-def _serve(sock: socket.socket, message: tuple, fds: list[int]) -> None:
-    _, envs, task, shipment = message
-    group: ForkedRanks | None = None
-    try:
-        if task.context is not None:
-            task.context.apply()  # before unpickling: imports may depend on sys.path and the folder
-        try:
-            namespace = shipping.unpack(shipment.data, fds[0] if fds else None, shipment.tensors_size)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        group = ForkBackend().start(envs, dataclasses.replace(task, namespace=namespace))
-        del namespace
-        channel.send(sock, ("started",))
-        _relay(sock, group)
-    except (channel.ChannelClosed, ConnectionError):
-        raise
-    except BaseException as e:
-        channel.send(sock, ("failed", f"{type(e).__name__}: {e}"))
+        while os.getppid() == parent:
+            ready = select.select([control.fileno(), *supervisors], [], [], PARENT_CHECK_SECONDS)[0]
+            if control.fileno() in ready:
+                kind, fields, fds = control.receive()
+                if kind != "run":
+                    raise ChannelBroken(f"unexpected request {kind!r}")
+                pid = _fork_supervisor(control, fields, fds)
+                supervisors[os.pidfd_open(pid)] = pid
+            _tend(supervisors)
+    except ChannelBroken:
+        pass  # the kernel closed the channel or is gone
     finally:
-        if group is not None:
-            group.close()
-        try:
-            channel.send(sock, ("closed",))
-        except OSError:
-            pass
+        containment.end_all_children(STOP_SECONDS)
 
 
-def _relay(sock: socket.socket, group: ForkedRanks) -> None:
-    """Pass the ranks' events on and the kernel's requests in, until the kernel says close."""
-    while True:
-        if select.select([sock], [], [], 0)[0]:
-            request, _ = channel.receive(sock)
-            if request[0] == "close":
-                return
-            if request[0] == "signal":
-                group.signal(request[1], request[2])
-            elif request[0] == "stacks":
-                channel.send(sock, ("stacks", group.stacks(request[1], request[2])))
-        events = group.events(POLL_SECONDS)
-        if events:
-            channel.send(sock, ("events", events))
+def _read_secret() -> bytes:
+    secret = b""
+    while len(secret) < SECRET_SIZE:
+        chunk = os.read(0, SECRET_SIZE - len(secret))
+        if not chunk:
+            raise SystemExit("taas fork server: no channel secret on standard input")
+        secret += chunk
+    return secret
 
 
-def _die_with_parent() -> None:
+def _fork_supervisor(control: Channel, fields: tuple[Any, ...], fds: list[int]) -> int:
+    run_id, secret, envs, task, shipment = fields
     try:
-        import ctypes
+        pid = os.fork()
+        if pid == 0:  # the run's supervisor: never returns into the server's loop
+            try:
+                control.close()
+                child.settle_forked_process()
+                run_channel = Channel(socket.socket(fileno=fds[0]), secret, run_id)
+            except BaseException:
+                os._exit(1)
+            supervise(run_channel, envs, lambda: _unpack(task, shipment, fds[1:]))
+        return pid
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the supervisor's copy: already taken over by its channel
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (AttributeError, OSError):
-        pass
+
+def _unpack(task: Any, shipment: shipping.Shipment, fds: list[int]) -> Any:
+    """In the supervisor: the kernel's context first (imports may depend on sys.path), then the names."""
+    if task.context is not None:
+        task.context.apply()
+    try:
+        namespace = shipping.unpack(shipment.data, fds[0] if fds else None, shipment.tensors_size)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return dataclasses.replace(task, namespace=namespace)
+
+
+def _tend(supervisors: dict[int, int]) -> None:
+    """Reap supervisors that ended; end whatever else came to us: the leftovers of a supervisor that died."""
+    for pidfd, pid in list(supervisors.items()):
+        if select.select([pidfd], [], [], 0)[0]:
+            os.waitpid(pid, 0)
+            os.close(pidfd)
+            del supervisors[pidfd]
+    running = set(supervisors.values())
+    for pid in containment.children():
+        if pid not in running:
+            containment.kill(pid, signal.SIGKILL)
+    containment.reap_strays(running)
 
 
 if __name__ == "__main__":
-    _die_with_parent()
     main(int(sys.argv[1]))

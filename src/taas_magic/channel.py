@@ -1,52 +1,136 @@
-"""Messages between the kernel and its fork server: length-prefixed pickles over a socketpair.
+"""Authenticated messages between two taas processes over a SOCK_SEQPACKET socketpair.
 
-The socketpair is created by the kernel and inherited by the server alone, so only those two
-processes can ever speak on it: no address, no port, nothing to authenticate against.
-File descriptors (the memory file holding shipped tensors) travel beside a message.
+A message is one datagram, so it is sent whole or not at all: an interrupt can land before or
+after a send, never in the middle, and the two sides can never disagree about where a message
+begins. Bodies too large for one datagram travel in an anonymous memory file whose descriptor
+goes with the datagram. Every datagram carries a sequence number and a keyed BLAKE2b tag over
+everything it says, so a process that holds the socket without knowing the channel's secret
+(a rank's stray descendant, say) cannot inject anything, and nothing is ever replayed.
+Receivers drop nothing silently: a bad tag, a stale sequence number or a message of another
+run marks the channel broken, and its owner then ends whatever depended on it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import pickle
+import secrets
+import select
 import socket
 import struct
 from typing import Any
 
 import cloudpickle
 
-_HEADER = struct.Struct("!QI")  # body length, number of descriptors
+from . import memfile
+
+INLINE_LIMIT = 60_000  # bytes of pickle sent in the datagram itself; larger bodies go in a memory file
+_TAG_SIZE = 32
+_HEADER = struct.Struct("!QQB")  # sequence number, body length, body in a memory file (1) or inline (0)
+_MAX_FDS = 8
 
 
-class ChannelClosed(EOFError):
-    """The other side is gone."""
+class ChannelBroken(ConnectionError):
+    """The other side is gone, or sent something this side cannot trust."""
 
 
-def send(sock: socket.socket, message: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
-    body = cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # code objects too
-    header = _HEADER.pack(len(body), len(fds))
-    if fds:
-        socket.send_fds(sock, [header], list(fds))
-    else:
-        sock.sendall(header)
-    sock.sendall(body)
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
 
 
-def receive(sock: socket.socket) -> tuple[Any, list[int]]:
-    """The next message and the descriptors that came with it; raises ChannelClosed at EOF."""
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 8)
-    header += _read_exactly(sock, _HEADER.size - len(header))
-    length, _ = _HEADER.unpack(header)
-    return pickle.loads(_read_exactly(sock, length)), list(fds)
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected ends; neither has a name or an address, and neither survives an exec."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
-    if size == 0:
-        return b""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    while view:
-        count = sock.recv_into(view)
-        if count == 0:
-            raise ChannelClosed("the other side closed the channel")
-        view = view[count:]
-    return bytes(buffer)
+class Channel:
+    """One end of a channel: ``send`` and ``receive`` whole messages tagged with ``run_id``."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, run_id: str):
+        self.sock = sock
+        self.run_id = run_id
+        self._secret = secret
+        self._sent = 0
+        self._received = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- sending ----------------------------------------------------------------------------
+    def send(self, kind: str, *fields: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send ``(run_id, kind, *fields)`` with ``fds``; raises ChannelBroken if the other side is gone."""
+        body = cloudpickle.dumps((self.run_id, kind) + fields, protocol=pickle.HIGHEST_PROTOCOL)
+        self._sent += 1  # before sending: an interrupted send leaves a gap, never a repeated number
+        header = _HEADER.pack(self._sent, len(body), len(body) > INLINE_LIMIT)
+        carried = list(fds)
+        body_file = None
+        if len(body) > INLINE_LIMIT:
+            body_file = memfile.new_file("taas-message", len(body))
+            os.pwrite(body_file, body, 0)
+            carried.append(body_file)
+            payload = header
+        else:
+            payload = header + body
+        tag = self._tag(header, body)
+        try:
+            socket.send_fds(self.sock, [tag + payload], carried) if carried else self.sock.sendall(tag + payload)
+        except OSError as e:
+            raise ChannelBroken(f"could not send {kind!r}: {e}") from e
+        finally:
+            if body_file is not None:
+                os.close(body_file)
+
+    # -- receiving --------------------------------------------------------------------------
+    def ready(self, timeout: float) -> bool:
+        return bool(select.select([self.sock], [], [], timeout)[0])
+
+    def receive(self) -> tuple[str, tuple[Any, ...], list[int]]:
+        """The next message as ``(kind, fields, fds)``; blocks until one arrives."""
+        try:
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, _TAG_SIZE + _HEADER.size + INLINE_LIMIT, _MAX_FDS)
+        except OSError as e:
+            raise ChannelBroken(f"the channel failed: {e}") from e
+        try:
+            return self._open(datagram, fds, flags)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _open(self, datagram: bytes, fds: list[int], flags: int) -> tuple[str, tuple[Any, ...], list[int]]:
+        if not datagram:
+            raise ChannelBroken("the other side closed the channel")
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(datagram) < _TAG_SIZE + _HEADER.size:
+            raise ChannelBroken("a malformed message arrived")
+        tag, header = datagram[:_TAG_SIZE], datagram[_TAG_SIZE : _TAG_SIZE + _HEADER.size]
+        sequence, length, in_file = _HEADER.unpack(header)
+        if in_file:
+            if not fds:
+                raise ChannelBroken("a message announced a body it did not carry")
+            body_file = fds.pop()
+            try:
+                body = os.pread(body_file, length, 0)
+            finally:
+                os.close(body_file)
+        else:
+            body = datagram[_TAG_SIZE + _HEADER.size :]
+        if len(body) != length or not hmac.compare_digest(tag, self._tag(header, body)):
+            raise ChannelBroken("a message failed authentication")
+        if sequence <= self._received:
+            raise ChannelBroken(f"message {sequence} arrived after message {self._received}")
+        self._received = sequence
+        run_id, kind, *fields = pickle.loads(body)
+        if run_id != self.run_id:
+            raise ChannelBroken(f"a message of run {run_id!r} arrived on the channel of run {self.run_id!r}")
+        return kind, tuple(fields), fds
+
+    def _tag(self, header: bytes, body: bytes) -> bytes:
+        digest = hashlib.blake2b(key=self._secret, digest_size=_TAG_SIZE)
+        digest.update(header)
+        digest.update(body)
+        return digest.digest()

@@ -1,14 +1,14 @@
 """The first code in every process taas forks for a run — a rank or a data producer.
 
-It cuts every tie to the kernel's machinery (ZeroMQ streams, display, input, signal handlers),
-ties its life to the kernel's instead, and sends what the kernel must know over plain pipes.
-The process then ends with ``os._exit``, so the kernel's atexit handlers never run in it.
+It cuts every tie to the kernel's machinery (ZeroMQ streams and sockets, display, input,
+signal handlers), ties its life to its supervisor's instead, and sends what the kernel must
+know over plain pipes. The process then ends with ``os._exit``, so the kernel's atexit
+handlers never run in it.
 """
 
 from __future__ import annotations
 
 import builtins
-import ctypes
 import faulthandler
 import gc
 import io
@@ -18,16 +18,12 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, FrozenSet
 
-PR_SET_CHILD_SUBREAPER = 36
+from . import containment, rendezvous
+
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
-
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up in the kernel, used in the child
-except (AttributeError, OSError):
-    _prctl = None
 
 
 @dataclass(frozen=True)
@@ -39,31 +35,46 @@ class RankFds:
     report: int
     stack: int
     results: int  # rank 0's pickled names, written once at the end
-    lifeline: int  # read end of a pipe only the kernel writes: EOF means the kernel is gone
+    lifeline: int  # read end of a pipe only the supervisor writes: EOF means the supervisor is gone
+    sockets: FrozenSet[int] = frozenset()  # inherited sockets this process needs (its delivery channels)
+    store: int | None = None  # rank 0: the run's listening socket, on which it serves the TCPStore
+
+
+def settle_forked_process() -> None:
+    """First steps of any process forked from the kernel or the fork server, before it does anything.
+
+    The parent's whole heap came along: never let the garbage collector walk it (seconds of
+    work and copy-on-write faults when the parent's counters were near a full collection).
+    """
+    gc.freeze()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
 
 
 def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     """What every process forked for a run does first; returns the kernel's shell object, if any."""
-    # The kernel's whole heap came along: never let the garbage collector walk it (seconds of work
-    # and copy-on-write faults when the kernel's counters were near a full collection).
-    gc.freeze()
-    _tie_life_to_kernel(fds.lifeline)
+    settle_forked_process()
+    containment.drop_sockets(set(fds.sockets))
+    _tie_life_to_supervisor(fds.lifeline)
     _redirect_output(fds.stdout, fds.stderr)
     _reset_signals(fds.stack)
     os.environ.update(env)
     shell = _detach_from_kernel()
     _look_like_a_script()
+    if fds.store is not None:
+        rendezvous.serve_store(fds.store, env)
     return shell
 
 
-def _tie_life_to_kernel(lifeline: int) -> None:
-    """Kill this rank's whole process group as soon as the kernel dies, even by kill -9.
+def _tie_life_to_supervisor(lifeline: int) -> None:
+    """Kill this rank's whole process group as soon as its supervisor dies, even by kill -9.
 
     The lifeline thread, not PR_SET_PDEATHSIG, does it: a death signal would end the rank alone
-    and leave its DataLoader workers running for seconds.
+    and leave its DataLoader workers running for seconds. The rank is a subreaper, so what
+    its children leave behind stays its to end (``end_descendants``).
     """
-    if _prctl is not None:
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of our children stay ours to end
+    containment.become_subreaper()
 
     def watch() -> None:
         try:
@@ -78,24 +89,12 @@ def _tie_life_to_kernel(lifeline: int) -> None:
 
 def end_descendants() -> None:
     """Whatever the cell started and left running ends with the rank, even outside its process group."""
-    try:
-        import psutil
-
-        descendants = psutil.Process().children(recursive=True)
-    except Exception:
-        return
-    for process in descendants:
-        try:
-            process.kill()
-        except Exception:
-            pass
+    for pid in containment.descendants(os.getpid()):
+        containment.kill(pid, signal.SIGKILL)
 
 
 def _redirect_output(stdout_fd: int, stderr_fd: int) -> None:
     """Fds 1 and 2 become the rank's pipes, so C-level writes and child processes are caught too."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
     old_streams = (sys.stdout, sys.stderr)
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
         os.dup2(fd, target)

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 from .backend import Backend, Event, Exited, Output, RankGroup, Report, Result
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
-from .rendezvous import free_port, new_run_id
+from .rendezvous import new_run_id
 from .spec import LaunchSpec
 from .streams import RankOutput
 
@@ -88,7 +88,8 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
     ``labels`` names the processes that are not ranks (data producers, with negative keys);
     ``status`` shows live progress lines (one per registered loader) in place.
     """
-    envs = rank_environments(spec, new_run_id(), free_port(spec.master_addr), kernel_environ)
+    # MASTER_PORT is opened by the backend, on a socket it holds for the run alone.
+    envs = rank_environments(spec, new_run_id(), 0, kernel_environ)
     labels = dict(labels or {})
     output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0},
                         labels=labels)

@@ -1,9 +1,10 @@
-"""The local backend: ranks forked from the kernel, each in its own process group.
+"""Forking a run's processes: the kernel forks the run's supervisor, the supervisor forks the ranks.
 
-Fork costs milliseconds and the ranks inherit the notebook's namespace. Each rank leads a
-process group, so a signal reaches everything it started (DataLoader workers included), and
-holds the read end of a lifeline pipe, so it dies with the kernel. This module owns every
-process and file descriptor of a run; ``close`` releases all of them, in every outcome.
+``ForkBackend`` is the fast start: the supervisor is forked from the kernel, so it and the
+ranks it forks inherit the notebook's namespace for free. ``ForkedRanks`` lives in the
+supervisor (whichever way it was started) and owns every rank, producer and descriptor of
+the run: each rank leads a process group, holds the read end of a lifeline pipe (it dies with
+its supervisor) and is a subreaper of its own; ``close`` kills and reaps them all.
 """
 
 from __future__ import annotations
@@ -14,24 +15,27 @@ import os
 import select
 import selectors
 import signal
+import socket
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
-from . import child, worker
+from . import channel, child, containment, worker
 from .backend import Event, Exited, Output, Report, Result
 from .delivery.service import DataService
+from .supervisor import SupervisedRanks, SupervisorProcess, supervise
 
 READ_SIZE = 1 << 16
 DRAIN_SECONDS = 2.0  # after a rank exits, how long its pipes may take to reach EOF
+START_SECONDS = 60.0  # a forked supervisor reports its ranks started long before this
 
 
 @dataclass
 class _Rank:
     rank: int
     pid: int
-    fds: dict[str, int]  # kernel-side read ends: stdout, stderr, report, stack, results
+    fds: dict[str, int]  # supervisor-side read ends: stdout, stderr, report, stack, results
     pidfd: int | None = None
     returncode: int | None = None
     report_buffer: bytes = b""
@@ -42,26 +46,34 @@ class _Rank:
 
 @dataclass
 class ForkBackend:
+    """Ranks forked from the kernel, through a supervisor forked from the kernel."""
+
     name: str = "fork"
 
-    def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
-        """Fork the producers of registered loaders first (they start filling buffers), then the ranks."""
-        group = ForkedRanks()
-        service = None
+    def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> SupervisedRanks:
+        run_id = envs[min(envs)]["TAAS_RUN_ID"]
+        kernel_end, supervisor_end = channel.socket_pair()
+        secret = channel.new_secret()
         try:
-            if task.loaders:
-                service = DataService(task.loaders, _namespace(task), len(envs))
-                for key, producer in service.producers():
-                    group.fork(key, _producer_env(envs), producer)
-                task = dataclasses.replace(task, loaders=service.rank_loaders())
-            for rank, env in sorted(envs.items()):
-                group.fork(rank, env, task)
+            pid = os.fork()
+        except BaseException:
+            kernel_end.close()
+            supervisor_end.close()
+            raise
+        if pid == 0:  # the supervisor: never returns into the kernel's code
+            try:
+                kernel_end.close()
+                child.settle_forked_process()
+            finally:
+                supervise(channel.Channel(supervisor_end, secret, run_id), envs, lambda: task)
+        supervisor_end.close()
+        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
+                                envs)
+        try:
+            group.wait_started(START_SECONDS)
         except BaseException:
             group.close()
             raise
-        finally:
-            if service is not None:
-                service.close()
         return group
 
 
@@ -89,21 +101,60 @@ class ForkedRanks:
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
-        self._kernel_pgid = os.getpgrp()
+
+    @classmethod
+    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
+              store: socket.socket | None = None) -> "ForkedRanks":
+        """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
+
+        Every process keeps only the sockets it needs: its own delivery channels, and for rank 0
+        the store's listening socket.
+        """
+        group = cls()
+        service = None
+        try:
+            if task.loaders:
+                service = DataService(task.loaders, _namespace(task), len(envs))
+                for key, producer in service.producers():
+                    group.fork(key, _producer_env(envs), producer, sockets=service.producer_sockets(key))
+                task = dataclasses.replace(task, loaders=service.rank_loaders())
+            first = min(envs)
+            for rank, env in sorted(envs.items()):
+                own = service.rank_sockets(rank) if service is not None else set()
+                listener = store.fileno() if store is not None and rank == first else None
+                group.fork(rank, env, task, sockets=own | ({listener} if listener is not None else set()),
+                           store=listener)
+        except BaseException:
+            group.close()
+            raise
+        finally:
+            if service is not None:
+                service.close()
+        return group
 
     # -- starting ---------------------------------------------------------------------------
-    def fork(self, rank: int, env: dict[str, str], task: Any) -> None:
+    def fork(self, rank: int, env: dict[str, str], task: Any, sockets: Collection[int] = (),
+             store: int | None = None) -> None:
         """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer (negative key)."""
-        pipes = {name: os.pipe() for name in ("stdout", "stderr", "report", "stack", "results")}
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns into the kernel's code
+        pipes: dict[str, tuple[int, int]] = {}
+        try:
+            for name in ("stdout", "stderr", "report", "stack", "results"):
+                pipes[name] = os.pipe()
+            pid = os.fork()
+        except BaseException:
+            for ends in pipes.values():
+                for fd in ends:
+                    os.close(fd)
+            raise
+        if pid == 0:  # the rank: never returns into the supervisor's code
             status = child.EXIT_FAILED
             try:
                 os.setpgid(0, 0)
-                self._close_kernel_side(pipes)
+                self._close_supervisor_side(pipes)
                 fds = child.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
+                    sockets=frozenset(sockets), store=store,
                 )
                 status = task.run(env, fds)
             except BaseException:
@@ -125,8 +176,12 @@ class ForkedRanks:
             state.pidfd = os.pidfd_open(pid)
             self._selector.register(state.pidfd, selectors.EVENT_READ, (rank, "exit"))
 
-    def _close_kernel_side(self, own_pipes: dict[str, tuple[int, int]]) -> None:
-        """In a new rank: drop every descriptor that belongs to the kernel's side of the run."""
+    def watch(self, fd: int) -> None:
+        """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
+        self._selector.register(fd, selectors.EVENT_READ, None)
+
+    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]]) -> None:
+        """In a new rank: drop every descriptor that belongs to the supervisor's side of the run."""
         fds = [self._lifeline_write] + [ends[0] for ends in own_pipes.values()]
         for other in self.ranks.values():
             fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
@@ -144,6 +199,8 @@ class ForkedRanks:
         if self._pending:
             timeout = 0
         for key, _ in self._selector.select(timeout):
+            if key.data is None:
+                continue  # a watched descriptor: its owner looks at it
             rank, name = key.data
             state = self.ranks[rank]
             # An earlier key of this batch may have ended the rank and closed this descriptor.
@@ -186,7 +243,7 @@ class ForkedRanks:
 
     def _on_exit(self, state: _Rank) -> None:
         """A rank ended: stop what it left running, reap it, deliver its last output, then say so."""
-        self._kill_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
+        self._signal_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
         _, status = os.waitpid(state.pid, 0)
         state.returncode = os.waitstatus_to_exitcode(status)
         if state.pidfd is not None:
@@ -201,6 +258,13 @@ class ForkedRanks:
                     self._read(state, name, fd)
         self._pending.append(Exited(state.rank, state.returncode))
 
+    @staticmethod
+    def _signal_group(state: _Rank, signum: int) -> None:
+        try:
+            os.killpg(state.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def _poll_exits(self) -> None:
         for state in self.ranks.values():
             if state.returncode is None:
@@ -212,31 +276,42 @@ class ForkedRanks:
     def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
         chosen = self.running() if ranks is None else set(ranks) & self.running()
         for rank in sorted(chosen):
-            self._kill_group(self.ranks[rank], signum)
+            self._signal(self.ranks[rank], signum)
 
-    def _kill_group(self, state: _Rank, signum: int) -> None:
-        if state.pid == self._kernel_pgid or state.returncode is not None:
-            return  # never signal the kernel's own group; a reaped rank's id may belong to someone else now
+    def _signal(self, state: _Rank, signum: int) -> None:
+        """The rank's process group (its DataLoader workers…), and the rank itself, wherever it went.
+
+        SIGKILL also goes to every descendant by process id: a group is no boundary for a
+        process that left it.
+        """
+        if state.returncode is not None:
+            return  # a reaped rank's id may belong to someone else now
         try:
-            os.killpg(state.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+            leads_its_group = os.getpgid(state.pid) == state.pid
+        except ProcessLookupError:
+            return
+        below = containment.descendants(state.pid) if signum == signal.SIGKILL else []
+        if leads_its_group:
+            self._signal_group(state, signum)
+        else:
+            containment.kill(state.pid, signum)
+        for pid in below:
+            containment.kill(pid, signum)
 
     def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
         """Ask faulthandler in each rank for all its threads' stacks; wait until they stop arriving."""
         chosen = sorted(set(ranks) & self.running())
         for rank in chosen:
             self.ranks[rank].stack_text = ""
-            try:
-                os.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler
-            except ProcessLookupError:
-                pass
+            containment.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler
+        meanwhile: list[Event] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self._pending.extend(self.events(0.05))
             states = [self.ranks[r] for r in chosen]
             if all(s.stack_text and time.monotonic() - s.stack_updated > 0.2 for s in states):
                 break
+            meanwhile += self.events(min(0.05, max(0.0, deadline - time.monotonic())))
+        self._pending = meanwhile + self._pending
         return {rank: self.ranks[rank].stack_text for rank in chosen}
 
     # -- ending -----------------------------------------------------------------------------
@@ -248,7 +323,7 @@ class ForkedRanks:
         for state in self.ranks.values():
             while state.returncode is None:
                 try:
-                    self._kill_group(state, signal.SIGKILL)
+                    self._signal(state, signal.SIGKILL)
                     _, status = os.waitpid(state.pid, 0)
                     state.returncode = os.waitstatus_to_exitcode(status)
                 except ChildProcessError:

@@ -1,28 +1,55 @@
-"""A fresh rendezvous for every run: a free loopback port and a unique run id.
+"""A fresh rendezvous for every run, reachable from this machine only.
 
-Re-running a cell must never collide with a previous run, so ports recently handed out are
-not handed out again (the operating system may offer the same ephemeral port twice in a row).
+The run's supervisor opens the listening socket of torch's TCPStore itself, bound to the
+loopback address, before any rank starts: the port cannot be taken by anyone else between
+choosing and using it, and rank 0's store serves on exactly that socket instead of binding
+every interface as ``init_process_group`` would on its own. All ranks, rank 0 included, are
+then told (``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent does) to connect to it as
+clients, so ``init_process_group("nccl", init_method="env://")`` works unchanged.
 """
 
 from __future__ import annotations
 
+import datetime
 import socket
 import uuid
-from collections import deque
+from typing import Any
 
-_recent_ports: deque[int] = deque(maxlen=64)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _recent_ports:
-            _recent_ports.append(port)
-            return port
-    raise OSError(f"no free port on {host} after 100 tries")
+_store: Any = None  # rank 0's store server, alive as long as the rank
 
 
 def new_run_id() -> str:
     return f"taas-{uuid.uuid4().hex[:12]}"
+
+
+def listen(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` (a loopback address for one-node runs), on a free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store does
+        sock.bind((host, 0))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def with_store(envs: dict[int, dict[str, str]], listener: socket.socket) -> dict[int, dict[str, str]]:
+    """The ranks' environments, pointed at the run's own store."""
+    port = str(listener.getsockname()[1])
+    return {rank: {**env, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank, env in envs.items()}
+
+
+def serve_store(listener_fd: int, env: dict[str, str]) -> None:
+    """In rank 0: serve the run's TCPStore on the inherited listening socket, for the rank's lifetime.
+
+    Clients that connect before this runs wait in the socket's backlog, so no rank ever sees a
+    refused connection.
+    """
+    global _store
+    from torch.distributed import TCPStore
+
+    _store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=True,
+                      wait_for_workers=False, master_listen_fd=listener_fd, timeout=datetime.timedelta(minutes=30))

@@ -1,34 +1,35 @@
-"""The CUDA-safe backend: ranks forked from a fork server that never touched CUDA.
+"""The CUDA-safe backend: ranks forked, through a supervisor, from a fork server that never touched CUDA.
 
 The server (``agent.py``) is started in the background when the extension loads, so a cell
 never waits for a cold Python and torch import; if it has died it is started again. The cell's
-needed names travel by value (``shipping.py``). Everything else — events, signals, stacks —
-goes through the same channel, so the controller sees the same ``RankGroup`` as with fork.
+needed names travel by value (``shipping.py``). The kernel only ever *sends* to the server, one
+datagram per run; the run itself talks to the kernel on its own channel, so the controller sees
+the same ``RankGroup`` as with fork, and an interrupt at any moment leaves the server as it was.
+The server's standard error goes to a memory file whose tail is shown if it dies.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import select
-import socket
+import os
+import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from typing import Iterable
 
-from . import channel
-from .backend import Event, Exited
+from . import channel, memfile
+from .agent import CONTROL
 from .errors import TaasRunError
 from .shipping import Shipment
+from .supervisor import CLOSE_SECONDS, SupervisedRanks
 from .worker import RankTask
 
 READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
-CLOSE_SECONDS = 10.0
+STDERR_TAIL = 2000  # characters of the server's standard error shown when it died
 
 
 class AgentDied(TaasRunError):
-    """The fork server went away during a run."""
+    """The fork server could not take the run: it is gone."""
 
     def __init__(self, detail: str):
         message = f"the taas fork server stopped unexpectedly ({detail}); the next cell starts a new one"
@@ -36,42 +37,58 @@ class AgentDied(TaasRunError):
 
 
 class Agent:
-    """One fork server process and the kernel's end of its channel."""
+    """One fork server process, the kernel's end of its channel, and its standard error."""
 
     def __init__(self) -> None:
-        kernel_end, agent_end = socket.socketpair()
-        self.sock = kernel_end
+        kernel_end, agent_end = channel.socket_pair()
+        secret = channel.new_secret()
+        self.stderr = memfile.new_file("taas-fork-server-stderr", 0)
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "taas_magic.agent", str(agent_end.fileno())],
-                pass_fds=[agent_end.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True,  # the kernel's interrupts are not its own
+                pass_fds=[agent_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
             )
+            assert self.process.stdin is not None
+            self.process.stdin.write(secret)
+            self.process.stdin.close()
+        except BaseException:
+            kernel_end.close()
+            os.close(self.stderr)
+            raise
         finally:
             agent_end.close()
-        self.ready = False
+        self.control = channel.Channel(kernel_end, secret, CONTROL)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def wait_ready(self) -> None:
-        if self.ready:
-            return
-        if not select.select([self.sock], [], [], READY_SECONDS)[0]:
-            raise AgentDied(f"not ready after {READY_SECONDS:g} s")
-        message, _ = channel.receive(self.sock)
-        if message[0] != "ready":
-            raise AgentDied(f"unexpected first message {message[0]!r}")
-        self.ready = True
+    def describe_death(self) -> str:
+        """How the server ended and the last it wrote, for error messages."""
+        code = self.process.poll()
+        if code is None:
+            how = f"the fork server (pid {self.process.pid}) is still running"
+        elif code < 0:
+            how = f"the fork server (pid {self.process.pid}) was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"the fork server (pid {self.process.pid}) exited with code {code}"
+        tail = self.stderr_tail()
+        return how + (f"; it last wrote: {tail}" if tail else "")
+
+    def stderr_tail(self) -> str:
+        size = os.fstat(self.stderr).st_size
+        data = os.pread(self.stderr, STDERR_TAIL, max(0, size - STDERR_TAIL))
+        return " | ".join(line for line in data.decode("utf-8", "replace").splitlines() if line.strip())
 
     def stop(self) -> None:
-        """Close the channel (the server exits on EOF); reap it, killing it if it lingers."""
-        self.sock.close()
+        """Close the channel (the server ends everything and exits on EOF); kill it if it lingers."""
+        self.control.close()
         try:
             self.process.wait(timeout=CLOSE_SECONDS)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        os.close(self.stderr)
 
 
 @dataclass
@@ -98,110 +115,38 @@ class SpawnBackend:
 
     def warm_up(self) -> None:
         """Start the fork server in the background; the first spawn cell finds it ready."""
-        if self._agent is None or not self._agent.alive():
+        if self._agent is not None and not self._agent.alive():
+            self.shutdown()
+        if self._agent is None:
             self._agent = Agent()
 
-    def start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> "AgentRanks":
-        rank_task, shipment = request.task, request.shipment
+    def start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> SupervisedRanks:
         self.warm_up()
         agent = self._agent
+        assert agent is not None
+        run_id = envs[min(envs)]["TAAS_RUN_ID"]
+        kernel_end, supervisor_end = channel.socket_pair()
+        secret = channel.new_secret()
+        shipment = dataclasses.replace(request.shipment, tensors_fd=None)
+        fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
         try:
-            agent.wait_ready()
-            meta = dataclasses.replace(shipment, tensors_fd=None)
-            fds = [shipment.tensors_fd] if shipment.tensors_fd is not None else []
-            channel.send(agent.sock, ("run", envs, rank_task, meta), fds)
-            reply, _ = channel.receive(agent.sock)
-        except (channel.ChannelClosed, OSError) as e:
+            agent.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
+        except channel.ChannelBroken as e:
+            kernel_end.close()
+            detail = agent.describe_death()
             self.shutdown()
-            raise AgentDied(str(e) or type(e).__name__) from e
-        if reply[0] == "failed":
-            channel.receive(agent.sock)  # ("closed",)
-            message = f"the fork server could not start the ranks: {reply[1]}"
-            raise TaasRunError(message, [message])
-        return AgentRanks(agent, sorted(envs), self)
+            raise AgentDied(detail) from e
+        finally:
+            supervisor_end.close()
+
+        def lost(detail: str) -> str:
+            return f"{detail}; {agent.describe_death()}" if not agent.alive() else detail
+
+        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost)
+        group.wait_started(READY_SECONDS)
+        return group
 
     def shutdown(self) -> None:
         if self._agent is not None:
             self._agent.stop()
             self._agent = None
-
-
-class AgentRanks:
-    """The controller's view of ranks that live in the fork server."""
-
-    def __init__(self, agent: Agent, ranks: list[int], backend: SpawnBackend):
-        self.agent = agent
-        self.backend = backend
-        self.alive = set(ranks)
-        self.pending: list[Event] = []
-        self.closed = False
-
-    def running(self) -> set[int]:
-        return set(self.alive)
-
-    def events(self, timeout: float) -> list[Event]:
-        if not self.pending and select.select([self.agent.sock], [], [], timeout)[0]:
-            self._receive_one()
-        events, self.pending = self.pending, []
-        return events
-
-    def _receive_one(self) -> tuple:
-        try:
-            message, _ = channel.receive(self.agent.sock)
-        except (channel.ChannelClosed, OSError) as e:
-            self.alive.clear()
-            self.backend.shutdown()
-            raise AgentDied(str(e) or "channel closed") from e
-        if message[0] == "events":
-            for event in message[1]:
-                if isinstance(event, Exited):
-                    self.alive.discard(event.rank)
-            self.pending.extend(message[1])
-        return message
-
-    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
-        chosen = sorted(self.alive if ranks is None else set(ranks) & self.alive)
-        if chosen:
-            self._send(("signal", signum, chosen))
-
-    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
-        self._send(("stacks", sorted(ranks), timeout))
-        deadline = time.monotonic() + timeout + CLOSE_SECONDS
-        while time.monotonic() < deadline:
-            if select.select([self.agent.sock], [], [], 0.1)[0]:
-                message = self._receive_one()
-                if message[0] == "stacks":
-                    return message[1]
-        return {}
-
-    def close(self) -> None:
-        """Ask the server to end the run (it kills what still runs) and wait until it has."""
-        if self.closed:
-            return
-        self.closed = True
-        interrupted = False
-        deadline = time.monotonic() + CLOSE_SECONDS
-        try:
-            channel.send(self.agent.sock, ("close",))
-            while time.monotonic() < deadline:
-                try:
-                    if select.select([self.agent.sock], [], [], 0.1)[0]:
-                        message, _ = channel.receive(self.agent.sock)
-                        if message[0] == "closed":
-                            break
-                except KeyboardInterrupt:
-                    interrupted = True  # finish closing first
-            else:
-                self.backend.shutdown()  # unresponsive: stopping the server stops its ranks
-        except (channel.ChannelClosed, OSError):
-            self.backend.shutdown()
-        if interrupted:
-            raise KeyboardInterrupt
-
-    def _send(self, message: tuple) -> None:
-        try:
-            channel.send(self.agent.sock, message)
-        except OSError as e:
-            self.alive.clear()
-            self.backend.shutdown()
-            raise AgentDied(str(e)) from e

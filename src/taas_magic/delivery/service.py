@@ -100,6 +100,15 @@ class DataService:
                 tasks.append((producer_key(number, index), task))
         return tasks
 
+    def producer_sockets(self, key: int) -> set[int]:
+        """Descriptors producer ``key`` keeps: its loader's producers' ends, one per rank."""
+        runtime = self.runtimes[(-1 - key) // MAX_PRODUCERS_PER_LOADER]
+        return {ends[0].fileno() for ends in runtime.channels}
+
+    def rank_sockets(self, rank: int) -> set[int]:
+        """Descriptors rank ``rank`` keeps: its own end of each loader's channel."""
+        return {runtime.channels[rank][1].fileno() for runtime in self.runtimes}
+
     def rank_loaders(self) -> tuple[RankLoader, ...]:
         return tuple(RankLoader(runtime) for runtime in self.runtimes)
 

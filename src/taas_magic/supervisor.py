@@ -1,0 +1,351 @@
+"""The run's supervisor: one process per run that starts the ranks, relays them, and ends them all.
+
+    kernel ──(fork, or via the fork server)──► supervisor (subreaper) ──fork──► producers, ranks
+       ▲                                          │
+       └──────── its own authenticated channel ◄──┘
+
+Each run has its own supervisor and its own channel, so nothing of one run can reach the next:
+a run the kernel gives up on (an interrupt, a lost message) is simply a closed channel, and the
+supervisor answers a closed channel by ending everything. As a subreaper it stays an ancestor
+of every process the run starts, however they detach, and kills them all, by process id,
+before it says the run is closed. It also ends the run when its parent (the kernel, or the fork
+server) dies.
+
+Requests, kernel → supervisor: ("signal", signum, ranks | None), ("stacks", ranks, timeout),
+("close",). Messages, supervisor → kernel: ("started", pid, port, process keys) or ("failed", text), then
+("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}) last;
+("lost", why) instead when the supervisor had to end the run on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterable, NoReturn
+
+from . import containment, rendezvous
+from .backend import Event, Exited
+from .channel import Channel, ChannelBroken
+from .errors import TaasRunError
+
+PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
+CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
+STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the run
+
+
+class RunLost(TaasRunError):
+    """The kernel lost its supervisor: it died, or its channel failed; everything of the run was ended."""
+
+    def __init__(self, detail: str):
+        message = f"taas lost the run's processes ({detail}); every process of the run was stopped"
+        super().__init__(message, [message])
+
+
+# -- in the supervisor process -------------------------------------------------------------------
+def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Callable[[], Any]) -> NoReturn:
+    """The whole life of a supervisor, from just after its fork to ``os._exit``.
+
+    ``make_task`` gives the ranks' task: at hand after a fork from the kernel, unpacked from
+    what the kernel shipped after a fork from the fork server (a failure there is reported).
+    """
+    status = 1
+    try:
+        os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        containment.become_subreaper()
+        listener = rendezvous.listen(envs[min(envs)]["MASTER_ADDR"])  # loopback for one-node runs
+        containment.drop_sockets({channel.fileno(), listener.fileno()})
+        _Supervisor(channel, os.getppid()).serve(rendezvous.with_store(envs, listener), make_task, listener)
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            containment.end_all_children(STOP_SECONDS)
+        finally:
+            os._exit(status)
+
+
+class _Supervisor:
+    def __init__(self, channel: Channel, parent: int):
+        self.channel = channel
+        self.parent = parent
+        self.codes: dict[int, int] = {}
+
+    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any], listener: socket.socket) -> None:
+        from .fork import ForkedRanks
+
+        try:
+            group = ForkedRanks.start(envs, make_task(), store=listener)
+        except Exception as e:
+            self._send("failed", f"{type(e).__name__}: {e}")
+            return
+        finally:
+            listener.close()  # rank 0 serves the store on its own copy
+        try:
+            group.watch(self.channel.fileno())
+            self._send("started", os.getpid(), int(envs[min(envs)]["MASTER_PORT"]), sorted(group.ranks))
+            self._relay(group)
+        except ChannelBroken:
+            pass  # the kernel gave up on the run, or is gone: end it
+        except _Orphaned:
+            self._tell_lost("the process that started the run's supervisor died")
+        finally:
+            group.close()
+            self.codes = {rank: state.returncode for rank, state in group.ranks.items()
+                          if state.returncode is not None}
+        containment.end_all_children(STOP_SECONDS)
+        try:
+            self._send("closed", self.codes)
+        except ChannelBroken:
+            pass
+
+    def _relay(self, group: Any) -> None:
+        """Pass the ranks' events out and the kernel's requests in, until the kernel says close."""
+        ranks = set(group.ranks)
+        while True:
+            events = group.events(PARENT_CHECK_SECONDS)
+            if events:
+                self._send("events", events)
+            if os.getppid() != self.parent:
+                raise _Orphaned()
+            containment.reap_strays({group.ranks[key].pid for key in ranks})
+            while self.channel.ready(0):
+                kind, fields, fds = self.channel.receive()
+                for fd in fds:
+                    os.close(fd)
+                if kind == "close":
+                    return
+                if kind == "signal":
+                    group.signal(fields[0], fields[1])
+                elif kind == "stacks":
+                    stacks = group.stacks(fields[0], fields[1])
+                    self._send("events", group.events(0))
+                    self._send("stacks", stacks)
+                else:
+                    raise ChannelBroken(f"unexpected request {kind!r}")
+
+    def _send(self, kind: str, *fields: Any) -> None:
+        self.channel.send(kind, *fields)
+
+    def _tell_lost(self, why: str) -> None:
+        try:
+            self._send("lost", why)
+        except ChannelBroken:
+            pass
+
+
+class _Orphaned(Exception):
+    """The supervisor's parent died: the run cannot go on without the one who asked for it."""
+
+
+# -- in the kernel -------------------------------------------------------------------------------
+class SupervisorProcess:
+    """The kernel's handle on a supervisor: a pidfd, so it can be waited for and killed without pid races."""
+
+    def __init__(self, pid: int, is_child: bool):
+        self.pid = pid
+        self.is_child = is_child
+        try:
+            self.pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def alive(self) -> bool:
+        if self.pidfd is not None:
+            return not select.select([self.pidfd], [], [], 0)[0]
+        try:
+            os.kill(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def wait(self, timeout: float) -> bool:
+        """Until the process is gone (and reaped, if it is the kernel's child); False if still there after ``timeout``."""
+        if self.pidfd is not None:
+            if not select.select([self.pidfd], [], [], timeout)[0]:
+                return False
+            if self.is_child:
+                _reap(self.pid, 0)
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.is_child:
+                _reap(self.pid, os.WNOHANG)
+            if not self.alive():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass
+        self.wait(CLOSE_SECONDS)
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _reap(pid: int, options: int) -> None:
+    try:
+        os.waitpid(pid, options)
+    except ChildProcessError:
+        pass
+
+
+class SupervisedRanks:
+    """The controller's view of a run whose ranks live under a supervisor (the RankGroup contract).
+
+    ``process`` is None until the supervisor says who it is, when the fork server started it.
+    ``on_lost`` adds what the backend knows to a lost run's message (a fork server's last words).
+    """
+
+    def __init__(self, channel: Channel, process: SupervisorProcess | None, ranks: Iterable[int],
+                 on_lost: Callable[[str], str] | None = None):
+        self.channel = channel
+        self.process = process
+        self.alive = set(ranks)
+        self.pending: list[Event] = []
+        self.codes: dict[int, int] = {}
+        self.on_lost = on_lost or (lambda detail: detail)
+        self.started = False
+        self.closed = False
+
+    # -- starting -----------------------------------------------------------------------------
+    def wait_started(self, timeout: float) -> None:
+        """Until the supervisor says its ranks started; ends the run and raises what went wrong otherwise."""
+        try:
+            deadline = time.monotonic() + timeout
+            while not self._readable(max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    self._lose(f"the ranks had not started after {timeout:g} s")
+            kind, fields = self._receive()
+            if kind == "failed":
+                message = f"the ranks could not be started: {fields[0]}"
+                raise TaasRunError(message, [message])
+            if kind != "started":
+                self._lose(f"unexpected first message {kind!r}")
+            if self.process is None:
+                self.process = SupervisorProcess(fields[0], is_child=False)
+            self.alive = set(fields[2])  # the ranks, and the producers of registered loaders
+            self.started = True
+        except BaseException:
+            self.close()
+            raise
+
+    def _readable(self, timeout: float) -> bool:
+        pidfd = self.process.pidfd if self.process is not None else None
+        watched = [self.channel.fileno()] + ([pidfd] if pidfd is not None else [])
+        ready = select.select(watched, [], [], timeout)[0]
+        if self.channel.fileno() in ready:
+            return True
+        if ready:  # the supervisor is gone and left nothing to read
+            self._lose("the run's supervisor exited unexpectedly")
+        return False
+
+    # -- the RankGroup contract ---------------------------------------------------------------
+    def running(self) -> set[int]:
+        return set(self.alive)
+
+    def events(self, timeout: float) -> list[Event]:
+        if not self.pending and self.alive and self._readable(timeout):
+            self._take(*self._receive())
+        events, self.pending = self.pending, []
+        return events
+
+    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+        if self.alive:
+            self._send("signal", signum, None if ranks is None else sorted(set(ranks) & self.alive))
+
+    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+        self._send("stacks", sorted(ranks), timeout)
+        deadline = time.monotonic() + timeout + CLOSE_SECONDS
+        while time.monotonic() < deadline:
+            if self._readable(max(0.0, deadline - time.monotonic())):
+                kind, fields = self._receive()
+                if kind == "stacks":
+                    return dict(fields[0])
+                self._take(kind, fields)
+        return {}
+
+    def close(self) -> None:
+        """Ask the supervisor to end the run and wait until it has; kill it if it does not answer."""
+        if self.closed:
+            return
+        self.closed = True
+        interrupted = False
+        try:
+            self.channel.send("close")
+            interrupted = self.started and self._wait_closed()
+        except ChannelBroken:
+            pass
+        finally:
+            self.alive.clear()
+            self.channel.close()
+            if self.process is not None:
+                if not self.process.wait(2.0):
+                    self.process.kill()
+                self.process.close()
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def _wait_closed(self) -> bool:
+        """Until the supervisor says every process of the run is gone; True if interrupted meanwhile."""
+        interrupted = False
+        deadline = time.monotonic() + CLOSE_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                if self.channel.ready(min(0.1, max(0.0, deadline - time.monotonic()))):
+                    kind, fields, fds = self.channel.receive()
+                    for fd in fds:
+                        os.close(fd)
+                    if kind == "closed":
+                        self.codes = dict(fields[0])
+                        break
+            except KeyboardInterrupt:
+                interrupted = True  # finish closing first
+        return interrupted
+
+    # -- messages -----------------------------------------------------------------------------
+    def _receive(self) -> tuple[str, tuple[Any, ...]]:
+        try:
+            kind, fields, fds = self.channel.receive()
+        except ChannelBroken as e:
+            self._lose(str(e))
+        for fd in fds:
+            os.close(fd)
+        return kind, fields
+
+    def _take(self, kind: str, fields: tuple[Any, ...]) -> None:
+        if kind == "events":
+            for event in fields[0]:
+                if isinstance(event, Exited):
+                    self.alive.discard(event.rank)
+            self.pending.extend(fields[0])
+        elif kind in ("lost", "closed"):  # the supervisor ended the run without being asked
+            self._lose(fields[0] if kind == "lost" else "the run's supervisor ended the run on its own")
+        elif kind != "stacks":  # a reply that came after its request timed out
+            self._lose(f"unexpected message {kind!r}")
+
+    def _send(self, kind: str, *fields: Any) -> None:
+        try:
+            self.channel.send(kind, *fields)
+        except ChannelBroken as e:
+            self._lose(str(e))
+
+    def _lose(self, detail: str) -> NoReturn:
+        """The run cannot be trusted any more: end it from here and say so."""
+        self.close()
+        raise RunLost(self.on_lost(detail))

@@ -1,0 +1,97 @@
+"""Containment on its own: a subreaper ends whatever its children left, however they detached."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import time
+
+import psutil
+
+from taas_magic import containment
+
+ESCAPES = """
+import os, subprocess, time
+subprocess.Popen(["sleep", "60"], start_new_session=True)  # a new session
+if os.fork() == 0:  # a classic daemon: fork, setsid, fork again, parent exits
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    os._exit(0)
+"""
+
+
+def test_a_subreaper_ends_new_sessions_and_double_forked_daemons():
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            os.close(read_end)
+            containment.become_subreaper()
+            escaper = os.fork()
+            if escaper == 0:
+                exec(compile(ESCAPES, "<escapes>", "exec"), {})
+                os._exit(0)
+            os.waitpid(escaper, 0)
+            time.sleep(0.3)  # the daemon's parent has exited: the daemon is ours now
+            found = containment.descendants(os.getpid())
+            os.write(write_end, f"\n{' '.join(map(str, found))}\n".encode())
+            left = containment.end_all_children(5.0)
+            status = 0 if not left and not containment.children() else 2
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    _, code = os.waitpid(pid, 0)
+    lines = os.read(read_end, 4096).decode().split("\n")
+    os.close(read_end)
+    adopted = [int(p) for p in lines[-2].split()]
+    assert os.waitstatus_to_exitcode(code) == 0
+    assert len(adopted) >= 2, "the new-session child and the orphaned daemon were both adopted"
+    for gone in adopted:
+        assert not psutil.pid_exists(gone) or psutil.Process(gone).status() == psutil.STATUS_ZOMBIE
+
+
+def test_descendants_are_listed_parents_first():
+    child = psutil.Popen(["sh", "-c", "sleep 30 & sleep 30"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(containment.descendants(os.getpid())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        found = containment.descendants(os.getpid())
+        assert found[0] == child.pid and len(found) >= 3
+    finally:
+        for pid in reversed(containment.descendants(os.getpid())):
+            containment.kill(pid, signal.SIGKILL)
+        child.wait()
+
+
+def test_dropping_sockets_keeps_numbers_taken_and_the_chosen_ones_open():
+    keep, drop = socket.socketpair()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            containment.drop_sockets({keep.fileno()})
+            dropped = [fd for fd in (drop.fileno(), listener.fileno()) if stat.S_ISSOCK(os.fstat(fd).st_mode)]
+            kept = stat.S_ISSOCK(os.fstat(keep.fileno()).st_mode)
+            pipe_kept = stat.S_ISFIFO(os.fstat(read_end).st_mode)
+            status = 0 if not dropped and kept and pipe_kept else 2
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(code) == 0
+    listener.close()
+    with socket.socket() as again:  # the child never held the port past its own end
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+    for thing in (keep, drop):
+        thing.close()
+    os.close(read_end)
+    os.close(write_end)

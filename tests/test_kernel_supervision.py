@@ -1,0 +1,205 @@
+"""Every run is contained: an interrupt at any moment, processes that try to escape, a dying fork
+server, and what a run opens to the network. Each test attacks the run the way a user's cell can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import port_is_free, processes_of_run
+
+pytestmark = pytest.mark.kernel
+
+STARTS = ["fork", "spawn"]
+
+
+def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
+    deadline = time.monotonic() + seconds
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    return alive
+
+
+# -- 1. no interrupt can leave anything of a run for the next cell ------------------------------------
+@pytest.mark.parametrize("start", STARTS)
+def test_an_interrupt_at_any_moment_leaves_nothing_for_the_next_cell(kernel, start):
+    for n, delay in enumerate((0.02, 0.05, 0.1, 0.2, 0.4, 0.8)):
+        old = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+import os, time
+print("OLD{n}", os.environ["TAAS_RUN_ID"], flush=True)
+time.sleep(1.5)
+old_name_{n} = 1
+print("OLD{n} done", flush=True)
+""", interrupt_after=delay, timeout=60)
+        run_ids = re.findall(r"OLD\d (taas-\w+)", old.stdout)
+        new = kernel.execute(f"#pragma taas --gpus 2 --start {start} --output rank0\nprint('NEW{n}')").ok()
+        assert new.stdout == f"NEW{n}\n", f"after an interrupt at {delay} s: {new.stdout!r}"
+        assert kernel.value(f"'old_name_{n}' in globals()") is False
+        for run_id in set(run_ids):
+            assert processes_of_run(run_id) == []
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_an_interrupt_while_ranks_print_heavily_leaves_the_start_method_working(kernel, start):
+    kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+import sys
+line = "x" * 5000
+while True:
+    print(line)
+""", interrupt_after=1.5, timeout=60)
+    for n in range(3):
+        result = kernel.execute(f"#pragma taas --gpus 2 --start {start} --output rank0\nprint('fine {n}')").ok()
+        assert result.stdout == f"fine {n}\n"
+
+
+def test_the_fork_server_dying_during_a_run_is_an_error_within_10_s_and_the_next_cell_works(fresh_kernel):
+    fresh_kernel.execute("#pragma taas --gpus 1 --start spawn\nx = 1").ok()
+    server = fresh_kernel.fork_server()
+    msg_id = fresh_kernel.client.execute("""#pragma taas --gpus 2 --start spawn
+import os, subprocess, time
+# a descendant that holds every descriptor the rank holds, in a session of its own
+subprocess.Popen(["sleep", "60"], start_new_session=True, close_fds=False)
+print("PIDS", os.getpid(), flush=True)
+time.sleep(60)
+""")
+    pids = []
+    deadline = time.monotonic() + 30
+    while len(pids) < 2 and time.monotonic() < deadline:
+        message = fresh_kernel.client.get_iopub_msg(timeout=30)
+        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
+            pids += [int(p) for p in re.findall(r"PIDS (\d+)", message["content"]["text"])]
+    family = [p.pid for p in psutil.Process(pids[0]).parent().children(recursive=True)]
+    server.kill()
+    killed = time.monotonic()
+    error = None
+    while time.monotonic() - killed < 15:
+        message = fresh_kernel.client.get_iopub_msg(timeout=15)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        if message["msg_type"] == "error":
+            error = message["content"]
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            break
+    assert time.monotonic() - killed < 10
+    assert error is not None and "fork server" in error["evalue"] and "SIGKILL" in error["evalue"], error
+    assert wait_gone(family) == []
+    assert fresh_kernel.execute("#pragma taas --gpus 2 --start spawn --output rank0\nprint('next')").ok().stdout == "next\n"
+
+
+# -- 2. nothing a rank starts outlives its run ---------------------------------------------------------
+ESCAPE = """#pragma taas --gpus 2 --start {start} {options}
+import os, subprocess, time
+pids = [subprocess.Popen(["sleep", "60"], start_new_session=True).pid]
+read_end, write_end = os.pipe()
+if os.fork() == 0:  # a daemon that never execs: fork, setsid, fork, parent exits
+    os.setsid()
+    if os.fork() == 0:
+        os.write(write_end, str(os.getpid()).encode())
+        time.sleep(60)
+    os._exit(0)
+pids.append(int(os.read(read_end, 32)))
+print("ESCAPED", " ".join(map(str, pids)), flush=True)
+{ending}
+"""
+
+
+@pytest.mark.parametrize("start", STARTS)
+@pytest.mark.parametrize("options, ending, interrupt", [
+    ("", "", None),
+    ("--timeout 2", "time.sleep(60)", None),
+    ("", "time.sleep(60)", 2.5),
+    ("", "raise ValueError('after escaping')", None),
+    ("", "os.kill(os.getpid(), 9)", None),
+])
+def test_no_escaped_process_outlives_its_run(kernel, start, options, ending, interrupt):
+    result = kernel.execute(ESCAPE.format(start=start, options=options, ending=ending), interrupt_after=interrupt,
+                            timeout=60)
+    escaped = [int(pid) for line in re.findall(r"ESCAPED ([\d ]+)", result.stdout) for pid in line.split()]
+    assert len(escaped) == 4, result.stdout
+    assert wait_gone(escaped) == [], "each run's processes are gone within 10 s of its end"
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_a_rank_that_joins_the_kernels_group_and_ignores_signals_is_still_stopped(kernel, start):
+    cell = f"""#pragma taas --gpus 2 --start {start} {{options}}
+import os, signal, time
+try:
+    os.setpgid(0, os.getpgid({kernel.pid}))
+except PermissionError:
+    pass  # ranks of the fork server live in another session
+for name in ("SIGINT", "SIGTERM"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+print("JOINED", flush=True)
+time.sleep(60)
+"""
+    began = time.monotonic()
+    result = kernel.execute(cell.format(options=""), interrupt_after=2.0, timeout=40)
+    assert "KeyboardInterrupt" in result.traceback and time.monotonic() - began < 15
+    began = time.monotonic()
+    result = kernel.execute(cell.format(options="--timeout 2"), timeout=40)
+    assert result.error["ename"] == "RunTimedOut" and time.monotonic() - began < 15
+    assert kernel.execute("print('kernel fine')").ok().stdout == "kernel fine\n"
+
+
+SOCKETS = """
+import os, stat, json, psutil
+def sockets():
+    numbers = [fd for fd in map(int, os.listdir("/proc/self/fd"))
+               if os.path.exists(f"/proc/self/fd/{fd}") and stat.S_ISSOCK(os.fstat(fd).st_mode)]
+    ends = [[c.laddr.port if c.laddr else None, c.raddr.port if c.raddr else None]
+            for c in psutil.Process().net_connections("inet")]
+    return {"count": len(numbers), "ends": ends}
+"""
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_ranks_and_their_daemons_hold_no_socket_they_do_not_need(kernel, start):
+    connection = json.loads(open(kernel.manager.connection_file).read())
+    kernel_ports = {connection[name] for name in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")}
+    result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+{SOCKETS}
+read_end, write_end = os.pipe()
+if os.fork() == 0:  # a daemon that never execs
+    os.setsid()
+    os.write(write_end, json.dumps(sockets()).encode())
+    os._exit(0)
+print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_end, 4096).decode())
+""").ok()
+    seen = {int(rank): (json.loads(mine), int(port), json.loads(daemon))
+            for rank, mine, port, daemon in re.findall(r"\[rank (\d)\] SOCKETS (\{.*?\}) (\d+) (\{.*\})", result.stdout)}
+    assert sorted(seen) == [0, 1], result.stdout
+    for rank, (mine, port, daemon) in seen.items():
+        for found in (mine, daemon):
+            ports = {p for end in found["ends"] for p in end}
+            assert not ports & kernel_ports
+            assert all(port in end for end in found["ends"]), "the run's store is the only network socket"
+    assert seen[1][0]["count"] == 0, "rank 1 holds no socket before it joins the process group"
+    assert seen[0][0]["count"] >= 1 and seen[0][0]["count"] == len(seen[0][0]["ends"]), "rank 0: the store alone"
+
+
+# -- 3. only this machine can talk to a run --------------------------------------------------------------
+@pytest.mark.parametrize("start", STARTS)
+def test_every_socket_a_run_listens_on_is_on_loopback(kernel, start):
+    result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+import psutil, torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+dist.barrier()
+listening = sorted({{c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}})
+print("LISTENING", listening)
+dist.barrier()
+dist.destroy_process_group()
+""").ok()
+    found = re.findall(r"\[rank (\d)\] LISTENING (.*)", result.stdout)
+    assert len(found) == 2
+    for _, addresses in found:
+        assert set(eval(addresses)) <= {"127.0.0.1", "::1"}, addresses
+    assert dict(found)["0"] != "[]", "rank 0 serves the store"
