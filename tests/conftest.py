@@ -66,8 +66,9 @@ class Kernel:
         msg_id = self.client.execute(code, allow_stdin=False)
         interrupted = interrupt_after is None
         while True:
+            wait = 0.2 if interrupted else min(0.2, max(0.001, started + interrupt_after - time.monotonic()))
             try:
-                msg = self.client.get_iopub_msg(timeout=0.2)
+                msg = self.client.get_iopub_msg(timeout=wait)  # an interrupt is sent on time, not on the next message
             except queue.Empty:
                 msg = None
             now = time.monotonic()

@@ -125,3 +125,32 @@ def test_a_rank_dies_with_its_parent_via_the_lifeline():
     ranks = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
     _, alive = psutil.wait_procs(ranks, timeout=3)
     assert alive == []
+
+
+def test_waiting_for_stacks_does_not_spin_when_a_rank_never_answers():
+    group = start("import signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\nprint('go', flush=True)\n"
+                  "time.sleep(60)", ranks=1)
+    try:
+        wait_for(group, b"go", count=1)
+        group._pending.append(Output(0, "stdout", b"unread\n"))  # an event nobody has taken yet
+        cpu_before = time.process_time()
+        assert group.stacks([0], timeout=1.0) == {0: ""}
+        assert time.process_time() - cpu_before < 0.3, "waited, not spun"
+        assert Output(0, "stdout", b"unread\n") in group.events(0), "events seen while waiting are kept"
+    finally:
+        group.close()
+
+
+def test_a_failed_fork_leaks_no_descriptor(monkeypatch):
+    group = ForkedRanks()
+    fds_before = set(os.listdir("/proc/self/fd"))
+
+    def no_memory() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", no_memory)
+    task = RankTask(code=compile("pass", "<cell>", "exec"), device="cpu", threads=1)
+    with pytest.raises(OSError):
+        group.fork(0, {"RANK": "0"}, task)
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+    group.close()

@@ -32,10 +32,12 @@ def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
 # -- 1. no interrupt can leave anything of a run for the next cell ------------------------------------
 @pytest.mark.parametrize("start", STARTS)
 def test_an_interrupt_at_any_moment_leaves_nothing_for_the_next_cell(kernel, start):
-    for n, delay in enumerate((0.02, 0.05, 0.1, 0.2, 0.4, 0.8)):
+    # Unpickling `slow` takes a while in the fork server: interrupts land while the ranks are being started.
+    kernel.execute("slow = [str(i) for i in range(1_500_000)]").ok()
+    for n, delay in enumerate((0.02, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)):
         old = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
 import os, time
-print("OLD{n}", os.environ["TAAS_RUN_ID"], flush=True)
+print("OLD{n}", os.environ["TAAS_RUN_ID"], len(slow), flush=True)
 time.sleep(1.5)
 old_name_{n} = 1
 print("OLD{n} done", flush=True)
@@ -46,6 +48,7 @@ print("OLD{n} done", flush=True)
         assert kernel.value(f"'old_name_{n}' in globals()") is False
         for run_id in set(run_ids):
             assert processes_of_run(run_id) == []
+    kernel.execute("del slow").ok()
 
 
 @pytest.mark.parametrize("start", STARTS)
