@@ -15,7 +15,9 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	TAAS_DEVICE=$${TAAS_DEVICE:-cpu} TAAS_GPUS=$${TAAS_GPUS:-$(GPUS)} $(PY) examples/run_demo.py
 
+# Strict type checking of src/ first (settings in pyproject.toml's [tool.mypy]), then the tests.
 test: $(VENV)/.installed
+	$(PY) -m mypy
 	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests
 
 $(VENV)/.installed-bench: $(VENV)/.installed
@@ -26,4 +28,4 @@ bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/launch.py
 
 clean:
-	rm -rf $(VENV) .demo build src/*.egg-info
+	rm -rf $(VENV) .demo build src/*.egg-info .mypy_cache

@@ -17,6 +17,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # hides every GPU from a kernel, whatever the machine has
 
 
 @dataclass
@@ -159,6 +160,14 @@ def port_is_free(port: int) -> bool:
 @pytest.fixture(scope="module")
 def kernel():
     k = Kernel()
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_gpu_kernel():
+    """A kernel that sees no CUDA device on any machine: for what taas says and does without one."""
+    k = Kernel(NO_GPU)
     yield k
     k.shutdown()
 

@@ -1,15 +1,51 @@
-"""CUDA and NCCL: run where GPUs are visible, skipped elsewhere (CI has none)."""
+"""CUDA and NCCL: run where GPUs are visible, skipped elsewhere (CI has none).
+
+On a GPU machine: ``pytest -m cuda tests/test_cuda.py``. Two kernels serve the module: one
+that never touches CUDA itself (the fast path: ranks forked from it), and one whose notebook
+used CUDA before the taas cells (the ranks must come from the fork server).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import pytest
 
-from conftest import Kernel
+from conftest import CellResult, Kernel
 from taas_magic.machine import cuda_device_count
 
 GPUS = cuda_device_count()
 pytestmark = [pytest.mark.cuda, pytest.mark.kernel,
               pytest.mark.skipif(GPUS < 1, reason="no CUDA device visible")]
+
+ONE_AND_ALL = sorted({1, max(GPUS, 1)})
+
+NCCL_CELL = """#pragma taas --gpus {gpus} --device cuda
+import json, os, psutil, taas, torch, torch.distributed as dist
+dist.init_process_group(backend="nccl", init_method="env://")
+t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("NCCL " + json.dumps({{"rank": dist.get_rank(), "current": torch.cuda.current_device(),
+                            "device": str(taas.device()), "sum": t.item(), "backend": dist.get_backend(),
+                            "ancestors": [p.pid for p in psutil.Process().parents()]}}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def nccl_records(result: CellResult) -> dict[int, dict]:
+    records = [json.loads(m) for m in re.findall(r"NCCL (\{.*\})", result.stdout)]
+    return {record["rank"]: record for record in records}
+
+
+def assert_nccl_worked(result: CellResult, gpus: int) -> dict[int, dict]:
+    records = nccl_records(result)
+    assert sorted(records) == list(range(gpus)), result.stdout + result.stderr
+    for rank, record in records.items():
+        assert (record["current"], record["device"], record["backend"]) == (rank, f"cuda:{rank}", "nccl")
+        assert record["sum"] == gpus * (gpus + 1) / 2
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -19,29 +55,147 @@ def gpu_kernel():
     k.shutdown()
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices")
-def test_each_rank_is_bound_to_its_gpu_and_nccl_works(gpu_kernel):
-    result = gpu_kernel.execute("""#pragma taas --gpus 2
-import torch, torch.distributed as dist, taas
-dist.init_process_group(backend="nccl", init_method="env://")
-t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
-dist.all_reduce(t)
-print("CUDA", torch.cuda.current_device(), taas.device(), t.item(), dist.get_backend())
-""", timeout=180).ok()
-    assert "[rank 0] CUDA 0 cuda:0 3.0 nccl" in result.stdout
-    assert "[rank 1] CUDA 1 cuda:1 3.0 nccl" in result.stdout
+@pytest.fixture(scope="module")
+def cuda_used_kernel():
+    """A notebook that used CUDA itself before its taas cells: forked ranks could not."""
+    k = Kernel({"TAAS_DEVICE": "auto"})
+    k.execute("import torch\nx_cuda = torch.arange(4.0, device='cuda')").ok()
+    yield k
+    k.shutdown()
+
+
+# The kernel that never touches CUDA: ranks forked from it.
+
+def test_the_machine_description_counts_the_visible_gpus(gpu_kernel):
+    assert f"CUDA devices:        {GPUS} visible" in gpu_kernel.execute("%taas").ok().stdout
+    warning = gpu_kernel.execute("#!g2.8\nx_here = 1").ok().stderr
+    expected = "" if GPUS >= 8 else f"taas: g2.8 needs 8 GPUs, this machine has {GPUS}: running the cell in the kernel anyway\n"
+    assert warning == expected
+    result = gpu_kernel.execute(f"#pragma taas --gpus {GPUS + 1}\nprint('started')")
+    assert f"--gpus {GPUS + 1} needs {GPUS + 1} CUDA devices, this machine has {GPUS}" in result.error["evalue"]
+    assert "started" not in result.stdout
+
+
+@pytest.mark.parametrize("gpus", ONE_AND_ALL)
+def test_each_rank_is_bound_to_its_gpu_and_nccl_all_reduce_works(gpu_kernel, gpus):
+    result = gpu_kernel.execute(NCCL_CELL.format(gpus=gpus), timeout=180).ok()
+    records = assert_nccl_worked(result, gpus)
+    server = gpu_kernel.fork_server()
+    assert all(gpu_kernel.pid in r["ancestors"] for r in records.values())
+    assert server is None or not any(server.pid in r["ancestors"] for r in records.values()), \
+        "forked from the kernel, not started by the fork server"
+    assert "fork server" not in result.stderr
 
 
 def test_the_kernel_never_initializes_cuda_itself(gpu_kernel):
-    gpu_kernel.execute("#pragma taas --gpus 1\nimport torch\nprint(torch.zeros(1, device='cuda').device)").ok()
+    gpu_kernel.execute("#pragma taas --gpus 1\nimport torch\ny_cuda = torch.ones(2, device='cuda')").ok()
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+    assert gpu_kernel.value("(str(y_cuda.device), y_cuda.tolist())") == ("cpu", [1.0, 1.0]), \
+        "a CUDA tensor comes back as a CPU tensor"
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
 
 
-def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(fresh_kernel):
-    fresh_kernel.execute("%env TAAS_DEVICE=auto").ok()
-    fresh_kernel.execute("import torch\nx = torch.zeros(1, device='cuda')").ok()
-    result = fresh_kernel.execute("#pragma taas --gpus 1 --device cuda\nprint('started')")
-    assert "CUDA was already used in this kernel" in result.error["evalue"]
+def test_registered_loader_with_pin_memory_delivers_pinned_batches(gpu_kernel):
+    gpu_kernel.execute("""
+import torch, taas
+from torch.utils.data import DataLoader, TensorDataset
+pinned_loader = DataLoader(TensorDataset(torch.arange(64.0).reshape(32, 2)), batch_size=4, pin_memory=True)
+taas.register(pinned_loader)
+""").ok()
+    result = gpu_kernel.execute(f"""#pragma taas --gpus {GPUS} --cpus 2
+import json, taas, torch
+seen = []
+for (x,) in pinned_loader:
+    seen.append([x.is_pinned(), x.cuda(non_blocking=True).sum().item()])
+torch.cuda.synchronize()
+print("PINNED " + json.dumps({{"rank": taas.rank(), "seen": seen}}), flush=True)
+""", timeout=180).ok()
+    records = [json.loads(m) for m in re.findall(r"PINNED (\{.*\})", result.stdout)]
+    assert sorted(r["rank"] for r in records) == list(range(GPUS))
+    share = math.ceil(8 / GPUS)  # 8 batches, padded to a multiple of the ranks
+    for record in records:
+        assert len(record["seen"]) == share
+        assert all(pinned for pinned, _ in record["seen"]), "every batch arrives in pinned memory"
+    if 8 % GPUS == 0:
+        assert sum(total for r in records for _, total in r["seen"]) == sum(range(64))
+    ranks = f"{GPUS} rank{'s' if GPUS != 1 else ''}"
+    assert f"taas: pinned_loader: {share * GPUS} elements delivered to {ranks}," in result.stderr
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
+def test_lightning_trains_on_every_gpu_with_ddp_and_the_module_comes_back(gpu_kernel):
+    gpu_kernel.execute("""
+import torch, pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+torch.manual_seed(0)
+X = torch.randn(256, 4)
+Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+""").ok()
+    result = gpu_kernel.execute(f"""#pragma taas --gpus {GPUS} --return model
+import json
+model = Regression()
+trainer = pl.Trainer(accelerator="gpu", devices={GPUS}, strategy="ddp", max_epochs=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
+print("RESULT " + json.dumps({{"rank": trainer.global_rank, "world": trainer.world_size,
+                              "root": str(trainer.strategy.root_device),
+                              "weights": [round(v, 4) for v in model.layer.weight.detach().cpu().flatten().tolist()]}}))
+""", timeout=300).ok()
+    records = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", result.stdout)]
+    assert sorted(r["rank"] for r in records) == list(range(GPUS)), result.stdout + result.stderr
+    assert all(r["world"] == GPUS and r["root"] == f"cuda:{r['rank']}" for r in records)
+    weights = {tuple(r["weights"]) for r in records}
+    assert len(weights) == 1, "DDP kept every rank's weights identical"
+    # The trained module comes back with rank 0's weights, on the CPU, and the kernel's CUDA stays untouched.
+    assert gpu_kernel.value("(type(model).__name__, str(model.layer.weight.device))") == ("Regression", "cpu")
+    back = gpu_kernel.value("[round(v, 4) for v in model.layer.weight.detach().flatten().tolist()]")
+    assert tuple(back) == weights.pop()
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
+# The kernel whose notebook used CUDA: ranks from the fork server.
+
+CUDA_STATE = "(torch.cuda.current_device(), torch.cuda.memory_allocated(), str(x_cuda.device), x_cuda.tolist())"
+
+
+def test_auto_starts_from_the_fork_server_once_the_kernel_used_cuda_and_nccl_works_there(cuda_used_kernel):
+    before = cuda_used_kernel.value(CUDA_STATE)
+    environ = cuda_used_kernel.value("dict(os.environ)")
+    result = cuda_used_kernel.execute(NCCL_CELL.format(gpus=GPUS), timeout=180).ok()
+    records = assert_nccl_worked(result, GPUS)
+    assert ("taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start spawn)\n"
+            in result.stderr)
+    server = cuda_used_kernel.fork_server()
+    assert server is not None and all(server.pid in r["ancestors"] for r in records.values())
+    assert cuda_used_kernel.value(CUDA_STATE) == before
+    assert cuda_used_kernel.value("dict(os.environ)") == environ
+    assert cuda_used_kernel.value("(x_cuda * 2).sum().item()") == 12.0, "the kernel can still use its GPU"
+
+
+def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(cuda_used_kernel):
+    result = cuda_used_kernel.execute("#pragma taas --gpus 1 --device cuda --start fork\nprint('started')")
+    assert result.error["ename"] in ("UsageError", "TaasUsageError")
+    assert result.error["evalue"].startswith("--start fork: CUDA was already used in this kernel")
     assert "started" not in result.stdout
-    # CPU ranks do not touch CUDA, so they may still be forked.
-    assert fresh_kernel.execute("#pragma taas --gpus 2 --device cpu\nprint('cpu ok')").ok().stdout.count("cpu ok") == 2
+    assert cuda_used_kernel.children() == []
+
+
+def test_cpu_ranks_still_run_once_the_kernel_used_cuda(cuda_used_kernel):
+    result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu\nprint('cpu ok')").ok()
+    assert result.stdout.count("cpu ok") == 2
+    assert "the ranks start from the fork server (--start spawn)" in result.stderr, \
+        "a kernel holding a CUDA context is not forked by default, even for CPU ranks"
+    # An explicit --start fork is still allowed for CPU ranks, which never touch CUDA.
+    result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu --start fork\nprint('forked ok')").ok()
+    assert result.stdout.count("forked ok") == 2

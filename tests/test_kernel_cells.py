@@ -15,11 +15,11 @@ def test_a_shebang_that_is_not_a_configuration_runs_as_an_ordinary_cell(kernel):
     assert kernel.value("x_plain == os.getpid()") is True
 
 
-def test_a_configuration_line_alone_runs_in_the_kernel_with_one_warning(kernel):
-    result = kernel.execute("#!g2.8\nx_config = os.getpid()\nx_config").ok()
+def test_a_configuration_line_alone_runs_in_the_kernel_with_one_warning(no_gpu_kernel):
+    result = no_gpu_kernel.execute("#!g2.8\nx_config = os.getpid()\nx_config").ok()
     assert result.stderr == "taas: g2.8 needs 8 GPUs, this machine has 0: running the cell in the kernel anyway\n"
-    assert kernel.value("x_config == os.getpid()") is True
-    assert result.displays and result.displays[0]["text/plain"] == str(kernel.value("x_config"))
+    assert no_gpu_kernel.value("x_config == os.getpid()") is True
+    assert result.displays and result.displays[0]["text/plain"] == str(no_gpu_kernel.value("x_config"))
 
 
 def test_a_pragma_below_code_is_an_error_and_the_cell_does_not_run(kernel):
@@ -72,13 +72,13 @@ def test_a_syntax_error_is_reported_before_any_rank_starts(kernel):
     ids=["gpus-0", "gpus-nan", "gpus-12-g2.8", "gpus-16-multinode", "cpus-9", "units-neg", "unknown-option",
          "unknown-config", "auto-without-cuda", "cuda-without-cuda", "timeout-neg"],
 )
-def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(kernel, header, expected):
-    result = kernel.execute(header + "\nprint('started')")
+def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(no_gpu_kernel, header, expected):
+    result = no_gpu_kernel.execute(header + "\nprint('started')")
     assert result.error is not None and result.error["ename"] in ("UsageError", "TaasUsageError")
     assert expected in result.error["evalue"]
     assert "\n" not in result.error["evalue"]
     assert "started" not in result.stdout
-    assert kernel.children() == []
+    assert no_gpu_kernel.children() == []
 
 
 def test_data_options_without_a_registered_loader_say_they_have_no_effect(kernel):
@@ -88,8 +88,8 @@ def test_data_options_without_a_registered_loader_say_they_have_no_effect(kernel
                              "(taas.register(loader) in an earlier cell)\n")
 
 
-def test_line_magic_shows_the_effective_settings(kernel):
-    text = kernel.execute("%taas").ok().stdout
+def test_line_magic_shows_the_effective_settings(no_gpu_kernel):
+    text = no_gpu_kernel.execute("%taas").ok().stdout
     for expected in ("fork", "configurations.yaml", "g2.8", "CUDA devices:        0 visible", "default --device:    cpu"):
         assert expected in text
 

@@ -30,7 +30,7 @@ def top_level_bindings(tree: ast.Module) -> list[str]:
             if isinstance(node.ctx, ast.Store):
                 names[node.id] = None
 
-        def visit_FunctionDef(self, node: ast.AST) -> None:
+        def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
             names[node.name] = None  # its body binds locals, not cell names
 
         visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef

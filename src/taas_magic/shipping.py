@@ -136,10 +136,10 @@ def unpack(data: bytes, tensors_fd: int | None, tensors_size: int) -> dict[str, 
     if tensors_fd is not None:
         _mapped = memfile.map_private(tensors_fd)
     try:
-        shipped = pickle.loads(data)
+        shipped: dict[str, Any] = pickle.loads(data)
     finally:
         _mapped = None
-    namespace = shipped.pop(ANCHOR).__globals__
+    namespace: dict[str, Any] = shipped.pop(ANCHOR).__globals__
     namespace.update(shipped)
     namespace["__name__"] = "__main__"
     return namespace
@@ -148,6 +148,8 @@ def unpack(data: bytes, tensors_fd: int | None, tensors_size: int) -> dict[str, 
 def _rebuild_tensor(ref: _TensorRef) -> Any:
     import torch
 
+    if _mapped is None:
+        raise RuntimeError("a shipped tensor can only be unpickled by shipping.unpack, with its memory file")
     tensor = memfile.tensor_view(_mapped, ref.offset, ref.nbytes, ref.dtype, ref.shape)
     if ref.parameter:
         return torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)

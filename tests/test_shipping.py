@@ -1,0 +1,33 @@
+"""Shipping names by value, without a kernel: one pickle, tensor data in one memory file."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from taas_magic import shipping
+
+
+def test_names_and_tensors_arrive_with_the_tensors_data_in_one_memory_file() -> None:
+    namespace = {"__name__": "__main__", "weights": torch.arange(6.0).reshape(2, 3),
+                 "bias": torch.nn.Parameter(torch.ones(4)), "scale": 3}
+    shipment = shipping.pack(namespace, ["weights", "bias", "scale"])
+    try:
+        assert shipment.tensors_fd is not None and shipment.tensors_size >= 10 * 4
+        assert len(shipment.data) < 2000, "tensor data goes through the memory file, not the pickle"
+        back = shipping.unpack(shipment.data, shipment.tensors_fd, shipment.tensors_size)
+    finally:
+        shipment.close()
+    assert torch.equal(back["weights"], namespace["weights"]) and back["scale"] == 3
+    assert isinstance(back["bias"], torch.nn.Parameter) and back["bias"].requires_grad
+
+
+def test_a_shipped_tensor_outside_unpack_is_a_clear_error() -> None:
+    shipment = shipping.pack({"__name__": "__main__", "weights": torch.ones(3)}, ["weights"])
+    try:
+        with pytest.raises(RuntimeError, match="only be unpickled by shipping.unpack"):
+            pickle.loads(shipment.data)
+    finally:
+        shipment.close()
