@@ -100,6 +100,7 @@ def _unpack(task: Any, shipment: shipping.Shipment, fds: list[int]) -> Any:
     finally:
         for fd in fds:
             os.close(fd)
+    child.find_interactive_flags()  # the shipped names may have imported Lightning
     return dataclasses.replace(task, namespace=namespace)
 
 

@@ -99,9 +99,10 @@ def _redirect_output(stdout_fd: int, stderr_fd: int) -> None:
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
         os.dup2(fd, target)
         os.close(fd)
-    sys.stdout = sys.__stdout__ = _text_stream(1)
-    sys.stderr = sys.__stderr__ = _text_stream(2)
-    sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)
+    streams = {"stdout": _text_stream(1), "stderr": _text_stream(2), "stdin": open(0, "r", closefd=False)}
+    for name, stream in streams.items():  # the originals too: they are the kernel's, useless here
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
     # Loggers and libraries may hold the kernel's stream objects (ZeroMQ-backed, unusable here):
     # make those objects write to the new streams.
     for old, new in zip(old_streams, (sys.stdout, sys.stderr)):
@@ -159,14 +160,29 @@ def _look_like_a_script() -> None:
 
     Lightning refuses `strategy="ddp"` (and would start processes of its own) when it believes it
     runs interactively; it decided that when the kernel imported it, so the copies of that
-    decision in already-imported Lightning modules are corrected too.
+    decision in already-imported Lightning modules are corrected too. Which modules hold one was
+    found before the fork (``find_interactive_flags``): walking every module here would touch
+    thousands of shared pages and copy each one.
     """
     for name in ("ps1", "ps2"):
         if hasattr(sys, name):
             delattr(sys, name)
-    for name, module in list(sys.modules.items()):
-        if name.partition(".")[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", False):
-            module._IS_INTERACTIVE = False
+    for name in _interactive_flags:
+        module = sys.modules.get(name)
+        if module is not None:
+            setattr(module, "_IS_INTERACTIVE", False)
+
+
+_interactive_flags: tuple[str, ...] = ()
+
+
+def find_interactive_flags() -> None:
+    """In the process about to fork ranks: the Lightning modules that believe they run interactively."""
+    global _interactive_flags
+    _interactive_flags = tuple(
+        name for name, module in list(sys.modules.items())
+        if name.partition(".")[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", False)
+    )
 
 
 _LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")

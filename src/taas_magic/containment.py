@@ -15,11 +15,12 @@ import os
 import signal
 import stat
 import time
-from typing import Collection
+from typing import Callable, Collection
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
+_prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up once, used in forked children
 except (AttributeError, OSError):

@@ -52,6 +52,7 @@ class ForkBackend:
 
     def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> SupervisedRanks:
         run_id = envs[min(envs)]["TAAS_RUN_ID"]
+        child.find_interactive_flags()  # here, where it touches no page shared with a child
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         try:
@@ -77,12 +78,13 @@ class ForkBackend:
         return group
 
 
-def _namespace(task: worker.RankTask) -> dict:
+def _namespace(task: worker.RankTask) -> dict[str, Any]:
     if task.namespace is not None:
         return task.namespace
     from IPython import get_ipython
 
-    return get_ipython().user_ns
+    namespace: dict[str, Any] = get_ipython().user_ns  # forked from the kernel: its own
+    return namespace
 
 
 def _producer_env(envs: dict[int, dict[str, str]]) -> dict[str, str]:
@@ -346,7 +348,7 @@ class ForkedRanks:
             raise KeyboardInterrupt
 
 
-def _decode_record(line: bytes) -> dict:
+def _decode_record(line: bytes) -> dict[str, Any]:
     try:
         record = json.loads(line)
     except ValueError:

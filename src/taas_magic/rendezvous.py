@@ -49,7 +49,7 @@ def serve_store(listener_fd: int, env: dict[str, str]) -> None:
     refused connection.
     """
     global _store
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
 
     _store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=True,
                       wait_for_workers=False, master_listen_fd=listener_fd, timeout=datetime.timedelta(minutes=30))
