@@ -146,10 +146,7 @@ def test_only_rank_0_writes_with_spawn_too(defined, tmp_path):
 def test_a_dead_fork_server_is_restarted(fresh_kernel):
     fresh_kernel.execute("#pragma taas --gpus 2 --start spawn\nx = 1").ok()
     server = fresh_kernel.fork_server()
-    server.kill()
-    deadline = time.monotonic() + 5
-    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-        time.sleep(0.05)  # the kernel reaps it when it next needs the server
+    server.kill()  # while idle: the next cell must not notice, whenever the server's death is seen
     result = fresh_kernel.execute("#pragma taas --gpus 2 --start spawn --output rank0\nprint('back')").ok()
     assert result.stdout == "back\n"
     assert fresh_kernel.fork_server().pid != server.pid

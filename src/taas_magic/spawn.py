@@ -21,7 +21,7 @@ from . import channel, memfile
 from .agent import CONTROL
 from .errors import TaasRunError
 from .shipping import Shipment
-from .supervisor import CLOSE_SECONDS, SupervisedRanks
+from .supervisor import CLOSE_SECONDS, RunLost, SupervisedRanks
 from .worker import RankTask
 
 READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
@@ -121,6 +121,20 @@ class SpawnBackend:
             self._agent = Agent()
 
     def start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> SupervisedRanks:
+        """Hand the run to the fork server; a server that turns out to have died is replaced, once.
+
+        A run lost before its supervisor said "started" ran no code of the cell, so it can be
+        handed to a fresh server without the user noticing a server that died while idle.
+        """
+        try:
+            return self._start(envs, request)
+        except (AgentDied, RunLost):
+            if self._agent is not None and self._agent.alive():
+                raise
+            self.shutdown()
+        return self._start(envs, request)
+
+    def _start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> SupervisedRanks:
         self.warm_up()
         agent = self._agent
         assert agent is not None
@@ -133,9 +147,7 @@ class SpawnBackend:
             agent.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
         except channel.ChannelBroken as e:
             kernel_end.close()
-            detail = agent.describe_death()
-            self.shutdown()
-            raise AgentDied(detail) from e
+            raise AgentDied(agent.describe_death()) from e
         finally:
             supervisor_end.close()
 
