@@ -192,25 +192,29 @@ def test_counts_beyond_any_node_are_refused_naming_value_and_range(tmp_path, fie
     assert message.endswith(": use gpus 0-64, cpus 1-4096 and memory_gb 0-1000000")
 
 
+BAD_FIELD = "configuration 'big' has a bad field"
+BAD_MAX_NODES = "max_nodes has a bad value"
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        pytest.param("configurations:\n  big: {gpus: .inf}\n", "configuration 'big' has a bad field (gpus: inf is not a whole number)",
+        pytest.param("configurations:\n  big: {gpus: .inf}\n", f"{BAD_FIELD} (gpus: inf is not a whole number)",
                      id="gpus-inf"),
-        pytest.param("configurations:\n  big: {cpus: .nan}\n", "configuration 'big' has a bad field (cpus: nan is not a whole number)",
+        pytest.param("configurations:\n  big: {cpus: .nan}\n", f"{BAD_FIELD} (cpus: nan is not a whole number)",
                      id="cpus-nan"),
-        pytest.param("configurations:\n  big: {gpus: 2.0}\n", "configuration 'big' has a bad field (gpus: 2.0 is not a whole number)",
+        pytest.param("configurations:\n  big: {gpus: 2.0}\n", f"{BAD_FIELD} (gpus: 2.0 is not a whole number)",
                      id="gpus-float"),
-        pytest.param("configurations:\n  big: {memory_gb: '12'}\n", "configuration 'big' has a bad field (memory_gb: '12' is not a number)",
+        pytest.param("configurations:\n  big: {memory_gb: '12'}\n", f"{BAD_FIELD} (memory_gb: '12' is not a number)",
                      id="memory-text"),
-        pytest.param("configurations:\n  big: {gpu_model: [a, b]}\n", "configuration 'big' has a bad field (gpu_model: ['a', 'b'] is not text)",
+        pytest.param("configurations:\n  big: {gpu_model: [a, b]}\n", f"{BAD_FIELD} (gpu_model: ['a', 'b'] is not text)",
                      id="model-list"),
         pytest.param("configurations:\n  big: {gpus: '" + "9" * 100 + "'}\n",
-                     f"configuration 'big' has a bad field (gpus: '{'9' * 39}... is not a whole number)", id="long-value-cut"),
-        pytest.param("max_nodes: .inf\n", "max_nodes has a bad value (max_nodes: inf is not a whole number)", id="max-nodes-inf"),
-        pytest.param("max_nodes: .nan\n", "max_nodes has a bad value (max_nodes: nan is not a whole number)", id="max-nodes-nan"),
-        pytest.param("max_nodes: 2.5\n", "max_nodes has a bad value (max_nodes: 2.5 is not a whole number)", id="max-nodes-float"),
-        pytest.param("max_nodes: true\n", "max_nodes has a bad value (max_nodes: True is not a whole number)", id="max-nodes-bool"),
+                     f"{BAD_FIELD} (gpus: '{'9' * 39}... is not a whole number)", id="long-value-cut"),
+        pytest.param("max_nodes: .inf\n", f"{BAD_MAX_NODES} (max_nodes: inf is not a whole number)", id="max-nodes-inf"),
+        pytest.param("max_nodes: .nan\n", f"{BAD_MAX_NODES} (max_nodes: nan is not a whole number)", id="max-nodes-nan"),
+        pytest.param("max_nodes: 2.5\n", f"{BAD_MAX_NODES} (max_nodes: 2.5 is not a whole number)", id="max-nodes-float"),
+        pytest.param("max_nodes: true\n", f"{BAD_MAX_NODES} (max_nodes: True is not a whole number)", id="max-nodes-bool"),
         pytest.param("max_nodes: 1025\n", "max_nodes: 1025 in configurations.yaml (shipped), ", id="max-nodes-too-many"),
         pytest.param("max_nodes: 0\n", "max_nodes: 0 in configurations.yaml (shipped), ", id="max-nodes-0"),
     ],

@@ -14,7 +14,6 @@ import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
@@ -119,7 +118,9 @@ def _read_user_file(path: str) -> str:
     except OSError as e:  # no permission, a dangling link
         raise TaasUsageError(f"{where} does not name a readable file ({e.strerror or e})") from e
     if len(data) > MAX_FILE_BYTES:
-        raise TaasUsageError(f"{where} is larger than {MAX_FILE_BYTES // 1024} KiB: a configurations file is a few lines")
+        raise TaasUsageError(
+            f"{where} is larger than {MAX_FILE_BYTES // 1024} KiB: a configurations file is a few lines"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
