@@ -126,3 +126,94 @@ def test_a_broken_configurations_file_is_reported_by_the_cell(tmp_path):
         assert str(bad) in result.error["evalue"]
     finally:
         k.shutdown()
+
+
+# Bad input is a quick one-line error, never a hang or a huge run; the kernel stays usable.
+
+def assert_refused_in_one_line(kernel, result, expected: str) -> None:
+    assert result.error is not None and result.error["ename"] in ("UsageError", "TaasUsageError")
+    assert expected in result.error["evalue"]
+    assert "\n" not in result.error["evalue"]
+    assert result.seconds < 5
+    assert "started" not in result.stdout
+    assert kernel.children() == []
+
+
+@pytest.mark.parametrize("value", ["\uff12", "\u0662", "0_2", "+2"], ids=["fullwidth", "arabic-indic", "underscore", "plus"])
+def test_gpus_written_other_than_in_ascii_digits_is_refused_like_a_word(kernel, value):
+    result = kernel.execute(f"#pragma taas --gpus {value}\nprint('started')")
+    assert_refused_in_one_line(
+        kernel, result, f"argument --gpus: {value!r} is not a whole number: use a whole number of 1 or more")
+
+
+def test_timeout_written_other_than_in_ascii_digits_is_refused(kernel):
+    result = kernel.execute("#pragma taas --gpus 2 --timeout 1_0\nprint('started')")
+    assert_refused_in_one_line(kernel, result, "argument --timeout: '1_0' is not a number of seconds")
+
+
+def test_a_header_that_expands_to_a_megabyte_is_refused_at_once(kernel):
+    kernel.execute("X_LONG = 'a ' * 500000").ok()
+    try:
+        result = kernel.execute("#pragma taas --gpus 2 {X_LONG}\nprint('started')", timeout=30)
+        assert_refused_in_one_line(kernel, result, "the options are 1000009 characters long ('--gpus 2 a a a")
+        assert result.error["evalue"].endswith(": use at most 4096")
+    finally:
+        kernel.execute("del X_LONG").ok()
+
+
+def test_a_megabyte_line_in_the_body_runs_in_seconds(kernel):
+    line = "s_long = '" + "a" * 1_000_000 + "'\n"
+    result = kernel.execute(f"#pragma taas --gpus 2 --output rank0 --return none\n{line}print(len(s_long))", timeout=60)
+    assert result.ok().stdout == "1000000\n"
+    assert result.seconds < 5
+    result = kernel.execute(f"{line}#pragma taas --gpus 2\nprint(len(s_long))", timeout=60)
+    assert "#pragma taas on line 2 must be at the top" in result.error["evalue"]
+    assert result.seconds < 5
+
+
+def test_a_pragma_inside_a_multi_line_string_of_an_ordinary_cell_is_text(kernel):
+    result = kernel.execute('doc_pragma = """\n#pragma taas --gpus 2\n"""\nprint(doc_pragma.strip())').ok()
+    assert result.stdout == "#pragma taas --gpus 2\n"
+    assert kernel.children() == []
+
+
+def test_line_numbers_count_the_blank_lines_above_the_header(kernel):
+    result = kernel.execute("\n\n#!g2.8\nx_blank = 1\n#pragma taas --gpus 2")
+    assert result.error["evalue"].startswith("#pragma taas on line 5 must be at the top of the cell")
+    result = kernel.execute("\n\n#pragma taas --gpus 2\nx_blank = 1\nraise ValueError('on line 5')")
+    assert result.error["ename"] == "RankFailed"
+    assert "line 5" in result.traceback and "line 3" not in result.traceback
+
+
+def test_bad_configurations_files_are_quick_one_line_errors_and_other_cells_still_run(tmp_path):
+    files = {
+        "huge.yaml": "configurations:\n  big: {gpus: 100000000000000000000, cpus: 8}\n",
+        "inf.yaml": "configurations:\n  big: {gpus: .inf}\n",
+        "nan.yaml": "configurations:\n  big: {gpus: 1, memory_gb: .nan}\n",
+        "laughs.yaml": "configurations:\n  big: {gpus: 1}\na: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+        + "".join(f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")),
+        "wide.yaml": "configurations:\n  big: {gpus: 0, cpus: 512}\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    cases = [
+        (tmp_path / "huge.yaml", "--device cpu", "configuration 'big' has gpus: 100000000000000000000"),
+        (tmp_path / "inf.yaml", "--device cpu", "configuration 'big' has a bad field (gpus: inf is not a whole number)"),
+        (tmp_path / "nan.yaml", "--device cpu", "memory_gb: nan in"),
+        (tmp_path / "laughs.yaml", "--device cpu", "is not valid YAML: aliases (*name) are not allowed"),
+        ("/dev/zero", "--device cpu", "TAAS_CONFIG='/dev/zero' does not name a readable file (not a regular file)"),
+        (tmp_path / "wide.yaml", "--device cpu --gpus 300", "--gpus 300 is too many CPU ranks for one machine: use 1-256"),
+    ]
+    k = Kernel()
+    try:
+        for path, options, expected in cases:
+            k.execute(f"%env TAAS_CONFIG={path}").ok()
+            result = k.execute(f"#!big\n#pragma taas {options}\nprint('started')", timeout=30)
+            assert_refused_in_one_line(k, result, expected)
+            assert k.execute("print('ordinary')").ok().stdout == "ordinary\n"
+            assert k.execute("#!/usr/bin/env python\nprint('plain')").ok().stdout == "plain\n"
+        assert k.execute("#!g2.8\nprint('in the kernel')").ok().stdout == "in the kernel\n"
+        k.execute("%env TAAS_CONFIG=").ok()
+        assert k.execute("#pragma taas --gpus 2 --output rank0\nprint('runs again')").ok().stdout == "runs again\n"
+    finally:
+        k.shutdown()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+import time
 from dataclasses import FrozenInstanceError
 
 import pytest
@@ -266,3 +269,114 @@ def test_abbreviated_options_are_not_guessed():
 
     with pytest.raises(UsageError, match="unknown option '--gp'"):
         opts.parse(TaasMagics.taas, "--gp 2")
+
+
+# Numbers are plain ASCII digits: int() and float() also take other scripts, "_" and "+".
+
+@pytest.mark.parametrize("value", ["\uff12", "\u0662", "0_2", "+2", " 2", "2 ", "2.0", "0x2", "²", "1e1", ""])
+@pytest.mark.parametrize("option", ["--gpus", "--units", "--prefetch", "--cpus"])
+def test_whole_numbers_are_plain_ascii_digits(option: str, value: str) -> None:
+    with pytest.raises(UsageError) as raised:
+        options.parse(TaasMagics.taas, f"{option}={value!r}")  # quoted: spaces and all reach the converter
+    assert str(raised.value) == f"argument {option}: {value!r} is not a whole number: use " + (
+        "0-8 (0 turns data delivery off)" if option == "--cpus" else "a whole number of 1 or more")
+
+
+def test_whole_numbers_in_plain_digits_are_accepted() -> None:
+    parsed = options.parse(TaasMagics.taas, "--gpus 02 --units 1000000 --prefetch 3 --cpus 0")
+    assert (parsed.gpus, parsed.units, parsed.prefetch, parsed.cpus) == (2, 1_000_000, 3, 0)
+
+
+def test_a_count_with_too_many_digits_is_out_of_range() -> None:
+    with pytest.raises(UsageError) as raised:
+        options.parse(TaasMagics.taas, f"--units {'9' * 4000}")
+    assert str(raised.value) == f"argument --units: {'9' * 40}... is out of range: use a whole number of 1 or more"
+    with pytest.raises(argparse.ArgumentTypeError, match="is out of range"):
+        options.whole_number(1)("9" * 5000)  # more digits than int() converts from text
+
+
+@pytest.mark.parametrize("value", ["1_0", "\u0662", "\uff12", "+2", " 2", "0x10", "1e", ".", "-", "2s"])
+def test_seconds_are_plain_ascii_decimals(value: str) -> None:
+    with pytest.raises(UsageError) as raised:
+        options.parse(TaasMagics.taas, f"--timeout={value!r}")
+    assert str(raised.value) == (f"argument --timeout: {value!r} is not a number of seconds: "
+                                 "use a number of seconds greater than 0")
+
+
+@pytest.mark.parametrize(("value", "expected"), [("10", 10.0), ("1.5", 1.5), (".5", 0.5), ("5.", 5.0),
+                                                 ("2e-3", 0.002), ("1E2", 100.0)])
+def test_seconds_in_plain_decimals_are_accepted(value: str, expected: float) -> None:
+    assert options.parse(TaasMagics.taas, f"--timeout {value}").timeout == expected
+
+
+@pytest.mark.parametrize("value", ["-inf", "Infinity", "NaN", "1e400", "1e-400", "-0.5"])
+def test_seconds_that_are_not_a_positive_finite_number_are_refused_by_name(value: str) -> None:
+    with pytest.raises(UsageError, match=rf"^argument --timeout: {re.escape(value)} is not allowed: use a number"):
+        options.parse(TaasMagics.taas, f"--timeout={value}")
+
+
+def test_a_huge_option_line_is_refused_before_it_is_split() -> None:
+    line = "--gpus 2 " + "a " * 500_000  # what `{X}` with X = 'a ' * 500000 expands to
+    started = time.monotonic()
+    with pytest.raises(UsageError) as raised:
+        options.parse(TaasMagics.taas, line)
+    assert time.monotonic() - started < 0.5
+    assert str(raised.value) == (f"the options are {len(line)} characters long ('--gpus 2 a a a a a a a a a a a a a a a "
+                                 f"a...'): use at most {options.MAX_LINE}")
+
+
+def test_an_option_line_of_the_largest_length_is_parsed() -> None:
+    line = "--gpus 2" + " " * (options.MAX_LINE - len("--gpus 2"))
+    assert options.parse(TaasMagics.taas, line).gpus == 2
+    with pytest.raises(UsageError, match="the options are 4097 characters long"):
+        options.parse(TaasMagics.taas, line + " ")
+
+
+def test_long_values_are_cut_short_in_messages() -> None:
+    with pytest.raises(UsageError) as raised:
+        options.parse(TaasMagics.taas, "--" + "x" * 3000)
+    assert str(raised.value).startswith(f"unknown option '--{'x' * 38}...': allowed are --gpus")
+
+
+# One machine, one GPU, one node's worth: ranges never read "1-1".
+
+ONE_GPU = Machine(cpus=8, cuda_devices=1)
+
+
+def catalog_from(tmp_path, text: str):
+    path = tmp_path / "configurations.yaml"
+    path.write_text(text)
+    return load_catalog({"TAAS_CONFIG": str(path)})
+
+
+def test_one_gpu_machine_says_use_gpus_1() -> None:
+    with pytest.raises(UsageError) as raised:
+        build("--gpus 2", ONE_GPU)
+    assert str(raised.value) == "--gpus 2 needs 2 CUDA devices, this machine has 1: use --gpus 1, or --device cpu"
+    assert build("--gpus 1", ONE_GPU).world_size == 1
+
+
+def test_one_gpu_configuration_says_use_1() -> None:
+    with pytest.raises(UsageError) as raised:
+        build("--gpus 3 --config g1.1")
+    assert str(raised.value) == "--gpus 3 does not fit g1.1 (1 GPU per node): use 1, 2 or 4"
+    with pytest.raises(UsageError) as raised:
+        build("--gpus 2 --config g2.1")
+    assert str(raised.value) == ("--gpus 2 needs 2 nodes of g2.1: multi-node runs need a cluster, "
+                                 "and this machine is one node: use --gpus 1")
+
+
+def test_one_vcpu_configuration_says_use_1(tmp_path) -> None:
+    catalog = catalog_from(tmp_path, "max_nodes: 1\nconfigurations:\n  tiny: {gpus: 0, cpus: 1}\n")
+    with pytest.raises(UsageError) as raised:
+        build("--gpus 2 --config tiny --device cpu", NO_GPU, catalog=catalog)
+    assert str(raised.value) == "--gpus 2 does not fit tiny (1 vCPU per node): use 1"
+
+
+def test_cpu_rank_limit_holds_whatever_the_configuration_says(tmp_path) -> None:
+    catalog = catalog_from(tmp_path, "configurations:\n  wide: {gpus: 0, cpus: 512}\n  many: {gpus: 64, cpus: 8}\n")
+    with pytest.raises(UsageError) as raised:
+        build("--gpus 300 --device cpu --config wide", NO_GPU, catalog=catalog)
+    assert str(raised.value) == f"--gpus 300 is too many CPU ranks for one machine: use 1-{spec.MAX_CPU_RANKS}"
+    assert build("--gpus 256 --device cpu --config wide", NO_GPU, catalog=catalog).world_size == 256
+    assert build("--device cpu --config many", NO_GPU, catalog=catalog).world_size == 64

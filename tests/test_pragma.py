@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -203,7 +207,7 @@ def shell():
     """IPython's shell with the transformer registered where the extension puts it, removed afterwards."""
     ipython = InteractiveShell.instance()
     transformer = PragmaTransformer(is_configuration)
-    ipython.input_transformers_cleanup.append(transformer)
+    ipython.input_transformers_cleanup.insert(0, transformer)
     try:
         yield ipython
     finally:
@@ -243,3 +247,121 @@ def test_ipython_reports_a_misplaced_pragma_from_transform_cell(shell) -> None:
 def test_ipython_completeness_check_does_not_call_the_transformer(shell) -> None:
     """While typing, IPython asks whether input is complete; a misplaced pragma must not raise then."""
     assert shell.input_transformer_manager.check_complete("x = 1\n#pragma taas\n")[0] == "complete"
+
+
+# Only real comments are pragmas: text inside a string is text, whatever it reads.
+
+IN_A_STRING = [
+    pytest.param('doc = """\n#pragma taas --gpus 2\n"""\n', id="triple-double-quotes"),
+    pytest.param("doc = \'\'\'\n#pragma taas --gpus 2\n\'\'\'\n", id="triple-single-quotes"),
+    pytest.param('doc = f"""{1 + 1}\n#pragma taas --gpus 2\n"""\n', id="f-string"),
+    pytest.param('doc = rb"""\n#pragma taas\n"""\n', id="raw-bytes"),
+    pytest.param("s = 'abc\\\n#pragma taas'\n", id="backslash-continued-string"),
+    pytest.param('def f():\n    """Docs.\n\n#pragma taas --gpus 2\n    """\n', id="docstring"),
+    pytest.param('doc = """\n#pragma taas --gpus 2\n', id="unterminated-string"),
+    pytest.param('x = !echo it\'s\ndoc = """\n#pragma taas\n"""\n', id="string-after-ipython-syntax"),
+]
+
+
+@pytest.mark.parametrize("cell", IN_A_STRING)
+def test_a_pragma_inside_a_multi_line_string_is_text(cell: str) -> None:
+    lines = lines_of(cell)
+    assert PragmaTransformer(is_configuration)(lines) is lines
+
+
+def test_a_pragma_inside_a_string_of_a_taas_cell_is_text() -> None:
+    cell = lines_of('#pragma taas --gpus 2\ndoc = """\n#pragma taas --gpus 4\n"""\n')
+    assert PragmaTransformer(is_configuration)(cell) == ["%%taas --gpus 2\n"] + cell[1:]
+
+
+@pytest.mark.parametrize(
+    ("cell", "line"),
+    [
+        pytest.param("x = !echo it's\n#pragma taas --gpus 2\n", 2, id="after-a-shell-escape-with-a-quote"),
+        pytest.param("%time x = 1\n#pragma taas\n", 2, id="after-a-line-magic"),
+        pytest.param("x?\n#pragma taas\n", 2, id="after-help-syntax"),
+        pytest.param("if x:\n        a\n    b\n#pragma taas\n", 4, id="after-an-indentation-error"),
+        pytest.param("x = [1,\n#pragma taas\n", 2, id="inside-open-brackets"),
+        pytest.param('s = """a"""\n#pragma taas\n', 2, id="after-a-closed-string"),
+        pytest.param('doc = """\n#pragma taas\n"""\n#pragma taas --gpus 2\n', 4, id="below-a-string-that-holds-one"),
+        pytest.param("%%bash\necho hi\n#pragma taas\n", 3, id="in-a-cell-magic-body"),
+    ],
+)
+def test_a_real_pragma_comment_is_found_in_cells_that_do_not_tokenize_cleanly(cell: str, line: int) -> None:
+    with pytest.raises(TaasUsageError, match=rf"^#pragma taas on line {line} must be at the top"):
+        PragmaTransformer(is_configuration)(lines_of(cell))
+
+
+@pytest.mark.parametrize(
+    ("cell", "line"),
+    [
+        pytest.param("\n\n#!g2.8\nx=1\n#pragma taas --gpus 2", 5, id="blanks-then-check-shebang"),
+        pytest.param("\n\n#pragma taas\nx=1\n#pragma taas --gpus 2\n", 5, id="blanks-then-pragma"),
+        pytest.param("\n \n\t\n#!g2.8\n#pragma taas\n\nx\n#pragma taas\n", 8, id="blanks-then-full-header"),
+    ],
+)
+def test_misplaced_pragma_line_numbers_count_leading_blank_lines(cell: str, line: int) -> None:
+    with pytest.raises(TaasUsageError, match=rf"^#pragma taas on line {line} must be at the top"):
+        PragmaTransformer(is_configuration)(lines_of(cell))
+
+
+def test_ipython_reports_the_line_the_user_sees_after_leading_blank_lines(shell) -> None:
+    with pytest.raises(TaasUsageError, match=r"^#pragma taas on line 5 "):
+        shell.transform_cell("\n\n#!g2.8\nx=1\n#pragma taas --gpus 2")
+    # The header's own blank lines are kept too: line 5 of the cell is line 5 of what runs.
+    assert shell.transform_cell("\n\n#pragma taas --gpus 2\nx = 1\n1 / 0\n") == (
+        "get_ipython().run_cell_magic('taas', '--gpus 2', '\\n\\nx = 1\\n1 / 0\\n')\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        pytest.param("#pragma taas --gpus 2" + " " * 200_000 + "x", id="spaces-then-a-word"),
+        pytest.param("#pragma taas" + " " * 200_000, id="trailing-spaces"),
+        pytest.param("#" + " " * 200_000 + "pragma", id="spaces-after-the-hash"),
+        pytest.param("#!" + "a " * 100_000, id="shebang-of-words"),
+        pytest.param("s = '" + "a" * 1_000_000 + "'", id="one-megabyte-string"),
+    ],
+)
+def test_long_lines_are_read_in_linear_time(line: str) -> None:
+    transformer = PragmaTransformer(is_configuration)
+    started = time.monotonic()
+    for cell in ([line + "\n", "x = 1\n"], ["x = 1\n", line + "\n"], ["x = 1\n", line + "\n", "#pragma taas\n"]):
+        try:
+            transformer(cell)
+        except TaasUsageError:
+            pass
+    assert time.monotonic() - started < 1
+
+
+def test_pragma_options_are_the_rest_of_the_line_stripped() -> None:
+    header = parse_header(["#pragma taas   --gpus 2  --timeout 5 \t\n"], is_configuration)
+    assert header is not None and header.options == "--gpus 2  --timeout 5"
+    assert parse_header(["#pragma taas\t\n"], is_configuration).options == ""
+    assert parse_header(["#pragma taas-x\n"], is_configuration) is None
+
+
+# Property: whatever the cell, the transformer returns lines or names a real misplaced pragma comment.
+
+FRAGMENTS = st.sampled_from([
+    "#pragma taas --gpus 2", "#pragma taas", "#!g2.8", "#!/usr/bin/env python", "x = 1", '"""', "\'\'\'", "'",
+    '"', "doc = \"\"\"", "(", ")", "[", "]", "    ", "\t", "\\", "!echo it's", "%time x", "%%bash", "x?",
+    "if x:", "def f():", "#", "f'{", "}'", "", " ", "$x", "\r",
+])
+CELLS = st.lists(st.lists(FRAGMENTS, max_size=4).map("".join), max_size=8).map("\n".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cell=CELLS)
+def test_any_cell_gives_lines_or_names_a_real_pragma_comment(cell: str) -> None:
+    lines = lines_of(cell)
+    before = list(lines)
+    try:
+        after = PragmaTransformer(is_configuration)(lines)
+    except TaasUsageError as e:
+        line = int(str(e).split()[4])
+        assert lines[line - 1].startswith("#pragma taas")
+    else:
+        assert after is lines or "".join(after).lstrip().startswith(("%%taas", "%taas --check"))
+    assert lines == before, "the input was changed in place"

@@ -40,7 +40,8 @@ def load_ipython_extension(ipython: Any) -> None:
     transformer = PragmaTransformer(_is_configuration)
     magics = TaasMagics(ipython, transformer)
     ipython.register_magics(magics)
-    ipython.input_transformers_cleanup.append(transformer)
+    # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.
+    ipython.input_transformers_cleanup.insert(0, transformer)
     _loaded[id(ipython)] = (magics, transformer)
     magics.spawn_backend.warm_up()  # the fork server imports torch in the background from now on
 

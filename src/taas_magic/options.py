@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Callable, Mapping
 
 from IPython.core import magic_arguments
@@ -21,32 +22,43 @@ STARTS = ("auto", "fork", "spawn")
 ORDERS = ("deterministic", "fastest")
 OUTPUTS = ("all", "rank0")
 MAX_CPUS = 8
+MAX_LINE = 4096  # characters of options, after IPython expanded {expressions} and $names
+
+# ASCII digits only: these are what a user types, and what error messages can show back.
+_WHOLE = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_NOT_FINITE = re.compile(r"-?(?:nan|inf|infinity)", re.IGNORECASE)  # parsed only to be refused by name
 
 
 def whole_number(low: int, high: int | None = None, note: str = "") -> Callable[[str], int]:
     def convert(text: str) -> int:
         allowed = f"{low}-{high}" if high is not None else f"a whole number of {low} or more"
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: use {allowed}{note}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is out of range: use {allowed}{note}")
+        # Plain ASCII digits only: int() also takes "２", "٢", "0_2" and "+2".
+        if not _WHOLE.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a whole number: use {allowed}{note}")
+        value = int(text) if len(text) <= 30 else None  # no count has 30 digits; int() stops at 4300
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{_cut(text)} is out of range: use {allowed}{note}")
         return value
 
     return convert
 
 
 def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
+    """Plain decimal seconds (``1.5``, ``2e-3``); float() would also take "1_0", "٢" or " 2 "."""
+    if not (_DECIMAL.fullmatch(text) or _NOT_FINITE.fullmatch(text)):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of seconds: use a number of seconds greater than 0"
-        ) from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not allowed: use a number of seconds greater than 0")
+            f"{_cut(text)!r} is not a number of seconds: use a number of seconds greater than 0"
+        )
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{_cut(text)} is not allowed: use a number of seconds greater than 0")
     return value
+
+
+def _cut(text: str, keep: int = 40) -> str:
+    """A value as an error message shows it: cut short when long."""
+    return text if len(text) <= keep else text[:keep] + "..."
 
 
 def names_or_none(text: str) -> tuple[str, ...]:
@@ -55,7 +67,7 @@ def names_or_none(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     bad = [name for name in names if not name.isidentifier()]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of names: use a,b,c or none")
+        raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of names: use a,b,c or none")
     return names
 
 
@@ -124,17 +136,21 @@ def parse(magic: Callable, line: str) -> argparse.Namespace:
     """Parse a `%%taas` line; anything unknown is a one-line error naming it and the allowed options."""
     parser = magic.parser
     parser.allow_abbrev = False  # `--gp 2` is a typo to report, not a guess to make
+    if len(line) > MAX_LINE:  # splitting a huge line (a {name} holding megabytes) takes too long
+        raise TaasUsageError(
+            f"the options are {len(line)} characters long ({_cut(line)!r}): use at most {MAX_LINE}"
+        )
     try:
         argv = arg_split(line, posix=True, strict=True)  # posix: quotes group words and are removed
     except ValueError as e:
-        raise TaasUsageError(f"cannot split the options {line!r}: {e}") from e
+        raise TaasUsageError(f"cannot split the options {_cut(line)!r}: {e}") from e
     try:
         namespace, unknown = parser.parse_known_args(argv)
     except UsageError as e:  # argparse's own message: "argument --gpus: ..."
         raise TaasUsageError(str(e)) from None
     if unknown:
         allowed = ", ".join(a.option_strings[0] for a in parser._actions if a.help != argparse.SUPPRESS)
-        raise TaasUsageError(f"unknown option {unknown[0]!r}: allowed are {allowed}")
+        raise TaasUsageError(f"unknown option {_cut(unknown[0])!r}: allowed are {allowed}")
     return namespace
 
 

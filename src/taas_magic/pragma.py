@@ -15,6 +15,7 @@ the kernel as usual, after a one-line warning if this machine lacks what it need
 from __future__ import annotations
 
 import re
+import tokenize
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -22,7 +23,7 @@ from typing import Callable, Iterator
 from .errors import TaasUsageError
 
 _SHEBANG = re.compile(r"#!\s*(?P<name>\S+)\s*")
-_PRAGMA = re.compile(r"#\s*pragma\s+taas(?:\s+(?P<options>.*?))?\s*")
+_PRAGMA = re.compile(r"#\s*pragma\s+taas(?!\S)")  # a prefix: the options are the rest of the line
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,11 @@ def parse_header(lines: list[str], is_configuration: Callable[[str], bool]) -> H
     for line in lines[first : first + 2]:
         text = line.rstrip("\r\n")
         shebang = _SHEBANG.fullmatch(text)
-        pragma = _PRAGMA.fullmatch(text)
+        pragma = _pragma_options(text)
         if shebang and configuration is None:
             configuration = shebang["name"]
-        elif pragma and options is None:
-            options = pragma["options"] or ""
+        elif pragma is not None and options is None:
+            options = pragma
         else:
             break
         count += 1
@@ -81,12 +82,54 @@ def parse_header(lines: list[str], is_configuration: Callable[[str], bool]) -> H
 
 
 def misplaced_pragma(lines: list[str], header: Header | None) -> int | None:
-    """The 1-based line of a `#pragma taas` that is not in the cell's header, if any."""
+    """The 1-based line of a `#pragma taas` comment that is not in the cell's header, if any.
+
+    Only real comments count: a line of a multi-line string that reads `#pragma taas` is text.
+    The tokenizer is asked only when a line looks like a pragma, so ordinary cells cost a scan.
+    """
     start = 0 if header is None or header.options is None else header.first_line + header.line_count
-    for number, line in enumerate(lines[start:], start=start + 1):
-        if _PRAGMA.fullmatch(line.rstrip("\r\n")):
-            return number
-    return None
+    suspects = [index for index in range(start, len(lines)) if _pragma_options(lines[index]) is not None]
+    if not suspects:
+        return None
+    comments = _comment_lines(lines)
+    return next((index + 1 for index in suspects if index in comments), None)
+
+
+def _pragma_options(line: str) -> str | None:
+    """The options of a `#pragma taas` line ("" for none), or None for any other line."""
+    text = line.rstrip("\r\n")
+    found = _PRAGMA.match(text)
+    return None if found is None else text[found.end():].strip()
+
+
+def _comment_lines(lines: list[str]) -> set[int]:
+    """Indices of the lines that begin with a comment token: not inside a string.
+
+    A cell is IPython input, not always Python (`!echo it's`, stray indentation): where the
+    tokenizer gives up, it starts afresh on the next line, so a comment further down still
+    counts. In an unterminated multi-line string, everything below is text.
+    """
+    found: set[int] = set()
+    start = 0
+    while start < len(lines):
+        try:
+            for token in tokenize.generate_tokens(iter(lines[start:]).__next__):
+                if token.type == tokenize.COMMENT and token.start[1] == 0:
+                    found.add(start + token.start[0] - 1)
+            break
+        except (tokenize.TokenError, SyntaxError) as e:
+            if "multi-line string" in str(e) or "triple-quoted" in str(e):
+                break
+            start += max(_error_line(e), 1)  # on past the line it failed on
+    return found
+
+
+def _error_line(error: Exception) -> int:
+    """The 1-based line a tokenizer error is about (0 when it does not say)."""
+    if isinstance(error, SyntaxError):
+        return error.lineno or 0
+    position = error.args[1] if len(error.args) > 1 else None
+    return position[0] if isinstance(position, tuple) and position and isinstance(position[0], int) else 0
 
 
 class PragmaTransformer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 from .configurations import Catalog, Configuration
 from .errors import TaasUsageError
@@ -87,24 +87,33 @@ def _device(requested: str, configuration: Configuration | None) -> str:
 
 def _ranks_per_node(world_size: int, configuration: Configuration | None, max_nodes: int, device: str) -> int:
     """Ranks on each node; a run that needs more than one node is refused here: this is one node."""
-    if configuration is None:
-        if device == "cpu" and world_size > MAX_CPU_RANKS:
-            raise TaasUsageError(f"--gpus {world_size} is too many CPU ranks for one machine: use 1-{MAX_CPU_RANKS}")
-        return world_size
-    per_node = configuration.gpus or configuration.cpus
-    if world_size <= per_node:
-        return world_size
+    if configuration is not None:
+        per_node = configuration.gpus or configuration.cpus
+        if world_size > per_node:
+            _refuse_nodes(world_size, configuration, per_node, max_nodes)
+    if device == "cpu" and world_size > MAX_CPU_RANKS:  # whatever the configuration says
+        raise TaasUsageError(f"--gpus {world_size} is too many CPU ranks for one machine: use 1-{MAX_CPU_RANKS}")
+    return world_size
+
+
+def _refuse_nodes(world_size: int, configuration: Configuration, per_node: int, max_nodes: int) -> NoReturn:
+    """More than one node's worth: a multi-node run (which needs a cluster) or a count that fits none."""
     node_counts = [n for n in (2, 4, 8, 16) if n <= max_nodes]
-    allowed = _one_of([f"1-{per_node}"] + [str(per_node * n) for n in node_counts])
-    unit = "GPUs" if configuration.gpus else "vCPUs"
+    allowed = _one_of([_from_one_to(per_node)] + [str(per_node * n) for n in node_counts])
+    unit = ("GPU" if configuration.gpus else "vCPU") + ("" if per_node == 1 else "s")
     if world_size % per_node or world_size // per_node not in node_counts:
         raise TaasUsageError(
             f"--gpus {world_size} does not fit {configuration.name} ({per_node} {unit} per node): use {allowed}"
         )
     raise TaasUsageError(
         f"--gpus {world_size} needs {world_size // per_node} nodes of {configuration.name}: multi-node runs "
-        f"need a cluster, and this machine is one node: use --gpus 1-{per_node}"
+        f"need a cluster, and this machine is one node: use --gpus {_from_one_to(per_node)}"
     )
+
+
+def _from_one_to(high: int) -> str:
+    """``1-8``, or ``1`` where one is all there is (never ``1-1``)."""
+    return "1" if high == 1 else f"1-{high}"
 
 
 def _one_of(choices: list[str]) -> str:
@@ -122,7 +131,7 @@ def _check_machine(world_size: int, device: str, machine: Machine) -> None:
     if world_size > machine.cuda_devices:
         raise TaasUsageError(
             f"--gpus {world_size} needs {world_size} CUDA devices, this machine has {machine.cuda_devices}: "
-            f"use --gpus 1-{machine.cuda_devices}, or --device cpu"
+            f"use --gpus {_from_one_to(machine.cuda_devices)}, or --device cpu"
         )
 
 
