@@ -282,13 +282,19 @@ class SupervisedRanks:
 
     def close(self) -> None:
         """Ask the supervisor to end the run and wait until it has; kill it if it does not answer."""
+        self._close(polite=True)
+
+    def _close(self, polite: bool) -> None:
+        """``polite``: wait for the supervisor's word that the run is over; else just close the channel,
+        which it answers by ending everything, and make sure it is gone."""
         if self.closed:
             return
         self.closed = True
         interrupted = False
         try:
-            self.channel.send("close")
-            interrupted = self.started and self._wait_closed()
+            if polite:
+                self.channel.send("close")
+                interrupted = self.started and self._wait_closed()
         except ChannelBroken:
             pass
         finally:
@@ -347,5 +353,5 @@ class SupervisedRanks:
 
     def _lose(self, detail: str) -> NoReturn:
         """The run cannot be trusted any more: end it from here and say so."""
-        self.close()
+        self._close(polite=False)
         raise RunLost(self.on_lost(detail))

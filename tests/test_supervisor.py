@@ -1,0 +1,147 @@
+"""The run's supervisor and the kernel's view of it, without a kernel.
+
+The kernel side is driven against a hand-held channel end, to show what it does with each kind
+of message; the whole path (a supervisor forked from this process) is driven as the controller
+would drive it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch.distributed  # noqa: F401  (as in a kernel: ranks start with torch imported)
+
+from taas_magic import containment
+from taas_magic.backend import Exited, Output
+from taas_magic.channel import Channel, new_secret, socket_pair
+from taas_magic.fork import ForkBackend
+from taas_magic.supervisor import RunLost, SupervisedRanks
+from taas_magic.worker import RankTask
+
+
+@pytest.fixture
+def ends():
+    """The kernel's view, and the supervisor's channel end held by the test; ``sleep`` stands in for its process."""
+    kernel_sock, supervisor_sock = socket_pair()
+    secret = new_secret()
+    supervisor = Channel(supervisor_sock, secret, "run-x")
+    group = SupervisedRanks(Channel(kernel_sock, secret, "run-x"), None, [0, 1])
+    stand_in = psutil.Popen(["sleep", "60"])
+    group.stand_in_pid = stand_in.pid
+    yield group, supervisor
+    supervisor.close()
+    stand_in.kill()
+    stand_in.wait()
+    group.close()
+
+
+def test_the_kernel_learns_the_processes_of_the_run_when_it_starts(ends):
+    group, supervisor = ends
+    supervisor.send("started", group.stand_in_pid, 12345, [-1, 0, 1])
+    group.wait_started(5)
+    assert group.running() == {-1, 0, 1}, "producers count as running processes"
+    supervisor.send("events", [Output(0, "stdout", b"hi\n"), Exited(0, 0)])
+    assert group.events(1) == [Output(0, "stdout", b"hi\n"), Exited(0, 0)]
+    assert group.running() == {-1, 1}
+
+
+def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
+    group, supervisor = ends
+    supervisor.send("failed", "ModuleNotFoundError: No module named 'gone'")
+    with pytest.raises(Exception, match="could not be started: ModuleNotFoundError"):
+        group.wait_started(5)
+
+
+@pytest.mark.parametrize("message, expected", [
+    (("lost", "the process that started the run's supervisor died"), "supervisor died"),
+    (("closed", {0: 0}), "ended the run on its own"),
+    (("surprise",), "unexpected message 'surprise'"),
+])
+def test_a_run_the_supervisor_ended_or_garbled_is_lost_and_closed(ends, message, expected):
+    group, supervisor = ends
+    supervisor.send("started", group.stand_in_pid, 12345, [0, 1])
+    group.wait_started(5)
+    supervisor.send(*message)
+    with pytest.raises(RunLost, match=expected):
+        group.events(1)
+    assert group.closed and group.running() == set()
+
+
+def test_a_supervisor_that_vanishes_before_starting_is_lost(ends):
+    group, supervisor = ends
+    supervisor.close()
+    with pytest.raises(RunLost, match="closed the channel"):
+        group.wait_started(5)
+
+
+def test_close_waits_for_the_supervisor_to_say_everything_is_gone(ends):
+    group, supervisor = ends
+    supervisor.send("started", group.stand_in_pid, 12345, [0, 1])
+    group.wait_started(5)
+
+    def answer() -> None:
+        kind, _, _ = supervisor.receive()
+        assert kind == "close"
+        time.sleep(0.3)
+        supervisor.send("closed", {0: 0, 1: -9})
+
+    helper = threading.Thread(target=answer)
+    helper.start()
+    began = time.monotonic()
+    group.close()
+    helper.join()
+    assert time.monotonic() - began >= 0.3
+    assert group.codes == {0: 0, 1: -9}
+
+
+# -- the whole path --------------------------------------------------------------------------------
+def envs(ranks: int) -> dict[int, dict[str, str]]:
+    shared = {"TAAS_RUN_ID": "taas-test", "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(ranks)}
+    return {rank: {**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(ranks)}
+
+
+def run_to_end(source: str, ranks: int = 2, seconds: float = 30) -> tuple[list, SupervisedRanks]:
+    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
+    group = ForkBackend().start(envs(ranks), task)
+    events = []
+    deadline = time.monotonic() + seconds
+    try:
+        while group.running() and time.monotonic() < deadline:
+            events += group.events(0.1)
+    finally:
+        group.close()
+    return events, group
+
+
+def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
+    fds_before = set(os.listdir("/proc/self/fd"))
+    events, group = run_to_end("import os\nprint('rank', os.environ['RANK'], os.environ['MASTER_PORT'])")
+    text = b"".join(e.data for e in events if isinstance(e, Output)).decode()
+    ports = {line.split()[2] for line in text.splitlines()}
+    assert len(ports) == 1 and ports != {"0"}, "the supervisor opened the store's port"
+    assert sorted(e.rank for e in events if isinstance(e, Exited)) == [0, 1]
+    assert containment.children() == [], "the supervisor was reaped"
+    assert set(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():
+    task = RankTask(code=compile("import time\nprint('up', flush=True)\ntime.sleep(60)", "<cell>", "exec"),
+                    device="cpu", threads=1)
+    group = ForkBackend().start(envs(2), task)
+    try:
+        ranks = psutil.Process(group.process.pid).children()
+        assert len(ranks) == 2
+        os.kill(group.process.pid, signal.SIGKILL)
+        with pytest.raises(RunLost):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                group.events(0.1)
+        _, alive = psutil.wait_procs(ranks, timeout=5)
+        assert alive == [], "ranks die with their supervisor (the lifeline)"
+    finally:
+        group.close()
