@@ -122,3 +122,13 @@ print("ACCELERATE", accelerator.num_processes, accelerator.process_index, accele
 """, timeout=60).ok()
     for rank in (0, 1):
         assert f"[rank {rank}] ACCELERATE 2 {rank} MULTI_CPU cpu" in result.stdout, result.stdout
+
+
+def test_the_base_seed_is_drawn_on_the_cpu_whatever_the_notebooks_default_device(kernel):
+    """With torch.set_default_device("cuda") in the kernel, a draw on the default device would start CUDA there."""
+    kernel.execute('torch.set_default_device("meta")').ok()  # on this machine: a device that cannot give a number
+    try:
+        result = kernel.execute("#pragma taas --gpus 2 --start fork\nprint('went')")
+    finally:
+        kernel.execute("torch.set_default_device(None)").ok()
+    assert result.ok().stdout.count("] went") == 2

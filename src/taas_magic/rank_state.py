@@ -48,7 +48,7 @@ def draw_base_seed() -> int:
     """One draw from the kernel's default torch generator: the run's base seed (advances the generator)."""
     import torch
 
-    return int(torch.empty((), dtype=torch.int64).random_().item())
+    return int(torch.empty((), dtype=torch.int64, device="cpu").random_().item())  # never the default device
 
 
 @dataclass(frozen=True)
