@@ -89,7 +89,7 @@ class TaasMagics(Magics):
         with self.transformer.disabled():
             source = self.shell.transform_cell(f"# %%taas {line}\n{cell}")
         filename = self.shell.compile.cache(source, self.shell.execution_count)
-        _show_header_as_written(filename, cell, self._raw_cell())
+        _show_header_as_written(filename, source, cell, self._raw_cell())
         tree = self.shell.transform_ast(ast.parse(source, filename))
         return tree, compile(tree, filename, "exec", dont_inherit=True)
 
@@ -186,12 +186,12 @@ class _ProgressDisplay:
             self.handle.update(data, raw=True)
 
 
-def _show_header_as_written(filename: str, cell: str, raw_cell: str) -> None:
-    """Put the user's `#!…` / `#pragma taas …` lines where the compiled source has `# %%taas …`.
+def _show_header_as_written(filename: str, source: str, cell: str, raw_cell: str) -> None:
+    """Let tracebacks quote the user's `#!…` / `#pragma taas …` lines where the source has `# %%taas …`.
 
     The transformer (pragma.py) replaced them before the magic ran; the raw cell comes from the
     history, and is used only if its body is this cell's (not, say, an older cell when the
-    history was not kept). Only what tracebacks quote changes, not the code that runs.
+    history was not kept). Only the lines tracebacks quote change, not the code that runs.
     """
     lines = (raw_cell if raw_cell.endswith("\n") else raw_cell + "\n").splitlines(keepends=True)
     first = next((i for i, text in enumerate(lines) if text.strip()), 0)
@@ -199,13 +199,10 @@ def _show_header_as_written(filename: str, cell: str, raw_cell: str) -> None:
     if header is None or header.options is None:
         return
     count = header.line_count
-    written = lines[first : first + count]
-    body = cell.splitlines(keepends=True)[count - 1 :]
-    entry = linecache.cache.get(filename)
-    if entry is None or lines[first + count :] != body:
+    if lines[first + count :] != cell.splitlines(keepends=True)[count - 1 :]:  # the cell starts with padding
         return
-    shown = written + list(entry[2][count:])
-    linecache.cache[filename] = (entry[0], entry[1], shown, entry[3])
+    shown = lines[first : first + count] + [line + "\n" for line in source.splitlines()][count:]
+    linecache.cache[filename] = (len(source), None, shown, filename)
 
 
 def _write_to_cell(stream: str, text: str) -> None:
