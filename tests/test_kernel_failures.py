@@ -235,7 +235,7 @@ if taas.rank() == 1:
 
 
 def test_error_values_carry_no_colour_codes(kernel):
-    failed = kernel.execute("#pragma taas --gpus 2\nraise ValueError('\\x1b[31mred\\x1b[0m alert')")
+    failed = kernel.execute("#pragma taas --gpus 1\nraise ValueError('\\x1b[31mred\\x1b[0m alert')")
     assert failed.error["evalue"] == "rank 0 failed: ValueError: red alert"
     interrupted = kernel.execute("#pragma taas --gpus 2\nimport time\ntime.sleep(30)", interrupt_after=1.5,
                                  timeout=30)
