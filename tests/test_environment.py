@@ -121,3 +121,11 @@ def test_kernel_environment_is_not_changed(loopback) -> None:
 def test_loopback_interface_is_a_loopback_name_or_none() -> None:
     name = loopback_interface()
     assert name is None or name.startswith("lo")
+
+
+def test_cpu_runs_tell_accelerate_to_use_the_cpu() -> None:
+    """Accelerate's Accelerator() joins a CPU run (MULTI_CPU on gloo) only when told to use the CPU."""
+    for env in rank_environments(launch(device="cpu"), RUN_ID, PORT, {}).values():
+        assert env["ACCELERATE_USE_CPU"] == "true"
+    for env in rank_environments(launch(device="cuda"), RUN_ID, PORT, {}).values():
+        assert "ACCELERATE_USE_CPU" not in env

@@ -194,3 +194,71 @@ def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     ours = [name for name in shm_after - shm_before if name.startswith(("torch_", "taas", "psm_", "pymp"))]
     assert ours == []
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_rank_that_left_early_with_sys_exit_0_is_named_when_its_peer_then_fails(kernel, start):
+    result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+import sys, time, torch, taas, torch.distributed as dist
+dist.init_process_group("gloo")
+if taas.rank() == 1:
+    sys.exit(0)
+time.sleep(0.5)
+dist.all_reduce(torch.ones(1))  # rank 1 is gone: this fails
+""", timeout=30)
+    assert result.error["evalue"].startswith("rank 0 failed: ")
+    assert "before rank 0 failed: rank 1 exited early with sys.exit(0)" in result.traceback
+
+
+def test_a_rank_that_left_early_is_named_when_the_others_time_out(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2 --timeout 2
+import sys, time, taas
+if taas.rank() == 1:
+    sys.exit()
+time.sleep(30)  # waiting for rank 1, which will never come
+""", timeout=30)
+    assert result.error["ename"] == "RunTimedOut"
+    assert "before the time ran out: rank 1 exited early with sys.exit()" in result.traceback
+
+
+def test_a_keyboard_interrupt_raised_by_the_cell_is_a_failure_with_its_traceback(kernel):
+    result = kernel.execute("""#pragma taas --gpus 2
+import taas
+def give_up():
+    raise KeyboardInterrupt("no more")
+if taas.rank() == 1:
+    give_up()
+""", timeout=30)
+    assert result.error["evalue"] == "rank 1 failed: KeyboardInterrupt: no more"
+    assert "rank 1's traceback:" in result.traceback
+    assert 'raise KeyboardInterrupt("no more")' in result.traceback and "give_up()" in result.traceback
+
+
+def test_error_values_carry_no_colour_codes(kernel):
+    failed = kernel.execute("#pragma taas --gpus 1\nraise ValueError('\\x1b[31mred\\x1b[0m alert')")
+    assert failed.error["evalue"] == "rank 0 failed: ValueError: red alert"
+    interrupted = kernel.execute("#pragma taas --gpus 2\nimport time\ntime.sleep(30)", interrupt_after=1.5,
+                                 timeout=30)
+    assert interrupted.error["ename"] == "RunInterrupted"
+    assert "\x1b" not in interrupted.error["evalue"]
+    assert interrupted.error["evalue"].startswith("KeyboardInterrupt: taas run interrupted; every rank stopped")
+    assert "\x1b[" in "".join(interrupted.error["traceback"]), "the lines the cell shows keep their colours"
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_tracebacks_quote_the_cell_header_as_written(kernel, start):
+    result = kernel.execute(f"#!g2.8\n#pragma taas --gpus 2 --start {start}\nraise ValueError('top')\n", timeout=30)
+    assert re.fullmatch(r"rank \d failed: ValueError: top", result.error["evalue"])
+    tb = result.traceback
+    assert re.search(r"1 #!g2\.8\n +2 #pragma taas --gpus 2 --start " + start + r"\n-+> 3 raise ValueError", tb), tb
+    assert "%%taas" not in tb
+
+
+@pytest.mark.parametrize("call", ["torch.ones(2).cuda()", "torch.zeros(1, device='cuda')"])
+def test_cuda_on_a_cpu_run_fails_with_a_hint_to_use_taas_device(kernel, call):
+    result = kernel.execute(f"#pragma taas --gpus 1 --device cpu\nimport torch\nx = {call}\n", timeout=30)
+    assert result.error["ename"] == "RankFailed"
+    assert "this run is on CPU (--device cpu), so CUDA is not available in its ranks: taas.device()" \
+        in result.traceback
+    other = kernel.execute("#pragma taas --gpus 1 --device cpu\nraise RuntimeError('not about CUDA')")
+    assert "taas.device()" not in other.traceback

@@ -11,6 +11,7 @@ after 6 s. Interrupting again skips to the next step.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,13 +30,14 @@ ON_INTERRUPT = ((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKIL
 STACK_SECONDS = 2.0
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class RunInterrupted(KeyboardInterrupt):
     """The cell was interrupted; every rank has been stopped."""
 
     def __init__(self, lines: list[str]):
-        super().__init__(lines[0] if lines else "")
+        super().__init__(plain(lines[0]) if lines else "")  # the error's evalue: stored and shown as text
         self.lines = lines
 
     def _render_traceback_(self) -> list[str]:
@@ -70,6 +72,7 @@ class Failure:
     summary: str  # one line: "ValueError: boom" or "killed by signal SIGSEGV"
     details: list[str]  # traceback lines, or the last stderr lines of a crash
     where: str = ""  # what the process was doing: "at element 5 of pass 0 (samples …)"
+    hint: str = ""  # advice for a mistake the rank recognized: "this run is on CPU …"
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ class _Watch:
                     continue  # we interrupted it
                 summary = f"{record.get('ename', 'Error')}: {record.get('evalue', '')}".rstrip(": ")
                 failures.append(Failure(rank, record.get("time", when), summary, record.get("traceback", []),
-                                        record.get("where", "")))
+                                        record.get("where", ""), record.get("hint", "")))
             elif code != 0 and rank not in self.stopped:
                 failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
         return sorted(failures, key=lambda f: f.time)
@@ -244,17 +247,35 @@ class _Watch:
         who = self._name(root.rank)
         message = f"{who} failed{' ' + root.where if root.where else ''}: {root.summary}"
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+        ended = self._ended_before(root.time)
+        if ended:
+            lines.append(f"{BOLD}before {who} failed: {ended}{RESET}")
         if root.details:
             lines += [f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else
                       f"{BOLD}last lines {who} wrote to stderr:{RESET}"]
             lines += root.details
+        if root.hint:
+            lines.append(f"{BOLD}taas: {root.hint}{RESET}")
         others = [f"{self._name(f.rank)} ({f.summary})" for f in failures[1:]]
         stopped = sorted(self.stopped - {f.rank for f in failures})
         if others:
             lines.append(f"also failed, after {who}: " + "; ".join(others))
         if stopped:
             lines.append(f"stopped by taas after the failure: {self._names(stopped)}")
-        return message, lines
+        return plain(message), lines
+
+    def _ended_before(self, moment: float) -> str:
+        """Ranks whose cell ended without error before ``moment``: often why the others failed or hung.
+
+        A rank that called sys.exit(0) ended as if it succeeded, but left its peers' collectives.
+        """
+        ranks_by_end: dict[str, list[int]] = {}
+        for rank, record in sorted(self.records.items()):
+            if rank >= 0 and record.get("status") == "ok" and record.get("time", moment) < moment:
+                exited = record.get("exited")
+                ranks_by_end.setdefault(f"exited early with {exited}" if exited else "had finished the cell",
+                                        []).append(rank)
+        return "; ".join(f"{_ranks(ranks)} {how}" for how, ranks in ranks_by_end.items())
 
     def _name(self, key: int) -> str:
         return self.labels.get(key, f"rank {key}")
@@ -269,6 +290,9 @@ class _Watch:
         late = sorted(self.timed_out, key=lambda key: (key < 0, abs(key)))
         message = f"--timeout {self.spec.timeout:g} s elapsed: {self._names(late)} still running, now stopped"
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+        ended = self._ended_before(float("inf"))
+        if ended:
+            lines.append(f"{BOLD}before the time ran out: {ended}{RESET}")
         for rank in late:
             lines.append(f"{BOLD}{self._name(rank)} was here when the time ran out:{RESET}")
             lines += user_stack(self.timed_out[rank], self.cell_names) or ["(no stack received)"]
@@ -329,11 +353,16 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code} before the cell finished"
 
 
+def plain(text: str) -> str:
+    """Text without terminal colours: for an error's one-line value, which Jupyter stores as is."""
+    return ANSI.sub("", text)
+
+
 def _describe_stop(code: int, record: dict | None) -> str:
     if record and record.get("status") == "interrupted":
         return "KeyboardInterrupt"
     if record and record.get("status") == "ok":
-        return "had finished"
+        return f"had exited with {record['exited']}" if record.get("exited") else "had finished"
     return _describe_exit(code) if code else "exited"
 
 

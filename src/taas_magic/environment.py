@@ -61,6 +61,7 @@ def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Map
     }
     if spec.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # code that asks torch.cuda.is_available() picks the CPU
+        env["ACCELERATE_USE_CPU"] = "true"  # Accelerate's Accelerator() then joins the run on gloo (MULTI_CPU)
     interface = loopback_interface()
     if spec.nodes == 1 and interface:
         # Keep gloo and NCCL's bootstrap on loopback for a one-node run, unless the user chose.

@@ -19,7 +19,8 @@ from .delivery import planning
 from .delivery.service import producer_labels
 from .errors import TaasUsageError
 from .fork import ForkBackend
-from .pragma import PragmaTransformer
+from .pragma import PragmaTransformer, parse_header
+from .rank_state import draw_base_seed
 from .spawn import SpawnBackend, SpawnRequest
 from .spec import LaunchSpec, build, resolve_start
 from .worker import KernelContext, RankTask
@@ -57,7 +58,8 @@ class TaasMagics(Magics):
         _import_torch_once()
         loaders = self._loaders(spec, tree)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
-                        return_names=results.wanted(top_level_bindings(tree), spec.return_names))
+                        return_names=results.wanted(top_level_bindings(tree), spec.return_names),
+                        seed=draw_base_seed())
         backend, task = self._choose_start(spec, tree, task)
         progress = _ProgressDisplay()
         try:
@@ -81,13 +83,20 @@ class TaasMagics(Magics):
     def _compile(self, line: str, cell: str) -> tuple[ast.Module, CodeType]:
         """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
 
-        Line 1 stands for the `%%taas` line, so line numbers in tracebacks are the cell's own.
+        Line 1 stands for the `%%taas` line, so line numbers in tracebacks are the cell's own; the
+        lines tracebacks quote show the cell's own header.
         """
         with self.transformer.disabled():
             source = self.shell.transform_cell(f"# %%taas {line}\n{cell}")
         filename = self.shell.compile.cache(source, self.shell.execution_count)
+        _show_header_as_written(filename, source, cell, self._raw_cell())
         tree = self.shell.transform_ast(ast.parse(source, filename))
         return tree, compile(tree, filename, "exec", dont_inherit=True)
+
+    def _raw_cell(self) -> str:
+        """The cell as the user typed it: IPython stores it in the history before running it."""
+        history = getattr(self.shell.history_manager, "input_hist_raw", None) or [""]
+        return history[-1]
 
     def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, object]:
         """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
@@ -175,6 +184,25 @@ class _ProgressDisplay:
             self.handle = display(data, raw=True, display_id=True)
         else:
             self.handle.update(data, raw=True)
+
+
+def _show_header_as_written(filename: str, source: str, cell: str, raw_cell: str) -> None:
+    """Let tracebacks quote the user's `#!…` / `#pragma taas …` lines where the source has `# %%taas …`.
+
+    The transformer (pragma.py) replaced them before the magic ran; the raw cell comes from the
+    history, and is used only if its body is this cell's (not, say, an older cell when the
+    history was not kept). Only the lines tracebacks quote change, not the code that runs.
+    """
+    lines = (raw_cell if raw_cell.endswith("\n") else raw_cell + "\n").splitlines(keepends=True)
+    first = next((i for i, text in enumerate(lines) if text.strip()), 0)
+    header = parse_header(lines[first:], lambda name: True)
+    if header is None or header.options is None:
+        return
+    count = header.line_count
+    if lines[first + count :] != cell.splitlines(keepends=True)[count - 1 :]:  # the cell starts with padding
+        return
+    shown = lines[first : first + count] + [line + "\n" for line in source.splitlines()][count:]
+    linecache.cache[filename] = (len(source), None, shown, filename)
 
 
 def _write_to_cell(stream: str, text: str) -> None:

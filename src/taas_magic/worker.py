@@ -28,43 +28,31 @@ from .child import (
     report,
     write_all,
 )
+from .rank_state import TorchSettings, seed_rank
 
 
 @dataclass(frozen=True)
 class KernelContext:
-    """The kernel's process state that spawned ranks must see as forked ones do."""
+    """The kernel's process state that spawned ranks must see as forked ones do.
+
+    The fork server takes on the environment, folder and ``sys.path`` (``apply``); torch's
+    settings are applied in each rank, so the server itself stays as it started.
+    """
 
     environ: dict[str, str]
     cwd: str
     sys_path: list[str]
-    random_states: tuple[Any, Any, Any]  # torch's CPU generator, `random`, numpy (None if not imported)
+    torch_settings: TorchSettings
 
     @classmethod
     def of_this_process(cls) -> "KernelContext":
-        import random
-
-        import torch
-
-        numpy = sys.modules.get("numpy")
-        states = (torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None)
-        return cls(dict(os.environ), os.getcwd(), list(sys.path), states)
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), TorchSettings.of_this_process())
 
     def apply(self) -> None:
-        import random
-
-        import torch
-
         os.environ.clear()
         os.environ.update(self.environ)
         os.chdir(self.cwd)
         sys.path[:] = self.sys_path
-        torch_state, random_state, numpy_state = self.random_states
-        torch.set_rng_state(torch_state)  # the same shuffles and draws as ranks forked from the kernel
-        random.setstate(random_state)
-        if numpy_state is not None:
-            import numpy
-
-            numpy.random.set_state(numpy_state)
 
 
 @dataclass(frozen=True)
@@ -79,7 +67,8 @@ class RankTask:
     source: str = ""  # the cell's code, for tracebacks where the kernel's line cache is not inherited
     cell_label: str = ""  # "Cell In[5]": how tracebacks name the cell
     loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
-    context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder and sys.path
+    context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
+    seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
 
     def run(self, env: dict[str, str], fds: "RankFds") -> int:
         return run_rank(self, env, fds)
@@ -89,11 +78,16 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``."""
     shell = become_child(fds, env)
     namespace = _namespace(task, shell)
+    _exit_ends_the_rank(namespace)
+    if task.context is not None:
+        task.context.torch_settings.apply()  # forked ranks inherited them
     _bind_device(task, int(env["LOCAL_RANK"]), namespace)
     rank = int(env["RANK"])
     storage.guard_torch_save(rank, lambda record: report(fds.report, record), namespace)
     for plan in task.loaders:
         namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
+    if task.seed is not None:
+        seed_rank(task.seed, rank, task.device)
     try:
         return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
     finally:
@@ -125,6 +119,22 @@ def _standalone_shell(namespace: dict[str, Any]) -> None:
     config.HistoryManager.enabled = False  # no history database for a rank
     shell = InteractiveShell.instance(config=config, user_ns=namespace)
     shell.display_pub.publish = print_display_data
+
+
+def _exit_ends_the_rank(namespace: dict[str, Any]) -> None:
+    """`exit()` / `quit()` end the rank as `sys.exit()` does, `exit(3)` fails it as `sys.exit(3)` does.
+
+    IPython's own (the kernel's, or a spawned rank's shell's) would ask a shell to stop after the
+    cell. ``sys.exit`` itself replaces them: a builtin adds no frame to the traceback. A user's
+    own `exit` stays.
+    """
+    try:
+        from IPython.core.autocall import ExitAutocall
+    except ImportError:
+        return
+    for name in ("exit", "quit"):
+        if isinstance(namespace.get(name), ExitAutocall):
+            namespace[name] = sys.exit
 
 
 def _bind_device(task: RankTask, local_rank: int, namespace: dict[str, Any]) -> None:
@@ -161,15 +171,19 @@ def _serve_nccl_with_gloo(torch: Any, namespace: dict[str, Any]) -> None:
 
 
 def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool) -> int:
+    exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
         exec(task.code, namespace)
     except SystemExit as e:
         if e.code not in (None, 0):
             return _report_failure(fds.report, e, shell, task, f"the cell called sys.exit({e.code!r})")
+        exited = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
     except BaseException as e:
         return _report_failure(fds.report, e, shell, task)
+    ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
     skipped = _send_results(task.return_names, namespace, fds.results) if send_results else {}
-    report(fds.report, {"status": "ok", "skipped": skipped, "delivery": _delivery_summaries(task, namespace)})
+    record = {"status": "ok", "time": ended, "skipped": skipped, "delivery": _delivery_summaries(task, namespace)}
+    report(fds.report, record if exited is None else {**record, "exited": exited})
     return 0
 
 
@@ -202,10 +216,35 @@ def _report_failure(report_fd: int, error: BaseException, shell: Any, task: Rank
             "time": when,
             "ename": type(error).__name__,
             "evalue": summary or str(error),
-            "traceback": [] if interrupted else format_traceback(error, shell, task),
+            # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
+            "traceback": format_traceback(error, shell, task),
+            "hint": _hint(error, task),
         },
     )
     return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
+
+
+# What torch says when a CPU-only rank asks for CUDA (no driver, no device visible, a CPU-only build).
+_NO_CUDA = ("found no nvidia driver", "no cuda gpus are available", "torch not compiled with cuda enabled",
+            "no cuda-capable device is detected", "cuda driver initialization failed")
+
+
+def _hint(error: BaseException, task: RankTask) -> str:
+    """One line of advice for mistakes taas can recognize; empty otherwise."""
+    if task.device == "cpu" and any(phrase in str(e).lower() for e in _chain(error) for phrase in _NO_CUDA):
+        return ("this run is on CPU (--device cpu), so CUDA is not available in its ranks: "
+                "taas.device() gives each rank its device on CPU and CUDA runs alike")
+    return ""
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error and those it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain and len(chain) < 10:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def format_traceback(error: BaseException, shell: Any, task: RankTask | None = None) -> list[str]:

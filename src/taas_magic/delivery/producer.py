@@ -2,9 +2,10 @@
 
 Producer j of K takes the stream's elements whose number is j modulo K and builds each one
 with the loader's own dataset, sampler, collate_fn and worker processes, then sends it to the
-rank(s) it is for. Every producer computes the same pass orders: each starts from the same
-random state (they are forked from one process) and replays the sampler from it, pass after
-pass. Each sample is drawn under a seed made of the run's seed and its place in the stream,
+rank(s) it is for. Every producer computes the same pass orders: each seeds its random
+generators with the run's seed and replays the sampler from there, pass after pass, so the
+order is the same in every producer and on every run, whether forked from the kernel or from
+the fork server. Each sample is drawn under a seed made of the run's seed and its place in the stream,
 so random transforms give the same element whatever K is.
 
 Producers stay at most ``window`` rounds ahead of the slowest rank, which bounds memory and
@@ -47,6 +48,7 @@ class ProducerTask:
 
     def run(self, env: dict[str, str], fds: child.RankFds) -> int:
         shell = child.become_child(fds, env)
+        _seed_everything(self.seed)  # not the state of the process it was forked from: that changes per run
         try:
             self._produce(fds)
         except BaseException as error:
@@ -100,7 +102,7 @@ class ProducerTask:
         import torch
 
         sampler = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
-        state = torch.get_rng_state()  # the same in every producer: they were forked from one process
+        state = torch.get_rng_state()  # the same in every producer: seeded with the run's seed
         number = 0
         for pass_ in self.plan.passes():
             saved, _ = torch.get_rng_state(), torch.set_rng_state(state)
