@@ -139,10 +139,10 @@ class _StrictLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
-            mark = self.peek_event().start_mark
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # PyYAML is untyped here
             raise ComposerError(None, None, "aliases (*name) are not allowed", mark)
         if self.depth >= MAX_DEPTH:
-            mark = self.peek_event().start_mark
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # PyYAML is untyped here
             raise ComposerError(None, None, f"more than {MAX_DEPTH} levels of nesting", mark)
         self.depth += 1
         try:
@@ -240,6 +240,6 @@ def _stamp(path: str) -> tuple[int, ...] | None:
     return (found.st_mtime_ns, found.st_size, found.st_ino, found.st_dev)
 
 
-def _natural_key(name: str) -> tuple:
+def _natural_key(name: str) -> tuple[str, int, str]:
     family, _, size = name.partition(".")
     return (family, int(size) if size.isascii() and size.isdigit() and len(size) <= 18 else 0, size)

@@ -15,7 +15,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from .backend import Backend, Event, Exited, Output, RankGroup, Report, Result
 from .environment import rank_environments
@@ -121,9 +121,9 @@ class _Watch:
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
         self.labels = labels
         self.status = status
-        self.progress: dict[str, dict] = {}  # loader name -> its latest counters
+        self.progress: dict[str, dict[str, Any]] = {}  # loader name -> its latest counters
         self.started = time.monotonic()
-        self.records: dict[int, dict] = {}
+        self.records: dict[int, dict[str, Any]] = {}
         self.results = b""
         self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
         self.exits: dict[int, tuple[int, float]] = {}
@@ -194,7 +194,7 @@ class _Watch:
         return self._save_notices() + self._delivery_summaries()
 
     def _delivery_summaries(self) -> list[str]:
-        per_loader: dict[str, list[dict]] = {}
+        per_loader: dict[str, list[dict[str, Any]]] = {}
         for rank, record in sorted(self.records.items()):
             for name, summary in (record.get("delivery") or {}).items():
                 per_loader.setdefault(name, []).append(summary)
@@ -358,7 +358,7 @@ def plain(text: str) -> str:
     return ANSI.sub("", text)
 
 
-def _describe_stop(code: int, record: dict | None) -> str:
+def _describe_stop(code: int, record: dict[str, Any] | None) -> str:
     if record and record.get("status") == "interrupted":
         return "KeyboardInterrupt"
     if record and record.get("status") == "ok":

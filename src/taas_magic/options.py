@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
-from IPython.utils.process import arg_split
+from IPython.utils.process import arg_split  # type: ignore[attr-defined]  # re-exported by IPython
 
 from .errors import TaasUsageError
 
@@ -71,7 +71,7 @@ def names_or_none(text: str) -> tuple[str, ...]:
     return names
 
 
-def declare(func: Callable) -> Callable:
+def declare(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate the magic with its options (the outermost decorator is listed first in help)."""
     decorators = [
         magic_arguments.magic_arguments(),
@@ -132,9 +132,9 @@ def declare(func: Callable) -> Callable:
     return func
 
 
-def parse(magic: Callable, line: str) -> argparse.Namespace:
+def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
     """Parse a `%%taas` line; anything unknown is a one-line error naming it and the allowed options."""
-    parser = magic.parser
+    parser: argparse.ArgumentParser = getattr(magic, "parser")  # attached by @magic_arguments
     parser.allow_abbrev = False  # `--gp 2` is a typo to report, not a guess to make
     if len(line) > MAX_LINE:  # splitting a huge line (a {name} holding megabytes) takes too long
         raise TaasUsageError(
@@ -145,6 +145,7 @@ def parse(magic: Callable, line: str) -> argparse.Namespace:
     except ValueError as e:
         raise TaasUsageError(f"cannot split the options {_cut(line)!r}: {e}") from e
     try:
+        namespace: argparse.Namespace
         namespace, unknown = parser.parse_known_args(argv)
     except UsageError as e:  # argparse's own message: "argument --gpus: ..."
         raise TaasUsageError(str(e)) from None

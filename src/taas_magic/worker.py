@@ -118,7 +118,7 @@ def _standalone_shell(namespace: dict[str, Any]) -> None:
     config = Config()
     config.HistoryManager.enabled = False  # no history database for a rank
     shell = InteractiveShell.instance(config=config, user_ns=namespace)
-    shell.display_pub.publish = print_display_data
+    setattr(shell.display_pub, "publish", print_display_data)
 
 
 def _exit_ends_the_rank(namespace: dict[str, Any]) -> None:
@@ -154,7 +154,7 @@ def _serve_nccl_with_gloo(torch: Any, namespace: dict[str, Any]) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     original = c10d.init_process_group
-    noticed = []
+    noticed: list[bool] = []
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         if str(backend).lower() == "nccl":
@@ -267,6 +267,6 @@ def _standalone_formatter() -> Any:
     try:
         return AutoFormattedTB(mode="Context", theme_name="linux")
     except TypeError:  # IPython 8
-        return AutoFormattedTB(mode="Context", color_scheme="Linux")
+        return AutoFormattedTB(mode="Context", color_scheme="Linux")  # type: ignore[call-arg]
 
 
