@@ -112,11 +112,12 @@ class TaasMagics(Magics):
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
         skipped = dict(outcome.skipped)
-        if outcome.results:
-            try:
-                self.shell.user_ns.update(results.loads(outcome.results))
-            except Exception as e:
-                skipped["(all)"] = f"could not be unpickled in the kernel: {type(e).__name__}: {e}"
+        try:
+            values, lost = results.loads(outcome.results)
+        except Exception as e:  # the stream itself is damaged: no name can be read
+            values, lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
+        self.shell.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
+        skipped.update(lost)
         if skipped:
             listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
             print(f"taas: not copied back from rank 0: {listed}", file=sys.stderr)
