@@ -230,3 +230,22 @@ def consume():
         orders[start] = sorted(re.findall(r"\[rank \d\] ORDER (.*)", result.stdout))
     assert orders["fork"] == orders["spawn"], "the kernel's random state reaches spawned producers too"
     registered.execute("taas.unregister(shuffled)").ok()
+
+
+def test_a_rank_that_keeps_every_batch_does_not_run_out_of_descriptors(registered):
+    registered.execute("many = DataLoader(torch.arange(2400), batch_size=1)\ntaas.register(many)").ok()
+    result = registered.execute("""#pragma taas --gpus 2 --return none
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+before = len(os.listdir("/proc/self/fd"))
+kept = [batch for batch in many]
+mine = [int(b) for b in kept] == list(range(taas.rank(), 2400, 2))
+print("KEPT", len(kept), before, len(os.listdir("/proc/self/fd")), int(mine))
+""").ok()
+    kept = {int(m[1]): tuple(map(int, m.groups()[1:]))
+            for m in re.finditer(r"\[rank (\d)\] KEPT (\d+) (\d+) (\d+) (\d)", result.stdout)}
+    assert sorted(kept) == [0, 1], result.stdout + result.stderr
+    for count, before, after, mine in kept.values():
+        assert count == 1200 and mine == 1
+        assert before < 200 and after <= before + 4, "descriptors stay bounded whatever the rank keeps"
+    registered.execute("taas.unregister(many)").ok()

@@ -3,15 +3,16 @@
 The producer writes the element into an anonymous memory file — a small pickle whose tensors
 are references into the same file, then the tensors' bytes — and sends the file's descriptor
 over a SOCK_SEQPACKET socketpair. Each message is delivered whole, so several producers can
-share one rank's socket without a lock. The rank maps the file copy-on-write and its tensors
-view the mapping directly; when the last of them is gone, so is the memory. Nothing has a
-name, listens, or outlives the processes holding it.
+share one rank's socket without a lock. The rank maps the file copy-on-write (a small one it
+reads) and its tensors view that memory directly; when the last of them is gone, so is the
+memory. The rank closes the descriptor at once, so a rank that keeps every batch it received
+holds no more descriptors than one that keeps none. Nothing has a name, listens, or outlives
+the processes holding it.
 """
 
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import pickle
 import socket
@@ -63,7 +64,7 @@ def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> Non
         os.close(fd)
 
 
-_reading: tuple[mmap.mmap, int] | None = None
+_reading: tuple[Any, int] | None = None  # the element's memory and where its tensor data starts
 
 
 def receive(sock: socket.socket) -> tuple[int, int, Any]:
@@ -79,7 +80,7 @@ def receive(sock: socket.socket) -> tuple[int, int, Any]:
         os.close(fds[0])
     _reading = (memory, memfile.aligned(skeleton_length))
     try:
-        element = pickle.loads(memory[:skeleton_length])
+        element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
     finally:
         _reading = None
     return pass_number, index, element
