@@ -70,3 +70,21 @@ def test_elements_a_rank_keeps_hold_no_descriptors_small_or_large():
     finally:
         producers_end.close()
         rank_end.close()
+
+
+def test_what_waits_on_a_channel_is_discarded_without_blocking_or_keeping_descriptors():
+    producers_end, rank_end = transport.channel_pair()
+    try:
+        assert transport.discard_waiting(rank_end) == 0, "nothing waiting: returns at once"
+        for i in range(5):
+            transport.send(producers_end, 0, i, torch.ones(3))
+        fds_before = len(os.listdir("/proc/self/fd"))
+        assert transport.discard_waiting(rank_end) == 5
+        assert len(os.listdir("/proc/self/fd")) == fds_before
+        transport.send(producers_end, 0, 5, torch.ones(3))
+        assert transport.receive(rank_end)[1] == 5, "the channel still works"
+        producers_end.close()
+        assert transport.discard_waiting(rank_end) == 0, "a closed channel ends the discarding"
+    finally:
+        producers_end.close()
+        rank_end.close()

@@ -140,3 +140,16 @@ def test_every_name_that_cannot_come_back_is_named_in_one_line_and_the_others_co
     }
     assert kernel.value("(value, anonymous(4), big.shape[0], type(model).__name__)") == (42, 8, 4_000_000, "Linear")
     assert kernel.value("optimizer.param_groups[0]['params'][0] is model.weight") is True
+
+
+@pytest.mark.parametrize("halt", ["time.sleep(30)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_rank_stopped_in_the_middle_of_a_save_leaves_no_file_behind(kernel, tmp_path, halt):
+    result = kernel.execute(f"""#pragma taas --gpus 2 --timeout 2
+import os, signal, time, torch
+class Halts:
+    def __reduce__(self):
+        {halt}  # stopped by --timeout (SIGTERM), or killed
+torch.save({{"w": torch.ones(1000), "halts": Halts()}}, {str(tmp_path / "model.pt")!r})
+""")
+    assert result.error is not None
+    assert list(tmp_path.iterdir()) == []

@@ -22,6 +22,7 @@ from typing import Any
 from .. import memfile
 
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
+_FD = struct.Struct("i")  # a descriptor in SCM_RIGHTS data
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -84,6 +85,23 @@ def receive(sock: socket.socket) -> tuple[int, int, Any]:
     finally:
         _reading = None
     return pass_number, index, element
+
+
+def discard_waiting(sock: socket.socket) -> int:
+    """Throw away every element waiting on the rank's channel, unread; returns how many there were."""
+    count = 0
+    while True:
+        try:  # recvmsg itself: socket.recv_fds ignores its flags before Python 3.12
+            header, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(_FD.size), socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return count
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                for fd in _FD.iter_unpack(data[: len(data) - len(data) % _FD.size]):
+                    os.close(fd[0])
+        if not header:
+            return count
+        count += 1
 
 
 def _tensor_at(offset: int, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
