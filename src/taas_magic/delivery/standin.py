@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 from .counters import Counters
 from .plan import StreamPlan
-from .transport import discard_waiting, receive
+from .transport import discard_waiting, receive, receive_if_waiting
 
 
 class StandIn:
@@ -79,6 +79,15 @@ class StandIn:
         self._counters.passes_over[self._rank] = self._closed_pass + 1
         self._drop([key for key in self._early if key[0] <= self._closed_pass])
         self._open = None
+        self._take_in_waiting()
+
+    def _take_in_waiting(self) -> None:
+        """Receive what already waits, without waiting: what belongs to passes this rank left is dropped now."""
+        try:
+            while (arrived := receive_if_waiting(self._channel)) is not None:
+                self._keep(*arrived)
+        except EOFError:
+            pass  # every producer is done: nothing more will come
 
     def finish(self, report: Callable[[dict[str, Any]], object] | None = None) -> None:
         """The rank's cell has ended: producers send it nothing more, and what it holds is dropped.
@@ -120,6 +129,9 @@ class StandIn:
         self._waited += waited
         if self._first_wait is None:
             self._first_wait = waited
+        self._keep(pass_number, index, element)
+
+    def _keep(self, pass_number: int, index: int, element: Any) -> None:
         if pass_number > self._closed_pass:
             self._early.setdefault((pass_number, index), []).append(element)
         else:  # a late arrival of a pass this rank has left

@@ -70,38 +70,57 @@ _reading: tuple[Any, int] | None = None  # the element's memory and where its te
 
 def receive(sock: socket.socket) -> tuple[int, int, Any]:
     """The next element on the rank's channel: (pass number, index, element)."""
-    global _reading
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
-    if not header:
-        raise EOFError("every producer has closed this channel")
-    pass_number, index, skeleton_length = _HEADER.unpack(header)
+    return _element(*_next_message(sock, 0))
+
+
+def receive_if_waiting(sock: socket.socket) -> tuple[int, int, Any] | None:
+    """The next element if one is waiting already, else None."""
     try:
-        memory = memfile.map_private(fds[0])
-    finally:
-        os.close(fds[0])
-    _reading = (memory, memfile.aligned(skeleton_length))
-    try:
-        element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
-    finally:
-        _reading = None
-    return pass_number, index, element
+        message = _next_message(sock, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    return _element(*message)
 
 
 def discard_waiting(sock: socket.socket) -> int:
     """Throw away every element waiting on the rank's channel, unread; returns how many there were."""
     count = 0
     while True:
-        try:  # recvmsg itself: socket.recv_fds ignores its flags before Python 3.12
-            header, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(_FD.size), socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
+        try:
+            header, fds = _next_message(sock, socket.MSG_DONTWAIT)
+        except BlockingIOError:
             return count
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                for fd in _FD.iter_unpack(data[: len(data) - len(data) % _FD.size]):
-                    os.close(fd[0])
+        for fd in fds:
+            os.close(fd)
         if not header:
             return count
         count += 1
+
+
+def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
+    """One datagram and the descriptors it carries (recvmsg itself: recv_fds ignores flags before 3.12)."""
+    header, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(_FD.size), flags)
+    fds = [fd for level, kind, data in ancillary if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+           for (fd,) in _FD.iter_unpack(data[: len(data) - len(data) % _FD.size])]
+    return header, fds
+
+
+def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
+    global _reading
+    if not header:
+        raise EOFError("every producer has closed this channel")
+    pass_number, index, skeleton_length = _HEADER.unpack(header)
+    try:
+        memory = memfile.map_private(fds[0])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    _reading = (memory, memfile.aligned(skeleton_length))
+    try:
+        element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
+    finally:
+        _reading = None
+    return pass_number, index, element
 
 
 def _tensor_at(offset: int, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
