@@ -11,7 +11,7 @@ from types import CodeType
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import controller, machine, options, results, shipping
+from . import controller, machine, options, results, shipping, streams
 from .backend import Backend
 from .cell_names import top_level_bindings
 from .configurations import load_catalog
@@ -63,7 +63,7 @@ class TaasMagics(Magics):
         try:
             known = getattr(self.shell.compile, "_filename_map", {})  # IPython's file name -> cell number
             cell_names = {name: f"Cell In[{number}]" for name, number in known.items()}
-            outcome = controller.run(spec, task, backend, _write_to_cell, os.environ, cell_names,
+            outcome = controller.run(spec, task, backend, streams.write_to_cell, os.environ, cell_names,
                                      labels=producer_labels(loaders), status=progress.show)
         finally:
             if isinstance(task, SpawnRequest):
@@ -176,11 +176,6 @@ class _ProgressDisplay:
             self.handle = display(data, raw=True, display_id=True)
         else:
             self.handle.update(data, raw=True)
-
-
-def _write_to_cell(stream: str, text: str) -> None:
-    """Ranks' output goes where the running cell's own output goes."""
-    (sys.stdout if stream == "stdout" else sys.stderr).write(text)
 
 
 def _import_torch_once() -> None:
