@@ -41,7 +41,7 @@ def test_a_rank_that_leaves_a_pass_and_then_finishes_is_counted_exactly():
     try:
         for index in range(6):  # a producer ahead of the rank by 6 elements of pass 0
             transport.send(producers_end, 0, index, torch.tensor([index]))
-            counters.sent[0, 0] += 1
+            counters.count_sent(0, 0)
         stand_in = StandIn("steps", None, 0, plan, ranks_end, counters, fastest=False, device="cpu")
         for number, batch in enumerate(stand_in):
             if number == 2:
@@ -50,7 +50,7 @@ def test_a_rank_that_leaves_a_pass_and_then_finishes_is_counted_exactly():
         assert (now["taken"], now["skipped"], now["buffered"]) == ([3], [5], 0), "the 3 sent but not taken are dropped"
         for index in range(2):  # the start of pass 1
             transport.send(producers_end, 1, index, torch.tensor([index]))
-            counters.sent[0, 0] += 1
+            counters.count_sent(0, 0)
         assert counters.stats("steps")["buffered"] == 2
         reported = []
         stand_in.finish(reported.append)

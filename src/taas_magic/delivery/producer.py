@@ -79,7 +79,7 @@ class ProducerTask:
             for rank, _ in destinations:
                 if self.counters.wants(rank, pass_.number):  # not to a rank that left the pass or ended its cell
                     send(self.channels[rank], pass_.number, index, element)
-                    self.counters.sent[self.index, rank] += 1
+                    self.counters.count_sent(self.index, rank)
             self.counters.produced[self.index] += 1
 
     def wanted(self, pass_: Pass, index: int) -> bool:
