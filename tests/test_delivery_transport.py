@@ -50,3 +50,41 @@ def test_from_another_process_and_nothing_stays_open():
     assert len(os.listdir("/proc/self/fd")) == fds_before
     producers_end.close()
     rank_end.close()
+
+
+def test_elements_a_rank_keeps_hold_no_descriptors_small_or_large():
+    producers_end, rank_end = transport.channel_pair()
+    small = {"x": torch.arange(16), "y": "label"}
+    large = torch.arange(100_000, dtype=torch.float64)  # 800 KB: mapped, not read
+    try:
+        fds_before = len(os.listdir("/proc/self/fd"))
+        kept = []
+        for i in range(200):
+            transport.send(producers_end, 0, i, small if i % 2 else large)
+            kept.append(transport.receive(rank_end)[2])
+        assert len(os.listdir("/proc/self/fd")) == fds_before, "every kept element would hold one"
+        assert all(torch.equal(element["x"], small["x"]) for element in kept[1::2])
+        assert all(torch.equal(element, large) for element in kept[::2])
+        kept[0].zero_()
+        assert torch.equal(kept[2], large), "each mapping is private to its element"
+    finally:
+        producers_end.close()
+        rank_end.close()
+
+
+def test_what_waits_on_a_channel_is_discarded_without_blocking_or_keeping_descriptors():
+    producers_end, rank_end = transport.channel_pair()
+    try:
+        assert transport.discard_waiting(rank_end) == 0, "nothing waiting: returns at once"
+        for i in range(5):
+            transport.send(producers_end, 0, i, torch.ones(3))
+        fds_before = len(os.listdir("/proc/self/fd"))
+        assert transport.discard_waiting(rank_end) == 5
+        assert len(os.listdir("/proc/self/fd")) == fds_before
+        transport.send(producers_end, 0, 5, torch.ones(3))
+        assert transport.receive(rank_end)[1] == 5, "the channel still works"
+        producers_end.close()
+        assert transport.discard_waiting(rank_end) == 0, "a closed channel ends the discarding"
+    finally:
+        producers_end.close()
+        rank_end.close()

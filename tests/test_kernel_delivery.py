@@ -230,3 +230,86 @@ def consume():
         orders[start] = sorted(re.findall(r"\[rank \d\] ORDER (.*)", result.stdout))
     assert orders["fork"] == orders["spawn"], "the kernel's random state reaches spawned producers too"
     registered.execute("taas.unregister(shuffled)").ok()
+
+
+def test_a_rank_that_keeps_every_batch_does_not_run_out_of_descriptors(registered):
+    registered.execute("many = DataLoader(torch.arange(2400), batch_size=1)\ntaas.register(many)").ok()
+    result = registered.execute("""#pragma taas --gpus 2 --return none
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+before = len(os.listdir("/proc/self/fd"))
+kept = [batch for batch in many]
+mine = [int(b) for b in kept] == list(range(taas.rank(), 2400, 2))
+print("KEPT", len(kept), before, len(os.listdir("/proc/self/fd")), int(mine))
+""").ok()
+    kept = {int(m[1]): tuple(map(int, m.groups()[1:]))
+            for m in re.finditer(r"\[rank (\d)\] KEPT (\d+) (\d+) (\d+) (\d)", result.stdout)}
+    assert sorted(kept) == [0, 1], result.stdout + result.stderr
+    for count, before, after, mine in kept.values():
+        assert count == 1200 and mine == 1
+        assert before < 200 and after <= before + 4, "descriptors stay bounded whatever the rank keeps"
+    registered.execute("taas.unregister(many)").ok()
+
+
+def execute_watching_progress(kernel, code: str):
+    """Run a cell; also return every state its progress display showed, updates included."""
+    states = []
+    original = kernel.client.get_iopub_msg
+
+    def get_iopub_msg(*args, **kwargs):
+        msg = original(*args, **kwargs)
+        if msg["msg_type"] in ("display_data", "update_display_data"):
+            states.append(msg["content"]["data"].get("text/plain", ""))
+        return msg
+
+    kernel.client.get_iopub_msg = get_iopub_msg
+    try:
+        return kernel.execute(code), states
+    finally:
+        del kernel.client.get_iopub_msg
+
+
+PROGRESS = re.compile(r"taas: steps: (\d+) produced, (\d+) consumed \((\d+), (\d+) per rank\), (?:(\d+) skipped, )?"
+                      r"(\d+) buffered(?:; (.*) finished)?$")
+
+
+def progress(states: list[str]) -> list[tuple]:
+    found = [PROGRESS.match(state) for state in states]
+    assert all(found), states
+    return [(int(m[1]), int(m[2]), (int(m[3]), int(m[4])), int(m[5] or 0), int(m[6]), m[7]) for m in found]
+
+
+def test_the_progress_line_follows_a_rank_that_leaves_a_pass_early_to_the_end(registered):
+    registered.execute("steps = DataLoader(torch.arange(40), batch_size=2)\ntaas.register(steps)").ok()
+    result, states = execute_watching_progress(registered, """#pragma taas --gpus 2
+for i, batch in enumerate(steps):
+    if taas.rank() == 1 and i == 2:
+        break
+""")
+    result.ok()
+    produced, consumed, per_rank, skipped, buffered, finished = progress(states)[-1]
+    assert (consumed, per_rank, skipped, buffered, finished) == (13, (10, 3), 7, 0, "ranks 0, 1")
+    assert 13 <= produced <= 20
+    registered.execute("taas.unregister(steps)").ok()
+
+
+def test_the_progress_line_is_right_while_ranks_that_stopped_early_go_on_computing(registered):
+    registered.execute("steps = DataLoader(torch.arange(40), batch_size=2)\ntaas.register(steps)").ok()
+    result, states = execute_watching_progress(registered, """#pragma taas --gpus 2
+import time
+for i, batch in enumerate(steps):
+    if i == 2:
+        break
+time.sleep(1.5)
+""")
+    result.ok()
+    seen = progress(states)
+    assert all(consumed <= 6 for _, consumed, *_ in seen), "what a rank skipped is not counted as consumed"
+    computing = [state for state in seen if state[3] == 14 and state[5] is None]
+    assert computing, states
+    produced, consumed, per_rank, skipped, buffered, finished = computing[-1]
+    # The rest of pass 0 is skipped; pass 1 is built as far as the window allows (4 rounds of 2 ranks),
+    # and an element a producer was already sending as the ranks left pass 0 may still be counted.
+    assert (consumed, per_rank) == (6, (3, 3)) and buffered in (8, 9)
+    assert seen[-1][1:] == (6, (3, 3), 14, 0, "ranks 0, 1"), "at the end nothing is buffered for anyone"
+    registered.execute("taas.unregister(steps)").ok()

@@ -80,3 +80,76 @@ torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank
 def test_the_kernel_never_initializes_cuda_by_taking_results_back(kernel):
     kernel.execute("#pragma taas --gpus 2\nimport torch\nt = torch.ones(3)").ok()
     assert kernel.value("torch.cuda.is_initialized()") is False
+
+
+BAD_AND_GOOD = """
+import os, socket, sys, threading, torch
+sys.path.insert(0, {folder!r})
+from only_in_ranks import named, anonymous  # a module the kernel cannot import
+
+class RefusesWithSystemExit:
+    def __reduce__(self):
+        raise SystemExit("not today")
+class Endless:
+    def __reduce__(self):
+        return (Endless, (), Endless())
+def rebuild_in_a_rank_only():
+    if "RANK" not in os.environ:
+        raise RuntimeError("only a rank can rebuild this")
+class RankOnly:
+    def __reduce__(self):
+        return (rebuild_in_a_rank_only, ())
+def numbers():
+    yield 1
+
+lock = threading.Lock()
+generator = numbers()
+log = open(os.devnull, "w")
+sock = socket.socket()
+refuses = RefusesWithSystemExit()
+endless = Endless()
+rank_only = RankOnly()
+holder = {{"inside": rank_only}}
+model = torch.nn.Linear(3, 1)
+big = torch.ones(4_000_000)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+value = 42
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_every_name_that_cannot_come_back_is_named_in_one_line_and_the_others_come_back(kernel, tmp_path, start):
+    (tmp_path / "only_in_ranks.py").write_text("def named(x):\n    return x + 1\nanonymous = lambda x: x * 2\n")
+    result = kernel.execute(f"#pragma taas --gpus 2 --start {start}\n" + BAD_AND_GOOD.format(folder=str(tmp_path))).ok()
+    notices = result.stderr.splitlines()
+    assert len(notices) == 1 and notices[0].startswith("taas: not copied back from rank 0: "), result.stderr
+    parts = [part.partition(" (") for part in notices[0].removeprefix("taas: not copied back from rank 0: ").split("; ")]
+    reasons = {name: why.removesuffix(")") for name, _, why in parts}
+    assert reasons == {
+        "lock": "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)",
+        "generator": "generator cannot be pickled (TypeError: cannot pickle 'generator' object)",
+        "log": "TextIOWrapper cannot be pickled (PicklingError: Cannot pickle files that are not opened for "
+               "reading: w)",
+        "sock": "socket cannot be pickled (TypeError: cannot pickle 'socket' object)",
+        "refuses": "RefusesWithSystemExit cannot be pickled (SystemExit: not today)",
+        "endless": "Endless cannot be pickled (PicklingError: Could not pickle object as excessively deep recursion "
+                   "required.)",
+        "rank_only": "could not be unpickled in the kernel (RuntimeError: only a rank can rebuild this)",
+        "holder": "shares objects with rank_only, which could not be unpickled in the kernel",
+        "named": "could not be unpickled in the kernel (ModuleNotFoundError: No module named 'only_in_ranks')",
+    }
+    assert kernel.value("(value, anonymous(4), big.shape[0], type(model).__name__)") == (42, 8, 4_000_000, "Linear")
+    assert kernel.value("optimizer.param_groups[0]['params'][0] is model.weight") is True
+
+
+@pytest.mark.parametrize("halt", ["time.sleep(30)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_rank_stopped_in_the_middle_of_a_save_leaves_no_file_behind(kernel, tmp_path, halt):
+    result = kernel.execute(f"""#pragma taas --gpus 2 --timeout 2
+import os, signal, time, torch
+class Halts:
+    def __reduce__(self):
+        {halt}  # stopped by --timeout (SIGTERM), or killed
+torch.save({{"w": torch.ones(1000), "halts": Halts()}}, {str(tmp_path / "model.pt")!r})
+""")
+    assert result.error is not None
+    assert list(tmp_path.iterdir()) == []

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 
-from taas_magic.streams import PARTIAL_LINE_DELAY, TAIL_LINES, RankOutput
+from taas_magic.streams import (
+    PARTIAL_LINE_DELAY,
+    PARTIAL_LINE_MAX,
+    TAIL_LINE_MAX,
+    TAIL_LINES,
+    RankOutput,
+    write_to_cell,
+)
 
 T0 = 100.0
 LATER = T0 + PARTIAL_LINE_DELAY + 0.05  # a moment past the delay, clear of float rounding
@@ -197,3 +207,43 @@ def test_tail_keeps_only_the_last_lines(cell: Cell) -> None:
     tail = output.tail(0)
     assert len(tail) == TAIL_LINES
     assert tail[-2:] == [f"line {TAIL_LINES + 4}", "unfinished"]
+
+
+def test_a_line_that_never_ends_is_passed_on_in_bounded_pieces_labelled_once(cell: Cell) -> None:
+    output = RankOutput(cell, prefix=True)
+    for _ in range(40):
+        output.feed(0, "stdout", b"x" * 10_000, now=T0)  # 400 KB without a line break, no pause
+    assert cell.writes, "not held back until the rank pauses"
+    assert max(len(text) for _, text in cell.writes) <= PARTIAL_LINE_MAX + 10_000 + len("[rank 0] ")
+    output.feed(0, "stdout", b"\n", now=T0)
+    assert cell.text() == "[rank 0] " + "x" * 400_000 + "\n"
+
+
+def test_a_long_partial_line_still_keeps_a_trailing_carriage_return_for_its_line_feed(cell: Cell) -> None:
+    output = RankOutput(cell, prefix=True)
+    output.feed(0, "stdout", b"y" * (PARTIAL_LINE_MAX + 1) + b"\r", now=T0)
+    output.feed(0, "stdout", b"\nnext\n", now=T0)
+    assert cell.text() == "[rank 0] " + "y" * (PARTIAL_LINE_MAX + 1) + "\r\n[rank 0] next\n"
+
+
+def test_stderr_lines_kept_for_crash_reports_are_cut_short(cell: Cell) -> None:
+    output = RankOutput(cell, prefix=True)
+    for _ in range(50):
+        output.feed(1, "stderr", b"e" * 10_000, now=T0)
+    output.feed(1, "stderr", b"\nRuntimeError: boom\n", now=T0)
+    assert output.tail(1) == ["e" * TAIL_LINE_MAX, "RuntimeError: boom"]
+
+
+def test_writing_to_the_cell_skips_a_write_set_on_the_stream_object_and_flushes(monkeypatch) -> None:
+    class Stream(io.StringIO):
+        flushed = 0
+
+        def flush(self) -> None:
+            self.flushed += 1
+
+    stream, copies = Stream(), []
+    stream.write = copies.append  # what IPython 9 sets while a cell runs, to keep a copy of everything
+    monkeypatch.setattr(sys, "stdout", stream)
+    write_to_cell("stdout", "[rank 0] hello\n")
+    assert stream.getvalue() == "[rank 0] hello\n" and stream.flushed == 1
+    assert copies == []

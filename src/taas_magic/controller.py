@@ -176,8 +176,10 @@ class _Watch:
         if isinstance(event, Output):
             self.output.feed(event.rank, event.stream, event.data)
         elif isinstance(event, Report) and "stats" in event.record:
-            self.progress[event.record["stats"]] = event.record
-            self.status([_progress_line(name, stats) for name, stats in sorted(self.progress.items())])
+            record, latest = event.record, self.progress.get(event.record["stats"], {})
+            if record.get("at", 0.0) >= latest.get("at", 0.0):  # producers' and ranks' reports may cross
+                self.progress[record["stats"]] = record
+                self.status([_progress_line(name, stats) for name, stats in sorted(self.progress.items())])
         elif isinstance(event, Report) and event.record.get("notice") == "save-skipped":
             self.saves_skipped.setdefault(event.record.get("path", "?"), set()).add(event.rank)
         elif isinstance(event, Report):
@@ -332,11 +334,13 @@ def _only_producers(running: set[int]) -> bool:
 
 
 def _progress_line(name: str, stats: dict) -> str:
-    consumed = stats.get("consumed", [])
-    taken = sum(consumed)
-    buffered = max(0, stats.get("produced", 0) - taken)
-    return (f"taas: {name}: {stats.get('produced', 0)} produced, {taken} consumed "
-            f"({', '.join(map(str, consumed))} per rank), {buffered} buffered")
+    """One loader's delivery now: built, taken per rank, skipped by ranks that stopped early, waiting."""
+    taken = stats.get("taken", [])
+    skipped = sum(stats.get("skipped", []))
+    finished = [rank for rank, done in enumerate(stats.get("done", [])) if done]
+    return (f"taas: {name}: {stats.get('produced', 0)} produced, {sum(taken)} consumed "
+            f"({', '.join(map(str, taken))} per rank), " + (f"{skipped} skipped, " if skipped else "")
+            + f"{stats.get('buffered', 0)} buffered" + (f"; {_ranks(finished)} finished" if finished else ""))
 
 
 def _is_traceback(failure: Failure) -> bool:

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable
 
-from . import channel, child, containment, worker
+from . import channel, child, containment, tempfiles, worker
 from .backend import Event, Exited, Output, Report, Result
 from .delivery.service import DataService
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
@@ -248,6 +248,8 @@ class ForkedRanks:
         self._signal_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
         _, status = os.waitpid(state.pid, 0)
         state.returncode = os.waitstatus_to_exitcode(status)
+        if state.returncode != 0:
+            tempfiles.remove_folders_of(state.pid)  # a killed process could not remove its own
         if state.pidfd is not None:
             self._selector.unregister(state.pidfd)
             os.close(state.pidfd)
@@ -328,6 +330,7 @@ class ForkedRanks:
                     self._signal(state, signal.SIGKILL)
                     _, status = os.waitpid(state.pid, 0)
                     state.returncode = os.waitstatus_to_exitcode(status)
+                    tempfiles.remove_folders_of(state.pid)
                 except ChildProcessError:
                     state.returncode = -signal.SIGKILL
                 except KeyboardInterrupt:

@@ -11,7 +11,7 @@ from types import CodeType
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import controller, machine, options, results, shipping
+from . import controller, machine, options, results, shipping, streams
 from .backend import Backend
 from .cell_names import top_level_bindings
 from .configurations import load_catalog
@@ -65,7 +65,7 @@ class TaasMagics(Magics):
         try:
             known = getattr(self.shell.compile, "_filename_map", {})  # IPython's file name -> cell number
             cell_names = {name: f"Cell In[{number}]" for name, number in known.items()}
-            outcome = controller.run(spec, task, backend, _write_to_cell, os.environ, cell_names,
+            outcome = controller.run(spec, task, backend, streams.write_to_cell, os.environ, cell_names,
                                      labels=producer_labels(loaders), status=progress.show)
         finally:
             if isinstance(task, SpawnRequest):
@@ -121,11 +121,12 @@ class TaasMagics(Magics):
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
         skipped = dict(outcome.skipped)
-        if outcome.results:
-            try:
-                self.shell.user_ns.update(results.loads(outcome.results))
-            except Exception as e:
-                skipped["(all)"] = f"could not be unpickled in the kernel: {type(e).__name__}: {e}"
+        try:
+            values, lost = results.loads(outcome.results)
+        except Exception as e:  # the stream itself is damaged: no name can be read
+            values, lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
+        self.shell.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
+        skipped.update(lost)
         if skipped:
             listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
             print(f"taas: not copied back from rank 0: {listed}", file=sys.stderr)
@@ -203,11 +204,6 @@ def _show_header_as_written(filename: str, source: str, cell: str, raw_cell: str
         return
     shown = lines[first : first + count] + [line + "\n" for line in source.splitlines()][count:]
     linecache.cache[filename] = (len(source), None, shown, filename)
-
-
-def _write_to_cell(stream: str, text: str) -> None:
-    """Ranks' output goes where the running cell's own output goes."""
-    (sys.stdout if stream == "stdout" else sys.stderr).write(text)
 
 
 def _import_torch_once() -> None:

@@ -3,7 +3,8 @@
 Both ways tensor data leaves a process without going through a pipe use this: the names a
 spawned cell needs (``shipping.py``) and each element of a registered loader (``delivery``).
 A pickle carries only where each tensor lies in the file; the receiver maps the file
-copy-on-write and its tensors view that mapping, so nothing is copied on its side.
+copy-on-write (or, for a small file, reads it) and its tensors view that memory, which holds
+no file descriptor.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 from typing import Any
 
 ALIGN = 64
+READ_BELOW = 64 * 1024  # bytes: smaller files are copied into memory rather than mapped
 
 
 def new_file(name: str, size: int) -> int:
@@ -51,19 +53,49 @@ def write_tensor(fd: int, tensor: Any, offset: int) -> None:
         written += os.pwrite(fd, data[written:], offset + written)
 
 
-def map_private(fd: int) -> mmap.mmap:
-    """The whole file, mapped copy-on-write: the receiver's changes stay its own."""
-    return mmap.mmap(fd, max(os.fstat(fd).st_size, 1), access=mmap.ACCESS_COPY)
+def map_private(fd: int) -> Any:
+    """The whole file as a flat uint8 tensor of the receiver's own: its changes stay its own.
+
+    Nothing stays open: the caller may close ``fd`` at once. Python's ``mmap`` would keep a
+    duplicate descriptor for as long as the mapping lives, so a rank that keeps a thousand
+    delivered batches would run out of descriptors. Small files are read into memory (cheaper
+    than a mapping, and no mapping to count against the process's limit); larger ones are
+    mapped copy-on-write through ``/proc/self/fd``, whose descriptor torch closes once mapped.
+    """
+    import torch
+
+    size = max(os.fstat(fd).st_size, 1)
+    if size <= READ_BELOW:
+        return _read_whole(fd, size)
+    try:
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", False, size)
+    except (RuntimeError, OSError):  # no /proc: a mapping that holds a descriptor of its own
+        return torch.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def tensor_view(memory: mmap.mmap, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> Any:
-    """A tensor over ``nbytes`` of ``memory`` at ``offset``, without copying."""
+def _read_whole(fd: int, size: int) -> Any:
+    import torch
+
+    memory = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(memory.numpy())
+    done = 0
+    while done < size:
+        read = os.preadv(fd, [view[done:]], done)
+        if not read:
+            break  # the file is shorter than it said: the rest stays as it was
+        done += read
+    return memory
+
+
+def tensor_view(memory: Any, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> Any:
+    """A tensor over ``nbytes`` of ``memory`` (from ``map_private``) at ``offset``, without copying."""
     import torch
 
     kind = getattr(torch, dtype)
     if not nbytes:
         return torch.empty(shape, dtype=kind)
-    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=offset).view(kind).view(shape)
+    return memory[offset : offset + nbytes].view(kind).view(shape)
 
 
 def dtype_name(tensor: Any) -> str:

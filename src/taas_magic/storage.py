@@ -1,8 +1,9 @@
 """Only rank 0 writes to the project folder, as in the original service.
 
 In other ranks ``torch.save`` to a file path is skipped (reported once per cell by the
-controller); in rank 0 it writes to a temporary file beside the target and renames it, so the
-file appears once, whole. Saving to a file object or buffer is left alone everywhere.
+controller); in rank 0 it writes to an unnamed file in the target's folder and links it into
+place, so the file appears once, whole, and a save cut short leaves nothing. Saving to a file
+object or buffer is left alone everywhere.
 """
 
 from __future__ import annotations
@@ -41,8 +42,58 @@ def guard_torch_save(rank: int, notify: Notify, namespace: dict[str, Any] | None
 
 
 def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwargs: Any) -> Any:
-    """Write through a temporary file in the same folder, then rename: readers never see half a file."""
-    temporary = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.taas-tmp")
+    """Write to a file without a name in the target's folder, then link it into place.
+
+    Readers never see half a file, and a rank stopped in the middle of a save, even by
+    SIGKILL, leaves nothing behind: a file opened with ``O_TMPFILE`` has no name until it is
+    linked, and the system frees it with the last descriptor. Where the folder's file system
+    has no ``O_TMPFILE``, a named temporary file is used and removed on every way out that
+    runs code.
+    """
+    fd = _unnamed_file(os.path.dirname(path) or ".")
+    if fd is None:
+        return _save_through_named_file(save, obj, path, *args, **kwargs)
+    try:
+        result = save(obj, f"/proc/self/fd/{fd}", *args, **kwargs)  # the save opens it by path, as any path
+        _link_into_place(fd, path)
+        return result
+    finally:
+        os.close(fd)
+
+
+def _unnamed_file(folder: str) -> int | None:
+    """A file without a name in ``folder``, or None where this system or file system has none."""
+    if not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    except OSError:  # not on this file system; a missing folder is then reported by the save itself
+        return None
+
+
+def _link_into_place(fd: int, path: str) -> None:
+    """Give the unnamed file ``fd`` the name ``path``, replacing what is there in one step."""
+    links = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            os.link(str(fd), path, src_dir_fd=links, follow_symlinks=True)  # linkat(AT_SYMLINK_FOLLOW)
+            return
+        except FileExistsError:
+            pass
+        # A link cannot replace a file: link under a temporary name, then rename over the target.
+        temporary = _temporary_name(path)
+        os.link(str(fd), temporary, src_dir_fd=links, follow_symlinks=True)
+        try:
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    finally:
+        os.close(links)
+
+
+def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+    temporary = _temporary_name(path)
     try:
         result = save(obj, temporary, *args, **kwargs)
         os.replace(temporary, path)
@@ -50,3 +101,7 @@ def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwar
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
+
+
+def _temporary_name(path: str) -> str:
+    return os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.taas-tmp")

@@ -4,19 +4,26 @@ Text is passed on as soon as a line ends; a partial line (a prompt, a `\\r` prog
 passed on once its rank has been quiet for a moment, so nothing waits for the run to end.
 Carriage returns survive, each overwritten line keeping its label, so a tqdm bar renders as
 one updating line in the notebook.
+
+Nothing here grows with the amount of output: a line that never ends is passed on in pieces,
+the stderr lines kept for crash reports are cut short, and ``write_to_cell`` hands each piece
+to the kernel's stream at once, without IPython keeping a copy (see there).
 """
 
 from __future__ import annotations
 
 import codecs
 import re
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 PARTIAL_LINE_DELAY = 0.1  # seconds a rank's unfinished line waits for more text
+PARTIAL_LINE_MAX = 64 * 1024  # characters of an unfinished line held back at most
 TAIL_LINES = 20  # recent stderr lines kept per rank for crash reports
+TAIL_LINE_MAX = 2000  # characters kept of each of those lines
 _BREAKS = re.compile(r"(\r\n|\n|\r)")
 
 
@@ -62,6 +69,8 @@ class RankOutput:
         source.pending += text
         source.last_data = time.monotonic() if now is None else now
         end = _complete_prefix_length(source.pending)
+        if len(source.pending) - end > PARTIAL_LINE_MAX:  # a line that does not end: pass it on in pieces
+            end = len(source.pending) - (1 if source.pending.endswith("\r") else 0)  # it may begin a \r\n
         if end:
             self._emit(source, stream, source.pending[:end])
             source.pending = source.pending[end:]
@@ -107,9 +116,9 @@ class RankOutput:
         # Chunks end anywhere, often mid-line: a line is kept whole once its line break arrives.
         lines = (self._tail_partial.pop(rank, "") + text).splitlines(keepends=True)
         if lines and lines[-1].splitlines() == [lines[-1]]:
-            self._tail_partial[rank] = lines.pop()
+            self._tail_partial[rank] = lines.pop()[:TAIL_LINE_MAX]
         for line in lines:
-            line = line.splitlines()[0]
+            line = line.splitlines()[0][:TAIL_LINE_MAX]
             if line.strip():
                 tail.append(line)
 
@@ -138,3 +147,20 @@ def _complete_prefix_length(text: str) -> int:
     """Length of the part of ``text`` that ends at a line break (a lone trailing ``\\r`` may be half of ``\\r\\n``)."""
     end = max(text.rfind("\n"), text.rfind("\r", 0, len(text) - 1))
     return end + 1
+
+
+def write_to_cell(stream: str, text: str) -> None:
+    """Ranks' output goes where the running cell's own output goes, and nothing of it stays behind.
+
+    Two things would keep it in the kernel's memory for good. IPython (9 and later) keeps a
+    copy of every string a cell writes to ``sys.stdout``/``sys.stderr``, for ``%notebook``,
+    through a ``write`` it sets on the stream object while the cell runs: rank output is
+    written through the stream's own ``write`` instead. And ipykernel gathers what is written
+    into one message per 0.2 s, so megabytes per second of output make messages of many
+    megabytes whose buffers the allocator keeps after they are freed: each piece is flushed
+    at once, so a message is never larger than one piece, and the cell's output keeps pace
+    with what the kernel can send.
+    """
+    target = sys.stdout if stream == "stdout" else sys.stderr
+    type(target).write(target, text)
+    target.flush()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
-from . import results, storage
+from . import results, storage, tempfiles
 from .cell_names import code_names
 from .child import (
     EXIT_FAILED,
@@ -77,6 +77,7 @@ class RankTask:
 def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``."""
     shell = become_child(fds, env)
+    tempfiles.name_multiprocessing_folders()
     namespace = _namespace(task, shell)
     _exit_ends_the_rank(namespace)
     if task.context is not None:
@@ -94,9 +95,10 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
         for plan in task.loaders:
             finish = getattr(namespace.get(plan.name), "finish", None)
             if finish is not None:
-                finish()
+                finish(lambda record: report(fds.report, record))
         flush_all()
         end_descendants()
+        tempfiles.remove_multiprocessing_folders()
 
 
 def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:

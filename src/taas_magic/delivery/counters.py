@@ -1,38 +1,64 @@
-"""Counters shared by a loader's producers and the ranks: progress, flow control, waiting time.
+"""Counters shared by a loader's producers and the ranks: flow control and the progress line.
 
 One anonymous shared mapping per loader, made before anything is forked, so every process of
 the run sees the same memory. Each counter has a single writer (a producer or a rank), so
-plain aligned 64-bit stores suffice: readers only need a recent value, never a lock.
+plain aligned 64-bit stores suffice: readers only need a recent value, never a lock. They are
+plain integers in a memoryview, not tensors, so that the thread that reports progress in a
+producer never holds a lock of torch's while the producer forks its DataLoader workers.
+
+Every element sent to a rank is, at any moment, either taken by the rank's cell, dropped by
+the rank (it belongs to a pass the rank left, or the rank's cell has ended), or still
+buffered (in the rank's socket or waiting for its turn): so ``buffered`` is exact, and a
+rank that stops early shows as skipped elements, not as consumed ones.
 """
 
 from __future__ import annotations
 
 import mmap
+import time
 from typing import Any
 
 
 class Counters:
     def __init__(self, producers: int, ranks: int):
-        import torch
-
         self.producers, self.ranks = producers, ranks
-        self._memory = mmap.mmap(-1, 8 * (producers + 4 * ranks))  # MAP_SHARED | MAP_ANONYMOUS
-        values = torch.frombuffer(self._memory, dtype=torch.int64)
-        values.zero_()
-        self.produced = values[:producers]  # elements built, per producer
-        self.consumed = values[producers : producers + ranks]  # elements taken, per rank
-        self.wait_ns = values[producers + ranks : producers + 2 * ranks]  # time spent waiting, per rank
-        self.first_ns = values[producers + 2 * ranks : producers + 3 * ranks]  # wait for the first element
-        self.done = values[producers + 3 * ranks :]  # 1 once a rank's cell has ended: wait for it no more
+        self._memory = mmap.mmap(-1, 8 * (producers * (1 + ranks) + 5 * ranks))  # MAP_SHARED | MAP_ANONYMOUS
+        values = memoryview(self._memory).cast("q")  # zeroed by the system
+        cuts = [producers, producers * ranks] + [ranks] * 5
+        fields, start = [], 0
+        for size in cuts:
+            fields.append(values[start : start + size])
+            start += size
+        self.produced = fields[0]  # elements built, per producer
+        self._sent = fields[1]  # elements sent, per producer and rank (producer-major)
+        self.position = fields[2]  # rounds of the stream each rank is past, skipped ones included
+        self.taken = fields[3]  # elements each rank's cell took
+        self.dropped = fields[4]  # elements a rank received, or held, and threw away
+        self.passes_over = fields[5]  # passes each rank has left or finished: none of them is sent any more
+        self.done = fields[6]  # 1 once a rank's cell has ended: send it nothing, wait for it no more
+
+    def count_sent(self, producer: int, rank: int) -> None:
+        self._sent[producer * self.ranks + rank] += 1
 
     def slowest_rank(self) -> int | float:
         """Rounds taken by the slowest rank still running (infinite when none is)."""
-        running = self.consumed[self.done == 0]
-        return int(running.min()) if running.numel() else float("inf")
+        return min((self.position[r] for r in range(self.ranks) if not self.done[r]), default=float("inf"))
 
     def is_done(self, rank: int) -> bool:
         return bool(self.done[rank])
 
+    def all_done(self) -> bool:
+        return all(self.done)
+
+    def wants(self, rank: int, pass_number: int) -> bool:
+        """Whether ``rank`` still reads elements of pass ``pass_number``."""
+        return not self.done[rank] and pass_number >= self.passes_over[rank]
+
     def stats(self, name: str) -> dict[str, Any]:
-        return {"stats": name, "produced": int(self.produced.sum()), "consumed": self.consumed.tolist(),
-                "wait_ns": self.wait_ns.tolist()}
+        """The progress of one loader now: what the producers built and what became of it in each rank."""
+        ranks = range(self.ranks)
+        sent = [sum(self._sent[p * self.ranks + r] for p in range(self.producers)) for r in ranks]
+        buffered = sum(max(0, sent[r] - self.taken[r] - self.dropped[r]) for r in ranks if not self.done[r])
+        return {"stats": name, "at": time.monotonic(), "produced": sum(self.produced),
+                "taken": self.taken.tolist(), "skipped": [self.position[r] - self.taken[r] for r in ranks],
+                "buffered": buffered, "done": self.done.tolist()}

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import collections
 import random
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .. import child, worker
+from .. import child, tempfiles, worker
 from .counters import Counters
 from .plan import Pass, StreamPlan
 from .transport import send
@@ -43,36 +45,48 @@ class ProducerTask:
     channels: list[socket.socket]  # producers' end of each rank's channel
     counters: Counters
     seed: int
-    reports_stats: bool
-    _last_stats: float = 0.0  # when producer 0 last reported the counters
+    reports_stats: bool  # producer 0 of each loader sends its counters for the progress line
 
     def run(self, env: dict[str, str], fds: child.RankFds) -> int:
         shell = child.become_child(fds, env)
         _seed_everything(self.seed)  # not the state of the process it was forked from: that changes per run
+        tempfiles.name_multiprocessing_folders()
+        # Stopped by taas (once the ranks are done, or after a failure): leave through the
+        # `finally` blocks, so that the DataLoader workers and their temporary folder go too.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        reports = threading.Lock()  # one line at a time on the report pipe
+        if self.reports_stats:
+            self._report_progress(fds, reports)
         try:
-            self._produce(fds)
+            self._produce()
+            self._wait_for_the_ranks()
         except BaseException as error:
             child.flush_all()
-            child.report(fds.report, self._failure(error, shell))
+            with reports:
+                child.report(fds.report, self._failure(error, shell))
             return child.EXIT_FAILED
         finally:
             child.end_descendants()
-        self._report_until_stopped(fds)
+            tempfiles.remove_multiprocessing_folders()
         return 0
 
     # -- producing --------------------------------------------------------------------------
-    def _produce(self, fds: child.RankFds) -> None:
+    def _produce(self) -> None:
         self.pending: collections.deque = collections.deque()  # keys handed to the fetcher, oldest first
         keys = self.pending
         for element in self._fetch(keys):
             pass_, index, _ = keys.popleft()
             destinations = self.plan.destinations(pass_, index)
-            self._wait_for_window(destinations[0][1], fds)
+            self._wait_for_window(destinations[0][1])
             for rank, _ in destinations:
-                if not self.counters.is_done(rank):  # a rank whose cell has ended reads nothing more
+                if self.counters.wants(rank, pass_.number):  # not to a rank that left the pass or ended its cell
                     send(self.channels[rank], pass_.number, index, element)
+                    self.counters.count_sent(self.index, rank)
             self.counters.produced[self.index] += 1
-            self._report_stats(fds)
+
+    def wanted(self, pass_: Pass, index: int) -> bool:
+        """Whether any rank element ``index`` of ``pass_`` is for still reads that pass."""
+        return any(self.counters.wants(rank, pass_.number) for rank, _ in self.plan.destinations(pass_, index))
 
     def _fetch(self, keys: collections.deque) -> Iterator[Any]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
@@ -113,25 +127,39 @@ class ProducerTask:
                     yield pass_, index, indices
             number += pass_.real
 
-    def _wait_for_window(self, round_: int, fds: child.RankFds) -> None:
+    def _wait_for_window(self, round_: int) -> None:
         pause = 0.0002
         while round_ >= self.counters.slowest_rank() + self.window:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
-            self._report_stats(fds)
 
-    def _report_stats(self, fds: child.RankFds, every: float = STATS_SECONDS) -> None:
-        """Producer 0 sends the loader's counters now and then: the controller's progress line."""
-        now = time.monotonic()
-        if self.reports_stats and now - self._last_stats >= every:
-            self._last_stats = now
-            child.report(fds.report, self.counters.stats(self.name))
+    def _wait_for_the_ranks(self) -> None:
+        """Done with the stream: producer 0 stays while ranks still consume, so the progress line lives on."""
+        while self.reports_stats and not self.counters.all_done():
+            time.sleep(0.05)
 
-    def _report_until_stopped(self, fds: child.RankFds) -> None:
-        """Done with the stream: keep the progress line alive until the ranks are done."""
-        while self.reports_stats:
-            self._report_stats(fds, every=0.0)
-            time.sleep(STATS_SECONDS)
+    def _report_progress(self, fds: child.RankFds, lock: threading.Lock) -> None:
+        """Send the loader's counters whenever they change, from a thread of its own.
+
+        The producer's own loop may wait seconds for a slow element; the line must not stand
+        still meanwhile while the ranks take, skip or finish.
+        """
+
+        def report_changes() -> None:
+            last = None
+            while True:
+                stats = self.counters.stats(self.name)
+                state = {key: value for key, value in stats.items() if key != "at"}
+                if state != last:
+                    try:
+                        with lock:
+                            child.report(fds.report, stats)
+                    except OSError:
+                        return  # nobody reads the reports any more
+                    last = state
+                time.sleep(STATS_SECONDS)
+
+        threading.Thread(target=report_changes, name="taas-progress", daemon=True).start()
 
     def _failure(self, error: BaseException, shell: Any) -> dict[str, Any]:
         where = ""
@@ -168,6 +196,10 @@ class _Keys:
 
     def __iter__(self) -> Iterator[Any]:
         for pass_, index, indices in self.producer.my_elements():
+            if self.producer.counters.all_done():
+                return  # every rank's cell has ended
+            if not self.producer.wanted(pass_, index):
+                continue  # every rank it is for has left this pass: do not even build it
             self.keys.append((pass_, index, indices))
             if self.batched:
                 yield [(pass_.number, index, sample) for sample in indices]

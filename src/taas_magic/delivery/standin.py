@@ -12,11 +12,11 @@ from __future__ import annotations
 import collections
 import socket
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .counters import Counters
 from .plan import StreamPlan
-from .transport import receive
+from .transport import discard_waiting, receive, receive_if_waiting
 
 
 class StandIn:
@@ -27,8 +27,9 @@ class StandIn:
         self._pin = device == "cuda" and bool(getattr(loader, "pin_memory", False))
         self._passes = plan.passes()
         self._early: dict[tuple[int, int], list[Any]] = {}
-        self._taken = 0  # rounds of the stream this rank is past (skipped ones included)
+        self._position = 0  # rounds of the stream this rank is past (skipped ones included)
         self._delivered = 0
+        self._dropped = 0  # elements received, or held, and thrown away
         self._waited = 0.0
         self._first_wait: float | None = None
         self._started: float | None = None
@@ -56,9 +57,10 @@ class StandIn:
         try:
             for index in order:
                 element = self._take(pass_.number, None if self._fastest else index, wanted)
-                self._taken += 1
+                self._position += 1
                 self._delivered += 1
-                self._counters.consumed[self._rank] = self._taken
+                self._counters.position[self._rank] = self._position
+                self._counters.taken[self._rank] = self._delivered
                 self._last = time.monotonic()
                 yield self._pinned(element)
                 if self._open is not pass_:
@@ -68,19 +70,43 @@ class StandIn:
                 self._abandon()
 
     def _abandon(self) -> None:
-        """End the open pass: what is left of it is skipped, so producers need not wait for it."""
+        """End the open pass: what is left of it is skipped, so producers need not wait for it or send it."""
         if self._open is None:
             return
-        self._taken = self._open.first_round + self._open.rounds(self._plan.world)
-        self._counters.consumed[self._rank] = self._taken
-        for key in [key for key in self._early if key[0] <= self._open.number]:
-            del self._early[key]
+        self._position = self._open.first_round + self._open.rounds(self._plan.world)
+        self._counters.position[self._rank] = self._position
         self._closed_pass = self._open.number
+        self._counters.passes_over[self._rank] = self._closed_pass + 1
+        self._drop([key for key in self._early if key[0] <= self._closed_pass])
         self._open = None
+        self._take_in_waiting()
 
-    def finish(self) -> None:
-        """The rank's cell has ended: producers send it nothing more."""
+    def _take_in_waiting(self) -> None:
+        """Receive what already waits, without waiting: what belongs to passes this rank left is dropped now."""
+        try:
+            while (arrived := receive_if_waiting(self._channel)) is not None:
+                self._keep(*arrived)
+        except EOFError:
+            pass  # every producer is done: nothing more will come
+
+    def finish(self, report: Callable[[dict[str, Any]], object] | None = None) -> None:
+        """The rank's cell has ended: producers send it nothing more, and what it holds is dropped.
+
+        ``report`` gets the loader's counters as they are now, so that the progress line ends
+        on the state the cell left, not on the producers' last look at it.
+        """
+        self._abandon()
         self._counters.done[self._rank] = 1
+        self._drop(list(self._early))
+        self._dropped += discard_waiting(self._channel)
+        self._counters.dropped[self._rank] = self._dropped
+        if report is not None:
+            report(self._counters.stats(self._name))
+
+    def _drop(self, keys: list[tuple[int, int]]) -> None:
+        for key in keys:
+            self._dropped += len(self._early.pop(key))
+        self._counters.dropped[self._rank] = self._dropped
 
     def _take(self, pass_number: int, index: int | None, wanted: collections.Counter) -> Any:
         """Element ``index`` of the pass, or (index None) any element of the rank's share that is here."""
@@ -103,9 +129,14 @@ class StandIn:
         self._waited += waited
         if self._first_wait is None:
             self._first_wait = waited
-        self._counters.wait_ns[self._rank] = int(self._waited * 1e9)
-        if pass_number > self._closed_pass:  # late arrivals of a skipped pass are dropped
+        self._keep(pass_number, index, element)
+
+    def _keep(self, pass_number: int, index: int, element: Any) -> None:
+        if pass_number > self._closed_pass:
             self._early.setdefault((pass_number, index), []).append(element)
+        else:  # a late arrival of a pass this rank has left
+            self._dropped += 1
+            self._counters.dropped[self._rank] = self._dropped
 
     def _pinned(self, element: Any) -> Any:
         if not self._pin:

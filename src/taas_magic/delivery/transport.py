@@ -3,15 +3,16 @@
 The producer writes the element into an anonymous memory file — a small pickle whose tensors
 are references into the same file, then the tensors' bytes — and sends the file's descriptor
 over a SOCK_SEQPACKET socketpair. Each message is delivered whole, so several producers can
-share one rank's socket without a lock. The rank maps the file copy-on-write and its tensors
-view the mapping directly; when the last of them is gone, so is the memory. Nothing has a
-name, listens, or outlives the processes holding it.
+share one rank's socket without a lock. The rank maps the file copy-on-write (a small one it
+reads) and its tensors view that memory directly; when the last of them is gone, so is the
+memory. The rank closes the descriptor at once, so a rank that keeps every batch it received
+holds no more descriptors than one that keeps none. Nothing has a name, listens, or outlives
+the processes holding it.
 """
 
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import pickle
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 from .. import memfile
 
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
+_FD = struct.Struct("i")  # a descriptor in SCM_RIGHTS data
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -63,23 +65,59 @@ def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> Non
         os.close(fd)
 
 
-_reading: tuple[mmap.mmap, int] | None = None
+_reading: tuple[Any, int] | None = None  # the element's memory and where its tensor data starts
 
 
 def receive(sock: socket.socket) -> tuple[int, int, Any]:
     """The next element on the rank's channel: (pass number, index, element)."""
+    return _element(*_next_message(sock, 0))
+
+
+def receive_if_waiting(sock: socket.socket) -> tuple[int, int, Any] | None:
+    """The next element if one is waiting already, else None."""
+    try:
+        message = _next_message(sock, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    return _element(*message)
+
+
+def discard_waiting(sock: socket.socket) -> int:
+    """Throw away every element waiting on the rank's channel, unread; returns how many there were."""
+    count = 0
+    while True:
+        try:
+            header, fds = _next_message(sock, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return count
+        for fd in fds:
+            os.close(fd)
+        if not header:
+            return count
+        count += 1
+
+
+def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
+    """One datagram and the descriptors it carries (recvmsg itself: recv_fds ignores flags before 3.12)."""
+    header, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(_FD.size), flags)
+    fds = [fd for level, kind, data in ancillary if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+           for (fd,) in _FD.iter_unpack(data[: len(data) - len(data) % _FD.size])]
+    return header, fds
+
+
+def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
     global _reading
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
     if not header:
         raise EOFError("every producer has closed this channel")
     pass_number, index, skeleton_length = _HEADER.unpack(header)
     try:
         memory = memfile.map_private(fds[0])
     finally:
-        os.close(fds[0])
+        for fd in fds:
+            os.close(fd)
     _reading = (memory, memfile.aligned(skeleton_length))
     try:
-        element = pickle.loads(memory[:skeleton_length])
+        element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
     finally:
         _reading = None
     return pass_number, index, element

@@ -1,0 +1,131 @@
+"""Rank 0's names as the kernel receives them: one bad name never costs the others, sharing is kept."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from taas_magic import results
+
+
+def round_trip(values: dict) -> tuple[dict, dict]:
+    """What the notebook gets: (names back, {name: why} for the rest, from either side)."""
+    data, skipped = results.dumps(values)
+    back, lost = results.loads(data)
+    assert not set(skipped) & set(lost)
+    return back, {**skipped, **lost}
+
+
+class RaisesOnReduce:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error
+
+
+class RaisesOnGetstate:
+    def __getstate__(self):
+        raise LookupError("no state today")
+
+
+class Endless:
+    """Each pickling makes a new one to pickle: the pickler recurses until it gives up."""
+
+    def __reduce__(self):
+        return (Endless, (), Endless())
+
+
+class UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("cannot even say why")
+
+
+def refuse_here(message: str):
+    raise ValueError(message)
+
+
+class UnpicklesNowhere:
+    """Pickles fine; unpickling raises, as a class only the rank can import would."""
+
+    def __reduce__(self):
+        return (refuse_here, ("not in this process",))
+
+
+def numbers():
+    yield 1
+
+
+@pytest.mark.parametrize("value, why", [
+    (RaisesOnReduce(ValueError("bad value")), "RaisesOnReduce cannot be pickled (ValueError: bad value)"),
+    (RaisesOnReduce(SystemExit(3)), "RaisesOnReduce cannot be pickled (SystemExit: 3)"),
+    (RaisesOnReduce(GeneratorExit()), "RaisesOnReduce cannot be pickled (GeneratorExit)"),
+    (RaisesOnReduce(MemoryError()), "RaisesOnReduce cannot be pickled (MemoryError)"),
+    (RaisesOnReduce(UnprintableError()), "RaisesOnReduce cannot be pickled (UnprintableError)"),
+    (RaisesOnGetstate(), "RaisesOnGetstate cannot be pickled (LookupError: no state today)"),
+    (Endless(), "Endless cannot be pickled (PicklingError: Could not pickle object as excessively deep recursion "
+                "required.)"),
+    (numbers(), "generator cannot be pickled (TypeError: cannot pickle 'generator' object)"),
+    (threading.Lock(), "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"),
+])
+def test_any_value_that_cannot_be_pickled_is_named_with_why_and_the_others_come_back(value, why):
+    back, left_out = round_trip({"before": [1, 2], "bad": value, "after": "kept"})
+    assert back == {"before": [1, 2], "after": "kept"}
+    assert left_out == {"bad": why}
+
+
+def test_open_files_and_sockets_are_named_and_the_others_come_back(tmp_path):
+    with open(tmp_path / "log.txt", "w") as log, socket.socket() as sock:
+        back, left_out = round_trip({"log": log, "sock": sock, "value": 42})
+    assert back == {"value": 42}
+    assert left_out["log"].startswith("TextIOWrapper cannot be pickled (")
+    assert left_out["sock"] == "socket cannot be pickled (TypeError: cannot pickle 'socket' object)"
+
+
+def test_a_name_that_cannot_be_unpickled_is_left_out_alone_and_what_shares_with_it_too():
+    shared = [1, 2]
+    broken = UnpicklesNowhere()
+    back, left_out = round_trip({
+        "first": {"shared": shared}, "bad": {"broken": broken}, "holder": [broken, "x"],
+        "later": [shared, 3], "plain": 7,
+    })
+    assert left_out == {
+        "bad": "could not be unpickled in the kernel (ValueError: not in this process)",
+        "holder": "shares objects with bad, which could not be unpickled in the kernel",
+    }
+    assert back == {"first": {"shared": [1, 2]}, "later": [[1, 2], 3], "plain": 7}
+    assert back["later"][0] is back["first"]["shared"], "objects shared across names are still shared"
+
+
+def test_a_model_and_its_optimizer_still_share_parameters_after_a_failure_between_them():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    back, left_out = round_trip({"model": model, "bad": UnpicklesNowhere(), "optimizer": optimizer})
+    assert list(left_out) == ["bad"]
+    assert back["optimizer"].param_groups[0]["params"][0] is back["model"].weight
+    assert torch.equal(back["model"].weight, model.weight)
+
+
+def test_huge_values_come_back_whole_beside_a_failing_one():
+    big = torch.arange(8_000_000, dtype=torch.float32)  # 32 MB
+    back, left_out = round_trip({"big": big, "bad": UnpicklesNowhere(), "blob": b"x" * 20_000_000})
+    assert list(left_out) == ["bad"]
+    assert torch.equal(back["big"], big)
+    assert back["blob"] == b"x" * 20_000_000
+
+
+def test_nothing_to_send_and_everything_left_out():
+    assert results.loads(b"") == ({}, {})
+    back, left_out = round_trip({"lock": threading.Lock()})
+    assert back == {} and list(left_out) == ["lock"]
+
+
+def test_names_that_only_reuse_strings_or_globals_of_a_failed_name_still_come_back():
+    broken = UnpicklesNowhere()
+    back, left_out = round_trip({"bad": {"not in this process": broken, "key": refuse_here},
+                                 "reuses": {"not in this process": 1, "key": refuse_here}})
+    assert list(left_out) == ["bad"]
+    assert back == {"reuses": {"not in this process": 1, "key": refuse_here}}
