@@ -333,7 +333,7 @@ def _only_producers(running: set[int]) -> bool:
     return bool(running) and all(key < 0 for key in running)
 
 
-def _progress_line(name: str, stats: dict) -> str:
+def _progress_line(name: str, stats: dict[str, Any]) -> str:
     """One loader's delivery now: built, taken per rank, skipped by ranks that stopped early, waiting."""
     taken = stats.get("taken", [])
     skipped = sum(stats.get("skipped", []))

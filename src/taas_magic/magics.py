@@ -8,15 +8,17 @@ import linecache
 import os
 import sys
 from types import CodeType
+from typing import Any
 
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from . import controller, machine, options, results, shipping, streams
+from . import aliases, controller, machine, options, results, shipping, streams
 from .backend import Backend
 from .cell_names import top_level_bindings
 from .configurations import load_catalog
 from .delivery import planning
-from .delivery.service import producer_labels
+from .delivery.service import LoaderPlan, producer_labels
 from .errors import TaasUsageError
 from .fork import ForkBackend
 from .pragma import PragmaTransformer, parse_header
@@ -30,8 +32,9 @@ from .worker import KernelContext, RankTask
 class TaasMagics(Magics):
     """Runs a cell as a distributed PyTorch job; see `%%taas?`."""
 
-    def __init__(self, shell, transformer: PragmaTransformer):
+    def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer):
         super().__init__(shell)
+        self.ipython = shell  # the same as Magics.shell, never None here
         self.transformer = transformer
         self.fork_backend = ForkBackend()
         self.spawn_backend = SpawnBackend()
@@ -59,26 +62,26 @@ class TaasMagics(Magics):
         loaders = self._loaders(spec, tree)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(top_level_bindings(tree), spec.return_names),
-                        seed=draw_base_seed())
-        backend, task = self._choose_start(spec, tree, task)
+                        seed=draw_base_seed(), aliases=aliases.find(self.ipython.user_ns))
+        backend, payload = self._choose_start(spec, tree, task)
         progress = _ProgressDisplay()
         try:
-            known = getattr(self.shell.compile, "_filename_map", {})  # IPython's file name -> cell number
+            known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
             cell_names = {name: f"Cell In[{number}]" for name, number in known.items()}
-            outcome = controller.run(spec, task, backend, streams.write_to_cell, os.environ, cell_names,
+            outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ, cell_names,
                                      labels=producer_labels(loaders), status=progress.show)
         finally:
-            if isinstance(task, SpawnRequest):
-                task.close()  # the shipped tensors' memory file
+            if isinstance(payload, SpawnRequest):
+                payload.close()  # the shipped tensors' memory file
         self._take_back(outcome)
 
-    def _loaders(self, spec: LaunchSpec, tree: ast.Module) -> tuple:
+    def _loaders(self, spec: LaunchSpec, tree: ast.Module) -> tuple[LoaderPlan, ...]:
         """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
-        names = planning.loaders_used(tree, self.shell.user_ns)
+        names = planning.loaders_used(tree, self.ipython.user_ns)
         if spec.data_options_given and not names:
             print("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
                   "(taas.register(loader) in an earlier cell)", file=sys.stderr)
-        return planning.plans(spec, names, self.shell.user_ns)
+        return planning.plans(spec, names, self.ipython.user_ns)
 
     def _compile(self, line: str, cell: str) -> tuple[ast.Module, CodeType]:
         """Compile the cell in the kernel, so a syntax error is reported before any rank starts.
@@ -87,18 +90,19 @@ class TaasMagics(Magics):
         lines tracebacks quote show the cell's own header.
         """
         with self.transformer.disabled():
-            source = self.shell.transform_cell(f"# %%taas {line}\n{cell}")
-        filename = self.shell.compile.cache(source, self.shell.execution_count)
+            source = self.ipython.transform_cell(f"# %%taas {line}\n{cell}")
+        filename = self.ipython.compile.cache(source, self.ipython.execution_count)
         _show_header_as_written(filename, source, cell, self._raw_cell())
-        tree = self.shell.transform_ast(ast.parse(source, filename))
+        tree = self.ipython.transform_ast(ast.parse(source, filename))
         return tree, compile(tree, filename, "exec", dont_inherit=True)
 
     def _raw_cell(self) -> str:
         """The cell as the user typed it: IPython stores it in the history before running it."""
-        history = getattr(self.shell.history_manager, "input_hist_raw", None) or [""]
-        return history[-1]
+        history = getattr(self.ipython.history_manager, "input_hist_raw", None) or [""]
+        return str(history[-1])
 
-    def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, object]:
+    def _choose_start(self, spec: LaunchSpec, tree: ast.Module,
+                      task: RankTask) -> tuple[Backend, RankTask | SpawnRequest]:
         """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
         can_fork = hasattr(os, "fork")
         # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
@@ -109,11 +113,11 @@ class TaasMagics(Magics):
             print(notice, file=sys.stderr)
         if start == "fork":
             return self.fork_backend, task
-        shipment = shipping.pack(self.shell.user_ns, shipping.needed_names(tree, self.shell.user_ns))
+        shipment = shipping.pack(self.ipython.user_ns, shipping.needed_names(tree, self.ipython.user_ns))
         rank_task = dataclasses.replace(
             task,
             source="".join(linecache.getlines(task.code.co_filename)),
-            cell_label=f"Cell In[{self.shell.execution_count}]",
+            cell_label=f"Cell In[{self.ipython.execution_count}]",
             context=KernelContext.of_this_process(),
         )
         return self.spawn_backend, SpawnRequest(rank_task, shipment)
@@ -125,7 +129,7 @@ class TaasMagics(Magics):
             values, lost = results.loads(outcome.results)
         except Exception as e:  # the stream itself is damaged: no name can be read
             values, lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
-        self.shell.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
+        self.ipython.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
         skipped.update(lost)
         if skipped:
             listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
@@ -175,7 +179,7 @@ class _ProgressDisplay:
     """Live progress lines of data delivery: one display area in the cell, updated in place."""
 
     def __init__(self) -> None:
-        self.handle = None
+        self.handle: Any = None  # IPython's DisplayHandle, once shown
 
     def show(self, lines: list[str]) -> None:
         from IPython.display import display

@@ -71,14 +71,14 @@ def map_private(fd: int) -> Any:
         storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", False, size)
     except (RuntimeError, OSError):  # no /proc: a mapping that holds a descriptor of its own
         return torch.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_COPY), dtype=torch.uint8)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]  # an UntypedStorage
 
 
 def _read_whole(fd: int, size: int) -> Any:
     import torch
 
     memory = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(memory.numpy())
+    view = memoryview(memory.numpy())  # type: ignore[arg-type]  # a NumPy array is a buffer
     done = 0
     while done < size:
         read = os.preadv(fd, [view[done:]], done)

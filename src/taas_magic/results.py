@@ -182,7 +182,7 @@ class _SharesLost(Exception):
         self.name = name
 
 
-class _Memo(dict):
+class _Memo(dict[int, Any]):
     """The unpickler's memo: a later name that reaches for a lost name's objects fails, naming it."""
 
     def __getitem__(self, index: int) -> Any:
@@ -200,8 +200,9 @@ def _load_each(stream: io.BytesIO, pieces: list[tuple[str, int]]) -> tuple[dict[
     its own objects at the same places as in rank 0, and one that shares objects with the
     failed name fails too instead of getting half-built ones.
     """
-    loader = pickle._Unpickler(stream)
-    loader.memo = memo = _Memo()
+    loader = pickle._Unpickler(stream)  # the pure-Python unpickler, whose memo is an attribute
+    memo = _Memo()
+    setattr(loader, "memo", memo)
     values: dict[str, Any] = {}
     lost: dict[str, str] = {}
     for name, start in pieces:

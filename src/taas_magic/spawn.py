@@ -63,6 +63,15 @@ class Agent:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def gone(self, within: float) -> bool:
+        """Whether the server has exited, or does within ``within`` seconds (its channel closes a moment
+        before the process is gone)."""
+        try:
+            self.process.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def describe_death(self) -> str:
         """How the server ended and the last it wrote, for error messages."""
         code = self.process.poll()
@@ -129,7 +138,7 @@ class SpawnBackend:
         try:
             return self._start(envs, request)
         except (AgentDied, RunLost):
-            if self._agent is not None and self._agent.alive():
+            if self._agent is not None and not self._agent.gone(within=1.0):
                 raise
             self.shutdown()
         return self._start(envs, request)

@@ -12,11 +12,14 @@ import os
 import sys
 from typing import Any, Callable
 
+from .aliases import rebind
+
 Notify = Callable[[dict[str, Any]], None]
 
 
-def guard_torch_save(rank: int, notify: Notify, namespace: dict[str, Any] | None) -> None:
-    """Replace ``torch.save`` in this rank (and names in ``namespace`` bound to it)."""
+def guard_torch_save(rank: int, notify: Notify, namespace: dict[str, Any],
+                     aliases: tuple[str, ...] | None = None) -> None:
+    """Replace ``torch.save`` in this rank, and names in ``namespace`` bound to it (among ``aliases``, if known)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
@@ -35,10 +38,8 @@ def guard_torch_save(rank: int, notify: Notify, namespace: dict[str, Any] | None
         return save_whole(original, obj, path, *args, **kwargs)
 
     save.__doc__ = original.__doc__
-    torch.save = save
-    for name, value in list((namespace or {}).items()):
-        if value is original:
-            namespace[name] = save
+    setattr(torch, "save", save)
+    rebind(namespace, aliases, original, save)
 
 
 def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwargs: Any) -> Any:

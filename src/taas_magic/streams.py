@@ -13,6 +13,7 @@ to the kernel's stream at once, without IPython keeping a copy (see there).
 from __future__ import annotations
 
 import codecs
+import functools
 import re
 import sys
 import time
@@ -51,7 +52,7 @@ class RankOutput:
 
     def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[int] | None = None,
                  labels: dict[int, str] | None = None):
-        self._targets = {name: _Target(lambda text, name=name: write(name, text)) for name in ("stdout", "stderr")}
+        self._targets = {name: _Target(functools.partial(write, name)) for name in ("stdout", "stderr")}
         self._prefix = prefix
         self._shown = None if shown is None else set(shown)
         self._sources: dict[tuple[int, str], _Source] = {}

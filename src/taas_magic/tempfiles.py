@@ -15,6 +15,7 @@ import glob
 import os
 import shutil
 import tempfile
+from typing import Any
 
 PREFIX = "pymp-taas-"
 
@@ -32,7 +33,7 @@ def name_multiprocessing_folders() -> None:
             # A child that ends normally still removes its own folder, as multiprocessing does.
             util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-100)
             config["tempdir"] = folder
-        return config["tempdir"]
+        return str(config["tempdir"])
 
     _config()["tempdir"] = None  # a folder the kernel made is the kernel's to remove
     util.get_temp_dir = get_temp_dir
@@ -50,7 +51,8 @@ def remove_folders_of(pid: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _config() -> dict:
+def _config() -> dict[str, Any]:
     from multiprocessing import process
 
-    return process.current_process()._config
+    config: dict[str, Any] = getattr(process.current_process(), "_config")  # multiprocessing's own settings
+    return config

@@ -16,6 +16,7 @@ from types import CodeType
 from typing import Any
 
 from . import results, storage, tempfiles
+from .aliases import rebind
 from .cell_names import code_names
 from .child import (
     EXIT_FAILED,
@@ -69,6 +70,7 @@ class RankTask:
     loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
     context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
     seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
+    aliases: tuple[str, ...] | None = None  # names bound to functions ranks replace; None: look in the rank
 
     def run(self, env: dict[str, str], fds: "RankFds") -> int:
         return run_rank(self, env, fds)
@@ -84,7 +86,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
         task.context.torch_settings.apply()  # forked ranks inherited them
     _bind_device(task, int(env["LOCAL_RANK"]), namespace)
     rank = int(env["RANK"])
-    storage.guard_torch_save(rank, lambda record: report(fds.report, record), namespace)
+    storage.guard_torch_save(rank, lambda record: report(fds.report, record), namespace, task.aliases)
     for plan in task.loaders:
         namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
     if task.seed is not None:
@@ -147,10 +149,10 @@ def _bind_device(task: RankTask, local_rank: int, namespace: dict[str, Any]) -> 
         torch.cuda.set_device(local_rank)
     else:
         torch.set_num_threads(task.threads)
-        _serve_nccl_with_gloo(torch, namespace)
+        _serve_nccl_with_gloo(namespace, task.aliases)
 
 
-def _serve_nccl_with_gloo(torch: Any, namespace: dict[str, Any]) -> None:
+def _serve_nccl_with_gloo(namespace: dict[str, Any], aliases: tuple[str, ...] | None) -> None:
     """On CPU a notebook written for GPUs runs unchanged: backend "nccl" is given to gloo."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -167,9 +169,7 @@ def _serve_nccl_with_gloo(torch: Any, namespace: dict[str, Any]) -> None:
         return original(backend, *args, **kwargs)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
-    for name, value in list(namespace.items()):
-        if value is original:
-            namespace[name] = init_process_group
+    rebind(namespace, aliases, original, init_process_group)
 
 
 def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool) -> int:

@@ -30,6 +30,7 @@ from .plan import Pass, StreamPlan
 from .transport import send
 
 STATS_SECONDS = 0.5
+Key = tuple[Pass, int, Any]  # (pass, element index, the sample indices it is built from)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class ProducerTask:
 
     # -- producing --------------------------------------------------------------------------
     def _produce(self) -> None:
-        self.pending: collections.deque = collections.deque()  # keys handed to the fetcher, oldest first
+        self.pending: collections.deque[Key] = collections.deque()  # keys handed to the fetcher, oldest first
         keys = self.pending
         for element in self._fetch(keys):
             pass_, index, _ = keys.popleft()
@@ -88,7 +89,7 @@ class ProducerTask:
         """Whether any rank element ``index`` of ``pass_`` is for still reads that pass."""
         return any(self.counters.wants(rank, pass_.number) for rank, _ in self.plan.destinations(pass_, index))
 
-    def _fetch(self, keys: collections.deque) -> Iterator[Any]:
+    def _fetch(self, keys: collections.deque[Key]) -> Iterator[Any]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
         from torch.utils.data import DataLoader
 
@@ -102,7 +103,8 @@ class ProducerTask:
         )
         if loader.num_workers:
             options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=True)
-        dataset = _Seeded(loader.dataset, self.seed)
+        dataset: Any = _Seeded(loader.dataset, self.seed)  # map-style: it has __getitem__, as DataLoader needs
+        fetcher: DataLoader[Any]
         if batched:
             fetcher = DataLoader(dataset, batch_sampler=mine, **options)
         else:
@@ -119,9 +121,11 @@ class ProducerTask:
         state = torch.get_rng_state()  # the same in every producer: seeded with the run's seed
         number = 0
         for pass_ in self.plan.passes():
-            saved, _ = torch.get_rng_state(), torch.set_rng_state(state)
+            saved = torch.get_rng_state()
+            torch.set_rng_state(state)
             order = list(itertools.islice(iter(sampler), pass_.real))
-            state, _ = torch.get_rng_state(), torch.set_rng_state(saved)
+            state = torch.get_rng_state()
+            torch.set_rng_state(saved)
             for index, indices in enumerate(order):
                 if (number + index) % self.count == self.index:
                     yield pass_, index, indices
@@ -189,7 +193,7 @@ def _past_taas(error: BaseException) -> BaseException:
 class _Keys:
     """The sampler the producer's own DataLoader iterates: this producer's elements, keyed."""
 
-    def __init__(self, producer: ProducerTask, keys: collections.deque, batched: bool):
+    def __init__(self, producer: ProducerTask, keys: collections.deque[Key], batched: bool):
         self.producer = producer
         self.keys = keys
         self.batched = batched

@@ -108,7 +108,7 @@ class StandIn:
             self._dropped += len(self._early.pop(key))
         self._counters.dropped[self._rank] = self._dropped
 
-    def _take(self, pass_number: int, index: int | None, wanted: collections.Counter) -> Any:
+    def _take(self, pass_number: int, index: int | None, wanted: collections.Counter[int]) -> Any:
         """Element ``index`` of the pass, or (index None) any element of the rank's share that is here."""
         if self._started is None:
             self._started = time.monotonic()

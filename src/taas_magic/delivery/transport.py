@@ -124,6 +124,8 @@ def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
 
 
 def _tensor_at(offset: int, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
+    if _reading is None:
+        raise RuntimeError("a delivered element's tensor can only be rebuilt while transport.receive reads it")
     memory, data_start = _reading
     tensor = memfile.tensor_view(memory, data_start + offset, nbytes, dtype, shape)
     return tensor.requires_grad_(True) if requires_grad else tensor
