@@ -125,6 +125,9 @@ def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
     ports = {line.split()[2] for line in text.splitlines() if line.startswith("rank ")}
     assert len(ports) == 1 and ports != {"0"}, "the supervisor opened the store's port"
     assert sorted(e.rank for e in events if isinstance(e, Exited)) == [0, 1]
+    deadline = time.monotonic() + 2
+    while containment.children() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the supervisor said the run was over and is exiting: it is reaped as it goes
     assert containment.children() == [], "the supervisor was reaped"
     assert set(os.listdir("/proc/self/fd")) == fds_before
 

@@ -174,11 +174,18 @@ def _look_like_a_script() -> None:
 
 
 _interactive_flags: tuple[str, ...] = ()
+_modules_seen = -1  # how many modules were loaded when the flags were last looked for
 
 
 def find_interactive_flags() -> None:
-    """In the process about to fork ranks: the Lightning modules that believe they run interactively."""
-    global _interactive_flags
+    """In the process about to fork ranks: the Lightning modules that believe they run interactively.
+
+    Looked for again only when modules were imported since: a kernel holds thousands.
+    """
+    global _interactive_flags, _modules_seen
+    if len(sys.modules) == _modules_seen:
+        return
+    _modules_seen = len(sys.modules)
     _interactive_flags = tuple(
         name for name, module in list(sys.modules.items())
         if name.partition(".")[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", False)

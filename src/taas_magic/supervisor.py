@@ -13,7 +13,8 @@ server) dies.
 
 Requests, kernel → supervisor: ("signal", signum, ranks | None), ("stacks", ranks, timeout),
 ("close",). Messages, supervisor → kernel: ("started", pid, port, process keys) or ("failed", text), then
-("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}) last;
+("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}) last,
+once every process of the run has exited or the kernel asked;
 ("lost", why) instead when the supervisor had to end the run on its own.
 """
 
@@ -23,6 +24,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterable, NoReturn
@@ -105,12 +107,15 @@ class _Supervisor:
             pass
 
     def _relay(self, group: Any) -> None:
-        """Pass the ranks' events out and the kernel's requests in, until the kernel says close."""
+        """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
+        every process of the run has exited (then the kernel need not ask: it learns at once)."""
         ranks = set(group.ranks)
         while True:
             events = group.events(PARENT_CHECK_SECONDS)
             if events:
                 self._send("events", events)
+            if not group.running():
+                return
             if os.getppid() != self.parent:
                 raise _Orphaned()
             containment.reap_strays({group.ranks[key].pid for key in ranks})
@@ -197,6 +202,16 @@ class SupervisorProcess:
             os.close(self.pidfd)
             self.pidfd = None
 
+    def let_go(self) -> None:
+        """The supervisor said the run is over and is exiting: let it, without waiting.
+
+        Its exit takes milliseconds (tearing down a copy of the kernel's memory) that nobody
+        needs to wait for; a kernel's child is reaped by a short-lived thread the moment it is gone.
+        """
+        self.close()
+        if self.is_child:
+            threading.Thread(target=_reap, args=(self.pid, 0), name="taas-reap", daemon=True).start()
+
 
 def _reap(pid: int, options: int) -> None:
     try:
@@ -221,6 +236,7 @@ class SupervisedRanks:
         self.codes: dict[int, int] = {}
         self.on_lost = on_lost or (lambda detail: detail)
         self.started = False
+        self.finished = False  # the supervisor said every process of the run is gone
         self.closed = False
 
     # -- starting -----------------------------------------------------------------------------
@@ -278,6 +294,8 @@ class SupervisedRanks:
                 if kind == "stacks":
                     return dict(fields[0])
                 self._take(kind, fields)
+                if self.finished:
+                    break
         return {}
 
     def close(self) -> None:
@@ -290,26 +308,32 @@ class SupervisedRanks:
         if self.closed:
             return
         self.closed = True
-        interrupted = False
+        interrupted, confirmed = False, self.finished
         try:
-            if polite:
-                self.channel.send("close")
-                interrupted = self.started and self._wait_closed()
+            if polite and not confirmed:
+                try:
+                    self.channel.send("close")
+                except ChannelBroken:
+                    pass  # it finished and went: what it said last may still be waiting to be read
+                if self.started:
+                    confirmed, interrupted = self._wait_closed()
         except ChannelBroken:
             pass
         finally:
             self.alive.clear()
             self.channel.close()
-            if self.process is not None:
+            if self.process is not None and confirmed:
+                self.process.let_go()
+            elif self.process is not None:
                 if not self.process.wait(2.0):
                     self.process.kill()
                 self.process.close()
         if interrupted:
             raise KeyboardInterrupt
 
-    def _wait_closed(self) -> bool:
-        """Until the supervisor says every process of the run is gone; True if interrupted meanwhile."""
-        interrupted = False
+    def _wait_closed(self) -> tuple[bool, bool]:
+        """Until the supervisor says every process of the run is gone: (whether it said so, whether interrupted)."""
+        interrupted = confirmed = False
         deadline = time.monotonic() + CLOSE_SECONDS
         while time.monotonic() < deadline:
             try:
@@ -319,10 +343,11 @@ class SupervisedRanks:
                         os.close(fd)
                     if kind == "closed":
                         self.codes = dict(fields[0])
+                        confirmed = True
                         break
             except KeyboardInterrupt:
                 interrupted = True  # finish closing first
-        return interrupted
+        return confirmed, interrupted
 
     # -- messages -----------------------------------------------------------------------------
     def _receive(self) -> tuple[str, tuple[Any, ...]]:
@@ -340,6 +365,9 @@ class SupervisedRanks:
                 if isinstance(event, Exited):
                     self.alive.discard(event.rank)
             self.pending.extend(fields[0])
+        elif kind == "closed" and not self.alive:  # every process exited: the run is over
+            self.codes = dict(fields[0])
+            self.finished = True
         elif kind in ("lost", "closed"):  # the supervisor ended the run without being asked
             self._lose(fields[0] if kind == "lost" else "the run's supervisor ended the run on its own")
         elif kind != "stacks":  # a reply that came after its request timed out
