@@ -60,7 +60,7 @@ heavy kernels).
 Kernels inherit this process's environment: run it with ``PYTHONPATH=src`` (or an installed
 copy) and every kernel is checked to import taas_magic from the same file as the benchmark.
 
-    python benchmarks/launch.py            # about 6 minutes on 2 cores
+    python benchmarks/launch.py            # about 4 minutes on 2 cores (20 s more for each hung launch)
     python benchmarks/launch.py --quick    # fewer repetitions: about 2 minutes on a quiet machine
 """
 
