@@ -115,6 +115,18 @@ class Kernel:
         return Cell((stamps["idle"] - stamps["busy"]).total_seconds(), client_seconds,
                     "".join(streams["stdout"]), "".join(streams["stderr"]), error)
 
+    def check_module(self, name: str) -> None:
+        """Raise BenchError unless the kernel imports ``name`` from the same file as this process.
+
+        The kernel inherits this process's environment (``PYTHONPATH`` included): the figures are
+        those of the checkout the benchmark runs from, not of another installed copy.
+        """
+        mine = importlib.import_module(name).__file__
+        theirs = self.run(f"import {name} as _module\nprint(_module.__file__)\ndel _module").stdout.strip()
+        if theirs != mine:
+            raise BenchError(f"the kernel imports {name} from {theirs}, this benchmark from {mine}: "
+                             "set PYTHONPATH (or install) so both use the same sources")
+
     def fork_server(self) -> psutil.Process | None:
         for child in psutil.Process(self.pid).children():
             if _is_fork_server(child):

@@ -6,25 +6,40 @@ tensor, ``barrier()``, ``destroy_process_group()``, exit. At 2 and 4 ranks, on C
 Contenders, all in one run on one machine:
   fork        a taas cell, ``--start fork`` (ranks forked from the kernel)
   spawn       a taas cell, ``--start spawn`` (ranks forked from the fork server, names shipped by value)
+  bare        ``bare_launch(job, N)``: a 20-line launcher defined in the kernel, as a user would write
+              it: a free loopback port, one ``os.fork()`` per rank, torchrun's variables set in each
+              child, the same threads per rank as taas gives (cores // ranks), ``os._exit``, wait
+              for all. The floor: the ranks' own work and nothing else
   accelerate  ``accelerate.notebook_launcher(job, num_processes=N)`` in a cell of the same kind of kernel
   torchrun    ``torchrun --standalone --nproc-per-node N job.py`` as a subprocess (outside a notebook)
 
-How time is measured. For the three notebook contenders: from the kernel's ``busy`` status to its
+How time is measured. For the notebook contenders: from the kernel's ``busy`` status to its
 ``idle`` status for the cell, both stamped by the kernel itself on iopub. That is what the user
 waits for, with the same IPython overhead for every contender and without the client's own
-latency. The accelerate cell also times ``notebook_launcher`` with ``time.perf_counter()``
-inside the cell (kept in the JSON, to show that overhead is small). For torchrun: the
-subprocess's wall time. Every figure is a median: the machine is shared and noisy.
+latency. The client's round trip (execute request sent to idle seen) is kept too, under keys
+ending in "client": it is what the comparison with the bare launcher is judged on, as a user
+measures it, and it would show work a launcher does after the kernel says idle (before the
+next cell can start). The accelerate cell also times ``notebook_launcher`` with
+``time.perf_counter()`` inside the cell (kept in the JSON, to show that overhead is small). For
+torchrun: the subprocess's wall time. Every figure is a median: the machine is shared and noisy.
 
 Cold and warm. Every kernel has imported torch before it is measured. "cold": the first launch
 in a fresh kernel, one fresh kernel per sample; for fork with the fork server already idle, for
 spawn right after ``%load_ext`` (so it includes waiting for the fork server to import torch).
-"warm": later launches in a kernel that runs only that contender's cells (no other launcher's
-leftovers), after one unmeasured launch at each size, with a pause between cells as a user
-re-running a cell would leave; the three kernels stay open and take turns, so the machine's
-noise falls on all alike. The same cells run back-to-back in one kernel are reported too:
-background work of one launch (the fork server's clean-up, say) can delay the next. torchrun
-starts fresh interpreters every time, so it is reported once.
+"warm": later launches, after one unmeasured launch of each contender at each size, with a
+pause between cells as a user re-running a cell would leave. Spawn and Accelerate each run in a
+kernel of their own (no other launcher's leftovers); fork and bare take turns in one kernel, so
+that they are compared in the same kernel (the bare launcher leaves nothing behind). All warm
+kernels stay open and take turns, so the machine's noise falls on all alike. The same cells run
+back-to-back in one kernel are reported too (light kernels only): background work of one launch
+(the fork server's clean-up, say) can delay the next. torchrun starts fresh interpreters every
+time, so it is reported once.
+
+Light and heavy kernels. The warm series run twice: in light kernels, which hold torch and the
+contender's setup only, and in heavy kernels, which have also imported Lightning and bound
+20,000 plain names and 20,000 small tensors in the notebook's namespace, as a working notebook
+would. A launcher whose cost grows with what the kernel holds shows it there. Cold figures,
+back-to-back series, torchrun and shipping are measured in light kernels only.
 
 A launch that does not finish in HANG_SECONDS is counted as hung, left out of the medians, and
 its kernel replaced; the count is printed.
@@ -36,10 +51,17 @@ the same cell holding a 16-element tensor: kernel, fork server and ranks togethe
 at most one copy more than the kernel already did (the shared memory file the ranks map).
 
 Targets are printed as PASS/FAIL lines, never asserted: this is a measurement, not a test.
-Figures go to benchmarks/results/launch.json, the plot to docs/images/launch.png.
+Among them: taas fork within BARE_TARGET of the bare launcher at 4 ranks, in the light and in the
+heavy kernel (warm, client round trip, medians of ``warm_rounds``).
+Figures go to benchmarks/results/launch.json, the plot to docs/images/launch.png (left: every
+contender, cold and warm, light kernel; right: warm cells against the bare launcher, light and
+heavy kernels).
 
-    python benchmarks/launch.py            # about 4 minutes on 2 cores
-    python benchmarks/launch.py --quick    # fewer repetitions: about 1.5 minutes on a quiet machine
+Kernels inherit this process's environment: run it with ``PYTHONPATH=src`` (or an installed
+copy) and every kernel is checked to import taas_magic from the same file as the benchmark.
+
+    python benchmarks/launch.py            # about 4 minutes on 2 cores (20 s more for each hung launch)
+    python benchmarks/launch.py --quick    # fewer repetitions: about 2 minutes on a quiet machine
 """
 
 from __future__ import annotations
@@ -56,7 +78,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import psutil
 from harness import (
@@ -73,6 +95,10 @@ from harness import (
     shown,
 )
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+T = TypeVar("T")
 RESULTS = ROOT / "benchmarks" / "results" / "launch.json"
 PLOT = ROOT / "docs" / "images" / "launch.png"
 RANKS = (2, 4)
@@ -98,21 +124,62 @@ JOB = textwrap.dedent("""\
 TAAS_SETUP = "%load_ext taas_magic\nimport torch, torch.distributed, time"
 ACCELERATE_SETUP = ("import torch, torch.distributed, time\nfrom accelerate import notebook_launcher\n"
                     "def job():\n" + textwrap.indent(JOB, "    "))
+# What a user would write instead of taas: torchrun's variables by hand, one os.fork() per rank,
+# the same threads per rank as taas gives (cores // ranks). It leaves nothing behind, so its
+# cells can take turns with taas cells in one kernel.
+BARE_SETUP = textwrap.dedent("""\
+    import os, socket, traceback, torch
+
+    def bare_launch(job, ranks):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        threads = max(1, len(os.sched_getaffinity(0)) // ranks)
+        children = []
+        for rank in range(ranks):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+                    torch.set_num_threads(threads)
+                    job()
+                    code = 0
+                except BaseException:
+                    os.write(2, traceback.format_exc().encode())
+                finally:
+                    os._exit(code)
+            children.append(pid)
+        failed = [pid for pid in children if os.waitpid(pid, 0)[1] != 0]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {ranks} ranks failed")
+""") + "def bare_job():\n" + textwrap.indent(JOB, "    ")
+# A kernel as a working notebook leaves it: Lightning imported, many names and tensors bound.
+HEAVY_NAMES = 20_000
+HEAVY_SETUP = textwrap.dedent(f"""\
+    import pytorch_lightning
+    for _i in range({HEAVY_NAMES}):
+        globals()[f"name_{{_i}}"] = _i
+        globals()[f"tensor_{{_i}}"] = torch.ones(4)
+    del _i
+""")
 
 
 @dataclass(frozen=True)
 class Settings:
     cold_kernels: int  # fresh kernels per contender and rank count
-    warm_rounds: int  # measured launches per contender, rank count and pace, in one kernel
+    warm_rounds: int  # paced launches per contender, rank count and kernel, the kernels taking turns
+    back_to_back_rounds: int  # launches per contender and rank count, each kernel alone, no pause
     torchrun_runs: int
     shipping_rounds: int
 
 
-FULL = Settings(cold_kernels=3, warm_rounds=7, torchrun_runs=3, shipping_rounds=5)
-QUICK = Settings(cold_kernels=1, warm_rounds=3, torchrun_runs=1, shipping_rounds=2)
+FULL = Settings(cold_kernels=3, warm_rounds=9, back_to_back_rounds=7, torchrun_runs=3, shipping_rounds=5)
+QUICK = Settings(cold_kernels=1, warm_rounds=3, back_to_back_rounds=3, torchrun_runs=1, shipping_rounds=2)
 
 
-Samples = dict[str, dict[int, list[float]]]  # "fork/warm" -> ranks -> seconds
+Samples = dict[str, dict[int, list[float]]]  # "fork/warm", "fork/warm heavy client" -> ranks -> seconds
 
 
 @dataclass
@@ -148,7 +215,9 @@ class fresh_kernel:
     def __enter__(self) -> Kernel:
         self.kernel = Kernel(grace=5)
         try:
-            self.kernel.run(self.setup)
+            self.kernel.run(self.setup, timeout=300)
+            if "%load_ext taas_magic" in self.setup:
+                self.kernel.check_module("taas_magic")
             if self.wait_for_fork_server:
                 self.kernel.wait_fork_server_idle()
         except BaseException:
@@ -164,6 +233,10 @@ class fresh_kernel:
 # -- the contenders in a notebook --------------------------------------------------------------
 def taas_cell(start: str, ranks: int, body: str = JOB) -> str:
     return f"#pragma taas --gpus {ranks} --device cpu --start {start} --output rank0 --return none\n{body}"
+
+
+def bare_cell(ranks: int) -> str:
+    return f"bare_launch(bare_job, {ranks})"
 
 
 def accelerate_cell(ranks: int) -> str:
@@ -184,7 +257,28 @@ class Contender:
 FORK = Contender("fork", TAAS_SETUP, lambda ranks: taas_cell("fork", ranks), True, True)
 SPAWN = Contender("spawn", TAAS_SETUP, lambda ranks: taas_cell("spawn", ranks), True, False)
 ACCELERATE = Contender("accelerate", ACCELERATE_SETUP, accelerate_cell, False, False)
+BARE = Contender("bare", BARE_SETUP, bare_cell, False, False)
 NOTEBOOK_CONTENDERS = (FORK, SPAWN, ACCELERATE)
+
+
+@dataclass(frozen=True)
+class KernelKind:
+    """What a kernel holds besides its contenders' setup; ``suffix`` marks its figures' keys."""
+
+    name: str
+    setup: str
+    suffix: str
+    label: str
+
+
+LIGHT = KernelKind("light", "", "", "light kernel: torch only")
+HEAVY = KernelKind("heavy", HEAVY_SETUP, " heavy",
+                   f"heavy kernel: Lightning, {HEAVY_NAMES:,} names, {HEAVY_NAMES:,} tensors")
+KINDS = (LIGHT, HEAVY)
+# The warm kernels, kept open together: fork and bare take turns in one kernel, as the
+# comparison asks ("in the same kernel"); spawn and Accelerate each have one of their own.
+WARM_KERNELS = tuple((kind, contenders) for kind in KINDS
+                     for contenders in ((FORK, BARE), (SPAWN,), (ACCELERATE,)))
 
 _used_ports: set[int] = set()
 
@@ -218,6 +312,7 @@ def launch(tally: Tally, kernel: Kernel, contender: Contender, key: str, ranks: 
         return False
     if measured:
         tally.add(key, ranks, cell.kernel_seconds)
+        tally.add(f"{key} client", ranks, cell.client_seconds)
         inside = inside_seconds(cell)
         if inside is not None:
             tally.add(f"{key} inside cell", ranks, inside)
@@ -235,31 +330,37 @@ def measure_cold(settings: Settings, tally: Tally, progress: Callable[[str], Non
 
 
 class WarmKernel:
-    """One contender's kernel for warm launches, warmed up with one launch at each size.
+    """A kernel for warm launches of some contenders, warmed up with one launch of each at each size.
 
     A launch that hangs takes its kernel with it: the next launch gets a fresh kernel, warmed
     up the same way, so the figures stay warm ones.
     """
 
-    def __init__(self, tally: Tally, contender: Contender):
+    def __init__(self, tally: Tally, kind: KernelKind, contenders: tuple[Contender, ...]):
         self.tally = tally
-        self.contender = contender
+        self.kind = kind
+        self.contenders = contenders
+        self.setup = "\n".join([contender.setup for contender in contenders] + [kind.setup])
         self.holder: fresh_kernel | None = None
         self.kernel: Kernel | None = None
 
     def start(self) -> None:
+        waits = any(contender.taas for contender in self.contenders)
         for _ in range(MAX_KERNELS_PER_SERIES):
-            self.holder = fresh_kernel(self.tally, self.contender.setup, self.contender.taas)
+            self.holder = fresh_kernel(self.tally, self.setup, waits)
             self.kernel = self.holder.__enter__()
-            if all(launch(self.tally, self.kernel, self.contender, "", n, measured=False) for n in RANKS):
+            if all(launch(self.tally, self.kernel, contender, "", n, measured=False)
+                   for contender in self.contenders for n in RANKS):
                 return
             self.close()
-        raise BenchError(f"{self.contender.name}: launches kept hanging in {MAX_KERNELS_PER_SERIES} fresh kernels")
+        names = "+".join(contender.name for contender in self.contenders)
+        raise BenchError(f"{names} ({self.kind.name}): launches kept hanging in {MAX_KERNELS_PER_SERIES} fresh kernels")
 
-    def launch(self, key: str, ranks: int) -> None:
+    def launch(self, contender: Contender, phase: str, ranks: int) -> None:
         if self.kernel is None:
             self.start()
-        if not launch(self.tally, self.kernel, self.contender, f"{self.contender.name}/{key}", ranks):
+        assert self.kernel is not None
+        if not launch(self.tally, self.kernel, contender, f"{contender.name}/{phase}{self.kind.suffix}", ranks):
             self.close()
 
     def close(self) -> None:
@@ -268,27 +369,37 @@ class WarmKernel:
             holder.__exit__()
 
 
-def measure_warm(settings: Settings, tally: Tally, progress: Callable[[str], None]) -> None:
-    """Later launches, one kernel per contender, all kept open.
+def rotated(items: Sequence[T], by: int) -> list[T]:
+    """The items, starting from the ``by``-th: a different one leads each round."""
+    by %= len(items)
+    return list(items[by:]) + list(items[:by])
 
-    Paced like a person, the contenders take turns (in a rotating order), so the machine's
-    noise falls on all of them alike; back-to-back, each kernel runs its series alone, as
-    "run all cells" would.
+
+def measure_warm(settings: Settings, tally: Tally, progress: Callable[[str], None]) -> None:
+    """Later launches in light and heavy kernels, all kept open.
+
+    Paced like a person, the kernels take turns (in a rotating order, and so do fork and bare
+    within their kernel), so the machine's noise falls on all of them alike; back-to-back, each
+    light kernel runs each of its contenders' series alone, as "run all cells" would.
     """
-    kernels = [WarmKernel(tally, contender) for contender in NOTEBOOK_CONTENDERS]
+    kernels = [WarmKernel(tally, kind, contenders) for kind, contenders in WARM_KERNELS]
     try:
         for kernel in kernels:
             kernel.start()
+        progress("warm kernels started")
         for round_ in range(settings.warm_rounds):
             for ranks in RANKS:
-                for kernel in kernels[round_ % len(kernels):] + kernels[:round_ % len(kernels)]:
-                    time.sleep(PAUSE_SECONDS)
-                    kernel.launch("warm", ranks)
+                for kernel in rotated(kernels, round_):
+                    for contender in rotated(kernel.contenders, round_):
+                        time.sleep(PAUSE_SECONDS)
+                        kernel.launch(contender, "warm", ranks)
         progress("warm, paced")
         for kernel in kernels:
-            for _ in range(settings.warm_rounds):
-                for ranks in RANKS:
-                    kernel.launch("warm back-to-back", ranks)
+            for contender in kernel.contenders:
+                if kernel.kind is LIGHT and contender in NOTEBOOK_CONTENDERS:
+                    for _ in range(settings.back_to_back_rounds):
+                        for ranks in RANKS:
+                            kernel.launch(contender, "warm back-to-back", ranks)
         progress("warm, back-to-back")
     finally:
         for kernel in kernels:
@@ -507,6 +618,50 @@ def table(median: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines)
 
 
+BARE_ROWS = (  # (label, contender), each against the bare launcher and Accelerate in the same kind of kernel
+    ("bare os.fork launcher (20 lines)", "bare"),
+    ("taas --start fork", "fork"),
+    ("taas --start spawn", "spawn"),
+    ("accelerate notebook_launcher", "accelerate"),
+)
+BARE_TARGET = 1.15  # taas fork's time against the bare launcher's: the ranks' own work and little else
+
+
+def warm_key(contender: str, kind: KernelKind, client: bool = True) -> str:
+    """The key of a paced warm series: client round trip by default, else the kernel's busy->idle."""
+    return f"{contender}/warm{kind.suffix}" + (" client" if client else "")
+
+
+def bare_table(median: dict[str, dict[int, float]], rounds: int) -> str:
+    head = (f"{f'warm cell, client round trip (median of {rounds}), s':<48}"
+            + "".join(f"{f'{n} ranks':>10}{'/ bare':>9}{'/ accel.':>10}" for n in RANKS))
+    lines = [head, "-" * len(head)]
+    for kind in KINDS:
+        lines.append(kind.label)
+        bare, accelerate = median[warm_key("bare", kind)], median[warm_key("accelerate", kind)]
+        for label, name in BARE_ROWS:
+            values = median[warm_key(name, kind)]
+            cells = "".join(f"{values[n]:>10.3f}{values[n] / bare[n]:>8.2f}x{values[n] / accelerate[n]:>9.2f}x"
+                            for n in RANKS)
+            lines.append(f"  {label:<46}{cells}")
+    return "\n".join(lines)
+
+
+def bare_lines(median: dict[str, dict[int, float]]) -> list[str]:
+    """taas fork's time beyond the bare launcher's, and what the heavy kernel adds to each contender."""
+    lines = []
+    for client, how in ((True, "client round trip"), (False, "kernel busy->idle")):
+        extra = {kind: {n: 1000 * (median[warm_key("fork", kind, client)][n] - median[warm_key("bare", kind, client)][n])
+                        for n in RANKS} for kind in KINDS}
+        lines.append(f"taas fork beyond bare ({how}): "
+                     + "; ".join(f"{kind.name} kernel " + _per_ranks(extra[kind], "{:+.1f} ms") for kind in KINDS))
+    added = {name: 1000 * (median[warm_key(name, HEAVY)][4] - median[warm_key(name, LIGHT)][4])
+             for _, name in BARE_ROWS}
+    lines.append("what the heavy kernel adds at 4 ranks (client round trip): "
+                 + ", ".join(f"{name} {ms:+.1f} ms" for name, ms in added.items()))
+    return lines
+
+
 def overhead_line(median: dict[str, dict[int, float]]) -> str:
     """How much of a cell's busy->idle time is IPython's, not the launcher's: the method's blind spot."""
     shares = {n: 1000 * (median["accelerate/warm"][n] - median["accelerate/warm inside cell"][n]) for n in RANKS}
@@ -521,6 +676,11 @@ def checks(median: dict[str, dict[int, float]], shipping: dict) -> list[tuple[bo
         ratios = {n: median[f"fork/{phase}"][n] / median[f"accelerate/{phase}"][n] for n in RANKS}
         found.append((all(r <= 1.5 for r in ratios.values()),
                       f"fork <= 1.5x Accelerate's time ({phase}): " + _per_ranks(ratios, "{:.2f}x")))
+    for kind in KINDS:
+        ratios = {n: median[warm_key("fork", kind)][n] / median[warm_key("bare", kind)][n] for n in RANKS}
+        found.append((ratios[4] <= BARE_TARGET,
+                      f"fork <= {BARE_TARGET:g}x bare at 4 ranks, {kind.name} kernel (warm, client round trip): "
+                      + _per_ranks(ratios, "{:.2f}x")))
     warm4 = median["spawn/warm"][4]
     found.append((warm4 <= 0.5, f"warm spawn <= 0.5 s at 4 ranks: {warm4:.3f} s"))
     speedups = {n: median["torchrun/cold"][n] / median["spawn/warm"][n] for n in RANKS}
@@ -580,7 +740,12 @@ def write_results(path: Path, info: dict, settings: Settings, tally: Tally, ship
     document = {
         "machine": info,
         "settings": {**vars(settings), "pause_seconds": PAUSE_SECONDS, "hang_seconds": HANG_SECONDS},
-        "timing": "notebook contenders: kernel busy->idle (iopub stamps); torchrun: subprocess wall time",
+        "timing": ("notebook contenders: kernel busy->idle (iopub stamps); keys ending in 'client': execute "
+                   "request to idle seen by the client; torchrun: subprocess wall time"),
+        "warm_kernels": [{"kernel": kind.name, "contenders": [contender.name for contender in contenders]}
+                         for kind, contenders in WARM_KERNELS],
+        "bare_launcher": BARE_SETUP,
+        "heavy_kernel_setup": HEAVY_SETUP,
         "medians_seconds": {key: {str(n): v for n, v in by.items()} for key, by in medians(tally.samples).items()},
         "samples_seconds": {key: {str(n): v for n, v in by.items()} for key, by in tally.samples.items()},
         "launches": tally.launches,
@@ -610,16 +775,39 @@ BARS = (  # (label, key, colour, hatch): hatched = cold, solid = warm
 )
 
 
+PANEL_BARS = (  # (label, contender, colour): the second panel, warm cells in light and heavy kernels
+    ("bare os.fork launcher", "bare", "#7f7f7f"),
+    ("taas fork", "fork", "#1f77b4"),
+    ("taas spawn", "spawn", "#2ca02c"),
+    ("Accelerate", "accelerate", "#ff7f0e"),
+)
+
+
 def plot(path: Path, samples: Samples, info: dict) -> None:
-    """Grouped bars, one group per rank count; log scale, since torchrun is an order of magnitude off."""
+    """Left: every contender, cold and warm; right: warm cells against the bare launcher, light and heavy kernels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(17, 6), dpi=120, width_ratios=(1.15, 1))
+    plot_contenders(left, samples)
+    plot_kernels(right, samples)
+    figure.suptitle("Launching a distributed job from a notebook: taas-magic, a bare os.fork launcher, Accelerate, "
+                    f"torchrun\n{info['usable_cores']} cores, torch {info['torch']}, accelerate {info['accelerate']}, "
+                    f"{info['date'][:10]}; trivial gloo job on CPU: init_process_group, all_reduce, barrier, "
+                    "destroy_process_group", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_contenders(axes: Axes, samples: Samples) -> None:
+    """Grouped bars, one group per rank count; log scale, since torchrun is an order of magnitude off."""
     from matplotlib import ticker
 
     median = medians(samples)
-    figure, axes = plt.subplots(figsize=(10, 5.5), dpi=120)
     width = 0.8 / len(BARS)
     for index, (label, key, colour, hatch) in enumerate(BARS):
         xs = [group + (index - (len(BARS) - 1) / 2) * width for group in range(len(RANKS))]
@@ -636,23 +824,43 @@ def plot(path: Path, samples: Samples, info: dict) -> None:
     axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     axes.yaxis.set_minor_formatter(ticker.NullFormatter())
     axes.set_xticks(range(len(RANKS)), [f"{n} ranks" for n in RANKS])
-    axes.set_ylabel("wall time, s (median; whiskers min-max; log scale)")
-    axes.set_xlabel("trivial gloo job on CPU: init_process_group, all_reduce, barrier, destroy_process_group")
-    axes.set_title("Launching a distributed job from a notebook: taas-magic, Accelerate, torchrun\n"
-                   f"{info['usable_cores']} cores, torch {info['torch']}, accelerate {info['accelerate']}, "
-                   f"{info['date'][:10]}; hatched: cold (first launch in a fresh kernel), solid: warm", fontsize=10)
+    axes.set_ylabel("kernel busy->idle, s (median; whiskers min-max; log scale)")
+    axes.set_title("Light kernel (torch only); hatched: cold (first launch in a fresh kernel), solid: warm",
+                   fontsize=10)
     axes.set_ylim(min(0.05, min(min(by.values()) for by in median.values()) / 2), axes.get_ylim()[1] * 4)
     axes.grid(axis="y", which="both", alpha=0.25)
     axes.legend(fontsize=8, ncol=4, loc="upper center")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
+
+
+def plot_kernels(axes: Axes, samples: Samples) -> None:
+    """Warm cells by client round trip, one group per kernel and rank count; labels: median and ratio to bare."""
+    median = medians(samples)
+    groups = [(kind, n) for kind in KINDS for n in RANKS]
+    width = 0.8 / len(PANEL_BARS)
+    for index, (label, name, colour) in enumerate(PANEL_BARS):
+        xs = [group + (index - (len(PANEL_BARS) - 1) / 2) * width for group in range(len(groups))]
+        keys = [warm_key(name, kind) for kind, _ in groups]
+        heights = [median[key][n] for key, (_, n) in zip(keys, groups)]
+        low = [h - min(samples[key][n]) for h, key, (_, n) in zip(heights, keys, groups)]
+        high = [max(samples[key][n]) - h for h, key, (_, n) in zip(heights, keys, groups)]
+        axes.bar(xs, heights, width * 0.92, label=label, color=colour, yerr=[low, high], capsize=2,
+                 error_kw={"elinewidth": 0.8, "ecolor": "#444444"})
+        for x, h, top, (kind, n) in zip(xs, heights, high, groups):
+            ratio = h / median[warm_key("bare", kind)][n]
+            axes.text(x, h + top, f"{h:.3f}\n{ratio:.2f}x", ha="center", va="bottom", fontsize=6.5)
+    axes.axvline(len(RANKS) - 0.5, color="#999999", linestyle="--", linewidth=0.8)
+    axes.set_xticks(range(len(groups)), [f"{kind.name} kernel, {n} ranks" for kind, n in groups])
+    axes.set_ylabel("warm cell, client round trip, s (median; whiskers min-max)")
+    axes.set_title(f"Against a bare os.fork launcher in the same kernel (target: taas fork <= {BARE_TARGET:g}x bare)\n"
+                   f"{HEAVY.label}; labels: median, ratio to bare", fontsize=10)
+    axes.set_ylim(0, axes.get_ylim()[1] * 1.2)
+    axes.grid(axis="y", alpha=0.25)
+    axes.legend(fontsize=8, ncol=4, loc="upper left")
 
 
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__, "fewer repetitions (about 1.5 minutes on a quiet machine)", RESULTS, PLOT, argv)
+    args = arguments(__doc__, "fewer repetitions (about 2 minutes on a quiet machine)", RESULTS, PLOT, argv)
     settings = QUICK if args.quick else FULL
     progress = Progress()
     tally = Tally()
@@ -670,6 +878,9 @@ def main(argv: list[str] | None = None) -> int:
     found = checks(median, shipping)
     print(table(median))
     print(overhead_line(median))
+    print()
+    print(bare_table(median, settings.warm_rounds))
+    print("\n".join(bare_lines(median)))
     print()
     print("\n".join(shipping_lines(shipping)))
     print()
