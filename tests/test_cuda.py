@@ -14,6 +14,7 @@ import re
 import pytest
 
 from conftest import CellResult, Kernel
+from test_kernel_lightning import REGRESSION
 from taas_magic.machine import cuda_device_count
 
 GPUS = cuda_device_count()
@@ -124,24 +125,7 @@ print("PINNED " + json.dumps({{"rank": taas.rank(), "seen": seen}}), flush=True)
 
 
 def test_lightning_trains_on_every_gpu_with_ddp_and_the_module_comes_back(gpu_kernel):
-    gpu_kernel.execute("""
-import torch, pytorch_lightning as pl
-from torch.utils.data import DataLoader, TensorDataset
-
-class Regression(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-torch.manual_seed(0)
-X = torch.randn(256, 4)
-Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-""").ok()
+    gpu_kernel.execute(REGRESSION).ok()
     result = gpu_kernel.execute(f"""#pragma taas --gpus {GPUS} --return model
 import json
 model = Regression()

@@ -6,9 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.kernel
 
-
-def test_lightning_trainer_runs_ddp_across_the_ranks_without_process_group_code(kernel):
-    kernel.execute("""
+REGRESSION = """
 import torch, pytorch_lightning as pl
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,7 +23,11 @@ class Regression(pl.LightningModule):
 torch.manual_seed(0)
 X = torch.randn(256, 4)
 Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-""").ok()
+"""  # a tiny model and its data, defined in the notebook
+
+
+def test_lightning_trainer_runs_ddp_across_the_ranks_without_process_group_code(kernel):
+    kernel.execute(REGRESSION).ok()
     result = kernel.execute("""#pragma taas --gpus 2
 import torch.distributed as dist
 model = Regression()
