@@ -76,7 +76,6 @@ class _Supervisor:
     def __init__(self, channel: Channel, parent: int):
         self.channel = channel
         self.parent = parent
-        self.codes: dict[int, int] = {}
 
     def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any], listener: socket.socket) -> None:
         from .fork import ForkedRanks
@@ -98,18 +97,17 @@ class _Supervisor:
             self._tell_lost("the process that started the run's supervisor died")
         finally:
             group.close()
-            self.codes = {rank: state.returncode for rank, state in group.ranks.items()
-                          if state.returncode is not None}
         containment.end_all_children(STOP_SECONDS)
+        codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
         try:
-            self._send("closed", self.codes)
+            self._send("closed", codes)
         except ChannelBroken:
             pass
 
     def _relay(self, group: Any) -> None:
         """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
         every process of the run has exited (then the kernel need not ask: it learns at once)."""
-        ranks = set(group.ranks)
+        ours = {state.pid for state in group.ranks.values()}  # reaped by the group itself
         while True:
             events = group.events(PARENT_CHECK_SECONDS)
             if events:
@@ -118,7 +116,7 @@ class _Supervisor:
                 return
             if os.getppid() != self.parent:
                 raise _Orphaned()
-            containment.reap_strays({group.ranks[key].pid for key in ranks})
+            containment.reap_strays(ours)
             while self.channel.ready(0):
                 kind, fields, fds = self.channel.receive()
                 for fd in fds:
