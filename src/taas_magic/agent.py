@@ -108,9 +108,9 @@ def _tend(supervisors: dict[int, int]) -> None:
     """Reap supervisors that ended; end whatever else came to us: the leftovers of a supervisor that died."""
     for pidfd, pid in list(supervisors.items()):
         if select.select([pidfd], [], [], 0)[0]:
-            os.waitpid(pid, 0)
             os.close(pidfd)
             del supervisors[pidfd]
+            os.waitpid(pid, 0)
     running = set(supervisors.values())
     for pid in containment.children():
         if pid not in running:
