@@ -60,7 +60,6 @@ def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Call
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         containment.become_subreaper()
         listener = rendezvous.listen(envs[min(envs)]["MASTER_ADDR"])  # loopback for one-node runs
-        containment.drop_sockets({channel.fileno(), listener.fileno()})
         _Supervisor(channel, os.getppid()).serve(rendezvous.with_store(envs, listener), make_task, listener)
         status = 0
     except BaseException:
@@ -87,6 +86,8 @@ class _Supervisor:
             return
         finally:
             listener.close()  # rank 0 serves the store on its own copy
+        # Only now, not to delay the ranks (each drops what it inherited itself): the kernel's sockets.
+        containment.drop_sockets({self.channel.fileno()})
         try:
             group.watch(self.channel.fileno())
             self._send("started", os.getpid(), int(envs[min(envs)]["MASTER_PORT"]), sorted(group.ranks))

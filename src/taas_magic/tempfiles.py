@@ -18,6 +18,12 @@ import tempfile
 from typing import Any
 
 PREFIX = "pymp-taas-"
+_may_have_folders = False  # whether this process made one, or forked a child that might have
+
+
+def _note_folders() -> None:
+    global _may_have_folders
+    _may_have_folders = True
 
 
 def name_multiprocessing_folders() -> None:
@@ -29,6 +35,7 @@ def name_multiprocessing_folders() -> None:
     def get_temp_dir() -> str:
         config = _config()
         if config.get("tempdir") is None:
+            _note_folders()
             folder = tempfile.mkdtemp(prefix=f"{PREFIX}{owner}-")
             # A child that ends normally still removes its own folder, as multiprocessing does.
             util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, exitpriority=-100)
@@ -37,12 +44,18 @@ def name_multiprocessing_folders() -> None:
 
     _config()["tempdir"] = None  # a folder the kernel made is the kernel's to remove
     util.get_temp_dir = get_temp_dir
+    os.register_at_fork(before=_note_folders)  # DataLoader workers make their folders themselves
 
 
 def remove_multiprocessing_folders() -> None:
-    """Last thing in a rank or producer, once its children are gone: its folders and theirs go."""
+    """Last thing in a rank or producer, once its children are gone: its folders and theirs go.
+
+    A process that made no folder and forked no child has none to look for (the look is a
+    listing of the whole temporary folder).
+    """
     _config()["tempdir"] = None
-    remove_folders_of(os.getpid())
+    if _may_have_folders:
+        remove_folders_of(os.getpid())
 
 
 def remove_folders_of(pid: int) -> None:
