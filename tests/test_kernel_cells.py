@@ -20,6 +20,8 @@ def test_a_configuration_line_alone_runs_in_the_kernel_with_one_warning(no_gpu_k
     assert result.stderr == "taas: g2.8 needs 8 GPUs, this machine has 0: running the cell in the kernel anyway\n"
     assert no_gpu_kernel.value("x_config == os.getpid()") is True
     assert result.displays and result.displays[0]["text/plain"] == str(no_gpu_kernel.value("x_config"))
+    single = no_gpu_kernel.execute("#!g1.1\npass").ok()
+    assert single.stderr == "taas: g1.1 needs 1 GPU, this machine has 0: running the cell in the kernel anyway\n"
 
 
 def test_a_pragma_below_code_is_an_error_and_the_cell_does_not_run(kernel):

@@ -141,10 +141,10 @@ class TaasMagics(Magics):
         configuration = catalog.get(name)
         found = machine.detect()
         if configuration.gpus and found.cuda_devices < configuration.gpus:
-            print(f"taas: {name} needs {configuration.gpus} GPUs, this machine has {found.cuda_devices}: "
+            print(f"taas: {name} needs {_count(configuration.gpus, 'GPU')}, this machine has {found.cuda_devices}: "
                   "running the cell in the kernel anyway", file=sys.stderr)
         elif not configuration.gpus and found.cpus < configuration.cpus:
-            print(f"taas: {name} needs {configuration.cpus} vCPUs, this machine has {found.cpus}: "
+            print(f"taas: {name} needs {_count(configuration.cpus, 'vCPU')}, this machine has {found.cpus}: "
                   "running the cell in the kernel anyway", file=sys.stderr)
 
     def _settings(self) -> str:
@@ -189,6 +189,10 @@ class _ProgressDisplay:
             self.handle = display(data, raw=True, display_id=True)
         else:
             self.handle.update(data, raw=True)
+
+
+def _count(number: int, unit: str) -> str:
+    return f"{number} {unit}{'' if number == 1 else 's'}"
 
 
 def _show_header_as_written(filename: str, source: str, cell: str, raw_cell: str) -> None:
