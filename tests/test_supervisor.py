@@ -7,6 +7,7 @@ would drive it.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -119,6 +120,7 @@ def run_to_end(source: str, ranks: int = 2, seconds: float = 30) -> tuple[list, 
 
 
 def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
+    gc.collect()  # descriptors that objects of earlier tests still hold go now, not in the middle of this test
     fds_before = set(os.listdir("/proc/self/fd"))
     events, group = run_to_end("import os\nprint('rank', os.environ['RANK'], os.environ['MASTER_PORT'])")
     text = b"".join(e.data for e in events if isinstance(e, Output) and e.stream == "stdout").decode()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import select
 import selectors
 import signal
 import socket
@@ -27,7 +26,6 @@ from .delivery.service import DataService
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
 
 READ_SIZE = 1 << 16
-DRAIN_SECONDS = 2.0  # after a rank exits, how long its pipes may take to reach EOF
 START_SECONDS = 60.0  # a forked supervisor reports its ranks started long before this
 
 
@@ -216,10 +214,11 @@ class ForkedRanks:
         return events
 
     def _read(self, state: _Rank, name: str, fd: int) -> bool:
+        """Read what ``fd`` holds now; True if there was something (there may be more)."""
         try:
             data = os.read(fd, READ_SIZE)
         except BlockingIOError:
-            return True
+            return False
         except OSError:
             data = b""
         if not data:
@@ -244,7 +243,12 @@ class ForkedRanks:
         return True
 
     def _on_exit(self, state: _Rank) -> None:
-        """A rank ended: stop what it left running, reap it, deliver its last output, then say so."""
+        """A rank ended: stop what it left running, reap it, deliver its last output, then say so.
+
+        Everything the rank itself wrote is in its pipes by now. A pipe that stays open is held by
+        something the rank started that left its group: what that writes later still arrives (after
+        the exit), and the run's end stops it; nobody waits for it.
+        """
         self._signal_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
         _, status = os.waitpid(state.pid, 0)
         state.returncode = os.waitstatus_to_exitcode(status)
@@ -254,12 +258,9 @@ class ForkedRanks:
             self._selector.unregister(state.pidfd)
             os.close(state.pidfd)
             state.pidfd = None
-        deadline = time.monotonic() + DRAIN_SECONDS
-        while state.fds and time.monotonic() < deadline:
-            ready = select.select(list(state.fds.values()), [], [], 0.05)[0]
-            for name, fd in list(state.fds.items()):
-                if fd in ready:
-                    self._read(state, name, fd)
+        for name, fd in list(state.fds.items()):
+            while name in state.fds and self._read(state, name, fd):
+                pass
         self._pending.append(Exited(state.rank, state.returncode))
 
     @staticmethod
