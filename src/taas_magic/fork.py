@@ -101,6 +101,7 @@ class ForkedRanks:
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
+        self._gate: tuple[int, int] | None = None  # held shut while the processes of a run are forked
 
     @classmethod
     def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
@@ -112,6 +113,7 @@ class ForkedRanks:
         """
         group = cls()
         service = None
+        group._gate = os.pipe()
         try:
             if task.loaders:
                 service = DataService(task.loaders, _namespace(task), len(envs))
@@ -128,9 +130,22 @@ class ForkedRanks:
             group.close()
             raise
         finally:
+            group._open_gate()
             if service is not None:
                 service.close()
         return group
+
+    def _open_gate(self) -> None:
+        """Let every forked process go on: closing the gate's last write end wakes them all at once.
+
+        A forked process waits at the gate until all are forked: forks run one after the other,
+        and each is several times slower while the processes forked before it run on the same
+        cores. The ranks meet at the rendezvous anyway, so none loses anything by waiting.
+        """
+        if self._gate is not None:
+            for fd in self._gate:
+                os.close(fd)
+            self._gate = None
 
     # -- starting ---------------------------------------------------------------------------
     def fork(self, rank: int, env: dict[str, str], task: Any, sockets: Collection[int] = (),
@@ -149,6 +164,7 @@ class ForkedRanks:
         if pid == 0:  # the rank: never returns into the supervisor's code
             status = child.EXIT_FAILED
             try:
+                self._wait_at_gate()
                 os.setpgid(0, 0)
                 self._close_supervisor_side(pipes)
                 fds = child.RankFds(
@@ -175,6 +191,20 @@ class ForkedRanks:
         if hasattr(os, "pidfd_open"):
             state.pidfd = os.pidfd_open(pid)
             self._selector.register(state.pidfd, selectors.EVENT_READ, (rank, "exit"))
+
+    def _wait_at_gate(self) -> None:
+        """In a new process: until the supervisor has forked them all (``_open_gate``)."""
+        if self._gate is None:
+            return
+        gate_read, gate_write = self._gate
+        os.close(gate_write)
+        while True:
+            try:
+                os.read(gate_read, 1)  # end of file: the supervisor closed its end
+                break
+            except InterruptedError:
+                continue
+        os.close(gate_read)
 
     def watch(self, fd: int) -> None:
         """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
