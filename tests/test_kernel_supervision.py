@@ -197,24 +197,25 @@ print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_
             ports = {p for end in found["ends"] for p in end}
             assert not ports & kernel_ports
             assert all(port in end for end in found["ends"]), "the run's store is the only network socket"
-    assert seen[1][0]["count"] == 0, "rank 1 holds no socket before it joins the process group"
-    assert seen[0][0]["count"] >= 1 and seen[0][0]["count"] == len(seen[0][0]["ends"]), "rank 0: the store alone"
+    assert seen[0][0]["count"] == seen[1][0]["count"] == 0, "no rank holds a socket before it joins the process group"
 
 
 # -- 3. only this machine can talk to a run --------------------------------------------------------------
 @pytest.mark.parametrize("start", STARTS)
 def test_every_socket_a_run_listens_on_is_on_loopback(kernel, start):
     result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
-import psutil, torch.distributed as dist
+import json, os, psutil, torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://")
 dist.barrier()
-listening = sorted({{c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"}})
-print("LISTENING", listening)
+def listening(process):
+    return sorted({{c.laddr.ip for c in process.net_connections("inet") if c.status == "LISTEN"}})
+supervisor = psutil.Process(os.getppid())
+print("LISTENING", json.dumps([listening(psutil.Process()), listening(supervisor)]))
 dist.barrier()
 dist.destroy_process_group()
 """).ok()
-    found = re.findall(r"\[rank (\d)\] LISTENING (.*)", result.stdout)
+    found = [json.loads(data) for data in re.findall(r"\[rank \d\] LISTENING (.*)", result.stdout)]
     assert len(found) == 2
-    for _, addresses in found:
-        assert set(eval(addresses)) <= {"127.0.0.1", "::1"}, addresses
-    assert dict(found)["0"] != "[]", "rank 0 serves the store"
+    for rank, supervisor in found:
+        assert set(rank) | set(supervisor) <= {"127.0.0.1", "::1"}, (rank, supervisor)
+    assert found[0][1] == ["127.0.0.1"], "the supervisor serves the run's store on loopback"

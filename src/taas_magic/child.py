@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, FrozenSet
 
-from . import containment, rendezvous
+from . import containment
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -37,7 +37,6 @@ class RankFds:
     results: int  # rank 0's pickled names, written once at the end
     lifeline: int  # read end of a pipe only the supervisor writes: EOF means the supervisor is gone
     sockets: FrozenSet[int] = frozenset()  # inherited sockets this process needs (its delivery channels)
-    store: int | None = None  # rank 0: the run's listening socket, on which it serves the TCPStore
 
 
 def settle_forked_process() -> None:
@@ -62,8 +61,6 @@ def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     os.environ.update(env)
     shell = _detach_from_kernel()
     _look_like_a_script()
-    if fds.store is not None:
-        rendezvous.serve_store(fds.store, env)
     return shell
 
 

@@ -14,7 +14,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -104,12 +103,10 @@ class ForkedRanks:
         self._gate: tuple[int, int] | None = None  # held shut while the processes of a run are forked
 
     @classmethod
-    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
-              store: socket.socket | None = None) -> "ForkedRanks":
+    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
-        Every process keeps only the sockets it needs: its own delivery channels, and for rank 0
-        the store's listening socket.
+        Every process keeps only the sockets it needs: its own delivery channels.
         """
         group = cls()
         service = None
@@ -120,12 +117,8 @@ class ForkedRanks:
                 for key, producer in service.producers():
                     group.fork(key, _producer_env(envs), producer, sockets=service.producer_sockets(key))
                 task = dataclasses.replace(task, loaders=service.rank_loaders())
-            first = min(envs)
             for rank, env in sorted(envs.items()):
-                own = service.rank_sockets(rank) if service is not None else set()
-                listener = store.fileno() if store is not None and rank == first else None
-                group.fork(rank, env, task, sockets=own | ({listener} if listener is not None else set()),
-                           store=listener)
+                group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
         except BaseException:
             group.close()
             raise
@@ -148,8 +141,7 @@ class ForkedRanks:
             self._gate = None
 
     # -- starting ---------------------------------------------------------------------------
-    def fork(self, rank: int, env: dict[str, str], task: Any, sockets: Collection[int] = (),
-             store: int | None = None) -> None:
+    def fork(self, rank: int, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
         """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer (negative key)."""
         pipes: dict[str, tuple[int, int]] = {}
         try:
@@ -170,7 +162,7 @@ class ForkedRanks:
                 fds = child.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
-                    sockets=frozenset(sockets), store=store,
+                    sockets=frozenset(sockets),
                 )
                 status = task.run(env, fds)
             except BaseException:

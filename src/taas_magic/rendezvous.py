@@ -1,11 +1,11 @@
 """A fresh rendezvous for every run, reachable from this machine only.
 
 The run's supervisor opens the listening socket of torch's TCPStore itself, bound to the
-loopback address, before any rank starts: the port cannot be taken by anyone else between
-choosing and using it, and rank 0's store serves on exactly that socket instead of binding
-every interface as ``init_process_group`` would on its own. All ranks, rank 0 included, are
-then told (``TORCHELASTIC_USE_AGENT_STORE``, as torchrun's agent does) to connect to it as
-clients, so ``init_process_group("nccl", init_method="env://")`` works unchanged.
+loopback address, before any rank starts, and serves the store on exactly that socket, as
+torchrun's agent does: the port cannot be taken by anyone else between choosing and using it,
+and nothing binds every interface as rank 0's ``init_process_group`` would on its own. All
+ranks are told (``TORCHELASTIC_USE_AGENT_STORE``) to connect to it as clients, so
+``init_process_group("nccl", init_method="env://")`` works unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 import uuid
 from typing import Any
 
-_store: Any = None  # rank 0's store server, alive as long as the rank
+_store: Any = None  # the run's store server, alive as long as the supervisor
 
 
 def new_run_id() -> str:
@@ -43,10 +43,10 @@ def with_store(envs: dict[int, dict[str, str]], listener: socket.socket) -> dict
 
 
 def serve_store(listener_fd: int, env: dict[str, str]) -> None:
-    """In rank 0: serve the run's TCPStore on the inherited listening socket, for the rank's lifetime.
+    """In the supervisor, once the ranks are forked: serve the run's TCPStore on its listening socket.
 
-    Clients that connect before this runs wait in the socket's backlog, so no rank ever sees a
-    refused connection.
+    Ranks that connect before this runs wait in the socket's backlog, so none ever sees a refused
+    connection. Its server thread starts only after the last fork, as threads and forks do not mix.
     """
     global _store
     from torch._C._distributed_c10d import TCPStore

@@ -80,14 +80,19 @@ class _Supervisor:
         from .fork import ForkedRanks
 
         try:
-            group = ForkedRanks.start(envs, make_task(), store=listener)
+            group = ForkedRanks.start(envs, make_task())
         except Exception as e:
             self._send("failed", f"{type(e).__name__}: {e}")
             return
-        finally:
-            listener.close()  # rank 0 serves the store on its own copy
-        # Only now, not to delay the ranks (each drops what it inherited itself): the kernel's sockets.
-        containment.drop_sockets({self.channel.fileno()})
+        # Only now, while the ranks start, not to delay them: dropping the kernel's sockets, then the
+        # store the ranks are about to join (they wait in its listening socket's backlog until it serves).
+        try:
+            containment.drop_sockets({self.channel.fileno(), listener.fileno()})
+            rendezvous.serve_store(listener.fileno(), envs[min(envs)])
+        except Exception as e:
+            group.close()
+            self._send("failed", f"the run's store could not be served: {type(e).__name__}: {e}")
+            return
         try:
             group.watch(self.channel.fileno())
             self._send("started", os.getpid(), int(envs[min(envs)]["MASTER_PORT"]), sorted(group.ranks))
