@@ -85,7 +85,12 @@ def _tie_life_to_supervisor(lifeline: int) -> None:
 
 
 def end_descendants() -> None:
-    """Whatever the cell started and left running ends with the rank, even outside its process group."""
+    """Whatever the cell started and left running ends with the rank, even outside its process group.
+
+    A DataLoader's SIGCHLD handler would take its workers' deaths for a failure: the rank is
+    ending, so no handler of the cell's runs any more.
+    """
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for pid in containment.descendants(os.getpid()):
         containment.kill(pid, signal.SIGKILL)
 
