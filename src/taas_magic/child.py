@@ -24,6 +24,7 @@ from . import containment
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+END_SECONDS = 5.0  # the most a rank spends ending what its cell left running
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,15 @@ def _tie_life_to_supervisor(lifeline: int) -> None:
 def end_descendants() -> None:
     """Whatever the cell started and left running ends with the rank, even outside its process group.
 
+    They are reaped here too (the rank is a subreaper: all of them are its to reap), so none still
+    holds the rank's pipes when it exits: the rank's last output and results are whole at its exit.
     A DataLoader's SIGCHLD handler would take its workers' deaths for a failure: the rank is
     ending, so no handler of the cell's runs any more.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for pid in containment.descendants(os.getpid()):
+    for pid in containment.descendants(os.getpid()):  # the whole tree first: each kill hands its children to us
         containment.kill(pid, signal.SIGKILL)
+    containment.end_all_children(END_SECONDS)
 
 
 def _redirect_output(stdout_fd: int, stderr_fd: int) -> None:
