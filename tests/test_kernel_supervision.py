@@ -131,16 +131,16 @@ def test_no_escaped_process_outlives_its_run(kernel, start, options, ending, int
     assert wait_gone(escaped) == [], "each run's processes are gone within 10 s of its end"
 
 
-@pytest.mark.parametrize("ending", ["", "os.kill(os.getpid(), 9)"])
+@pytest.mark.parametrize("ending", ["", "if taas.rank() == 1:\n    time.sleep(0.3)\n    os.kill(os.getpid(), 9)"])
 def test_a_background_process_holding_a_ranks_output_does_not_delay_the_cells_end(kernel, ending):
     result = kernel.execute(f"""#pragma taas --gpus 2
-import os, subprocess
+import os, subprocess, taas, time
 subprocess.Popen(["sleep", "30"], start_new_session=True)  # holds the rank's stdout and stderr
 print("started", flush=True)
 {ending}
 """)
     assert result.stdout.count("started") == 2
-    assert result.seconds < 1.5, f"the cell took {result.seconds:.2f} s"
+    assert result.seconds < 2.0, f"the cell took {result.seconds:.2f} s"
 
 
 @pytest.mark.parametrize("start", STARTS)
