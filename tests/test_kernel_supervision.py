@@ -120,8 +120,8 @@ print("ESCAPED", " ".join(map(str, pids)), flush=True)
     ("", "", None),
     ("--timeout 2", "time.sleep(60)", None),
     ("", "time.sleep(60)", 2.5),
-    ("", "raise ValueError('after escaping')", None),
-    ("", "os.kill(os.getpid(), 9)", None),
+    ("", "time.sleep(0.5)  # both ranks have escaped before either fails\nraise ValueError('after escaping')", None),
+    ("", "time.sleep(0.5)\nos.kill(os.getpid(), 9)", None),
 ])
 def test_no_escaped_process_outlives_its_run(kernel, start, options, ending, interrupt):
     result = kernel.execute(ESCAPE.format(start=start, options=options, ending=ending), interrupt_after=interrupt,
