@@ -111,11 +111,7 @@ def _tend(supervisors: dict[int, int]) -> None:
             os.close(pidfd)
             del supervisors[pidfd]
             os.waitpid(pid, 0)
-    running = set(supervisors.values())
-    for pid in containment.children():
-        if pid not in running:
-            containment.kill(pid, signal.SIGKILL)
-    containment.reap_strays(running)
+    containment.end_all_children(0.0, spare=set(supervisors.values()))  # one pass: the loop comes back
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import stat
 import time
 from typing import Callable, Collection
 
-PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 _prctl: Callable[..., int] | None
@@ -31,11 +30,6 @@ def become_subreaper() -> None:
     """Orphans of this process's descendants become its children instead of init's."""
     if _prctl is not None:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
-
-
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, signum)
 
 
 def children(pid: int | None = None) -> list[int]:

@@ -190,12 +190,7 @@ class ForkedRanks:
             return
         gate_read, gate_write = self._gate
         os.close(gate_write)
-        while True:
-            try:
-                os.read(gate_read, 1)  # end of file: the supervisor closed its end
-                break
-            except InterruptedError:
-                continue
+        os.read(gate_read, 1)  # returns at end of file: the supervisor closed its end (EINTR is retried)
         os.close(gate_read)
 
     def watch(self, fd: int) -> None:
