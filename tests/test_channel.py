@@ -47,47 +47,33 @@ def test_a_body_larger_than_a_datagram_travels_in_a_memory_file(pair):
 
 
 def test_a_peer_without_the_secret_is_refused(pair):
-    _, b = pair
-    left, right = socket_pair()
-    intruder = Channel(left, new_secret(), "run-1")
-    victim = Channel(right, b._secret, "run-1")
-    intruder.send("events", ["forged"])
+    a, b = pair
+    Channel(a.sock, new_secret(), "run-1").send("events", ["forged"])  # the same socket, another secret
     with pytest.raises(ChannelBroken, match="authentication"):
-        victim.receive()
-    left.close()
-    right.close()
+        b.receive()
 
 
-def test_raw_bytes_are_refused():
-    left, right = socket_pair()
-    left.send(b"\x00" * 80)
+def test_raw_bytes_are_refused(pair):
+    a, b = pair
+    a.sock.send(b"\x00" * 80)
     with pytest.raises(ChannelBroken):
-        Channel(right, new_secret(), "run-1").receive()
-    left.close()
-    right.close()
+        b.receive()
 
 
-def test_a_replayed_sequence_number_is_refused():
-    left, right = socket_pair()
-    secret = new_secret()
-    receiver = Channel(right, secret, "run-1")
-    Channel(left, secret, "run-1").send("once")
-    assert receiver.receive()[0] == "once"
-    Channel(left, secret, "run-1").send("again")  # knows the secret, but numbers its messages from 1 again
+def test_a_replayed_sequence_number_is_refused(pair):
+    a, b = pair
+    a.send("once")
+    assert b.receive()[0] == "once"
+    Channel(a.sock, b._secret, "run-1").send("again")  # knows the secret, but numbers its messages from 1 again
     with pytest.raises(ChannelBroken, match="after message"):
-        receiver.receive()
-    left.close()
-    right.close()
+        b.receive()
 
 
-def test_a_message_of_another_run_is_refused():
-    left, right = socket_pair()
-    secret = new_secret()
-    Channel(left, secret, "run-old").send("events", [])
+def test_a_message_of_another_run_is_refused(pair):
+    a, b = pair
+    Channel(a.sock, b._secret, "run-old").send("events", [])
     with pytest.raises(ChannelBroken, match="run-old"):
-        Channel(right, secret, "run-new").receive()
-    left.close()
-    right.close()
+        b.receive()
 
 
 def test_an_interrupted_send_leaves_a_gap_never_a_half_message(pair, monkeypatch):
