@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
+import textwrap
 from typing import Callable
 
 import pytest
@@ -21,6 +24,25 @@ def test_rank_seeds_differ_per_rank_and_library_and_never_change() -> None:
     assert all(0 <= s.numpy < 2**32 and 0 <= s.torch < 2**63 and 0 <= s.random < 2**63 for s in seeds)
     # Fixed: the same in forked and spawned ranks, on this machine and another, in this release and the next.
     assert rank_seeds(0, 0) == RankSeeds(torch=5352255284884154797, random=6087782115342167619, numpy=1767605303)
+
+
+def test_numpy_is_seeded_when_the_cell_first_imports_numpy_random() -> None:
+    """A rank does not import numpy.random itself (milliseconds per rank): it seeds it on import."""
+    script = textwrap.dedent("""
+        import sys, torch
+        assert "numpy.random" not in sys.modules, "the test needs a process that has not imported it"
+        from taas_magic.rank_state import rank_seeds, seed_rank
+        seed_rank(12345, 3, "cpu")
+        assert "numpy.random" not in sys.modules, "seeding imported numpy.random"
+        import numpy.random
+        drawn = numpy.random.rand(3).tolist()
+        numpy.random.seed(rank_seeds(12345, 3).numpy)
+        assert drawn == numpy.random.rand(3).tolist(), "seeded on import with the rank's own seed"
+        assert not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path), "the hook stepped aside"
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr
 
 
 def in_a_child(work: Callable[[], object]) -> object:

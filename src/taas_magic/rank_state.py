@@ -15,10 +15,13 @@ never initializes CUDA.
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.machinery
 import random
 import sys
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, Callable, Sequence
 
 # torch's process-wide settings as attribute paths under `torch`, in the order they are applied.
 # TF32 first through the older flags, then the float32 matmul precision, then (torch >= 2.9) the
@@ -73,16 +76,18 @@ def rank_seeds(base: int, rank: int) -> RankSeeds:
 
 
 def seed_rank(base: int, rank: int, device: str) -> None:
-    """Seed this rank's `random`, NumPy (if imported) and torch generators.
+    """Seed this rank's `random`, NumPy and torch generators (NumPy's when the cell first imports `numpy.random`).
 
     On CUDA runs ``torch.manual_seed`` also seeds the GPUs' generators (lazily, when CUDA starts);
     on CPU runs only the CPU generator is seeded, which is all there is.
     """
     seeds = rank_seeds(base, rank)
     random.seed(seeds.random)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seeds.numpy)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed(seeds.numpy)
+    else:  # importing it costs a rank milliseconds: seed it if and when the cell imports it
+        sys.meta_path.insert(0, _AfterImport("numpy.random", lambda module: module.seed(seeds.numpy)))
     torch = sys.modules.get("torch")
     if torch is None:
         return
@@ -90,6 +95,31 @@ def seed_rank(base: int, rank: int, device: str) -> None:
         torch.manual_seed(seeds.torch)
     else:
         torch.default_generator.manual_seed(seeds.torch)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then(module)`` once module ``name`` has been imported, the first time it is; then steps aside."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]):
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        load, then = spec.loader.exec_module, self.then
+
+        def exec_module(module: ModuleType) -> None:
+            load(module)
+            then(module)
+
+        setattr(spec.loader, "exec_module", exec_module)
+        return spec
 
 
 @dataclass(frozen=True)
