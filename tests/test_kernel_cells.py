@@ -38,6 +38,10 @@ def test_pragma_options_expand_notebook_variables(kernel):
     assert result.stdout.count("3\n") == 3
     result = kernel.execute("#pragma taas --gpus $GPUS --output rank0\nimport taas\nprint(taas.world_size())").ok()
     assert result.stdout == "3\n"
+    # From a function, its own local names expand, as IPython expands them for any magic.
+    result = kernel.execute("def launch(ranks):\n    get_ipython().run_cell_magic('taas', '--gpus $ranks --output rank0', "
+                            "'import taas\\nprint(taas.world_size())')\nlaunch(2)").ok()
+    assert result.stdout == "2\n"
 
 
 def test_the_cell_magic_works_without_the_pragma(kernel):

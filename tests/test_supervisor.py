@@ -51,6 +51,17 @@ def test_the_kernel_learns_the_processes_of_the_run_when_it_starts(ends):
     assert group.running() == {-1, 1}
 
 
+def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
+    group, supervisor = ends
+    supervisor.send("started", group.stand_in_pid, 12345, [0, 1])
+    group.wait_started(5)
+    supervisor.send("events", [Exited(0, 0)])
+    supervisor.send("closed", {0: 0, 1: 3}, [Output(1, "stdout", b"bye\n"), Exited(1, 3)])
+    assert group.events(1) == [Exited(0, 0)]
+    assert group.events(1) == [Output(1, "stdout", b"bye\n"), Exited(1, 3)]
+    assert group.running() == set() and group.finished and group.codes == {0: 0, 1: 3}
+
+
 def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
     group, supervisor = ends
     supervisor.send("failed", "ModuleNotFoundError: No module named 'gone'")
@@ -60,7 +71,7 @@ def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
 
 @pytest.mark.parametrize("message, expected", [
     (("lost", "the process that started the run's supervisor died"), "supervisor died"),
-    (("closed", {0: 0}), "ended the run on its own"),
+    (("closed", {0: 0}, [Exited(0, 0)]), "ended the run on its own"),
     (("surprise",), "unexpected message 'surprise'"),
 ])
 def test_a_run_the_supervisor_ended_or_garbled_is_lost_and_closed(ends, message, expected):
@@ -89,7 +100,7 @@ def test_close_waits_for_the_supervisor_to_say_everything_is_gone(ends):
         kind, _, _ = supervisor.receive()
         assert kind == "close"
         time.sleep(0.3)
-        supervisor.send("closed", {0: 0, 1: -9})
+        supervisor.send("closed", {0: 0, 1: -9}, [])
 
     helper = threading.Thread(target=answer)
     helper.start()

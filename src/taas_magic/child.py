@@ -38,6 +38,14 @@ class RankFds:
     results: int  # rank 0's pickled names, written once at the end
     lifeline: int  # read end of a pipe only the supervisor writes: EOF means the supervisor is gone
     sockets: FrozenSet[int] = frozenset()  # inherited sockets this process needs (its delivery channels)
+    gate: int | None = None  # read end of a pipe the supervisor holds shut until it has forked every process
+
+
+def wait_at_gate(fds: RankFds) -> None:
+    """Once set up, before its real work: until the supervisor has forked every process of the run."""
+    if fds.gate is not None:
+        os.read(fds.gate, 1)  # returns at end of file: the supervisor closed its end (EINTR is retried)
+        os.close(fds.gate)
 
 
 def settle_forked_process() -> None:

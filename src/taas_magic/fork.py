@@ -17,7 +17,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from . import channel, child, containment, tempfiles, worker
 from .backend import Event, Exited, Output, Report, Result
@@ -103,10 +103,12 @@ class ForkedRanks:
         self._gate: tuple[int, int] | None = None  # held shut while the processes of a run are forked
 
     @classmethod
-    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
+    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
+              before_opening: Callable[[], None] = lambda: None) -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
-        Every process keeps only the sockets it needs: its own delivery channels.
+        Every process keeps only the sockets it needs: its own delivery channels. Once all are
+        forked, ``before_opening`` prepares what they need first (the run's store), then they go on.
         """
         group = cls()
         service = None
@@ -119,6 +121,7 @@ class ForkedRanks:
                 task = dataclasses.replace(task, loaders=service.rank_loaders())
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
+            before_opening()
         except BaseException:
             group.close()
             raise
@@ -131,9 +134,11 @@ class ForkedRanks:
     def _open_gate(self) -> None:
         """Let every forked process go on: closing the gate's last write end wakes them all at once.
 
-        A forked process waits at the gate until all are forked: forks run one after the other,
-        and each is several times slower while the processes forked before it run on the same
-        cores. The ranks meet at the rendezvous anyway, so none loses anything by waiting.
+        A forked process sets itself up, then waits at the gate (``child.wait_at_gate``) until all
+        are forked and the run's store is served: forks run one after the other, and each is
+        several times slower while the processes forked before it run the cell on the same cores.
+        Their set-up is short, and uses a core the forking leaves idle. The ranks meet at the
+        rendezvous anyway, so none loses anything by waiting.
         """
         if self._gate is not None:
             for fd in self._gate:
@@ -156,13 +161,12 @@ class ForkedRanks:
         if pid == 0:  # the rank: never returns into the supervisor's code
             status = child.EXIT_FAILED
             try:
-                self._wait_at_gate()
                 os.setpgid(0, 0)
                 self._close_supervisor_side(pipes)
                 fds = child.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
-                    sockets=frozenset(sockets),
+                    sockets=frozenset(sockets), gate=self._gate[0] if self._gate is not None else None,
                 )
                 status = task.run(env, fds)
             except BaseException:
@@ -184,15 +188,6 @@ class ForkedRanks:
             state.pidfd = os.pidfd_open(pid)
             self._selector.register(state.pidfd, selectors.EVENT_READ, (rank, "exit"))
 
-    def _wait_at_gate(self) -> None:
-        """In a new process: until the supervisor has forked them all (``_open_gate``)."""
-        if self._gate is None:
-            return
-        gate_read, gate_write = self._gate
-        os.close(gate_write)
-        os.read(gate_read, 1)  # returns at end of file: the supervisor closed its end (EINTR is retried)
-        os.close(gate_read)
-
     def watch(self, fd: int) -> None:
         """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
         self._selector.register(fd, selectors.EVENT_READ, None)
@@ -200,6 +195,8 @@ class ForkedRanks:
     def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]]) -> None:
         """In a new rank: drop every descriptor that belongs to the supervisor's side of the run."""
         fds = [self._lifeline_write] + [ends[0] for ends in own_pipes.values()]
+        if self._gate is not None:
+            fds.append(self._gate[1])  # its last write end closes in the supervisor: the gate opens
         for other in self.ranks.values():
             fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
         for fd in fds:

@@ -11,7 +11,7 @@ from types import CodeType
 from typing import Any
 
 from IPython.core.interactiveshell import InteractiveShell
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 
 from . import aliases, controller, machine, options, results, shipping, streams
 from .backend import Backend
@@ -40,6 +40,7 @@ class TaasMagics(Magics):
         self.spawn_backend = SpawnBackend()
 
     @options.declare
+    @no_var_expand  # done in the magic, only where there is something to expand (_expand_variables)
     @line_cell_magic
     def taas(self, line: str, cell: str | None = None) -> None:
         """Run this cell as a distributed PyTorch job: one process (rank) per GPU.
@@ -49,7 +50,7 @@ class TaasMagics(Magics):
         works unchanged and Lightning needs no init. `#!g2.8` / `#pragma taas --gpus 8` at the
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
         """
-        args = options.parse(TaasMagics.taas, line)
+        args = options.parse(TaasMagics.taas, _expand_variables(self.ipython, line))
         if cell is None:
             if args.check:
                 self._check_configuration(args.check)
@@ -212,6 +213,18 @@ def _show_header_as_written(filename: str, source: str, cell: str, raw_cell: str
         return
     shown = lines[first : first + count] + [line + "\n" for line in source.splitlines()][count:]
     linecache.cache[filename] = (len(source), None, shown, filename)
+
+
+def _expand_variables(shell: InteractiveShell, line: str) -> str:
+    """IPython's `$name` / `{expression}` expansion of the options line, as in any magic.
+
+    IPython does it by copying the notebook's whole namespace first: milliseconds in a notebook
+    that holds tens of thousands of names, on every cell. Lines without `$` or `{` (nearly all)
+    have nothing to expand.
+    """
+    if "$" not in line and "{" not in line:
+        return line
+    return str(shell.var_expand(line, depth=3))  # the names seen where the magic was called: its locals too
 
 
 def _import_torch_once() -> None:

@@ -13,8 +13,8 @@ server) dies.
 
 Requests, kernel → supervisor: ("signal", signum, ranks | None), ("stacks", ranks, timeout),
 ("close",). Messages, supervisor → kernel: ("started", pid, port, process keys) or ("failed", text), then
-("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}) last,
-once every process of the run has exited or the kernel asked;
+("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}, [Event, …])
+last, with the events that came with the end, once every process of the run has exited or the kernel asked;
 ("lost", why) instead when the supervisor had to end the run on its own.
 """
 
@@ -24,15 +24,18 @@ import os
 import select
 import signal
 import socket
-import threading
+import _thread
 import time
 import traceback
-from typing import Any, Callable, Iterable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
 from . import containment, rendezvous
 from .backend import Event, Exited
 from .channel import Channel, ChannelBroken
 from .errors import TaasRunError
+
+if TYPE_CHECKING:
+    from .fork import ForkedRanks
 
 PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
 CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
@@ -79,24 +82,24 @@ class _Supervisor:
     def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any], listener: socket.socket) -> None:
         from .fork import ForkedRanks
 
+        def serve_the_store() -> None:
+            """Once every process is forked (a server thread must not be forked), before they go on."""
+            try:
+                containment.drop_sockets({self.channel.fileno(), listener.fileno()})
+                rendezvous.serve_store(listener.fileno(), envs[min(envs)])
+            except Exception as e:
+                raise _StoreFailed(f"the run's store could not be served: {type(e).__name__}: {e}") from e
+
         try:
-            group = ForkedRanks.start(envs, make_task())
+            group = ForkedRanks.start(envs, make_task(), before_opening=serve_the_store)
         except Exception as e:
-            self._send("failed", f"{type(e).__name__}: {e}")
+            self._send("failed", str(e) if isinstance(e, _StoreFailed) else f"{type(e).__name__}: {e}")
             return
-        # Only now, while the ranks start, not to delay them: dropping the kernel's sockets, then the
-        # store the ranks are about to join (they wait in its listening socket's backlog until it serves).
-        try:
-            containment.drop_sockets({self.channel.fileno(), listener.fileno()})
-            rendezvous.serve_store(listener.fileno(), envs[min(envs)])
-        except Exception as e:
-            group.close()
-            self._send("failed", f"the run's store could not be served: {type(e).__name__}: {e}")
-            return
+        last: list[Event] = []
         try:
             group.watch(self.channel.fileno())
             self._send("started", os.getpid(), int(envs[min(envs)]["MASTER_PORT"]), sorted(group.ranks))
-            self._relay(group)
+            last = self._relay(group)
         except ChannelBroken:
             pass  # the kernel gave up on the run, or is gone: end it
         except _Orphaned:
@@ -106,20 +109,24 @@ class _Supervisor:
         containment.end_all_children(STOP_SECONDS)
         codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
         try:
-            self._send("closed", codes)
+            self._send("closed", codes, last)
         except ChannelBroken:
-            pass
+            return
+        _step_aside()
 
-    def _relay(self, group: Any) -> None:
+    def _relay(self, group: "ForkedRanks") -> list[Event]:
         """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
-        every process of the run has exited (then the kernel need not ask: it learns at once)."""
+        every process of the run has exited (then the kernel need not ask: it learns at once).
+
+        Returns the events that came with the last exit: they go with the word that the run is over.
+        """
         ours = {state.pid for state in group.ranks.values()}  # reaped by the group itself
         while True:
             events = group.events(PARENT_CHECK_SECONDS)
+            if not group.running():
+                return events
             if events:
                 self._send("events", events)
-            if not group.running():
-                return
             if os.getppid() != self.parent:
                 raise _Orphaned()
             containment.reap_strays(ours)
@@ -128,7 +135,7 @@ class _Supervisor:
                 for fd in fds:
                     os.close(fd)
                 if kind == "close":
-                    return
+                    return []
                 if kind == "signal":
                     group.signal(fields[0], fields[1])
                 elif kind == "stacks":
@@ -146,6 +153,19 @@ class _Supervisor:
             self._send("lost", why)
         except ChannelBroken:
             pass
+
+
+def _step_aside() -> None:
+    """The run is over and the kernel told: this process's exit (tearing down a copy of the kernel's
+    memory) must not take the CPU from the kernel finishing the cell."""
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+
+class _StoreFailed(Exception):
+    """The run's store could not be served: the message says why."""
 
 
 class _Orphaned(Exception):
@@ -210,11 +230,12 @@ class SupervisorProcess:
         """The supervisor said the run is over and is exiting: let it, without waiting.
 
         Its exit takes milliseconds (tearing down a copy of the kernel's memory) that nobody
-        needs to wait for; a kernel's child is reaped by a short-lived thread the moment it is gone.
+        needs to wait for; a kernel's child is reaped by a short-lived thread the moment it is gone
+        (a bare one: ``threading`` would wait for it to start).
         """
         self.close()
         if self.is_child:
-            threading.Thread(target=_reap, args=(self.pid, 0), name="taas-reap", daemon=True).start()
+            _thread.start_new_thread(_reap, (self.pid, 0))
 
 
 def _reap(pid: int, options: int) -> None:
@@ -369,11 +390,14 @@ class SupervisedRanks:
                 if isinstance(event, Exited):
                     self.alive.discard(event.rank)
             self.pending.extend(fields[0])
-        elif kind == "closed" and not self.alive:  # every process exited: the run is over
+        elif kind == "closed":
+            self._take("events", (fields[1],))  # the events that came with the end
+            if self.alive:
+                self._lose("the run's supervisor ended the run on its own")
             self.codes = dict(fields[0])
-            self.finished = True
-        elif kind in ("lost", "closed"):  # the supervisor ended the run without being asked
-            self._lose(fields[0] if kind == "lost" else "the run's supervisor ended the run on its own")
+            self.finished = True  # every process exited: the run is over
+        elif kind == "lost":  # the supervisor ended the run without being asked
+            self._lose(fields[0])
         elif kind != "stacks":  # a reply that came after its request timed out
             self._lose(f"unexpected message {kind!r}")
 

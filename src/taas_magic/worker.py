@@ -27,6 +27,7 @@ from .child import (
     flush_all,
     print_display_data,
     report,
+    wait_at_gate,
     write_all,
 )
 from .rank_state import TorchSettings, seed_rank
@@ -91,6 +92,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
         namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
     if task.seed is not None:
         seed_rank(task.seed, rank, task.device)
+    wait_at_gate(fds)
     try:
         return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
     finally:

@@ -55,6 +55,7 @@ class ProducerTask:
         # Stopped by taas (once the ranks are done, or after a failure): leave through the
         # `finally` blocks, so that the DataLoader workers and their temporary folder go too.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        child.wait_at_gate(fds)
         reports = threading.Lock()  # one line at a time on the report pipe
         if self.reports_stats:
             self._report_progress(fds, reports)
