@@ -203,19 +203,24 @@ print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_
 # -- 3. only this machine can talk to a run --------------------------------------------------------------
 @pytest.mark.parametrize("start", STARTS)
 def test_every_socket_a_run_listens_on_is_on_loopback(kernel, start):
+    kernel.execute("import os\nKERNEL_PID = os.getpid()").ok()
     result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
 import json, os, psutil, torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://")
 dist.barrier()
 def listening(process):
-    return sorted({{c.laddr.ip for c in process.net_connections("inet") if c.status == "LISTEN"}})
-supervisor = psutil.Process(os.getppid())
-print("LISTENING", json.dumps([listening(psutil.Process()), listening(supervisor)]))
+    return sorted({{(c.laddr.ip, c.laddr.port) for c in process.net_connections("inet") if c.status == "LISTEN"}})
+found = [listening(psutil.Process()), listening(psutil.Process(os.getppid())), listening(psutil.Process(KERNEL_PID))]
+print("LISTENING", os.environ["MASTER_PORT"], json.dumps(found))
 dist.barrier()
 dist.destroy_process_group()
 """).ok()
-    found = [json.loads(data) for data in re.findall(r"\[rank \d\] LISTENING (.*)", result.stdout)]
+    found = [(int(port), json.loads(data)) for port, data in re.findall(r"\[rank \d\] LISTENING (\d+) (.*)", result.stdout)]
     assert len(found) == 2
-    for rank, supervisor in found:
-        assert set(rank) | set(supervisor) <= {"127.0.0.1", "::1"}, (rank, supervisor)
-    assert found[0][1] == ["127.0.0.1"], "the supervisor serves the run's store on loopback"
+    for port, (rank, supervisor, kernel_side) in found:
+        assert {ip for ip, _ in rank + supervisor + kernel_side} <= {"127.0.0.1", "::1"}, (rank, supervisor, kernel_side)
+        assert supervisor == [], "the supervisor listens on nothing"
+        assert ["127.0.0.1", port] in kernel_side, "the kernel serves the run's store on loopback"
+    after = kernel.execute("import psutil\nprint(sorted({c.laddr.port for c in psutil.Process().net_connections('inet') "
+                           "if c.status == 'LISTEN'}))").ok().stdout
+    assert str(found[0][0]) not in after, "the store's port is closed with the run"

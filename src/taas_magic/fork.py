@@ -17,11 +17,12 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable
+from typing import Any, Collection, Iterable
 
 from . import channel, child, containment, tempfiles, worker
 from .backend import Event, Exited, Output, Report, Result
 from .delivery.service import DataService
+from .rendezvous import RunStore
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
 
 READ_SIZE = 1 << 16
@@ -50,6 +51,8 @@ class ForkBackend:
     def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> SupervisedRanks:
         run_id = envs[min(envs)]["TAAS_RUN_ID"]
         child.find_interactive_flags()  # here, where it touches no page shared with a child
+        store = RunStore(envs)
+        envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         try:
@@ -57,6 +60,7 @@ class ForkBackend:
         except BaseException:
             kernel_end.close()
             supervisor_end.close()
+            store.close()
             raise
         if pid == 0:  # the supervisor: never returns into the kernel's code
             try:
@@ -66,8 +70,9 @@ class ForkBackend:
                 supervise(channel.Channel(supervisor_end, secret, run_id), envs, lambda: task)
         supervisor_end.close()
         group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
-                                envs)
+                                envs, store=store)
         try:
+            store.serve()  # while the supervisor forks the ranks
             group.wait_started(START_SECONDS)
         except BaseException:
             group.close()
@@ -103,12 +108,10 @@ class ForkedRanks:
         self._gate: tuple[int, int] | None = None  # held shut while the processes of a run are forked
 
     @classmethod
-    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
-              before_opening: Callable[[], None] = lambda: None) -> "ForkedRanks":
+    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
-        Every process keeps only the sockets it needs: its own delivery channels. Once all are
-        forked, ``before_opening`` prepares what they need first (the run's store), then they go on.
+        Every process keeps only the sockets it needs: its own delivery channels.
         """
         group = cls()
         service = None
@@ -121,7 +124,6 @@ class ForkedRanks:
                 task = dataclasses.replace(task, loaders=service.rank_loaders())
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
-            before_opening()
         except BaseException:
             group.close()
             raise
@@ -135,10 +137,10 @@ class ForkedRanks:
         """Let every forked process go on: closing the gate's last write end wakes them all at once.
 
         A forked process sets itself up, then waits at the gate (``child.wait_at_gate``) until all
-        are forked and the run's store is served: forks run one after the other, and each is
-        several times slower while the processes forked before it run the cell on the same cores.
-        Their set-up is short, and uses a core the forking leaves idle. The ranks meet at the
-        rendezvous anyway, so none loses anything by waiting.
+        are forked: forks run one after the other, and each is several times slower while the
+        processes forked before it run the cell on the same cores. Their set-up is short, and uses
+        a core the forking leaves idle. The ranks meet at the rendezvous anyway, so none loses
+        anything by waiting.
         """
         if self._gate is not None:
             for fd in self._gate:

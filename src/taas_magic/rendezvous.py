@@ -1,11 +1,15 @@
 """A fresh rendezvous for every run, reachable from this machine only.
 
-The run's supervisor opens the listening socket of torch's TCPStore itself, bound to the
-loopback address, before any rank starts, and serves the store on exactly that socket, as
+The kernel opens the listening socket of torch's TCPStore itself, bound to the loopback
+address, and serves the store on exactly that socket for as long as the run lasts, as
 torchrun's agent does: the port cannot be taken by anyone else between choosing and using it,
 and nothing binds every interface as rank 0's ``init_process_group`` would on its own. All
 ranks are told (``TORCHELASTIC_USE_AGENT_STORE``) to connect to it as clients, so
 ``init_process_group("nccl", init_method="env://")`` works unchanged.
+
+Why the kernel: it waits anyway while the run's supervisor forks the ranks, so the store is
+ready by the time they need it, at no cost to the start. A store served by a process of the
+run would be started only after the last fork (its server thread must never be forked).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import socket
 import uuid
 from typing import Any
 
-_store: Any = None  # the run's store server, alive as long as the supervisor
+STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def new_run_id() -> str:
@@ -36,20 +40,42 @@ def listen(host: str) -> socket.socket:
     return sock
 
 
-def with_store(envs: dict[int, dict[str, str]], listener: socket.socket) -> dict[int, dict[str, str]]:
-    """The ranks' environments, pointed at the run's own store."""
-    port = str(listener.getsockname()[1])
-    return {rank: {**env, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank, env in envs.items()}
+class RunStore:
+    """The run's TCPStore: its socket listens from the start, it serves once ``serve`` is called.
 
-
-def serve_store(listener_fd: int, env: dict[str, str]) -> None:
-    """In the supervisor, once the ranks are forked: serve the run's TCPStore on its listening socket.
-
-    Ranks that connect before this runs wait in the socket's backlog, so none ever sees a refused
-    connection. Its server thread starts only after the last fork, as threads and forks do not mix.
+    Open it before the run's processes are forked (its port goes into their environments) and
+    serve it right after (its server thread is never forked with them); ranks that connect
+    earlier wait in the socket's backlog, so none ever sees a refused connection. ``close``
+    ends both, whatever was reached.
     """
-    global _store
-    from torch._C._distributed_c10d import TCPStore
 
-    _store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=True,
-                      wait_for_workers=False, master_listen_fd=listener_fd, timeout=datetime.timedelta(minutes=30))
+    def __init__(self, envs: dict[int, dict[str, str]]):
+        rank0 = envs[min(envs)]
+        self.host = rank0["MASTER_ADDR"]
+        self.world_size = int(rank0["WORLD_SIZE"])
+        self._listener: socket.socket | None = listen(self.host)
+        self.port: int = self._listener.getsockname()[1]
+        self._server: Any = None
+
+    def environments(self, envs: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
+        """The ranks' environments, pointed at this store."""
+        return {rank: {**env, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                for rank, env in envs.items()}
+
+    def serve(self) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        if self._listener is None:
+            raise RuntimeError("the run's store was closed before it could serve")
+        fd = self._listener.detach()  # the store owns it from here, and closes it when it ends
+        self._listener = None
+        # torch's classic server: the libuv one leaves a pipe of its own open in the kernel for good
+        self._server = TCPStore(self.host, self.port, self.world_size, is_master=True, wait_for_workers=False,
+                                master_listen_fd=fd, timeout=STORE_TIMEOUT, use_libuv=False)
+
+    def close(self) -> None:
+        """Stop serving and close the port: the store's server thread ends with its last reference."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._server = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from . import channel, memfile
 from .agent import CONTROL
 from .errors import TaasRunError
+from .rendezvous import RunStore
 from .shipping import Shipment
 from .supervisor import CLOSE_SECONDS, RunLost, SupervisedRanks
 from .worker import RankTask
@@ -148,22 +149,32 @@ class SpawnBackend:
         agent = self._agent
         assert agent is not None
         run_id = envs[min(envs)]["TAAS_RUN_ID"]
+        store = RunStore(envs)
+        envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         shipment = dataclasses.replace(request.shipment, tensors_fd=None)
         fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
         try:
             agent.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
-        except channel.ChannelBroken as e:
+        except BaseException as e:
             kernel_end.close()
-            raise AgentDied(agent.describe_death()) from e
+            store.close()
+            if isinstance(e, channel.ChannelBroken):
+                raise AgentDied(agent.describe_death()) from e
+            raise
         finally:
             supervisor_end.close()
 
         def lost(detail: str) -> str:
             return f"{detail}; {agent.describe_death()}" if not agent.alive() else detail
 
-        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost)
+        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
+        try:
+            store.serve()  # while the supervisor forks the ranks
+        except BaseException:
+            group.close()
+            raise
         group.wait_started(READY_SECONDS)
         return group
 

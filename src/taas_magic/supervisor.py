@@ -23,16 +23,16 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import _thread
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
-from . import containment, rendezvous
+from . import containment
 from .backend import Event, Exited
 from .channel import Channel, ChannelBroken
 from .errors import TaasRunError
+from .rendezvous import RunStore
 
 if TYPE_CHECKING:
     from .fork import ForkedRanks
@@ -62,8 +62,7 @@ def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Call
         os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         containment.become_subreaper()
-        listener = rendezvous.listen(envs[min(envs)]["MASTER_ADDR"])  # loopback for one-node runs
-        _Supervisor(channel, os.getppid()).serve(rendezvous.with_store(envs, listener), make_task, listener)
+        _Supervisor(channel, os.getppid()).serve(envs, make_task)
         status = 0
     except BaseException:
         traceback.print_exc()
@@ -79,24 +78,17 @@ class _Supervisor:
         self.channel = channel
         self.parent = parent
 
-    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any], listener: socket.socket) -> None:
+    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any]) -> None:
         from .fork import ForkedRanks
 
-        def serve_the_store() -> None:
-            """Once every process is forked (a server thread must not be forked), before they go on."""
-            try:
-                containment.drop_sockets({self.channel.fileno(), listener.fileno()})
-                rendezvous.serve_store(listener.fileno(), envs[min(envs)])
-            except Exception as e:
-                raise _StoreFailed(f"the run's store could not be served: {type(e).__name__}: {e}") from e
-
         try:
-            group = ForkedRanks.start(envs, make_task(), before_opening=serve_the_store)
+            group = ForkedRanks.start(envs, make_task())
         except Exception as e:
-            self._send("failed", str(e) if isinstance(e, _StoreFailed) else f"{type(e).__name__}: {e}")
+            self._send("failed", f"{type(e).__name__}: {e}")
             return
         last: list[Event] = []
         try:
+            containment.drop_sockets({self.channel.fileno()})  # the kernel's: only now, not to delay the ranks
             group.watch(self.channel.fileno())
             self._send("started", os.getpid(), int(envs[min(envs)]["MASTER_PORT"]), sorted(group.ranks))
             last = self._relay(group)
@@ -162,10 +154,6 @@ def _step_aside() -> None:
         os.nice(19)
     except OSError:
         pass
-
-
-class _StoreFailed(Exception):
-    """The run's store could not be served: the message says why."""
 
 
 class _Orphaned(Exception):
@@ -253,9 +241,10 @@ class SupervisedRanks:
     """
 
     def __init__(self, channel: Channel, process: SupervisorProcess | None, ranks: Iterable[int],
-                 on_lost: Callable[[str], str] | None = None):
+                 on_lost: Callable[[str], str] | None = None, store: RunStore | None = None):
         self.channel = channel
         self.process = process
+        self.store = store  # the run's TCPStore, served from the kernel until the run is closed
         self.alive = set(ranks)
         self.pending: list[Event] = []
         self.codes: dict[int, int] = {}
@@ -353,6 +342,8 @@ class SupervisedRanks:
                 if not self.process.wait(2.0):
                     self.process.kill()
                 self.process.close()
+            if self.store is not None:
+                self.store.close()
         if interrupted:
             raise KeyboardInterrupt
 
