@@ -96,3 +96,13 @@ def test_a_closed_peer_breaks_the_channel(pair):
     a.close()
     with pytest.raises(ChannelBroken, match="closed"):
         b.receive()
+
+
+def test_last_words_arrive_even_when_they_crossed_a_request_the_peer_never_read(pair):
+    a, b = pair
+    a.send("signal", 15)  # a request the other side will not read: it is done
+    b.send("closed", {0: 0})
+    b.close()
+    assert a.receive()[:2] == ("closed", ({0: 0},))
+    with pytest.raises(ChannelBroken, match="closed the channel"):
+        a.receive()

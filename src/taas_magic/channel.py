@@ -92,7 +92,7 @@ class Channel:
     def receive(self) -> tuple[str, tuple[Any, ...], list[int]]:
         """The next message as ``(kind, fields, fds)``; blocks until one arrives."""
         try:
-            datagram, fds, flags, _ = socket.recv_fds(self.sock, _TAG_SIZE + _HEADER.size + INLINE_LIMIT, _MAX_FDS)
+            datagram, fds, flags = self._receive_datagram()
         except OSError as e:
             raise ChannelBroken(f"the channel failed: {e}") from e
         try:
@@ -101,6 +101,16 @@ class Channel:
             for fd in fds:
                 os.close(fd)
             raise
+
+    def _receive_datagram(self) -> tuple[bytes, list[int], int]:
+        size = _TAG_SIZE + _HEADER.size + INLINE_LIMIT
+        try:
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, _MAX_FDS)
+        except ConnectionResetError:
+            # The other side closed before reading all we sent (a request that crossed its last
+            # words). The system says so once; what it sent before closing is still there to read.
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, _MAX_FDS)
+        return datagram, fds, flags
 
     def _open(self, datagram: bytes, fds: list[int], flags: int) -> tuple[str, tuple[Any, ...], list[int]]:
         if not datagram:
