@@ -62,6 +62,9 @@ class ProducerTask:
         try:
             self._produce()
             self._wait_for_the_ranks()
+            if self.reports_stats:  # the last counters, whenever the thread last looked
+                with reports:
+                    child.report(fds.report, self.counters.stats(self.name))
         except BaseException as error:
             child.flush_all()
             with reports:
@@ -80,11 +83,11 @@ class ProducerTask:
             pass_, index, _ = keys.popleft()
             destinations = self.plan.destinations(pass_, index)
             self._wait_for_window(destinations[0][1])
+            self.counters.produced[self.index] += 1  # before a rank can count it consumed
             for rank, _ in destinations:
                 if self.counters.wants(rank, pass_.number):  # not to a rank that left the pass or ended its cell
                     send(self.channels[rank], pass_.number, index, element)
                     self.counters.count_sent(self.index, rank)
-            self.counters.produced[self.index] += 1
 
     def wanted(self, pass_: Pass, index: int) -> bool:
         """Whether any rank element ``index`` of ``pass_`` is for still reads that pass."""
