@@ -77,6 +77,23 @@ torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"], "no temporary file remains"
 
 
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_names_the_notebook_gave_to_torch_save_and_init_process_group_are_replaced_too(kernel, tmp_path, start):
+    kernel.execute("from torch import save as keep\nfrom torch.distributed import init_process_group as join").ok()
+    target = tmp_path / f"by_alias_{start}.pt"
+    result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+import torch, taas
+join("nccl", init_method="env://")  # on CPU, served by gloo through the notebook's own name too
+keep({{"rank": taas.rank()}}, {str(target)!r})
+torch.distributed.destroy_process_group()
+""").ok()
+    assert f"taas: torch.save to {str(target)!r} skipped in rank 1" in result.stderr
+    assert "backend 'nccl' is served by 'gloo'" in result.stderr
+    import torch
+
+    assert torch.load(target) == {"rank": 0}
+
+
 def test_the_kernel_never_initializes_cuda_by_taking_results_back(kernel):
     kernel.execute("#pragma taas --gpus 2\nimport torch\nt = torch.ones(3)").ok()
     assert kernel.value("torch.cuda.is_initialized()") is False

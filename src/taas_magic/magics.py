@@ -63,7 +63,7 @@ class TaasMagics(Magics):
         loaders = self._loaders(spec, tree)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(top_level_bindings(tree), spec.return_names),
-                        seed=draw_base_seed(), aliases=aliases.find(self.ipython.user_ns))
+                        seed=draw_base_seed())
         backend, payload = self._choose_start(spec, tree, task)
         progress = _ProgressDisplay()
         try:
@@ -112,11 +112,14 @@ class TaasMagics(Magics):
         start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
         if notice:
             print(notice, file=sys.stderr)
-        if start == "fork":
-            return self.fork_backend, task
-        shipment = shipping.pack(self.ipython.user_ns, shipping.needed_names(tree, self.ipython.user_ns))
+        namespace = self.ipython.user_ns
+        if start == "fork":  # the ranks' namespace is the kernel's own: every name in it
+            return self.fork_backend, dataclasses.replace(task, aliases=aliases.find(namespace))
+        needed = shipping.needed_names(tree, namespace)
+        shipment = shipping.pack(namespace, needed)
         rank_task = dataclasses.replace(
             task,
+            aliases=aliases.find({name: namespace[name] for name in needed}),  # the ranks' namespace: these
             source="".join(linecache.getlines(task.code.co_filename)),
             cell_label=f"Cell In[{self.ipython.execution_count}]",
             context=KernelContext.of_this_process(),
