@@ -155,3 +155,35 @@ def test_a_failed_fork_leaks_no_descriptor(monkeypatch):
         group.fork(0, {"RANK": "0"}, task)
     assert set(os.listdir("/proc/self/fd")) == fds_before
     group.close()
+
+
+class _ShowsItsNote:
+    """A process that prints what came through its start gate, and when."""
+
+    loaders = ()
+
+    def run(self, env, fds) -> int:
+        from taas_magic import child
+
+        note = child.wait_at_gate(fds)
+        os.write(fds.stdout, b"%s %f\n" % (note, time.monotonic()))
+        return 0
+
+
+def test_every_process_waits_at_its_gate_and_gets_the_note_passed_through_it():
+    opened = []
+
+    def note() -> bytes:
+        time.sleep(0.3)  # what the kernel finds while the ranks are forked
+        opened.append(time.monotonic())
+        return b'["keep"]'
+
+    envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3"} for rank in range(3)}
+    group = ForkedRanks.start(envs, _ShowsItsNote(), note=note)
+    try:
+        out = b"".join(e.data for e in collect(group) if isinstance(e, Output))
+    finally:
+        group.close()
+    lines = out.decode().split()
+    assert lines[0::2] == ['["keep"]'] * 3
+    assert all(float(when) >= opened[0] for when in lines[1::2]), "no process went on before the gate opened"

@@ -2,9 +2,10 @@
 
 A rank replaces a few torch functions (only rank 0 writes files; ``nccl`` is served by gloo on
 CPU), and a notebook may hold them under names of its own (``from torch import save``). Those
-names are found in the kernel, before the fork: a rank that walked the notebook's whole
-namespace would touch every object in it and copy every page they lie on, tens of milliseconds
-per rank in a notebook that holds tens of thousands of names.
+names are found in the kernel, while the run's supervisor forks the ranks, and reach them
+through their start gates: a rank that walked the notebook's whole namespace would touch every
+object in it and copy every page they lie on, tens of milliseconds per rank in a notebook that
+holds tens of thousands of names.
 """
 
 from __future__ import annotations

@@ -41,11 +41,18 @@ class RankFds:
     gate: int | None = None  # read end of a pipe the supervisor holds shut until it has forked every process
 
 
-def wait_at_gate(fds: RankFds) -> None:
-    """Once set up, before its real work: until the supervisor has forked every process of the run."""
-    if fds.gate is not None:
-        os.read(fds.gate, 1)  # returns at end of file: the supervisor closed its end (EINTR is retried)
-        os.close(fds.gate)
+def wait_at_gate(fds: RankFds) -> bytes:
+    """Once set up, before its real work: until the supervisor has forked every process of the run.
+
+    Returns the note the supervisor passed through the gate (empty if none).
+    """
+    if fds.gate is None:
+        return b""
+    note = b""
+    while chunk := os.read(fds.gate, 1 << 16):  # until end of file: the supervisor closed its end
+        note += chunk
+    os.close(fds.gate)
+    return note
 
 
 def settle_forked_process() -> None:

@@ -17,15 +17,16 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable
 
-from . import channel, child, containment, tempfiles, worker
+from . import aliases, channel, child, containment, tempfiles, worker
 from .backend import Event, Exited, Output, Report, Result
 from .delivery.service import DataService
 from .rendezvous import RunStore
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
 
 READ_SIZE = 1 << 16
+NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
 START_SECONDS = 60.0  # a forked supervisor reports its ranks started long before this
 
 
@@ -73,6 +74,7 @@ class ForkBackend:
                                 envs, store=store)
         try:
             store.serve()  # while the supervisor forks the ranks
+            group.go(aliases.find(_namespace(task)))  # also meanwhile: it reads every name once
             group.wait_started(START_SECONDS)
         except BaseException:
             group.close()
@@ -85,7 +87,8 @@ def _namespace(task: worker.RankTask) -> dict[str, Any]:
         return task.namespace
     from IPython import get_ipython
 
-    namespace: dict[str, Any] = get_ipython().user_ns  # forked from the kernel: its own
+    shell = get_ipython()
+    namespace: dict[str, Any] = shell.user_ns if shell is not None else {}  # forked from the kernel: its own
     return namespace
 
 
@@ -105,17 +108,19 @@ class ForkedRanks:
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
-        self._gate: tuple[int, int] | None = None  # held shut while the processes of a run are forked
+        self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
 
     @classmethod
-    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask) -> "ForkedRanks":
+    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
+              note: Callable[[], bytes] = lambda: b"") -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
-        Every process keeps only the sockets it needs: its own delivery channels.
+        Every process keeps only the sockets it needs: its own delivery channels. Once all are
+        forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
         """
         group = cls()
         service = None
-        group._gate = os.pipe()
+        opening = b""
         try:
             if task.loaders:
                 service = DataService(task.loaders, _namespace(task), len(envs))
@@ -124,51 +129,59 @@ class ForkedRanks:
                 task = dataclasses.replace(task, loaders=service.rank_loaders())
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
+            opening = note()
         except BaseException:
             group.close()
             raise
         finally:
-            group._open_gate()
+            group._open_gates(opening)
             if service is not None:
                 service.close()
         return group
 
-    def _open_gate(self) -> None:
-        """Let every forked process go on: closing the gate's last write end wakes them all at once.
+    def _open_gates(self, note: bytes) -> None:
+        """Let every forked process go on, with ``note``: written to each one's gate, which is then closed.
 
         A forked process sets itself up, then waits at the gate (``child.wait_at_gate``) until all
         are forked: forks run one after the other, and each is several times slower while the
         processes forked before it run the cell on the same cores. Their set-up is short, and uses
         a core the forking leaves idle. The ranks meet at the rendezvous anyway, so none loses
-        anything by waiting.
+        anything by waiting. A note too long to sit in a pipe whole is not sent (the processes then
+        do without it).
         """
-        if self._gate is not None:
-            for fd in self._gate:
+        for fd in self._gates:
+            try:
+                if len(note) <= NOTE_LIMIT:
+                    os.write(fd, note)  # into an empty pipe: never blocks
+            except OSError:
+                pass  # the process is gone already
+            finally:
                 os.close(fd)
-            self._gate = None
+        self._gates = []
 
     # -- starting ---------------------------------------------------------------------------
     def fork(self, rank: int, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
         """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer (negative key)."""
         pipes: dict[str, tuple[int, int]] = {}
         try:
-            for name in ("stdout", "stderr", "report", "stack", "results"):
-                pipes[name] = os.pipe()
+            for name in ("stdout", "stderr", "report", "stack", "results", "gate"):
+                pipes[name] = os.pipe()  # the gate's write end stays here, the others' read ends
             pid = os.fork()
         except BaseException:
             for ends in pipes.values():
                 for fd in ends:
                     os.close(fd)
             raise
+        gate_read, gate_write = pipes.pop("gate")
         if pid == 0:  # the rank: never returns into the supervisor's code
             status = child.EXIT_FAILED
             try:
                 os.setpgid(0, 0)
-                self._close_supervisor_side(pipes)
+                self._close_supervisor_side(pipes, gate_write)
                 fds = child.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
-                    sockets=frozenset(sockets), gate=self._gate[0] if self._gate is not None else None,
+                    sockets=frozenset(sockets), gate=gate_read,
                 )
                 status = task.run(env, fds)
             except BaseException:
@@ -181,6 +194,8 @@ class ForkedRanks:
             pass
         for read_end, write_end in pipes.values():
             os.close(write_end)
+        os.close(gate_read)
+        self._gates.append(gate_write)
         state = _Rank(rank, pid, {name: ends[0] for name, ends in pipes.items()})
         self.ranks[rank] = state
         for name, fd in state.fds.items():
@@ -194,11 +209,9 @@ class ForkedRanks:
         """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
         self._selector.register(fd, selectors.EVENT_READ, None)
 
-    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]]) -> None:
+    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]], own_gate: int) -> None:
         """In a new rank: drop every descriptor that belongs to the supervisor's side of the run."""
-        fds = [self._lifeline_write] + [ends[0] for ends in own_pipes.values()]
-        if self._gate is not None:
-            fds.append(self._gate[1])  # its last write end closes in the supervisor: the gate opens
+        fds = [self._lifeline_write, own_gate] + self._gates + [ends[0] for ends in own_pipes.values()]
         for other in self.ranks.values():
             fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
         for fd in fds:

@@ -112,19 +112,19 @@ class TaasMagics(Magics):
         start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
         if notice:
             print(notice, file=sys.stderr)
+        if start == "fork":
+            return self.fork_backend, task
         namespace = self.ipython.user_ns
-        if start == "fork":  # the ranks' namespace is the kernel's own: every name in it
-            return self.fork_backend, dataclasses.replace(task, aliases=aliases.find(namespace))
         needed = shipping.needed_names(tree, namespace)
         shipment = shipping.pack(namespace, needed)
         rank_task = dataclasses.replace(
             task,
-            aliases=aliases.find({name: namespace[name] for name in needed}),  # the ranks' namespace: these
             source="".join(linecache.getlines(task.code.co_filename)),
             cell_label=f"Cell In[{self.ipython.execution_count}]",
             context=KernelContext.of_this_process(),
         )
-        return self.spawn_backend, SpawnRequest(rank_task, shipment)
+        # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
+        return self.spawn_backend, SpawnRequest(rank_task, shipment, aliases.find({n: namespace[n] for n in needed}))
 
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""

@@ -107,6 +107,7 @@ class SpawnRequest:
 
     task: RankTask
     shipment: Shipment
+    aliases: tuple[str, ...] = ()  # shipped names bound to the functions ranks replace
 
     def close(self) -> None:
         self.shipment.close()
@@ -172,6 +173,7 @@ class SpawnBackend:
         group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
         try:
             store.serve()  # while the supervisor forks the ranks
+            group.go(request.aliases)
         except BaseException:
             group.close()
             raise

@@ -12,17 +12,15 @@ import os
 import sys
 from typing import Any, Callable
 
-from .aliases import rebind
 
 Notify = Callable[[dict[str, Any]], None]
 
 
-def guard_torch_save(rank: int, notify: Notify, namespace: dict[str, Any],
-                     aliases: tuple[str, ...] | None = None) -> None:
-    """Replace ``torch.save`` in this rank, and names in ``namespace`` bound to it (among ``aliases``, if known)."""
+def guard_torch_save(rank: int, notify: Notify) -> tuple[Any, Any] | None:
+    """Replace ``torch.save`` in this rank; returns (the original, its replacement), for the notebook's own names."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return
+        return None
     original = torch.save
     skipped: set[str] = set()
 
@@ -39,7 +37,7 @@ def guard_torch_save(rank: int, notify: Notify, namespace: dict[str, Any],
 
     save.__doc__ = original.__doc__
     setattr(torch, "save", save)
-    rebind(namespace, aliases, original, save)
+    return original, save
 
 
 def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwargs: Any) -> Any:

@@ -11,8 +11,9 @@ of every process the run starts, however they detach, and kills them all, by pro
 before it says the run is closed. It also ends the run when its parent (the kernel, or the fork
 server) dies.
 
-Requests, kernel → supervisor: ("signal", signum, ranks | None), ("stacks", ranks, timeout),
-("close",). Messages, supervisor → kernel: ("started", pid, port, process keys) or ("failed", text), then
+Requests, kernel → supervisor: ("go", names) first (the notebook's names for the functions ranks
+replace, found while the supervisor forks), then ("signal", signum, ranks | None),
+("stacks", ranks, timeout), ("close",). Messages, supervisor → kernel: ("started", pid, port, process keys) or ("failed", text), then
 ("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}, [Event, …])
 last, with the events that came with the end, once every process of the run has exited or the kernel asked;
 ("lost", why) instead when the supervisor had to end the run on its own.
@@ -20,6 +21,7 @@ last, with the events that came with the end, once every process of the run has 
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -82,7 +84,9 @@ class _Supervisor:
         from .fork import ForkedRanks
 
         try:
-            group = ForkedRanks.start(envs, make_task())
+            group = ForkedRanks.start(envs, make_task(), note=self._await_go)
+        except ChannelBroken:
+            return  # the kernel gave up on the run before it started: everything forked is ended
         except Exception as e:
             self._send("failed", f"{type(e).__name__}: {e}")
             return
@@ -105,6 +109,16 @@ class _Supervisor:
         except ChannelBroken:
             return
         _step_aside()
+
+    def _await_go(self) -> bytes:
+        """The kernel's word to let the forked processes go, with what it found while they were
+        forked: the notebook's names for the functions ranks replace (``aliases.find``)."""
+        kind, fields, fds = self.channel.receive()
+        for fd in fds:
+            os.close(fd)
+        if kind != "go":
+            raise ChannelBroken(f"expected the word to go, got {kind!r}")
+        return json.dumps(list(fields[0])).encode()
 
     def _relay(self, group: "ForkedRanks") -> list[Event]:
         """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
@@ -284,6 +298,10 @@ class SupervisedRanks:
         if ready:  # the supervisor is gone and left nothing to read
             self._lose("the run's supervisor exited unexpectedly")
         return False
+
+    def go(self, aliases: tuple[str, ...]) -> None:
+        """Let the forked processes go once all are forked, telling them the notebook's ``aliases``."""
+        self._send("go", aliases)
 
     # -- the RankGroup contract ---------------------------------------------------------------
     def running(self) -> set[int]:

@@ -6,6 +6,7 @@ inherited by fork or, from the fork server, shipped with the names the cell need
 
 from __future__ import annotations
 
+import json
 import linecache
 import os
 import sys
@@ -71,7 +72,6 @@ class RankTask:
     loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
     context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
     seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
-    aliases: tuple[str, ...] | None = None  # names bound to functions ranks replace; None: look in the rank
 
     def run(self, env: dict[str, str], fds: "RankFds") -> int:
         return run_rank(self, env, fds)
@@ -85,14 +85,17 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     _exit_ends_the_rank(namespace)
     if task.context is not None:
         task.context.torch_settings.apply()  # forked ranks inherited them
-    _bind_device(task, int(env["LOCAL_RANK"]), namespace)
     rank = int(env["RANK"])
-    storage.guard_torch_save(rank, lambda record: report(fds.report, record), namespace, task.aliases)
+    replaced = [_bind_device(task, int(env["LOCAL_RANK"])),
+                storage.guard_torch_save(rank, lambda record: report(fds.report, record))]
     for plan in task.loaders:
         namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
     if task.seed is not None:
         seed_rank(task.seed, rank, task.device)
-    wait_at_gate(fds)
+    aliases = _aliases(wait_at_gate(fds))
+    for pair in replaced:
+        if pair is not None:
+            rebind(namespace, aliases, *pair)
     try:
         return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
     finally:
@@ -143,18 +146,29 @@ def _exit_ends_the_rank(namespace: dict[str, Any]) -> None:
             namespace[name] = sys.exit
 
 
-def _bind_device(task: RankTask, local_rank: int, namespace: dict[str, Any]) -> None:
+def _aliases(note: bytes) -> tuple[str, ...] | None:
+    """The notebook's names for functions this rank replaced, as the kernel found them while the
+    ranks were forked (``aliases.find``); None, to look at every name, when the note is missing."""
+    try:
+        names = json.loads(note)
+    except ValueError:
+        return None
+    return tuple(names) if isinstance(names, list) else None
+
+
+def _bind_device(task: RankTask, local_rank: int) -> tuple[Any, Any] | None:
+    """The rank's device and threads; on CPU, returns (init_process_group, its replacement)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return
+        return None
     if task.device == "cuda":
         torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(task.threads)
-        _serve_nccl_with_gloo(namespace, task.aliases)
+        return None
+    torch.set_num_threads(task.threads)
+    return _serve_nccl_with_gloo()
 
 
-def _serve_nccl_with_gloo(namespace: dict[str, Any], aliases: tuple[str, ...] | None) -> None:
+def _serve_nccl_with_gloo() -> tuple[Any, Any]:
     """On CPU a notebook written for GPUs runs unchanged: backend "nccl" is given to gloo."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -171,7 +185,7 @@ def _serve_nccl_with_gloo(namespace: dict[str, Any], aliases: tuple[str, ...] | 
         return original(backend, *args, **kwargs)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
-    rebind(namespace, aliases, original, init_process_group)
+    return original, init_process_group
 
 
 def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool) -> int:
