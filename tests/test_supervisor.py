@@ -62,6 +62,17 @@ def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
     assert group.running() == set() and group.finished and group.codes == {0: 0, 1: 3}
 
 
+def test_a_request_that_crosses_the_end_of_the_run_is_moot_not_a_lost_run(ends):
+    group, supervisor = ends
+    supervisor.send("started", group.stand_in_pid, 12345, [0, -1])
+    group.wait_started(5)
+    supervisor.send("closed", {0: 0, -1: 0}, [Exited(0, 0), Exited(-1, 0)])
+    supervisor.close()  # the run ended and its supervisor went
+    group.signal(signal.SIGTERM, [-1])  # meanwhile the kernel asked to stop the producer
+    assert group.events(1) == [Exited(0, 0), Exited(-1, 0)]
+    assert group.finished and group.running() == set() and group.codes == {0: 0, -1: 0}
+
+
 def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
     group, supervisor = ends
     supervisor.send("failed", "ModuleNotFoundError: No module named 'gone'")

@@ -301,7 +301,10 @@ class SupervisedRanks:
 
     def go(self, aliases: tuple[str, ...]) -> None:
         """Let the forked processes go once all are forked, telling them the notebook's ``aliases``."""
-        self._send("go", aliases)
+        try:
+            self.channel.send("go", aliases)
+        except ChannelBroken:
+            pass  # the supervisor could not start the run and went: ``wait_started`` reads why
 
     # -- the RankGroup contract ---------------------------------------------------------------
     def running(self) -> set[int]:
@@ -414,7 +417,12 @@ class SupervisedRanks:
         try:
             self.channel.send(kind, *fields)
         except ChannelBroken as e:
-            self._lose(str(e))
+            # The run may have ended and its supervisor gone just before the request: its last
+            # words are still here to read, and the request no longer matters.
+            while not self.finished and self.channel.ready(0):
+                self._take(*self._receive())
+            if not self.finished:
+                self._lose(str(e))
 
     def _lose(self, detail: str) -> NoReturn:
         """The run cannot be trusted any more: end it from here and say so."""
