@@ -99,6 +99,17 @@ def test_a_rank_stopped_by_taas_is_not_reported_as_a_failure():
     assert "stopped by taas after the failure: rank 0" in caught.value.lines
 
 
+def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
+    def stop(group, signum):  # its DataLoader's worker dies of the stop first: the producer reports an error
+        group.batches.append([error(-1, 30.0, "RuntimeError"), Exited(-1, 1)])
+
+    group = ScriptedGroup([[Report(0, {"status": "ok"}), Exited(0, 0), Report(1, {"status": "ok"}), Exited(1, 0)]],
+                          stop)
+    group.alive = {0, 1, -1}
+    run(group)
+    assert group.signals[0] == signal.SIGTERM and group.closed
+
+
 def test_escalation_sends_each_signal_once_at_its_time():
     escalation = controller._Escalation(controller.ON_INTERRUPT, started=100.0)
     assert escalation.due(100.0) == [signal.SIGINT]

@@ -128,6 +128,7 @@ class _Watch:
         self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
         self.exits: dict[int, tuple[int, float]] = {}
         self.stopped: set[int] = set()  # ranks we signalled before they failed on their own
+        self.retired: set[int] = set()  # producers stopped because every rank was done: how they end does not matter
         self.escalation: _Escalation | None = None
         self.timed_out: dict[int, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
@@ -148,7 +149,8 @@ class _Watch:
         if self.escalation is None and self._failures():
             self._begin_stop(group, ON_FAILURE)
         elif self.escalation is None and _only_producers(group.running()):
-            self._begin_stop(group, ON_FAILURE)  # every rank is done: the producers' work is over
+            self.retired = group.running()  # every rank is done: the producers' work is over
+            self._begin_stop(group, ON_FAILURE)
         elif self.escalation is None and deadline is not None and now >= deadline:
             late = sorted(group.running())
             self.timed_out = {rank: "" for rank in late}
@@ -225,6 +227,8 @@ class _Watch:
         failures = []
         for rank, (code, when) in sorted(self.exits.items()):
             record = self.records.get(rank, {})
+            if rank in self.retired:
+                continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
             if record.get("status") in ("error", "interrupted"):
                 if record["status"] == "interrupted" and rank in self.stopped:
                     continue  # we interrupted it
