@@ -5,7 +5,7 @@ tensor, ``barrier()``, ``destroy_process_group()``, exit. At 2 and 4 ranks, on C
 
 Contenders, all in one run on one machine:
   fork        a taas cell, ``--start fork`` (ranks forked from the kernel)
-  spawn       a taas cell, ``--start spawn`` (ranks forked from the fork server, names shipped by value)
+  forkserver  a taas cell, ``--start forkserver`` (ranks forked from the fork server, names shipped by value)
   bare        ``bare_launch(job, N)``: a 20-line launcher defined in the kernel, as a user would write
               it: a free loopback port, one ``os.fork()`` per rank, torchrun's variables set in each
               child, the same threads per rank as taas gives (cores // ranks), ``os._exit``, wait
@@ -25,9 +25,9 @@ torchrun: the subprocess's wall time. Every figure is a median: the machine is s
 
 Cold and warm. Every kernel has imported torch before it is measured. "cold": the first launch
 in a fresh kernel, one fresh kernel per sample; for fork with the fork server already idle, for
-spawn right after ``%load_ext`` (so it includes waiting for the fork server to import torch).
+forkserver right after ``%load_ext`` (so it includes waiting for the fork server to import torch).
 "warm": later launches, after one unmeasured launch of each contender at each size, with a
-pause between cells as a user re-running a cell would leave. Spawn and Accelerate each run in a
+pause between cells as a user re-running a cell would leave. Forkserver and Accelerate each run in a
 kernel of their own (no other launcher's leftovers); fork and bare take turns in one kernel, so
 that they are compared in the same kernel (the bare launcher leaves nothing behind). All warm
 kernels stay open and take turns, so the machine's noise falls on all alike. The same cells run
@@ -44,8 +44,8 @@ back-to-back series, torchrun and shipping are measured in light kernels only.
 A launch that does not finish in HANG_SECONDS is counted as hung, left out of the medians, and
 its kernel replaced; the count is printed.
 
-Shipping: a 512 MiB tensor defined in an earlier cell, read by a 2-rank spawn cell; the
-effective rate is 512 MiB / (that cell's time - the trivial spawn cell's time), both medians
+Shipping: a 512 MiB tensor defined in an earlier cell, read by a 2-rank forkserver cell; the
+effective rate is 512 MiB / (that cell's time - the trivial forkserver cell's time), both medians
 from the same kernel, interleaved. Memory is sampled while the ranks hold the tensor, against
 the same cell holding a 16-element tensor: kernel, fork server and ranks together should hold
 at most one copy more than the kernel already did (the shared memory file the ranks map).
@@ -251,14 +251,14 @@ class Contender:
     setup: str
     cell: Callable[[int], str]
     taas: bool  # its kernel starts a fork server, which warm figures wait for: it competes for the cores
-    cold_waits_for_server: bool  # fork: so its cold figure is the fork path's; spawn: its cold figure includes it
+    cold_waits_for_server: bool  # fork: so its cold figure is the fork path's; forkserver: its cold figure includes it
 
 
 FORK = Contender("fork", TAAS_SETUP, lambda ranks: taas_cell("fork", ranks), True, True)
-SPAWN = Contender("spawn", TAAS_SETUP, lambda ranks: taas_cell("spawn", ranks), True, False)
+FORKSERVER = Contender("forkserver", TAAS_SETUP, lambda ranks: taas_cell("forkserver", ranks), True, False)
 ACCELERATE = Contender("accelerate", ACCELERATE_SETUP, accelerate_cell, False, False)
 BARE = Contender("bare", BARE_SETUP, bare_cell, False, False)
-NOTEBOOK_CONTENDERS = (FORK, SPAWN, ACCELERATE)
+NOTEBOOK_CONTENDERS = (FORK, FORKSERVER, ACCELERATE)
 
 
 @dataclass(frozen=True)
@@ -276,9 +276,9 @@ HEAVY = KernelKind("heavy", HEAVY_SETUP, " heavy",
                    f"heavy kernel: Lightning, {HEAVY_NAMES:,} names, {HEAVY_NAMES:,} tensors")
 KINDS = (LIGHT, HEAVY)
 # The warm kernels, kept open together: fork and bare take turns in one kernel, as the
-# comparison asks ("in the same kernel"); spawn and Accelerate each have one of their own.
+# comparison asks ("in the same kernel"); forkserver and Accelerate each have one of their own.
 WARM_KERNELS = tuple((kind, contenders) for kind in KINDS
-                     for contenders in ((FORK, BARE), (SPAWN,), (ACCELERATE,)))
+                     for contenders in ((FORK, BARE), (FORKSERVER,), (ACCELERATE,)))
 
 _used_ports: set[int] = set()
 
@@ -511,14 +511,14 @@ def sample_memory(kernel: Kernel) -> MemorySample:
 
 
 def memory_while_held(kernel: Kernel, name: str) -> MemorySample:
-    """Run a 2-rank spawn cell that holds ``name``; sample memory once every rank has read all of it."""
+    """Run a 2-rank forkserver cell that holds ``name``; sample memory once every rank has read all of it."""
     taken: list[MemorySample] = []
 
     def on_stream(text: str) -> None:
         if READY_MARKER in text and not taken:
             taken.append(sample_memory(kernel))
 
-    kernel.run(taas_cell("spawn", 2, f"held = {name}\n" + HOLD_BODY), on_stream=on_stream)
+    kernel.run(taas_cell("forkserver", 2, f"held = {name}\n" + HOLD_BODY), on_stream=on_stream)
     if not taken or taken[0].ranks < 2:
         raise BenchError(f"no memory sample with both ranks alive: {taken}")
     return taken[0]
@@ -534,9 +534,9 @@ def measure_shipping(settings: Settings, tally: Tally, progress: Callable[[str],
         trivial, shipped = [], []
         for round_ in range(settings.shipping_rounds + 1):
             time.sleep(PAUSE_SECONDS)
-            trivial_cell = kernel.run(taas_cell("spawn", 2)).kernel_seconds
+            trivial_cell = kernel.run(taas_cell("forkserver", 2)).kernel_seconds
             time.sleep(PAUSE_SECONDS)
-            shipped_cell = kernel.run(taas_cell("spawn", 2, SHIP_BODY)).kernel_seconds
+            shipped_cell = kernel.run(taas_cell("forkserver", 2, SHIP_BODY)).kernel_seconds
             if round_:
                 trivial.append(trivial_cell)
                 shipped.append(shipped_cell)
@@ -565,7 +565,7 @@ def shipping_figures(trivial: list[float], shipped: list[float], pack: float | N
     extra = held.total_pss - baseline.total_pss
     return {
         "tensor_bytes": BIG_BYTES,
-        "trivial_spawn_seconds": trivial,
+        "trivial_forkserver_seconds": trivial,
         "shipping_cell_seconds": shipped,
         "extra_seconds": extra_seconds,
         "gb_per_second": BIG_BYTES / extra_seconds / 1e9 if extra_seconds > 0 else float("inf"),
@@ -593,9 +593,9 @@ ROWS = (  # (label, key, the Accelerate figure it is compared with)
     ("taas --start fork, cold", "fork/cold", "accelerate/cold"),
     ("taas --start fork, warm", "fork/warm", "accelerate/warm"),
     ("taas --start fork, warm back-to-back", "fork/warm back-to-back", "accelerate/warm back-to-back"),
-    ("taas --start spawn, cold (right after load)", "spawn/cold", "accelerate/cold"),
-    ("taas --start spawn, warm", "spawn/warm", "accelerate/warm"),
-    ("taas --start spawn, warm back-to-back", "spawn/warm back-to-back", "accelerate/warm back-to-back"),
+    ("taas --start forkserver, cold (right after load)", "forkserver/cold", "accelerate/cold"),
+    ("taas --start forkserver, warm", "forkserver/warm", "accelerate/warm"),
+    ("taas --start forkserver, warm back-to-back", "forkserver/warm back-to-back", "accelerate/warm back-to-back"),
     ("accelerate notebook_launcher, cold", "accelerate/cold", "accelerate/cold"),
     ("accelerate notebook_launcher, warm", "accelerate/warm", "accelerate/warm"),
     ("accelerate notebook_launcher, back-to-back", "accelerate/warm back-to-back", "accelerate/warm back-to-back"),
@@ -621,7 +621,7 @@ def table(median: dict[str, dict[int, float]]) -> str:
 BARE_ROWS = (  # (label, contender), each against the bare launcher and Accelerate in the same kind of kernel
     ("bare os.fork launcher (20 lines)", "bare"),
     ("taas --start fork", "fork"),
-    ("taas --start spawn", "spawn"),
+    ("taas --start forkserver", "forkserver"),
     ("accelerate notebook_launcher", "accelerate"),
 )
 BARE_TARGET = 1.15  # taas fork's time against the bare launcher's: the ranks' own work and little else
@@ -681,11 +681,11 @@ def checks(median: dict[str, dict[int, float]], shipping: dict) -> list[tuple[bo
         found.append((ratios[4] <= BARE_TARGET,
                       f"fork <= {BARE_TARGET:g}x bare at 4 ranks, {kind.name} kernel (warm, client round trip): "
                       + _per_ranks(ratios, "{:.2f}x")))
-    warm4 = median["spawn/warm"][4]
-    found.append((warm4 <= 0.5, f"warm spawn <= 0.5 s at 4 ranks: {warm4:.3f} s"))
-    speedups = {n: median["torchrun/cold"][n] / median["spawn/warm"][n] for n in RANKS}
+    warm4 = median["forkserver/warm"][4]
+    found.append((warm4 <= 0.5, f"warm forkserver <= 0.5 s at 4 ranks: {warm4:.3f} s"))
+    speedups = {n: median["torchrun/cold"][n] / median["forkserver/warm"][n] for n in RANKS}
     found.append((all(s >= 3 for s in speedups.values()),
-                  "warm spawn >= 3x faster than torchrun: " + _per_ranks(speedups, "{:.1f}x")))
+                  "warm forkserver >= 3x faster than torchrun: " + _per_ranks(speedups, "{:.1f}x")))
     rate = shipping["gb_per_second"]
     found.append((rate >= 1.0, f"shipping >= 1 GB/s: {rate:.2f} GB/s (512 MiB in {shipping['extra_seconds']:.3f} s)"))
     copies = shipping["memory"]["extra_copies"]
@@ -705,7 +705,7 @@ def shipping_lines(shipping: dict) -> list[str]:
     pack = shipping["kernel_pack_seconds"]
     return [
         f"shipping 512 MiB to 2 spawned ranks: cell {statistics.median(shipping['shipping_cell_seconds']):.3f} s, "
-        f"trivial spawn cell {statistics.median(shipping['trivial_spawn_seconds']):.3f} s, "
+        f"trivial forkserver cell {statistics.median(shipping['trivial_forkserver_seconds']):.3f} s, "
         f"difference {shipping['extra_seconds']:.3f} s = {shipping['gb_per_second']:.2f} GB/s"
         + (f" (the kernel's pack into the memory file alone: {pack:.3f} s)" if pack is not None else ""),
         f"kernel RSS: {memory['kernel_rss_before_big'] / mib:.0f} MiB before the tensor, "
@@ -767,8 +767,8 @@ def load_average() -> list[float]:
 BARS = (  # (label, key, colour, hatch): hatched = cold, solid = warm
     ("taas fork, cold", "fork/cold", "#1f77b4", "//"),
     ("taas fork, warm", "fork/warm", "#1f77b4", ""),
-    ("taas spawn, cold", "spawn/cold", "#2ca02c", "//"),
-    ("taas spawn, warm", "spawn/warm", "#2ca02c", ""),
+    ("taas forkserver, cold", "forkserver/cold", "#2ca02c", "//"),
+    ("taas forkserver, warm", "forkserver/warm", "#2ca02c", ""),
     ("Accelerate, cold", "accelerate/cold", "#ff7f0e", "//"),
     ("Accelerate, warm", "accelerate/warm", "#ff7f0e", ""),
     ("torchrun (always cold)", "torchrun/cold", "#7f7f7f", "//"),
@@ -778,7 +778,7 @@ BARS = (  # (label, key, colour, hatch): hatched = cold, solid = warm
 PANEL_BARS = (  # (label, contender, colour): the second panel, warm cells in light and heavy kernels
     ("bare os.fork launcher", "bare", "#7f7f7f"),
     ("taas fork", "fork", "#1f77b4"),
-    ("taas spawn", "spawn", "#2ca02c"),
+    ("taas forkserver", "forkserver", "#2ca02c"),
     ("Accelerate", "accelerate", "#ff7f0e"),
 )
 

@@ -158,7 +158,7 @@ def test_auto_starts_from_the_fork_server_once_the_kernel_used_cuda_and_nccl_wor
     environ = cuda_used_kernel.value("dict(os.environ)")
     result = cuda_used_kernel.execute(NCCL_CELL.format(gpus=GPUS), timeout=180).ok()
     records = assert_nccl_worked(result, GPUS)
-    assert ("taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start spawn)\n"
+    assert ("taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start forkserver)\n"
             in result.stderr)
     server = cuda_used_kernel.fork_server()
     assert server is not None and all(server.pid in r["ancestors"] for r in records.values())
@@ -178,7 +178,7 @@ def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(cuda_used_kernel
 def test_cpu_ranks_still_run_once_the_kernel_used_cuda(cuda_used_kernel):
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu\nprint('cpu ok')").ok()
     assert result.stdout.count("cpu ok") == 2
-    assert "the ranks start from the fork server (--start spawn)" in result.stderr, \
+    assert "the ranks start from the fork server (--start forkserver)" in result.stderr, \
         "a kernel holding a CUDA context is not forked by default, even for CPU ranks"
     # An explicit --start fork is still allowed for CPU ranks, which never touch CUDA.
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu --start fork\nprint('forked ok')").ok()

@@ -116,7 +116,7 @@ def test_cpus_0_turns_delivery_off_and_an_unregistered_loader_is_untouched(regis
 
 def test_a_loader_with_worker_processes_and_the_fork_server(registered):
     registered.execute("workers = DataLoader(Indices(24), batch_size=3, num_workers=2)\ntaas.register(workers)").ok()
-    for start in ("fork", "spawn"):
+    for start in ("fork", "forkserver"):
         result = registered.execute(f"""#pragma taas --gpus 2 --start {start}
 import taas
 mine = [i for batch in workers for i in batch[:, 0].tolist()]
@@ -224,11 +224,11 @@ def consume():
     return [i for batch in shuffled for i in batch[:, 0].tolist()]
 """).ok()
     orders = {}
-    for start in ("fork", "spawn"):
+    for start in ("fork", "forkserver"):
         result = registered.execute(f"#pragma taas --gpus 2 --start {start}\nprint('ORDER', consume())").ok()
         assert "taas: shuffled: 8 elements delivered to 2 ranks" in result.stderr, "served through consume()"
         orders[start] = sorted(re.findall(r"\[rank \d\] ORDER (.*)", result.stdout))
-    assert orders["fork"] == orders["spawn"], "the kernel's random state reaches spawned producers too"
+    assert orders["fork"] == orders["forkserver"], "the kernel's random state reaches spawned producers too"
     registered.execute("taas.unregister(shuffled)").ok()
 
 

@@ -186,7 +186,7 @@ def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):
                        "dist.barrier()").ok()
         kernel.execute("#pragma taas --gpus 2\nraise ValueError('x')")
         kernel.execute("#pragma taas --gpus 2 --timeout 0.5\nimport time; time.sleep(9)")
-        kernel.execute("#pragma taas --gpus 2 --start spawn\nimport torch\nx = torch.ones(4)").ok()
+        kernel.execute("#pragma taas --gpus 2 --start forkserver\nimport torch\nx = torch.ones(4)").ok()
         left = [p.name for p in private.iterdir() if str(kernel.pid) not in p.name]
     finally:
         kernel.shutdown()
@@ -196,7 +196,7 @@ def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):
     assert ours == []
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_a_rank_that_left_early_with_sys_exit_0_is_named_when_its_peer_then_fails(kernel, start):
     result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
 import sys, time, torch, taas, torch.distributed as dist
@@ -245,7 +245,7 @@ def test_error_values_carry_no_colour_codes(kernel):
     assert "\x1b[" in "".join(interrupted.error["traceback"]), "the lines the cell shows keep their colours"
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_tracebacks_quote_the_cell_header_as_written(kernel, start):
     result = kernel.execute(f"#!g2.8\n#pragma taas --gpus 2 --start {start}\nraise ValueError('top')\n", timeout=30)
     assert re.fullmatch(r"rank \d failed: ValueError: top", result.error["evalue"])

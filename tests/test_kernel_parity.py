@@ -30,7 +30,7 @@ def draws(kernel, start: str, prelude: str = "") -> dict[int, dict]:
     return found
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_ranks_draw_their_own_numbers_and_a_rerun_draws_new_ones(kernel, start):
     first, second = draws(kernel, start), draws(kernel, start)
     for library in ("torch", "random", "numpy", "dropout"):
@@ -44,12 +44,12 @@ def test_a_seeded_notebook_replays_and_fork_and_spawn_draw_the_same(kernel):
     kernel.execute("torch.manual_seed(7)").ok()
     again = draws(kernel, "fork")
     kernel.execute("torch.manual_seed(7)").ok()
-    spawned = draws(kernel, "spawn")
+    spawned = draws(kernel, "spawn")  # the fork server by its earlier name
     assert forked == again, "a notebook seeded at its top gives the same numbers when run again"
     assert forked == spawned, "the same base seed gives the same per-rank streams, forked or spawned"
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_a_cell_that_seeds_itself_gets_what_it_asked_for_in_every_rank(kernel, start):
     got = draws(kernel, start, prelude="torch.manual_seed(0); random.seed(0); numpy.random.seed(0)\n")
     assert got[0] == got[1]
@@ -57,7 +57,7 @@ def test_a_cell_that_seeds_itself_gets_what_it_asked_for_in_every_rank(kernel, s
     assert got[0]["torch"] == expected
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_exit_and_quit_end_a_rank_like_sys_exit(kernel, start):
     # `%time` makes the cell use IPython syntax: a spawned rank then has an IPython shell of its own.
     result = kernel.execute(f"""#pragma taas --gpus 3 --start {start}
@@ -97,7 +97,7 @@ torch.backends.cudnn.allow_tf32 = False
     try:
         changed = kernel.execute(SETTINGS).ok().stdout
         assert changed != defaults
-        for start in ("fork", "spawn"):
+        for start in ("fork", "forkserver"):
             result = kernel.execute(f"#pragma taas --gpus 2 --start {start}\n{SETTINGS}").ok()
             assert result.stdout.count(f"] {changed}") == 2, (start, changed, result.stdout)
     finally:
@@ -108,7 +108,7 @@ torch.set_float32_matmul_precision("highest")
 torch.backends.cudnn.allow_tf32 = True
 """).ok()
     assert kernel.execute(SETTINGS).ok().stdout == defaults
-    result = kernel.execute(f"#pragma taas --gpus 2 --start spawn\n{SETTINGS}").ok()
+    result = kernel.execute(f"#pragma taas --gpus 2 --start forkserver\n{SETTINGS}").ok()
     assert result.stdout.count(f"] {defaults}") == 2, "the fork server kept none of the earlier run's settings"
 
 

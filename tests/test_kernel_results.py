@@ -77,7 +77,7 @@ torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"], "no temporary file remains"
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_names_the_notebook_gave_to_torch_save_and_init_process_group_are_replaced_too(kernel, tmp_path, start):
     kernel.execute("from torch import save as keep\nfrom torch.distributed import init_process_group as join").ok()
     target = tmp_path / f"by_alias_{start}.pt"
@@ -134,7 +134,7 @@ value = 42
 """
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_every_name_that_cannot_come_back_is_named_in_one_line_and_the_others_come_back(kernel, tmp_path, start):
     (tmp_path / "only_in_ranks.py").write_text("def named(x):\n    return x + 1\nanonymous = lambda x: x * 2\n")
     result = kernel.execute(f"#pragma taas --gpus 2 --start {start}\n" + BAD_AND_GOOD.format(folder=str(tmp_path))).ok()

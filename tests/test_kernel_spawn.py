@@ -49,7 +49,7 @@ def answers(result) -> dict[int, str]:
 
 
 def test_spawned_ranks_see_functions_classes_lambdas_and_tensors_from_earlier_cells(defined):
-    result = defined.execute("#pragma taas --gpus 2 --start spawn\n" + CELL).ok()
+    result = defined.execute("#pragma taas --gpus 2 --start forkserver\n" + CELL).ok()
     assert answers(result) == {0: "(25.0, 10, 16, 3, 0, 2)", 1: "(25.0, 11, 16, 3, 1, 2)"}
     assert defined.value("answer") == (25.0, 10, 16, 3, 0, 2), "rank 0's values come back"
     assert defined.value("counter.value") == 10
@@ -60,25 +60,25 @@ def test_a_cell_that_works_with_fork_works_the_same_with_spawn(defined):
     defined.execute("SCALE = 3").ok()
     forked = defined.execute("#pragma taas --gpus 2 --start fork\n" + CELL).ok()
     defined.execute("SCALE = 3").ok()
-    spawned = defined.execute("#pragma taas --gpus 2 --start spawn\n" + CELL).ok()
+    spawned = defined.execute("#pragma taas --gpus 2 --start forkserver\n" + CELL).ok()
     assert answers(forked) == answers(spawned)
 
 
 def test_a_needed_name_that_cannot_be_shipped_fails_before_anything_starts(defined):
-    result = defined.execute("#pragma taas --gpus 2 --start spawn\nwith lock:\n    print('started')")
+    result = defined.execute("#pragma taas --gpus 2 --start forkserver\nwith lock:\n    print('started')")
     assert result.error["ename"] == "TaasUsageError"
     assert result.error["evalue"].startswith("the cell needs 'lock' (a _thread.lock)")
     assert "create it inside the cell" in result.error["evalue"]
     assert "started" not in result.stdout
     # The same lock, not needed by the cell, is ignored.
-    assert defined.execute("#pragma taas --gpus 2 --start spawn --output rank0\nprint(square(3))").ok().stdout == "9\n"
+    assert defined.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint(square(3))").ok().stdout == "9\n"
 
 
 def test_auto_picks_spawn_when_the_kernel_reports_cuda_initialized(defined):
     defined.execute("import torch\n_real = torch.cuda.is_initialized\ntorch.cuda.is_initialized = lambda: True").ok()
     try:
         result = defined.execute(GRANDPARENT).ok()
-        assert "the ranks start from the fork server (--start spawn)" in result.stderr
+        assert "the ranks start from the fork server (--start forkserver)" in result.stderr
         assert int(result.stdout) == defined.fork_server().pid, "ranks come from the run's supervisor, forked by the server"
     finally:
         defined.execute("torch.cuda.is_initialized = _real").ok()
@@ -91,10 +91,10 @@ GRANDPARENT = "#pragma taas --gpus 2 --output rank0\nimport os, psutil\nprint(ps
 
 def test_the_fork_server_survives_many_cells_without_leaking(defined):
     server = defined.fork_server()
-    defined.execute("#pragma taas --gpus 2 --start spawn\nx = weights.sum()").ok()
+    defined.execute("#pragma taas --gpus 2 --start forkserver\nx = weights.sum()").ok()
     fds, memory = server.num_fds(), server.memory_info().rss
     for _ in range(12):
-        defined.execute("#pragma taas --gpus 2 --start spawn\nx = weights.sum() + SCALE").ok()
+        defined.execute("#pragma taas --gpus 2 --start forkserver\nx = weights.sum() + SCALE").ok()
     assert defined.fork_server().pid == server.pid
     deadline = time.monotonic() + 2
     while server.children() and time.monotonic() < deadline:
@@ -108,7 +108,7 @@ def test_the_fork_server_survives_many_cells_without_leaking(defined):
 
 def test_tensors_are_shipped_once_through_shared_memory(defined):
     defined.execute("big = torch.ones(8 * 2**20)  # 32 MB").ok()
-    result = defined.execute("""#pragma taas --gpus 2 --start spawn
+    result = defined.execute("""#pragma taas --gpus 2 --start forkserver
 import os, taas
 print("SUM", big.sum().item(), os.getpid())
 big.add_(taas.rank())  # a rank's writes stay its own
@@ -120,7 +120,7 @@ print("AFTER", big[0].item())
 
 
 def test_interrupt_and_failure_work_through_the_fork_server(defined):
-    result = defined.execute("""#pragma taas --gpus 2 --start spawn
+    result = defined.execute("""#pragma taas --gpus 2 --start forkserver
 import os, time, taas
 print("RUN", os.environ["TAAS_RUN_ID"], flush=True)
 try:
@@ -132,14 +132,14 @@ finally:
     assert "[rank 0] cleanup 0" in result.stdout and "[rank 1] cleanup 1" in result.stdout
     run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
     assert processes_of_run(run_id) == []
-    result = defined.execute("#pragma taas --gpus 2 --start spawn\nimport taas\nif taas.rank():\n    1 / 0")
+    result = defined.execute("#pragma taas --gpus 2 --start forkserver\nimport taas\nif taas.rank():\n    1 / 0")
     assert result.error["evalue"] == "rank 1 failed: ZeroDivisionError: division by zero"
     assert "Cell In[" in result.traceback and "1 / 0" in result.traceback
 
 
 def test_only_rank_0_writes_with_spawn_too(defined, tmp_path):
     target = tmp_path / "w.pt"
-    result = defined.execute(f"#pragma taas --gpus 2 --start spawn\nimport taas\ntorch.save(taas.rank(), {str(target)!r})").ok()
+    result = defined.execute(f"#pragma taas --gpus 2 --start forkserver\nimport taas\ntorch.save(taas.rank(), {str(target)!r})").ok()
     assert "skipped in rank 1" in result.stderr
     import torch
 
@@ -147,10 +147,10 @@ def test_only_rank_0_writes_with_spawn_too(defined, tmp_path):
 
 
 def test_a_dead_fork_server_is_restarted(fresh_kernel):
-    fresh_kernel.execute("#pragma taas --gpus 2 --start spawn\nx = 1").ok()
+    fresh_kernel.execute("#pragma taas --gpus 2 --start forkserver\nx = 1").ok()
     server = fresh_kernel.fork_server()
     server.kill()  # while idle: the next cell must not notice, whenever the server's death is seen
-    result = fresh_kernel.execute("#pragma taas --gpus 2 --start spawn --output rank0\nprint('back')").ok()
+    result = fresh_kernel.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint('back')").ok()
     assert result.stdout == "back\n"
     assert fresh_kernel.fork_server().pid != server.pid
 
@@ -161,7 +161,7 @@ def test_unload_stops_the_fork_server_and_kernel_death_takes_it_along(fresh_kern
     server.wait(10)
     assert fresh_kernel.fork_server() is None
     fresh_kernel.execute("%load_ext taas_magic").ok()
-    fresh_kernel.client.execute("#pragma taas --gpus 2 --start spawn\nimport time\nprint('up', flush=True)\ntime.sleep(60)")
+    fresh_kernel.client.execute("#pragma taas --gpus 2 --start forkserver\nimport time\nprint('up', flush=True)\ntime.sleep(60)")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(fresh_kernel.children()) < 3:
         time.sleep(0.1)

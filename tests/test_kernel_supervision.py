@@ -17,7 +17,7 @@ from conftest import port_is_free, processes_of_run
 
 pytestmark = pytest.mark.kernel
 
-STARTS = ["fork", "spawn"]
+STARTS = ["fork", "forkserver"]
 
 
 def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
@@ -65,9 +65,9 @@ while True:
 
 
 def test_the_fork_server_dying_during_a_run_is_an_error_within_10_s_and_the_next_cell_works(fresh_kernel):
-    fresh_kernel.execute("#pragma taas --gpus 1 --start spawn\nx = 1").ok()
+    fresh_kernel.execute("#pragma taas --gpus 1 --start forkserver\nx = 1").ok()
     server = fresh_kernel.fork_server()
-    msg_id = fresh_kernel.client.execute("""#pragma taas --gpus 2 --start spawn
+    msg_id = fresh_kernel.client.execute("""#pragma taas --gpus 2 --start forkserver
 import os, subprocess, time
 # a descendant that holds every descriptor the rank holds, in a session of its own
 subprocess.Popen(["sleep", "60"], start_new_session=True, close_fds=False)
@@ -95,7 +95,7 @@ time.sleep(60)
     assert time.monotonic() - killed < 10
     assert error is not None and "fork server" in error["evalue"] and "SIGKILL" in error["evalue"], error
     assert wait_gone(family) == []
-    assert fresh_kernel.execute("#pragma taas --gpus 2 --start spawn --output rank0\nprint('next')").ok().stdout == "next\n"
+    assert fresh_kernel.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint('next')").ok().stdout == "next\n"
 
 
 # -- 2. nothing a rank starts outlives its run ---------------------------------------------------------

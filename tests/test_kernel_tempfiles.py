@@ -40,7 +40,7 @@ def left_behind(kernel: Kernel, folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if str(kernel.pid) not in p.name)
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_registered_loaders_with_workers_leave_no_folders(private_tmp, start):
     kernel, folder = private_tmp
     kernel.execute(f"#pragma taas --gpus 2 --start {start}\nn = sum(1 for b in workers)").ok()

@@ -15,10 +15,11 @@ from taas_magic.spec import resolve_start
     "requested, device, unsafe, can_fork, expected",
     [
         ("auto", "cuda", False, True, ("fork", "")),
-        ("auto", "cpu", True, True, ("spawn", "CUDA was already used in this kernel")),
-        ("auto", "cuda", True, True, ("spawn", "CUDA was already used in this kernel")),
-        ("auto", "cuda", False, False, ("spawn", "cannot fork the kernel")),
-        ("spawn", "cuda", False, True, ("spawn", "")),
+        ("auto", "cpu", True, True, ("forkserver", "CUDA was already used in this kernel")),
+        ("auto", "cuda", True, True, ("forkserver", "CUDA was already used in this kernel")),
+        ("auto", "cuda", False, False, ("forkserver", "cannot fork the kernel")),
+        ("forkserver", "cuda", False, True, ("forkserver", "")),
+        ("spawn", "cuda", False, True, ("forkserver", "")),  # its earlier name
         ("fork", "cpu", True, True, ("fork", "")),
     ],
 )

@@ -18,7 +18,7 @@ from IPython.utils.process import arg_split  # type: ignore[attr-defined]  # re-
 from .errors import TaasUsageError
 
 DEVICES = ("auto", "cuda", "cpu")
-STARTS = ("auto", "fork", "spawn")
+STARTS = ("auto", "fork", "forkserver", "spawn")  # spawn: the fork server's earlier name
 ORDERS = ("deterministic", "fastest")
 OUTPUTS = ("all", "rank0")
 MAX_CPUS = 8
@@ -116,9 +116,9 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         ),
         magic_arguments.argument(
             "--start", choices=STARTS, default="auto",
-            help="fork: ranks are forked from the kernel (fastest, shares its memory); spawn: from a fork server "
-            "that never touched CUDA, with what the cell needs shipped by value; auto: fork unless CUDA was "
-            "used in the kernel.",
+            help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
+            "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
+            "earlier name); auto: fork unless CUDA was used in the kernel.",
         ),
         magic_arguments.argument(
             "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",

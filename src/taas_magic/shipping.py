@@ -106,7 +106,7 @@ def _check_shippable(name: str, value: Any) -> None:
     except Exception as e:
         raise TaasUsageError(
             f"the cell needs {name!r} (a {type(value).__module__}.{type(value).__qualname__}), which cannot be "
-            f"sent to ranks started with --start spawn ({first_line(e)}): create it inside the cell"
+            f"sent to ranks started with --start forkserver ({first_line(e)}): create it inside the cell"
         ) from e
 
 

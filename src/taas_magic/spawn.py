@@ -1,6 +1,6 @@
 """The CUDA-safe backend: ranks forked, through a supervisor, from a fork server that never touched CUDA.
 
-The server (``agent.py``) is started in the background when the extension loads, so a cell
+The server (``forkserver.py``) is started in the background when the extension loads, so a cell
 never waits for a cold Python and torch import; if it has died it is started again. The cell's
 needed names travel by value (``shipping.py``). The kernel only ever *sends* to the server, one
 datagram per run; the run itself talks to the kernel on its own channel, so the controller sees
@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from . import channel, memfile
-from .agent import CONTROL
+from .forkserver import CONTROL
 from .errors import TaasRunError
 from .rendezvous import RunStore
 from .shipping import Shipment
@@ -46,7 +46,7 @@ class Agent:
         self.stderr = memfile.new_file("taas-fork-server-stderr", 0)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "taas_magic.agent", str(agent_end.fileno())],
+                [sys.executable, "-m", "taas_magic.forkserver", str(agent_end.fileno())],
                 pass_fds=[agent_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
             )
@@ -114,7 +114,7 @@ class SpawnRequest:
 
 
 class SpawnBackend:
-    name = "spawn"
+    name = "forkserver"
 
     def __init__(self) -> None:
         self._agent: Agent | None = None

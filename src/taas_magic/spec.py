@@ -32,7 +32,7 @@ class LaunchSpec:
     timeout: float | None
     threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
     return_names: tuple[str, ...] | None = None  # None: every name the cell binds; (): nothing
-    start: str = "auto"  # "auto", "fork" or "spawn"; auto is resolved when the cell runs
+    start: str = "auto"  # "auto", "fork" or "forkserver"; auto is resolved when the cell runs
     order: str = "deterministic"  # how ranks take elements of registered loaders
     prefetch: int | None = None  # elements producers may prepare ahead; None: the default
     master_addr: str = LOOPBACK
@@ -71,10 +71,15 @@ def build(
         timeout=options.timeout,
         threads_per_rank=_threads_per_rank(environ, machine, per_node),
         return_names=getattr(options, "return_names", None),
-        start=getattr(options, "start", "auto"),
+        start=_start(getattr(options, "start", "auto")),
         order=getattr(options, "order", "deterministic"),
         prefetch=getattr(options, "prefetch", None),
     )
+
+
+def _start(requested: str) -> str:
+    """``spawn``, the fork server's earlier name, is still accepted: it means ``forkserver``."""
+    return "forkserver" if requested == "spawn" else requested
 
 
 def _device(requested: str, configuration: Configuration | None) -> str:
@@ -151,18 +156,18 @@ def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_f
     """
     if requested == "fork":
         if not can_fork:
-            raise TaasUsageError("--start fork: this platform cannot fork processes; use --start spawn")
+            raise TaasUsageError("--start fork: this platform cannot fork processes; use --start forkserver")
         if device == "cuda" and fork_unsafe_for_cuda:
             raise TaasUsageError(
                 "--start fork: CUDA was already used in this kernel (an earlier cell initialized it or asked "
-                "torch.cuda.is_available()), and forked ranks cannot use CUDA after that: use --start spawn (or auto)"
+                "torch.cuda.is_available()), and forked ranks cannot use CUDA after that: use --start forkserver (or auto)"
             )
         return "fork", ""
-    if requested == "spawn":
-        return "spawn", ""
+    if _start(requested) == "forkserver":
+        return "forkserver", ""
     if not can_fork:
-        return "spawn", "taas: this platform cannot fork the kernel, so the ranks start from the fork server"
+        return "forkserver", "taas: this platform cannot fork the kernel, so the ranks start from the fork server"
     if fork_unsafe_for_cuda:
-        return "spawn", ("taas: CUDA was already used in this kernel, so the ranks start from the fork server "
-                         "(--start spawn)")
+        return "forkserver", ("taas: CUDA was already used in this kernel, so the ranks start from the fork server "
+                              "(--start forkserver)")
     return "fork", ""
