@@ -43,7 +43,7 @@ def load_ipython_extension(ipython: Any) -> None:
     # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.
     ipython.input_transformers_cleanup.insert(0, transformer)
     _loaded[id(ipython)] = (magics, transformer)
-    magics.spawn_backend.warm_up()  # the fork server imports torch in the background from now on
+    magics.forkserver_backend.warm_up()  # the fork server imports torch in the background from now on
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -51,7 +51,7 @@ def unload_ipython_extension(ipython: Any) -> None:
     if entry is None:
         return
     magics, transformer = entry
-    magics.spawn_backend.shutdown()
+    magics.forkserver_backend.shutdown()
     if transformer in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(transformer)
     manager = ipython.magics_manager

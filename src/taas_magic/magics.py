@@ -23,7 +23,7 @@ from .errors import TaasUsageError
 from .fork import ForkBackend
 from .pragma import PragmaTransformer, parse_header
 from .rank_state import draw_base_seed
-from .spawn import SpawnBackend, SpawnRequest
+from .forkserver_backend import ForkServerBackend, ForkServerRequest
 from .spec import LaunchSpec, build, resolve_start
 from .worker import KernelContext, RankTask
 
@@ -37,7 +37,7 @@ class TaasMagics(Magics):
         self.ipython = shell  # the same as Magics.shell, never None here
         self.transformer = transformer
         self.fork_backend = ForkBackend()
-        self.spawn_backend = SpawnBackend()
+        self.forkserver_backend = ForkServerBackend()
 
     @options.declare
     @no_var_expand  # done in the magic, only where there is something to expand (_expand_variables)
@@ -72,7 +72,7 @@ class TaasMagics(Magics):
             outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ, cell_names,
                                      labels=producer_labels(loaders), status=progress.show)
         finally:
-            if isinstance(payload, SpawnRequest):
+            if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
         self._take_back(outcome)
 
@@ -103,7 +103,7 @@ class TaasMagics(Magics):
         return str(history[-1])
 
     def _choose_start(self, spec: LaunchSpec, tree: ast.Module,
-                      task: RankTask) -> tuple[Backend, RankTask | SpawnRequest]:
+                      task: RankTask) -> tuple[Backend, RankTask | ForkServerRequest]:
         """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
         can_fork = hasattr(os, "fork")
         # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
@@ -124,7 +124,7 @@ class TaasMagics(Magics):
             context=KernelContext.of_this_process(),
         )
         # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
-        return self.spawn_backend, SpawnRequest(rank_task, shipment, aliases.find({n: namespace[n] for n in needed}))
+        return self.forkserver_backend, ForkServerRequest(rank_task, shipment, aliases.find({n: namespace[n] for n in needed}))
 
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
@@ -161,7 +161,7 @@ class TaasMagics(Magics):
         names = ", ".join(catalog.names())
         return "\n".join([
             "start:               fork from this kernel; the fork server once CUDA was used here",
-            f"fork server:         {self.spawn_backend.describe()}",
+            f"fork server:         {self.forkserver_backend.describe()}",
             f"configurations:      {'; '.join(catalog.sources)}",
             f"                     {names}",
             f"CUDA devices:        {found.cuda_devices} visible"

@@ -56,7 +56,7 @@ def test_spawned_ranks_see_functions_classes_lambdas_and_tensors_from_earlier_ce
     assert defined.value("SCALE") == 10
 
 
-def test_a_cell_that_works_with_fork_works_the_same_with_spawn(defined):
+def test_a_cell_that_works_with_fork_works_the_same_from_the_fork_server(defined):
     defined.execute("SCALE = 3").ok()
     forked = defined.execute("#pragma taas --gpus 2 --start fork\n" + CELL).ok()
     defined.execute("SCALE = 3").ok()
@@ -74,7 +74,7 @@ def test_a_needed_name_that_cannot_be_shipped_fails_before_anything_starts(defin
     assert defined.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint(square(3))").ok().stdout == "9\n"
 
 
-def test_auto_picks_spawn_when_the_kernel_reports_cuda_initialized(defined):
+def test_auto_picks_the_fork_server_when_the_kernel_reports_cuda_initialized(defined):
     defined.execute("import torch\n_real = torch.cuda.is_initialized\ntorch.cuda.is_initialized = lambda: True").ok()
     try:
         result = defined.execute(GRANDPARENT).ok()
@@ -137,7 +137,7 @@ finally:
     assert "Cell In[" in result.traceback and "1 / 0" in result.traceback
 
 
-def test_only_rank_0_writes_with_spawn_too(defined, tmp_path):
+def test_only_rank_0_writes_from_the_fork_server_too(defined, tmp_path):
     target = tmp_path / "w.pt"
     result = defined.execute(f"#pragma taas --gpus 2 --start forkserver\nimport taas\ntorch.save(taas.rank(), {str(target)!r})").ok()
     assert "skipped in rank 1" in result.stderr

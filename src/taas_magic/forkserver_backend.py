@@ -29,7 +29,7 @@ READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can 
 STDERR_TAIL = 2000  # characters of the server's standard error shown when it died
 
 
-class AgentDied(TaasRunError):
+class ForkServerDied(TaasRunError):
     """The fork server could not take the run: it is gone."""
 
     def __init__(self, detail: str):
@@ -37,17 +37,17 @@ class AgentDied(TaasRunError):
         super().__init__(message, [message])
 
 
-class Agent:
+class ForkServer:
     """One fork server process, the kernel's end of its channel, and its standard error."""
 
     def __init__(self) -> None:
-        kernel_end, agent_end = channel.socket_pair()
+        kernel_end, server_end = channel.socket_pair()
         secret = channel.new_secret()
         self.stderr = memfile.new_file("taas-fork-server-stderr", 0)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "taas_magic.forkserver", str(agent_end.fileno())],
-                pass_fds=[agent_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                [sys.executable, "-m", "taas_magic.forkserver", str(server_end.fileno())],
+                pass_fds=[server_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
             )
             assert self.process.stdin is not None
@@ -58,7 +58,7 @@ class Agent:
             os.close(self.stderr)
             raise
         finally:
-            agent_end.close()
+            server_end.close()
         self.control = channel.Channel(kernel_end, secret, CONTROL)
 
     def alive(self) -> bool:
@@ -102,7 +102,7 @@ class Agent:
 
 
 @dataclass
-class SpawnRequest:
+class ForkServerRequest:
     """A run for the fork server: the ranks' task and the names shipped for it."""
 
     task: RankTask
@@ -113,25 +113,25 @@ class SpawnRequest:
         self.shipment.close()
 
 
-class SpawnBackend:
+class ForkServerBackend:
     name = "forkserver"
 
     def __init__(self) -> None:
-        self._agent: Agent | None = None
+        self._server: ForkServer | None = None
 
     def describe(self) -> str:
-        if self._agent is None:
+        if self._server is None:
             return "not started"
-        return f"running (pid {self._agent.process.pid})" if self._agent.alive() else "stopped (restarts when needed)"
+        return f"running (pid {self._server.process.pid})" if self._server.alive() else "stopped (restarts when needed)"
 
     def warm_up(self) -> None:
         """Start the fork server in the background; the first spawn cell finds it ready."""
-        if self._agent is not None and not self._agent.alive():
+        if self._server is not None and not self._server.alive():
             self.shutdown()
-        if self._agent is None:
-            self._agent = Agent()
+        if self._server is None:
+            self._server = ForkServer()
 
-    def start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> SupervisedRanks:
+    def start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
         """Hand the run to the fork server; a server that turns out to have died is replaced, once.
 
         A run lost before its supervisor said "started" ran no code of the cell, so it can be
@@ -139,16 +139,16 @@ class SpawnBackend:
         """
         try:
             return self._start(envs, request)
-        except (AgentDied, RunLost):
-            if self._agent is not None and not self._agent.gone(within=1.0):
+        except (ForkServerDied, RunLost):
+            if self._server is not None and not self._server.gone(within=1.0):
                 raise
             self.shutdown()
         return self._start(envs, request)
 
-    def _start(self, envs: dict[int, dict[str, str]], request: SpawnRequest) -> SupervisedRanks:
+    def _start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
         self.warm_up()
-        agent = self._agent
-        assert agent is not None
+        server = self._server
+        assert server is not None
         run_id = envs[min(envs)]["TAAS_RUN_ID"]
         store = RunStore(envs)
         envs = store.environments(envs)
@@ -157,18 +157,18 @@ class SpawnBackend:
         shipment = dataclasses.replace(request.shipment, tensors_fd=None)
         fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
         try:
-            agent.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
+            server.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
         except BaseException as e:
             kernel_end.close()
             store.close()
             if isinstance(e, channel.ChannelBroken):
-                raise AgentDied(agent.describe_death()) from e
+                raise ForkServerDied(server.describe_death()) from e
             raise
         finally:
             supervisor_end.close()
 
         def lost(detail: str) -> str:
-            return f"{detail}; {agent.describe_death()}" if not agent.alive() else detail
+            return f"{detail}; {server.describe_death()}" if not server.alive() else detail
 
         group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
         try:
@@ -181,6 +181,6 @@ class SpawnBackend:
         return group
 
     def shutdown(self) -> None:
-        if self._agent is not None:
-            self._agent.stop()
-            self._agent = None
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
