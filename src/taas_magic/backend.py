@@ -7,6 +7,7 @@ shared paths, so a cluster backend (one agent per node) can stand behind it as t
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Union
 
@@ -63,7 +64,20 @@ class RankGroup(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Cell:
+    """The cell a run comes from, as a backend may need it to prepare what it starts."""
+
+    tree: ast.Module  # the cell's code, parsed
+    namespace: dict[str, Any]  # the notebook's names
+    label: str  # how tracebacks name the cell: "Cell In[5]"
+
+
 class Backend(Protocol):
     name: str
 
-    def start(self, envs: dict[int, dict[str, str]], task: Any) -> RankGroup: ...
+    def prepare(self, task: Any, cell: Cell) -> Any:
+        """What ``start`` takes to run ``task``: forked ranks need the task alone; ranks that do not
+        share the kernel's memory need what the cell uses packed with it."""
+
+    def start(self, envs: dict[int, dict[str, str]], payload: Any) -> RankGroup: ...

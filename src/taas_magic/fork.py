@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable
 
 from . import aliases, channel, child, containment, tempfiles, worker
-from .backend import Event, Exited, Output, Report, Result
+from .backend import Cell, Event, Exited, Output, Report, Result
 from .delivery.service import DataService
 from .rendezvous import RunStore
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
@@ -48,6 +48,10 @@ class ForkBackend:
     """Ranks forked from the kernel, through a supervisor forked from the kernel."""
 
     name: str = "fork"
+
+    def prepare(self, task: worker.RankTask, cell: Cell) -> worker.RankTask:
+        """Forked ranks have the notebook as it is: the task alone."""
+        return task
 
     def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> SupervisedRanks:
         run_id = envs[min(envs)]["TAAS_RUN_ID"]

@@ -11,19 +11,21 @@ The server's standard error goes to a memory file whose tail is shown if it dies
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import channel, memfile
+from . import aliases, channel, memfile, shipping
+from .backend import Cell
 from .forkserver import CONTROL
 from .errors import TaasRunError
 from .rendezvous import RunStore
 from .shipping import Shipment
 from .supervisor import CLOSE_SECONDS, RunLost, SupervisedRanks
-from .worker import RankTask
+from .worker import KernelContext, RankTask
 
 READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
 STDERR_TAIL = 2000  # characters of the server's standard error shown when it died
@@ -115,6 +117,20 @@ class ForkServerRequest:
 
 class ForkServerBackend:
     name = "forkserver"
+
+    def prepare(self, task: RankTask, cell: Cell) -> ForkServerRequest:
+        """The task with what the ranks need of the kernel: the names the cell reads, by value, the
+        cell's source for tracebacks, and the kernel's environment, folder and torch settings."""
+        needed = shipping.needed_names(cell.tree, cell.namespace)
+        shipment = shipping.pack(cell.namespace, needed)
+        rank_task = dataclasses.replace(
+            task,
+            source="".join(linecache.getlines(task.code.co_filename)),
+            cell_label=cell.label,
+            context=KernelContext.of_this_process(),
+        )
+        # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
+        return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
 
     def __init__(self) -> None:
         self._server: ForkServer | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import linecache
 import os
 import sys
@@ -13,8 +12,8 @@ from typing import Any
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 
-from . import aliases, controller, machine, options, results, shipping, streams
-from .backend import Backend
+from . import controller, machine, options, results, streams
+from .backend import Backend, Cell
 from .cell_names import top_level_bindings
 from .configurations import load_catalog
 from .delivery import planning
@@ -22,10 +21,10 @@ from .delivery.service import LoaderPlan, producer_labels
 from .errors import TaasUsageError
 from .fork import ForkBackend
 from .pragma import PragmaTransformer, parse_header
-from .rank_state import draw_base_seed
 from .forkserver_backend import ForkServerBackend, ForkServerRequest
+from .rank_state import draw_base_seed
 from .spec import LaunchSpec, build, resolve_start
-from .worker import KernelContext, RankTask
+from .worker import RankTask
 
 
 @magics_class
@@ -102,9 +101,8 @@ class TaasMagics(Magics):
         history = getattr(self.ipython.history_manager, "input_hist_raw", None) or [""]
         return str(history[-1])
 
-    def _choose_start(self, spec: LaunchSpec, tree: ast.Module,
-                      task: RankTask) -> tuple[Backend, RankTask | ForkServerRequest]:
-        """Fork when it is safe, else the fork server with what the cell needs shipped by value."""
+    def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, Any]:
+        """Fork when it is safe, else the fork server; the backend prepares what it starts."""
         can_fork = hasattr(os, "fork")
         # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
         unsafe = machine.cuda_initialized_in_kernel() or (
@@ -112,19 +110,9 @@ class TaasMagics(Magics):
         start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
         if notice:
             print(notice, file=sys.stderr)
-        if start == "fork":
-            return self.fork_backend, task
-        namespace = self.ipython.user_ns
-        needed = shipping.needed_names(tree, namespace)
-        shipment = shipping.pack(namespace, needed)
-        rank_task = dataclasses.replace(
-            task,
-            source="".join(linecache.getlines(task.code.co_filename)),
-            cell_label=f"Cell In[{self.ipython.execution_count}]",
-            context=KernelContext.of_this_process(),
-        )
-        # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
-        return self.forkserver_backend, ForkServerRequest(rank_task, shipment, aliases.find({n: namespace[n] for n in needed}))
+        backend: Backend = self.fork_backend if start == "fork" else self.forkserver_backend
+        cell = Cell(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
+        return backend, backend.prepare(task, cell)
 
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
