@@ -83,11 +83,14 @@ class ProducerTask:
             pass_, index, _ = keys.popleft()
             destinations = self.plan.destinations(pass_, index)
             self._wait_for_window(destinations[0][1])
-            self.counters.produced[self.index] += 1  # before a rank can count it consumed
-            for rank, _ in destinations:
-                if self.counters.wants(rank, pass_.number):  # not to a rank that left the pass or ended its cell
-                    send(self.channels[rank], pass_.number, index, element)
-                    self.counters.count_sent(self.index, rank)
+            # Not to a rank that left the pass or ended its cell; an element no rank takes any more
+            # (built ahead for a pass nobody started) does not count as produced.
+            takers = [rank for rank, _ in destinations if self.counters.wants(rank, pass_.number)]
+            if takers:
+                self.counters.produced[self.index] += 1  # before a rank can count it consumed
+            for rank in takers:
+                send(self.channels[rank], pass_.number, index, element)
+                self.counters.count_sent(self.index, rank)
 
     def wanted(self, pass_: Pass, index: int) -> bool:
         """Whether any rank element ``index`` of ``pass_`` is for still reads that pass."""
