@@ -43,7 +43,7 @@ def ends():
 
 def test_the_kernel_learns_the_processes_of_the_run_when_it_starts(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, 12345, [-1, 0, 1])
+    supervisor.send("started", group.stand_in_pid, [-1, 0, 1])
     group.wait_started(5)
     assert group.running() == {-1, 0, 1}, "producers count as running processes"
     supervisor.send("events", [Output(0, "stdout", b"hi\n"), Exited(0, 0)])
@@ -53,7 +53,7 @@ def test_the_kernel_learns_the_processes_of_the_run_when_it_starts(ends):
 
 def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, 12345, [0, 1])
+    supervisor.send("started", group.stand_in_pid, [0, 1])
     group.wait_started(5)
     supervisor.send("events", [Exited(0, 0)])
     supervisor.send("closed", {0: 0, 1: 3}, [Output(1, "stdout", b"bye\n"), Exited(1, 3)])
@@ -64,7 +64,7 @@ def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
 
 def test_a_request_that_crosses_the_end_of_the_run_is_moot_not_a_lost_run(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, 12345, [0, -1])
+    supervisor.send("started", group.stand_in_pid, [0, -1])
     group.wait_started(5)
     supervisor.send("closed", {0: 0, -1: 0}, [Exited(0, 0), Exited(-1, 0)])
     supervisor.close()  # the run ended and its supervisor went
@@ -87,7 +87,7 @@ def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
 ])
 def test_a_run_the_supervisor_ended_or_garbled_is_lost_and_closed(ends, message, expected):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, 12345, [0, 1])
+    supervisor.send("started", group.stand_in_pid, [0, 1])
     group.wait_started(5)
     supervisor.send(*message)
     with pytest.raises(RunLost, match=expected):
@@ -104,7 +104,7 @@ def test_a_supervisor_that_vanishes_before_starting_is_lost(ends):
 
 def test_close_waits_for_the_supervisor_to_say_everything_is_gone(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, 12345, [0, 1])
+    supervisor.send("started", group.stand_in_pid, [0, 1])
     group.wait_started(5)
 
     def answer() -> None:

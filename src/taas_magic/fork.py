@@ -77,8 +77,7 @@ class ForkBackend:
         group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
                                 envs, store=store)
         try:
-            store.serve()  # while the supervisor forks the ranks
-            group.go(aliases.find(_namespace(task)))  # also meanwhile: it reads every name once
+            group.go(aliases.find(_namespace(task)))  # while the supervisor forks: it reads every name once
             group.wait_started(START_SECONDS)
         except BaseException:
             group.close()

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from . import aliases, channel, memfile, shipping
 from .backend import Cell
-from .forkserver import CONTROL
 from .errors import TaasRunError
+from .forkserver import CONTROL
 from .rendezvous import RunStore
 from .shipping import Shipment
 from .supervisor import CLOSE_SECONDS, RunLost, SupervisedRanks
@@ -118,6 +118,9 @@ class ForkServerRequest:
 class ForkServerBackend:
     name = "forkserver"
 
+    def __init__(self) -> None:
+        self._server: ForkServer | None = None
+
     def prepare(self, task: RankTask, cell: Cell) -> ForkServerRequest:
         """The task with what the ranks need of the kernel: the names the cell reads, by value, the
         cell's source for tracebacks, and the kernel's environment, folder and torch settings."""
@@ -132,16 +135,13 @@ class ForkServerBackend:
         # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
         return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
 
-    def __init__(self) -> None:
-        self._server: ForkServer | None = None
-
     def describe(self) -> str:
         if self._server is None:
             return "not started"
         return f"running (pid {self._server.process.pid})" if self._server.alive() else "stopped (restarts when needed)"
 
     def warm_up(self) -> None:
-        """Start the fork server in the background; the first spawn cell finds it ready."""
+        """Start the fork server in the background; the first forkserver cell finds it ready."""
         if self._server is not None and not self._server.alive():
             self.shutdown()
         if self._server is None:
@@ -188,7 +188,6 @@ class ForkServerBackend:
 
         group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
         try:
-            store.serve()  # while the supervisor forks the ranks
             group.go(request.aliases)
         except BaseException:
             group.close()

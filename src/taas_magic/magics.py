@@ -20,8 +20,8 @@ from .delivery import planning
 from .delivery.service import LoaderPlan, producer_labels
 from .errors import TaasUsageError
 from .fork import ForkBackend
-from .pragma import PragmaTransformer, parse_header
 from .forkserver_backend import ForkServerBackend, ForkServerRequest
+from .pragma import PragmaTransformer, parse_header
 from .rank_state import draw_base_seed
 from .spec import LaunchSpec, build, resolve_start
 from .worker import RankTask

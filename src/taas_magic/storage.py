@@ -12,7 +12,6 @@ import os
 import sys
 from typing import Any, Callable
 
-
 Notify = Callable[[dict[str, Any]], None]
 
 

@@ -13,10 +13,11 @@ server) dies.
 
 Requests, kernel → supervisor: ("go", names) first (the notebook's names for the functions ranks
 replace, found while the supervisor forks), then ("signal", signum, ranks | None),
-("stacks", ranks, timeout), ("close",). Messages, supervisor → kernel: ("started", pid, port, process keys) or ("failed", text), then
-("events", [Event, …]) and ("stacks", {rank: text}) as they come, ("closed", {rank: code}, [Event, …])
-last, with the events that came with the end, once every process of the run has exited or the kernel asked;
-("lost", why) instead when the supervisor had to end the run on its own.
+("stacks", ranks, timeout), ("close",). Messages, supervisor → kernel: ("started", pid, process
+keys) or ("failed", text), then ("events", [Event, …]) and ("stacks", {rank: text}) as they
+come, ("closed", {rank: code}, [Event, …]) last, with the events that came with the end, once
+every process of the run has exited or the kernel asked; ("lost", why) instead when the
+supervisor had to end the run on its own.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class _Supervisor:
         try:
             containment.drop_sockets({self.channel.fileno()})  # the kernel's: only now, not to delay the ranks
             group.watch(self.channel.fileno())
-            self._send("started", os.getpid(), int(envs[min(envs)]["MASTER_PORT"]), sorted(group.ranks))
+            self._send("started", os.getpid(), sorted(group.ranks))
             last = self._relay(group)
         except ChannelBroken:
             pass  # the kernel gave up on the run, or is gone: end it
@@ -283,7 +284,7 @@ class SupervisedRanks:
                 self._lose(f"unexpected first message {kind!r}")
             if self.process is None:
                 self.process = SupervisorProcess(fields[0], is_child=False)
-            self.alive = set(fields[2])  # the ranks, and the producers of registered loaders
+            self.alive = set(fields[1])  # the ranks, and the producers of registered loaders
             self.started = True
         except BaseException:
             self.close()
@@ -300,7 +301,10 @@ class SupervisedRanks:
         return False
 
     def go(self, aliases: tuple[str, ...]) -> None:
-        """Let the forked processes go once all are forked, telling them the notebook's ``aliases``."""
+        """The kernel's part of the start, done while the supervisor forks: serve the run's store,
+        then let the forked processes go once all are forked, telling them the notebook's ``aliases``."""
+        if self.store is not None:
+            self.store.serve()
         try:
             self.channel.send("go", aliases)
         except ChannelBroken:
