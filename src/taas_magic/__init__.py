@@ -52,6 +52,8 @@ def unload_ipython_extension(ipython: Any) -> None:
         return
     magics, transformer = entry
     magics.forkserver_backend.shutdown()
+    if magics.cluster is not None:
+        magics.cluster.disconnect()  # its agents and their fork servers end with it
     if transformer in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(transformer)
     manager = ipython.magics_manager

@@ -20,12 +20,14 @@ TORCHRUN_VARIABLES = (
 
 
 def rank_environments(
-    spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], node_rank: int = 0
+    spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], node_rank: int | None = None
 ) -> dict[int, dict[str, str]]:
-    """The variables each rank of node ``node_rank`` adds to the kernel's environment."""
+    """The variables each rank of node ``node_rank`` (of every node by default) adds to the environment
+    it starts in: the kernel's, or its node's."""
     shared = _shared(spec, run_id, master_port, kernel_environ)
     envs = {}
-    for local_rank in range(spec.ranks_per_node):
+    nodes = range(spec.nodes) if node_rank is None else (node_rank,)
+    for node_rank, local_rank in ((node, local) for node in nodes for local in range(spec.ranks_per_node)):
         rank = node_rank * spec.ranks_per_node + local_rank
         envs[rank] = {
             **shared,

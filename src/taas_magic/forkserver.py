@@ -34,6 +34,7 @@ SECRET_SIZE = 32
 
 def main(fd: int) -> None:
     secret = _read_secret()
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a Ray worker starts it with SIGINT blocked: ranks inherit masks
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's to forward
     containment.become_subreaper()
     import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)

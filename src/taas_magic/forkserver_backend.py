@@ -115,6 +115,22 @@ class ForkServerRequest:
         self.shipment.close()
 
 
+def ship(task: RankTask, cell: Cell) -> ForkServerRequest:
+    """The task with what ranks that do not share the kernel's memory need of it: the names the cell
+    reads, by value, the cell's source for tracebacks, and the kernel's environment, folder and
+    torch settings."""
+    needed = shipping.needed_names(cell.tree, cell.namespace)
+    shipment = shipping.pack(cell.namespace, needed)
+    rank_task = dataclasses.replace(
+        task,
+        source="".join(linecache.getlines(task.code.co_filename)),
+        cell_label=cell.label,
+        context=KernelContext.of_this_process(),
+    )
+    # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
+    return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
+
+
 class ForkServerBackend:
     name = "forkserver"
 
@@ -122,18 +138,7 @@ class ForkServerBackend:
         self._server: ForkServer | None = None
 
     def prepare(self, task: RankTask, cell: Cell) -> ForkServerRequest:
-        """The task with what the ranks need of the kernel: the names the cell reads, by value, the
-        cell's source for tracebacks, and the kernel's environment, folder and torch settings."""
-        needed = shipping.needed_names(cell.tree, cell.namespace)
-        shipment = shipping.pack(cell.namespace, needed)
-        rank_task = dataclasses.replace(
-            task,
-            source="".join(linecache.getlines(task.code.co_filename)),
-            cell_label=cell.label,
-            context=KernelContext.of_this_process(),
-        )
-        # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
-        return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
+        return ship(task, cell)
 
     def describe(self) -> str:
         if self._server is None:
@@ -162,12 +167,18 @@ class ForkServerBackend:
         return self._start(envs, request)
 
     def _start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
+        return self.start_node(envs, request, RunStore(envs))
+
+    def start_node(self, envs: dict[int, dict[str, str]], request: ForkServerRequest,
+                   store: RunStore | None) -> SupervisedRanks:
+        """Start this machine's share of a run: ``store`` is the run's TCPStore when it is served
+        here (its port goes into the ranks' environments), None when another machine serves it."""
         self.warm_up()
         server = self._server
         assert server is not None
         run_id = envs[min(envs)]["TAAS_RUN_ID"]
-        store = RunStore(envs)
-        envs = store.environments(envs)
+        if store is not None:
+            envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         shipment = dataclasses.replace(request.shipment, tensors_fd=None)
@@ -176,7 +187,8 @@ class ForkServerBackend:
             server.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
         except BaseException as e:
             kernel_end.close()
-            store.close()
+            if store is not None:
+                store.close()
             if isinstance(e, channel.ChannelBroken):
                 raise ForkServerDied(server.describe_death()) from e
             raise

@@ -12,8 +12,10 @@ from typing import Any
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 
-from . import controller, machine, options, results, streams
+from . import cluster, controller, machine, options, results, streams
 from .backend import Backend, Cell
+from .cluster import Cluster
+from .cluster_backend import ClusterBackend
 from .cell_names import top_level_bindings
 from .configurations import load_catalog
 from .delivery import planning
@@ -37,6 +39,8 @@ class TaasMagics(Magics):
         self.transformer = transformer
         self.fork_backend = ForkBackend()
         self.forkserver_backend = ForkServerBackend()
+        self.cluster: Cluster | None = None  # the connected Ray cluster, once connected
+        self.cluster_address = cluster.address_from(os.environ)  # connected to on first use
 
     @options.declare
     @no_var_expand  # done in the magic, only where there is something to expand (_expand_variables)
@@ -49,21 +53,27 @@ class TaasMagics(Magics):
         works unchanged and Lightning needs no init. `#!g2.8` / `#pragma taas --gpus 8` at the
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
         """
-        args = options.parse(TaasMagics.taas, _expand_variables(self.ipython, line))
+        line = _expand_variables(self.ipython, line)
+        if cell is None and line.split()[:1] == ["cluster"]:
+            self._cluster_command(line.split()[1:])
+            return
+        args = options.parse(TaasMagics.taas, line)
         if cell is None:
             if args.check:
                 self._check_configuration(args.check)
             else:
                 print(self._settings())
             return
-        spec = build(args, load_catalog(), machine.detect(), os.environ)
+        spec = build(args, load_catalog(), machine.detect(), os.environ, connected=self.cluster_address is not None)
         tree, code = self._compile(line, cell)
         _import_torch_once()
         loaders = self._loaders(spec, tree)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(top_level_bindings(tree), spec.return_names),
                         seed=draw_base_seed())
-        backend, payload = self._choose_start(spec, tree, task)
+        cell_of_kernel = Cell(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
+        backend = self._cluster_backend(spec) if spec.on_cluster else self._choose_start(spec)
+        payload = backend.prepare(task, cell_of_kernel)
         progress = _ProgressDisplay()
         try:
             known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
@@ -101,8 +111,8 @@ class TaasMagics(Magics):
         history = getattr(self.ipython.history_manager, "input_hist_raw", None) or [""]
         return str(history[-1])
 
-    def _choose_start(self, spec: LaunchSpec, tree: ast.Module, task: RankTask) -> tuple[Backend, Any]:
-        """Fork when it is safe, else the fork server; the backend prepares what it starts."""
+    def _choose_start(self, spec: LaunchSpec) -> Backend:
+        """Fork when it is safe, else the fork server."""
         can_fork = hasattr(os, "fork")
         # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
         unsafe = machine.cuda_initialized_in_kernel() or (
@@ -110,9 +120,42 @@ class TaasMagics(Magics):
         start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
         if notice:
             print(notice, file=sys.stderr)
-        backend: Backend = self.fork_backend if start == "fork" else self.forkserver_backend
-        cell = Cell(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
-        return backend, backend.prepare(task, cell)
+        return self.fork_backend if start == "fork" else self.forkserver_backend
+
+    # -- the cluster ----------------------------------------------------------------------------
+    def _connected(self) -> Cluster:
+        """The cluster, connecting on first use (to the address of %taas cluster or $TAAS_CLUSTER)."""
+        if self.cluster is None:
+            assert self.cluster_address is not None
+            self.cluster = Cluster.connect(self.cluster_address)
+        return self.cluster
+
+    def _cluster_backend(self, spec: LaunchSpec) -> Backend:
+        return ClusterBackend(self._connected(), spec, lambda line: print(line, file=sys.stderr))
+
+    def _cluster_command(self, words: list[str]) -> None:
+        """`%taas cluster [ADDRESS | off | release]`: connect, show the nodes, go back to this machine."""
+        if len(words) > 1:
+            raise TaasUsageError(f"%taas cluster takes one of ADDRESS, off, release; got {' '.join(words)!r}")
+        word = words[0] if words else ""
+        if word == "off":
+            if self.cluster is not None:
+                self.cluster.disconnect()
+            self.cluster, self.cluster_address = None, None
+            print("taas: cells run on this machine")
+        elif word == "release":
+            released = self.cluster.release() if self.cluster is not None else 0
+            print(f"taas: {released} warm agent{'s' * (released != 1)} released")
+        elif word:
+            if self.cluster is not None:
+                self.cluster.disconnect()
+                self.cluster = None
+            self.cluster_address = word
+            print(self._connected().describe(load_catalog()))
+        elif self.cluster_address is None:
+            print("taas: not connected to a cluster: %taas cluster ADDRESS (auto, HOST:PORT or ray://HOST:PORT)")
+        else:
+            print(self._connected().describe(load_catalog()))
 
     def _take_back(self, outcome: controller.Outcome) -> None:
         """Rank 0's names join the notebook's namespace; one line lists what could not come back."""

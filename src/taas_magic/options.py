@@ -21,6 +21,7 @@ DEVICES = ("auto", "cuda", "cpu")
 STARTS = ("auto", "fork", "forkserver", "spawn")  # spawn: the fork server's earlier name
 ORDERS = ("deterministic", "fastest")
 OUTPUTS = ("all", "rank0")
+PLACES = ("local", "cluster")
 MAX_CPUS = 8
 MAX_LINE = 4096  # characters of options, after IPython expanded {expressions} and $names
 
@@ -78,7 +79,7 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         magic_arguments.argument(
             "--gpus", type=whole_number(1), default=None, metavar="N",
             help="number of ranks, one per GPU (default: the configuration's GPUs per node, else 1). "
-            "More than one node's worth (g2.8: 16, 32) needs a cluster.",
+            "More than one node's worth (g2.8: 16, 32) runs on the connected cluster.",
         ),
         magic_arguments.argument(
             "--cpus", type=whole_number(0, MAX_CPUS, " (0 turns data delivery off)"), default=None, metavar="K",
@@ -119,6 +120,11 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
             "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
             "earlier name); auto: fork unless CUDA was used in the kernel.",
+        ),
+        magic_arguments.argument(
+            "--on", choices=PLACES, default=None,
+            help="cluster: the ranks run on the connected Ray cluster (the default once connected, with "
+            "%%taas cluster ADDRESS or $TAAS_CLUSTER); local: on this machine, connected or not.",
         ),
         magic_arguments.argument(
             "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",

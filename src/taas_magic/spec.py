@@ -36,6 +36,7 @@ class LaunchSpec:
     order: str = "deterministic"  # how ranks take elements of registered loaders
     prefetch: int | None = None  # elements producers may prepare ahead; None: the default
     master_addr: str = LOOPBACK
+    on_cluster: bool = False  # the connected Ray cluster runs it (multi-node allowed), not this machine
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -52,13 +53,19 @@ class LaunchSpec:
 
 
 def build(
-    options: argparse.Namespace, catalog: Catalog, machine: Machine, environ: Mapping[str, str]
+    options: argparse.Namespace, catalog: Catalog, machine: Machine, environ: Mapping[str, str],
+    connected: bool = False,
 ) -> LaunchSpec:
+    """``connected``: a Ray cluster is connected, so runs go there unless ``--on local``."""
     configuration = catalog.get(options.config) if options.config else None
+    on_cluster = _on_cluster(getattr(options, "on", None), connected)
     device = _device(options.device or default_device(environ), configuration)
     world_size = options.gpus or (configuration.gpus if configuration and configuration.gpus else 1)
-    per_node = _ranks_per_node(world_size, configuration, catalog.max_nodes, device)
-    _check_machine(world_size, device, machine)
+    if on_cluster:
+        per_node = _cluster_ranks_per_node(world_size, configuration, catalog.max_nodes)
+    else:
+        per_node = _ranks_per_node(world_size, configuration, catalog.max_nodes, device)
+        _check_machine(world_size, device, machine)
     return LaunchSpec(
         world_size=world_size,
         nodes=world_size // per_node,
@@ -69,12 +76,40 @@ def build(
         units=options.units,
         output=options.output,
         timeout=options.timeout,
-        threads_per_rank=_threads_per_rank(environ, machine, per_node),
+        threads_per_rank=_threads_per_rank(environ, machine.cpus if not on_cluster or configuration is None
+                                           else configuration.cpus, per_node),
         return_names=getattr(options, "return_names", None),
         start=_start(getattr(options, "start", "auto")),
         order=getattr(options, "order", "deterministic"),
         prefetch=getattr(options, "prefetch", None),
+        on_cluster=on_cluster,
     )
+
+
+def _on_cluster(requested: str | None, connected: bool) -> bool:
+    if requested == "cluster" and not connected:
+        raise TaasUsageError("--on cluster: no cluster is connected: %taas cluster ADDRESS first (or set TAAS_CLUSTER)")
+    return connected if requested is None else requested == "cluster"
+
+
+def _cluster_ranks_per_node(world_size: int, configuration: Configuration | None, max_nodes: int) -> int:
+    """Ranks on each node of a cluster run: a whole number of nodes of the configuration."""
+    if configuration is None:
+        raise TaasUsageError("a run on the cluster needs a configuration: start the cell with #!NAME "
+                             "(for example #!g2.8), add --config NAME, or run it here with --on local")
+    per_node = configuration.gpus or configuration.cpus
+    if min(world_size, per_node) > MAX_CPU_RANKS:
+        raise TaasUsageError(f"--gpus {world_size} is too many ranks for one node of {configuration.name}: "
+                             f"at most {MAX_CPU_RANKS} per node")
+    if world_size <= per_node:
+        return world_size
+    node_counts = [n for n in (2, 4, 8, 16) if n <= max_nodes]
+    if world_size % per_node or world_size // per_node not in node_counts:
+        allowed = _one_of([_from_one_to(per_node)] + [str(per_node * n) for n in node_counts])
+        unit = ("GPU" if configuration.gpus else "vCPU") + ("" if per_node == 1 else "s")
+        raise TaasUsageError(
+            f"--gpus {world_size} does not fit {configuration.name} ({per_node} {unit} per node): use {allowed}")
+    return per_node
 
 
 def _start(requested: str) -> str:
@@ -140,12 +175,12 @@ def _check_machine(world_size: int, device: str, machine: Machine) -> None:
         )
 
 
-def _threads_per_rank(environ: Mapping[str, str], machine: Machine, ranks_per_node: int) -> int:
+def _threads_per_rank(environ: Mapping[str, str], cpus: int, ranks_per_node: int) -> int:
     """Split the cores among the ranks (as torchrun does), unless the user chose OMP_NUM_THREADS."""
     chosen = environ.get("OMP_NUM_THREADS", "")
     if chosen.isdecimal() and int(chosen) > 0:  # isdigit() would accept "²", which int() refuses
         return int(chosen)
-    return max(1, machine.cpus // ranks_per_node)
+    return max(1, cpus // ranks_per_node)
 
 
 def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool) -> tuple[str, str]:

@@ -1,0 +1,289 @@
+"""The kernel's connection to a Ray cluster: its nodes by configuration, placement, warm agents.
+
+Ray is imported only here (and only on connecting), so a kernel that never connects pays nothing
+for it. A node belongs to a configuration when it declares the Ray resource ``taas:NAME``; a
+cluster without such labels is matched by GPU count (CPU count for CPU configurations). A run
+takes its nodes whole through one placement group (one bundle per node, STRICT_SPREAD), so two
+runs never share a node, and a run that cannot have its nodes is told so within seconds.
+
+Agents (``cluster_agent.NodeAgent``) are pinned to their node and kept between cells; they are
+owned by the kernel, so they die with it. One idle longer than ``AGENT_IDLE_SECONDS`` is released
+when the kernel next looks, or at once by ``%taas cluster release``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .cluster_agent import NodeAgent, NodeInfo, versions
+from .configurations import Catalog, Configuration
+from .errors import TaasUsageError
+
+ENV_VAR = "TAAS_CLUSTER"
+LABEL = "taas:"  # prefix of the Ray resource naming a node's configuration
+PLACEMENT_SECONDS = 8.0  # how long a run waits for busy nodes to free up before it is refused
+AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker to start
+AGENT_IDLE_SECONDS = 600.0
+CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
+NAMESPACE = "taas"
+
+
+def ray_module() -> Any:
+    """Ray, imported quietly: in a notebook it warns about widgets that taas does not use."""
+    logging.getLogger("ray.widgets").setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import ray
+        except ImportError:
+            raise TaasUsageError("running on a cluster needs Ray: pip install 'taas-magic[ray]'") from None
+    return ray
+
+
+@dataclass(frozen=True)
+class Node:
+    """One alive node of the cluster, as Ray describes it."""
+
+    node_id: str
+    address: str
+    resources: Mapping[str, float]  # in total
+    available: Mapping[str, float]  # not held by anyone right now
+
+    @property
+    def labels(self) -> list[str]:
+        return sorted(key[len(LABEL):] for key in self.resources if key.startswith(LABEL))
+
+    def fits(self, configuration: Configuration) -> bool:
+        if self.labels:
+            return configuration.name in self.labels
+        if configuration.gpus:
+            return int(self.resources.get("GPU", 0)) == configuration.gpus
+        return not self.resources.get("GPU") and self.resources.get("CPU", 0) >= configuration.cpus
+
+    def free_for(self, configuration: Configuration) -> bool:
+        bundle = bundle_for(configuration, self)
+        return all(self.available.get(key, 0) >= amount for key, amount in bundle.items())
+
+
+def bundle_for(configuration: Configuration, node: Node | None = None) -> dict[str, float]:
+    """What a run reserves on each of its nodes: the whole node, named by its label or its shape."""
+    if node is None or node.labels:
+        return {LABEL + configuration.name: 1}
+    return {"GPU": configuration.gpus} if configuration.gpus else {"CPU": configuration.cpus}
+
+
+@dataclass
+class Placement:
+    """The nodes one run holds, in node-rank order, and the placement group that holds them."""
+
+    group: Any
+    nodes: list[Node]
+
+    def release(self) -> None:
+        ray_module().util.remove_placement_group(self.group)
+
+
+@dataclass
+class _Agent:
+    handle: Any
+    info: NodeInfo
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class Cluster:
+    """A connected Ray cluster, as the kernel uses it."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.agents: dict[str, _Agent] = {}  # node id -> its warm agent
+        self.owns_connection = False
+
+    @classmethod
+    def connect(cls, address: str) -> "Cluster":
+        """Connect this kernel to the cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)."""
+        ray = ray_module()
+        cluster = cls(address)
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {}
+            host = address.rsplit(":", 1)[0]
+            if _is_loopback(host):  # the notebook runs on that node: Ray must not look for another address
+                kwargs["_node_ip_address"] = host
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
+                             include_dashboard=False, **kwargs)
+            except Exception as e:
+                raise TaasUsageError(f"could not connect to the Ray cluster at {address!r}: {_first_line(e)}") from None
+            cluster.owns_connection = True
+        return cluster
+
+    # -- what the cluster has -------------------------------------------------------------------
+    def nodes(self) -> list[Node]:
+        ray = ray_module()
+        available = _available_by_node(ray)
+        return [Node(info["NodeID"], info["NodeManagerAddress"], dict(info["Resources"]),
+                     available.get(info["NodeID"], {}))
+                for info in ray.nodes() if info.get("Alive")]
+
+    def describe(self, catalog: Catalog) -> str:
+        """``%taas cluster``: the nodes by configuration, free or busy, and the warm agents."""
+        nodes = self.nodes()
+        lines = [f"connected to the Ray cluster at {self.address}: {len(nodes)} node{'s' * (len(nodes) != 1)}"]
+        for name in catalog.names():
+            configuration = catalog.get(name)
+            matching = [node for node in nodes if node.fits(configuration)]
+            if matching:
+                free = sum(node.free_for(configuration) for node in matching)
+                warm = sum(node.node_id in self.agents for node in matching)
+                lines.append(f"  {name}: {len(matching)} node{'s' * (len(matching) != 1)} ({free} free, "
+                             f"{warm} with a warm agent): " + ", ".join(node.address for node in matching))
+        unmatched = [node for node in nodes if not any(node.fits(catalog.get(n)) for n in catalog.names())]
+        if unmatched:
+            lines.append("  matching no configuration: " + ", ".join(
+                f"{node.address} ({_shape(node)})" for node in unmatched))
+        return "\n".join(lines)
+
+    # -- a run's nodes ----------------------------------------------------------------------------
+    def place(self, configuration: Configuration, count: int) -> Placement:
+        """Hold ``count`` whole nodes of ``configuration`` for one run, or say in one line why not."""
+        ray = ray_module()
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        matching = [node for node in self.nodes() if node.fits(configuration)]
+        if len(matching) < count:
+            raise TaasUsageError(
+                f"{count} nodes of {configuration.name} needed, the cluster has {len(matching)}"
+                + (f" ({', '.join(node.address for node in matching)})" if matching else "")
+                + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks")
+        group = placement_group([bundle_for(configuration, matching[0])] * count, strategy="STRICT_SPREAD")
+        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_SECONDS)
+        if not ready:
+            ray.util.remove_placement_group(group)
+            free = sum(node.free_for(configuration) for node in matching)
+            raise TaasUsageError(f"{count} nodes of {configuration.name} needed, {free} of the cluster's "
+                                 f"{len(matching)} are free now (the others run other work): try again later")
+        by_id = {node.node_id: node for node in matching}
+        bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
+        return Placement(group, [by_id[bundle_nodes[index]] for index in range(count)])
+
+    def agents_on(self, nodes: list[Node]) -> list[Any]:
+        """The warm agent on each node; missing ones are started together, and checked to match this
+        kernel (Python, torch and taas versions) before anything of the run starts."""
+        ray = ray_module()
+        self.release_idle()
+        self._forget_dead([node.node_id for node in nodes if node.node_id in self.agents])
+        missing = {node.node_id: self._start_agent(node) for node in nodes if node.node_id not in self.agents}
+        try:
+            answers = ray.get([handle.info.remote() for handle in missing.values()], timeout=AGENT_START_SECONDS)
+        except BaseException:
+            for handle in missing.values():
+                ray.kill(handle)
+            raise
+        mismatched = None
+        for (node_id, handle), info in zip(missing.items(), answers):
+            if (info.python, info.torch, info.taas) != versions():
+                mismatched = mismatched or info
+                ray.kill(handle)
+            else:
+                self.agents[node_id] = _Agent(handle, info)
+        if mismatched is not None:
+            ours = versions()
+            raise TaasUsageError(
+                f"node {mismatched.address} runs Python {mismatched.python}, torch {mismatched.torch}, taas-magic "
+                f"{mismatched.taas}; this kernel runs Python {ours[0]}, torch {ours[1]}, taas-magic {ours[2]}: "
+                "install the same on every node")
+        now = time.monotonic()
+        for node in nodes:
+            self.agents[node.node_id].last_used = now
+        return [self.agents[node.node_id].handle for node in nodes]
+
+    def _forget_dead(self, node_ids: list[str]) -> None:
+        """Warm agents that no longer answer (their node or worker died between cells) are replaced."""
+        ray = ray_module()
+        for node_id in node_ids:
+            try:
+                ray.get(self.agents[node_id].handle.info.remote(), timeout=CHECK_SECONDS)
+            except Exception:
+                ray.kill(self.agents.pop(node_id).handle)
+
+    def _start_agent(self, node: Node) -> Any:
+        ray = ray_module()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor = ray.remote(NodeAgent).options(
+            num_cpus=0, max_concurrency=1, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+        return actor.remote()
+
+    def forget(self, node_id: str) -> None:
+        """An agent that died: the next run on its node starts a new one."""
+        self.agents.pop(node_id, None)
+
+    def release_idle(self) -> None:
+        now = time.monotonic()
+        idle = [node_id for node_id, agent in self.agents.items() if now - agent.last_used > AGENT_IDLE_SECONDS]
+        self.release(idle)
+
+    def release(self, node_ids: list[str] | None = None) -> int:
+        """End the agents (all by default) and their fork servers; how many were ended."""
+        ray = ray_module()
+        chosen = list(self.agents) if node_ids is None else node_ids
+        handles = [self.agents.pop(node_id).handle for node_id in chosen if node_id in self.agents]
+        try:
+            ray.get([handle.shutdown.remote() for handle in handles], timeout=15)
+        except Exception:
+            pass  # an agent that cannot say goodbye is killed below all the same
+        for handle in handles:
+            ray.kill(handle)
+        return len(handles)
+
+    def disconnect(self) -> None:
+        try:
+            self.release()
+        finally:
+            if self.owns_connection:
+                ray_module().shutdown()
+
+
+def address_from(environ: Mapping[str, str]) -> str | None:
+    return environ.get(ENV_VAR) or None
+
+
+def _available_by_node(ray: Any) -> dict[str, dict[str, float]]:
+    """What each node has free right now (Ray's own per-node view; it has no public call for it)."""
+    try:
+        return {node_id: dict(free) for node_id, free in ray._private.state.available_resources_per_node().items()}
+    except Exception:
+        return {}
+
+
+def _shape(node: Node) -> str:
+    gpus, cpus = int(node.resources.get("GPU", 0)), int(node.resources.get("CPU", 0))
+    return f"{gpus} GPUs, {cpus} CPUs"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def kernel_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """The kernel's variables that ranks on other machines get too: those that steer torch's
+    communication and taas; the rest of the kernel's environment is the kernel's alone."""
+    prefixes = ("NCCL_", "GLOO_", "TORCH_", "TAAS_", "CUBLAS_", "PYTHONHASHSEED", "CUDA_LAUNCH_BLOCKING")
+    return {name: value for name, value in environ.items()
+            if name.startswith(prefixes) and name not in (ENV_VAR, "TAAS_CONFIG")}
+

@@ -1,0 +1,193 @@
+"""The agent on each cluster node: a Ray actor that starts that node's share of every run.
+
+A Ray worker holds gRPC threads, so it never forks: the agent starts taas's own fork server as a
+child process and drives it exactly as the kernel does on one machine (``ForkServerBackend``).
+The fork server stays warm between cells, so a second cell starts without importing torch again.
+If the agent dies (its node, or the kernel that owns it), the fork server sees its parent go and
+ends every process of the run.
+
+Each run works in a folder of its own on the node, removed after the run: rank 0's relative
+``torch.save`` paths land there, and the files travel back to the notebook when the run closes.
+This module imports no Ray: the kernel wraps ``NodeAgent`` with ``ray.remote`` when it connects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from . import memfile
+from .backend import Event
+from .forkserver_backend import ForkServerBackend, ForkServerRequest
+from .rendezvous import RunStore
+from .shipping import Shipment
+from .supervisor import SupervisedRanks
+from .worker import KernelContext, RankTask
+
+FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
+MAX_FILES_BACK = 2 * 1024**3  # bytes of rank 0's files a run may send back to the notebook
+
+
+@dataclass(frozen=True)
+class NodePayload:
+    """What every node of a run receives, once, through Ray's object store."""
+
+    task: RankTask  # its context carries the kernel's torch settings and chosen variables only
+    data: bytes  # the shipped names' pickle
+    tensors: bytes  # the shipped tensors' data
+    aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Who an agent is, to check it can run what the kernel compiled."""
+
+    address: str
+    pid: int
+    python: str
+    torch: str
+    taas: str
+
+
+def versions() -> tuple[str, str, str]:
+    """Python, torch and taas versions: a cell compiled by one Python runs only under the same one."""
+    import torch
+    from importlib.metadata import version
+
+    return platform.python_version(), str(torch.__version__), version("taas-magic")
+
+
+class NodeAgent:
+    """The body of the Ray actor: one per node, kept between cells."""
+
+    def __init__(self) -> None:
+        self.backend = ForkServerBackend()
+        self.backend.warm_up()  # the first cell finds torch imported
+        _remove_orphaned_folders()
+        self.store: RunStore | None = None
+        self.group: SupervisedRanks | None = None
+        self.folder: str | None = None
+
+    def info(self) -> NodeInfo:
+        import ray
+
+        python, torch_version, taas_version = versions()
+        return NodeInfo(ray.util.get_node_ip_address(), os.getpid(), python, torch_version, taas_version)
+
+    def open_store(self, envs: dict[int, dict[str, str]]) -> int:
+        """Listen for the run's TCPStore on this node (node 0 of the run); the port, for every node."""
+        self._end_run()
+        self.store = RunStore(envs)
+        return self.store.port
+
+    def start(self, envs: dict[int, dict[str, str]], payload: NodePayload) -> list[int]:
+        """Start this node's ranks; the processes' keys once they run."""
+        store, self.store = self.store, None
+        if self.group is not None:
+            self._end_run()
+        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
+        request = self._request(payload, self.folder)
+        try:
+            self.group = self.backend.start_node(envs, request, store)
+        finally:
+            request.close()
+        return sorted(self.group.running())
+
+    def _request(self, payload: NodePayload, folder: str) -> ForkServerRequest:
+        """The fork server's request, with this node's environment and the run's folder."""
+        sent = payload.task.context
+        assert sent is not None
+        context = KernelContext({**os.environ, **sent.environ}, folder, list(sys.path), sent.torch_settings)
+        fd = None
+        if payload.tensors:
+            fd = memfile.new_file("taas-tensors", len(payload.tensors))
+            os.pwrite(fd, payload.tensors, 0)
+        shipment = Shipment(payload.data, fd, len(payload.tensors))
+        return ForkServerRequest(dataclasses.replace(payload.task, context=context), shipment, payload.aliases)
+
+    # -- the RankGroup contract, relayed ---------------------------------------------------------
+    def events(self, timeout: float) -> tuple[list[Event], list[int]]:
+        """Events so far (waiting up to ``timeout`` for the first), and the processes still running."""
+        if self.group is None:
+            return [], []
+        events = self.group.events(timeout)
+        return events, sorted(self.group.running())
+
+    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+        if self.group is not None:
+            self.group.signal(signum, ranks)
+
+    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+        return self.group.stacks(ranks, timeout) if self.group is not None else {}
+
+    def close(self, collect_files: bool) -> dict[str, bytes]:
+        """End the run here; with ``collect_files``, the files its ranks left in the run's folder."""
+        try:
+            if self.group is not None:
+                self.group.close()
+            return _files_in(self.folder) if collect_files and self.folder else {}
+        finally:
+            self._end_run()
+
+    def _end_run(self) -> None:
+        group, self.group = self.group, None
+        store, self.store = self.store, None
+        folder, self.folder = self.folder, None
+        try:
+            if group is not None:
+                group.close()
+        finally:
+            if store is not None:
+                store.close()
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """End everything of this agent: the run, if any, and the fork server."""
+        try:
+            self._end_run()
+        finally:
+            self.backend.shutdown()
+
+
+def _remove_orphaned_folders() -> None:
+    """Run folders of agents that died (killed with their worker, so they could not clean up)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        owner = name[len(FOLDER_PREFIX):].split("-")[0]
+        if name.startswith(FOLDER_PREFIX) and owner.isdecimal() and not _alive(int(owner)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process
+    return True
+
+
+def _files_in(folder: str) -> dict[str, bytes]:
+    """Every regular file under ``folder``, by relative path, up to MAX_FILES_BACK bytes in all."""
+    files: dict[str, bytes] = {}
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            if not os.path.isfile(path) or os.path.islink(path):
+                continue
+            total += os.path.getsize(path)
+            if total > MAX_FILES_BACK:
+                raise RuntimeError(f"rank 0 left more than {MAX_FILES_BACK // 1024**3} GB of files in the run's folder")
+            with open(path, "rb") as file:
+                files[os.path.relpath(path, folder)] = file.read()
+    return files
+

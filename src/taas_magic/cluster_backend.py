@@ -1,0 +1,221 @@
+"""The cluster backend: a run's ranks on several nodes of a Ray cluster, behind the same contract.
+
+    kernel ── Ray ──► placement group (one whole node per bundle)
+                      ├─ node 0: agent ─ fork server ─ ranks 0..k-1   (serves the run's TCPStore)
+                      └─ node 1: agent ─ fork server ─ ranks k..2k-1
+
+The payload (the task and the names the cell reads, tensor data included) goes into Ray's object
+store once; each node's agent fetches it once for all its ranks. The kernel polls every node's
+agent for events in parallel; a node or agent that dies turns into a cell error naming it, and
+the other nodes' ranks are stopped. Closing a run ends every node's share, releases the nodes and
+copies rank 0's files back into the notebook's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+from typing import Any, Callable, Iterable
+
+from .backend import Cell, Event
+from .cluster import Cluster, Node, Placement, kernel_variables, ray_module
+from .cluster_agent import NodePayload
+from .errors import TaasUsageError
+from .forkserver_backend import ship
+from .spec import LaunchSpec
+from .supervisor import CLOSE_SECONDS, RunLost
+from .worker import KernelContext, RankTask
+
+CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
+START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
+
+
+class ClusterBackend:
+    """Runs one spec's ranks on the cluster; made per run, as it knows the run's shape."""
+
+    name = "cluster"
+
+    def __init__(self, cluster: Cluster, spec: LaunchSpec, notify: Callable[[str], object]):
+        if spec.configuration is None:
+            raise TaasUsageError("a run on the cluster needs a configuration: start the cell with #!NAME "
+                                 "(for example #!g2.8) or add --config NAME")
+        self.cluster = cluster
+        self.spec = spec
+        self.notify = notify  # one line to the cell's stderr: files copied back
+
+    def prepare(self, task: RankTask, cell: Cell) -> Any:
+        """The run's payload in Ray's object store: the shipped names and tensors, and the task with
+        the kernel's torch settings and the variables that steer communication (not its whole
+        environment, which is the kernel's machine's)."""
+        if task.loaders:
+            raise TaasUsageError("registered DataLoaders are not delivered to cluster runs yet: iterate the "
+                                 "loader itself in the cell, or run it here with --on local")
+        request = ship(task, cell)
+        try:
+            assert request.task.context is not None
+            context = KernelContext(kernel_variables(os.environ), "", [], request.task.context.torch_settings)
+            payload = NodePayload(dataclasses.replace(request.task, context=context), request.shipment.data,
+                                  _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases)
+        finally:
+            request.close()
+        return ray_module().put(payload)
+
+    def start(self, envs: dict[int, dict[str, str]], payload: Any) -> "ClusterRanks":
+        assert self.spec.configuration is not None
+        placement = self.cluster.place(self.spec.configuration, self.spec.nodes)
+        try:
+            agents = self.cluster.agents_on(placement.nodes)
+        except BaseException:
+            placement.release()
+            raise
+        group = ClusterRanks(self.cluster, placement, agents, self.notify)
+        try:
+            group.start(_on_nodes(envs, placement.nodes), payload)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+
+def _on_nodes(envs: dict[int, dict[str, str]], nodes: list[Node]) -> list[dict[int, dict[str, str]]]:
+    """Each node's ranks' environments, pointed at node 0, which serves the run's store."""
+    master = nodes[0].address
+    per_node: list[dict[int, dict[str, str]]] = [{} for _ in nodes]
+    for rank, env in envs.items():
+        per_node[int(env["GROUP_RANK"])][rank] = {**env, "MASTER_ADDR": master}
+    return per_node
+
+
+def _read(fd: int | None, size: int) -> bytes:
+    if fd is None or size == 0:
+        return b""
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as memory:
+        return memory[:]
+
+
+class ClusterRanks:
+    """The controller's view of a run spread over nodes (the RankGroup contract)."""
+
+    def __init__(self, cluster: Cluster, placement: Placement, agents: list[Any], notify: Callable[[str], object]):
+        self.cluster = cluster
+        self.placement = placement
+        self.agents = agents  # in node-rank order
+        self.notify = notify
+        self.alive: list[set[int]] = [set() for _ in agents]
+        self.closed = False
+
+    def start(self, envs: list[dict[int, dict[str, str]]], payload: Any) -> None:
+        """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
+        port = self._call([0], lambda index: self.agents[index].open_store.remote(envs[0]), CALL_SECONDS)[0]
+        envs = [{rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                 for rank, env in node.items()} for node in envs]
+        refs = [agent.start.remote(envs[index], payload) for index, agent in enumerate(self.agents)]
+        for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
+            self.alive[index] = set(keys)
+
+    # -- the RankGroup contract ---------------------------------------------------------------
+    def running(self) -> set[int]:
+        return set().union(*self.alive)
+
+    def events(self, timeout: float) -> list[Event]:
+        live = [index for index, keys in enumerate(self.alive) if keys]
+        answers = self._call(live, lambda index: self.agents[index].events.remote(timeout), timeout + CALL_SECONDS)
+        events: list[Event] = []
+        for index, (node_events, running) in zip(live, answers):
+            events += node_events
+            self.alive[index] = set(running)
+        return events
+
+    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+        chosen = None if ranks is None else set(ranks)
+        live = [index for index, keys in enumerate(self.alive) if keys and (chosen is None or keys & chosen)]
+        self._call(live, lambda index: self.agents[index].signal.remote(
+            signum, None if chosen is None else sorted(chosen & self.alive[index])), CALL_SECONDS)
+
+    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+        chosen = set(ranks)
+        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        stacks: dict[int, str] = {}
+        for answer in self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index]), timeout),
+                                 timeout + CALL_SECONDS):
+            stacks.update(answer)
+        return stacks
+
+    def close(self) -> None:
+        """End every node's share of the run, release the nodes, bring rank 0's files back."""
+        if self.closed:
+            return
+        self.closed = True
+        ray = ray_module()
+        interrupted = False
+        files: dict[str, bytes] = {}
+        refs = [agent.close.remote(index == 0) for index, agent in enumerate(self.agents)]
+        try:
+            for index, ref in enumerate(refs):
+                try:
+                    answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
+                except KeyboardInterrupt:
+                    interrupted = True  # finish closing first
+                    answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
+                except Exception:
+                    self.cluster.forget(self.placement.nodes[index].node_id)
+                    continue
+                if index == 0:
+                    files = answer
+        finally:
+            self.alive = [set() for _ in self.agents]
+            self.placement.release()
+        if files:
+            self._copy_back(files)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def _copy_back(self, files: dict[str, bytes]) -> None:
+        for relative, data in files.items():
+            path = os.path.join(os.getcwd(), relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as file:
+                file.write(data)
+        names = ", ".join(sorted(files))
+        self.notify(f"taas: rank 0 wrote {names} on node {self.placement.nodes[0].address}: "
+                    "copied into this notebook's folder")
+
+    # -- calls to the agents ------------------------------------------------------------------
+    def _call(self, indexes: list[int], request: Callable[[int], Any], timeout: float) -> list[Any]:
+        return self._wait(indexes, [request(index) for index in indexes], timeout)
+
+    def _wait(self, indexes: list[int], refs: list[Any], timeout: float) -> list[Any]:
+        """The agents' answers; a node that died or does not answer ends the whole run."""
+        ray = ray_module()
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        answers = []
+        for index, ref in zip(indexes, refs):
+            try:
+                answers.append(ray.get(ref, timeout=timeout))
+            except RayTaskError as e:  # the agent raised: its own run was lost, or could not start
+                cause = e.cause if isinstance(e.cause, Exception) else e
+                self._lose(index, f"{type(cause).__name__}: {cause}", cause)
+            except RayActorError as e:
+                self._lose(index, f"its agent died ({_first_line(e)})", None)
+            except GetTimeoutError:
+                self._lose(index, f"its agent did not answer within {timeout:g} s", None)
+        return answers
+
+    def _lose(self, index: int, detail: str, cause: Exception | None) -> None:
+        node = self.placement.nodes[index]
+        if cause is None:
+            self.cluster.forget(node.node_id)  # the next run on that node starts a new agent
+        try:
+            self.close()
+        except Exception:
+            pass
+        if cause is not None and hasattr(cause, "_render_traceback_"):
+            raise cause  # taas's own error from the node: it already says what happened
+        raise RunLost(f"node {node.address} (node {index} of the run) was lost: {detail}")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

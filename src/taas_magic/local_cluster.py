@@ -1,0 +1,96 @@
+"""A real Ray cluster on this one machine, to try (and test) cluster runs without a cluster.
+
+Each node is its own raylet on its own loopback address (127.0.0.2, 127.0.0.3, …), declares
+the configuration it stands for as the Ray resource ``taas:NAME`` and logical GPUs, so ranks run
+on CPU over gloo while Ray schedules them exactly as on real machines. Nothing it starts talks to
+anything beyond loopback: no dashboard, no usage report (its address points at loopback), and the
+variables that say so are set for Ray's processes only, never left in the caller's environment.
+
+    cluster = LocalCluster({"c1.4": 1, "g2.8": 2})   # a CPU head node and two 8-GPU nodes
+    %taas cluster {cluster.address}
+    ...
+    cluster.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
+
+from .configurations import load_catalog
+
+QUIET = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",  # the discard port: a report that goes nowhere
+    "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
+}
+FIRST_ADDRESS = 2  # 127.0.0.1 is what Ray replaces by the machine's address; nodes start at .2
+
+
+@contextmanager
+def _quiet_environment() -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in QUIET}
+    os.environ.update(QUIET)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class LocalCluster:
+    """Nodes of the named configurations (``{"g2.8": 2}``), the first one the head."""
+
+    def __init__(self, nodes: Mapping[str, int], cpus_per_node: int = 1):
+        from ray.cluster_utils import Cluster
+
+        catalog = load_catalog()
+        shapes = [catalog.get(name) for name, count in nodes.items() for _ in range(count)]
+        if not shapes:
+            raise ValueError("a cluster needs at least one node")
+        self.addresses: list[str] = []
+        self._nodes: list[Any] = []
+        with _quiet_environment():
+            self._cluster = Cluster(initialize_head=True, head_node_args=self._node_args(shapes[0], cpus_per_node))
+            self.addresses.append(self._args_address(0))
+            self._nodes.append(self._cluster.head_node)
+            for shape in shapes[1:]:
+                self.add_node(shape.name, cpus_per_node)
+        self.address: str = self._cluster.address
+
+    def _args_address(self, index: int) -> str:
+        return f"127.0.0.{FIRST_ADDRESS + index}"
+
+    def _node_args(self, shape: Any, cpus: int) -> dict[str, Any]:
+        return {
+            "num_cpus": max(cpus, 1), "num_gpus": shape.gpus, "include_dashboard": False,
+            "node_ip_address": self._args_address(len(self.addresses)),
+            "resources": {f"taas:{shape.name}": 1},
+        }
+
+    def add_node(self, name: str, cpus: int = 1) -> str:
+        """One more node of configuration ``name``; its address."""
+        shape = load_catalog().get(name)
+        with _quiet_environment():
+            node = self._cluster.add_node(**self._node_args(shape, cpus))
+        self.addresses.append(self._args_address(len(self.addresses)))
+        self._nodes.append(node)
+        return self.addresses[-1]
+
+    def remove_node(self, address: str) -> None:
+        """Kill a node's raylet and everything on it, as a machine that fails would."""
+        index = self.addresses.index(address)
+        self._cluster.remove_node(self._nodes[index], allow_graceful=False)
+
+    def shutdown(self) -> None:
+        self._cluster.shutdown()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

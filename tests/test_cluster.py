@@ -1,0 +1,249 @@
+"""Cluster runs on a real Ray cluster on this machine: a CPU head node (c1.4) and t.2 nodes, each
+raylet on its own loopback address, logical GPUs, ranks on CPU over gloo.
+
+The kernel connects through TAAS_CLUSTER as a user's would. Every test checks what a user
+sees, and that a run leaves nothing behind on any node: no placement group, no run folder, no
+process of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import Kernel
+
+ray = pytest.importorskip("ray")
+
+from taas_magic.local_cluster import LocalCluster  # noqa: E402
+
+CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
+HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
+INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    config = tmp_path_factory.mktemp("cluster") / "configurations.yaml"
+    config.write_text(CONFIG)
+    saved = os.environ.get("TAAS_CONFIG")
+    os.environ["TAAS_CONFIG"] = str(config)
+    local = LocalCluster({"c1.4": 1, "t.2": 2})
+    try:
+        yield local, str(config)
+    finally:
+        local.shutdown()
+        if saved is None:
+            os.environ.pop("TAAS_CONFIG", None)
+        else:
+            os.environ["TAAS_CONFIG"] = saved
+
+
+@pytest.fixture(scope="module")
+def cluster_kernel(cluster, tmp_path_factory):
+    local, config = cluster
+    folder = tmp_path_factory.mktemp("notebook")
+    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k.execute(f"os.chdir({str(folder)!r})").ok()
+    yield k
+    k.shutdown()
+
+
+def run_folders() -> list[str]:
+    return [name for name in os.listdir("/tmp") if name.startswith("taas-run-")]
+
+
+def leftovers(k: Kernel) -> str:
+    """What a run may not leave: placement groups, run folders, processes of a run (seen from the kernel)."""
+    groups = k.value("[g['placement_group_id'] for g in __import__('ray').util.placement_group_table().values() "
+                     "if g['state'] != 'REMOVED']")
+    processes = _ranks()
+    found = {"placement groups": groups, "run folders": run_folders(), "rank processes": processes}
+    return "; ".join(f"{what}: {items}" for what, items in found.items() if items)
+
+
+def test_two_nodes_reduce_together_with_torchrun_variables_and_results_come_back(cluster, cluster_kernel):
+    local, _ = cluster
+    r = cluster_kernel.execute(HEADER + INIT + """\
+x = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(x)
+names = ('RANK', 'LOCAL_RANK', 'GROUP_RANK', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE', 'GROUP_WORLD_SIZE', 'MASTER_ADDR')
+print('env', ' '.join(os.environ[n] for n in names), 'sum', int(x.item()))
+total = int(x.item())
+torch.save({'rank': dist.get_rank()}, 'weights.pt')
+dist.destroy_process_group()
+""", timeout=240).ok()
+    rows = sorted(line.split("env ")[1] for line in r.stdout.splitlines() if "env " in line)
+    assert len(rows) == 4, r.stdout
+    master = rows[0].split()[6]
+    assert master in local.addresses[1:] and master != "127.0.0.1"
+    assert rows == [f"{rank} {rank % 2} {rank // 2} 2 4 2 {master} sum 10" for rank in range(4)]
+    assert "copied into this notebook's folder" in r.stderr and "weights.pt" in r.stderr
+    assert cluster_kernel.value("total") == 10
+    assert cluster_kernel.value("torch.load('weights.pt')") == {"rank": 0}
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_warm_cell_starts_in_about_a_second(cluster_kernel):
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
+    r = cluster_kernel.execute(HEADER + "print('warm', os.environ['RANK'])", timeout=60).ok()
+    assert sorted(line for line in r.stdout.splitlines() if "warm" in line) == [
+        f"[rank {rank}] warm {rank}" for rank in range(4)]
+    assert r.seconds < 5, r.seconds  # about 0.3 s on an idle 2-core machine; shared CI machines are slower
+
+
+def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_cell_runs(cluster_kernel):
+    started = time.monotonic()
+    r = cluster_kernel.execute(HEADER + INIT + """\
+if dist.get_rank() == 3:
+    raise ValueError('bad batch on rank 3')
+dist.barrier()
+""", timeout=120)
+    assert r.error is not None and "rank 3 failed" in r.error["evalue"] and "bad batch on rank 3" in r.error["evalue"]
+    assert "raise ValueError('bad batch on rank 3')" in r.traceback
+    assert time.monotonic() - started < 30
+    cluster_kernel.execute(HEADER + "print('again')", timeout=60).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
+    r = cluster_kernel.execute(HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60,
+                               interrupt_after=4.0)
+    assert r.error is not None and "KeyboardInterrupt" in r.traceback, r.error
+    assert "every rank stopped (0: KeyboardInterrupt, 1: KeyboardInterrupt, 2: KeyboardInterrupt, 3: KeyboardInterrupt)" \
+        in r.traceback
+    assert r.seconds < 4.0 + 10
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('after')", timeout=60).ok()
+
+
+def test_a_run_that_needs_more_nodes_than_the_cluster_has_is_refused_in_one_line(cluster_kernel):
+    r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 8 --device cpu\nprint('never')", timeout=30)
+    assert r.error is not None and r.error["ename"] == "TaasUsageError"
+    assert "4 nodes of t.2 needed, the cluster has 2" in r.error["evalue"]
+    assert r.seconds < 10 and "never" not in r.stdout
+    r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 3 --device cpu\npass", timeout=30)
+    assert "--gpus 3 does not fit t.2 (2 GPUs per node): use 1-2, 4 or 8" in r.error["evalue"]
+
+
+def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
+    r = cluster_kernel.execute("#pragma taas --gpus 2 --device cpu --on local\nprint(os.environ['MASTER_ADDR'])").ok()
+    assert r.stdout.count("127.0.0.1") == 2
+
+
+def test_cluster_command_shows_nodes_by_configuration(cluster, cluster_kernel):
+    local, _ = cluster
+    r = cluster_kernel.execute("%taas cluster").ok()
+    assert f"connected to the Ray cluster at {local.address}: 3 nodes" in r.stdout
+    assert re.search(r"t\.2: 2 nodes \(2 free, 2 with a warm agent\)", r.stdout), r.stdout
+    assert "c1.4: 1 node" in r.stdout
+
+
+def test_nothing_in_the_cluster_talks_beyond_loopback(cluster):
+    """Every connection of every process of the cluster (raylets, workers, agents, fork servers, ranks)
+    has a loopback peer: nothing reached out (a usage report, a cloud metadata probe). Ray's own
+    services listen on every interface, as a cluster's must; docs/cluster.md says so."""
+    outside = []
+    for process in psutil.process_iter():
+        try:
+            if "ray" not in " ".join(process.cmdline()) and "taas_magic" not in " ".join(process.cmdline()):
+                continue
+            for connection in process.net_connections(kind="inet"):
+                if connection.raddr and not _loopback(connection.raddr.ip):
+                    outside.append((process.pid, process.name(), connection.raddr))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    assert not outside, outside
+
+
+def _loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1") or ip.startswith("::ffff:127.")
+
+
+def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
+    """Last in this module: it kills a node (and adds another for what follows)."""
+    local, _ = cluster
+    code = "print('on', os.environ['RANK'], os.environ['MASTER_ADDR'], flush=True)\ntime.sleep(600)"  # node 0 dies
+    msg_id = cluster_kernel.client.execute(HEADER + code)
+    node = None
+    deadline = time.monotonic() + 120
+    while node is None and time.monotonic() < deadline:
+        try:
+            msg = cluster_kernel.client.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
+        match = re.search(r"on \d+ (127\.0\.0\.\d+)", text)
+        if match:
+            node = match.group(1)
+    assert node is not None
+    killed = time.monotonic()
+    local.remove_node(node)
+    error, seconds = None, 0.0
+    while True:
+        msg = cluster_kernel.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            error, seconds = msg["content"], time.monotonic() - killed
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert error is not None and f"node {node}" in error["evalue"], error
+    assert seconds < 15, seconds
+    local.add_node("t.2", cpus=2)
+    cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
+    local, config = cluster
+    others = {p.pid for p in _agents()}  # the other kernel's
+    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
+    k.client.execute(HEADER + "time.sleep(600)")
+    time.sleep(3)
+    agents = [p for p in _agents() if p.pid not in others]
+    ranks = _ranks()
+    assert len(agents) == 2 and len(ranks) >= 4, ranks
+    os.kill(k.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    left = agents + ranks
+    while time.monotonic() < deadline and any(_alive(p) for p in left):
+        time.sleep(0.5)
+    assert not [p for p in left if _alive(p)]
+    k.shutdown()
+
+
+def _agents() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter() if "NodeAgent" in " ".join(_cmdline(p))]
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _ranks() -> list[psutil.Process]:
+    """Processes of runs on any node: whatever the agents' fork servers started (supervisors, ranks)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if "taas_magic.forkserver" in " ".join(_cmdline(process)) and process.parent().name().startswith("ray::"):
+                found += [p for p in process.children(recursive=True) if _alive(p)]
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
+            continue
+    return found
