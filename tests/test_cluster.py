@@ -131,6 +131,33 @@ def test_a_run_that_needs_more_nodes_than_the_cluster_has_is_refused_in_one_line
     assert "--gpus 3 does not fit t.2 (2 GPUs per node): use 1-2, 4 or 8" in r.error["evalue"]
 
 
+def test_lightning_ddp_spans_the_nodes_without_process_group_code(cluster_kernel):
+    from test_kernel_lightning import REGRESSION
+
+    cluster_kernel.execute(REGRESSION).ok()
+    r = cluster_kernel.execute(HEADER + """\
+model = Regression()
+trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", max_epochs=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
+w = [round(v, 3) for v in model.layer.weight.detach().flatten().tolist()]
+print("RESULT", trainer.global_rank, trainer.node_rank, trainer.world_size, w)
+""", timeout=240).ok()
+    lines = sorted(line.split("RESULT ", 1)[1] for line in r.stdout.splitlines() if "RESULT" in line)
+    assert [line.split()[:3] for line in lines] == [["0", "0", "4"], ["1", "0", "4"], ["2", "1", "4"], ["3", "1", "4"]]
+    assert len({line.split(" ", 3)[3] for line in lines}) == 1, "DDP kept every rank's weights identical"
+    assert cluster_kernel.value("str(w)") == lines[0].split(" ", 3)[3]
+
+
+def test_a_configuration_line_alone_runs_the_cell_as_one_process_on_such_a_node(cluster, cluster_kernel):
+    local, _ = cluster
+    cluster_kernel.execute("numbers = list(range(10))").ok()
+    r = cluster_kernel.execute("#!c1.4\nprint('on', os.environ['MASTER_ADDR'], os.environ['WORLD_SIZE'])\n"
+                               "total = sum(numbers)", timeout=240).ok()
+    assert r.stdout.strip() == f"on {local.addresses[0]} 1"  # unlabelled: one process, no [rank 0]
+    assert cluster_kernel.value("total") == 45
+
+
 def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
     r = cluster_kernel.execute("#pragma taas --gpus 2 --device cpu --on local\nprint(os.environ['MASTER_ADDR'])").ok()
     assert r.stdout.count("127.0.0.1") == 2
@@ -204,7 +231,12 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
     local, config = cluster
     others = {p.pid for p in _agents()}  # the other kernel's
     k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    kernel_state = "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() " \
+                   "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
+    k.execute("import signal").ok()
+    before = k.value(kernel_state)
     k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
+    assert k.value(kernel_state) == before, "connecting to Ray left the kernel's environment and handlers as they were"
     k.client.execute(HEADER + "time.sleep(600)")
     time.sleep(3)
     agents = [p for p in _agents() if p.pid not in others]

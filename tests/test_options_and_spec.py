@@ -380,3 +380,44 @@ def test_cpu_rank_limit_holds_whatever_the_configuration_says(tmp_path) -> None:
     assert str(raised.value) == f"--gpus 300 is too many CPU ranks for one machine: use 1-{spec.MAX_CPU_RANKS}"
     assert build("--gpus 256 --device cpu --config wide", NO_GPU, catalog=catalog).world_size == 256
     assert build("--device cpu --config many", NO_GPU, catalog=catalog).world_size == 64
+
+
+def cluster_build(line: str, catalog=CATALOG):
+    """A spec as a kernel connected to a cluster builds it: this machine's GPUs do not matter."""
+    return spec.build(options.parse(TaasMagics.taas, line), catalog, NO_GPU, {}, connected=True)
+
+
+@pytest.mark.parametrize(("line", "nodes", "per_node", "threads"), [
+    ("--config g2.8 --gpus 16", 2, 8, 28),
+    ("--config g2.8 --gpus 32", 4, 8, 28),
+    ("--config g2.8 --gpus 8", 1, 8, 28),
+    ("--config g2.8 --gpus 2", 1, 2, 112),
+    ("--config g2.8", 1, 8, 28),
+])
+def test_a_connected_kernel_spreads_a_run_over_whole_nodes(line: str, nodes: int, per_node: int, threads: int) -> None:
+    built = cluster_build(line)
+    assert (built.on_cluster, built.nodes, built.ranks_per_node, built.threads_per_rank) == (True, nodes, per_node,
+                                                                                             threads)
+
+
+@pytest.mark.parametrize(("line", "fragment"), [
+    ("--config g2.8 --gpus 12", "--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"),
+    ("--config g2.8 --gpus 64", "--gpus 64 does not fit g2.8"),
+    ("--gpus 2", "a run on the cluster needs a configuration"),
+])
+def test_cluster_runs_that_fit_no_whole_number_of_nodes_are_refused(line: str, fragment: str) -> None:
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        cluster_build(line)
+
+
+def test_on_local_and_on_cluster_choose_where_a_connected_or_unconnected_kernel_runs() -> None:
+    assert not cluster_build("--config g2.8 --gpus 2 --on local --device cpu").on_cluster
+    with pytest.raises(UsageError, match="--gpus 16 needs 2 nodes of g2.8: multi-node runs need a cluster"):
+        cluster_build("--config g2.8 --gpus 16 --on local --device cpu")
+    with pytest.raises(UsageError, match="--on cluster: no cluster is connected"):
+        build("--config g2.8 --on cluster")
+
+
+def test_a_configuration_alone_on_a_cluster_is_one_process_on_cpu_for_a_cpu_configuration() -> None:
+    alone = cluster_build("--config c1.32 --alone")
+    assert (alone.world_size, alone.device, alone.threads_per_rank, alone.on_cluster) == (1, "cpu", 32, True)

@@ -357,3 +357,14 @@ def test_any_cell_gives_lines_or_names_a_real_pragma_comment(cell: str) -> None:
     else:
         assert after is lines or "".join(after).lstrip().startswith(("%%taas", "%taas --check"))
     assert lines == before, "the input was changed in place"
+
+
+@pytest.mark.parametrize(("cell", "expected"), [
+    ("#!c1.32\nx = 1\n", "%%taas --config c1.32 --alone\nx = 1\n"),
+    ("\n\n#!g2.8\nprint(1)\n", "%%taas --config g2.8 --alone\n\n\nprint(1)\n"),
+])
+def test_configuration_line_alone_runs_on_a_node_while_a_cluster_is_connected(cell: str, expected: str) -> None:
+    before = lines_of(cell)
+    after = transform(before, is_configuration, on_cluster=True)
+    assert "".join(after) == expected
+    assert_line_numbers_kept(before, after)

@@ -39,6 +39,7 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     transformer = PragmaTransformer(_is_configuration)
     magics = TaasMagics(ipython, transformer)
+    transformer.on_cluster = lambda: magics.cluster_address is not None
     ipython.register_magics(magics)
     # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.
     ipython.input_transformers_cleanup.insert(0, transformer)

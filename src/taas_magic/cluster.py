@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import signal
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .cluster_agent import NodeAgent, NodeInfo, versions
 from .configurations import Catalog, Configuration
@@ -114,7 +117,7 @@ class Cluster:
             if _is_loopback(host):  # the notebook runs on that node: Ray must not look for another address
                 kwargs["_node_ip_address"] = host
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), _kernel_kept_as_it_was():
                     warnings.simplefilter("ignore")
                     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
                              include_dashboard=False, **kwargs)
@@ -248,7 +251,26 @@ class Cluster:
             self.release()
         finally:
             if self.owns_connection:
-                ray_module().shutdown()
+                with _kernel_kept_as_it_was():
+                    ray_module().shutdown()
+
+
+@contextmanager
+def _kernel_kept_as_it_was() -> Iterator[None]:
+    """Undo what connecting to Ray does to the process: it sets a SIGTERM handler (that shuts Ray
+    down and exits) and PYTHONBREAKPOINT (its remote debugger); the kernel keeps its own."""
+    handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()
+                if signum not in (signal.SIGKILL, signal.SIGSTOP)}
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            if signal.getsignal(signum) is not handler and handler is not None:
+                signal.signal(signum, handler)
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
 
 
 def address_from(environ: Mapping[str, str]) -> str | None:

@@ -132,6 +132,7 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             "none: nothing comes back.",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
+        magic_arguments.argument("--alone", action="store_true", help=argparse.SUPPRESS),  # `#!NAME` alone, on a cluster
     ]
     for decorator in reversed(decorators):
         func = decorator(func)

@@ -36,12 +36,18 @@ class Header:
     options: str | None  # the pragma's options; None when the cell has no pragma
 
 
-def transform(lines: list[str], is_configuration: Callable[[str], bool]) -> list[str]:
-    """Rewrite a taas cell's header into a `%%taas` (or `%taas --check`) call; else return ``lines``."""
+def transform(lines: list[str], is_configuration: Callable[[str], bool], on_cluster: bool = False) -> list[str]:
+    """Rewrite a taas cell's header into a `%%taas` (or `%taas --check`) call; else return ``lines``.
+
+    ``on_cluster``: a cluster is connected, so `#!NAME` alone runs the cell as one process on a
+    node of NAME (`%%taas --config NAME --alone`) instead of here.
+    """
     header = parse_header(lines, is_configuration)
     if header is None:
         return lines
     rest = lines[header.first_line + header.line_count :]
+    if header.options is None and on_cluster:
+        return [f"%%taas --config {header.configuration} --alone\n"] + ["\n"] * header.first_line + rest
     if header.options is None:
         check = f"%taas --check {header.configuration}\n"
         return lines[: header.first_line] + [check] + rest
@@ -141,8 +147,9 @@ class PragmaTransformer:
 
     has_side_effects = True
 
-    def __init__(self, is_configuration: Callable[[str], bool]):
+    def __init__(self, is_configuration: Callable[[str], bool], on_cluster: Callable[[], bool] = lambda: False):
         self.is_configuration = is_configuration
+        self.on_cluster = on_cluster  # whether `#!NAME` alone runs on a cluster node
         self.active = True
 
     @contextmanager
@@ -164,4 +171,4 @@ class PragmaTransformer:
                 f"#pragma taas on line {line} must be at the top of the cell "
                 "(first line, or second after a #!<configuration> line); the cell did not run"
             )
-        return transform(lines, self.is_configuration)
+        return transform(lines, self.is_configuration, self.on_cluster())

@@ -59,8 +59,12 @@ def build(
     """``connected``: a Ray cluster is connected, so runs go there unless ``--on local``."""
     configuration = catalog.get(options.config) if options.config else None
     on_cluster = _on_cluster(getattr(options, "on", None), connected)
-    device = _device(options.device or default_device(environ), configuration)
-    world_size = options.gpus or (configuration.gpus if configuration and configuration.gpus else 1)
+    alone = getattr(options, "alone", False)  # `#!NAME` alone on a cluster: one process on a node of NAME
+    requested = options.device or default_device(environ)
+    if alone and configuration is not None and not configuration.gpus:
+        requested = "cpu"
+    device = _device(requested, configuration)
+    world_size = 1 if alone else options.gpus or (configuration.gpus if configuration and configuration.gpus else 1)
     if on_cluster:
         per_node = _cluster_ranks_per_node(world_size, configuration, catalog.max_nodes)
     else:
