@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-cluster clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/launch.py
+
+bench-cluster: $(VENV)/.installed-bench
+	$(PY) benchmarks/cluster.py
 
 clean:
 	rm -rf $(VENV) .demo build src/*.egg-info .mypy_cache

@@ -62,3 +62,13 @@ def test_data_delivery_notebook(data, tmp_path, monkeypatch):
     assert re.search(r"taas: train_loader: 32 elements delivered to 2 ranks", text), text[-2000:]
     assert (tmp_path / "mnist_cnn_delivery.pt").exists()
 
+
+
+def test_cluster_notebook_trains_across_two_nodes_and_brings_the_weights_back(data, tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    text = execute("mnist_cluster.ipynb", data, tmp_path, monkeypatch)
+    assert accuracy(text) > 80
+    assert sorted(re.findall(r"rank (\d) of 4 on node (\d)", text)) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
+    assert "mnist_cnn_cluster.pt" in text and "copied into this notebook's folder" in text
+    assert re.search(r"accuracy in the notebook: ([\d.]+)%", text)[1] == f"{accuracy(text):.2f}"
+    assert (tmp_path / "mnist_cnn_cluster.pt").exists()

@@ -32,7 +32,8 @@ LABEL = "taas:"  # prefix of the Ray resource naming a node's configuration
 PLACEMENT_SECONDS = 8.0  # how long a run waits for busy nodes to free up before it is refused
 AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker to start
 AGENT_IDLE_SECONDS = 600.0
-CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
+CHECK_SECONDS = 5.0
+REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free  # a warm agent that does not answer this soon is replaced
 NAMESPACE = "taas"
 
 
@@ -86,9 +87,28 @@ class Placement:
 
     group: Any
     nodes: list[Node]
+    bundle: dict[str, float]
+    released: float | None = None  # when (time.monotonic) the group was removed
 
     def release(self) -> None:
-        ray_module().util.remove_placement_group(self.group)
+        if self.released is None:
+            ray_module().util.remove_placement_group(self.group)
+            self.released = time.monotonic()
+
+    def wait_until_free(self, timeout: float) -> None:
+        """Until Ray counts the released nodes as free again (about 0.1 s after the release).
+
+        A placement group asked for before that is not retried for about a second: a cell run
+        right after another would wait for it.
+        """
+        ray = ray_module()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            available = _available_by_node(ray)
+            if all(all(available.get(node.node_id, {}).get(key, 0) >= amount for key, amount in self.bundle.items())
+                   for node in self.nodes):
+                return
+            time.sleep(0.01)
 
 
 @dataclass
@@ -104,6 +124,7 @@ class Cluster:
     def __init__(self, address: str):
         self.address = address
         self.agents: dict[str, _Agent] = {}  # node id -> its warm agent
+        self.last_placement: Placement | None = None
         self.owns_connection = False
 
     @classmethod
@@ -164,16 +185,20 @@ class Cluster:
                 f"{count} nodes of {configuration.name} needed, the cluster has {len(matching)}"
                 + (f" ({', '.join(node.address for node in matching)})" if matching else "")
                 + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks")
-        group = placement_group([bundle_for(configuration, matching[0])] * count, strategy="STRICT_SPREAD")
-        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_SECONDS)
-        if not ready:
+        last = self.last_placement
+        if last is not None and last.released is not None and time.monotonic() - last.released < REUSE_SECONDS:
+            last.wait_until_free(REUSE_SECONDS)
+        bundle = bundle_for(configuration, matching[0])
+        group = placement_group([bundle] * count, strategy="STRICT_SPREAD")
+        if not group.wait(timeout_seconds=PLACEMENT_SECONDS):  # asks the control store: no task, no worker
             ray.util.remove_placement_group(group)
             free = sum(node.free_for(configuration) for node in matching)
             raise TaasUsageError(f"{count} nodes of {configuration.name} needed, {free} of the cluster's "
                                  f"{len(matching)} are free now (the others run other work): try again later")
         by_id = {node.node_id: node for node in matching}
         bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
-        return Placement(group, [by_id[bundle_nodes[index]] for index in range(count)])
+        self.last_placement = Placement(group, [by_id[bundle_nodes[index]] for index in range(count)], bundle)
+        return self.last_placement
 
     def agents_on(self, nodes: list[Node]) -> list[Any]:
         """The warm agent on each node; missing ones are started together, and checked to match this
