@@ -158,6 +158,32 @@ def test_a_configuration_line_alone_runs_the_cell_as_one_process_on_such_a_node(
     assert cluster_kernel.value("total") == 45
 
 
+def test_a_save_under_an_absolute_path_stays_on_the_node_and_the_cell_says_so(cluster_kernel, tmp_path):
+    target = tmp_path / "elsewhere.pt"
+    r = cluster_kernel.execute(HEADER + f"torch.save({{'a': 1}}, {str(target)!r})", timeout=120).ok()
+    assert f"taas: rank 0 saved {target} on node 127.0.0." in r.stderr and "stays on its node" in r.stderr
+    assert "copied into this notebook's folder" not in r.stderr
+
+
+def test_a_run_waits_briefly_for_busy_nodes_then_says_how_many_are_free(cluster_kernel):
+    cluster_kernel.execute("import ray\nheld = ray.util.placement_group([{'taas:t.2': 1}])\nheld.wait(10)").ok()
+    try:
+        r = cluster_kernel.execute(HEADER + "print('never')", timeout=60)
+        assert r.error is not None and "2 nodes of t.2 needed, 1 of the cluster's 2 are free now" in r.error["evalue"]
+        assert r.seconds < 12 and "never" not in r.stdout
+    finally:
+        cluster_kernel.execute("ray.util.remove_placement_group(held)").ok()
+    cluster_kernel.execute(HEADER + "print('free again')", timeout=60).ok()
+
+
+def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
+    r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --timeout 3\n"
+                               "def wait_here():\n    time.sleep(600)\nwait_here()", timeout=60)
+    assert r.error is not None and "--timeout 3 s elapsed: ranks 0, 1, 2, 3 still running" in r.error["evalue"]
+    assert r.traceback.count("in wait_here") == 4, r.traceback
+    assert not leftovers(cluster_kernel)
+
+
 def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
     r = cluster_kernel.execute("#pragma taas --gpus 2 --device cpu --on local\nprint(os.environ['MASTER_ADDR'])").ok()
     assert r.stdout.count("127.0.0.1") == 2

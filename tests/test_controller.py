@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from taas_magic import controller
+from taas_magic.records import CellEnded, Failed
 from taas_magic.backend import Exited, Output, Report
 from taas_magic.errors import RankFailed
 from taas_magic.spec import LaunchSpec
@@ -66,12 +67,12 @@ def run(group, **kwargs):
 
 
 def error(rank: int, when: float, name: str) -> Report:
-    return Report(rank, {"status": "error", "time": when, "ename": name, "evalue": "x", "traceback": [f"tb {rank}"]})
+    return Report(rank, Failed(when, name, "x", [f"tb {rank}"]))
 
 
 def test_success_streams_output_and_closes_the_group():
     group = ScriptedGroup([[Output(0, "stdout", b"hi\n"), Output(1, "stdout", b"there\n")],
-                           [Report(0, {"status": "ok"}), Exited(0, 0)], [Report(1, {"status": "ok"}), Exited(1, 0)]])
+                           [Report(0, CellEnded(0.0)), Exited(0, 0)], [Report(1, CellEnded(0.0)), Exited(1, 0)]])
     assert run(group) == [("stdout", "[rank 0] hi\n"), ("stdout", "[rank 1] there\n")]
     assert group.closed and group.signals == []
 
@@ -103,7 +104,7 @@ def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
     def stop(group, signum):  # its DataLoader's worker dies of the stop first: the producer reports an error
         group.batches.append([error(-1, 30.0, "RuntimeError"), Exited(-1, 1)])
 
-    group = ScriptedGroup([[Report(0, {"status": "ok"}), Exited(0, 0), Report(1, {"status": "ok"}), Exited(1, 0)]],
+    group = ScriptedGroup([[Report(0, CellEnded(0.0)), Exited(0, 0), Report(1, CellEnded(0.0)), Exited(1, 0)]],
                           stop)
     group.alive = {0, 1, -1}
     run(group)

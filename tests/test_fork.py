@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import time
@@ -10,6 +12,7 @@ import psutil
 import pytest
 
 from taas_magic.backend import Exited, Output, Report
+from taas_magic.records import CellEnded, Failed
 from taas_magic.fork import ForkedRanks
 from taas_magic.worker import RankTask
 
@@ -45,8 +48,8 @@ def test_output_reports_and_exits_arrive_in_order_per_rank():
     for rank in (0, 1):
         mine = [e for e in events if e.rank == rank]
         assert isinstance(mine[-1], Exited) and mine[-1].returncode == 0
-        reports = [{**e.record, "time": 0} for e in mine if isinstance(e, Report)]
-        assert reports == [{"status": "ok", "time": 0, "skipped": {}, "delivery": {}}]
+        reports = [dataclasses.replace(e.record, time=0.0) for e in mine if isinstance(e, Report)]
+        assert reports == [CellEnded(0.0)]
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stdout") == f"out {rank}\n".encode()
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stderr") == b"err\n"
 
@@ -58,9 +61,10 @@ def test_a_failure_report_carries_the_exception_and_a_timestamp():
     finally:
         group.close()
     (report,) = [e for e in events if isinstance(e, Report)]
-    assert report.record["status"] == "error" and report.record["ename"] == "ValueError"
-    assert report.record["evalue"] == "nope" and report.record["time"] <= time.monotonic()
-    assert any("nope" in line for line in report.record["traceback"])
+    assert isinstance(report.record, Failed) and not report.record.interrupted
+    assert report.record.ename == "ValueError"
+    assert report.record.evalue == "nope" and report.record.time <= time.monotonic()
+    assert any("nope" in line for line in report.record.traceback)
     assert [e.returncode for e in events if isinstance(e, Exited)] == [1]
 
 

@@ -11,6 +11,8 @@ import ast
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Union
 
+from .records import Record
+
 
 @dataclass(frozen=True)
 class Output:
@@ -23,10 +25,11 @@ class Output:
 
 @dataclass(frozen=True)
 class Report:
-    """A record the rank's worker sent: how the cell's code ended in that rank."""
+    """A record a rank or producer sent about itself (``records.py``): how its cell ended, delivery
+    progress, a notice."""
 
     rank: int
-    record: dict[str, Any]
+    record: Record
 
 
 @dataclass(frozen=True)

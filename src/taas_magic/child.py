@@ -12,7 +12,6 @@ import builtins
 import faulthandler
 import gc
 import io
-import json
 import os
 import signal
 import sys
@@ -20,7 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, FrozenSet
 
-from . import containment
+from . import containment, records
+from .records import Record
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -230,8 +230,8 @@ def _drop_message(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def report(fd: int, record: dict[str, Any]) -> None:
-    write_all(fd, (json.dumps(record) + "\n").encode())
+def report(fd: int, record: Record) -> None:
+    write_all(fd, records.encode(record))
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -91,6 +91,8 @@ class NodeAgent:
         store, self.store = self.store, None
         if self.group is not None:
             self._end_run()
+        address = self.info().address
+        envs = {rank: {**env, "TAAS_NODE_ADDRESS": address} for rank, env in envs.items()}
         self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         request = self._request(payload, self.folder)
         try:

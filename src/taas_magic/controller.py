@@ -15,11 +15,12 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from .backend import Backend, Event, Exited, Output, RankGroup, Report, Result
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
+from .records import CellEnded, DeliveryProgress, DeliverySummary, Failed, Record, SavedOnNode, SaveSkipped
 from .rendezvous import new_run_id
 from .spec import LaunchSpec
 from .streams import RankOutput
@@ -108,7 +109,7 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
         for line in watch.notices():
             write("stderr", line + "\n")
     watch.raise_outcome()
-    return Outcome(watch.results, watch.records.get(0, {}).get("skipped", {}))
+    return Outcome(watch.results, watch.skipped_names())
 
 
 class _Watch:
@@ -121,11 +122,12 @@ class _Watch:
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
         self.labels = labels
         self.status = status
-        self.progress: dict[str, dict[str, Any]] = {}  # loader name -> its latest counters
+        self.progress: dict[str, DeliveryProgress] = {}  # loader name -> its latest counters
         self.started = time.monotonic()
-        self.records: dict[int, dict[str, Any]] = {}
+        self.records: dict[int, CellEnded | Failed] = {}  # how each process's work ended
         self.results = b""
         self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
+        self.saved_on_nodes: list[SavedOnNode] = []  # rank 0's saves that stay on a cluster node
         self.exits: dict[int, tuple[int, float]] = {}
         self.stopped: set[int] = set()  # ranks we signalled before they failed on their own
         self.retired: set[int] = set()  # producers stopped because every rank was done: how they end does not matter
@@ -177,38 +179,53 @@ class _Watch:
     def _handle(self, event: Event) -> None:
         if isinstance(event, Output):
             self.output.feed(event.rank, event.stream, event.data)
-        elif isinstance(event, Report) and "stats" in event.record:
-            record, latest = event.record, self.progress.get(event.record["stats"], {})
-            if record.get("at", 0.0) >= latest.get("at", 0.0):  # producers' and ranks' reports may cross
-                self.progress[record["stats"]] = record
-                self.status([_progress_line(name, stats) for name, stats in sorted(self.progress.items())])
-        elif isinstance(event, Report) and event.record.get("notice") == "save-skipped":
-            self.saves_skipped.setdefault(event.record.get("path", "?"), set()).add(event.rank)
         elif isinstance(event, Report):
-            self.records[event.rank] = event.record
+            self._take_record(event.rank, event.record)
         elif isinstance(event, Result):
             self.results = event.data
         elif isinstance(event, Exited):
             self.exits[event.rank] = (event.returncode, time.monotonic())
             self.output.finish(event.rank)
 
+    def _take_record(self, key: int, record: Record) -> None:
+        if isinstance(record, DeliveryProgress):
+            latest = self.progress.get(record.loader)
+            if latest is None or record.at >= latest.at:  # producers' and ranks' reports may cross
+                self.progress[record.loader] = record
+                self.status([_progress_line(progress) for _, progress in sorted(self.progress.items())])
+        elif isinstance(record, SaveSkipped):
+            self.saves_skipped.setdefault(record.path, set()).add(key)
+        elif isinstance(record, SavedOnNode):
+            self.saved_on_nodes.append(record)
+        else:
+            self.records[key] = record
+
+    def skipped_names(self) -> dict[str, str]:
+        """Rank 0's names that could not be sent back, and why."""
+        ended = self.records.get(0)
+        return ended.skipped if isinstance(ended, CellEnded) else {}
+
     # -- outcome ----------------------------------------------------------------------------
     def notices(self) -> list[str]:
         """One line per cell for each kind of thing taas did on the user's behalf."""
         return self._save_notices() + self._delivery_summaries()
 
+    def _saved_on_nodes(self) -> list[str]:
+        return [f"taas: rank 0 saved {record.path} on node {record.node}: a file saved under an absolute path stays "
+                "on its node (save under a relative path to have it copied here)" for record in self.saved_on_nodes]
+
     def _delivery_summaries(self) -> list[str]:
-        per_loader: dict[str, list[dict[str, Any]]] = {}
+        per_loader: dict[str, list[DeliverySummary]] = {}
         for rank, record in sorted(self.records.items()):
-            for name, summary in (record.get("delivery") or {}).items():
+            for name, summary in (record.delivery if isinstance(record, CellEnded) else {}).items():
                 per_loader.setdefault(name, []).append(summary)
         lines = []
         for name, summaries in sorted(per_loader.items()):
-            taken = sum(s["taken"] for s in summaries)
-            span = max((s["span"] for s in summaries), default=0.0)
-            waited = sum(s["waited"] for s in summaries) / len(summaries)
+            taken = sum(s.taken for s in summaries)
+            span = max((s.span for s in summaries), default=0.0)
+            waited = sum(s.waited for s in summaries) / len(summaries)
             share = waited / span if span > 0 else 0.0
-            first = max(s["first_wait"] for s in summaries)
+            first = max(s.first_wait for s in summaries)
             rate = f"{taken / span:,.0f} elements/s" if span > 0 else "—"
             ranks = f"{len(summaries)} rank{'s' if len(summaries) != 1 else ''}"
             lines.append(f"taas: {name}: {taken} elements delivered to {ranks}, {rate}, "
@@ -217,24 +234,24 @@ class _Watch:
 
     def _save_notices(self) -> list[str]:
         if not self.saves_skipped:
-            return []
+            return self._saved_on_nodes()
         paths = ", ".join(repr(path) for path in sorted(self.saves_skipped))
         ranks = sorted(set().union(*self.saves_skipped.values()))
-        return [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
-                "(guard other writes with taas.is_main())"]
+        return self._saved_on_nodes() + [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 "
+                                         "writes files (guard other writes with taas.is_main())"]
 
     def _failures(self) -> list[Failure]:
         failures = []
         for rank, (code, when) in sorted(self.exits.items()):
-            record = self.records.get(rank, {})
+            record = self.records.get(rank)
             if rank in self.retired:
                 continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
-            if record.get("status") in ("error", "interrupted"):
-                if record["status"] == "interrupted" and rank in self.stopped:
+            if isinstance(record, Failed):
+                if record.interrupted and rank in self.stopped:
                     continue  # we interrupted it
-                summary = f"{record.get('ename', 'Error')}: {record.get('evalue', '')}".rstrip(": ")
-                failures.append(Failure(rank, record.get("time", when), summary, record.get("traceback", []),
-                                        record.get("where", ""), record.get("hint", "")))
+                summary = f"{record.ename}: {record.evalue}".rstrip(": ")
+                failures.append(Failure(rank, record.time or when, summary, record.traceback, record.where,
+                                        record.hint))
             elif code != 0 and rank not in self.stopped:
                 failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
         return sorted(failures, key=lambda f: f.time)
@@ -277,10 +294,9 @@ class _Watch:
         """
         ranks_by_end: dict[str, list[int]] = {}
         for rank, record in sorted(self.records.items()):
-            if rank >= 0 and record.get("status") == "ok" and record.get("time", moment) < moment:
-                exited = record.get("exited")
-                ranks_by_end.setdefault(f"exited early with {exited}" if exited else "had finished the cell",
-                                        []).append(rank)
+            if rank >= 0 and isinstance(record, CellEnded) and record.time < moment:
+                how = f"exited early with {record.exited}" if record.exited else "had finished the cell"
+                ranks_by_end.setdefault(how, []).append(rank)
         return "; ".join(f"{_ranks(ranks)} {how}" for how, ranks in ranks_by_end.items())
 
     def _name(self, key: int) -> str:
@@ -337,14 +353,13 @@ def _only_producers(running: set[int]) -> bool:
     return bool(running) and all(key < 0 for key in running)
 
 
-def _progress_line(name: str, stats: dict[str, Any]) -> str:
+def _progress_line(progress: DeliveryProgress) -> str:
     """One loader's delivery now: built, taken per rank, skipped by ranks that stopped early, waiting."""
-    taken = stats.get("taken", [])
-    skipped = sum(stats.get("skipped", []))
-    finished = [rank for rank, done in enumerate(stats.get("done", [])) if done]
-    return (f"taas: {name}: {stats.get('produced', 0)} produced, {sum(taken)} consumed "
-            f"({', '.join(map(str, taken))} per rank), " + (f"{skipped} skipped, " if skipped else "")
-            + f"{stats.get('buffered', 0)} buffered" + (f"; {_ranks(finished)} finished" if finished else ""))
+    skipped = sum(progress.skipped)
+    finished = [rank for rank, done in enumerate(progress.done) if done]
+    return (f"taas: {progress.loader}: {progress.produced} produced, {sum(progress.taken)} consumed "
+            f"({', '.join(map(str, progress.taken))} per rank), " + (f"{skipped} skipped, " if skipped else "")
+            + f"{progress.buffered} buffered" + (f"; {_ranks(finished)} finished" if finished else ""))
 
 
 def _is_traceback(failure: Failure) -> bool:
@@ -366,11 +381,11 @@ def plain(text: str) -> str:
     return ANSI.sub("", text)
 
 
-def _describe_stop(code: int, record: dict[str, Any] | None) -> str:
-    if record and record.get("status") == "interrupted":
+def _describe_stop(code: int, record: CellEnded | Failed | None) -> str:
+    if isinstance(record, Failed) and record.interrupted:
         return "KeyboardInterrupt"
-    if record and record.get("status") == "ok":
-        return f"had exited with {record['exited']}" if record.get("exited") else "had finished"
+    if isinstance(record, CellEnded):
+        return f"had exited with {record.exited}" if record.exited else "had finished"
     return _describe_exit(code) if code else "exited"
 
 

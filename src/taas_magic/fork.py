@@ -10,7 +10,6 @@ its supervisor) and is a subreaper of its own; ``close`` kills and reaps them al
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import selectors
 import signal
@@ -19,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable
 
-from . import aliases, channel, child, containment, tempfiles, worker
+from . import aliases, channel, child, containment, records, tempfiles, worker
 from .backend import Cell, Event, Exited, Output, Report, Result
 from .delivery.service import DataService
 from .rendezvous import RunStore
@@ -268,7 +267,7 @@ class ForkedRanks:
             state.report_buffer += data
             *lines, state.report_buffer = state.report_buffer.split(b"\n")
             for line in lines:
-                self._pending.append(Report(state.rank, _decode_record(line)))
+                self._pending.append(Report(state.rank, records.decode(line)))
         else:
             state.stack_text += data.decode("utf-8", "replace")
             state.stack_updated = time.monotonic()
@@ -382,11 +381,3 @@ class ForkedRanks:
         self._closed = True
         if pending_interrupt:
             raise KeyboardInterrupt
-
-
-def _decode_record(line: bytes) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return {"status": "error", "ename": "ProtocolError", "evalue": f"unreadable report {line[:80]!r}"}
-    return record if isinstance(record, dict) else {"status": "error", "ename": "ProtocolError", "evalue": repr(record)}

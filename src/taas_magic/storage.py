@@ -12,11 +12,17 @@ import os
 import sys
 from typing import Any, Callable
 
-Notify = Callable[[dict[str, Any]], None]
+from .records import SavedOnNode, SaveSkipped
+
+Notify = Callable[[SaveSkipped | SavedOnNode], None]
 
 
-def guard_torch_save(rank: int, notify: Notify) -> tuple[Any, Any] | None:
-    """Replace ``torch.save`` in this rank; returns (the original, its replacement), for the notebook's own names."""
+def guard_torch_save(rank: int, notify: Notify, node: str | None = None) -> tuple[Any, Any] | None:
+    """Replace ``torch.save`` in this rank; returns (the original, its replacement), for the notebook's own names.
+
+    ``node``: the address of the cluster node this rank runs on. Rank 0's files come back to the
+    notebook from its run folder (its working directory) alone; a save elsewhere is reported.
+    """
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -30,13 +36,20 @@ def guard_torch_save(rank: int, notify: Notify) -> tuple[Any, Any] | None:
         if rank != 0:
             if path not in skipped:
                 skipped.add(path)
-                notify({"notice": "save-skipped", "path": path})
+                notify(SaveSkipped(path))
             return None
+        if node is not None and path not in skipped and not _inside(os.getcwd(), path):
+            skipped.add(path)
+            notify(SavedOnNode(os.path.abspath(path), node))
         return save_whole(original, obj, path, *args, **kwargs)
 
     save.__doc__ = original.__doc__
     setattr(torch, "save", save)
     return original, save
+
+
+def _inside(folder: str, path: str) -> bool:
+    return os.path.commonpath([os.path.realpath(folder), os.path.realpath(path)]) == os.path.realpath(folder)
 
 
 def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwargs: Any) -> Any:

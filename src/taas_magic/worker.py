@@ -32,6 +32,7 @@ from .child import (
     write_all,
 )
 from .rank_state import TorchSettings, seed_rank
+from .records import CellEnded, DeliverySummary, Failed
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
         task.context.torch_settings.apply()  # forked ranks inherited them
     rank = int(env["RANK"])
     replaced = [_bind_device(task, int(env["LOCAL_RANK"])),
-                storage.guard_torch_save(rank, lambda record: report(fds.report, record))]
+                storage.guard_torch_save(rank, lambda record: report(fds.report, record), env.get("TAAS_NODE_ADDRESS"))]
     for plan in task.loaders:
         namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
     if task.seed is not None:
@@ -200,12 +201,11 @@ def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds
         return _report_failure(fds.report, e, shell, task)
     ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
     skipped = _send_results(task.return_names, namespace, fds.results) if send_results else {}
-    record = {"status": "ok", "time": ended, "skipped": skipped, "delivery": _delivery_summaries(task, namespace)}
-    report(fds.report, record if exited is None else {**record, "exited": exited})
+    report(fds.report, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""))
     return 0
 
 
-def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, Any]:
+def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
     """How each stand-in loader fared in this rank: elements received, time spent waiting."""
     return {plan.name: namespace[plan.name].summary() for plan in task.loaders
             if hasattr(namespace.get(plan.name), "summary")}
@@ -227,18 +227,9 @@ def _report_failure(report_fd: int, error: BaseException, shell: Any, task: Rank
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
     flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
-    report(
-        report_fd,
-        {
-            "status": "interrupted" if interrupted else "error",
-            "time": when,
-            "ename": type(error).__name__,
-            "evalue": summary or str(error),
-            # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
-            "traceback": format_traceback(error, shell, task),
-            "hint": _hint(error, task),
-        },
-    )
+    # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
+    report(report_fd, Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell, task),
+                             interrupted=interrupted, hint=_hint(error, task)))
     return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mmap
 import time
-from typing import Any
+from ..records import DeliveryProgress
 
 
 class Counters:
@@ -54,11 +54,11 @@ class Counters:
         """Whether ``rank`` still reads elements of pass ``pass_number``."""
         return not self.done[rank] and pass_number >= self.passes_over[rank]
 
-    def stats(self, name: str) -> dict[str, Any]:
+    def stats(self, name: str) -> DeliveryProgress:
         """The progress of one loader now: what the producers built and what became of it in each rank."""
         ranks = range(self.ranks)
         sent = [sum(self._sent[p * self.ranks + r] for p in range(self.producers)) for r in ranks]
         buffered = sum(max(0, sent[r] - self.taken[r] - self.dropped[r]) for r in ranks if not self.done[r])
-        return {"stats": name, "at": time.monotonic(), "produced": sum(self.produced),
-                "taken": self.taken.tolist(), "skipped": [self.position[r] - self.taken[r] for r in ranks],
-                "buffered": buffered, "done": self.done.tolist()}
+        return DeliveryProgress(name, time.monotonic(), int(sum(self.produced)), self.taken.tolist(),
+                                [int(self.position[r] - self.taken[r]) for r in ranks], int(buffered),
+                                self.done.tolist())

@@ -15,6 +15,7 @@ can never deadlock: the element the slowest rank waits for is always inside the 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 import signal
 import socket
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .. import child, tempfiles, worker
+from ..records import Failed
 from .counters import Counters
 from .plan import Pass, StreamPlan
 from .transport import send
@@ -160,7 +162,7 @@ class ProducerTask:
             last = None
             while True:
                 stats = self.counters.stats(self.name)
-                state = {key: value for key, value in stats.items() if key != "at"}
+                state = dataclasses.replace(stats, at=0.0)
                 if state != last:
                     try:
                         with lock:
@@ -172,21 +174,16 @@ class ProducerTask:
 
         threading.Thread(target=report_changes, name="taas-progress", daemon=True).start()
 
-    def _failure(self, error: BaseException, shell: Any) -> dict[str, Any]:
+    def _failure(self, error: BaseException, shell: Any) -> Failed:
         where = ""
         pending = getattr(self, "pending", None)
         if pending:  # the fetcher delivers in order: the oldest element not yet delivered is the one that failed
             pass_, index, indices = pending[0]
             where = f" at element {index} of pass {pass_.number} (samples {_short(indices)})"
         interrupted = isinstance(error, KeyboardInterrupt)
-        return {
-            "status": "interrupted" if interrupted else "error",
-            "time": time.monotonic(),
-            "ename": type(error).__name__,
-            "evalue": str(error),
-            "where": where.strip(),
-            "traceback": [] if interrupted else worker.format_traceback(_past_taas(error), shell),
-        }
+        return Failed(time.monotonic(), type(error).__name__, str(error),
+                      [] if interrupted else worker.format_traceback(_past_taas(error), shell),
+                      interrupted=interrupted, where=where.strip())
 
 
 def _past_taas(error: BaseException) -> BaseException:

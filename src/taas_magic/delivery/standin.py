@@ -14,6 +14,7 @@ import socket
 import time
 from typing import Any, Callable, Iterator
 
+from ..records import DeliveryProgress, DeliverySummary
 from .counters import Counters
 from .plan import StreamPlan
 from .transport import discard_waiting, receive, receive_if_waiting
@@ -89,7 +90,7 @@ class StandIn:
         except EOFError:
             pass  # every producer is done: nothing more will come
 
-    def finish(self, report: Callable[[dict[str, Any]], object] | None = None) -> None:
+    def finish(self, report: Callable[[DeliveryProgress], object] | None = None) -> None:
         """The rank's cell has ended: producers send it nothing more, and what it holds is dropped.
 
         ``report`` gets the loader's counters as they are now, so that the progress line ends
@@ -145,7 +146,6 @@ class StandIn:
 
         return pin_memory(element)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> DeliverySummary:
         span = (self._last or 0.0) - (self._started or 0.0)
-        return {"taken": self._delivered, "waited": self._waited, "first_wait": self._first_wait or 0.0,
-                "span": max(span, 0.0)}
+        return DeliverySummary(self._delivered, self._waited, self._first_wait or 0.0, max(span, 0.0))

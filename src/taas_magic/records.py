@@ -1,0 +1,97 @@
+"""What ranks and producers report about themselves: one dataclass per kind, and its wire form.
+
+A process of a run writes its records as JSON lines on its report pipe (``encode``); the process
+that reads the pipe turns each line back into its dataclass (``decode``), and from there on the
+record travels, and is read, as a typed value. A line that is not a record of a known kind
+becomes a ``Failed`` that says so: a process that garbles its reports has failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class DeliverySummary:
+    """How one registered loader fared in one rank."""
+
+    taken: int  # elements the rank received
+    waited: float  # seconds it spent waiting for them
+    first_wait: float  # seconds until its first element
+    span: float  # seconds from its first iter() to its last element
+
+
+@dataclass(frozen=True)
+class CellEnded:
+    """The cell's code ended without an error in this rank."""
+
+    time: float  # time.monotonic(): did it leave before another rank failed?
+    skipped: dict[str, str] = field(default_factory=dict)  # names rank 0 could not send back, and why
+    delivery: dict[str, DeliverySummary] = field(default_factory=dict)  # by loader name
+    exited: str = ""  # "sys.exit(0)" when the cell ended by exiting early
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The cell's code (or a producer's loader) raised, or was interrupted."""
+
+    time: float  # taken when the exception was caught: the earliest failure is the root cause
+    ename: str
+    evalue: str
+    traceback: list[str] = field(default_factory=list)
+    interrupted: bool = False  # a KeyboardInterrupt: taas's own, unless the cell raised it itself
+    where: str = ""  # what a producer was doing: "at element 5 of pass 0 (samples …)"
+    hint: str = ""  # advice for a mistake the rank recognized
+
+
+@dataclass(frozen=True)
+class DeliveryProgress:
+    """One registered loader's counters, as one process saw them at ``at``."""
+
+    loader: str
+    at: float
+    produced: int
+    taken: list[int]  # per rank
+    skipped: list[int]  # per rank: elements passed over by a rank that stopped early
+    buffered: int
+    done: list[int]  # per rank: 1 once its cell ended
+
+
+@dataclass(frozen=True)
+class SaveSkipped:
+    """A ``torch.save`` in a rank other than 0, which taas skipped."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class SavedOnNode:
+    """Rank 0 of a cluster run saved outside its run folder: the file stays on that node."""
+
+    path: str
+    node: str  # the node's address
+
+
+Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode]
+KINDS: dict[str, type] = {kind.__name__: kind for kind in (CellEnded, Failed, DeliveryProgress, SaveSkipped,
+                                                           SavedOnNode)}
+
+
+def encode(record: Record) -> bytes:
+    """One line of JSON: the kind's name and its fields."""
+    return (json.dumps({"kind": type(record).__name__, **dataclasses.asdict(record)}) + "\n").encode()
+
+
+def decode(line: bytes) -> Record:
+    try:
+        fields: Any = json.loads(line)
+        kind = KINDS[fields.pop("kind")]
+        if kind is CellEnded:
+            fields["delivery"] = {name: DeliverySummary(**summary) for name, summary in fields["delivery"].items()}
+        record: Record = kind(**fields)
+        return record
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return Failed(0.0, "ProtocolError", f"unreadable report {line[:80]!r}")
