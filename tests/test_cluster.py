@@ -122,6 +122,22 @@ def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
     cluster_kernel.execute(HEADER + "print('after')", timeout=60).ok()
 
 
+def test_an_interrupt_while_the_agents_start_leaves_nothing_and_the_next_cell_runs(cluster_kernel):
+    cluster_kernel.execute("%taas cluster release").ok()
+    r = cluster_kernel.execute(HEADER + "print('never')", timeout=60, interrupt_after=1.0)
+    assert r.error is not None and "KeyboardInterrupt" in r.error["ename"] and "never" not in r.stdout
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('after')", timeout=240).ok()
+
+
+def test_a_name_that_cannot_travel_fails_the_cell_before_any_node_is_taken(cluster_kernel):
+    cluster_kernel.execute("import threading\nlock = threading.Lock()").ok()
+    r = cluster_kernel.execute(HEADER + "print(lock)", timeout=60)
+    assert r.error is not None and "the cell needs 'lock'" in r.error["evalue"], r.error
+    assert "cannot be sent to ranks on the cluster's nodes" in r.error["evalue"]
+    assert not leftovers(cluster_kernel)
+
+
 def test_a_run_that_needs_more_nodes_than_the_cluster_has_is_refused_in_one_line(cluster_kernel):
     r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 8 --device cpu\nprint('never')", timeout=30)
     assert r.error is not None and r.error["ename"] == "TaasUsageError"
@@ -191,10 +207,12 @@ def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
 
 def test_cluster_command_shows_nodes_by_configuration(cluster, cluster_kernel):
     local, _ = cluster
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()  # the agents are warm after a cell
     r = cluster_kernel.execute("%taas cluster").ok()
     assert f"connected to the Ray cluster at {local.address}: 3 nodes" in r.stdout
     assert re.search(r"t\.2: 2 nodes \(2 free, 2 with a warm agent\)", r.stdout), r.stdout
     assert "c1.4: 1 node" in r.stdout
+    assert f"cluster:             {local.address} (cells run there" in cluster_kernel.execute("%taas").ok().stdout
 
 
 def test_nothing_in_the_cluster_talks_beyond_loopback(cluster):

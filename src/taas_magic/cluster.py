@@ -155,8 +155,15 @@ class Cluster:
                      available.get(info["NodeID"], {}))
                 for info in ray.nodes() if info.get("Alive")]
 
+    def _settle(self) -> None:
+        """Until the nodes of a run released a moment ago show free again."""
+        last = self.last_placement
+        if last is not None and last.released is not None and time.monotonic() - last.released < REUSE_SECONDS:
+            last.wait_until_free(REUSE_SECONDS)
+
     def describe(self, catalog: Catalog) -> str:
         """``%taas cluster``: the nodes by configuration, free or busy, and the warm agents."""
+        self._settle()
         nodes = self.nodes()
         lines = [f"connected to the Ray cluster at {self.address}: {len(nodes)} node{'s' * (len(nodes) != 1)}"]
         for name in catalog.names():
@@ -185,14 +192,12 @@ class Cluster:
                 f"{count} nodes of {configuration.name} needed, the cluster has {len(matching)}"
                 + (f" ({', '.join(node.address for node in matching)})" if matching else "")
                 + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks")
-        last = self.last_placement
-        if last is not None and last.released is not None and time.monotonic() - last.released < REUSE_SECONDS:
-            last.wait_until_free(REUSE_SECONDS)
+        self._settle()
         bundle = bundle_for(configuration, matching[0])
         group = placement_group([bundle] * count, strategy="STRICT_SPREAD")
         if not group.wait(timeout_seconds=PLACEMENT_SECONDS):  # asks the control store: no task, no worker
             ray.util.remove_placement_group(group)
-            free = sum(node.free_for(configuration) for node in matching)
+            free = sum(node.free_for(configuration) for node in self.nodes() if node.fits(configuration))
             raise TaasUsageError(f"{count} nodes of {configuration.name} needed, {free} of the cluster's "
                                  f"{len(matching)} are free now (the others run other work): try again later")
         by_id = {node.node_id: node for node in matching}

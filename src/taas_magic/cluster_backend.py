@@ -51,7 +51,7 @@ class ClusterBackend:
         if task.loaders:
             raise TaasUsageError("registered DataLoaders are not delivered to cluster runs yet: iterate the "
                                  "loader itself in the cell, or run it here with --on local")
-        request = ship(task, cell)
+        request = ship(task, cell, to="ranks on the cluster's nodes")
         try:
             assert request.task.context is not None
             context = KernelContext(kernel_variables(os.environ), "", [], request.task.context.torch_settings)

@@ -115,12 +115,12 @@ class ForkServerRequest:
         self.shipment.close()
 
 
-def ship(task: RankTask, cell: Cell) -> ForkServerRequest:
+def ship(task: RankTask, cell: Cell, to: str = "ranks started with --start forkserver") -> ForkServerRequest:
     """The task with what ranks that do not share the kernel's memory need of it: the names the cell
     reads, by value, the cell's source for tracebacks, and the kernel's environment, folder and
     torch settings."""
     needed = shipping.needed_names(cell.tree, cell.namespace)
-    shipment = shipping.pack(cell.namespace, needed)
+    shipment = shipping.pack(cell.namespace, needed, to)
     rank_task = dataclasses.replace(
         task,
         source="".join(linecache.getlines(task.code.co_filename)),

@@ -193,6 +193,8 @@ class TaasMagics(Magics):
         return "\n".join([
             "start:               fork from this kernel; the fork server once CUDA was used here",
             f"fork server:         {self.forkserver_backend.describe()}",
+            "cluster:             " + (f"{self.cluster_address} (cells run there; --on local runs one here)"
+                                       if self.cluster_address else "none (%taas cluster ADDRESS connects one)"),
             f"configurations:      {'; '.join(catalog.sources)}",
             f"                     {names}",
             f"CUDA devices:        {found.cuda_devices} visible"

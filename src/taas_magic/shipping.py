@@ -88,10 +88,10 @@ class _ShippingPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def pack(namespace: dict[str, Any], names: list[str]) -> Shipment:
+def pack(namespace: dict[str, Any], names: list[str], to: str = "ranks started with --start forkserver") -> Shipment:
     """Pickle ``names`` from ``namespace`` for the ranks; raises TaasUsageError naming what cannot go."""
     for name in names:
-        _check_shippable(name, namespace[name])
+        _check_shippable(name, namespace[name], to)
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
     buffer = io.BytesIO()
     pickler = _ShippingPickler(buffer)
@@ -100,13 +100,13 @@ def pack(namespace: dict[str, Any], names: list[str]) -> Shipment:
     return Shipment(buffer.getvalue(), fd, pickler.size)
 
 
-def _check_shippable(name: str, value: Any) -> None:
+def _check_shippable(name: str, value: Any, to: str) -> None:
     try:
         _ShippingPickler(io.BytesIO()).dump(value)
     except Exception as e:
         raise TaasUsageError(
             f"the cell needs {name!r} (a {type(value).__module__}.{type(value).__qualname__}), which cannot be "
-            f"sent to ranks started with --start forkserver ({first_line(e)}): create it inside the cell"
+            f"sent to {to} ({first_line(e)}): create it inside the cell"
         ) from e
 
 
