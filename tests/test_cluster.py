@@ -274,13 +274,20 @@ def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
 def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
     local, config = cluster
     others = {p.pid for p in _agents()}  # the other kernel's
-    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo",
+                "TAAS_CLUSTER_IDLE": "3"})
     kernel_state = "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() " \
                    "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
     k.execute("import signal").ok()
     before = k.value(kernel_state)
     k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
     assert k.value(kernel_state) == before, "connecting to Ray left the kernel's environment and handlers as they were"
+    idle = [p for p in _agents() if p.pid not in others]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(p) for p in idle):
+        time.sleep(0.5)
+    assert idle and not [p for p in idle if _alive(p)], "agents unused for TAAS_CLUSTER_IDLE seconds leave"
+    k.execute(HEADER + "print('new agents', flush=True)", timeout=240).ok()
     k.client.execute(HEADER + "time.sleep(600)")
     time.sleep(3)
     agents = [p for p in _agents() if p.pid not in others]

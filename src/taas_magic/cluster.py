@@ -28,6 +28,7 @@ from .configurations import Catalog, Configuration
 from .errors import TaasUsageError
 
 ENV_VAR = "TAAS_CLUSTER"
+IDLE_VAR = "TAAS_CLUSTER_IDLE"
 LABEL = "taas:"  # prefix of the Ray resource naming a node's configuration
 PLACEMENT_SECONDS = 8.0  # how long a run waits for busy nodes to free up before it is refused
 AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker to start
@@ -125,13 +126,16 @@ class Cluster:
         self.address = address
         self.agents: dict[str, _Agent] = {}  # node id -> its warm agent
         self.last_placement: Placement | None = None
+        self.idle_seconds = AGENT_IDLE_SECONDS
         self.owns_connection = False
 
     @classmethod
-    def connect(cls, address: str) -> "Cluster":
-        """Connect this kernel to the cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``)."""
+    def connect(cls, address: str, idle_seconds: float = AGENT_IDLE_SECONDS) -> "Cluster":
+        """Connect this kernel to the cluster at ``address`` (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``);
+        agents unused for ``idle_seconds`` leave."""
         ray = ray_module()
         cluster = cls(address)
+        cluster.idle_seconds = idle_seconds
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {}
             host = address.rsplit(":", 1)[0]
@@ -252,7 +256,7 @@ class Cluster:
         actor = ray.remote(NodeAgent).options(
             num_cpus=0, max_concurrency=1, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
-        return actor.remote()
+        return actor.remote(self.idle_seconds)
 
     def forget(self, node_id: str) -> None:
         """An agent that died: the next run on its node starts a new one."""
@@ -260,7 +264,7 @@ class Cluster:
 
     def release_idle(self) -> None:
         now = time.monotonic()
-        idle = [node_id for node_id, agent in self.agents.items() if now - agent.last_used > AGENT_IDLE_SECONDS]
+        idle = [node_id for node_id, agent in self.agents.items() if now - agent.last_used > self.idle_seconds]
         self.release(idle)
 
     def release(self, node_ids: list[str] | None = None) -> int:
@@ -307,6 +311,20 @@ def address_from(environ: Mapping[str, str]) -> str | None:
     return environ.get(ENV_VAR) or None
 
 
+def idle_seconds_from(environ: Mapping[str, str]) -> float:
+    """How long warm agents stay unused (``TAAS_CLUSTER_IDLE`` seconds); one line if that is no number."""
+    text = environ.get(IDLE_VAR, "")
+    if not text:
+        return AGENT_IDLE_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise TaasUsageError(f"{IDLE_VAR}={text!r} is not a number of seconds: use a positive number such as 600")
+    return seconds
+
+
 def _available_by_node(ray: Any) -> dict[str, dict[str, float]]:
     """What each node has free right now (Ray's own per-node view; it has no public call for it)."""
     try:
@@ -337,5 +355,5 @@ def kernel_variables(environ: Mapping[str, str]) -> dict[str, str]:
     communication and taas; the rest of the kernel's environment is the kernel's alone."""
     prefixes = ("NCCL_", "GLOO_", "TORCH_", "TAAS_", "CUBLAS_", "PYTHONHASHSEED", "CUDA_LAUNCH_BLOCKING")
     return {name: value for name, value in environ.items()
-            if name.startswith(prefixes) and name not in (ENV_VAR, "TAAS_CONFIG")}
+            if name.startswith(prefixes) and name not in (ENV_VAR, IDLE_VAR, "TAAS_CONFIG")}
 

@@ -19,6 +19,8 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -31,7 +33,8 @@ from .supervisor import SupervisedRanks
 from .worker import KernelContext, RankTask
 
 FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
-MAX_FILES_BACK = 2 * 1024**3  # bytes of rank 0's files a run may send back to the notebook
+MAX_FILES_BACK = 2 * 1024**3
+IDLE_CHECK_SECONDS = 5.0  # bytes of rank 0's files a run may send back to the notebook
 
 
 @dataclass(frozen=True)
@@ -64,30 +67,53 @@ def versions() -> tuple[str, str, str]:
 
 
 class NodeAgent:
-    """The body of the Ray actor: one per node, kept between cells."""
+    """The body of the Ray actor: one per node, kept between cells, gone after ``idle_seconds`` unused.
 
-    def __init__(self) -> None:
+    Leaving on its own matters when the kernel goes quiet for hours: the fork server holds memory
+    on the node all that time. The kernel notices a departed agent when it next needs the node.
+    """
+
+    def __init__(self, idle_seconds: float) -> None:
         self.backend = ForkServerBackend()
         self.backend.warm_up()  # the first cell finds torch imported
         _remove_orphaned_folders()
         self.store: RunStore | None = None
         self.group: SupervisedRanks | None = None
         self.folder: str | None = None
+        self.idle_seconds = idle_seconds
+        self.last_used = time.monotonic()
+        self.lock = threading.Lock()  # between the calls (one at a time) and the idle watch
+        threading.Thread(target=self._leave_when_idle, name="taas-agent-idle", daemon=True).start()
+
+    def _leave_when_idle(self) -> None:
+        while True:
+            time.sleep(min(self.idle_seconds, IDLE_CHECK_SECONDS))
+            with self.lock:
+                if self.group is None and time.monotonic() - self.last_used > self.idle_seconds:
+                    self.shutdown()
+                    os._exit(0)  # the actor ends with its worker; Ray reports it gone to whoever asks
+
+    def _used(self) -> None:
+        self.last_used = time.monotonic()
 
     def info(self) -> NodeInfo:
         import ray
 
+        with self.lock:
+            self._used()
         python, torch_version, taas_version = versions()
         return NodeInfo(ray.util.get_node_ip_address(), os.getpid(), python, torch_version, taas_version)
 
     def open_store(self, envs: dict[int, dict[str, str]]) -> int:
         """Listen for the run's TCPStore on this node (node 0 of the run); the port, for every node."""
+        self._used()
         self._end_run()
         self.store = RunStore(envs)
         return self.store.port
 
     def start(self, envs: dict[int, dict[str, str]], payload: NodePayload) -> list[int]:
         """Start this node's ranks; the processes' keys once they run."""
+        self._used()
         store, self.store = self.store, None
         if self.group is not None:
             self._end_run()
@@ -130,6 +156,7 @@ class NodeAgent:
 
     def close(self, collect_files: bool) -> dict[str, bytes]:
         """End the run here; with ``collect_files``, the files its ranks left in the run's folder."""
+        self._used()
         try:
             if self.group is not None:
                 self.group.close()

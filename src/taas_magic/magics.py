@@ -127,7 +127,7 @@ class TaasMagics(Magics):
         """The cluster, connecting on first use (to the address of %taas cluster or $TAAS_CLUSTER)."""
         if self.cluster is None:
             assert self.cluster_address is not None
-            self.cluster = Cluster.connect(self.cluster_address)
+            self.cluster = Cluster.connect(self.cluster_address, cluster.idle_seconds_from(os.environ))
         return self.cluster
 
     def _cluster_backend(self, spec: LaunchSpec) -> Backend:
