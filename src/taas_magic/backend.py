@@ -11,6 +11,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, Union
 
+from .cell_names import names_read, top_level_bindings
 from .records import Record
 
 
@@ -69,11 +70,16 @@ class RankGroup(Protocol):
 
 @dataclass(frozen=True)
 class Cell:
-    """The cell a run comes from, as a backend may need it to prepare what it starts."""
+    """The cell a run comes from, analysed once, as a backend may need it to prepare what it starts."""
 
-    tree: ast.Module  # the cell's code, parsed
+    reads: frozenset[str]  # every name its code loads: candidates to take from the notebook
+    binds: tuple[str, ...]  # the names it binds at top level, in order
     namespace: dict[str, Any]  # the notebook's names
     label: str  # how tracebacks name the cell: "Cell In[5]"
+
+    @classmethod
+    def of(cls, tree: ast.Module, namespace: dict[str, Any], label: str) -> "Cell":
+        return cls(frozenset(names_read(tree)), tuple(top_level_bindings(tree)), namespace, label)
 
 
 class Backend(Protocol):

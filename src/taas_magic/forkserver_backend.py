@@ -119,7 +119,7 @@ def ship(task: RankTask, cell: Cell, to: str = "ranks started with --start forks
     """The task with what ranks that do not share the kernel's memory need of it: the names the cell
     reads, by value, the cell's source for tracebacks, and the kernel's environment, folder and
     torch settings."""
-    needed = shipping.needed_names(cell.tree, cell.namespace)
+    needed = shipping.needed_names(cell.reads, cell.namespace)
     shipment = shipping.pack(cell.namespace, needed, to)
     rank_task = dataclasses.replace(
         task,

@@ -16,7 +16,6 @@ from . import cluster, controller, machine, options, results, streams
 from .backend import Backend, Cell
 from .cluster import Cluster
 from .cluster_backend import ClusterBackend
-from .cell_names import top_level_bindings
 from .configurations import load_catalog
 from .delivery import planning
 from .delivery.service import LoaderPlan, producer_labels
@@ -66,14 +65,14 @@ class TaasMagics(Magics):
             return
         spec = build(args, load_catalog(), machine.detect(), os.environ, connected=self.cluster_address is not None)
         tree, code = self._compile(line, cell)
+        analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         _import_torch_once()
-        loaders = self._loaders(spec, tree)
+        loaders = self._loaders(spec, analysed)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
-                        return_names=results.wanted(top_level_bindings(tree), spec.return_names),
+                        return_names=results.wanted(analysed.binds, spec.return_names),
                         seed=draw_base_seed())
-        cell_of_kernel = Cell(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         backend = self._cluster_backend(spec) if spec.on_cluster else self._choose_start(spec)
-        payload = backend.prepare(task, cell_of_kernel)
+        payload = backend.prepare(task, analysed)
         progress = _ProgressDisplay()
         try:
             known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
@@ -85,9 +84,9 @@ class TaasMagics(Magics):
                 payload.close()  # the shipped tensors' memory file
         self._take_back(outcome)
 
-    def _loaders(self, spec: LaunchSpec, tree: ast.Module) -> tuple[LoaderPlan, ...]:
+    def _loaders(self, spec: LaunchSpec, cell: Cell) -> tuple[LoaderPlan, ...]:
         """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
-        names = planning.loaders_used(tree, self.ipython.user_ns)
+        names = planning.loaders_used(cell.reads, self.ipython.user_ns)
         if spec.data_options_given and not names:
             print("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
                   "(taas.register(loader) in an earlier cell)", file=sys.stderr)

@@ -12,7 +12,6 @@ cell before anything starts, naming the variable; an unneeded one is never looke
 
 from __future__ import annotations
 
-import ast
 import io
 import mmap
 import os
@@ -20,21 +19,20 @@ import pickle
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import cloudpickle
 
 from . import memfile
-from .cell_names import names_read
 from .errors import TaasUsageError, first_line
 
 ANCHOR = "__taas_globals_anchor__"
 
 
-def needed_names(tree: ast.AST, namespace: dict[str, Any]) -> list[str]:
+def needed_names(reads: Collection[str], namespace: dict[str, Any]) -> list[str]:
     """Names the cell reads that the kernel's namespace holds (builtins and IPython's own excluded)."""
     hidden = _ipython_names(namespace)
-    return sorted(name for name in names_read(tree) if name in namespace and name not in hidden)
+    return sorted(name for name in reads if name in namespace and name not in hidden)
 
 
 def _ipython_names(namespace: dict[str, Any]) -> set[str]:

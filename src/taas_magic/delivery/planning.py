@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import ast
-from typing import Any
+from typing import Any, Collection
 
-from ..cell_names import code_names, names_read
+from ..cell_names import code_names
 from ..errors import TaasUsageError
 from ..spec import LaunchSpec
 from .service import LoaderPlan
 
 
-def loaders_used(tree: ast.AST, namespace: dict[str, Any]) -> list[str]:
+def loaders_used(reads: Collection[str], namespace: dict[str, Any]) -> list[str]:
     """Registered DataLoaders the cell reads, directly or through the notebook's functions and classes."""
     from taas.registry import is_registered
 
-    pending = list(names_read(tree))
+    pending = list(reads)
     seen: set[str] = set()
     while pending:
         name = pending.pop()
