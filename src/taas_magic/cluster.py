@@ -32,9 +32,9 @@ IDLE_VAR = "TAAS_CLUSTER_IDLE"
 LABEL = "taas:"  # prefix of the Ray resource naming a node's configuration
 PLACEMENT_SECONDS = 8.0  # how long a run waits for busy nodes to free up before it is refused
 AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker to start
-AGENT_IDLE_SECONDS = 600.0
-CHECK_SECONDS = 5.0
-REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free  # a warm agent that does not answer this soon is replaced
+AGENT_IDLE_SECONDS = 600.0  # an agent unused this long leaves (TAAS_CLUSTER_IDLE)
+CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
+REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
 
 

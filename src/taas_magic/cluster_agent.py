@@ -154,13 +154,13 @@ class NodeAgent:
     def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
         return self.group.stacks(ranks, timeout) if self.group is not None else {}
 
-    def close(self, collect_files: bool) -> dict[str, bytes]:
+    def close(self, collect_files: bool) -> RunFiles:
         """End the run here; with ``collect_files``, the files its ranks left in the run's folder."""
         self._used()
         try:
             if self.group is not None:
                 self.group.close()
-            return _files_in(self.folder) if collect_files and self.folder else {}
+            return _files_in(self.folder) if collect_files and self.folder else RunFiles({}, [])
         finally:
             self._end_run()
 
@@ -204,19 +204,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _files_in(folder: str) -> dict[str, bytes]:
-    """Every regular file under ``folder``, by relative path, up to MAX_FILES_BACK bytes in all."""
-    files: dict[str, bytes] = {}
+@dataclass(frozen=True)
+class RunFiles:
+    """The files rank 0 left in its run folder, by relative path; those too big to travel, named."""
+
+    files: dict[str, bytes]
+    left: list[str]
+
+
+def _files_in(folder: str) -> RunFiles:
+    """Every regular file under ``folder``, up to MAX_FILES_BACK bytes in all; the rest named."""
+    found = RunFiles({}, [])
     total = 0
     for root, _, names in os.walk(folder):
         for name in sorted(names):
             path = os.path.join(root, name)
             if not os.path.isfile(path) or os.path.islink(path):
                 continue
+            relative = os.path.relpath(path, folder)
             total += os.path.getsize(path)
             if total > MAX_FILES_BACK:
-                raise RuntimeError(f"rank 0 left more than {MAX_FILES_BACK // 1024**3} GB of files in the run's folder")
+                found.left.append(relative)
+                continue
             with open(path, "rb") as file:
-                files[os.path.relpath(path, folder)] = file.read()
-    return files
+                found.files[relative] = file.read()
+    return found
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from .backend import Cell, Event
 from .cluster import Cluster, Node, Placement, kernel_variables, ray_module
-from .cluster_agent import NodePayload
+from .cluster_agent import MAX_FILES_BACK, NodePayload, RunFiles
 from .errors import TaasUsageError
 from .forkserver_backend import ship
 from .spec import LaunchSpec
@@ -37,9 +37,7 @@ class ClusterBackend:
     name = "cluster"
 
     def __init__(self, cluster: Cluster, spec: LaunchSpec, notify: Callable[[str], object]):
-        if spec.configuration is None:
-            raise TaasUsageError("a run on the cluster needs a configuration: start the cell with #!NAME "
-                                 "(for example #!g2.8) or add --config NAME")
+        assert spec.configuration is not None, "the spec refuses a cluster run without one"
         self.cluster = cluster
         self.spec = spec
         self.notify = notify  # one line to the cell's stderr: files copied back
@@ -137,8 +135,9 @@ class ClusterRanks:
         chosen = set(ranks)
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
         stacks: dict[int, str] = {}
-        for answer in self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index]), timeout),
-                                 timeout + CALL_SECONDS):
+        asked = self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index]),
+                                                                                  timeout), timeout + CALL_SECONDS)
+        for answer in asked:
             stacks.update(answer)
         return stacks
 
@@ -149,7 +148,7 @@ class ClusterRanks:
         self.closed = True
         ray = ray_module()
         interrupted = False
-        files: dict[str, bytes] = {}
+        files = RunFiles({}, [])
         refs = [agent.close.remote(index == 0) for index, agent in enumerate(self.agents)]
         try:
             for index, ref in enumerate(refs):
@@ -166,20 +165,25 @@ class ClusterRanks:
         finally:
             self.alive = [set() for _ in self.agents]
             self.placement.release()
-        if files:
+        if files.files or files.left:
             self._copy_back(files)
         if interrupted:
             raise KeyboardInterrupt
 
-    def _copy_back(self, files: dict[str, bytes]) -> None:
-        for relative, data in files.items():
+    def _copy_back(self, found: RunFiles) -> None:
+        for relative, data in found.files.items():
             path = os.path.join(os.getcwd(), relative)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as file:
                 file.write(data)
-        names = ", ".join(sorted(files))
-        self.notify(f"taas: rank 0 wrote {names} on node {self.placement.nodes[0].address}: "
-                    "copied into this notebook's folder")
+        node = self.placement.nodes[0].address
+        if found.files:
+            self.notify(f"taas: rank 0 wrote {', '.join(sorted(found.files))} on node {node}: "
+                        "copied into this notebook's folder")
+        if found.left:
+            self.notify(f"taas: rank 0 also wrote {', '.join(sorted(found.left))} on node {node}: more than "
+                        f"{MAX_FILES_BACK // 1024**3} GB in all, so not copied here; they were removed with the "
+                        "run's folder (save large files under an absolute path on storage you can reach)")
 
     # -- calls to the agents ------------------------------------------------------------------
     def _call(self, indexes: list[int], request: Callable[[int], Any], timeout: float) -> list[Any]:

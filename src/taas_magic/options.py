@@ -132,7 +132,8 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             "none: nothing comes back.",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
-        magic_arguments.argument("--alone", action="store_true", help=argparse.SUPPRESS),  # `#!NAME` alone, on a cluster
+        # `#!NAME` alone while a cluster is connected: the cell as one process on such a node
+        magic_arguments.argument("--alone", action="store_true", help=argparse.SUPPRESS),
     ]
     for decorator in reversed(decorators):
         func = decorator(func)
