@@ -89,6 +89,32 @@ dist.destroy_process_group()
     assert not leftovers(cluster_kernel)
 
 
+def test_the_store_port_is_open_for_the_run_only(cluster_kernel):
+    r = cluster_kernel.execute(HEADER + INIT + "print('store', os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])\n"
+                               "dist.destroy_process_group()", timeout=120).ok()
+    address, port = r.stdout.split("store ")[1].split()[:2]
+    import socket
+
+    with socket.socket() as probe:
+        assert probe.connect_ex((address, int(port))) != 0, "node 0 closed the run's store with the run"
+
+
+def test_a_node_with_other_versions_is_refused_before_anything_starts(cluster_kernel):
+    """The kernel compares its own versions with each new agent's (here the kernel claims others)."""
+    cluster_kernel.execute("%taas cluster release").ok()
+    cluster_kernel.execute("import taas_magic.cluster as _cluster\n_versions = _cluster.versions\n"
+                           "_cluster.versions = lambda: ('3.99.0', '9.9', '9.9.9')").ok()
+    try:
+        r = cluster_kernel.execute(HEADER + "print('never')", timeout=240)
+    finally:
+        cluster_kernel.execute("_cluster.versions = _versions").ok()
+    assert r.error is not None and r.error["ename"] == "TaasUsageError", r.error
+    assert re.search(r"node 127\.0\.0\.\d+ runs Python 3\.\d+\.\d+, torch \S+, taas-magic \S+; this kernel runs "
+                     r"Python 3\.99\.0, torch 9\.9, taas-magic 9\.9\.9: install the same on every node", r.error["evalue"])
+    assert "never" not in r.stdout and not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('matching again')", timeout=240).ok()
+
+
 def test_a_warm_cell_starts_in_about_a_second(cluster_kernel):
     cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
     r = cluster_kernel.execute(HEADER + "print('warm', os.environ['RANK'])", timeout=60).ok()
