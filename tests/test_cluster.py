@@ -302,30 +302,32 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
     others = {p.pid for p in _agents()}  # the other kernel's
     k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo",
                 "TAAS_CLUSTER_IDLE": "3"})
-    kernel_state = "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() " \
-                   "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
-    k.execute("import signal").ok()
-    before = k.value(kernel_state)
-    k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
-    assert k.value(kernel_state) == before, "connecting to Ray left the kernel's environment and handlers as they were"
-    idle = [p for p in _agents() if p.pid not in others]
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(p) for p in idle):
-        time.sleep(0.5)
-    assert idle and not [p for p in idle if _alive(p)], "agents unused for TAAS_CLUSTER_IDLE seconds leave"
-    k.execute(HEADER + "print('new agents', flush=True)", timeout=240).ok()
-    k.client.execute(HEADER + "time.sleep(600)")
-    time.sleep(3)
-    agents = [p for p in _agents() if p.pid not in others]
-    ranks = _ranks()
-    assert len(agents) == 2 and len(ranks) >= 4, ranks
-    os.kill(k.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    left = agents + ranks
-    while time.monotonic() < deadline and any(_alive(p) for p in left):
-        time.sleep(0.5)
-    assert not [p for p in left if _alive(p)]
-    k.shutdown()
+    try:
+        kernel_state = "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() " \
+                       "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
+        k.execute("import signal").ok()
+        before = k.value(kernel_state)
+        k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
+        assert k.value(kernel_state) == before, "connecting to Ray left the kernel's environment and handlers as they were"
+        idle = [p for p in _agents() if p.pid not in others]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in idle):
+            time.sleep(0.5)
+        assert idle and not [p for p in idle if _alive(p)], "agents unused for TAAS_CLUSTER_IDLE seconds leave"
+        k.execute(HEADER + "print('new agents', flush=True)", timeout=240).ok()
+        k.client.execute(HEADER + "time.sleep(600)")
+        time.sleep(3)
+        agents = [p for p in _agents() if p.pid not in others]
+        ranks = _ranks()
+        assert len(agents) == 2 and len(ranks) >= 4, ranks
+        os.kill(k.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        left = agents + ranks
+        while time.monotonic() < deadline and any(_alive(p) for p in left):
+            time.sleep(0.5)
+        assert not [p for p in left if _alive(p)]
+    finally:
+        k.shutdown()  # a failed assertion must not leave the kernel to later tests
 
 
 def _agents() -> list[psutil.Process]:

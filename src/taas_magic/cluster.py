@@ -7,8 +7,9 @@ takes its nodes whole through one placement group (one bundle per node, STRICT_S
 runs never share a node, and a run that cannot have its nodes is told so within seconds.
 
 Agents (``cluster_agent.NodeAgent``) are pinned to their node and kept between cells; they are
-owned by the kernel, so they die with it. One idle longer than ``AGENT_IDLE_SECONDS`` is released
-when the kernel next looks, or at once by ``%taas cluster release``.
+owned by the kernel, so they die with it. One unused for ``idle_seconds`` leaves on its own (the
+kernel finds it gone when it next needs the node and starts another); ``%taas cluster release``
+ends them all at once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import signal
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from .cluster_agent import NodeAgent, NodeInfo, versions
@@ -116,7 +117,6 @@ class Placement:
 class _Agent:
     handle: Any
     info: NodeInfo
-    last_used: float = field(default_factory=time.monotonic)
 
 
 class Cluster:
@@ -213,7 +213,6 @@ class Cluster:
         """The warm agent on each node; missing ones are started together, and checked to match this
         kernel (Python, torch and taas versions) before anything of the run starts."""
         ray = ray_module()
-        self.release_idle()
         self._forget_dead([node.node_id for node in nodes if node.node_id in self.agents])
         missing = {node.node_id: self._start_agent(node) for node in nodes if node.node_id not in self.agents}
         try:
@@ -235,9 +234,6 @@ class Cluster:
                 f"node {mismatched.address} runs Python {mismatched.python}, torch {mismatched.torch}, taas-magic "
                 f"{mismatched.taas}; this kernel runs Python {ours[0]}, torch {ours[1]}, taas-magic {ours[2]}: "
                 "install the same on every node")
-        now = time.monotonic()
-        for node in nodes:
-            self.agents[node.node_id].last_used = now
         return [self.agents[node.node_id].handle for node in nodes]
 
     def _forget_dead(self, node_ids: list[str]) -> None:
@@ -261,11 +257,6 @@ class Cluster:
     def forget(self, node_id: str) -> None:
         """An agent that died: the next run on its node starts a new one."""
         self.agents.pop(node_id, None)
-
-    def release_idle(self) -> None:
-        now = time.monotonic()
-        idle = [node_id for node_id, agent in self.agents.items() if now - agent.last_used > self.idle_seconds]
-        self.release(idle)
 
     def release(self, node_ids: list[str] | None = None) -> int:
         """End the agents (all by default) and their fork servers; how many were ended."""

@@ -14,6 +14,7 @@ This module imports no Ray: the kernel wraps ``NodeAgent`` with ``ray.remote`` w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import shutil
@@ -22,7 +23,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar, cast
 
 from . import memfile
 from .backend import Event
@@ -66,6 +67,25 @@ def versions() -> tuple[str, str, str]:
     return platform.python_version(), str(torch.__version__), version("taas-magic")
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _call(method: Method) -> Method:
+    """A call from the kernel: it holds the agent from start to end, so the idle watch never ends
+    an agent in the middle of one (a cold start takes seconds), and it counts as use."""
+
+    @functools.wraps(method)
+    def call(self: "NodeAgent", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            self.last_used = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.last_used = time.monotonic()
+
+    return cast(Method, call)
+
+
 class NodeAgent:
     """The body of the Ray actor: one per node, kept between cells, gone after ``idle_seconds`` unused.
 
@@ -82,7 +102,7 @@ class NodeAgent:
         self.folder: str | None = None
         self.idle_seconds = idle_seconds
         self.last_used = time.monotonic()
-        self.lock = threading.Lock()  # between the calls (one at a time) and the idle watch
+        self.lock = threading.RLock()  # held by each call from start to end, and by the idle watch
         threading.Thread(target=self._leave_when_idle, name="taas-agent-idle", daemon=True).start()
 
     def _leave_when_idle(self) -> None:
@@ -93,27 +113,23 @@ class NodeAgent:
                     self.shutdown()
                     os._exit(0)  # the actor ends with its worker; Ray reports it gone to whoever asks
 
-    def _used(self) -> None:
-        self.last_used = time.monotonic()
-
+    @_call
     def info(self) -> NodeInfo:
         import ray
 
-        with self.lock:
-            self._used()
         python, torch_version, taas_version = versions()
         return NodeInfo(ray.util.get_node_ip_address(), os.getpid(), python, torch_version, taas_version)
 
+    @_call
     def open_store(self, envs: dict[int, dict[str, str]]) -> int:
         """Listen for the run's TCPStore on this node (node 0 of the run); the port, for every node."""
-        self._used()
         self._end_run()
         self.store = RunStore(envs)
         return self.store.port
 
+    @_call
     def start(self, envs: dict[int, dict[str, str]], payload: NodePayload) -> list[int]:
         """Start this node's ranks; the processes' keys once they run."""
-        self._used()
         store, self.store = self.store, None
         if self.group is not None:
             self._end_run()
@@ -140,6 +156,7 @@ class NodeAgent:
         return ForkServerRequest(dataclasses.replace(payload.task, context=context), shipment, payload.aliases)
 
     # -- the RankGroup contract, relayed ---------------------------------------------------------
+    @_call
     def events(self, timeout: float) -> tuple[list[Event], list[int]]:
         """Events so far (waiting up to ``timeout`` for the first), and the processes still running."""
         if self.group is None:
@@ -147,16 +164,18 @@ class NodeAgent:
         events = self.group.events(timeout)
         return events, sorted(self.group.running())
 
+    @_call
     def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
         if self.group is not None:
             self.group.signal(signum, ranks)
 
+    @_call
     def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
         return self.group.stacks(ranks, timeout) if self.group is not None else {}
 
+    @_call
     def close(self, collect_files: bool) -> RunFiles:
         """End the run here; with ``collect_files``, the files its ranks left in the run's folder."""
-        self._used()
         try:
             if self.group is not None:
                 self.group.close()
@@ -177,6 +196,7 @@ class NodeAgent:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
 
+    @_call
     def shutdown(self) -> None:
         """End everything of this agent: the run, if any, and the fork server."""
         try:
