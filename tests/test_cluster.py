@@ -330,6 +330,31 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
         k.shutdown()  # a failed assertion must not leave the kernel to later tests
 
 
+def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
+    """A kernel where `import ray` fails, as where it is not installed."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    k = Kernel({"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    try:
+        r = k.execute("%taas cluster 127.0.0.2:6379")
+        assert r.error is not None and r.error["evalue"] == "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
+        k.execute("#pragma taas --gpus 2\nprint('here')").ok()  # still usable on this machine
+    finally:
+        k.shutdown()
+
+
+def test_an_address_where_nothing_answers_is_one_line_at_once_and_the_kernel_stays_here():
+    k = Kernel()
+    try:
+        r = k.execute("%taas cluster 127.0.0.9:1", timeout=30)
+        assert r.error is not None and r.error["evalue"].startswith("nothing answers at 127.0.0.9:1 (Connection refused)")
+        assert r.seconds < 10
+        assert "cluster:             none" in k.execute("%taas").ok().stdout
+        k.execute("#pragma taas --gpus 2\nprint('here')").ok()
+    finally:
+        k.shutdown()
+
+
 def _agents() -> list[psutil.Process]:
     return [p for p in psutil.process_iter() if "NodeAgent" in " ".join(_cmdline(p))]
 

@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import time
 import warnings
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ LABEL = "taas:"  # prefix of the Ray resource naming a node's configuration
 PLACEMENT_SECONDS = 8.0  # how long a run waits for busy nodes to free up before it is refused
 AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker to start
 AGENT_IDLE_SECONDS = 600.0  # an agent unused this long leaves (TAAS_CLUSTER_IDLE)
+CONNECT_SECONDS = 5.0  # how long an address may take to answer before connecting is given up
 CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
@@ -137,6 +139,7 @@ class Cluster:
         cluster = cls(address)
         cluster.idle_seconds = idle_seconds
         if not ray.is_initialized():
+            _check_answers(address)
             kwargs: dict[str, Any] = {}
             host = address.rsplit(":", 1)[0]
             if _is_loopback(host):  # the notebook runs on that node: Ray must not look for another address
@@ -322,6 +325,20 @@ def _available_by_node(ray: Any) -> dict[str, dict[str, float]]:
         return {node_id: dict(free) for node_id, free in ray._private.state.available_resources_per_node().items()}
     except Exception:
         return {}
+
+
+def _check_answers(address: str) -> None:
+    """One line at once for an address where nothing listens: Ray itself would retry for minutes."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdecimal():
+        raise TaasUsageError(f"cluster address {address!r} is not HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as e:
+        raise TaasUsageError(f"nothing answers at {address} ({e.strerror or e}): is Ray's head running there? "
+                             "(ray start --head prints the address to use)") from None
 
 
 def _shape(node: Node) -> str:

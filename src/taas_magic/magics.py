@@ -148,9 +148,10 @@ class TaasMagics(Magics):
         elif word:
             if self.cluster is not None:
                 self.cluster.disconnect()
-                self.cluster = None
-            self.cluster_address = word
-            print(self._connected().describe(load_catalog()))
+            self.cluster, self.cluster_address = None, None  # this machine, unless the new one answers
+            connected = Cluster.connect(word, cluster.idle_seconds_from(os.environ))
+            self.cluster, self.cluster_address = connected, word
+            print(connected.describe(load_catalog()))
         elif self.cluster_address is None:
             print("taas: not connected to a cluster: %taas cluster ADDRESS (auto, HOST:PORT or ray://HOST:PORT)")
         else:
