@@ -362,8 +362,8 @@ def test_one_gpu_configuration_says_use_1() -> None:
     assert str(raised.value) == "--gpus 3 does not fit g1.1 (1 GPU per node): use 1, 2 or 4"
     with pytest.raises(UsageError) as raised:
         build("--gpus 2 --config g2.1")
-    assert str(raised.value) == ("--gpus 2 needs 2 nodes of g2.1: multi-node runs need a cluster, "
-                                 "and this machine is one node: use --gpus 1")
+    assert str(raised.value) == ("--gpus 2 needs 2 nodes of g2.1: multi-node runs need a cluster (%taas cluster "
+                                 "ADDRESS), and this machine is one node: use --gpus 1")
 
 
 def test_one_vcpu_configuration_says_use_1(tmp_path) -> None:

@@ -151,7 +151,7 @@ def _refuse_nodes(world_size: int, configuration: Configuration, per_node: int, 
         )
     raise TaasUsageError(
         f"--gpus {world_size} needs {world_size // per_node} nodes of {configuration.name}: multi-node runs "
-        f"need a cluster, and this machine is one node: use --gpus {_from_one_to(per_node)}"
+        f"need a cluster (%taas cluster ADDRESS), and this machine is one node: use --gpus {_from_one_to(per_node)}"
     )
 
 
