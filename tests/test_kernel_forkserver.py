@@ -95,13 +95,14 @@ def test_the_fork_server_survives_many_cells_without_leaking(defined):
     fds, memory = server.num_fds(), server.memory_info().rss
     for _ in range(12):
         defined.execute("#pragma taas --gpus 2 --start forkserver\nx = weights.sum() + SCALE").ok()
-    assert defined.fork_server().pid == server.pid
+    assert defined.fork_server().pid == server.pid, "the same fork server served every cell"
     deadline = time.monotonic() + 2
     while server.children() and time.monotonic() < deadline:
         time.sleep(0.01)  # the last run's supervisor said the run was over and may still be exiting
     assert server.children() == [], "each run's supervisor is reaped as soon as it ends"
-    assert server.num_fds() <= fds
-    assert server.memory_info().rss < memory + 64 * 2**20
+    assert server.num_fds() <= fds, f"{server.num_fds()} descriptors, {fds} after the first cell: " + ", ".join(
+        f"{fd}->{os.readlink(f'/proc/{server.pid}/fd/{fd}')}" for fd in os.listdir(f"/proc/{server.pid}/fd"))
+    assert server.memory_info().rss < memory + 64 * 2**20, (memory, server.memory_info().rss)
     maps = open(f"/proc/{server.pid}/maps").read()
     assert maps.count("taas-tensors") <= 1, "the shipped tensors of past runs are unmapped"
 
