@@ -74,8 +74,7 @@ class Node:
         return not self.resources.get("GPU") and self.resources.get("CPU", 0) >= configuration.cpus
 
     def free_for(self, configuration: Configuration) -> bool:
-        bundle = bundle_for(configuration, self)
-        return all(self.available.get(key, 0) >= amount for key, amount in bundle.items())
+        return _holds(self.available, bundle_for(configuration, self))
 
 
 def bundle_for(configuration: Configuration, node: Node | None = None) -> dict[str, float]:
@@ -109,16 +108,9 @@ class Placement:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             available = _available_by_node(ray)
-            if all(all(available.get(node.node_id, {}).get(key, 0) >= amount for key, amount in self.bundle.items())
-                   for node in self.nodes):
+            if all(_holds(available.get(node.node_id, {}), self.bundle) for node in self.nodes):
                 return
             time.sleep(0.01)
-
-
-@dataclass
-class _Agent:
-    handle: Any
-    info: NodeInfo
 
 
 class Cluster:
@@ -126,7 +118,7 @@ class Cluster:
 
     def __init__(self, address: str):
         self.address = address
-        self.agents: dict[str, _Agent] = {}  # node id -> its warm agent
+        self.agents: dict[str, Any] = {}  # node id -> its warm agent's actor handle
         self.last_placement: Placement | None = None
         self.idle_seconds = AGENT_IDLE_SECONDS
         self.owns_connection = False
@@ -139,11 +131,10 @@ class Cluster:
         cluster = cls(address)
         cluster.idle_seconds = idle_seconds
         if not ray.is_initialized():
-            _check_answers(address)
+            host = _check_answers(address)
             kwargs: dict[str, Any] = {}
-            host = address.rsplit(":", 1)[0]
-            if _is_loopback(host):  # the notebook runs on that node: Ray must not look for another address
-                kwargs["_node_ip_address"] = host
+            if host is not None and _is_loopback(host):  # the notebook runs on that node: Ray must not look for
+                kwargs["_node_ip_address"] = host        # another address of this machine
             try:
                 with warnings.catch_warnings(), _kernel_kept_as_it_was():
                     warnings.simplefilter("ignore")
@@ -224,29 +215,30 @@ class Cluster:
             for handle in missing.values():
                 ray.kill(handle)
             raise
-        mismatched = None
+        ours = versions()
+        mismatched: NodeInfo | None = None
         for (node_id, handle), info in zip(missing.items(), answers):
-            if (info.python, info.torch, info.taas) != versions():
+            if (info.python, info.torch, info.taas) != ours:
                 mismatched = mismatched or info
                 ray.kill(handle)
             else:
-                self.agents[node_id] = _Agent(handle, info)
+                self.agents[node_id] = handle
         if mismatched is not None:
-            ours = versions()
             raise TaasUsageError(
                 f"node {mismatched.address} runs Python {mismatched.python}, torch {mismatched.torch}, taas-magic "
                 f"{mismatched.taas}; this kernel runs Python {ours[0]}, torch {ours[1]}, taas-magic {ours[2]}: "
                 "install the same on every node")
-        return [self.agents[node.node_id].handle for node in nodes]
+        return [self.agents[node.node_id] for node in nodes]
 
     def _forget_dead(self, node_ids: list[str]) -> None:
         """Warm agents that no longer answer (their node or worker died between cells) are replaced."""
         ray = ray_module()
-        for node_id in node_ids:
+        pings = {node_id: self.agents[node_id].info.remote() for node_id in node_ids}  # all at once
+        for node_id, ping in pings.items():
             try:
-                ray.get(self.agents[node_id].handle.info.remote(), timeout=CHECK_SECONDS)
+                ray.get(ping, timeout=CHECK_SECONDS)
             except Exception:
-                ray.kill(self.agents.pop(node_id).handle)
+                ray.kill(self.agents.pop(node_id))
 
     def _start_agent(self, node: Node) -> Any:
         ray = ray_module()
@@ -261,11 +253,11 @@ class Cluster:
         """An agent that died: the next run on its node starts a new one."""
         self.agents.pop(node_id, None)
 
-    def release(self, node_ids: list[str] | None = None) -> int:
-        """End the agents (all by default) and their fork servers; how many were ended."""
+    def release(self) -> int:
+        """End every warm agent and its fork server; how many were ended."""
         ray = ray_module()
-        chosen = list(self.agents) if node_ids is None else node_ids
-        handles = [self.agents.pop(node_id).handle for node_id in chosen if node_id in self.agents]
+        handles = list(self.agents.values())
+        self.agents.clear()
         try:
             ray.get([handle.shutdown.remote() for handle in handles], timeout=15)
         except Exception:
@@ -327,10 +319,11 @@ def _available_by_node(ray: Any) -> dict[str, dict[str, float]]:
         return {}
 
 
-def _check_answers(address: str) -> None:
-    """One line at once for an address where nothing listens: Ray itself would retry for minutes."""
+def _check_answers(address: str) -> str | None:
+    """One line at once for an address where nothing listens (Ray itself would retry for minutes);
+    the host of a ``HOST:PORT`` address, None for ``auto`` and Ray Client's ``ray://``."""
     if address == "auto":
-        return
+        return None
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdecimal():
         raise TaasUsageError(f"cluster address {address!r} is not HOST:PORT, ray://HOST:PORT or auto")
@@ -339,6 +332,11 @@ def _check_answers(address: str) -> None:
     except OSError as e:
         raise TaasUsageError(f"nothing answers at {address} ({e.strerror or e}): is Ray's head running there? "
                              "(ray start --head prints the address to use)") from None
+    return None if address.startswith("ray://") else host.strip("[]")
+
+
+def _holds(available: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
+    return all(available.get(key, 0) >= amount for key, amount in bundle.items())
 
 
 def _shape(node: Node) -> str:

@@ -94,6 +94,9 @@ class NodeAgent:
     """
 
     def __init__(self, idle_seconds: float) -> None:
+        import ray
+
+        self.address: str = ray.util.get_node_ip_address()  # this node's, as the cluster knows it
         self.backend = ForkServerBackend()
         self.backend.warm_up()  # the first cell finds torch imported
         _remove_orphaned_folders()
@@ -115,10 +118,8 @@ class NodeAgent:
 
     @_call
     def info(self) -> NodeInfo:
-        import ray
-
         python, torch_version, taas_version = versions()
-        return NodeInfo(ray.util.get_node_ip_address(), os.getpid(), python, torch_version, taas_version)
+        return NodeInfo(self.address, os.getpid(), python, torch_version, taas_version)
 
     @_call
     def open_store(self, envs: dict[int, dict[str, str]]) -> int:
@@ -133,8 +134,7 @@ class NodeAgent:
         store, self.store = self.store, None
         if self.group is not None:
             self._end_run()
-        address = self.info().address
-        envs = {rank: {**env, "TAAS_NODE_ADDRESS": address} for rank, env in envs.items()}
+        envs = {rank: {**env, "TAAS_NODE_ADDRESS": self.address} for rank, env in envs.items()}
         self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         request = self._request(payload, self.folder)
         try:

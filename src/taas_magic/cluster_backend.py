@@ -13,7 +13,6 @@ copies rank 0's files back into the notebook's folder.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 from typing import Any, Callable, Iterable
@@ -25,6 +24,7 @@ from .errors import TaasUsageError
 from .forkserver_backend import ship
 from .spec import LaunchSpec
 from .supervisor import CLOSE_SECONDS, RunLost
+from .rank_state import TorchSettings
 from .worker import KernelContext, RankTask
 
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
@@ -49,11 +49,11 @@ class ClusterBackend:
         if task.loaders:
             raise TaasUsageError("registered DataLoaders are not delivered to cluster runs yet: iterate the "
                                  "loader itself in the cell, or run it here with --on local")
-        request = ship(task, cell, to="ranks on the cluster's nodes")
+        # Each node's agent fills in its own environment, a run folder and its sys.path.
+        context = KernelContext(kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
+        request = ship(task, cell, context, to="ranks on the cluster's nodes")
         try:
-            assert request.task.context is not None
-            context = KernelContext(kernel_variables(os.environ), "", [], request.task.context.torch_settings)
-            payload = NodePayload(dataclasses.replace(request.task, context=context), request.shipment.data,
+            payload = NodePayload(request.task, request.shipment.data,
                                   _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases)
         finally:
             request.close()

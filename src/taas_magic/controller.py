@@ -208,7 +208,7 @@ class _Watch:
     # -- outcome ----------------------------------------------------------------------------
     def notices(self) -> list[str]:
         """One line per cell for each kind of thing taas did on the user's behalf."""
-        return self._save_notices() + self._delivery_summaries()
+        return self._saved_on_nodes() + self._save_notices() + self._delivery_summaries()
 
     def _saved_on_nodes(self) -> list[str]:
         return [f"taas: rank 0 saved {record.path} on node {record.node}: a file saved under an absolute path stays "
@@ -234,11 +234,11 @@ class _Watch:
 
     def _save_notices(self) -> list[str]:
         if not self.saves_skipped:
-            return self._saved_on_nodes()
+            return []
         paths = ", ".join(repr(path) for path in sorted(self.saves_skipped))
         ranks = sorted(set().union(*self.saves_skipped.values()))
-        return self._saved_on_nodes() + [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 "
-                                         "writes files (guard other writes with taas.is_main())"]
+        return [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
+                "(guard other writes with taas.is_main())"]
 
     def _failures(self) -> list[Failure]:
         failures = []

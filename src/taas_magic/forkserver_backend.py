@@ -115,17 +115,17 @@ class ForkServerRequest:
         self.shipment.close()
 
 
-def ship(task: RankTask, cell: Cell, to: str = "ranks started with --start forkserver") -> ForkServerRequest:
+def ship(task: RankTask, cell: Cell, context: KernelContext, to: str) -> ForkServerRequest:
     """The task with what ranks that do not share the kernel's memory need of it: the names the cell
-    reads, by value, the cell's source for tracebacks, and the kernel's environment, folder and
-    torch settings."""
+    reads, by value, the cell's source for tracebacks, and ``context``, what they take on of the
+    kernel's process (``to`` names them in the error for a name that cannot travel)."""
     needed = shipping.needed_names(cell.reads, cell.namespace)
     shipment = shipping.pack(cell.namespace, needed, to)
     rank_task = dataclasses.replace(
         task,
         source="".join(linecache.getlines(task.code.co_filename)),
         cell_label=cell.label,
-        context=KernelContext.of_this_process(),
+        context=context,
     )
     # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
     return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
@@ -138,7 +138,8 @@ class ForkServerBackend:
         self._server: ForkServer | None = None
 
     def prepare(self, task: RankTask, cell: Cell) -> ForkServerRequest:
-        return ship(task, cell)
+        """The names the cell reads, and the kernel's environment, folder, sys.path and torch settings."""
+        return ship(task, cell, KernelContext.of_this_process(), to="ranks started with --start forkserver")
 
     def describe(self) -> str:
         if self._server is None:

@@ -148,9 +148,12 @@ class TaasMagics(Magics):
         elif word:
             if self.cluster is not None:
                 self.cluster.disconnect()
-            self.cluster, self.cluster_address = None, None  # this machine, unless the new one answers
-            connected = Cluster.connect(word, cluster.idle_seconds_from(os.environ))
-            self.cluster, self.cluster_address = connected, word
+            self.cluster, self.cluster_address = None, word
+            try:
+                connected = self._connected()
+            except BaseException:
+                self.cluster_address = None  # this machine, as the new cluster did not answer
+                raise
             print(connected.describe(load_catalog()))
         elif self.cluster_address is None:
             print("taas: not connected to a cluster: %taas cluster ADDRESS (auto, HOST:PORT or ray://HOST:PORT)")

@@ -107,12 +107,7 @@ def _cluster_ranks_per_node(world_size: int, configuration: Configuration | None
                              f"at most {MAX_CPU_RANKS} per node")
     if world_size <= per_node:
         return world_size
-    node_counts = [n for n in (2, 4, 8, 16) if n <= max_nodes]
-    if world_size % per_node or world_size // per_node not in node_counts:
-        allowed = _one_of([_from_one_to(per_node)] + [str(per_node * n) for n in node_counts])
-        unit = ("GPU" if configuration.gpus else "vCPU") + ("" if per_node == 1 else "s")
-        raise TaasUsageError(
-            f"--gpus {world_size} does not fit {configuration.name} ({per_node} {unit} per node): use {allowed}")
+    _check_whole_nodes(world_size, configuration, per_node, max_nodes)
     return per_node
 
 
@@ -140,15 +135,21 @@ def _ranks_per_node(world_size: int, configuration: Configuration | None, max_no
     return world_size
 
 
-def _refuse_nodes(world_size: int, configuration: Configuration, per_node: int, max_nodes: int) -> NoReturn:
-    """More than one node's worth: a multi-node run (which needs a cluster) or a count that fits none."""
+def _check_whole_nodes(world_size: int, configuration: Configuration, per_node: int, max_nodes: int) -> None:
+    """More than one node's worth must be 2, 4, 8 or 16 nodes' worth (up to ``max_nodes``)."""
     node_counts = [n for n in (2, 4, 8, 16) if n <= max_nodes]
-    allowed = _one_of([_from_one_to(per_node)] + [str(per_node * n) for n in node_counts])
-    unit = ("GPU" if configuration.gpus else "vCPU") + ("" if per_node == 1 else "s")
     if world_size % per_node or world_size // per_node not in node_counts:
+        allowed = _one_of([_from_one_to(per_node)] + [str(per_node * n) for n in node_counts])
+        unit = ("GPU" if configuration.gpus else "vCPU") + ("" if per_node == 1 else "s")
         raise TaasUsageError(
             f"--gpus {world_size} does not fit {configuration.name} ({per_node} {unit} per node): use {allowed}"
         )
+
+
+def _refuse_nodes(world_size: int, configuration: Configuration, per_node: int, max_nodes: int) -> NoReturn:
+    """More than one node's worth on this machine: a multi-node run (which needs a cluster) or a count
+    that fits none."""
+    _check_whole_nodes(world_size, configuration, per_node, max_nodes)
     raise TaasUsageError(
         f"--gpus {world_size} needs {world_size // per_node} nodes of {configuration.name}: multi-node runs "
         f"need a cluster (%taas cluster ADDRESS), and this machine is one node: use --gpus {_from_one_to(per_node)}"
