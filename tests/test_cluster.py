@@ -8,6 +8,7 @@ process of the run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -131,6 +132,131 @@ dist.destroy_process_group()
     assert cluster_kernel.value("total") == 10
     assert cluster_kernel.value("torch.load('weights.pt')") == {"rank": 0}
     assert not leftovers(cluster_kernel)
+
+
+DATA = """
+import json, os, torch, taas
+from torch.utils.data import DataLoader, Dataset
+class Indices(Dataset):
+    # element i is (i, the last part of the address of the node that built it)
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.tensor([i, int(os.environ.get('TAAS_NODE_ADDRESS', '0.0.0.0').split('.')[-1])])
+torch.manual_seed(0)
+loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
+taas.register(loader)
+"""
+COLLECT = """seen = [[b[:, 0].tolist() for b in loader] for epoch in range(2)]
+built = sorted({node for b in loader for node in b[:, 1].tolist()})
+print("GOT " + json.dumps({"rank": taas.rank(), "len": len(loader), "passes": seen, "built": built}))
+"""
+
+
+@pytest.fixture(scope="module")
+def registered(cluster_kernel):
+    cluster_kernel.execute(DATA).ok()
+    return cluster_kernel
+
+
+def collected(result) -> dict[int, dict]:
+    found = {}
+    for match in re.finditer(r"GOT (\{.*\})", result.stdout):
+        record = json.loads(match[1])
+        found[record["rank"]] = record
+    return found
+
+
+def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_order_as_here(cluster, registered):
+    local, _ = cluster
+    cluster_kernel = registered
+    r = cluster_kernel.execute(HEADER + COLLECT, timeout=240).ok()
+    got = collected(r)
+    here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok())
+    assert sorted(got) == [0, 1, 2, 3], r.stdout
+    for number in range(2):
+        per_rank = [[i for batch in got[rank]["passes"][number] for i in batch] for rank in range(4)]
+        assert [len(got[rank]["passes"][number]) for rank in range(4)] == [4] * 4 == [got[0]["len"]] * 4
+        union = [i for part in per_rank for i in part]
+        assert sorted(set(union)) == list(range(50)), "every element of the pass is delivered"
+        assert len(union) == 62 and len(union) - len(set(union)) == 12, "13 batches padded to 16"
+    assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}, \
+        "the same order as on this machine"
+    head = int(local.addresses[0].split(".")[-1])
+    assert {node for g in got.values() for node in g["built"]} == {head}, "built on the CPU node alone"
+    assert re.search(r"taas: loader: \d+ elements delivered to 4 ranks", r.stderr), r.stderr
+    progress = [d["text/plain"] for d in r.displays]
+    assert progress and progress[-1].startswith("taas: loader: "), progress
+    assert not leftovers(cluster_kernel)
+
+
+def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hold(cluster, registered):
+    """Producers on the nodes of the ranks when the cluster has no node for them: here, by naming a
+    configuration for producer nodes that the cluster lacks (c1.80)."""
+    cluster_kernel = registered
+    local, _ = cluster
+    cluster_kernel.execute("import taas_magic.magics as _magics\n_magics.PRODUCER_NODE = 'c1.80'").ok()
+    try:
+        r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2 --units 20\n" + COLLECT,
+                                   timeout=240).ok()
+        built = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2\n"
+                                       "print('BUILT', sorted({int(b[0, 1]) for b in loader}))", timeout=240).ok()
+    finally:
+        cluster_kernel.execute("_magics.PRODUCER_NODE = 'c1.4'").ok()
+    got = collected(r)
+    assert [[len(p) for p in got[rank]["passes"]] for rank in range(4)] == [[4, 2]] * 4, "13 units, then 7 of 20"
+    assert all(g["built"] == [] for g in got.values()), "the third pass is beyond --units"
+    here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local --units 20\n" + COLLECT,
+                                            timeout=120).ok())
+    assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}
+    r = built
+    nodes = {node for line in r.stdout.splitlines() if "BUILT" in line for node in json.loads(line.split("BUILT ")[1])}
+    assert nodes == {int(address.split(".")[-1]) for address in local.addresses[1:]}, \
+        "one producer on each node of the run, none on the CPU node"
+    assert not leftovers(cluster_kernel)
+
+
+def test_more_producers_than_cpu_nodes_is_refused_in_one_line(registered):
+    cluster_kernel = registered
+    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --cpus 2") + "print('never', len(loader))",
+                               timeout=30)
+    assert r.error is not None and r.error["ename"] == "TaasUsageError"
+    assert "2 data producers need a node of c1.4 each, the cluster has 1: ask for fewer with --cpus" in r.error["evalue"]
+    assert "never" not in r.stdout and not leftovers(cluster_kernel)
+
+
+def test_a_failing_dataset_on_the_cpu_node_fails_the_cell_naming_the_loader_and_element(registered):
+    cluster_kernel = registered
+    cluster_kernel.execute("broken = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(broken)").ok()
+    r = cluster_kernel.execute(HEADER + "for batch in broken:\n    pass", timeout=120)
+    assert r.error is not None, r.stdout
+    assert r.error["evalue"].startswith("producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ")
+    assert "ValueError: sample 21 is corrupt" in r.error["evalue"] and "raise ValueError" in r.traceback
+    assert r.seconds < 20
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute("taas.unregister(broken)").ok()
+
+
+def test_an_interrupt_stops_ranks_and_producers_on_every_node(registered):
+    cluster_kernel = registered
+    cluster_kernel.execute("""
+import time
+class Slow(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.5)
+        return super().__getitem__(i)
+slow = DataLoader(Slow(1000), batch_size=2)
+taas.register(slow)
+""").ok()
+    r = cluster_kernel.execute(HEADER + "for batch in slow:\n    pass", timeout=60, interrupt_after=5)
+    assert r.error is not None and "KeyboardInterrupt" in r.traceback, r.error
+    assert r.seconds < 5 + 10
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute("taas.unregister(slow)").ok()
 
 
 def test_the_store_port_is_open_for_the_run_only(cluster_kernel):

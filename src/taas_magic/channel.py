@@ -29,7 +29,7 @@ from . import memfile
 INLINE_LIMIT = 60_000  # bytes of pickle sent in the datagram itself; larger bodies go in a memory file
 _TAG_SIZE = 32
 _HEADER = struct.Struct("!QQB")  # sequence number, body length, body in a memory file (1) or inline (0)
-_MAX_FDS = 8
+MAX_FDS = 250  # descriptors one message may carry (the system's limit is 253): a cluster node's data channels
 
 
 class ChannelBroken(ConnectionError):
@@ -68,6 +68,8 @@ class Channel:
         self._sent += 1  # before sending: an interrupted send leaves a gap, never a repeated number
         header = _HEADER.pack(self._sent, len(body), len(body) > INLINE_LIMIT)
         carried = list(fds)
+        if len(carried) >= MAX_FDS:
+            raise ValueError(f"{len(carried)} descriptors in one message: at most {MAX_FDS - 1}")
         body_file = None
         if len(body) > INLINE_LIMIT:
             body_file = memfile.new_file("taas-message", len(body))
@@ -105,11 +107,11 @@ class Channel:
     def _receive_datagram(self) -> tuple[bytes, list[int], int]:
         size = _TAG_SIZE + _HEADER.size + INLINE_LIMIT
         try:
-            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, _MAX_FDS)
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, MAX_FDS)
         except ConnectionResetError:
             # The other side closed before reading all we sent (a request that crossed its last
             # words). The system says so once; what it sent before closing is still there to read.
-            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, _MAX_FDS)
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, MAX_FDS)
         return datagram, fds, flags
 
     def _open(self, datagram: bytes, fds: list[int], flags: int) -> tuple[str, tuple[Any, ...], list[int]]:

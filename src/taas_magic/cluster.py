@@ -39,6 +39,7 @@ CONNECT_SECONDS = 5.0  # how long an address may take to answer before connectin
 CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
+AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), and pulls from other nodes
 
 
 def ray_module() -> Any:
@@ -86,11 +87,13 @@ def bundle_for(configuration: Configuration, node: Node | None = None) -> dict[s
 
 @dataclass
 class Placement:
-    """The nodes one run holds, in node-rank order, and the placement group that holds them."""
+    """The nodes one run holds (its ranks' in node-rank order, then those that host its data
+    producers alone), what it holds on each, and the placement group that holds them."""
 
     group: Any
     nodes: list[Node]
-    bundle: dict[str, float]
+    bundles: list[dict[str, float]]
+    hosts: int = 0  # the last nodes, for producers alone
     released: float | None = None  # when (time.monotonic) the group was removed
 
     def release(self) -> None:
@@ -108,7 +111,7 @@ class Placement:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             available = _available_by_node(ray)
-            if all(_holds(available.get(node.node_id, {}), self.bundle) for node in self.nodes):
+            if all(_holds(available.get(node.node_id, {}), bundle) for node, bundle in zip(self.nodes, self.bundles)):
                 return
             time.sleep(0.01)
 
@@ -179,28 +182,42 @@ class Cluster:
         return "\n".join(lines)
 
     # -- a run's nodes ----------------------------------------------------------------------------
-    def place(self, configuration: Configuration, count: int) -> Placement:
-        """Hold ``count`` whole nodes of ``configuration`` for one run, or say in one line why not."""
+    def place(self, configuration: Configuration, count: int, producers: int = 0,
+              producer_node: Configuration | None = None) -> Placement:
+        """Hold ``count`` whole nodes of ``configuration`` for one run, and one ``producer_node`` node for
+        each of its ``producers`` when the cluster has such nodes (else producers share the run's
+        nodes), or say in one line why not."""
         ray = ray_module()
         from ray.util.placement_group import placement_group, placement_group_table
 
-        matching = [node for node in self.nodes() if node.fits(configuration)]
+        nodes = self.nodes()
+        matching = [node for node in nodes if node.fits(configuration)]
         if len(matching) < count:
             raise TaasUsageError(
                 f"{count} nodes of {configuration.name} needed, the cluster has {len(matching)}"
                 + (f" ({', '.join(node.address for node in matching)})" if matching else "")
                 + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks")
+        hosts = _producer_nodes(nodes, configuration, producer_node, producers) if producer_node else []
         self._settle()
-        bundle = bundle_for(configuration, matching[0])
-        group = placement_group([bundle] * count, strategy="STRICT_SPREAD")
+        bundles = [bundle_for(configuration, matching[0])] * count
+        if hosts:
+            assert producer_node is not None
+            bundles += [bundle_for(producer_node, hosts[0])] * producers
+        group = placement_group(bundles, strategy="STRICT_SPREAD")
         if not group.wait(timeout_seconds=PLACEMENT_SECONDS):  # asks the control store: no task, no worker
             ray.util.remove_placement_group(group)
             free = sum(node.free_for(configuration) for node in self.nodes() if node.fits(configuration))
-            raise TaasUsageError(f"{count} nodes of {configuration.name} needed, {free} of the cluster's "
-                                 f"{len(matching)} are free now (the others run other work): try again later")
-        by_id = {node.node_id: node for node in matching}
+            message = (f"{count} nodes of {configuration.name} needed, {free} of the cluster's {len(matching)} "
+                       "are free now")
+            if hosts:
+                assert producer_node is not None
+                idle = sum(node.free_for(producer_node) for node in self.nodes() if node in hosts)
+                message += f"; {producers} of {producer_node.name} for data producers, {idle} of {len(hosts)} free"
+            raise TaasUsageError(message + " (the others run other work): try again later")
+        by_id = {node.node_id: node for node in nodes}
         bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
-        self.last_placement = Placement(group, [by_id[bundle_nodes[index]] for index in range(count)], bundle)
+        chosen = [by_id[bundle_nodes[index]] for index in range(len(bundles))]
+        self.last_placement = Placement(group, chosen, bundles, producers if hosts else 0)
         return self.last_placement
 
     def agents_on(self, nodes: list[Node]) -> list[Any]:
@@ -245,7 +262,7 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = ray.remote(NodeAgent).options(
-            num_cpus=0, max_concurrency=1, max_restarts=0,
+            num_cpus=0, max_concurrency=AGENT_THREADS, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
         return actor.remote(self.idle_seconds)
 
@@ -333,6 +350,18 @@ def _check_answers(address: str) -> str | None:
         raise TaasUsageError(f"nothing answers at {address} ({e.strerror or e}): is Ray's head running there? "
                              "(ray start --head prints the address to use)") from None
     return None if address.startswith("ray://") else host.strip("[]")
+
+
+def _producer_nodes(nodes: list[Node], configuration: Configuration, producer_node: Configuration,
+                    producers: int) -> list[Node]:
+    """The cluster's nodes for data producers (none: producers share the run's nodes); one line if
+    there are some, but fewer than the run's producers."""
+    hosts = [node for node in nodes if node.fits(producer_node) and not node.fits(configuration)]
+    if hosts and len(hosts) < producers:
+        raise TaasUsageError(
+            f"{producers} data producers need a node of {producer_node.name} each, the cluster has {len(hosts)}: "
+            "ask for fewer with --cpus (per registered loader), or add such nodes")
+    return hosts if producers else []
 
 
 def _holds(available: Mapping[str, float], bundle: Mapping[str, float]) -> bool:

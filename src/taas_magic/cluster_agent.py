@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterable, TypeVar, cast
 
 from . import memfile
 from .backend import Event
+from .delivery.cluster import NodeDelivery, NodeShare
+from .errors import TaasRunError
 from .forkserver_backend import ForkServerBackend, ForkServerRequest
 from .rendezvous import RunStore
 from .shipping import Shipment
@@ -36,6 +38,14 @@ from .worker import KernelContext, RankTask
 FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
 MAX_FILES_BACK = 2 * 1024**3
 IDLE_CHECK_SECONDS = 5.0  # bytes of rank 0's files a run may send back to the notebook
+
+
+class DeliveryLost(TaasRunError):
+    """This node's ranks can no longer be fed: a node that hosts producers did not answer."""
+
+    def __init__(self, detail: str):
+        message = f"data delivery to the ranks of this node failed ({detail}); every process of the run was stopped"
+        super().__init__(message, [message])
 
 
 @dataclass(frozen=True)
@@ -96,12 +106,14 @@ class NodeAgent:
     def __init__(self, idle_seconds: float) -> None:
         import ray
 
+        self.ray = ray
         self.address: str = ray.util.get_node_ip_address()  # this node's, as the cluster knows it
         self.backend = ForkServerBackend()
         self.backend.warm_up()  # the first cell finds torch imported
         _remove_orphaned_folders()
         self.store: RunStore | None = None
         self.group: SupervisedRanks | None = None
+        self.delivery: NodeDelivery | None = None  # this node's part in the run's data delivery
         self.folder: str | None = None
         self.idle_seconds = idle_seconds
         self.last_used = time.monotonic()
@@ -129,40 +141,62 @@ class NodeAgent:
         return self.store.port
 
     @_call
-    def start(self, envs: dict[int, dict[str, str]], payload: NodePayload) -> list[int]:
-        """Start this node's ranks; the processes' keys once they run."""
+    def start(self, run_id: str, envs: dict[int, dict[str, str]], payload: NodePayload, share: NodeShare | None) -> list[int]:
+        """Start this node's share of a run: its ranks, and the producers it hosts (``share``); the
+        processes' keys once they run."""
         store, self.store = self.store, None
         if self.group is not None:
             self._end_run()
         envs = {rank: {**env, "TAAS_NODE_ADDRESS": self.address} for rank, env in envs.items()}
         self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
-        request = self._request(payload, self.folder)
+        self.delivery = NodeDelivery(share) if share is not None and share.active() else None
+        request = self._request(payload, self.folder, self.delivery)
         try:
-            self.group = self.backend.start_node(envs, request, store)
+            self.group = self.backend.start_node(run_id, envs, request, store)
         finally:
             request.close()
+        if self.delivery is not None:
+            self.delivery.handed_over()
+            self.delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
         return sorted(self.group.running())
 
-    def _request(self, payload: NodePayload, folder: str) -> ForkServerRequest:
-        """The fork server's request, with this node's environment and the run's folder."""
+    def _request(self, payload: NodePayload, folder: str, delivery: NodeDelivery | None) -> ForkServerRequest:
+        """The fork server's request, with this node's environment, the run's folder and, when it
+        takes part in data delivery, its channels' ends."""
         sent = payload.task.context
         assert sent is not None
-        context = KernelContext({**os.environ, **sent.environ}, folder, list(sys.path), sent.torch_settings)
+        environ = {**os.environ, **sent.environ, "TAAS_NODE_ADDRESS": self.address}  # producers' too
+        context = KernelContext(environ, folder, list(sys.path), sent.torch_settings)
         fd = None
         if payload.tensors:
             fd = memfile.new_file("taas-tensors", len(payload.tensors))
             os.pwrite(fd, payload.tensors, 0)
         shipment = Shipment(payload.data, fd, len(payload.tensors))
-        return ForkServerRequest(dataclasses.replace(payload.task, context=context), shipment, payload.aliases)
+        ends, fds = delivery.ends() if delivery is not None else (None, [])
+        task = dataclasses.replace(payload.task, context=context, delivery=ends)
+        return ForkServerRequest(task, shipment, payload.aliases, tuple(fds))
+
+    def pull(self, run_id: str, number: int, ranks: tuple[int, ...], snapshot: list[int]) -> tuple[list[Any], bool]:
+        """Elements this node's producers made for another node's ``ranks`` (not a ``_call``: pulls
+        come from rank nodes' feeding threads while the kernel's calls wait for events)."""
+        delivery = self.delivery
+        if delivery is None or delivery.share.run_id != run_id:  # not started yet, or over
+            time.sleep(0.05)
+            return [], self.group is not None and delivery is None
+        return delivery.pull(number, ranks, snapshot)
 
     # -- the RankGroup contract, relayed ---------------------------------------------------------
     @_call
-    def events(self, timeout: float) -> tuple[list[Event], list[int]]:
-        """Events so far (waiting up to ``timeout`` for the first), and the processes still running."""
+    def events(self, timeout: float) -> tuple[list[Event], list[int], list[list[int]]]:
+        """Events so far (waiting up to ``timeout`` for the first), the processes still running, and
+        this node's copy of each registered loader's counters."""
         if self.group is None:
-            return [], []
+            return [], [], []
+        if self.delivery is not None and self.delivery.failure is not None:
+            raise DeliveryLost(self.delivery.failure)
         events = self.group.events(timeout)
-        return events, sorted(self.group.running())
+        snapshots = self.delivery.snapshots() if self.delivery is not None else []
+        return events, sorted(self.group.running()), snapshots
 
     @_call
     def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
@@ -187,10 +221,13 @@ class NodeAgent:
         group, self.group = self.group, None
         store, self.store = self.store, None
         folder, self.folder = self.folder, None
+        delivery, self.delivery = self.delivery, None
         try:
             if group is not None:
                 group.close()
         finally:
+            if delivery is not None:
+                delivery.close()
             if store is not None:
                 store.close()
             if folder is not None:

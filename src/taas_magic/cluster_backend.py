@@ -13,20 +13,24 @@ copies rank 0's files back into the notebook's folder.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from typing import Any, Callable, Iterable
 
-from .backend import Cell, Event
+from .backend import Cell, Event, Report
 from .cluster import Cluster, Node, Placement, kernel_variables, ray_module
 from .cluster_agent import MAX_FILES_BACK, NodePayload, RunFiles
-from .errors import TaasUsageError
+from .configurations import Configuration
+from .delivery.cluster import NodeShare, RunProgress, shares
+from .delivery.service import LoaderPlan
 from .forkserver_backend import ship
 from .spec import LaunchSpec
 from .supervisor import CLOSE_SECONDS, RunLost
 from .rank_state import TorchSettings
 from .worker import KernelContext, RankTask
 
+PRODUCER_NODE = "c1.4"  # the configuration of nodes for data producers, as in the original service
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
 START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
 
@@ -36,19 +40,22 @@ class ClusterBackend:
 
     name = "cluster"
 
-    def __init__(self, cluster: Cluster, spec: LaunchSpec, notify: Callable[[str], object]):
+    def __init__(self, cluster: Cluster, spec: LaunchSpec, notify: Callable[[str], object],
+                 producer_node: Configuration | None = None):
         assert spec.configuration is not None, "the spec refuses a cluster run without one"
         self.cluster = cluster
         self.spec = spec
         self.notify = notify  # one line to the cell's stderr: files copied back
+        self.producer_node = producer_node  # the configuration of nodes for data producers (c1.4)
+        self.loaders: tuple[LoaderPlan, ...] = ()
 
     def prepare(self, task: RankTask, cell: Cell) -> Any:
-        """The run's payload in Ray's object store: the shipped names and tensors, and the task with
-        the kernel's torch settings and the variables that steer communication (not its whole
-        environment, which is the kernel's machine's)."""
-        if task.loaders:
-            raise TaasUsageError("registered DataLoaders are not delivered to cluster runs yet: iterate the "
-                                 "loader itself in the cell, or run it here with --on local")
+        """The run's payload in Ray's object store: the shipped names and tensors (registered loaders
+        included, for the nodes that host their producers), and the task with the kernel's torch
+        settings and the variables that steer communication (not its whole environment, which is
+        the kernel's machine's)."""
+        self.loaders = task.loaders
+        cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.loaders})
         # Each node's agent fills in its own environment, a run folder and its sys.path.
         context = KernelContext(kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
         request = ship(task, cell, context, to="ranks on the cluster's nodes")
@@ -61,15 +68,20 @@ class ClusterBackend:
 
     def start(self, envs: dict[int, dict[str, str]], payload: Any) -> "ClusterRanks":
         assert self.spec.configuration is not None
-        placement = self.cluster.place(self.spec.configuration, self.spec.nodes)
+        producers = sum(plan.producers for plan in self.loaders)
+        placement = self.cluster.place(self.spec.configuration, self.spec.nodes, producers, self.producer_node)
         try:
             agents = self.cluster.agents_on(placement.nodes)
         except BaseException:
             placement.release()
             raise
-        group = ClusterRanks(self.cluster, placement, agents, self.notify)
+        per_node = _on_nodes(envs, placement.nodes)
+        run_id = next(iter(envs.values()))["TAAS_RUN_ID"]
+        node_shares = (shares(run_id, self.loaders, [tuple(sorted(node)) for node in per_node[:self.spec.nodes]],
+                              placement.hosts, agents) if self.loaders else None)
+        group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares)
         try:
-            group.start(_on_nodes(envs, placement.nodes), payload)
+            group.start(run_id, per_node, payload)
         except BaseException:
             group.close()
             raise
@@ -77,7 +89,8 @@ class ClusterBackend:
 
 
 def _on_nodes(envs: dict[int, dict[str, str]], nodes: list[Node]) -> list[dict[int, dict[str, str]]]:
-    """Each node's ranks' environments, pointed at node 0, which serves the run's store."""
+    """Each node's ranks' environments, pointed at node 0, which serves the run's store (nodes that
+    host producers alone have none)."""
     master = nodes[0].address
     per_node: list[dict[int, dict[str, str]]] = [{} for _ in nodes]
     for rank, env in envs.items():
@@ -95,20 +108,24 @@ def _read(fd: int | None, size: int) -> bytes:
 class ClusterRanks:
     """The controller's view of a run spread over nodes (the RankGroup contract)."""
 
-    def __init__(self, cluster: Cluster, placement: Placement, agents: list[Any], notify: Callable[[str], object]):
+    def __init__(self, cluster: Cluster, placement: Placement, agents: list[Any], notify: Callable[[str], object],
+                 shares: list[NodeShare] | None = None):
         self.cluster = cluster
         self.placement = placement
-        self.agents = agents  # in node-rank order
+        self.agents = agents  # in node-rank order, then the nodes that host producers alone
         self.notify = notify
+        self.shares = shares  # each node's part in data delivery, when the cell uses registered loaders
+        self.progress = RunProgress(shares) if shares else None
         self.alive: list[set[int]] = [set() for _ in agents]
         self.closed = False
 
-    def start(self, envs: list[dict[int, dict[str, str]]], payload: Any) -> None:
+    def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: Any) -> None:
         """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
         port = self._call([0], lambda index: self.agents[index].open_store.remote(envs[0]), CALL_SECONDS)[0]
         envs = [{rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
                  for rank, env in node.items()} for node in envs]
-        refs = [agent.start.remote(envs[index], payload) for index, agent in enumerate(self.agents)]
+        refs = [agent.start.remote(run_id, envs[index], payload, self.shares[index] if self.shares else None)
+                for index, agent in enumerate(self.agents)]
         for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
             self.alive[index] = set(keys)
 
@@ -120,9 +137,11 @@ class ClusterRanks:
         live = [index for index, keys in enumerate(self.alive) if keys]
         answers = self._call(live, lambda index: self.agents[index].events.remote(timeout), timeout + CALL_SECONDS)
         events: list[Event] = []
-        for index, (node_events, running) in zip(live, answers):
+        for index, (node_events, running, snapshots) in zip(live, answers):
             events += node_events
             self.alive[index] = set(running)
+            if self.progress is not None and snapshots:
+                events += [Report(key, record) for key, record in self.progress.take(index, snapshots)]
         return events
 
     def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:

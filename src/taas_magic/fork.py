@@ -94,11 +94,9 @@ def _namespace(task: worker.RankTask) -> dict[str, Any]:
     return namespace
 
 
-def _producer_env(envs: dict[int, dict[str, str]]) -> dict[str, str]:
+def _producer_env(run_id: str) -> dict[str, str]:
     """Producers are CPU workers of the run: its id, no rank, no GPU, one thread each."""
-    rank0 = envs[min(envs)]
-    return {"TAAS_RUN_ID": rank0["TAAS_RUN_ID"], "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "",
-            "OMP_NUM_THREADS": "1"}
+    return {"TAAS_RUN_ID": run_id, "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -121,14 +119,18 @@ class ForkedRanks:
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
         """
         group = cls()
-        service = None
+        service: Any = None  # DataService here, a cluster node's AttachedDelivery there
         opening = b""
         try:
-            if task.loaders:
+            if task.delivery is not None:  # a cluster node's, set up by its agent
+                service = task.delivery
+            elif task.loaders:
                 service = DataService(task.loaders, _namespace(task), len(envs))
+            if service is not None:
+                run_id = task.delivery.run_id if task.delivery is not None else envs[min(envs)]["TAAS_RUN_ID"]
                 for key, producer in service.producers():
-                    group.fork(key, _producer_env(envs), producer, sockets=service.producer_sockets(key))
-                task = dataclasses.replace(task, loaders=service.rank_loaders())
+                    group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
+                task = dataclasses.replace(task, loaders=service.rank_loaders(), delivery=None)
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
             opening = note()

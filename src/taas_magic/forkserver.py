@@ -24,7 +24,7 @@ import socket
 import sys
 from typing import Any
 
-from . import child, containment, shipping
+from . import child, containment, shipping, worker
 from .channel import Channel, ChannelBroken
 from .supervisor import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 
@@ -93,16 +93,21 @@ def _fork_supervisor(control: Channel, fields: tuple[Any, ...], fds: list[int]) 
 
 
 def _unpack(task: Any, shipment: shipping.Shipment, fds: list[int]) -> Any:
-    """In the supervisor: the kernel's context first (imports may depend on sys.path), then the names."""
+    """In the supervisor: the kernel's context first (imports may depend on sys.path), then the names,
+    then (on a cluster node) the data delivery ends its agent passed, the last of ``fds``."""
+    cut = len(fds) - (task.delivery.fd_count() if task.delivery is not None else 0)
+    fds, delivery_fds = fds[:cut], fds[cut:]
     if task.context is not None:
         task.context.apply()
+    worker.register_sources(task.sources)
     try:
         namespace = shipping.unpack(shipment.data, fds[0] if fds else None, shipment.tensors_size)
     finally:
         for fd in fds:
             os.close(fd)
     child.find_interactive_flags()  # the shipped names may have imported Lightning
-    return dataclasses.replace(task, namespace=namespace)
+    delivery = task.delivery.attach(delivery_fds, namespace) if task.delivery is not None else None
+    return dataclasses.replace(task, namespace=namespace, delivery=delivery)
 
 
 def _tend(supervisors: dict[int, int]) -> None:

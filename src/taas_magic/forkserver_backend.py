@@ -28,6 +28,7 @@ from .supervisor import CLOSE_SECONDS, RunLost, SupervisedRanks
 from .worker import KernelContext, RankTask
 
 READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
+SOURCES_LIMIT = 2_000_000  # characters of the notebook's cells shipped for tracebacks
 STDERR_TAIL = 2000  # characters of the server's standard error shown when it died
 
 
@@ -110,6 +111,7 @@ class ForkServerRequest:
     task: RankTask
     shipment: Shipment
     aliases: tuple[str, ...] = ()  # shipped names bound to the functions ranks replace
+    delivery_fds: tuple[int, ...] = ()  # on a cluster node: the data delivery ends (``task.delivery`` says which is which)
 
     def close(self) -> None:
         self.shipment.close()
@@ -123,12 +125,29 @@ def ship(task: RankTask, cell: Cell, context: KernelContext, to: str) -> ForkSer
     shipment = shipping.pack(cell.namespace, needed, to)
     rank_task = dataclasses.replace(
         task,
-        source="".join(linecache.getlines(task.code.co_filename)),
-        cell_label=cell.label,
+        sources=_notebook_cells(task.code.co_filename, cell.label),
         context=context,
     )
     # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
     return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
+
+
+def _notebook_cells(filename: str, label: str) -> dict[str, tuple[str, str]]:
+    """The cell being run and the session's earlier cells, newest first up to SOURCES_LIMIT
+    characters: the notebook's functions that ranks and producers run come from those."""
+    sources = {filename: (label, "".join(linecache.getlines(filename)))}
+    size = len(sources[filename][1])
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    known = getattr(getattr(shell, "compile", None), "_filename_map", {})  # file name -> cell number
+    for earlier, number in sorted(known.items(), key=lambda item: -item[1]):
+        code = "".join(linecache.getlines(earlier))
+        size += len(code)
+        if size > SOURCES_LIMIT:
+            break
+        sources.setdefault(earlier, (f"Cell In[{number}]", code))
+    return sources
 
 
 class ForkServerBackend:
@@ -168,22 +187,23 @@ class ForkServerBackend:
         return self._start(envs, request)
 
     def _start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
-        return self.start_node(envs, request, RunStore(envs))
+        return self.start_node(envs[min(envs)]["TAAS_RUN_ID"], envs, request, RunStore(envs))
 
-    def start_node(self, envs: dict[int, dict[str, str]], request: ForkServerRequest,
+    def start_node(self, run_id: str, envs: dict[int, dict[str, str]], request: ForkServerRequest,
                    store: RunStore | None) -> SupervisedRanks:
         """Start this machine's share of a run: ``store`` is the run's TCPStore when it is served
-        here (its port goes into the ranks' environments), None when another machine serves it."""
+        here (its port goes into the ranks' environments), None when another machine serves it.
+        A cluster node that only hosts producers has no ranks (``envs`` is empty)."""
         self.warm_up()
         server = self._server
         assert server is not None
-        run_id = envs[min(envs)]["TAAS_RUN_ID"]
         if store is not None:
             envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         shipment = dataclasses.replace(request.shipment, tensors_fd=None)
         fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
+        fds += request.delivery_fds
         try:
             server.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
         except BaseException as e:

@@ -15,7 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from . import cluster, controller, machine, options, results, streams
 from .backend import Backend, Cell
 from .cluster import Cluster
-from .cluster_backend import ClusterBackend
+from .cluster_backend import PRODUCER_NODE, ClusterBackend
 from .configurations import load_catalog
 from .delivery import planning
 from .delivery.service import LoaderPlan, producer_labels
@@ -130,7 +130,9 @@ class TaasMagics(Magics):
         return self.cluster
 
     def _cluster_backend(self, spec: LaunchSpec) -> Backend:
-        return ClusterBackend(self._connected(), spec, lambda line: print(line, file=sys.stderr))
+        catalog = load_catalog()
+        producer_node = catalog.get(PRODUCER_NODE) if PRODUCER_NODE in catalog.names() else None
+        return ClusterBackend(self._connected(), spec, lambda line: print(line, file=sys.stderr), producer_node)
 
     def _cluster_command(self, words: list[str]) -> None:
         """`%taas cluster [ADDRESS | off | release]`: connect, show the nodes, go back to this machine."""

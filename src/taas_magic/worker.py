@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
@@ -68,11 +68,13 @@ class RankTask:
     threads: int  # intra-op threads on CPU
     return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
     namespace: dict[str, Any] | None = None  # spawned ranks: the shipped names; forked: the kernel's own
-    source: str = ""  # the cell's code, for tracebacks where the kernel's line cache is not inherited
-    cell_label: str = ""  # "Cell In[5]": how tracebacks name the cell
+    # The notebook's cells by file name: (label, code), for tracebacks where the kernel's line cache
+    # is not inherited: {".../ipykernel_1/2.py": ("Cell In[5]", "x = 1\n")}.
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
     loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
     context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
     seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
+    delivery: Any = None  # on a cluster node: its share of data delivery (a NodeEnds, attached once unpacked)
 
     def run(self, env: dict[str, str], fds: "RankFds") -> int:
         return run_rank(self, env, fds)
@@ -111,9 +113,6 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
 
 def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
     if task.namespace is not None:
-        if task.source:
-            linecache.cache[task.code.co_filename] = (len(task.source), None, task.source.splitlines(True),
-                                                      task.code.co_filename)
         if "get_ipython" in code_names(task.code):
             _standalone_shell(task.namespace)
         return task.namespace
@@ -256,6 +255,17 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
+_cell_labels: dict[str, str] = {}  # file name -> "Cell In[5]", in processes that unpacked shipped cells
+
+
+def register_sources(sources: dict[str, tuple[str, str]]) -> None:
+    """Make the notebook's cells readable where the kernel's line cache is not inherited (before the
+    ranks and producers are forked): tracebacks then quote their lines, and name them as IPython does."""
+    for filename, (label, code) in sources.items():
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        _cell_labels[filename] = label
+
+
 def format_traceback(error: BaseException, shell: Any, task: RankTask | None = None) -> list[str]:
     """The traceback as IPython would show it in the kernel, without this module's frame."""
     tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
@@ -263,9 +273,9 @@ def format_traceback(error: BaseException, shell: Any, task: RankTask | None = N
         if shell is not None:
             return list(shell.InteractiveTB.structured_traceback(type(error), error, tb))
         lines = _standalone_formatter().structured_traceback(type(error), error, tb)
-        if task is None or not task.cell_label:
-            return list(lines)
-        return [line.replace(task.code.co_filename, task.cell_label) for line in lines]
+        for filename, label in _cell_labels.items():
+            lines = [line.replace(filename, label) for line in lines]
+        return list(lines)
     except Exception:
         return traceback.format_exception(type(error), error, tb)
 

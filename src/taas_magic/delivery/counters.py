@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import mmap
 import time
+from typing import Collection
+
 from ..records import DeliveryProgress
 
 
 class Counters:
-    def __init__(self, producers: int, ranks: int):
+    def __init__(self, producers: int, ranks: int, fd: int = -1):
+        """Fresh shared counters, or (``fd``, a memory file of ``size(producers, ranks)`` bytes) the
+        ones another process made: a cluster node's agent makes them, its fork server's ranks write them."""
         self.producers, self.ranks = producers, ranks
-        self._memory = mmap.mmap(-1, 8 * (producers * (1 + ranks) + 5 * ranks))  # MAP_SHARED | MAP_ANONYMOUS
+        self._memory = mmap.mmap(fd, self.size(producers, ranks))  # MAP_SHARED (anonymous when fd is -1)
         values = memoryview(self._memory).cast("q")  # zeroed by the system
+        self._values = values
         cuts = [producers, producers * ranks] + [ranks] * 5
         fields, start = [], 0
         for size in cuts:
@@ -36,6 +41,29 @@ class Counters:
         self.dropped = fields[4]  # elements a rank received, or held, and threw away
         self.passes_over = fields[5]  # passes each rank has left or finished: none of them is sent any more
         self.done = fields[6]  # 1 once a rank's cell has ended: send it nothing, wait for it no more
+
+    @staticmethod
+    def size(producers: int, ranks: int) -> int:
+        return 8 * (producers * (1 + ranks) + 5 * ranks)
+
+    # -- between machines: each row has one writer, so copies merge by who owns which rows -------
+    def snapshot(self) -> list[int]:
+        return self._values.tolist()
+
+    def take_rows(self, snapshot: list[int], producers: Collection[int] = (), ranks: Collection[int] = ()) -> None:
+        """Copy from ``snapshot`` (another machine's copy) the rows of ``producers`` and ``ranks``: those
+        that machine writes, and this one only reads."""
+        values = self._values
+        for producer in producers:
+            values[producer] = snapshot[producer]
+            start = self.producers + producer * self.ranks
+            for index in range(start, start + self.ranks):
+                values[index] = snapshot[index]
+        rank_fields = self.producers * (1 + self.ranks)
+        for field in range(5):
+            for rank in ranks:
+                index = rank_fields + field * self.ranks + rank
+                values[index] = snapshot[index]
 
     def count_sent(self, producer: int, rank: int) -> None:
         self._sent[producer * self.ranks + rank] += 1

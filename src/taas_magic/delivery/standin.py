@@ -22,9 +22,10 @@ from .transport import discard_waiting, receive, receive_if_waiting
 
 class StandIn:
     def __init__(self, name: str, loader: Any, rank: int, plan: StreamPlan, channel: socket.socket,
-                 counters: Counters, fastest: bool, device: str):
+                 counters: Counters, fastest: bool, device: str, reports: bool = True):
         self._name, self._loader, self._rank, self._plan = name, loader, rank, plan
         self._channel, self._counters, self._fastest = channel, counters, fastest
+        self._reports = reports  # on a cluster the kernel makes the progress line from every node's counters
         self._pin = device == "cuda" and bool(getattr(loader, "pin_memory", False))
         self._passes = plan.passes()
         self._early: dict[tuple[int, int], list[Any]] = {}
@@ -101,7 +102,7 @@ class StandIn:
         self._drop(list(self._early))
         self._dropped += discard_waiting(self._channel)
         self._counters.dropped[self._rank] = self._dropped
-        if report is not None:
+        if report is not None and self._reports:
             report(self._counters.stats(self._name))
 
     def _drop(self, keys: list[tuple[int, int]]) -> None:

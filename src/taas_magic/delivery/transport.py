@@ -97,6 +97,44 @@ def discard_waiting(sock: socket.socket) -> int:
         count += 1
 
 
+# -- relaying between machines (a cluster node's agent): elements as bytes, never unpickled -------
+def take_waiting(sock: socket.socket) -> tuple[bytes, bytes] | None:
+    """The next element waiting on a channel, as (header, memory file's bytes), without waiting;
+    ``(b"", b"")`` once every sender has closed it; None when nothing waits yet."""
+    try:
+        header, fds = _next_message(sock, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    try:
+        data = _read_file(fds[0]) if header else b""
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return header, data
+
+
+def put(sock: socket.socket, header: bytes, data: bytes) -> None:
+    """Send an element taken with ``take_waiting`` on another machine into a local channel."""
+    fd = memfile.new_file("taas-element", len(data))
+    try:
+        os.pwrite(fd, data, 0)
+        socket.send_fds(sock, [header], [fd])
+    finally:
+        os.close(fd)
+
+
+def _read_file(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, size - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
 def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
     """One datagram and the descriptors it carries (recvmsg itself: recv_fds ignores flags before 3.12)."""
     header, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(_FD.size), flags)
