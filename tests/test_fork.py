@@ -165,6 +165,7 @@ class _ShowsItsNote:
     """A process that prints what came through its start gate, and when."""
 
     loaders = ()
+    delivery = None
 
     def run(self, env, fds) -> int:
         from taas_magic import child

@@ -310,7 +310,7 @@ class NodeDelivery:
     def close(self) -> None:
         self.stopped.set()
         for thread in self.threads:
-            thread.join(PULL_CALL_SECONDS)
+            thread.join(1.0)  # a thread still waiting for a pull finds its channels closed and ends
         for loader in self.loaders:
             for end in [*loader.inbox.values(), *loader.outbox.values(), *loader.handed]:
                 end.close()
