@@ -544,7 +544,7 @@ def test_nothing_of_the_cluster_talked_beyond_loopback_but_name_lookups(cluster,
     assert not [peer for peer in peers.outside if not peer[2].endswith(":53")], sorted(peers.outside)
 
 
-@pytest.mark.xfail(strict=False, reason="known and not yet explained: a node's agent sometimes queries the "
-                   "machine's name server (port 53) while a run starts on a node at 127.0.0.x")
+@pytest.mark.xfail(strict=False, reason="torch's TCPStore names each connection's peer with getnameinfo: "
+                   "a reverse lookup of 127.0.0.x, which /etc/hosts lacks, asks the machine's name server")
 def test_no_name_lookup_left_the_machine(cluster, peers):
     assert not peers.outside, sorted(peers.outside)

@@ -5,8 +5,9 @@ the configuration it stands for as the Ray resource ``taas:NAME`` and logical GP
 on CPU over gloo while Ray schedules them exactly as on real machines. Nothing it starts connects
 to anything beyond loopback: no dashboard, no usage report (its address points at loopback), and
 the variables that say so are set for Ray's processes only, never left in the caller's environment.
-One exception is known and not yet explained: while a run starts on a node, that node's agent
-sometimes asks the machine's name server (port 53), as a lookup of a 127.0.0.x address would.
+One exception is known: torch's distributed store names the peer of every connection it makes or
+accepts with ``getnameinfo``, and 127.0.0.x (other than .1) is not in ``/etc/hosts``, so those
+reverse lookups reach the machine's name server (port 53).
 
     cluster = LocalCluster({"c1.4": 1, "g2.8": 2})   # a CPU head node and two 8-GPU nodes
     %taas cluster {cluster.address}
