@@ -36,8 +36,8 @@ are printed as PASS/FAIL lines, never asserted: warm taas <= 0.05x TorchTrainer,
 bandwidth >= 0.95x. Figures go to benchmarks/results/cluster.json, the plot to
 docs/images/cluster.png.
 
-    python benchmarks/cluster.py            # about 6 minutes on 2 cores
-    python benchmarks/cluster.py --quick    # fewer repetitions: about 3 minutes
+    python benchmarks/cluster.py            # about 3 minutes on 2 cores
+    python benchmarks/cluster.py --quick    # fewer repetitions: about 2 minutes
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ for _ in range(2):
 print("DELIVERED", batches, began, time.monotonic(), waited)
 """
 
-PLAIN = "LOADER = DataLoader(slow.dataset, batch_size=32, sampler=DistributedSampler(slow.dataset), num_workers=1)\n"
+PLAIN = ("LOADER = DataLoader(slow.dataset, batch_size=32, num_workers=1,\n"
+         "                    sampler=DistributedSampler(slow.dataset, taas.world_size(), taas.rank()))\n")
 
 
 def make_job(body: str) -> Any:

@@ -411,6 +411,56 @@ def test_cluster_command_shows_nodes_by_configuration(cluster, cluster_kernel):
     assert f"cluster:             {local.address} (cells run there" in cluster_kernel.execute("%taas").ok().stdout
 
 
+def test_a_producer_node_lost_mid_run_fails_the_cell_naming_it(cluster, registered):
+    """A second c1.4 node hosts the producer (the head's is held by someone else) and dies mid-run."""
+    local, _ = cluster
+    cluster_kernel = registered
+    extra = local.add_node("c1.4")
+    cluster_kernel.execute(f"""
+import ray, time
+held = ray.util.placement_group([{{'taas:c1.4': 1, 'node:{local.addresses[0]}': 0.001}}])
+held.wait(10)
+class Slow(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+slow = DataLoader(Slow(100000), batch_size=2)
+taas.register(slow)
+""").ok()
+    try:
+        msg_id = cluster_kernel.client.execute(HEADER + "for batch in slow:\n    print('built on', int(batch[0, 1]), flush=True)")
+        fed = False
+        deadline = time.monotonic() + 120
+        while not fed and time.monotonic() < deadline:
+            try:
+                msg = cluster_kernel.client.get_iopub_msg(timeout=1)
+            except Exception:
+                continue
+            text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
+            fed = f"built on {extra.split('.')[-1]}" in text
+        assert fed, "the producer ran on the added node"
+        killed = time.monotonic()
+        local.remove_node(extra)
+        error, seconds = None, 0.0
+        while True:
+            msg = cluster_kernel.client.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "error":
+                error, seconds = msg["content"], time.monotonic() - killed
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        assert error is not None and f"node {extra}" in error["evalue"], error
+        assert seconds < 15, seconds
+    finally:
+        cluster_kernel.execute("ray.util.remove_placement_group(held)\ntaas.unregister(slow)").ok()
+    cluster_kernel.execute(HEADER + COLLECT, timeout=240).ok()  # fed from the head again
+    # The lost node's run folder (on this machine, as every node is) goes when an agent next starts.
+    cluster_kernel.execute("%taas cluster release").ok()
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
 def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
     """Last in this module: it kills a node (and adds another for what follows)."""
     local, _ = cluster

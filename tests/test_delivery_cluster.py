@@ -18,18 +18,19 @@ def plan(name: str, producers: int) -> LoaderPlan:
 
 def test_with_cpu_nodes_every_producer_has_one_to_itself_and_rank_nodes_pull_from_them():
     loaders = (plan("a", 2), plan("b", 1))
-    found = shares("run", loaders, [(0, 1), (2, 3)], hosts=3, agents=["n0", "n1", "h0", "h1", "h2"])
+    found = shares("run", loaders, [(0, 1), (2, 3)], hosts=3, agents=["n0", "n1", "h0", "h1", "h2"],
+                   addresses=["a0", "a1", "a2", "a3", "a4"])
     assert [s.ranks for s in found] == [(0, 1), (2, 3), (), (), ()]
     assert [s.hosted for s in found] == [((), ()), ((), ()), ((0,), ()), ((1,), ()), ((), (0,))]
-    assert found[0].sources == found[1].sources == (("h0", "h1"), ("h2",))
+    assert found[0].sources == found[1].sources == ((("h0", "a2"), ("h1", "a3")), (("h2", "a4"),))
     assert all(s.sources == () for s in found[2:]), "hosts alone pull nothing"
     assert all(s.world == 4 and s.active() for s in found)
 
 
 def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes():
-    found = shares("run", (plan("a", 3),), [(0, 1), (2, 3)], hosts=0, agents=["n0", "n1"])
+    found = shares("run", (plan("a", 3),), [(0, 1), (2, 3)], hosts=0, agents=["n0", "n1"], addresses=["a0", "a1"])
     assert [s.hosted for s in found] == [((0, 2),), ((1,),)]
-    assert found[0].sources == found[1].sources == (("n0", "n1"),)
+    assert found[0].sources == found[1].sources == ((("n0", "a0"), ("n1", "a1")),)
 
 
 def test_counters_merge_only_the_rows_another_copy_owns():
@@ -79,7 +80,7 @@ def test_an_element_relayed_as_bytes_arrives_as_the_producer_sent_it():
 
 
 def test_a_pull_returns_what_waits_for_the_asking_node_s_ranks_and_says_when_producers_are_done():
-    share = shares("run", (plan("a", 1),), [(0, 1)], hosts=1, agents=["n0", "h0"])[1]
+    share = shares("run", (plan("a", 1),), [(0, 1)], hosts=1, agents=["n0", "h0"], addresses=["a0", "a1"])[1]
     host = NodeDelivery(share)
     try:
         assert len(host.loaders[0].inbox) == 2 and host.loaders[0].outbox == {}
@@ -97,7 +98,7 @@ def test_a_pull_returns_what_waits_for_the_asking_node_s_ranks_and_says_when_pro
 
 
 def test_the_kernel_s_progress_line_changes_only_when_a_merged_count_does():
-    found = shares("run", (plan("a", 1),), [(0,), (1,)], hosts=1, agents=["n0", "n1", "h0"])
+    found = shares("run", (plan("a", 1),), [(0,), (1,)], hosts=1, agents=["n0", "n1", "h0"], addresses=["a0", "a1", "a2"])
     progress = RunProgress(found)
     host, node0 = Counters(1, 2), Counters(1, 2)
     host.produced[0] = 4

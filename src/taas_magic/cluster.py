@@ -4,7 +4,8 @@ Ray is imported only here (and only on connecting), so a kernel that never conne
 for it. A node belongs to a configuration when it declares the Ray resource ``taas:NAME``; a
 cluster without such labels is matched by GPU count (CPU count for CPU configurations). A run
 takes its nodes whole through one placement group (one bundle per node, STRICT_SPREAD), so two
-runs never share a node, and a run that cannot have its nodes is told so within seconds.
+runs never share a node, and a run that cannot have its nodes is told so within seconds. The data
+producers of a run's registered loaders take CPU nodes (c1.4) of their own in the same group.
 
 Agents (``cluster_agent.NodeAgent``) are pinned to their node and kept between cells; they are
 owned by the kernel, so they die with it. One unused for ``idle_seconds`` leaves on its own (the
@@ -211,7 +212,8 @@ class Cluster:
                        "are free now")
             if hosts:
                 assert producer_node is not None
-                idle = sum(node.free_for(producer_node) for node in self.nodes() if node in hosts)
+                ids = {node.node_id for node in hosts}
+                idle = sum(node.free_for(producer_node) for node in self.nodes() if node.node_id in ids)
                 message += f"; {producers} of {producer_node.name} for data producers, {idle} of {len(hosts)} free"
             raise TaasUsageError(message + " (the others run other work): try again later")
         by_id = {node.node_id: node for node in nodes}

@@ -2,7 +2,9 @@
 
     kernel ── Ray ──► placement group (one whole node per bundle)
                       ├─ node 0: agent ─ fork server ─ ranks 0..k-1   (serves the run's TCPStore)
-                      └─ node 1: agent ─ fork server ─ ranks k..2k-1
+                      ├─ node 1: agent ─ fork server ─ ranks k..2k-1
+                      └─ c1.4 nodes, when the cell uses registered loaders: agent ─ fork server ─ producers
+                         (each rank node's agent pulls its ranks' batches from them: delivery/cluster.py)
 
 The payload (the task and the names the cell reads, tensor data included) goes into Ray's object
 store once; each node's agent fetches it once for all its ranks. The kernel polls every node's
@@ -78,7 +80,8 @@ class ClusterBackend:
         per_node = _on_nodes(envs, placement.nodes)
         run_id = next(iter(envs.values()))["TAAS_RUN_ID"]
         node_shares = (shares(run_id, self.loaders, [tuple(sorted(node)) for node in per_node[:self.spec.nodes]],
-                              placement.hosts, agents) if self.loaders else None)
+                              placement.hosts, agents, [node.address for node in placement.nodes])
+                       if self.loaders else None)
         group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares)
         try:
             group.start(run_id, per_node, payload)

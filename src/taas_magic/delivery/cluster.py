@@ -55,15 +55,17 @@ class NodeShare:
     world: int
     ranks: tuple[int, ...]  # the run's ranks on this node
     hosted: tuple[tuple[int, ...], ...]  # per loader: the producers that run on this node
-    sources: tuple[tuple[Any, ...], ...] = ()  # per loader: the agents hosting its producers, to pull from
+    sources: tuple[tuple[tuple[Any, str], ...], ...] = ()  # per loader: (agent, address) of each node hosting
+                                                           # its producers, to pull from
 
     def active(self) -> bool:
         return any(self.hosted) or bool(self.ranks and self.loaders)
 
 
 def shares(run_id: str, loaders: tuple[LoaderPlan, ...], ranks_by_node: list[tuple[int, ...]],
-           hosts: int, agents: list[Any]) -> list[NodeShare]:
-    """Each node's share: the run's nodes with ranks first, then ``hosts`` nodes for producers alone.
+           hosts: int, agents: list[Any], addresses: list[str]) -> list[NodeShare]:
+    """Each node's share: the run's nodes with ranks first, then ``hosts`` nodes for producers alone
+    (``agents`` and ``addresses`` in that order).
 
     With host nodes, every producer has one to itself (the service's ``--cpus K``: K CPU nodes per
     loader); without, producers take turns on the rank nodes.
@@ -77,7 +79,8 @@ def shares(run_id: str, loaders: tuple[LoaderPlan, ...], ranks_by_node: list[tup
             node = len(ranks_by_node) + number if hosts else number % len(ranks_by_node)
             hosted[node][index].append(producer)
             number += 1
-    sources = tuple(tuple(agents[node] for node in range(nodes) if hosted[node][index]) for index in range(len(loaders)))
+    sources = tuple(tuple((agents[node], addresses[node]) for node in range(nodes) if hosted[node][index])
+                    for index in range(len(loaders)))
     every_node = list(ranks_by_node) + [()] * hosts
     return [NodeShare(run_id, loaders, world, every_node[node], tuple(map(tuple, hosted[node])),
                       sources if every_node[node] else ())
@@ -279,30 +282,47 @@ class NodeDelivery:
             self.threads.append(thread)
 
     def _feed(self, number: int, get: Callable[[Any, float], Any]) -> None:
+        """Pull from every host of loader ``number`` and put what comes into the ranks' channels.
+
+        Each host always has the next pull in flight while this thread puts what the last one
+        brought, so the relay keeps going while the ranks read. Once every rank of this node is
+        done, the pulls in flight come back, one more round carries that news to the hosts (their
+        producers stop waiting for these ranks), and the thread ends.
+        """
         loader = self.loaders[number]
-        sources = list(self.share.sources[number])
         waiting: dict[int, list[tuple[bytes, bytes]]] = {rank: [] for rank in self.share.ranks}
-        ranks = self.share.ranks
+        calls = {source: self._pull(source, number) for source in self.share.sources[number]}
+        rounds_left: int | None = None  # once this node's ranks are all done
         try:
-            while sources and not self.stopped.is_set():
-                snapshot = loader.counters.snapshot()
-                calls = [(source, source.pull.remote(self.share.run_id, number, ranks, snapshot)) for source in sources]
-                for source, call in calls:
-                    elements, ended = get(call, PULL_CALL_SECONDS)
+            while calls and rounds_left != 0 and not self.stopped.is_set():
+                for source, call in list(calls.items()):
+                    try:
+                        elements, ended = get(call, PULL_CALL_SECONDS)
+                    except Exception as e:  # the kernel sees the host gone too, and ends the run
+                        self.failure = (f"node {source[1]}, which hosts producers of {self.share.loaders[number].name}, "
+                                        f"did not answer: {_first_line(e)}")
+                        return
                     for rank, header, data in elements:
                         waiting[rank].append((header, data))
-                    if ended:
-                        sources.remove(source)
+                    if ended or rounds_left == 1:
+                        del calls[source]
+                    else:
+                        calls[source] = self._pull(source, number)
                 _put_waiting(loader.outbox, waiting)
-                if all(loader.counters.is_done(rank) for rank in ranks):
-                    return  # the hosts have this node's last counters: its ranks want nothing more
+                if rounds_left is None and all(loader.counters.is_done(rank) for rank in self.share.ranks):
+                    rounds_left = 2
+                elif rounds_left is not None:
+                    rounds_left -= 1
             while any(waiting.values()) and not self.stopped.wait(0.01):
                 _put_waiting(loader.outbox, waiting)
-        except Exception as e:  # a host gone: the kernel sees it too, and ends the run
-            self.failure = f"{type(e).__name__}: {e}"
         finally:
             for end in loader.outbox.values():
                 end.close()  # every producer is done: a rank waiting for more is told so (EOFError)
+
+    def _pull(self, source: tuple[Any, str], number: int) -> Any:
+        """Ask a host for this node's elements, with this node's counters as they are now."""
+        snapshot = self.loaders[number].counters.snapshot()
+        return source[0].pull.remote(self.share.run_id, number, self.share.ranks, snapshot)
 
     def snapshots(self) -> list[list[int]]:
         return [loader.counters.snapshot() for loader in self.loaders]
@@ -317,6 +337,11 @@ class NodeDelivery:
             if loader.counters_fd >= 0:
                 os.close(loader.counters_fd)
                 loader.counters_fd = -1
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple[bytes, bytes]]]) -> None:
