@@ -8,7 +8,7 @@ import pytest
 
 from taas_magic import controller
 from taas_magic.records import CellEnded, Failed
-from taas_magic.backend import Exited, Output, Report
+from taas_magic.backend import Exited, Output, Producer, Report
 from taas_magic.errors import RankFailed
 from taas_magic.spec import LaunchSpec
 
@@ -102,11 +102,11 @@ def test_a_rank_stopped_by_taas_is_not_reported_as_a_failure():
 
 def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
     def stop(group, signum):  # its DataLoader's worker dies of the stop first: the producer reports an error
-        group.batches.append([error(-1, 30.0, "RuntimeError"), Exited(-1, 1)])
+        group.batches.append([error(Producer(0, 0), 30.0, "RuntimeError"), Exited(Producer(0, 0), 1)])
 
     group = ScriptedGroup([[Report(0, CellEnded(0.0)), Exited(0, 0), Report(1, CellEnded(0.0)), Exited(1, 0)]],
                           stop)
-    group.alive = {0, 1, -1}
+    group.alive = {0, 1, Producer(0, 0)}
     run(group)
     assert group.signals[0] == signal.SIGTERM and group.closed
 

@@ -8,7 +8,8 @@ import torch
 
 from taas_magic.delivery.cluster import NodeDelivery, RunProgress, shares
 from taas_magic.delivery.counters import Counters
-from taas_magic.delivery.service import LoaderPlan, producer_key
+from taas_magic.backend import Producer
+from taas_magic.delivery.service import LoaderPlan
 from taas_magic.delivery.transport import channel_pair, put, receive, send, take_waiting
 
 
@@ -105,7 +106,7 @@ def test_the_kernel_s_progress_line_changes_only_when_a_merged_count_does():
     host.count_sent(0, 0)
     host.count_sent(0, 1)
     [(key, line)] = progress.take(2, [host.snapshot()])
-    assert key == producer_key(0, 0) and line.produced == 4 and line.buffered == 2
+    assert key == Producer(0, 0) and line.produced == 4 and line.buffered == 2
     assert progress.take(2, [host.snapshot()]) == [], "nothing changed"
     node0.position[0] = node0.taken[0] = 1
     [(_, line)] = progress.take(0, [node0.snapshot()])

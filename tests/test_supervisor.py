@@ -18,11 +18,13 @@ import pytest
 import torch.distributed  # noqa: F401  (as in a kernel: ranks start with torch imported)
 
 from taas_magic import containment
-from taas_magic.backend import Exited, Output
+from taas_magic.backend import Exited, Output, Producer
 from taas_magic.channel import Channel, new_secret, socket_pair
 from taas_magic.fork import ForkBackend
 from taas_magic.supervisor import RunLost, SupervisedRanks
 from taas_magic.worker import RankTask
+
+PRODUCER = Producer(0, 0)  # a data producer of the run
 
 
 @pytest.fixture
@@ -43,12 +45,12 @@ def ends():
 
 def test_the_kernel_learns_the_processes_of_the_run_when_it_starts(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [-1, 0, 1])
+    supervisor.send("started", group.stand_in_pid, [PRODUCER, 0, 1])
     group.wait_started(5)
-    assert group.running() == {-1, 0, 1}, "producers count as running processes"
+    assert group.running() == {PRODUCER, 0, 1}, "producers count as running processes"
     supervisor.send("events", [Output(0, "stdout", b"hi\n"), Exited(0, 0)])
     assert group.events(1) == [Output(0, "stdout", b"hi\n"), Exited(0, 0)]
-    assert group.running() == {-1, 1}
+    assert group.running() == {PRODUCER, 1}
 
 
 def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
@@ -64,13 +66,13 @@ def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
 
 def test_a_request_that_crosses_the_end_of_the_run_is_moot_not_a_lost_run(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [0, -1])
+    supervisor.send("started", group.stand_in_pid, [0, PRODUCER])
     group.wait_started(5)
-    supervisor.send("closed", {0: 0, -1: 0}, [Exited(0, 0), Exited(-1, 0)])
+    supervisor.send("closed", {0: 0, PRODUCER: 0}, [Exited(0, 0), Exited(PRODUCER, 0)])
     supervisor.close()  # the run ended and its supervisor went
-    group.signal(signal.SIGTERM, [-1])  # meanwhile the kernel asked to stop the producer
-    assert group.events(1) == [Exited(0, 0), Exited(-1, 0)]
-    assert group.finished and group.running() == set() and group.codes == {0: 0, -1: 0}
+    group.signal(signal.SIGTERM, [PRODUCER])  # meanwhile the kernel asked to stop the producer
+    assert group.events(1) == [Exited(0, 0), Exited(PRODUCER, 0)]
+    assert group.finished and group.running() == set() and group.codes == {0: 0, PRODUCER: 0}
 
 
 def test_a_failed_start_is_a_run_error_naming_the_reason(ends):

@@ -16,10 +16,31 @@ from .records import Record
 
 
 @dataclass(frozen=True)
-class Output:
-    """Bytes a rank (or anything it started) wrote to its stdout or stderr."""
+class Producer:
+    """A data producer among a run's processes: producer ``index`` of the ``loader``-th registered
+    loader the cell uses. Ranks are keyed by their rank number; producers are not ranks."""
 
-    rank: int
+    loader: int
+    index: int
+
+
+Key = Union[int, Producer]  # a process of a run: a rank's number, or a producer
+
+
+def key_order(key: Key) -> tuple[int, int, int]:
+    """Ranks first, by number, then producers, by loader and index: a sort key for mixed keys."""
+    return (0, key, 0) if isinstance(key, int) else (1, key.loader, key.index)
+
+
+def is_rank(key: Key) -> bool:
+    return isinstance(key, int)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Bytes a rank or producer (or anything it started) wrote to its stdout or stderr."""
+
+    rank: Key
     stream: str  # "stdout" or "stderr"
     data: bytes
 
@@ -29,7 +50,7 @@ class Report:
     """A record a rank or producer sent about itself (``records.py``): how its cell ended, delivery
     progress, a notice."""
 
-    rank: int
+    rank: Key
     record: Record
 
 
@@ -37,15 +58,15 @@ class Report:
 class Result:
     """Rank 0's pickled top-level names, sent once after the cell's code succeeded."""
 
-    rank: int
+    rank: Key  # 0: no other process sends any
     data: bytes
 
 
 @dataclass(frozen=True)
 class Exited:
-    """A rank is gone; its output and reports have all been delivered before this event."""
+    """A rank or producer is gone; its output and reports have all been delivered before this event."""
 
-    rank: int
+    rank: Key
     returncode: int  # as subprocess reports it: negative for death by a signal
 
 
@@ -57,12 +78,12 @@ class RankGroup(Protocol):
 
     def events(self, timeout: float) -> list[Event]: ...
 
-    def running(self) -> set[int]: ...
+    def running(self) -> set[Key]: ...
 
-    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         """Send a signal to the ranks (all running ones by default) and everything they started."""
 
-    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         """Each rank's Python stack right now, as text."""
 
     def close(self) -> None: ...

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar, cast
 
 from . import memfile
-from .backend import Event
+from .backend import Event, Key, key_order
 from .delivery.cluster import NodeDelivery, NodeShare
 from .errors import TaasRunError
 from .forkserver_backend import ForkServerBackend, ForkServerRequest
@@ -141,7 +141,8 @@ class NodeAgent:
         return self.store.port
 
     @_call
-    def start(self, run_id: str, envs: dict[int, dict[str, str]], payload: NodePayload, share: NodeShare | None) -> list[int]:
+    def start(self, run_id: str, envs: dict[int, dict[str, str]], payload: NodePayload,
+              share: NodeShare | None) -> list[Key]:
         """Start this node's share of a run: its ranks, and the producers it hosts (``share``); the
         processes' keys once they run."""
         store, self.store = self.store, None
@@ -158,7 +159,7 @@ class NodeAgent:
         if self.delivery is not None:
             self.delivery.handed_over()
             self.delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
-        return sorted(self.group.running())
+        return sorted(self.group.running(), key=key_order)
 
     def _request(self, payload: NodePayload, folder: str, delivery: NodeDelivery | None) -> ForkServerRequest:
         """The fork server's request, with this node's environment, the run's folder and, when it
@@ -187,7 +188,7 @@ class NodeAgent:
 
     # -- the RankGroup contract, relayed ---------------------------------------------------------
     @_call
-    def events(self, timeout: float) -> tuple[list[Event], list[int], list[list[int]]]:
+    def events(self, timeout: float) -> tuple[list[Event], list[Key], list[list[int]]]:
         """Events so far (waiting up to ``timeout`` for the first), the processes still running, and
         this node's copy of each registered loader's counters."""
         if self.group is None:
@@ -196,15 +197,15 @@ class NodeAgent:
             raise DeliveryLost(self.delivery.failure)
         events = self.group.events(timeout)
         snapshots = self.delivery.snapshots() if self.delivery is not None else []
-        return events, sorted(self.group.running()), snapshots
+        return events, sorted(self.group.running(), key=key_order), snapshots
 
     @_call
-    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         if self.group is not None:
             self.group.signal(signum, ranks)
 
     @_call
-    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         return self.group.stacks(ranks, timeout) if self.group is not None else {}
 
     @_call

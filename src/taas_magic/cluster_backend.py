@@ -20,7 +20,7 @@ import mmap
 import os
 from typing import Any, Callable, Iterable
 
-from .backend import Cell, Event, Report
+from .backend import Cell, Event, Key, Report, key_order
 from .cluster import Cluster, Node, Placement, kernel_variables, ray_module
 from .cluster_agent import MAX_FILES_BACK, NodePayload, RunFiles
 from .configurations import Configuration
@@ -119,7 +119,7 @@ class ClusterRanks:
         self.notify = notify
         self.shares = shares  # each node's part in data delivery, when the cell uses registered loaders
         self.progress = RunProgress(shares) if shares else None
-        self.alive: list[set[int]] = [set() for _ in agents]
+        self.alive: list[set[Key]] = [set() for _ in agents]
         self.closed = False
 
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: Any) -> None:
@@ -133,7 +133,7 @@ class ClusterRanks:
             self.alive[index] = set(keys)
 
     # -- the RankGroup contract ---------------------------------------------------------------
-    def running(self) -> set[int]:
+    def running(self) -> set[Key]:
         return set().union(*self.alive)
 
     def events(self, timeout: float) -> list[Event]:
@@ -147,17 +147,17 @@ class ClusterRanks:
                 events += [Report(key, record) for key, record in self.progress.take(index, snapshots)]
         return events
 
-    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         chosen = None if ranks is None else set(ranks)
         live = [index for index, keys in enumerate(self.alive) if keys and (chosen is None or keys & chosen)]
         self._call(live, lambda index: self.agents[index].signal.remote(
-            signum, None if chosen is None else sorted(chosen & self.alive[index])), CALL_SECONDS)
+            signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)), CALL_SECONDS)
 
-    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         chosen = set(ranks)
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
-        stacks: dict[int, str] = {}
-        asked = self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index]),
+        stacks: dict[Key, str] = {}
+        asked = self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index], key=key_order),
                                                                                   timeout), timeout + CALL_SECONDS)
         for answer in asked:
             stacks.update(answer)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from .backend import Backend, Event, Exited, Output, RankGroup, Report, Result
+from .backend import Backend, Event, Exited, Key, Output, RankGroup, Report, Result, key_order
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
 from .records import CellEnded, DeliveryProgress, DeliverySummary, Failed, Record, SavedOnNode, SaveSkipped
@@ -68,7 +68,7 @@ class _Escalation:
 
 @dataclass(frozen=True)
 class Failure:
-    rank: int
+    rank: Key
     time: float
     summary: str  # one line: "ValueError: boom" or "killed by signal SIGSEGV"
     details: list[str]  # traceback lines, or the last stderr lines of a crash
@@ -86,10 +86,10 @@ class Outcome:
 
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
         kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None,
-        labels: Mapping[int, str] | None = None, status: Callable[[list[str]], object] | None = None) -> Outcome:
+        labels: Mapping[Key, str] | None = None, status: Callable[[list[str]], object] | None = None) -> Outcome:
     """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
 
-    ``labels`` names the processes that are not ranks (data producers, with negative keys);
+    ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
     ``status`` shows live progress lines (one per registered loader) in place.
     """
     # MASTER_PORT is opened by the backend, on a socket it holds for the run alone.
@@ -116,7 +116,7 @@ class _Watch:
     """Consumes a group's events and steers it until every rank has exited."""
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
-                 labels: dict[int, str], status: Callable[[list[str]], object]):
+                 labels: dict[Key, str], status: Callable[[list[str]], object]):
         self.spec = spec
         self.output = output
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
@@ -124,15 +124,15 @@ class _Watch:
         self.status = status
         self.progress: dict[str, DeliveryProgress] = {}  # loader name -> its latest counters
         self.started = time.monotonic()
-        self.records: dict[int, CellEnded | Failed] = {}  # how each process's work ended
+        self.records: dict[Key, CellEnded | Failed] = {}  # how each process's work ended
         self.results = b""
-        self.saves_skipped: dict[str, set[int]] = {}  # path -> ranks whose torch.save was skipped
+        self.saves_skipped: dict[str, set[Key]] = {}  # path -> ranks whose torch.save was skipped
         self.saved_on_nodes: list[SavedOnNode] = []  # rank 0's saves that stay on a cluster node
-        self.exits: dict[int, tuple[int, float]] = {}
-        self.stopped: set[int] = set()  # ranks we signalled before they failed on their own
-        self.retired: set[int] = set()  # producers stopped because every rank was done: how they end does not matter
+        self.exits: dict[Key, tuple[int, float]] = {}
+        self.stopped: set[Key] = set()  # ranks we signalled before they failed on their own
+        self.retired: set[Key] = set()  # producers stopped because every rank was done: how they end does not matter
         self.escalation: _Escalation | None = None
-        self.timed_out: dict[int, str] | None = None  # rank -> stack, when --timeout elapsed
+        self.timed_out: dict[Key, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
 
     def until_done(self, group: RankGroup) -> None:
@@ -154,7 +154,7 @@ class _Watch:
             self.retired = group.running()  # every rank is done: the producers' work is over
             self._begin_stop(group, ON_FAILURE)
         elif self.escalation is None and deadline is not None and now >= deadline:
-            late = sorted(group.running())
+            late = sorted(group.running(), key=key_order)
             self.timed_out = {rank: "" for rank in late}
             self.timed_out.update(group.stacks(late, STACK_SECONDS))
             for event in group.events(0):
@@ -187,7 +187,7 @@ class _Watch:
             self.exits[event.rank] = (event.returncode, time.monotonic())
             self.output.finish(event.rank)
 
-    def _take_record(self, key: int, record: Record) -> None:
+    def _take_record(self, key: Key, record: Record) -> None:
         if isinstance(record, DeliveryProgress):
             latest = self.progress.get(record.loader)
             if latest is None or record.at >= latest.at:  # producers' and ranks' reports may cross
@@ -216,7 +216,7 @@ class _Watch:
 
     def _delivery_summaries(self) -> list[str]:
         per_loader: dict[str, list[DeliverySummary]] = {}
-        for rank, record in sorted(self.records.items()):
+        for rank, record in sorted(self.records.items(), key=lambda item: key_order(item[0])):
             for name, summary in (record.delivery if isinstance(record, CellEnded) else {}).items():
                 per_loader.setdefault(name, []).append(summary)
         lines = []
@@ -236,13 +236,13 @@ class _Watch:
         if not self.saves_skipped:
             return []
         paths = ", ".join(repr(path) for path in sorted(self.saves_skipped))
-        ranks = sorted(set().union(*self.saves_skipped.values()))
+        ranks = sorted(key for keys in self.saves_skipped.values() for key in keys if isinstance(key, int))
         return [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
                 "(guard other writes with taas.is_main())"]
 
     def _failures(self) -> list[Failure]:
         failures = []
-        for rank, (code, when) in sorted(self.exits.items()):
+        for rank, (code, when) in sorted(self.exits.items(), key=lambda item: key_order(item[0])):
             record = self.records.get(rank)
             if rank in self.retired:
                 continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
@@ -280,7 +280,7 @@ class _Watch:
         if root.hint:
             lines.append(f"{BOLD}taas: {root.hint}{RESET}")
         others = [f"{self._name(f.rank)} ({f.summary})" for f in failures[1:]]
-        stopped = sorted(self.stopped - {f.rank for f in failures})
+        stopped = sorted(self.stopped - {f.rank for f in failures}, key=key_order)
         if others:
             lines.append(f"also failed, after {who}: " + "; ".join(others))
         if stopped:
@@ -293,23 +293,23 @@ class _Watch:
         A rank that called sys.exit(0) ended as if it succeeded, but left its peers' collectives.
         """
         ranks_by_end: dict[str, list[int]] = {}
-        for rank, record in sorted(self.records.items()):
-            if rank >= 0 and isinstance(record, CellEnded) and record.time < moment:
+        for rank, record in sorted(self.records.items(), key=lambda item: key_order(item[0])):
+            if isinstance(rank, int) and isinstance(record, CellEnded) and record.time < moment:
                 how = f"exited early with {record.exited}" if record.exited else "had finished the cell"
                 ranks_by_end.setdefault(how, []).append(rank)
         return "; ".join(f"{_ranks(ranks)} {how}" for how, ranks in ranks_by_end.items())
 
-    def _name(self, key: int) -> str:
+    def _name(self, key: Key) -> str:
         return self.labels.get(key, f"rank {key}")
 
-    def _names(self, keys: list[int]) -> str:
-        ranks = [key for key in keys if key >= 0]
-        others = [self._name(key) for key in sorted(keys, reverse=True) if key < 0]
+    def _names(self, keys: list[Key]) -> str:
+        ranks = sorted(key for key in keys if isinstance(key, int))
+        others = [self._name(key) for key in sorted(keys, key=key_order) if not isinstance(key, int)]
         return "; ".join(([_ranks(ranks)] if ranks else []) + others)
 
     def _timeout_message(self) -> tuple[str, list[str]]:
         assert self.timed_out is not None
-        late = sorted(self.timed_out, key=lambda key: (key < 0, abs(key)))
+        late = sorted(self.timed_out, key=key_order)
         message = f"--timeout {self.spec.timeout:g} s elapsed: {self._names(late)} still running, now stopped"
         lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
         ended = self._ended_before(float("inf"))
@@ -322,7 +322,8 @@ class _Watch:
 
     def _interrupt_lines(self) -> list[str]:
         how = ", ".join(f"{rank}: {_describe_stop(code, self.records.get(rank))}"
-                        for rank, (code, _) in sorted(self.exits.items()) if rank >= 0)
+                        for rank, (code, _) in sorted(self.exits.items(), key=lambda item: key_order(item[0]))
+                        if isinstance(rank, int))
         return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
 
 
@@ -349,8 +350,8 @@ def _until_taas(frames: list[str]) -> list[str]:
     return frames
 
 
-def _only_producers(running: set[int]) -> bool:
-    return bool(running) and all(key < 0 for key in running)
+def _only_producers(running: set[Key]) -> bool:
+    return bool(running) and not any(isinstance(key, int) for key in running)
 
 
 def _progress_line(progress: DeliveryProgress) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable
 
 from . import aliases, channel, child, containment, records, tempfiles, worker
-from .backend import Cell, Event, Exited, Output, Report, Result
+from .backend import Cell, Event, Exited, Key, Output, Report, Result, key_order
 from .delivery.service import DataService
 from .rendezvous import RunStore
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
@@ -31,7 +31,7 @@ START_SECONDS = 60.0  # a forked supervisor reports its ranks started long befor
 
 @dataclass
 class _Rank:
-    rank: int
+    rank: Key  # a rank's number, or a producer
     pid: int
     fds: dict[str, int]  # supervisor-side read ends: stdout, stderr, report, stack, results
     pidfd: int | None = None
@@ -101,7 +101,7 @@ def _producer_env(run_id: str) -> dict[str, str]:
 
 @dataclass
 class ForkedRanks:
-    ranks: dict[int, _Rank] = field(default_factory=dict)
+    ranks: dict[Key, _Rank] = field(default_factory=dict)
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     _pending: list[Event] = field(default_factory=list)
     _closed: bool = False
@@ -164,8 +164,8 @@ class ForkedRanks:
         self._gates = []
 
     # -- starting ---------------------------------------------------------------------------
-    def fork(self, rank: int, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
-        """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer (negative key)."""
+    def fork(self, rank: Key, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
+        """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer."""
         pipes: dict[str, tuple[int, int]] = {}
         try:
             for name in ("stdout", "stderr", "report", "stack", "results", "gate"):
@@ -225,7 +225,7 @@ class ForkedRanks:
                 pass
 
     # -- watching ---------------------------------------------------------------------------
-    def running(self) -> set[int]:
+    def running(self) -> set[Key]:
         return {r.rank for r in self.ranks.values() if r.returncode is None}
 
     def events(self, timeout: float) -> list[Event]:
@@ -311,9 +311,9 @@ class ForkedRanks:
                     self._on_exit(state)
 
     # -- acting on ranks --------------------------------------------------------------------
-    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         chosen = self.running() if ranks is None else set(ranks) & self.running()
-        for rank in sorted(chosen):
+        for rank in sorted(chosen, key=key_order):
             self._signal(self.ranks[rank], signum)
 
     def _signal(self, state: _Rank, signum: int) -> None:
@@ -336,9 +336,9 @@ class ForkedRanks:
         for pid in below:
             containment.kill(pid, signum)
 
-    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         """Ask faulthandler in each rank for all its threads' stacks; wait until they stop arriving."""
-        chosen = sorted(set(ranks) & self.running())
+        chosen = sorted(set(ranks) & self.running(), key=key_order)
         for rank in chosen:
             self.ranks[rank].stack_text = ""
             containment.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler

@@ -19,7 +19,9 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
+
+from .backend import Key
 
 PARTIAL_LINE_DELAY = 0.1  # seconds a rank's unfinished line waits for more text
 PARTIAL_LINE_MAX = 64 * 1024  # characters of an unfinished line held back at most
@@ -50,17 +52,17 @@ class _Target:
 class RankOutput:
     """Feeds ranks' output into ``write(stream, text)``; shows the ranks in ``shown`` (all by default)."""
 
-    def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[int] | None = None,
-                 labels: dict[int, str] | None = None):
+    def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[Key] | None = None,
+                 labels: Mapping[Key, str] | None = None):
         self._targets = {name: _Target(functools.partial(write, name)) for name in ("stdout", "stderr")}
         self._prefix = prefix
         self._shown = None if shown is None else set(shown)
-        self._sources: dict[tuple[int, str], _Source] = {}
-        self._tails: dict[int, deque[str]] = {}
+        self._sources: dict[tuple[Key, str], _Source] = {}
+        self._tails: dict[Key, deque[str]] = {}
         self._labels = labels or {}  # names of processes that are not ranks (data producers)
-        self._tail_partial: dict[int, str] = {}  # a stderr line whose end has not arrived yet
+        self._tail_partial: dict[Key, str] = {}  # a stderr line whose end has not arrived yet
 
-    def feed(self, rank: int, stream: str, data: bytes, now: float | None = None) -> None:
+    def feed(self, rank: Key, stream: str, data: bytes, now: float | None = None) -> None:
         source = self._source(rank, stream)
         text = source.decoder.decode(data)
         if stream == "stderr":
@@ -84,7 +86,7 @@ class RankOutput:
                 self._emit(source, stream, source.pending)
                 source.pending = ""
 
-    def finish(self, rank: int | None = None) -> None:
+    def finish(self, rank: Key | None = None) -> None:
         """Pass on everything still held for ``rank`` (all ranks by default): the run is over for it."""
         for (source_rank, stream), source in self._sources.items():
             if rank is not None and source_rank != rank:
@@ -94,7 +96,7 @@ class RankOutput:
             if text and self._is_shown(source_rank):
                 self._emit(source, stream, text)
 
-    def tail(self, rank: int) -> list[str]:
+    def tail(self, rank: Key) -> list[str]:
         """The last lines the rank wrote to stderr, shown or not: what a crash left behind."""
         lines = list(self._tails.get(rank, ()))
         partial = self._tail_partial.get(rank, "")
@@ -102,17 +104,17 @@ class RankOutput:
             lines = (lines + [partial])[-TAIL_LINES:]
         return lines
 
-    def _source(self, rank: int, stream: str) -> _Source:
+    def _source(self, rank: Key, stream: str) -> _Source:
         key = (rank, stream)
         if key not in self._sources:
             label = self._labels.get(rank, f"rank {rank}")
             self._sources[key] = _Source(prefix=f"[{label}] " if self._prefix or rank in self._labels else "")
         return self._sources[key]
 
-    def _is_shown(self, rank: int) -> bool:
+    def _is_shown(self, rank: Key) -> bool:
         return self._shown is None or rank in self._shown
 
-    def _keep_tail(self, rank: int, text: str) -> None:
+    def _keep_tail(self, rank: Key, text: str) -> None:
         tail = self._tails.setdefault(rank, deque(maxlen=TAIL_LINES))
         # Chunks end anywhere, often mid-line: a line is kept whole once its line break arrives.
         lines = (self._tail_partial.pop(rank, "") + text).splitlines(keepends=True)

@@ -32,7 +32,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
 from . import containment
-from .backend import Event, Exited
+from .backend import Event, Exited, Key, key_order
 from .channel import Channel, ChannelBroken
 from .errors import TaasRunError
 from .rendezvous import RunStore
@@ -95,7 +95,7 @@ class _Supervisor:
         try:
             containment.drop_sockets({self.channel.fileno()})  # the kernel's: only now, not to delay the ranks
             group.watch(self.channel.fileno())
-            self._send("started", os.getpid(), sorted(group.ranks))
+            self._send("started", os.getpid(), sorted(group.ranks, key=key_order))
             last = self._relay(group)
         except ChannelBroken:
             pass  # the kernel gave up on the run, or is gone: end it
@@ -255,14 +255,14 @@ class SupervisedRanks:
     ``on_lost`` adds what the backend knows to a lost run's message (a fork server's last words).
     """
 
-    def __init__(self, channel: Channel, process: SupervisorProcess | None, ranks: Iterable[int],
+    def __init__(self, channel: Channel, process: SupervisorProcess | None, ranks: Iterable[Key],
                  on_lost: Callable[[str], str] | None = None, store: RunStore | None = None):
         self.channel = channel
         self.process = process
         self.store = store  # the run's TCPStore, served from the kernel until the run is closed
         self.alive = set(ranks)
         self.pending: list[Event] = []
-        self.codes: dict[int, int] = {}
+        self.codes: dict[Key, int] = {}
         self.on_lost = on_lost or (lambda detail: detail)
         self.started = False
         self.finished = False  # the supervisor said every process of the run is gone
@@ -311,7 +311,7 @@ class SupervisedRanks:
             pass  # the supervisor could not start the run and went: ``wait_started`` reads why
 
     # -- the RankGroup contract ---------------------------------------------------------------
-    def running(self) -> set[int]:
+    def running(self) -> set[Key]:
         return set(self.alive)
 
     def events(self, timeout: float) -> list[Event]:
@@ -320,12 +320,12 @@ class SupervisedRanks:
         events, self.pending = self.pending, []
         return events
 
-    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         if self.alive:
-            self._send("signal", signum, None if ranks is None else sorted(set(ranks) & self.alive))
+            self._send("signal", signum, None if ranks is None else sorted(set(ranks) & self.alive, key=key_order))
 
-    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
-        self._send("stacks", sorted(ranks), timeout)
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        self._send("stacks", sorted(ranks, key=key_order), timeout)
         deadline = time.monotonic() + timeout + CLOSE_SECONDS
         while time.monotonic() < deadline:
             if self._readable(max(0.0, deadline - time.monotonic())):

@@ -37,7 +37,8 @@ from ..records import DeliveryProgress
 from .counters import Counters
 from .plan import StreamPlan
 from .producer import ProducerTask
-from .service import LoaderPlan, default_prefetch, producer_key
+from ..backend import Producer
+from .service import LoaderPlan, default_prefetch
 from .standin import StandIn
 from .transport import channel_pair, put, take_waiting
 
@@ -121,7 +122,7 @@ class AttachedDelivery:
         self.rank_ends = [dict(zip(share.ranks, (socket.socket(fileno=fds[p]) for p in positions)))
                           for positions in ends.rank_ends]
 
-    def producers(self) -> list[tuple[int, ProducerTask]]:
+    def producers(self) -> list[tuple[Producer, ProducerTask]]:
         tasks = []
         for number, (plan, loader) in enumerate(zip(self.share.loaders, self.loaders)):
             prefetch = plan.prefetch or default_prefetch(self.share.world, plan.producers, loader.num_workers)
@@ -132,13 +133,11 @@ class AttachedDelivery:
                     channels=self.producers_ends[number], counters=self.counters[number], seed=plan.seed,
                     reports_stats=False,  # the kernel makes the progress line from every node's counters
                 )
-                tasks.append((producer_key(number, index), task))
+                tasks.append((Producer(number, index), task))
         return tasks
 
-    def producer_sockets(self, key: int) -> set[int]:
-        number = next(n for n, plan in enumerate(self.share.loaders)
-                      if key in {producer_key(n, j) for j in range(plan.producers)})
-        return {end.fileno() for end in self.producers_ends[number]}
+    def producer_sockets(self, key: Producer) -> set[int]:
+        return {end.fileno() for end in self.producers_ends[key.loader]}
 
     def rank_sockets(self, rank: int) -> set[int]:
         return {ends[rank].fileno() for ends in self.rank_ends}
@@ -369,7 +368,7 @@ class RunProgress:
         self.counters = [Counters(plan.producers, first.world) for plan in first.loaders]
         self.shown: list[DeliveryProgress | None] = [None] * len(first.loaders)
 
-    def take(self, node: int, snapshots: list[list[int]]) -> list[tuple[int, DeliveryProgress]]:
+    def take(self, node: int, snapshots: list[list[int]]) -> list[tuple[Producer, DeliveryProgress]]:
         """Merge one node's copies; (key, progress) of each loader whose line changed."""
         share = self.shares[node]
         changed = []
@@ -379,7 +378,7 @@ class RunProgress:
             shown = self.shown[number]
             if shown is None or _differs(stats, shown):
                 self.shown[number] = stats
-                changed.append((producer_key(number, 0), stats))
+                changed.append((Producer(number, 0), stats))
         return changed
 
 

@@ -11,14 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..backend import Key, Producer
 from .counters import Counters
 from .plan import StreamPlan
 from .producer import ProducerTask
 from .standin import StandIn
 from .transport import channel_pair
-
-MAX_PRODUCERS_PER_LOADER = 64
-
 
 @dataclass(frozen=True)
 class LoaderPlan:
@@ -32,13 +30,8 @@ class LoaderPlan:
     seed: int  # the run's seed for per-sample seeding, taken in the kernel
 
 
-def producer_key(loader_number: int, producer: int) -> int:
-    """Process keys for producers are negative, so they never collide with ranks."""
-    return -1 - loader_number * MAX_PRODUCERS_PER_LOADER - producer
-
-
-def producer_labels(plans: tuple[LoaderPlan, ...]) -> dict[int, str]:
-    return {producer_key(n, j): f"producer {j} of {plan.name}" for n, plan in enumerate(plans)
+def producer_labels(plans: tuple[LoaderPlan, ...]) -> dict[Key, str]:
+    return {Producer(n, j): f"producer {j} of {plan.name}" for n, plan in enumerate(plans)
             for j in range(plan.producers)}
 
 
@@ -87,7 +80,7 @@ class DataService:
             window=max(1, math.ceil(prefetch / world)), seed=plan.seed,
         )
 
-    def producers(self) -> list[tuple[int, ProducerTask]]:
+    def producers(self) -> list[tuple[Producer, ProducerTask]]:
         tasks = []
         for number, runtime in enumerate(self.runtimes):
             for index in range(runtime.plan.producers):
@@ -97,13 +90,12 @@ class DataService:
                     channels=[ends[0] for ends in runtime.channels], counters=runtime.counters,
                     seed=runtime.seed, reports_stats=index == 0,
                 )
-                tasks.append((producer_key(number, index), task))
+                tasks.append((Producer(number, index), task))
         return tasks
 
-    def producer_sockets(self, key: int) -> set[int]:
+    def producer_sockets(self, key: Producer) -> set[int]:
         """Descriptors producer ``key`` keeps: its loader's producers' ends, one per rank."""
-        runtime = self.runtimes[(-1 - key) // MAX_PRODUCERS_PER_LOADER]
-        return {ends[0].fileno() for ends in runtime.channels}
+        return {ends[0].fileno() for ends in self.runtimes[key.loader].channels}
 
     def rank_sockets(self, rank: int) -> set[int]:
         """Descriptors rank ``rank`` keeps: its own end of each loader's channel."""
