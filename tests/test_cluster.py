@@ -78,7 +78,7 @@ def cluster(tmp_path_factory, peers):
     config.write_text(CONFIG)
     saved = os.environ.get("TAAS_CONFIG")
     os.environ["TAAS_CONFIG"] = str(config)
-    local = LocalCluster({"c1.4": 1, "t.2": 2})
+    local = LocalCluster({"c1.4": 1, "t.2": 2}, client_port=_free_port())
     try:
         yield local, str(config)
     finally:
@@ -87,6 +87,14 @@ def cluster(tmp_path_factory, peers):
             os.environ.pop("TAAS_CONFIG", None)
         else:
             os.environ["TAAS_CONFIG"] = saved
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.2", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +265,31 @@ taas.register(slow)
     assert r.seconds < 5 + 10
     assert not leftovers(cluster_kernel)
     cluster_kernel.execute("taas.unregister(slow)").ok()
+
+
+def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
+    """Ray Client (ray://HOST:PORT): the same cells, warm agents, delivery and node list; the
+    connected kernel (cluster_kernel) stays idle meanwhile."""
+    local, config = cluster
+    pytest.importorskip("grpc")  # ray[client]
+    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        k.execute(f"os.chdir({str(tmp_path)!r})").ok()
+        r = k.execute(f"%taas cluster {local.client_address}", timeout=120).ok()
+        assert f"connected to the Ray cluster at {local.client_address}: 3 nodes" in r.stdout
+        assert re.search(r"t\.2: 2 nodes \(2 free, 0 with a warm agent\)", r.stdout), r.stdout
+        k.execute(HEADER + INIT + "x = torch.ones(1)\ndist.all_reduce(x)\ntotal = int(x.item())\n"
+                  "dist.destroy_process_group()", timeout=240).ok()
+        assert k.value("total") == 4
+        warm = k.execute(HEADER + "pass", timeout=60).ok()
+        assert warm.seconds < 5, warm.seconds  # about 0.3 s on an idle 2-core machine
+        k.execute(DATA).ok()
+        got = collected(k.execute(HEADER + COLLECT, timeout=240).ok())
+        assert [len(got[rank]["passes"][0]) for rank in range(4)] == [4] * 4
+        k.execute("%taas cluster off").ok()
+    finally:
+        k.shutdown()
+    assert not leftovers(registered)
 
 
 def test_the_store_port_is_open_for_the_run_only(cluster_kernel):

@@ -331,11 +331,23 @@ def idle_seconds_from(environ: Mapping[str, str]) -> float:
 
 
 def _available_by_node(ray: Any) -> dict[str, dict[str, float]]:
-    """What each node has free right now (Ray's own per-node view; it has no public call for it)."""
+    """What each node has free right now (Ray's own per-node view; it has no public call for it).
+
+    Through Ray Client the kernel has no view of its own: a task on the cluster looks for it.
+    """
     try:
-        return {node_id: dict(free) for node_id, free in ray._private.state.available_resources_per_node().items()}
+        if ray.util.client.ray.is_connected():
+            return dict(ray.get(ray.remote(num_cpus=0)(free_resources).remote(), timeout=CHECK_SECONDS))
+        return free_resources()
     except Exception:
         return {}
+
+
+def free_resources() -> dict[str, dict[str, float]]:
+    """Each node's free resources, as this process's connection to the cluster sees them."""
+    import ray
+
+    return {node_id: dict(free) for node_id, free in ray._private.state.available_resources_per_node().items()}
 
 
 def _check_answers(address: str) -> str | None:

@@ -46,9 +46,13 @@ def _quiet_environment() -> Iterator[None]:
 
 
 class LocalCluster:
-    """Nodes of the named configurations (``{"g2.8": 2}``), the first one the head."""
+    """Nodes of the named configurations (``{"g2.8": 2}``), the first one the head.
 
-    def __init__(self, nodes: Mapping[str, int], cpus_per_node: int = 1):
+    With ``client_port``, the head also serves Ray Client there: ``client_address`` is then the
+    ``ray://`` address a notebook elsewhere would use (it needs ``pip install 'ray[client]'``).
+    """
+
+    def __init__(self, nodes: Mapping[str, int], cpus_per_node: int = 1, client_port: int | None = None):
         from ray.cluster_utils import Cluster
 
         catalog = load_catalog()
@@ -57,13 +61,17 @@ class LocalCluster:
             raise ValueError("a cluster needs at least one node")
         self.addresses: list[str] = []
         self._nodes: list[Any] = []
+        head = self._node_args(shapes[0], cpus_per_node)
+        if client_port is not None:
+            head["ray_client_server_port"] = client_port
         with _quiet_environment():
-            self._cluster = Cluster(initialize_head=True, head_node_args=self._node_args(shapes[0], cpus_per_node))
+            self._cluster = Cluster(initialize_head=True, head_node_args=head)
             self.addresses.append(self._args_address(0))
             self._nodes.append(self._cluster.head_node)
             for shape in shapes[1:]:
                 self.add_node(shape.name, cpus_per_node)
         self.address: str = self._cluster.address
+        self.client_address = None if client_port is None else f"ray://{self.addresses[0]}:{client_port}"
 
     def _args_address(self, index: int) -> str:
         return f"127.0.0.{FIRST_ADDRESS + index}"
