@@ -115,7 +115,9 @@ def leftovers(k: Kernel) -> str:
     """What a run may not leave: placement groups, run folders, processes of a run (seen from the kernel)."""
     groups = k.value("[g['placement_group_id'] for g in __import__('ray').util.placement_group_table().values() "
                      "if g['state'] != 'REMOVED']")
-    processes = _ranks()
+    deadline = time.monotonic() + 3.0  # a run's supervisor is let go as it exits, not waited for
+    while (processes := _ranks()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     found = {"placement groups": groups, "run folders": run_folders(), "rank processes": processes}
     return "; ".join(f"{what}: {items}" for what, items in found.items() if items)
 
