@@ -122,6 +122,34 @@ def leftovers(k: Kernel) -> str:
     return "; ".join(f"{what}: {items}" for what, items in found.items() if items)
 
 
+def first_match(k: Kernel, msg_id: str, pattern: str, timeout: float = 120) -> re.Match | None:
+    """The first match of ``pattern`` in what the running cell ``msg_id`` prints, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = k.client.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
+        match = re.search(pattern, text)
+        if match:
+            return match
+    return None
+
+
+def error_of(k: Kernel, msg_id: str, since: float) -> tuple[dict | None, float]:
+    """The error the running cell ``msg_id`` ends with (None if it succeeds), and when: seconds after ``since``."""
+    error, seconds = None, 0.0
+    while True:
+        msg = k.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            error, seconds = msg["content"], time.monotonic() - since
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return error, seconds
+
+
 def test_two_nodes_reduce_together_with_torchrun_variables_and_results_come_back(cluster, cluster_kernel):
     local, _ = cluster
     r = cluster_kernel.execute(HEADER + INIT + """\
@@ -464,27 +492,10 @@ taas.register(slow)
 """).ok()
     try:
         msg_id = cluster_kernel.client.execute(HEADER + "for batch in slow:\n    print('built on', int(batch[0, 1]), flush=True)")
-        fed = False
-        deadline = time.monotonic() + 120
-        while not fed and time.monotonic() < deadline:
-            try:
-                msg = cluster_kernel.client.get_iopub_msg(timeout=1)
-            except Exception:
-                continue
-            text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
-            fed = f"built on {extra.split('.')[-1]}" in text
-        assert fed, "the producer ran on the added node"
+        assert first_match(cluster_kernel, msg_id, rf"built on {extra.split('.')[-1]}\b"), "the producer ran on the added node"
         killed = time.monotonic()
         local.remove_node(extra)
-        error, seconds = None, 0.0
-        while True:
-            msg = cluster_kernel.client.get_iopub_msg(timeout=60)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "error":
-                error, seconds = msg["content"], time.monotonic() - killed
-            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
+        error, seconds = error_of(cluster_kernel, msg_id, since=killed)
         assert error is not None and f"node {extra}" in error["evalue"], error
         assert seconds < 15, seconds
     finally:
@@ -501,29 +512,12 @@ def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
     local, _ = cluster
     code = "print('on', os.environ['RANK'], os.environ['MASTER_ADDR'], flush=True)\ntime.sleep(600)"  # node 0 dies
     msg_id = cluster_kernel.client.execute(HEADER + code)
-    node = None
-    deadline = time.monotonic() + 120
-    while node is None and time.monotonic() < deadline:
-        try:
-            msg = cluster_kernel.client.get_iopub_msg(timeout=1)
-        except Exception:
-            continue
-        text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
-        match = re.search(r"on \d+ (127\.0\.0\.\d+)", text)
-        if match:
-            node = match.group(1)
-    assert node is not None
+    match = first_match(cluster_kernel, msg_id, r"on \d+ (127\.0\.0\.\d+)")
+    assert match is not None
+    node = match.group(1)
     killed = time.monotonic()
     local.remove_node(node)
-    error, seconds = None, 0.0
-    while True:
-        msg = cluster_kernel.client.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "error":
-            error, seconds = msg["content"], time.monotonic() - killed
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
+    error, seconds = error_of(cluster_kernel, msg_id, since=killed)
     assert error is not None and f"node {node}" in error["evalue"], error
     assert seconds < 15, seconds
     local.add_node("t.2", cpus=2)
