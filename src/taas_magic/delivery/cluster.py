@@ -33,18 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from .. import memfile
+from ..backend import Producer
 from ..records import DeliveryProgress
 from .counters import Counters
 from .plan import StreamPlan
 from .producer import ProducerTask
-from ..backend import Producer
 from .service import LoaderPlan, default_prefetch
 from .standin import StandIn
 from .transport import channel_pair, put, take_waiting
 
 PULL_WAIT_SECONDS = 0.1  # how long a host waits for an element before answering a pull with none
 PULL_BYTES = 64 * 1024**2  # the most one pull carries; more waits for the next
-PULL_CALL_SECONDS = 60.0  # a host that does not answer a pull this soon is gone: the run fails elsewhere
+PULL_CALL_SECONDS = 60.0  # a host that does not answer a pull this soon is taken for gone
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class NodeShare:
     world: int
     ranks: tuple[int, ...]  # the run's ranks on this node
     hosted: tuple[tuple[int, ...], ...]  # per loader: the producers that run on this node
-    sources: tuple[tuple[tuple[Any, str], ...], ...] = ()  # per loader: (agent, address) of each node hosting
-                                                           # its producers, to pull from
+    # Per loader: (agent, address) of each node that hosts its producers, for this node to pull from.
+    sources: tuple[tuple[tuple[Any, str], ...], ...] = ()
 
     def active(self) -> bool:
         return any(self.hosted) or bool(self.ranks and self.loaders)
