@@ -244,15 +244,16 @@ class NodeDelivery:
             loader.counters_fd = -1
 
     # -- a host: elements for a rank node's pull --------------------------------------------------
-    def pull(self, number: int, ranks: tuple[int, ...], snapshot: list[int]) -> tuple[list[tuple[int, bytes, bytes]], bool]:
+    def pull(self, number: int, ranks: tuple[int, ...], snapshot: list[int]) -> tuple[list[tuple[int, bytes, Any]], bool]:
         """Elements waiting for ``ranks`` (a rank node's), after taking in that node's counters; and
         whether every producer here is done with those ranks. Waits briefly when nothing is there."""
+        import numpy  # Ray's own dependency: this runs in an agent
         loader = self.loaders[number]
         # A node's own ranks write their rows here themselves: a pull from this node's feeder carries
         # a copy that is already older.
         loader.counters.take_rows(snapshot, ranks=[rank for rank in ranks if rank not in self.share.ranks])
         deadline = time.monotonic() + PULL_WAIT_SECONDS
-        elements: list[tuple[int, bytes, bytes]] = []
+        elements: list[tuple[int, bytes, Any]] = []
         size = 0
         while True:
             open_ranks = [rank for rank in ranks if rank not in loader.ended]
@@ -262,7 +263,9 @@ class NodeDelivery:
                     if not header:
                         loader.ended.add(rank)
                         break
-                    elements.append((rank, header, data))
+                    # An array over the element's mapping: Ray copies it into its object store once,
+                    # and the rank node reads it there without another copy.
+                    elements.append((rank, header, numpy.frombuffer(data, dtype=numpy.uint8)))
                     size += len(data)
             ended = all(rank in loader.ended for rank in ranks)
             left = deadline - time.monotonic()
@@ -289,7 +292,7 @@ class NodeDelivery:
         producers stop waiting for these ranks), and the thread ends.
         """
         loader = self.loaders[number]
-        waiting: dict[int, list[tuple[bytes, bytes]]] = {rank: [] for rank in self.share.ranks}
+        waiting: dict[int, list[tuple[bytes, Any]]] = {rank: [] for rank in self.share.ranks}
         calls = {source: self._pull(source, number) for source in self.share.sources[number]}
         rounds_left: int | None = None  # once this node's ranks are all done
         try:
@@ -343,7 +346,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple[bytes, bytes]]]) -> None:
+def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple[bytes, Any]]]) -> None:
     """Into each rank's channel, what it can take now, in order; a rank that has left takes nothing."""
     for rank, elements in waiting.items():
         while elements:

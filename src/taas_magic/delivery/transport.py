@@ -13,6 +13,7 @@ the processes holding it.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import socket
@@ -98,41 +99,34 @@ def discard_waiting(sock: socket.socket) -> int:
 
 
 # -- relaying between machines (a cluster node's agent): elements as bytes, never unpickled -------
-def take_waiting(sock: socket.socket) -> tuple[bytes, bytes] | None:
-    """The next element waiting on a channel, as (header, memory file's bytes), without waiting;
-    ``(b"", b"")`` once every sender has closed it; None when nothing waits yet."""
+def take_waiting(sock: socket.socket) -> tuple[bytes, Any] | None:
+    """The next element waiting on a channel, as (header, its memory file mapped read-only: a
+    buffer, not a copy), without waiting; ``(b"", b"")`` once every sender has closed it; None
+    when nothing waits yet."""
     try:
         header, fds = _next_message(sock, socket.MSG_DONTWAIT)
     except BlockingIOError:
         return None
     try:
-        data = _read_file(fds[0]) if header else b""
+        data: Any = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ) if header else b""
     finally:
         for fd in fds:
             os.close(fd)
     return header, data
 
 
-def put(sock: socket.socket, header: bytes, data: bytes) -> None:
-    """Send an element taken with ``take_waiting`` on another machine into a local channel."""
-    fd = memfile.new_file("taas-element", len(data))
+def put(sock: socket.socket, header: bytes, data: Any) -> None:
+    """Send an element taken with ``take_waiting`` (its bytes, or any buffer of them) on another
+    machine into a local channel."""
+    view = memoryview(data).cast("B")
+    fd = memfile.new_file("taas-element", len(view))
     try:
-        os.pwrite(fd, data, 0)
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], written)
         socket.send_fds(sock, [header], [fd])
     finally:
         os.close(fd)
-
-
-def _read_file(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    chunks, offset = [], 0
-    while offset < size:
-        chunk = os.pread(fd, size - offset, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
 
 
 def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
