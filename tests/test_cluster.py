@@ -370,6 +370,20 @@ dist.barrier()
     assert not leftovers(cluster_kernel)
 
 
+def test_a_failed_run_starts_again_on_the_cluster_with_max_restarts(cluster_kernel):
+    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --max-restarts 1") + INIT + """\
+restart = int(os.environ['TORCHELASTIC_RESTART_COUNT'])
+if restart == 0 and dist.get_rank() == 3:
+    raise RuntimeError('node 1 had a bad start')
+dist.barrier()
+started_again = restart
+dist.destroy_process_group()
+""", timeout=120).ok()
+    assert "rank 3 failed: RuntimeError: node 1 had a bad start: every rank starts again (restart 1 of" in r.stderr
+    assert cluster_kernel.value("started_again") == 1
+    assert not leftovers(cluster_kernel)
+
+
 def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
     r = cluster_kernel.execute(HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60,
                                interrupt_after=4.0)

@@ -91,25 +91,49 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
 
     ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
     ``status`` shows live progress lines (one per registered loader) in place.
+
+    With ``--max-restarts N``, a run that failed because a rank did (not an interrupt, not
+    ``--timeout``, which counts from the cell's start) is started again, up to N times, each time
+    with a fresh run id and rendezvous and ``TORCHELASTIC_RESTART_COUNT`` one higher.
     """
-    # MASTER_PORT is opened by the backend, on a socket it holds for the run alone.
-    envs = rank_environments(spec, new_run_id(), 0, kernel_environ)
     labels = dict(labels or {})
+    deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+    first_id = new_run_id()
+    for restart in range(spec.max_restarts + 1):
+        # MASTER_PORT is opened by the backend, on a socket it holds for the run alone.
+        envs = rank_environments(spec, first_id if restart == 0 else new_run_id(), 0, kernel_environ,
+                                 restart=restart, elastic_id=first_id)
+        watch = _attempt(spec, task, backend, envs, write, cell_names or {}, labels,
+                         status or (lambda lines: None), deadline)
+        failure = watch.rank_failure()
+        if failure is None or restart == spec.max_restarts:
+            break
+        write("stderr", f"taas: {failure}: every rank starts again (restart {restart + 1} of "
+                        f"--max-restarts {spec.max_restarts})\n")
+    if spec.max_restarts and watch.rank_failure() is not None:
+        write("stderr", f"taas: --max-restarts {spec.max_restarts} spent: the cell fails with the last failure\n")
+    watch.raise_outcome()
+    return Outcome(watch.results, watch.skipped_names())
+
+
+def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, dict[str, str]],
+             write: Callable[[str, str], object], cell_names: Mapping[str, str], labels: dict[Key, str],
+             status: Callable[[list[str]], object], deadline: float | None) -> "_Watch":
+    """One start of the run, watched to its end; its outcome is the watch's to raise."""
     output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0},
                         labels=labels)
-    watch = _Watch(spec, output, cell_names or {}, labels, status or (lambda lines: None))
+    watch = _Watch(spec, output, cell_names, labels, status)
     try:
         group = backend.start(envs, task)
         try:
-            watch.until_done(group)
+            watch.until_done(group, deadline)
         finally:
             group.close()
     finally:
         output.finish()
         for line in watch.notices():
             write("stderr", line + "\n")
-    watch.raise_outcome()
-    return Outcome(watch.results, watch.skipped_names())
+    return watch
 
 
 class _Watch:
@@ -135,8 +159,7 @@ class _Watch:
         self.timed_out: dict[Key, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
 
-    def until_done(self, group: RankGroup) -> None:
-        deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
+    def until_done(self, group: RankGroup, deadline: float | None) -> None:
         while group.running():
             try:
                 self._step(group, deadline)
@@ -255,6 +278,13 @@ class _Watch:
             elif code != 0 and rank not in self.stopped:
                 failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
         return sorted(failures, key=lambda f: f.time)
+
+    def rank_failure(self) -> str | None:
+        """The one-line failure when the run failed because a rank did (not an interrupt or a timeout)."""
+        failures = self._failures()
+        if self.interrupted or self.timed_out is not None or not failures:
+            return None
+        return self._failure_message(failures)[0]
 
     def raise_outcome(self) -> None:
         failures = self._failures()

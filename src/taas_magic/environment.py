@@ -20,11 +20,13 @@ TORCHRUN_VARIABLES = (
 
 
 def rank_environments(
-    spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], node_rank: int | None = None
+    spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], node_rank: int | None = None,
+    restart: int = 0, elastic_id: str | None = None,
 ) -> dict[int, dict[str, str]]:
     """The variables each rank of node ``node_rank`` (of every node by default) adds to the environment
-    it starts in: the kernel's, or its node's."""
-    shared = _shared(spec, run_id, master_port, kernel_environ)
+    it starts in: the kernel's, or its node's. ``restart`` counts the runs started again after a
+    failure; ``elastic_id`` is the first run's id, which torchrun keeps across restarts."""
+    shared = _shared(spec, run_id, master_port, kernel_environ, restart, elastic_id or run_id)
     envs = {}
     nodes = range(spec.nodes) if node_rank is None else (node_rank,)
     for node_rank, local_rank in ((node, local) for node in nodes for local in range(spec.ranks_per_node)):
@@ -43,7 +45,8 @@ def rank_environments(
     return envs
 
 
-def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str]) -> dict[str, str]:
+def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], restart: int,
+            elastic_id: str) -> dict[str, str]:
     env = {
         "WORLD_SIZE": str(spec.world_size),
         "LOCAL_WORLD_SIZE": str(spec.ranks_per_node),
@@ -52,9 +55,9 @@ def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Map
         "ROLE_NAME": "default",
         "MASTER_ADDR": spec.master_addr,
         "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": elastic_id,
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "OMP_NUM_THREADS": str(spec.threads_per_rank),
         "PYTHONUNBUFFERED": "1",
         "TAAS_RUN_ID": run_id,

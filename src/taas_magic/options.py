@@ -23,6 +23,7 @@ ORDERS = ("deterministic", "fastest")
 OUTPUTS = ("all", "rank0")
 PLACES = ("local", "cluster")
 MAX_CPUS = 8
+MAX_RESTARTS = 100  # a typo like --max-restarts 1000 must not loop a crashing job for hours
 MAX_LINE = 4096  # characters of options, after IPython expanded {expressions} and $names
 
 # ASCII digits only: these are what a user types, and what error messages can show back.
@@ -114,6 +115,11 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         magic_arguments.argument(
             "--timeout", type=seconds, default=None, metavar="SECONDS",
             help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument(
+            "--max-restarts", dest="max_restarts", type=whole_number(0, MAX_RESTARTS), default=0, metavar="N",
+            help="when a rank fails, stop every rank and start the run again, up to N times, as torchrun's "
+            "elastic agent does (TORCHELASTIC_RESTART_COUNT counts them); the cell fails with the last failure.",
         ),
         magic_arguments.argument(
             "--start", choices=STARTS, default="auto",

@@ -37,6 +37,7 @@ class LaunchSpec:
     prefetch: int | None = None  # elements producers may prepare ahead; None: the default
     master_addr: str = LOOPBACK
     on_cluster: bool = False  # the connected Ray cluster runs it (multi-node allowed), not this machine
+    max_restarts: int = 0  # runs started again after a rank failed, at most
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -87,6 +88,7 @@ def build(
         order=getattr(options, "order", "deterministic"),
         prefetch=getattr(options, "prefetch", None),
         on_cluster=on_cluster,
+        max_restarts=getattr(options, "max_restarts", 0),
     )
 
 
