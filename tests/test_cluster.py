@@ -274,6 +274,8 @@ def test_a_failing_dataset_on_the_cpu_node_fails_the_cell_naming_the_loader_and_
     assert r.error is not None, r.stdout
     assert r.error["evalue"].startswith("producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ")
     assert "ValueError: sample 21 is corrupt" in r.error["evalue"] and "raise ValueError" in r.traceback
+    assert re.search(r"Cell In\[\d+\]", r.traceback), \
+        "the dataset's cell, shipped for tracebacks, is named as IPython names it"
     assert r.seconds < 20
     assert not leftovers(cluster_kernel)
     cluster_kernel.execute("taas.unregister(broken)").ok()
