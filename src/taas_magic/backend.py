@@ -32,10 +32,6 @@ def key_order(key: Key) -> tuple[int, int, int]:
     return (0, key, 0) if isinstance(key, int) else (1, key.loader, key.index)
 
 
-def is_rank(key: Key) -> bool:
-    return isinstance(key, int)
-
-
 @dataclass(frozen=True)
 class Output:
     """Bytes a rank or producer (or anything it started) wrote to its stdout or stderr."""

@@ -15,7 +15,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from .backend import Backend, Event, Exited, Key, Output, RankGroup, Report, Result, key_order
 from .environment import rank_environments
@@ -32,6 +32,7 @@ STACK_SECONDS = 2.0
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+Value = TypeVar("Value")
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -110,7 +111,7 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
             break
         write("stderr", f"taas: {failure}: every rank starts again (restart {restart + 1} of "
                         f"--max-restarts {spec.max_restarts})\n")
-    if spec.max_restarts and watch.rank_failure() is not None:
+    if spec.max_restarts and failure is not None:
         write("stderr", f"taas: --max-restarts {spec.max_restarts} spent: the cell fails with the last failure\n")
     watch.raise_outcome()
     return Outcome(watch.results, watch.skipped_names())
@@ -239,7 +240,7 @@ class _Watch:
 
     def _delivery_summaries(self) -> list[str]:
         per_loader: dict[str, list[DeliverySummary]] = {}
-        for rank, record in sorted(self.records.items(), key=lambda item: key_order(item[0])):
+        for rank, record in _in_order(self.records):
             for name, summary in (record.delivery if isinstance(record, CellEnded) else {}).items():
                 per_loader.setdefault(name, []).append(summary)
         lines = []
@@ -265,7 +266,7 @@ class _Watch:
 
     def _failures(self) -> list[Failure]:
         failures = []
-        for rank, (code, when) in sorted(self.exits.items(), key=lambda item: key_order(item[0])):
+        for rank, (code, when) in _in_order(self.exits):
             record = self.records.get(rank)
             if rank in self.retired:
                 continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
@@ -323,7 +324,7 @@ class _Watch:
         A rank that called sys.exit(0) ended as if it succeeded, but left its peers' collectives.
         """
         ranks_by_end: dict[str, list[int]] = {}
-        for rank, record in sorted(self.records.items(), key=lambda item: key_order(item[0])):
+        for rank, record in _in_order(self.records):
             if isinstance(rank, int) and isinstance(record, CellEnded) and record.time < moment:
                 how = f"exited early with {record.exited}" if record.exited else "had finished the cell"
                 ranks_by_end.setdefault(how, []).append(rank)
@@ -352,8 +353,7 @@ class _Watch:
 
     def _interrupt_lines(self) -> list[str]:
         how = ", ".join(f"{rank}: {_describe_stop(code, self.records.get(rank))}"
-                        for rank, (code, _) in sorted(self.exits.items(), key=lambda item: key_order(item[0]))
-                        if isinstance(rank, int))
+                        for rank, (code, _) in _in_order(self.exits) if isinstance(rank, int))
         return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
 
 
@@ -378,6 +378,11 @@ def _until_taas(frames: list[str]) -> list[str]:
         if "/taas_magic/worker.py" in line or "/taas_magic/fork.py" in line:
             return frames[:index]
     return frames
+
+
+def _in_order(by_key: Mapping[Key, Value]) -> list[tuple[Key, Value]]:
+    """The items of ``by_key``: ranks first, by number, then producers."""
+    return sorted(by_key.items(), key=lambda item: key_order(item[0]))
 
 
 def _only_producers(running: set[Key]) -> bool:

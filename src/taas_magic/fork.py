@@ -123,11 +123,10 @@ class ForkedRanks:
         opening = b""
         try:
             if task.delivery is not None:  # a cluster node's, set up by its agent
-                service = task.delivery
+                service, run_id = task.delivery, task.delivery.run_id
             elif task.loaders:
-                service = DataService(task.loaders, _namespace(task), len(envs))
+                service, run_id = DataService(task.loaders, _namespace(task), len(envs)), envs[min(envs)]["TAAS_RUN_ID"]
             if service is not None:
-                run_id = task.delivery.run_id if task.delivery is not None else envs[min(envs)]["TAAS_RUN_ID"]
                 for key, producer in service.producers():
                     group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
                 task = dataclasses.replace(task, loaders=service.rank_loaders(), delivery=None)

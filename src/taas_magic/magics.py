@@ -16,7 +16,7 @@ from . import cluster, controller, machine, options, results, streams
 from .backend import Backend, Cell
 from .cluster import Cluster
 from .cluster_backend import PRODUCER_NODE, ClusterBackend
-from .configurations import load_catalog
+from .configurations import Catalog, load_catalog
 from .delivery import planning
 from .delivery.service import LoaderPlan, producer_labels
 from .errors import TaasUsageError
@@ -63,7 +63,8 @@ class TaasMagics(Magics):
             else:
                 print(self._settings())
             return
-        spec = build(args, load_catalog(), machine.detect(), os.environ, connected=self.cluster_address is not None)
+        catalog = load_catalog()
+        spec = build(args, catalog, machine.detect(), os.environ, connected=self.cluster_address is not None)
         tree, code = self._compile(line, cell)
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         _import_torch_once()
@@ -71,7 +72,7 @@ class TaasMagics(Magics):
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(analysed.binds, spec.return_names),
                         seed=draw_base_seed())
-        backend = self._cluster_backend(spec) if spec.on_cluster else self._choose_start(spec)
+        backend = self._cluster_backend(spec, catalog) if spec.on_cluster else self._choose_start(spec)
         payload = backend.prepare(task, analysed)
         progress = _ProgressDisplay()
         try:
@@ -129,8 +130,7 @@ class TaasMagics(Magics):
             self.cluster = Cluster.connect(self.cluster_address, cluster.idle_seconds_from(os.environ))
         return self.cluster
 
-    def _cluster_backend(self, spec: LaunchSpec) -> Backend:
-        catalog = load_catalog()
+    def _cluster_backend(self, spec: LaunchSpec, catalog: Catalog) -> Backend:
         producer_node = catalog.get(PRODUCER_NODE) if PRODUCER_NODE in catalog.names() else None
         return ClusterBackend(self._connected(), spec, lambda line: print(line, file=sys.stderr), producer_node)
 

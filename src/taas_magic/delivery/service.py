@@ -18,6 +18,7 @@ from .producer import ProducerTask
 from .standin import StandIn
 from .transport import channel_pair
 
+
 @dataclass(frozen=True)
 class LoaderPlan:
     """What the cell asks of one registered loader (picklable: it travels to the fork server)."""
