@@ -27,6 +27,7 @@ class CellResult:
     displays: list[dict] = field(default_factory=list)
     reply: dict = field(default_factory=dict)  # the execute_reply's content (status, payload)
     seconds: float = 0.0
+    prompts: list[str] = field(default_factory=list)  # input requests' prompts, in order
 
     def text(self, name: str = "stdout") -> str:
         return "".join(text for stream, text, _ in self.streams if stream == name)
@@ -61,12 +62,18 @@ class Kernel:
         self.pid = self.manager.provisioner.process.pid
         self.execute("%load_ext taas_magic\nimport torch, torch.distributed, os, sys, time").ok()
 
-    def execute(self, code: str, timeout: float = 90, interrupt_after: float | None = None) -> CellResult:
+    def execute(self, code: str, timeout: float = 90, interrupt_after: float | None = None,
+                answers: list[str] | None = None) -> CellResult:
+        """Run ``code`` as a cell; ``answers``: lines typed, in order, when the cell asks for input
+        (Jupyter's stdin requests, as a front end answers them; their prompts go to ``prompts``)."""
         result = CellResult()
         started = time.monotonic()
-        msg_id = self.client.execute(code, allow_stdin=False)
+        msg_id = self.client.execute(code, allow_stdin=answers is not None)
+        pending = list(answers or [])
         interrupted = interrupt_after is None
         while True:
+            if answers is not None:
+                self._answer(result, pending)
             wait = 0.2 if interrupted else min(0.2, max(0.001, started + interrupt_after - time.monotonic()))
             try:
                 msg = self.client.get_iopub_msg(timeout=wait)  # an interrupt is sent on time, not on the next message
@@ -95,6 +102,15 @@ class Kernel:
             reply = self.client.get_shell_msg(timeout=10)
         result.reply = reply["content"]
         return result
+
+    def _answer(self, result: CellResult, pending: list[str]) -> None:
+        try:
+            request = self.client.get_stdin_msg(timeout=0.01)
+        except queue.Empty:
+            return
+        if request["msg_type"] == "input_request":
+            result.prompts.append(request["content"]["prompt"])
+            self.client.input(pending.pop(0) if pending else "q")
 
     def value(self, expression: str):
         """Evaluate in the kernel (not in ranks) and return the printed repr's literal value."""

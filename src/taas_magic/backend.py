@@ -66,7 +66,15 @@ class Exited:
     returncode: int  # as subprocess reports it: negative for death by a signal
 
 
-Event = Union[Output, Report, Result, Exited]
+@dataclass(frozen=True)
+class InputRequest:
+    """A rank waits for a line of input (its debugger's prompt): answered with ``RankGroup.answer``."""
+
+    rank: Key
+    prompt: str
+
+
+Event = Union[Output, Report, Result, Exited, InputRequest]
 
 
 class RankGroup(Protocol):
@@ -83,6 +91,18 @@ class RankGroup(Protocol):
         """Each rank's Python stack right now, as text."""
 
     def close(self) -> None: ...
+
+
+class SessionGroup(RankGroup, Protocol):
+    """A group whose ranks outlive their first cell: each rank runs the cells it is sent, one after
+    another, and reports the end of each (a ``CellEnded`` or ``Failed`` report, rank 0's ``Result``
+    before it)."""
+
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        """Send ``cell`` (a ``session_rank.SessionCell``) to ``ranks``, with the descriptors it needs."""
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        """Answer a rank's ``InputRequest``: a line of input, or None when none can be had."""
 
 
 @dataclass(frozen=True)

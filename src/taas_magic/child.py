@@ -39,6 +39,8 @@ class RankFds:
     lifeline: int  # read end of a pipe only the supervisor writes: EOF means the supervisor is gone
     sockets: FrozenSet[int] = frozenset()  # inherited sockets this process needs (its delivery channels)
     gate: int | None = None  # read end of a pipe the supervisor holds shut until it has forked every process
+    control: int | None = None  # the process's end of its channel with the supervisor (cells, input)
+    control_secret: bytes = b""
 
 
 def wait_at_gate(fds: RankFds) -> bytes:
@@ -70,7 +72,7 @@ def settle_forked_process() -> None:
 def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     """What every process forked for a run does first; returns the kernel's shell object, if any."""
     settle_forked_process()
-    containment.drop_sockets(set(fds.sockets))
+    containment.drop_sockets(set(fds.sockets) | ({fds.control} if fds.control is not None else set()))
     _tie_life_to_supervisor(fds.lifeline)
     _redirect_output(fds.stdout, fds.stderr)
     _reset_signals(fds.stack)

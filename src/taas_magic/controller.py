@@ -87,11 +87,15 @@ class Outcome:
 
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
         kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None,
-        labels: Mapping[Key, str] | None = None, status: Callable[[list[str]], object] | None = None) -> Outcome:
+        labels: Mapping[Key, str] | None = None, status: Callable[[list[str]], object] | None = None,
+        keep_paused: Callable[[RankGroup, int], None] | None = None) -> Outcome:
     """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
 
     ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
     ``status`` shows live progress lines (one per registered loader) in place.
+
+    With ``--debug``, the first rank whose cell raised stays, paused at its error, while the others
+    are stopped; the group is handed to ``keep_paused`` instead of being closed.
 
     With ``--max-restarts N``, a run that failed because a rank did (not an interrupt, not
     ``--timeout``, which counts from the cell's start) is started again, up to N times, each time
@@ -105,7 +109,7 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
         envs = rank_environments(spec, first_id if restart == 0 else new_run_id(), 0, kernel_environ,
                                  restart=restart, elastic_id=first_id)
         watch = _attempt(spec, task, backend, envs, write, cell_names or {}, labels,
-                         status or (lambda lines: None), deadline)
+                         status or (lambda lines: None), deadline, keep_paused)
         failure = watch.rank_failure()
         if failure is None or restart == spec.max_restarts:
             break
@@ -119,7 +123,8 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
 
 def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, dict[str, str]],
              write: Callable[[str, str], object], cell_names: Mapping[str, str], labels: dict[Key, str],
-             status: Callable[[list[str]], object], deadline: float | None) -> "_Watch":
+             status: Callable[[list[str]], object], deadline: float | None,
+             keep_paused: Callable[[RankGroup, int], None] | None) -> "_Watch":
     """One start of the run, watched to its end; its outcome is the watch's to raise."""
     output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0},
                         labels=labels)
@@ -129,7 +134,10 @@ def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, d
         try:
             watch.until_done(group, deadline)
         finally:
-            group.close()
+            if watch.paused and keep_paused is not None and group.running() == watch.paused:
+                keep_paused(group, next(iter(watch.paused)))  # type: ignore[arg-type]
+            else:
+                group.close()
     finally:
         output.finish()
         for line in watch.notices():
@@ -159,9 +167,10 @@ class _Watch:
         self.escalation: _Escalation | None = None
         self.timed_out: dict[Key, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
+        self.paused: set[Key] = set()  # --debug: the rank that raised first, waiting for the debugger
 
     def until_done(self, group: RankGroup, deadline: float | None) -> None:
-        while group.running():
+        while group.running() - self.paused:
             try:
                 self._step(group, deadline)
             except KeyboardInterrupt:
@@ -172,12 +181,14 @@ class _Watch:
             self._handle(event)
         self.output.flush_idle()
         now = time.monotonic()
+        running = group.running() - self.paused
         if self.escalation is None and self._failures():
             self._begin_stop(group, ON_FAILURE)
-        elif self.escalation is None and _only_producers(group.running()):
-            self.retired = group.running()  # every rank is done: the producers' work is over
+        elif self.escalation is None and _only_producers(running):
+            self.retired = running  # every rank is done: the producers' work is over
             self._begin_stop(group, ON_FAILURE)
         elif self.escalation is None and deadline is not None and now >= deadline:
+            self.paused.clear()  # the time is up for the paused rank too
             late = sorted(group.running(), key=key_order)
             self.timed_out = {rank: "" for rank in late}
             self.timed_out.update(group.stacks(late, STACK_SECONDS))
@@ -186,10 +197,11 @@ class _Watch:
             self._begin_stop(group, ON_FAILURE)
         if self.escalation is not None:
             for signum in self.escalation.due(time.monotonic()):
-                group.signal(signum)
+                group.signal(signum, group.running() - self.paused)
 
     def _on_interrupt(self, group: RankGroup) -> None:
         self.interrupted = True
+        self.paused.clear()  # an interrupt stops every rank, the paused one too
         if self.escalation is None or self.escalation.steps is not ON_INTERRUPT:
             self._begin_stop(group, ON_INTERRUPT)
         else:
@@ -197,7 +209,7 @@ class _Watch:
                 group.signal(signum)
 
     def _begin_stop(self, group: RankGroup, steps: tuple[tuple[float, int], ...]) -> None:
-        self.stopped |= group.running()
+        self.stopped |= group.running() - self.paused
         self.escalation = _Escalation(steps)
 
     def _handle(self, event: Event) -> None:
@@ -223,6 +235,9 @@ class _Watch:
             self.saved_on_nodes.append(record)
         else:
             self.records[key] = record
+            if (self.spec.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
+                    and not record.interrupted):
+                self.paused.add(key)  # it waits for the debugger (session_rank.await_debugger)
 
     def skipped_names(self) -> dict[str, str]:
         """Rank 0's names that could not be sent back, and why."""
@@ -266,7 +281,7 @@ class _Watch:
 
     def _failures(self) -> list[Failure]:
         failures = []
-        for rank, (code, when) in _in_order(self.exits):
+        for rank, (code, when) in _in_order(self._ended()):
             record = self.records.get(rank)
             if rank in self.retired:
                 continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
@@ -279,6 +294,12 @@ class _Watch:
             elif code != 0 and rank not in self.stopped:
                 failures.append(Failure(rank, when, _describe_exit(code), self.output.tail(rank)))
         return sorted(failures, key=lambda f: f.time)
+
+    def _ended(self) -> dict[Key, tuple[int, float]]:
+        """The processes whose work is over: (exit status, when), by key."""
+        ended = dict(self.exits)
+        ended.update({rank: (0, self.started) for rank in self.paused})  # it failed, and waits
+        return ended
 
     def rank_failure(self) -> str | None:
         """The one-line failure when the run failed because a rank did (not an interrupt or a timeout)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable
 
 from . import aliases, channel, child, containment, records, tempfiles, worker
-from .backend import Cell, Event, Exited, Key, Output, Report, Result, key_order
+from .backend import Cell, Event, Exited, InputRequest, Key, Output, Report, Result, key_order
 from .delivery.service import DataService
 from .rendezvous import RunStore
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
@@ -40,6 +40,7 @@ class _Rank:
     stack_text: str = ""
     stack_updated: float = 0.0
     results: bytearray = field(default_factory=bytearray)
+    control: channel.Channel | None = None  # a rank's channel: cells to run, their ends, input requests
 
 
 @dataclass
@@ -105,9 +106,11 @@ class ForkedRanks:
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     _pending: list[Event] = field(default_factory=list)
     _closed: bool = False
+    idle_limit: float | None = None  # a session's: the supervisor ends it after this long without a cell
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
+        self._control_secret = channel.new_secret()
         self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
 
     @classmethod
@@ -118,7 +121,7 @@ class ForkedRanks:
         Every process keeps only the sockets it needs: its own delivery channels. Once all are
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
         """
-        group = cls()
+        group = cls(idle_limit=task.idle_limit if task.keep else None)
         service: Any = None  # DataService here, a cluster node's AttachedDelivery there
         opening = b""
         try:
@@ -166,14 +169,17 @@ class ForkedRanks:
     def fork(self, rank: Key, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
         """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer."""
         pipes: dict[str, tuple[int, int]] = {}
+        ends = channel.socket_pair() if isinstance(rank, int) else None  # (ours, the rank's)
         try:
             for name in ("stdout", "stderr", "report", "stack", "results", "gate"):
                 pipes[name] = os.pipe()  # the gate's write end stays here, the others' read ends
             pid = os.fork()
         except BaseException:
-            for ends in pipes.values():
-                for fd in ends:
+            for pair in pipes.values():
+                for fd in pair:
                     os.close(fd)
+            for sock in ends or ():
+                sock.close()
             raise
         gate_read, gate_write = pipes.pop("gate")
         if pid == 0:  # the rank: never returns into the supervisor's code
@@ -181,10 +187,13 @@ class ForkedRanks:
             try:
                 os.setpgid(0, 0)
                 self._close_supervisor_side(pipes, gate_write)
+                if ends is not None:
+                    ends[0].close()
                 fds = child.RankFds(
                     stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
                     stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
                     sockets=frozenset(sockets), gate=gate_read,
+                    control=ends[1].detach() if ends is not None else None, control_secret=self._control_secret,
                 )
                 status = task.run(env, fds)
             except BaseException:
@@ -199,7 +208,11 @@ class ForkedRanks:
             os.close(write_end)
         os.close(gate_read)
         self._gates.append(gate_write)
-        state = _Rank(rank, pid, {name: ends[0] for name, ends in pipes.items()})
+        state = _Rank(rank, pid, {name: pair[0] for name, pair in pipes.items()})
+        if ends is not None:
+            ends[1].close()
+            state.control = channel.Channel(ends[0], self._control_secret, env.get("TAAS_RUN_ID", ""))
+            self._selector.register(state.control.fileno(), selectors.EVENT_READ, (rank, "control"))
         self.ranks[rank] = state
         for name, fd in state.fds.items():
             os.set_blocking(fd, False)
@@ -217,6 +230,7 @@ class ForkedRanks:
         fds = [self._lifeline_write, own_gate] + self._gates + [ends[0] for ends in own_pipes.values()]
         for other in self.ranks.values():
             fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
+            fds += [other.control.fileno()] if other.control is not None else []
         for fd in fds:
             try:
                 os.close(fd)
@@ -238,6 +252,8 @@ class ForkedRanks:
             # An earlier key of this batch may have ended the rank and closed this descriptor.
             if name == "exit" and state.pidfd == key.fd:
                 self._on_exit(state)
+            elif name == "control" and state.control is not None and state.control.fileno() == key.fd:
+                self._on_message(state)
             elif state.fds.get(name) == key.fd:
                 self._read(state, name, key.fd)
         if not hasattr(os, "pidfd_open"):
@@ -274,6 +290,59 @@ class ForkedRanks:
             state.stack_updated = time.monotonic()
         return True
 
+    def _on_message(self, state: _Rank) -> None:
+        """A rank's word on its control channel: the end of a cell, or a request for a line of input.
+
+        What the rank wrote before it is in its pipes already: it goes out first, so a cell's
+        output never trails its end, and a debugger's prompt follows what it printed.
+        """
+        assert state.control is not None
+        try:
+            kind, fields, fds = state.control.receive()
+        except channel.ChannelBroken:
+            self._drop_control(state)  # the rank is ending: its exit says the rest
+            return
+        for fd in fds:
+            os.close(fd)
+        self._drain(state)
+        if kind == "ended":
+            record, results = fields
+            if results is not None:
+                self._pending.append(Result(state.rank, results))
+            self._pending.append(Report(state.rank, records.decode(record)))
+        elif kind == "input":
+            self._pending.append(InputRequest(state.rank, fields[0]))
+
+    def _drain(self, state: _Rank) -> None:
+        for name in ("stdout", "stderr", "report"):
+            while name in state.fds and self._read(state, name, state.fds[name]):
+                pass
+
+    def _drop_control(self, state: _Rank) -> None:
+        if state.control is not None:
+            self._selector.unregister(state.control.fileno())
+            state.control.close()
+            state.control = None
+
+    def control_fds(self) -> set[int]:
+        return {state.control.fileno() for state in self.ranks.values() if state.control is not None}
+
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit."""
+        for rank in sorted(ranks):
+            self._tell(rank, "cell", cell, fds=fds)
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        self._tell(rank, "line", line)
+
+    def _tell(self, rank: Key, kind: str, *fields: Any, fds: tuple[int, ...] = ()) -> None:
+        state = self.ranks.get(rank)
+        if state is not None and state.control is not None:
+            try:
+                state.control.send(kind, *fields, fds=fds)
+            except channel.ChannelBroken:
+                pass
+
     def _on_exit(self, state: _Rank) -> None:
         """A rank ended: stop what it left running, reap it, deliver its last output, then say so.
 
@@ -290,6 +359,9 @@ class ForkedRanks:
             self._selector.unregister(state.pidfd)
             os.close(state.pidfd)
             state.pidfd = None
+        while state.control is not None and state.control.ready(0):
+            self._on_message(state)  # its last words: a cell's end, sent just before it exited
+        self._drop_control(state)
         for name, fd in list(state.fds.items()):
             while name in state.fds and self._read(state, name, fd):
                 pass
@@ -376,6 +448,9 @@ class ForkedRanks:
                     pass
             state.fds.clear()
             state.pidfd = None
+            if state.control is not None:
+                state.control.close()
+                state.control = None
         for fd in (self._lifeline_read, self._lifeline_write):
             os.close(fd)
         self._selector.close()

@@ -122,7 +122,7 @@ def ship(task: RankTask, cell: Cell, context: KernelContext, to: str) -> ForkSer
     reads, by value, the cell's source for tracebacks, and ``context``, what they take on of the
     kernel's process (``to`` names them in the error for a name that cannot travel)."""
     needed = shipping.needed_names(cell.reads, cell.namespace)
-    shipment = shipping.pack(cell.namespace, needed, to)
+    shipment = shipping.pack(cell.namespace, needed, to, track=task.keep)
     rank_task = dataclasses.replace(
         task,
         sources=_notebook_cells(task.code.co_filename, cell.label),

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import linecache
 import os
 import sys
 from types import CodeType
-from typing import Any
+from typing import Any, cast
 
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 
-from . import cluster, controller, machine, options, results, streams
-from .backend import Backend, Cell
+from . import cluster, controller, machine, options, results, shipping, streams
+from .backend import Backend, Cell, SessionGroup
 from .cluster import Cluster
 from .cluster_backend import PRODUCER_NODE, ClusterBackend
 from .configurations import Catalog, load_catalog
@@ -23,7 +24,10 @@ from .errors import TaasUsageError
 from .fork import ForkBackend
 from .forkserver_backend import ForkServerBackend, ForkServerRequest
 from .pragma import PragmaTransformer, parse_header
+from .environment import rank_environments
 from .rank_state import draw_base_seed
+from .rendezvous import new_run_id
+from .session import Session, SessionEnded, debug_paused
 from .spec import LaunchSpec, build, resolve_start
 from .worker import RankTask
 
@@ -40,6 +44,8 @@ class TaasMagics(Magics):
         self.forkserver_backend = ForkServerBackend()
         self.cluster: Cluster | None = None  # the connected Ray cluster, once connected
         self.cluster_address = cluster.address_from(os.environ)  # connected to on first use
+        self.session: Session | None = None  # the ranks of `--keep`, between cells
+        self.paused: tuple[Any, int] | None = None  # --debug: a one-shot run's group, and its rank paused at its error
 
     @options.declare
     @no_var_expand  # done in the magic, only where there is something to expand (_expand_variables)
@@ -53,8 +59,9 @@ class TaasMagics(Magics):
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
         """
         line = _expand_variables(self.ipython, line)
-        if cell is None and line.split()[:1] == ["cluster"]:
-            self._cluster_command(line.split()[1:])
+        words = line.split()
+        if cell is None and words[:1] in (["cluster"], ["stop"], ["debug"]):
+            {"cluster": self._cluster_command, "stop": self._stop_command, "debug": self._debug_command}[words[0]](words[1:])
             return
         args = options.parse(TaasMagics.taas, line)
         if cell is None:
@@ -63,27 +70,159 @@ class TaasMagics(Magics):
             else:
                 print(self._settings())
             return
+        self._let_paused_go()
+        if self.session is not None and self.session.ended:
+            self.session = None
+        if self.session is not None and not args.keep:
+            self._run_in_session(args, line, cell)
+            return
+        if args.keep and self.session is not None:
+            raise TaasUsageError(f"a session is running ({self.session.size} ranks): %taas stop first, "
+                                 "or leave out --keep to run the cell in it")
+        if args.ranks is not None:
+            raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))} runs a cell in part of a session, "
+                                 "and none is running: start one with --keep")
         catalog = load_catalog()
         spec = build(args, catalog, machine.detect(), os.environ, connected=self.cluster_address is not None)
         tree, code = self._compile(line, cell)
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         _import_torch_once()
-        loaders = self._loaders(spec, analysed)
+        loaders = self._session_loaders(analysed) if spec.keep else self._loaders(spec, analysed)
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(analysed.binds, spec.return_names),
-                        seed=draw_base_seed())
+                        seed=draw_base_seed(), keep=spec.keep, idle_limit=spec.idle_limit, debug=spec.debug)
         backend = self._cluster_backend(spec, catalog) if spec.on_cluster else self._choose_start(spec)
         payload = backend.prepare(task, analysed)
         progress = _ProgressDisplay()
         try:
-            known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
-            cell_names = {name: f"Cell In[{number}]" for name, number in known.items()}
-            outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ, cell_names,
-                                     labels=producer_labels(loaders), status=progress.show)
+            if spec.keep:
+                outcome = self._start_session(spec, backend, payload)
+            else:
+                outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ,
+                                         self._cell_names(), labels=producer_labels(loaders), status=progress.show,
+                                         keep_paused=self._keep_paused)
         finally:
             if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
         self._take_back(outcome)
+
+    def _cell_names(self) -> dict[str, str]:
+        known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
+        return {name: f"Cell In[{number}]" for name, number in known.items()}
+
+    # -- sessions -------------------------------------------------------------------------------
+    def _start_session(self, spec: LaunchSpec, backend: Backend, payload: Any) -> controller.Outcome:
+        """Start the ranks of a session; they run this cell first, and stay."""
+        envs = rank_environments(spec, new_run_id(), 0, os.environ)
+        if isinstance(payload, ForkServerRequest):
+            namespace = self.ipython.user_ns
+            known = {name: shipping.fingerprint(namespace[name]) for name in payload.shipment.sent if name in namespace}
+            sources = set(payload.task.sources)
+        else:
+            known = {name: shipping.fingerprint(value) for name, value in self.ipython.user_ns.items()
+                     if not name.startswith("_")}  # forked: the ranks have every name as it is now
+            sources = set(self._cell_names())
+        group = cast(SessionGroup, backend.start(envs, payload))  # fork and fork server groups take cells
+        self.session = Session(group, spec, backend.name, known, sources)
+        session = self.session
+        return self._session_outcome(lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(),
+                                                                _read_line))
+
+    def _run_in_session(self, args: Any, line: str, cell: str) -> None:
+        session = self.session
+        assert session is not None
+        _check_fits_session(args, session)
+        ranks = list(args.ranks) if args.ranks is not None else list(range(session.size))
+        outside = [rank for rank in ranks if rank >= session.size]
+        if outside:
+            raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))}: the session has ranks 0-{session.size - 1}")
+        spec = dataclasses.replace(session.spec, output=args.output, timeout=args.timeout,
+                                   return_names=args.return_names)
+        tree, code = self._compile(line, cell)
+        analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
+        self._session_loaders(analysed)
+        wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
+        prepared, shipment = session.prepare(analysed, code, wanted)
+        try:
+            outcome = self._session_outcome(lambda: session.run(
+                prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), _read_line))
+            session.shipped(shipment, self.ipython.user_ns)
+        finally:
+            if shipment is not None:
+                shipment.close()
+        self._take_back(outcome)
+
+    def _session_outcome(self, run: Any) -> controller.Outcome:
+        """Run a session's cell; a session that ended is forgotten, and rank 0's names are its own."""
+        session = self.session
+        assert session is not None
+        try:
+            outcome: controller.Outcome = run()
+        except SessionEnded:
+            self.session = None
+            raise
+        return outcome
+
+    def _session_loaders(self, cell: Cell) -> tuple[LoaderPlan, ...]:
+        """A session's ranks iterate registered loaders themselves: producers serve one-shot cells."""
+        names = planning.loaders_used(cell.reads, self.ipython.user_ns)
+        if names:
+            print(f"taas: {', '.join(names)}: registered loaders are served by producers in one-shot cells; "
+                  "in a session each rank iterates the loader itself", file=sys.stderr)
+        return ()
+
+    def _stop_command(self, words: list[str]) -> None:
+        """`%taas stop`: end the session (and let a rank paused by --debug go)."""
+        if words:
+            raise TaasUsageError(f"%taas stop takes nothing more; got {' '.join(words)!r}")
+        stopped = self._let_paused_go()
+        if self.session is not None:
+            ended = self.session.ended
+            size = self.session.size
+            self.session.stop()
+            self.session = None
+            print(f"taas: the session had already ended ({ended})" if ended else
+                  f"taas: session stopped; its {size} rank{'s' * (size != 1)} are gone")
+        elif stopped:
+            print("taas: the paused rank is gone")
+        else:
+            print("taas: no session is running")
+
+    def _debug_command(self, words: list[str]) -> None:
+        """`%taas debug [RANK]`: the debugger in a rank whose cell raised, at its error."""
+        if len(words) > 1 or (words and not words[0].isdigit()):
+            raise TaasUsageError(f"%taas debug takes a rank number, or nothing; got {' '.join(words)!r}")
+        wanted = int(words[0]) if words else None
+        if self.paused is not None:
+            group, rank = self.paused
+            self.paused = None
+            if wanted is not None and wanted != rank:
+                group.close()
+                raise TaasUsageError(f"rank {wanted} did not fail: rank {rank} was paused at its error")
+            debug_paused(group, rank, streams.write_to_cell, _read_line)
+            return
+        session = self.session
+        if session is None or session.ended or not session.failed:
+            raise TaasUsageError("nothing to debug: no rank's cell failed in a session, and no rank is paused "
+                                 "(--debug in a one-shot cell keeps the first rank that fails)")
+        rank = min(session.failed) if wanted is None else wanted
+        if rank not in session.failed:
+            raise TaasUsageError(f"rank {rank}'s last cell did not fail: debug one of ranks "
+                                 f"{', '.join(map(str, sorted(session.failed)))}")
+        self._session_outcome(lambda: session.debug(rank, streams.write_to_cell, _read_line))
+
+    def _keep_paused(self, group: Any, rank: int) -> None:
+        self.paused = (group, rank)
+        print(f"taas: rank {rank} is paused at its error: %taas debug opens the debugger there "
+              "(the next taas cell, or %taas stop, lets it go)", file=sys.stderr)
+
+    def _let_paused_go(self) -> bool:
+        if self.paused is None:
+            return False
+        group, _ = self.paused
+        self.paused = None
+        group.close()
+        return True
 
     def _loaders(self, spec: LaunchSpec, cell: Cell) -> tuple[LoaderPlan, ...]:
         """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
@@ -170,6 +309,8 @@ class TaasMagics(Magics):
         except Exception as e:  # the stream itself is damaged: no name can be read
             values, lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
         self.ipython.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
+        if self.session is not None:
+            self.session.took_back(values)
         skipped.update(lost)
         if skipped:
             listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
@@ -198,6 +339,8 @@ class TaasMagics(Magics):
         return "\n".join([
             "start:               fork from this kernel; the fork server once CUDA was used here",
             f"fork server:         {self.forkserver_backend.describe()}",
+            "session:             " + (self.session.describe() if self.session is not None and not self.session.ended
+                                       else "none (--keep starts one)"),
             "cluster:             " + (f"{self.cluster_address} (cells run there; --on local runs one here)"
                                        if self.cluster_address else "none (%taas cluster ADDRESS connects one)"),
             f"configurations:      {'; '.join(catalog.sources)}",
@@ -231,6 +374,35 @@ class _ProgressDisplay:
             self.handle = display(data, raw=True, display_id=True)
         else:
             self.handle.update(data, raw=True)
+
+
+def _check_fits_session(args: Any, session: Session) -> None:
+    """A cell in a session may choose only --ranks, --return, --timeout and --output; an option that
+    would make it another run (its size, device, configuration, start) is an error."""
+    spec = session.spec
+    same = {
+        "--gpus": args.gpus in (None, spec.world_size),
+        "--config": args.config is None or (spec.configuration is not None and args.config == spec.configuration.name),
+        "--device": args.device in (None, "auto", spec.device),
+        "--start": args.start in ("auto", session.start, "spawn" if session.start == "forkserver" else ""),
+        "--on": args.on in (None, "local"),
+    }
+    one_shot = {"--cpus": args.cpus is not None, "--units": args.units is not None,
+                "--prefetch": args.prefetch is not None, "--order": args.order != "deterministic",
+                "--max-restarts": args.max_restarts != 0, "--debug": args.debug, "--idle": args.idle is not None}
+    changed = [name for name, ok in same.items() if not ok]
+    if changed:
+        raise TaasUsageError(f"{', '.join(changed)} would change the running session ({session.size} ranks on "
+                             f"{spec.device}): %taas stop first, then start another with --keep")
+    others = [name for name, given in one_shot.items() if given]
+    if others:
+        raise TaasUsageError(f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
+                             "--return, --timeout and --output (%taas stop ends the session)")
+
+
+def _read_line(prompt: str) -> str:
+    """A line typed by the user: Jupyter's stdin request in a notebook, the terminal in IPython."""
+    return input(prompt)
 
 
 def _count(number: int, unit: str) -> str:

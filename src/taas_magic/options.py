@@ -73,6 +73,18 @@ def names_or_none(text: str) -> tuple[str, ...]:
     return names
 
 
+def rank_list(text: str) -> tuple[int, ...]:
+    """``0`` or ``0,2``: ranks of a session, each once."""
+    words = [word.strip() for word in text.split(",")]
+    if not words or not all(_WHOLE.fullmatch(word) and not word.startswith("-") for word in words):
+        raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of ranks: use a rank number, or several "
+                                         "separated by commas (0,2)")
+    ranks = tuple(int(word) if len(word) <= 9 else 10**9 for word in words)
+    if len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"{_cut(text)!r} names a rank twice: name each once")
+    return ranks
+
+
 def declare(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate the magic with its options (the outermost decorator is listed first in help)."""
     decorators = [
@@ -136,6 +148,23 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",
             help="names rank 0 sends back into the notebook (default: every name the cell binds at top level); "
             "none: nothing comes back.",
+        ),
+        magic_arguments.argument(
+            "--keep", action="store_true",
+            help="start a session: the ranks stay alive after the cell, and the taas cells that follow run in "
+            "them, with their names, process group and models (%%taas stop ends it).",
+        ),
+        magic_arguments.argument(
+            "--ranks", type=rank_list, default=None, metavar="R,R",
+            help="in a session: run the cell in these ranks only (0 or 0,2); the others wait.",
+        ),
+        magic_arguments.argument(
+            "--idle", type=seconds, default=None, metavar="SECONDS",
+            help="with --keep: end the session after this many seconds without a cell (default 3600).",
+        ),
+        magic_arguments.argument(
+            "--debug", action="store_true",
+            help="a rank whose cell raises stays, paused, so that %%taas debug can open the debugger at the error.",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
         # `#!NAME` alone while a cluster is connected: the cell as one process on such a node

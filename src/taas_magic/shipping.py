@@ -12,6 +12,7 @@ cell before anything starts, naming the variable; an unneeded one is never looke
 
 from __future__ import annotations
 
+import hashlib
 import io
 import mmap
 import os
@@ -19,7 +20,7 @@ import pickle
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import cloudpickle
 
@@ -46,6 +47,7 @@ class Shipment:
     data: bytes
     tensors_fd: int | None  # memfd with every tensor's bytes; the receiver maps it
     tensors_size: int
+    sent: frozenset[str] = frozenset()  # the notebook's names whose values went in it (also through functions)
 
     def close(self) -> None:
         if self.tensors_fd is not None:
@@ -64,12 +66,52 @@ class _TensorRef:
 
 
 class _ShippingPickler(cloudpickle.Pickler):
-    """Pickles tensors as references into one memory file instead of by value."""
+    """Pickles tensors as references into one memory file instead of by value.
 
-    def __init__(self, file: io.BytesIO):
+    For a session's ranks (``held`` given), the notebook's own globals dict and the values the
+    ranks hold already go as references to the ranks' namespace: functions then share the
+    ranks' names, and what did not change is not sent again.
+    """
+
+    def __init__(self, file: io.BytesIO, namespace: dict[str, Any] | None = None,
+                 held: Callable[[str, Any], bool] | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[Any] = []
         self.size = 0
+        self.namespace = namespace
+        self.held = held  # whether the ranks hold the notebook's name, bound to this value, already
+        # The notebook's values by identity; atoms (None, numbers, strings) are values, not objects
+        # to follow: they are recognized by name, in the globals of the functions that read them.
+        self.known = {id(value): name for name, value in (namespace or {}).items() if type(value) not in _ATOMS}
+        self.sent: set[str] = set()  # the notebook's names whose values were pickled
+
+    def persistent_id(self, obj: Any) -> Any:
+        if self.namespace is None:
+            return None
+        if isinstance(obj, _Held):
+            return ("name", obj.name)
+        if self.held is not None and obj is getattr(self, "globals_ref", {}).get(id(self.namespace)):
+            return ("globals",)
+        name = self.known.get(id(obj))
+        if name is None:
+            return None
+        if self.held is not None and self.held(name, obj):
+            return ("name", name)
+        self.sent.add(name)
+        return None
+
+    def _dynamic_function_reduce(self, func: Any) -> Any:
+        """A notebook function: the notebook's globals it reads go with it, less what the ranks hold."""
+        reduced = super()._dynamic_function_reduce(func)  # type: ignore[misc]
+        if self.namespace is None or func.__globals__ is not self.namespace:
+            return reduced
+        read = reduced[2][1]["__globals__"]  # a dict of its own: cloudpickle builds it for this function
+        for name, value in list(read.items()):
+            if self.held is not None and self.held(name, value):
+                read[name] = _Held(name)
+            else:
+                self.sent.add(name)
+        return reduced
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
@@ -86,16 +128,44 @@ class _ShippingPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def pack(namespace: dict[str, Any], names: list[str], to: str = "ranks started with --start forkserver") -> Shipment:
-    """Pickle ``names`` from ``namespace`` for the ranks; raises TaasUsageError naming what cannot go."""
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A notebook name a session's ranks hold already: it stands for their own value."""
+
+    name: str
+
+
+def pack(namespace: dict[str, Any], names: list[str], to: str = "ranks started with --start forkserver",
+         track: bool = False) -> Shipment:
+    """Pickle ``names`` from ``namespace`` for the ranks; raises TaasUsageError naming what cannot go.
+
+    ``track``: find every notebook name whose value went (for a session: ``Shipment.sent``).
+    """
     for name in names:
         _check_shippable(name, namespace[name], to)
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
     buffer = io.BytesIO()
-    pickler = _ShippingPickler(buffer)
+    pickler = _ShippingPickler(buffer, namespace if track else None)
     pickler.dump({ANCHOR: anchor, **{name: namespace[name] for name in names}})
     fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
-    return Shipment(buffer.getvalue(), fd, pickler.size)
+    return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
+
+
+def pack_for_session(namespace: dict[str, Any], names: list[str], held: Callable[[str, Any], bool]) -> Shipment:
+    """``names`` for a session's ranks; what they hold already (``held(name, value)``) goes as a
+    reference to their own namespace (``unpack_into``), whatever refers to it."""
+    to = "a session's ranks"
+    for name in names:
+        _check_shippable(name, namespace[name], to)
+    buffer = io.BytesIO()
+    pickler = _ShippingPickler(buffer, namespace, held)
+    anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
+    pickler.dump({ANCHOR: anchor, **{name: namespace[name] for name in names}})
+    fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
+    return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
 
 
 def _check_shippable(name: str, value: Any, to: str) -> None:
@@ -152,3 +222,73 @@ def _rebuild_tensor(ref: _TensorRef) -> Any:
     if ref.parameter:
         return torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
     return tensor.requires_grad_(ref.requires_grad) if ref.requires_grad else tensor
+
+
+class _SessionUnpickler(pickle.Unpickler):
+    """Resolves a session shipment's references to the rank's own namespace."""
+
+    def __init__(self, file: io.BytesIO, namespace: dict[str, Any]):
+        super().__init__(file)
+        self.namespace = namespace
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid == ("globals",):
+            return self.namespace
+        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "name":
+            try:
+                return self.namespace[pid[1]]
+            except KeyError:
+                raise pickle.UnpicklingError(f"{pid[1]!r} was deleted in the ranks: bind it again in the notebook "
+                                             "(the ranks are sent what changed there)") from None
+        raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+
+
+def unpack_into(namespace: dict[str, Any], data: bytes, tensors_fd: int | None, tensors_size: int) -> None:
+    """In a session's rank: the shipped names join its namespace, and functions share it."""
+    global _mapped
+    try:
+        if tensors_fd is not None:
+            _mapped = memfile.map_private(tensors_fd)
+        shipped: dict[str, Any] = _SessionUnpickler(io.BytesIO(data), namespace).load()
+    finally:
+        _mapped = None
+        if tensors_fd is not None:
+            os.close(tensors_fd)
+    shipped.pop(ANCHOR)
+    namespace.update(shipped)
+
+
+def fingerprint(value: Any) -> tuple[Any, ...]:
+    """What tells whether a notebook name still holds what a session's ranks were sent.
+
+    The object itself (by identity) and, where taas can see it cheaply, its contents: a tensor's
+    version counter (every in-place change moves it), a module's parameters and buffers, and the
+    items of a small list, dict, set or tuple. Other objects changed in place are not noticed.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return (id(value), value._version)
+    if torch is not None and isinstance(value, torch.nn.Module):
+        tensors = list(value.parameters()) + list(value.buffers())
+        return (id(value), value.training, tuple((id(t), t._version) for t in tensors))
+    if type(value) in (list, dict, set, tuple) and len(value) <= SMALL:
+        try:
+            buffer = io.BytesIO()
+            _DigestPickler(buffer).dump(value)
+            return (id(value), hashlib.blake2b(buffer.getvalue(), digest_size=16).digest())
+        except Exception:
+            pass
+    return (id(value),)
+
+
+SMALL = 1000  # items of a container whose contents are compared from cell to cell
+
+
+class _DigestPickler(pickle.Pickler):
+    """Pickles a container's items for comparison: a tensor by identity and version, not its data."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return tuple, ((id(obj), obj._version),)
+        return NotImplemented

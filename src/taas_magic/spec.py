@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Mapping, NoReturn
+from typing import Any, Mapping, NoReturn
 
 from .configurations import Catalog, Configuration
 from .errors import TaasUsageError
@@ -38,6 +38,9 @@ class LaunchSpec:
     master_addr: str = LOOPBACK
     on_cluster: bool = False  # the connected Ray cluster runs it (multi-node allowed), not this machine
     max_restarts: int = 0  # runs started again after a rank failed, at most
+    keep: bool = False  # start a session: the ranks stay for the cells that follow (session.py)
+    idle_limit: float = 3600.0  # a session ends after this many seconds without a cell
+    debug: bool = False  # a rank whose cell raised stays, paused, for `%taas debug`
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -89,7 +92,22 @@ def build(
         prefetch=getattr(options, "prefetch", None),
         on_cluster=on_cluster,
         max_restarts=getattr(options, "max_restarts", 0),
+        **_session_options(options, on_cluster),
     )
+
+
+def _session_options(options: argparse.Namespace, on_cluster: bool) -> dict[str, Any]:
+    keep, idle, debug = getattr(options, "keep", False), getattr(options, "idle", None), getattr(options, "debug", False)
+    if idle is not None and not keep:
+        raise TaasUsageError(f"--idle {idle:g} applies to a session: add --keep")
+    if keep and on_cluster:
+        raise TaasUsageError("--keep: sessions run on this machine for now: add --on local")
+    if keep and debug:
+        raise TaasUsageError("--debug applies to one-shot cells: a session keeps a failing rank's error for "
+                             "%taas debug anyway")
+    if keep and getattr(options, "max_restarts", 0):
+        raise TaasUsageError("--max-restarts applies to one-shot cells, not to a session (--keep)")
+    return {"keep": keep, "idle_limit": 3600.0 if idle is None else idle, "debug": debug}
 
 
 def _on_cluster(requested: str | None, connected: bool) -> bool:

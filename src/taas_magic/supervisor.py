@@ -32,9 +32,10 @@ import traceback
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NoReturn
 
 from . import containment
-from .backend import Event, Exited, Key, key_order
+from .backend import Event, Exited, Key, Report, key_order
 from .channel import Channel, ChannelBroken
 from .errors import TaasRunError
+from .records import CellEnded, Failed
 from .rendezvous import RunStore
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ class _Supervisor:
             return
         last: list[Event] = []
         try:
-            containment.drop_sockets({self.channel.fileno()})  # the kernel's: only now, not to delay the ranks
+            # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
+            containment.drop_sockets({self.channel.fileno()} | group.control_fds())
             group.watch(self.channel.fileno())
             self._send("started", os.getpid(), sorted(group.ranks, key=key_order))
             last = self._relay(group)
@@ -101,6 +103,8 @@ class _Supervisor:
             pass  # the kernel gave up on the run, or is gone: end it
         except _Orphaned:
             self._tell_lost("the process that started the run's supervisor died")
+        except _Idle as idle:
+            self._tell_lost(f"the session was idle for {idle.args[0]:g} s, its limit (--idle)")
         finally:
             group.close()
         containment.end_all_children(STOP_SECONDS)
@@ -128,29 +132,45 @@ class _Supervisor:
         Returns the events that came with the last exit: they go with the word that the run is over.
         """
         ours = {state.pid for state in group.ranks.values()}  # reaped by the group itself
+        idle = _IdleClock(group.idle_limit, busy={key for key in group.ranks if isinstance(key, int)})
         while True:
             events = group.events(PARENT_CHECK_SECONDS)
             if not group.running():
                 return events
             if events:
+                idle.saw(events)
                 self._send("events", events)
             if os.getppid() != self.parent:
                 raise _Orphaned()
+            if idle.expired():
+                raise _Idle(idle.limit)
             containment.reap_strays(ours)
             while self.channel.ready(0):
                 kind, fields, fds = self.channel.receive()
-                for fd in fds:
-                    os.close(fd)
-                if kind == "close":
-                    return []
-                if kind == "signal":
-                    group.signal(fields[0], fields[1])
-                elif kind == "stacks":
-                    stacks = group.stacks(fields[0], fields[1])
-                    self._send("events", group.events(0))
-                    self._send("stacks", stacks)
-                else:
-                    raise ChannelBroken(f"unexpected request {kind!r}")
+                try:
+                    if kind == "close":
+                        return []
+                    self._serve(group, kind, fields, tuple(fds), idle)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+    def _serve(self, group: "ForkedRanks", kind: str, fields: tuple[Any, ...], fds: tuple[int, ...],
+               idle: "_IdleClock") -> None:
+        """One request of the kernel's, other than to close."""
+        if kind == "signal":
+            group.signal(fields[0], fields[1])
+        elif kind == "stacks":
+            stacks = group.stacks(fields[0], fields[1])
+            self._send("events", group.events(0))
+            self._send("stacks", stacks)
+        elif kind == "cell":  # a session's next cell, for some of its ranks
+            idle.busy.update(fields[1])
+            group.run_cell(fields[0], fields[1], fds)
+        elif kind == "line":
+            group.answer(fields[0], fields[1])
+        else:
+            raise ChannelBroken(f"unexpected request {kind!r}")
 
     def _send(self, kind: str, *fields: Any) -> None:
         self.channel.send(kind, *fields)
@@ -173,6 +193,31 @@ def _step_aside() -> None:
 
 class _Orphaned(Exception):
     """The supervisor's parent died: the run cannot go on without the one who asked for it."""
+
+
+class _Idle(Exception):
+    """A session ran no cell for its idle limit: its ranks give back what they hold (GPUs, memory)."""
+
+
+class _IdleClock:
+    """How long a session's ranks have all been waiting for a cell. Without a limit, never expires."""
+
+    def __init__(self, limit: float | None, busy: set[Key]):
+        self.limit = limit
+        self.busy = busy  # ranks running a cell (every rank runs the first)
+        self.since = time.monotonic()
+
+    def saw(self, events: list[Event]) -> None:
+        if self.busy:
+            self.since = time.monotonic()
+        for event in events:
+            if isinstance(event, Report) and isinstance(event.record, (CellEnded, Failed)):
+                self.busy.discard(event.rank)
+
+    def expired(self) -> bool:
+        if self.limit is None or self.busy:
+            return False
+        return time.monotonic() - self.since > self.limit
 
 
 # -- in the kernel -------------------------------------------------------------------------------
@@ -324,6 +369,12 @@ class SupervisedRanks:
         if self.alive:
             self._send("signal", signum, None if ranks is None else sorted(set(ranks) & self.alive, key=key_order))
 
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        self._send("cell", cell, sorted(ranks), fds=fds)
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        self._send("line", rank, line)
+
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         self._send("stacks", sorted(ranks, key=key_order), timeout)
         deadline = time.monotonic() + timeout + CLOSE_SECONDS
@@ -417,9 +468,9 @@ class SupervisedRanks:
         elif kind != "stacks":  # a reply that came after its request timed out
             self._lose(f"unexpected message {kind!r}")
 
-    def _send(self, kind: str, *fields: Any) -> None:
+    def _send(self, kind: str, *fields: Any, fds: tuple[int, ...] = ()) -> None:
         try:
-            self.channel.send(kind, *fields)
+            self.channel.send(kind, *fields, fds=fds)
         except ChannelBroken as e:
             # The run may have ended and its supervisor gone just before the request: its last
             # words are still here to read, and the request no longer matters.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
-from . import results, storage, tempfiles
+from . import debugger, results, session_rank, storage, tempfiles
 from .aliases import rebind
 from .cell_names import code_names
 from .child import (
@@ -75,6 +75,9 @@ class RankTask:
     context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
     seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
     delivery: Any = None  # on a cluster node: its share of data delivery (a NodeEnds, attached once unpacked)
+    keep: bool = False  # a session: the ranks stay, running the cells they are sent (session_rank.py)
+    idle_limit: float | None = None  # a session ends after this many seconds without a cell
+    debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
 
     def run(self, env: dict[str, str], fds: "RankFds") -> int:
         return run_rank(self, env, fds)
@@ -99,8 +102,17 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     for pair in replaced:
         if pair is not None:
             rebind(namespace, aliases, *pair)
+    shell = shell if task.namespace is None else None
+    control = session_rank.open_control(fds)
+    if control is not None:
+        debugger.take_breakpoints(control)
     try:
-        return _execute(task, namespace, shell if task.namespace is None else None, fds, send_results=rank == 0)
+        if task.keep and control is not None:
+            return session_rank.serve(task, namespace, shell, fds, control)
+        status, error = _execute(task, namespace, shell, fds, send_results=rank == 0)
+        if error is not None and task.debug and control is not None:
+            session_rank.await_debugger(error, control)
+        return status
     finally:
         for plan in task.loaders:
             finish = getattr(namespace.get(plan.name), "finish", None)
@@ -188,20 +200,38 @@ def _serve_nccl_with_gloo() -> tuple[Any, Any]:
     return original, init_process_group
 
 
-def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool) -> int:
+def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds,
+             send_results: bool) -> tuple[int, BaseException | None]:
+    """A one-shot cell: run it, then results (rank 0) and how it ended go down their pipes."""
+    status, record, data, error = run_cell(task.code, task.return_names if send_results else None, namespace,
+                                           shell, task)
+    if send_results:
+        try:
+            write_all(fds.results, data or b"")
+        finally:
+            os.close(fds.results)
+    report(fds.report, record)
+    return status, error
+
+
+def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: dict[str, Any], shell: Any,
+             task: RankTask) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
+    """Run one cell's code: (exit status, how it ended, rank 0's pickled names, the error it raised).
+
+    ``return_names`` is None in ranks that send nothing back.
+    """
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
-        exec(task.code, namespace)
+        exec(code, namespace)
     except SystemExit as e:
         if e.code not in (None, 0):
-            return _report_failure(fds.report, e, shell, task, f"the cell called sys.exit({e.code!r})")
+            return _failure(e, shell, task, f"the cell called sys.exit({e.code!r})") + (None, e)
         exited = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
     except BaseException as e:
-        return _report_failure(fds.report, e, shell, task)
+        return _failure(e, shell, task) + (None, e)
     ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
-    skipped = _send_results(task.return_names, namespace, fds.results) if send_results else {}
-    report(fds.report, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""))
-    return 0
+    data, skipped = _results(return_names, namespace) if return_names is not None else (None, {})
+    return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
 
 
 def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
@@ -210,26 +240,22 @@ def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, 
             if hasattr(namespace.get(plan.name), "summary")}
 
 
-def _send_results(names: tuple[str, ...], namespace: dict[str, Any], fd: int) -> dict[str, str]:
-    """Pickle the cell's names into the results channel; returns {name: why} for those left out."""
+def _results(names: tuple[str, ...], namespace: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """The cell's names, pickled for the kernel; and {name: why} for those left out."""
     present = {name: namespace[name] for name in names if name in namespace}
     data, skipped = results.dumps(present) if present else (b"", {})
     skipped.update({name: "not bound when the cell ended" for name in names if name not in namespace})
-    try:
-        write_all(fd, data)
-    finally:
-        os.close(fd)
-    return skipped
+    return data, skipped
 
 
-def _report_failure(report_fd: int, error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> int:
+def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> tuple[int, Failed]:
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
     flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
     # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
-    report(report_fd, Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell, task),
-                             interrupted=interrupted, hint=_hint(error, task)))
-    return EXIT_INTERRUPTED if interrupted else EXIT_FAILED
+    record = Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell, task),
+                    interrupted=interrupted, hint=_hint(error, task))
+    return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
 
 
 # What torch says when a CPU-only rank asks for CUDA (no driver, no device visible, a CPU-only build).
@@ -261,9 +287,20 @@ _cell_labels: dict[str, str] = {}  # file name -> "Cell In[5]", in processes tha
 def register_sources(sources: dict[str, tuple[str, str]]) -> None:
     """Make the notebook's cells readable where the kernel's line cache is not inherited (before the
     ranks and producers are forked): tracebacks then quote their lines, and name them as IPython does."""
+    numbers = _shell_cell_numbers()
     for filename, (label, code) in sources.items():
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         _cell_labels[filename] = label
+        if numbers is not None and label.startswith("Cell In[") and label[8:-1].isdigit():
+            numbers[filename] = int(label[8:-1])  # a forked rank's shell: its tracebacks say "Cell In[n]" too
+
+
+def _shell_cell_numbers() -> dict[str, int] | None:
+    """The kernel's own map of cell file names to numbers, in a rank forked from it (None elsewhere)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    return numbers if isinstance(numbers, dict) else None
 
 
 def format_traceback(error: BaseException, shell: Any, task: RankTask | None = None) -> list[str]:

@@ -1,0 +1,295 @@
+"""Sessions, in the kernel: ranks that stay alive from cell to cell (`--keep`), and the cells run in them.
+
+A session is the group of a run started with ``RankTask.keep``: its ranks run its first cell,
+then each cell they are sent (``session_rank.py``). A cell in a session ends when every rank
+it runs in has said so, not when they exit. Its outcomes:
+
+- the cell's code raised in a rank: the cell fails with that traceback, the ranks still in the
+  cell are interrupted (as a failing one-shot run stops them), and the session goes on;
+- an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank; the session
+  goes on;
+- a rank that does not come back from an interrupt within 5 s, or a rank that exits or dies,
+  ends the session: its process group cannot continue. Everything of it is closed, and the
+  cell says why.
+
+The notebook's names a cell reads are sent only when they changed since the ranks last had them
+(``shipping.fingerprint``); the ranks' own names stay theirs.
+"""
+
+from __future__ import annotations
+
+import linecache
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from . import shipping
+from .backend import Cell, Event, Exited, InputRequest, Key, SessionGroup, key_order
+from .controller import BOLD, RED, RESET, Outcome, RunInterrupted, _describe_exit, _Watch, plain, user_stack
+from .errors import RankFailed, RunTimedOut, TaasRunError
+from .records import CellEnded, Failed
+from .session_rank import SessionCell
+from .spec import LaunchSpec
+from .streams import RankOutput
+
+RETURN_SECONDS = 5.0  # how long ranks may take to leave an interrupted cell before the session ends
+STACK_SECONDS = 2.0
+IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
+
+
+class SessionEnded(TaasRunError):
+    """The session is over (a rank died, or did not leave an interrupted cell): nothing of it is left."""
+
+
+ReadLine = Callable[[str], str]  # asks the user for a line of input: the kernel's `input`
+
+
+@dataclass
+class Session:
+    """A live session: its ranks, what they were started with, and what they hold of the notebook."""
+
+    group: SessionGroup
+    spec: LaunchSpec
+    start: str  # "fork" or "forkserver"
+    known: dict[str, tuple[Any, ...]]  # notebook name -> fingerprint of the value the ranks were given
+    sources_sent: set[str]  # the notebook's cells the ranks can quote in tracebacks
+    started: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    cells: int = 0
+    failed: set[int] = field(default_factory=set)  # ranks whose last cell raised: `%taas debug` enters them
+    ended: str = ""  # why the session is over, once it is
+
+    @property
+    def size(self) -> int:
+        return self.spec.world_size
+
+    # -- cells ----------------------------------------------------------------------------------
+    def prepare(self, analysed: Cell, code: Any, return_names: tuple[str, ...]) -> tuple[SessionCell, shipping.Shipment | None]:
+        """The cell for the ranks: its code, and the notebook's names it reads that changed."""
+        namespace = analysed.namespace
+        needed = shipping.needed_names(analysed.reads, namespace)
+        changed = [name for name in needed if self.known.get(name) != shipping.fingerprint(namespace[name])]
+        shipment = None
+        if changed:
+            shipment = shipping.pack_for_session(namespace, changed, self._held)
+        sources = self._new_sources(code.co_filename, analysed.label)
+        cell = SessionCell(code, return_names, shipment.data if shipment else b"",
+                           shipment.tensors_size if shipment else 0, sources)
+        return cell, shipment
+
+    def _held(self, name: str, value: Any) -> bool:
+        return name in self.known and self.known[name] == shipping.fingerprint(value)
+
+    def shipped(self, shipment: shipping.Shipment | None, namespace: Mapping[str, Any]) -> None:
+        """The ranks now hold these names as the notebook has them."""
+        for name in shipment.sent if shipment is not None else ():
+            if name in namespace:
+                self.known[name] = shipping.fingerprint(namespace[name])
+
+    def took_back(self, values: Mapping[str, Any]) -> None:
+        """Rank 0's names joined the notebook: every rank holds its own value of each already, so
+        they are not sent back to the ranks unless the notebook changes them."""
+        for name, value in values.items():
+            self.known[name] = shipping.fingerprint(value)
+
+    def _new_sources(self, filename: str, label: str) -> dict[str, tuple[str, str]]:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        known = getattr(getattr(shell, "compile", None), "_filename_map", {})
+        files = {name: f"Cell In[{number}]" for name, number in known.items()}
+        files[filename] = label
+        sources = {name: (files[name], "".join(linecache.getlines(name))) for name in files
+                   if name not in self.sources_sent}
+        self.sources_sent.update(sources)
+        return sources
+
+    def run(self, cell: SessionCell, shipment: shipping.Shipment | None, ranks: list[int], spec: LaunchSpec,
+            write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> Outcome:
+        """Run ``cell`` in ``ranks``; rank 0's pickled names on success, else raise what the cell shows."""
+        fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
+        return self._watch(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line)
+
+    def first_cell(self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str],
+                   read_line: ReadLine) -> Outcome:
+        """The cell that started the session, which every rank runs as it starts."""
+        return self._watch(lambda: None, list(range(self.size)), spec, write, cell_names, read_line)
+
+    def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
+        """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook."""
+        self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], self.spec, write, {},
+                    read_line, output="all")
+
+    def _watch(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
+               write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
+               output: str | None = None) -> Outcome:
+        if self.ended:
+            raise SessionEnded(f"the session ended: {self.ended}", [f"taas: the session ended: {self.ended}"])
+        shown = None if (output or spec.output) == "all" else {0}
+        out = RankOutput(write, prefix=self.spec.show_rank_prefix, shown=shown)
+        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write)
+        self.cells += 1
+        try:
+            send()
+            watch.until_ended()
+        except BaseException as e:
+            self._end(str(e) if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            out.finish()
+            self.last_used = time.monotonic()
+        self.failed = {rank for rank, record in watch.records.items()
+                       if isinstance(rank, int) and isinstance(record, Failed) and not record.interrupted}
+        watch.raise_outcome()
+        return Outcome(watch.results, watch.skipped_names())
+
+    # -- its end --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._end("stopped with %taas stop")
+
+    def _end(self, why: str) -> None:
+        if not self.ended:
+            self.ended = why
+            self.group.close()
+
+    def describe(self) -> str:
+        idle = time.monotonic() - self.last_used
+        configuration = f", configuration {self.spec.configuration.name}" if self.spec.configuration else ""
+        return (f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
+                f"started by {self.start}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
+                f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)")
+
+
+class _CellWatch(_Watch):
+    """Watches one cell in a session: until each of its ranks has said how the cell ended there."""
+
+    def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
+                 group: SessionGroup, ranks: list[int], read_line: ReadLine, write: Callable[[str, str], object]):
+        super().__init__(spec, output, cell_names, {}, lambda lines: None)
+        self.write = write
+        self.group = group
+        self.ranks = set(ranks)
+        self.read_line = read_line
+        self.deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        self.interrupt_sent: float | None = None
+
+    def _ended(self) -> dict[Key, tuple[int, float]]:
+        """Ranks whose cell ended: they stay, so their status is 0."""
+        return {rank: (0, self.started) for rank in self.records}
+
+    def in_cell(self) -> set[Key]:
+        return {rank for rank in self.ranks if rank not in self.records}
+
+    def until_ended(self) -> None:
+        while self.in_cell():
+            try:
+                self._cell_step()
+            except KeyboardInterrupt:
+                self.interrupted = True
+                if self.interrupt_sent is not None:  # impatient: the session ends now
+                    raise SessionEnded(*_ended_message("interrupted twice while its ranks were leaving the cell"))
+                self._interrupt()
+
+    def _cell_step(self) -> None:
+        for event in self.group.events(0.05):
+            self._take(event)
+        self.output.flush_idle()
+        now = time.monotonic()
+        if self.interrupt_sent is None and any(isinstance(r, Failed) and not r.interrupted
+                                               for r in self.records.values()):
+            self._interrupt()  # a rank failed: the others may wait for it forever in a collective
+        elif self.interrupt_sent is None and self.deadline is not None and now >= self.deadline:
+            late = sorted(self.in_cell(), key=key_order)
+            self.timed_out = {rank: "" for rank in late}
+            self.timed_out.update(self.group.stacks(late, STACK_SECONDS))
+            self._interrupt()
+        elif self.interrupt_sent is not None and now - self.interrupt_sent > RETURN_SECONDS and self.in_cell():
+            stuck = sorted(self.in_cell(), key=key_order)
+            stacks = self.group.stacks(stuck, STACK_SECONDS)
+            raise SessionEnded(*self._stuck_message(stuck, stacks))
+
+    def _take(self, event: Event) -> None:
+        if isinstance(event, Exited):
+            self.output.finish(event.rank)
+            record = self.records.get(event.rank)
+            if isinstance(record, CellEnded) and record.exited:
+                why = f"rank {event.rank} ended the session with {record.exited}"
+            else:
+                why = f"rank {event.rank} {_describe_exit(event.returncode) if event.returncode else 'exited'}"
+            tail = [] if event.returncode == 0 else self.output.tail(event.rank)
+            raise SessionEnded(*_ended_message(f"{why}: its process group cannot continue", tail))
+        if isinstance(event, InputRequest):
+            self.output.finish(event.rank)  # what it printed, whole, before its prompt
+            self.group.answer(event.rank, self._ask(event.prompt))
+            return
+        self._handle(event)
+
+    def _ask(self, prompt: str) -> str:
+        try:
+            return self.read_line(prompt)
+        except KeyboardInterrupt:
+            return "quit"
+        except Exception:  # the front end takes no input (a script, a test): the rank goes on
+            self.write("stderr", "taas: no input can be read here: the debugger continues\n")
+            return "continue"
+
+    def _interrupt(self) -> None:
+        ranks = sorted(self.in_cell(), key=key_order)
+        self.stopped |= set(ranks)
+        self.group.signal(signal.SIGINT, ranks)
+        self.interrupt_sent = time.monotonic()
+
+    def _stuck_message(self, stuck: list[Key], stacks: dict[Key, str]) -> tuple[str, list[str]]:
+        names = self._names(stuck)
+        message, lines = _ended_message(f"{names} did not leave the interrupted cell within {RETURN_SECONDS:g} s "
+                                        "(a collective waits for its peers there, or the code ignores interrupts)")
+        for rank in stuck:
+            lines.append(f"{BOLD}{self._name(rank)} was here:{RESET}")
+            lines += user_stack(stacks.get(rank, ""), self.cell_names) or ["(no stack received)"]
+        failures = self._failures()
+        if failures:  # why they were interrupted: the failure comes first
+            failed, failed_lines = self._failure_message(failures)
+            return f"{failed}; {message}", failed_lines + lines
+        return message, lines
+
+    def raise_outcome(self) -> None:
+        failures = self._failures()
+        if failures:
+            message, lines = self._failure_message(failures)
+            lines = [line.replace("stopped by taas after", "interrupted by taas after") for line in lines]
+            raise RankFailed(message, lines + ["taas: the session goes on (%taas debug opens the debugger "
+                                               f"in {self._name(failures[0].rank)} at the error)"])
+        if self.timed_out is not None:
+            raise RunTimedOut(*self._session_timeout())
+        if self.interrupted:
+            raise RunInterrupted([f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas interrupted the cell in "
+                                  f"{self._names(sorted(self.stopped, key=key_order))}; the session goes on"])
+
+    def _session_timeout(self) -> tuple[str, list[str]]:
+        message, lines = self._timeout_message()
+        message = message.replace("now stopped", "now interrupted; the session goes on")
+        return message, [line.replace("now stopped", "now interrupted; the session goes on") for line in lines]
+
+
+def _ended_message(why: str, details: list[str] | None = None) -> tuple[str, list[str]]:
+    message = f"taas: the session ended: {why}"
+    lines = [f"{RED}{BOLD}{message}{RESET}"] + (["last lines it wrote to stderr:"] + details if details else [])
+    return plain(message), lines
+
+
+def debug_paused(group: SessionGroup, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
+    """``%taas debug`` after a one-shot ``--debug`` cell: the debugger in the rank paused at its error;
+    the run is over once the user leaves it."""
+    from .spec import LaunchSpec as _Spec
+
+    spec = _Spec(world_size=1, nodes=1, ranks_per_node=1, device="cpu", configuration=None, cpus=None,
+                 units=None, output="all", timeout=None, threads_per_rank=1)
+    out = RankOutput(write, prefix=True)
+    watch = _CellWatch(spec, out, {}, group, [rank], read_line, write)
+    try:
+        group.run_cell(SessionCell(None), [rank], ())
+        watch.until_ended()
+    finally:
+        out.finish()
+        group.close()

@@ -1,0 +1,125 @@
+"""A session's rank: the cells it is sent, one after another, in the same process and namespace.
+
+The rank's names, its process group and its models stay from cell to cell, as they would in a
+kernel. Each cell ends with one message on the rank's control channel, ("ended", record, rank
+0's names): the supervisor relays the rank's output before it, so a cell's output never trails
+its end. Between cells the rank ignores interrupts, so a late one cannot land in the next cell.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+from . import debugger, records, shipping
+from .channel import Channel, ChannelBroken
+from .child import RankFds, flush_all
+from .records import CellEnded
+
+if TYPE_CHECKING:
+    from .worker import RankTask
+
+
+@dataclass(frozen=True)
+class SessionCell:
+    """A cell for a session's ranks: its code and the notebook's names that changed since the last."""
+
+    code: CodeType | None  # None: open the debugger at the last cell's error instead
+    return_names: tuple[str, ...] = ()  # what rank 0 sends back
+    names: bytes = b""  # shipped names (``shipping.pack``), empty when none changed
+    tensors_size: int = 0  # the tensors' memory file comes with the message, when there is one
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)  # new cells, for tracebacks
+
+
+def open_control(fds: RankFds) -> Channel | None:
+    if fds.control is None:
+        return None
+    return Channel(socket.socket(fileno=fds.control), fds.control_secret, os.environ.get("TAAS_RUN_ID", ""))
+
+
+def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds, control: Channel) -> int:
+    """Run the first cell, then every cell the kernel sends, until it closes the channel.
+
+    A cell that raised keeps its error for ``%taas debug``; a cell that called ``sys.exit()``
+    ends the rank (and so the session), as it would end a script.
+    """
+    from .worker import register_sources, run_cell
+
+    os.close(fds.results)  # every cell's names go back on the control channel
+    rank0 = os.environ.get("RANK") == "0"
+    last_error: BaseException | None = None
+    cell = SessionCell(task.code, task.return_names)
+    while True:
+        if cell.code is None:
+            record: records.Record = _debug(last_error, control)
+            names = None
+        else:
+            status, record, names, error = _run(run_cell, cell, namespace, shell, task, rank0)
+            last_error = error if error is not None else last_error
+            if isinstance(record, CellEnded) and record.exited:
+                _send(control, record, names)
+                return status
+        _send(control, record, names)
+        received = _next_cell(control)
+        if received is None:
+            return 0
+        cell, tensors_fd = received
+        register_sources(cell.sources)
+        if cell.names:
+            shipping.unpack_into(namespace, cell.names, tensors_fd, cell.tensors_size)
+
+
+def _run(run_cell: Any, cell: SessionCell, namespace: dict[str, Any], shell: Any, task: "RankTask",
+         rank0: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
+    """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return run_cell(cell.code, cell.return_names if rank0 else None, namespace, shell, task)  # type: ignore[no-any-return]
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt that comes late is for the cell just ended
+
+
+def _send(control: Channel, record: records.Record, names: bytes | None) -> None:
+    flush_all()
+    try:
+        control.send("ended", records.encode(record), names)
+    except ChannelBroken:
+        pass  # the session is over: the next receive says so
+
+
+def _next_cell(control: Channel) -> tuple[SessionCell, int | None] | None:
+    """The next cell, and its tensors' memory file; None when the session is over."""
+    try:
+        kind, fields, fds = control.receive()
+    except ChannelBroken:
+        return None
+    if kind != "cell":
+        for fd in fds:
+            os.close(fd)
+        return None
+    return fields[0], (fds[0] if fds else None)
+
+
+def _debug(error: BaseException | None, control: Channel) -> records.Record:
+    """``%taas debug``: the post-mortem debugger at the last cell's error; the session goes on after it."""
+    if error is None:
+        print("taas: no cell failed in this rank: nothing to debug")
+    else:
+        debugger.post_mortem(error, control)
+    return CellEnded(0.0)
+
+
+def await_debugger(error: BaseException, control: Channel) -> None:
+    """``--debug`` in a one-shot cell: this rank raised; it stays, paused, until ``%taas debug``
+    opens the debugger at its error, or the kernel lets it go."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    flush_all()
+    received = _next_cell(control)
+    if received is None:
+        return
+    _send(control, _debug(error, control), None)
+    _next_cell(control)  # until the kernel closes the run
