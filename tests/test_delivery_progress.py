@@ -28,7 +28,7 @@ def test_the_line_names_what_was_taken_skipped_buffered_and_which_ranks_finished
 
 def test_an_older_report_arriving_late_does_not_replace_a_newer_one():
     shown = []
-    watch = _Watch(None, None, {}, {}, shown.append)
+    watch = _Watch(None, None, {}, {}, shown.append, lambda stream, text: None, None)
     watch._handle(Report(-1, stats(20, (10, 3), at=2.0)))
     watch._handle(Report(0, stats(12, (5, 3), at=1.0)))  # a producer's look, read before the rank's
     assert shown == [["taas: steps: 20 produced, 13 consumed (10, 3 per rank), 0 buffered"]]

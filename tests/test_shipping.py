@@ -31,3 +31,12 @@ def test_a_shipped_tensor_outside_unpack_is_a_clear_error() -> None:
             pickle.loads(shipment.data)
     finally:
         shipment.close()
+
+
+def test_an_augmented_assignment_reads_its_target_before_binding_it():
+    import ast
+
+    from taas_magic.cell_names import names_read
+
+    assert {"total", "step"} <= names_read(ast.parse("total += step\nfresh = 1"))
+    assert "fresh" not in names_read(ast.parse("total += step\nfresh = 1"))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import ast
-from typing import Any
+from typing import Any, Collection
 
 
 def names_read(tree: ast.AST) -> set[str]:
     """Every name the cell loads (or declares global): candidates to take from the notebook."""
     read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)}
+    # `total += x` reads `total` before it binds it
+    read |= {node.target.id for node in ast.walk(tree)
+             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)}
     return read | {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
 
 
@@ -19,6 +22,31 @@ def code_names(code: Any) -> set[str]:
         if hasattr(const, "co_names"):
             names |= code_names(const)
     return names
+
+
+def names_reached(reads: Collection[str], namespace: dict[str, Any]) -> set[str]:
+    """The notebook's names a cell uses: those it reads, and those the notebook's functions and
+    classes it uses read in turn."""
+    pending = list(reads)
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in namespace:
+            continue
+        seen.add(name)
+        for function in _notebook_functions(namespace[name], namespace):
+            pending.extend(code_names(function.__code__))
+    return seen
+
+
+def _notebook_functions(value: Any, namespace: dict[str, Any]) -> list[Any]:
+    """The functions defined in the notebook that ``value`` is or holds (a class's methods)."""
+    try:
+        candidates = list(vars(value).values()) if isinstance(value, type) else [value]
+    except TypeError:
+        return []
+    candidates = [getattr(c, "__func__", c) for c in candidates]  # staticmethod/classmethod
+    return [c for c in candidates if getattr(c, "__globals__", None) is namespace and hasattr(c, "__code__")]
 
 
 def top_level_bindings(tree: ast.Module) -> list[str]:

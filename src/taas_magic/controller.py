@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, TypeVar
 
-from .backend import Backend, Event, Exited, Key, Output, RankGroup, Report, Result, key_order
+from .backend import Backend, Event, Exited, InputRequest, Key, Output, RankGroup, Report, Result, key_order
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
 from .records import CellEnded, DeliveryProgress, DeliverySummary, Failed, Record, SavedOnNode, SaveSkipped
@@ -88,11 +88,13 @@ class Outcome:
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
         kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None,
         labels: Mapping[Key, str] | None = None, status: Callable[[list[str]], object] | None = None,
-        keep_paused: Callable[[RankGroup, int], None] | None = None) -> Outcome:
+        keep_paused: Callable[[RankGroup, int], None] | None = None,
+        read_line: Callable[[str], str] | None = None) -> Outcome:
     """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
 
     ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
-    ``status`` shows live progress lines (one per registered loader) in place.
+    ``status`` shows live progress lines (one per registered loader) in place; ``read_line`` asks
+    the user for a line a rank's debugger waits for (`breakpoint()`).
 
     With ``--debug``, the first rank whose cell raised stays, paused at its error, while the others
     are stopped; the group is handed to ``keep_paused`` instead of being closed.
@@ -109,7 +111,7 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
         envs = rank_environments(spec, first_id if restart == 0 else new_run_id(), 0, kernel_environ,
                                  restart=restart, elastic_id=first_id)
         watch = _attempt(spec, task, backend, envs, write, cell_names or {}, labels,
-                         status or (lambda lines: None), deadline, keep_paused)
+                         status or (lambda lines: None), deadline, keep_paused, read_line)
         failure = watch.rank_failure()
         if failure is None or restart == spec.max_restarts:
             break
@@ -124,11 +126,12 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
 def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, dict[str, str]],
              write: Callable[[str, str], object], cell_names: Mapping[str, str], labels: dict[Key, str],
              status: Callable[[list[str]], object], deadline: float | None,
-             keep_paused: Callable[[RankGroup, int], None] | None) -> "_Watch":
+             keep_paused: Callable[[RankGroup, int], None] | None,
+             read_line: Callable[[str], str] | None) -> "_Watch":
     """One start of the run, watched to its end; its outcome is the watch's to raise."""
     output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0},
                         labels=labels)
-    watch = _Watch(spec, output, cell_names, labels, status)
+    watch = _Watch(spec, output, cell_names, labels, status, write, read_line)
     try:
         group = backend.start(envs, task)
         try:
@@ -149,8 +152,12 @@ class _Watch:
     """Consumes a group's events and steers it until every rank has exited."""
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
-                 labels: dict[Key, str], status: Callable[[list[str]], object]):
+                 labels: dict[Key, str], status: Callable[[list[str]], object],
+                 write: Callable[[str, str], object], read_line: Callable[[str], str] | None):
         self.spec = spec
+        self.write = write
+        self.read_line = read_line
+        self.group: RankGroup | None = None
         self.output = output
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
         self.labels = labels
@@ -170,6 +177,7 @@ class _Watch:
         self.paused: set[Key] = set()  # --debug: the rank that raised first, waiting for the debugger
 
     def until_done(self, group: RankGroup, deadline: float | None) -> None:
+        self.group = group
         while group.running() - self.paused:
             try:
                 self._step(group, deadline)
@@ -222,6 +230,23 @@ class _Watch:
         elif isinstance(event, Exited):
             self.exits[event.rank] = (event.returncode, time.monotonic())
             self.output.finish(event.rank)
+        elif isinstance(event, InputRequest):
+            self.output.finish(event.rank)  # what it printed, whole, before its prompt
+            answer = getattr(self.group, "answer", None)
+            if answer is not None:
+                answer(event.rank, self._ask(event.prompt))
+
+    def _ask(self, prompt: str) -> str:
+        """A line for a rank's debugger; "quit" on an interrupt, "continue" where none can be typed."""
+        try:
+            if self.read_line is None:
+                raise EOFError
+            return self.read_line(prompt)
+        except KeyboardInterrupt:
+            return "quit"
+        except Exception:  # the front end takes no input (a script, a test): the rank goes on
+            self.write("stderr", "taas: no input can be read here: the debugger continues\n")
+            return "continue"
 
     def _take_record(self, key: Key, record: Record) -> None:
         if isinstance(record, DeliveryProgress):

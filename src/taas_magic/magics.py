@@ -71,8 +71,11 @@ class TaasMagics(Magics):
                 print(self._settings())
             return
         self._let_paused_go()
-        if self.session is not None and self.session.ended:
-            self.session = None
+        if self.session is not None and self.session.check():
+            ended, self.session = self.session.ended, None
+            raise SessionEnded(f"the session ended: {ended}", [
+                f"taas: the session ended: {ended}. This cell did not run: run it again to run it as a one-shot "
+                "cell, or start another session with --keep"])
         if self.session is not None and not args.keep:
             self._run_in_session(args, line, cell)
             return
@@ -100,7 +103,7 @@ class TaasMagics(Magics):
             else:
                 outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ,
                                          self._cell_names(), labels=producer_labels(loaders), status=progress.show,
-                                         keep_paused=self._keep_paused)
+                                         keep_paused=self._keep_paused, read_line=_read_line)
         finally:
             if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
@@ -177,7 +180,7 @@ class TaasMagics(Magics):
             raise TaasUsageError(f"%taas stop takes nothing more; got {' '.join(words)!r}")
         stopped = self._let_paused_go()
         if self.session is not None:
-            ended = self.session.ended
+            ended = self.session.check()
             size = self.session.size
             self.session.stop()
             self.session = None
@@ -339,7 +342,7 @@ class TaasMagics(Magics):
         return "\n".join([
             "start:               fork from this kernel; the fork server once CUDA was used here",
             f"fork server:         {self.forkserver_backend.describe()}",
-            "session:             " + (self.session.describe() if self.session is not None and not self.session.ended
+            "session:             " + (self.session.describe() if self.session is not None
                                        else "none (--keep starts one)"),
             "cluster:             " + (f"{self.cluster_address} (cells run there; --on local runs one here)"
                                        if self.cluster_address else "none (%taas cluster ADDRESS connects one)"),

@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import shipping
-from .backend import Cell, Event, Exited, InputRequest, Key, SessionGroup, key_order
+from . import shipping, streams
+from .backend import Cell, Event, Exited, Key, Output, SessionGroup, key_order
+from .cell_names import names_reached
 from .controller import BOLD, RED, RESET, Outcome, RunInterrupted, _describe_exit, _Watch, plain, user_stack
 from .errors import RankFailed, RunTimedOut, TaasRunError
 from .records import CellEnded, Failed
@@ -68,7 +69,9 @@ class Session:
     def prepare(self, analysed: Cell, code: Any, return_names: tuple[str, ...]) -> tuple[SessionCell, shipping.Shipment | None]:
         """The cell for the ranks: its code, and the notebook's names it reads that changed."""
         namespace = analysed.namespace
-        needed = shipping.needed_names(analysed.reads, namespace)
+        # What the cell reads, and what the notebook's functions it calls read: a name changed in
+        # the notebook matters wherever it is read from.
+        needed = shipping.needed_names(names_reached(analysed.reads, namespace), namespace)
         changed = [name for name in needed if self.known.get(name) != shipping.fingerprint(namespace[name])]
         shipment = None
         if changed:
@@ -145,6 +148,24 @@ class Session:
         return Outcome(watch.results, watch.skipped_names())
 
     # -- its end --------------------------------------------------------------------------------
+    def check(self) -> str:
+        """Why the session ended on its own since the last cell (idle limit, a rank died), or ''.
+
+        Between cells nothing reads its events; what a rank printed meanwhile is shown here.
+        """
+        if self.ended:
+            return self.ended
+        try:
+            for event in self.group.events(0):
+                if isinstance(event, Output):
+                    streams.write_to_cell(event.stream, event.data.decode("utf-8", "replace"))
+                elif isinstance(event, Exited):
+                    self._end(f"rank {event.rank} {_describe_exit(event.returncode) if event.returncode else 'exited'} "
+                              "between cells")
+        except TaasRunError as e:
+            self._end(getattr(e, "detail", str(e)))
+        return self.ended
+
     def stop(self) -> None:
         self._end("stopped with %taas stop")
 
@@ -154,6 +175,8 @@ class Session:
             self.group.close()
 
     def describe(self) -> str:
+        if self.check():
+            return f"ended: {self.ended}"
         idle = time.monotonic() - self.last_used
         configuration = f", configuration {self.spec.configuration.name}" if self.spec.configuration else ""
         return (f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
@@ -166,13 +189,15 @@ class _CellWatch(_Watch):
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
                  group: SessionGroup, ranks: list[int], read_line: ReadLine, write: Callable[[str, str], object]):
-        super().__init__(spec, output, cell_names, {}, lambda lines: None)
-        self.write = write
-        self.group = group
+        super().__init__(spec, output, cell_names, {}, lambda lines: None, write, read_line)
+        self.group: SessionGroup = group
         self.ranks = set(ranks)
-        self.read_line = read_line
         self.deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         self.interrupt_sent: float | None = None
+
+    def _exiting(self) -> bool:
+        """A rank's cell called sys.exit(): the rank is ending (its exit ends the session)."""
+        return any(isinstance(record, CellEnded) and record.exited for record in self.records.values())
 
     def _ended(self) -> dict[Key, tuple[int, float]]:
         """Ranks whose cell ended: they stay, so their status is 0."""
@@ -182,7 +207,7 @@ class _CellWatch(_Watch):
         return {rank for rank in self.ranks if rank not in self.records}
 
     def until_ended(self) -> None:
-        while self.in_cell():
+        while self.in_cell() or self._exiting():
             try:
                 self._cell_step()
             except KeyboardInterrupt:
@@ -219,20 +244,7 @@ class _CellWatch(_Watch):
                 why = f"rank {event.rank} {_describe_exit(event.returncode) if event.returncode else 'exited'}"
             tail = [] if event.returncode == 0 else self.output.tail(event.rank)
             raise SessionEnded(*_ended_message(f"{why}: its process group cannot continue", tail))
-        if isinstance(event, InputRequest):
-            self.output.finish(event.rank)  # what it printed, whole, before its prompt
-            self.group.answer(event.rank, self._ask(event.prompt))
-            return
         self._handle(event)
-
-    def _ask(self, prompt: str) -> str:
-        try:
-            return self.read_line(prompt)
-        except KeyboardInterrupt:
-            return "quit"
-        except Exception:  # the front end takes no input (a script, a test): the rank goes on
-            self.write("stderr", "taas: no input can be read here: the debugger continues\n")
-            return "continue"
 
     def _interrupt(self) -> None:
         ranks = sorted(self.in_cell(), key=key_order)

@@ -52,6 +52,7 @@ class RunLost(TaasRunError):
     def __init__(self, detail: str):
         message = f"taas lost the run's processes ({detail}); every process of the run was stopped"
         super().__init__(message, [message])
+        self.detail = detail
 
 
 # -- in the supervisor process -------------------------------------------------------------------

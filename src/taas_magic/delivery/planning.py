@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
-from ..cell_names import code_names
+from ..cell_names import names_reached
 from ..errors import TaasUsageError
 from ..spec import LaunchSpec
 from .service import LoaderPlan
@@ -14,23 +14,7 @@ def loaders_used(reads: Collection[str], namespace: dict[str, Any]) -> list[str]
     """Registered DataLoaders the cell reads, directly or through the notebook's functions and classes."""
     from taas.registry import is_registered
 
-    pending = list(reads)
-    seen: set[str] = set()
-    while pending:
-        name = pending.pop()
-        if name in seen or name not in namespace:
-            continue
-        seen.add(name)
-        for function in _notebook_functions(namespace[name], namespace):
-            pending.extend(code_names(function.__code__))
-    return sorted(name for name in seen if is_registered(namespace[name]))
-
-
-def _notebook_functions(value: Any, namespace: dict[str, Any]) -> list[Any]:
-    """The functions defined in the notebook that ``value`` is or holds (a class's methods)."""
-    candidates = list(vars(value).values()) if isinstance(value, type) else [value]
-    candidates = [getattr(c, "__func__", c) for c in candidates]  # staticmethod/classmethod
-    return [c for c in candidates if getattr(c, "__globals__", None) is namespace and hasattr(c, "__code__")]
+    return sorted(name for name in names_reached(reads, namespace) if is_registered(namespace[name]))
 
 
 def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:

@@ -1,0 +1,226 @@
+"""Sessions (`--keep`): ranks that stay alive from cell to cell, in a real kernel, as a notebook runs them."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+import pytest
+
+from conftest import Kernel
+
+pytestmark = pytest.mark.kernel
+
+START = """#pragma taas --gpus 2 --keep --start {start}
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+mine = int(os.environ["RANK"])
+run_id = os.environ["TAAS_RUN_ID"]
+print("pid", os.getpid(), flush=True)
+"""
+
+
+def pids(result) -> dict[int, int]:
+    return {int(rank): int(pid) for rank, pid in re.findall(r"\[rank (\d)\] pid (\d+)", result.stdout)}
+
+
+def gone(pid_list, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while any(psutil.pid_exists(pid) for pid in pid_list) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(psutil.pid_exists(pid) for pid in pid_list)
+
+
+def stop(kernel: Kernel) -> None:
+    kernel.execute("%taas stop").ok()
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_session_keeps_its_ranks_their_names_and_their_process_group(kernel, start):
+    first = kernel.execute(START.format(start=start)).ok()
+    try:
+        second = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+                                "t = torch.tensor([float(mine)])\ndist.all_reduce(t)\ntotal = t.item()").ok()
+        assert pids(second) == pids(first) and len(pids(first)) == 2, "the same processes run every cell"
+        assert kernel.value("total") == 1.0, "the process group made in the first cell is still there"
+        assert kernel.value("mine") == 0, "rank 0's names come back after each cell"
+        third = kernel.execute("#pragma taas\nprint('mine', mine)").ok()
+        assert "[rank 1] mine 1" in third.stdout, "each rank keeps its own names: rank 0's are not sent to it"
+        shown = kernel.execute("%taas").ok().stdout
+        assert re.search(rf"session: +up: 2 ranks on cpu, started by {start}, 3 cells run, idle for \d+ s", shown), shown
+    finally:
+        stop(kernel)
+
+
+def test_the_notebooks_names_go_to_the_ranks_again_only_when_they_changed(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        kernel.execute("settings = {'lr': 0.1}\nweights = torch.zeros(3)\n"
+                       "def scaled(x):\n    return x * settings['lr']").ok()
+        kernel.execute("#pragma taas\nsettings['lr'] = 0.5 + mine\nweights += 1 + mine").ok()  # the ranks' own changes
+        r = kernel.execute("#pragma taas\nprint('seen', scaled(1.0), weights.tolist())").ok()
+        assert "[rank 1] seen 1.5 [2.0, 2.0, 2.0]" in r.stdout, "unchanged names are not sent again: the ranks keep theirs"
+        assert kernel.value("weights.tolist()") == [1.0, 1.0, 1.0], "rank 0's weights came back"
+        kernel.execute("settings['lr'] = 2.0\nweights.add_(10)").ok()  # changed in place in the notebook
+        r = kernel.execute("#pragma taas\nprint('seen', scaled(1.0), weights.tolist())").ok()
+        assert "[rank 1] seen 2.0 [11.0, 11.0, 11.0]" in r.stdout, r.stdout
+        kernel.execute("def scaled(x):\n    return -x").ok()  # redefined: its new code goes
+        assert "[rank 0] seen -1.0" in kernel.execute("#pragma taas\nprint('seen', scaled(1.0))").ok().stdout
+    finally:
+        stop(kernel)
+
+
+def test_ranks_runs_a_cell_in_part_of_the_session_and_the_others_wait(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("#pragma taas --ranks 1\nnote = 'only here'\nprint('ran')").ok()
+        assert r.stdout.strip() == "[rank 1] ran", "labels stay those of the whole session"
+        r = kernel.execute("#pragma taas\nprint('note', globals().get('note'))").ok()
+        assert "[rank 0] note None" in r.stdout and "[rank 1] note only here" in r.stdout
+        assert kernel.execute("#pragma taas --ranks 0 --return none\nx = 1").ok().stdout == ""
+        bad = kernel.execute("#pragma taas --ranks 0,2\nx = 1")
+        assert bad.error["evalue"] == "--ranks 0,2: the session has ranks 0-1", bad.error
+    finally:
+        stop(kernel)
+
+
+def test_an_exception_fails_the_cell_and_keeps_the_session(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("#pragma taas\nimport time\nif mine == 1:\n    raise ValueError('bad batch')\ntime.sleep(30)")
+        assert r.error["evalue"] == "rank 1 failed: ValueError: bad batch", r.error
+        assert "Cell In[" in r.traceback and "interrupted by taas after the failure: rank 0" in r.traceback
+        assert "the session goes on" in r.traceback and r.seconds < 10
+        again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
+        assert pids(again) == pids(first)
+    finally:
+        stop(kernel)
+
+
+def test_an_interrupt_stops_the_cell_in_every_rank_and_the_session_survives(kernel):
+    first = kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        r = kernel.execute("#pragma taas\nimport time\ntry:\n    time.sleep(60)\nfinally:\n    print('cleaned', flush=True)",
+                           interrupt_after=2.0)
+        assert "KeyboardInterrupt" in r.traceback and "the session goes on" in r.traceback, r.traceback
+        assert "[rank 0] cleaned" in r.stdout and "[rank 1] cleaned" in r.stdout and r.seconds < 6
+        again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
+        assert pids(again) == pids(first)
+    finally:
+        stop(kernel)
+
+
+def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_its_stack(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute("#pragma taas --ranks 0\ndist.barrier()  # rank 1 is not in the cell", interrupt_after=1.5)
+    assert "the session ended: rank 0 did not leave the interrupted cell within 5 s" in r.traceback, r.traceback
+    assert "rank 0 was here:" in r.traceback and "in barrier" in r.traceback and r.seconds < 15
+    assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
+    assert "session:             none" in kernel.execute("%taas").ok().stdout
+
+
+def test_a_rank_that_dies_ends_the_session_and_leaves_nothing(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    run_id = kernel.value("run_id")
+    r = kernel.execute("#pragma taas\nimport time\nif mine == 1:\n    os._exit(3)\ntime.sleep(30)")
+    assert r.error["evalue"] == ("taas: the session ended: rank 1 exited with code 3 before the cell finished: "
+                                 "its process group cannot continue"), r.error
+    assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
+    r = kernel.execute("#pragma taas\nprint(os.environ['TAAS_RUN_ID'])").ok()  # a one-shot cell again
+    assert run_id not in r.stdout
+
+
+def test_sys_exit_in_a_session_ends_it(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute("#pragma taas\nimport sys\nsys.exit()")
+    assert re.search(r"the session ended: rank \d ended the session with sys.exit\(\): its process group cannot "
+                     "continue", r.traceback), r.traceback
+
+
+def test_the_idle_limit_ends_a_forgotten_session(kernel):
+    first = kernel.execute(START.format(start="fork").replace("--keep", "--keep --idle 1")).ok()
+    assert gone(pids(first).values(), 10), "the session's ranks are gone after its idle limit"
+    shown = kernel.execute("%taas").ok().stdout
+    assert "ended: the session was idle for 1 s, its limit (--idle)" in shown, shown
+    r = kernel.execute("#pragma taas\nprint(mine)")
+    assert "the session ended: the session was idle for 1 s" in r.traceback and "This cell did not run" in r.traceback
+    kernel.execute("#pragma taas\nprint('one-shot again')").ok()
+
+
+def test_a_kernel_restart_ends_the_session(fresh_kernel):
+    first = fresh_kernel.execute(START.format(start="forkserver")).ok()
+    assert len(pids(first)) == 2 and not gone(pids(first).values(), 0)
+    fresh_kernel.manager.restart_kernel(now=True)
+    assert gone(pids(first).values(), 3), "a session's ranks are gone within 3 s of the kernel's death"
+
+
+def test_options_that_would_change_the_session_are_refused_before_anything_runs(kernel):
+    assert kernel.execute("#pragma taas --ranks 0\nx = 1").error["evalue"] == (
+        "--ranks 0 runs a cell in part of a session, and none is running: start one with --keep")
+    assert "--idle 5 applies to a session: add --keep" in kernel.execute("#pragma taas --idle 5\nx = 1").error["evalue"]
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("#pragma taas --gpus 4\nx = 1")
+        assert r.error["evalue"].startswith("--gpus would change the running session (2 ranks on cpu): %taas stop first")
+        r = kernel.execute("#pragma taas --cpus 2\nx = 1")
+        assert r.error["evalue"].startswith("--cpus cannot apply to a cell in a session")
+        assert kernel.execute("#pragma taas --gpus 2 --keep\nx = 1").error["evalue"].startswith("a session is running")
+        assert kernel.execute("#pragma taas --gpus 2\nprint('fine')").ok(), "the session's own size is no change"
+        nothing = kernel.execute("%taas debug")
+        assert nothing.error["evalue"].startswith("nothing to debug")
+    finally:
+        stop(kernel)
+    assert kernel.execute("%taas stop").ok().stdout.strip() == "taas: no session is running"
+
+
+# -- the debugger -------------------------------------------------------------------------------
+def test_taas_debug_opens_the_debugger_in_the_failing_rank_and_the_session_goes_on(kernel):
+    kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        kernel.execute("#pragma taas\ndef step(v):\n    inside = v * 7\n    raise ValueError('boom')\n"
+                       "if mine == 1:\n    step(6)")
+        r = kernel.execute("%taas debug", answers=["p inside", "up", "p mine", "q"]).ok()
+        assert r.prompts == ["[rank 1] (Pdb) "] * 4, r.prompts
+        assert "[rank 1] 42" in r.stdout and "[rank 1] 1" in r.stdout, r.stdout
+        kernel.execute("#pragma taas\ndist.barrier()\nprint('after', mine)").ok()
+    finally:
+        stop(kernel)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_breakpoint_stops_its_rank_in_the_debugger_in_the_cells_output(kernel, keep):
+    if keep:
+        kernel.execute(START.format(start="fork")).ok()
+        header = "#pragma taas"
+    else:
+        header = "#pragma taas --gpus 2\nimport os\nmine = int(os.environ['RANK'])"
+    try:
+        r = kernel.execute(f"{header}\nx = 5\nif mine == 1:\n    breakpoint()\n    x = 6\ny = x",
+                           answers=["p x", "n", "p x", "c"]).ok()
+        assert r.prompts == ["[rank 1] (Pdb) "] * 4 and "[rank 1] 5\n" in r.stdout and "[rank 1] 6\n" in r.stdout
+        assert kernel.value("y") == 5
+    finally:
+        if keep:
+            stop(kernel)
+
+
+def test_a_breakpoint_without_a_front_end_to_answer_continues(kernel):
+    r = kernel.execute("#pragma taas --gpus 2\nbreakpoint()\ndone = True").ok()
+    assert "no input can be read here: the debugger continues" in r.stderr and kernel.value("done") is True
+
+
+def test_debug_keeps_a_one_shot_runs_failing_rank_for_the_debugger(kernel):
+    r = kernel.execute("#pragma taas --gpus 2 --debug\nimport os, time\ndef load():\n    path = 'shard-1'\n"
+                       "    raise KeyError(path)\nif os.environ['RANK'] == '1':\n    load()\ntime.sleep(30)")
+    assert r.error["evalue"] == "rank 1 failed: KeyError: 'shard-1'" and r.seconds < 10
+    assert "rank 1 is paused at its error: %taas debug opens the debugger there" in r.stderr
+    assert len(kernel.children()) >= 1, "the paused rank and its supervisor stay"
+    r = kernel.execute("%taas debug", answers=["p path", "q"]).ok()
+    assert "[rank 1] 'shard-1'" in r.stdout
+    deadline = time.monotonic() + 5
+    while kernel.children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not kernel.children(), "once the debugger is left, the run is over"
+    kernel.execute("#pragma taas --gpus 2 --debug\nraise ValueError('again')")
+    assert kernel.execute("#pragma taas\nx = 1").ok(), "the next cell lets the paused rank go"
