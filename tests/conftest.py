@@ -150,7 +150,8 @@ class Kernel:
 
 
 def processes_of_run(run_id: str) -> list[psutil.Process]:
-    """Every live process that carries the run's id in its environment: ranks and what they started."""
+    """Every live process that carries the run's id in its environment: what the ranks started with exec
+    (a forked rank's own environment changes are not visible in /proc; ranks are checked by process id)."""
     found = []
     for process in psutil.process_iter():
         try:

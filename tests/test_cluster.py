@@ -386,6 +386,27 @@ dist.destroy_process_group()
     assert not leftovers(cluster_kernel)
 
 
+def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster_kernel):
+    first = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep") + INIT
+                                   + "mine = dist.get_rank()\nprint('pid', os.getpid(), flush=True)", timeout=240).ok()
+    try:
+        cluster_kernel.execute("offset = torch.tensor([100.0])").ok()
+        r = cluster_kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+                                   "x = torch.ones(1) * mine + offset\ndist.all_reduce(x)\ntotal = x.item()",
+                                   timeout=60).ok()
+        assert sorted(re.findall(r"pid \d+", r.stdout)) == sorted(re.findall(r"pid \d+", first.stdout)), \
+            "the same processes on every node run the next cell"
+        assert cluster_kernel.value("total") == 406.0, "the notebook's new tensor reached every node"
+        r = cluster_kernel.execute("#pragma taas --ranks 3\nraise KeyError(f'on rank {mine}')", timeout=60)
+        assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'" and "the session goes on" in r.traceback
+        r = cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).ok()
+        assert "[rank 3] 3" in r.stdout, r.stdout
+        assert "session:             up: 4 ranks" in cluster_kernel.execute("%taas").ok().stdout
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
 def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
     r = cluster_kernel.execute(HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60,
                                interrupt_after=4.0)

@@ -166,13 +166,17 @@ time.sleep(60)
 
 
 SOCKETS = """
-import os, stat, json, psutil
+import os, socket, stat, struct, json, psutil
+def peer(fd):
+    # the process at the other end of a local socket, as the system knows it
+    with socket.socket(fileno=os.dup(fd)) as s:
+        return struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
 def sockets():
     numbers = [fd for fd in map(int, os.listdir("/proc/self/fd"))
                if os.path.exists(f"/proc/self/fd/{fd}") and stat.S_ISSOCK(os.fstat(fd).st_mode)]
     ends = [[c.laddr.port if c.laddr else None, c.raddr.port if c.raddr else None]
             for c in psutil.Process().net_connections("inet")]
-    return {"count": len(numbers), "ends": ends}
+    return {"count": len(numbers), "ends": ends, "peers": [peer(fd) for fd in numbers], "parent": os.getppid()}
 """
 
 
@@ -197,7 +201,10 @@ print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_
             ports = {p for end in found["ends"] for p in end}
             assert not ports & kernel_ports
             assert all(port in end for end in found["ends"]), "the run's store is the only network socket"
-    assert seen[0][0]["count"] == seen[1][0]["count"] == 0, "no rank holds a socket before it joins the process group"
+    for rank in (0, 1):
+        mine = seen[rank][0]
+        assert mine["count"] == 1 and mine["peers"] == [mine["parent"]], \
+            "before it joins the process group, a rank holds one socket: its channel with its supervisor"
 
 
 # -- 3. only this machine can talk to a run --------------------------------------------------------------

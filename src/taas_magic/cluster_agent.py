@@ -205,6 +205,26 @@ class NodeAgent:
             self.group.signal(signum, ranks)
 
     @_call
+    def run_cell(self, cell: Any, ranks: list[int], tensors: bytes) -> None:
+        """A session's next cell for this node's ``ranks``, with its shipped tensors' data."""
+        if self.group is None:
+            return
+        fd = None
+        if tensors:
+            fd = memfile.new_file("taas-tensors", len(tensors))
+            os.pwrite(fd, tensors, 0)
+        try:
+            self.group.run_cell(cell, ranks, (fd,) if fd is not None else ())
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @_call
+    def answer(self, rank: Key, line: str | None) -> None:
+        if self.group is not None:
+            self.group.answer(rank, line)
+
+    @_call
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         return self.group.stacks(ranks, timeout) if self.group is not None else {}
 

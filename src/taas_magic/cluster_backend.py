@@ -50,6 +50,7 @@ class ClusterBackend:
         self.notify = notify  # one line to the cell's stderr: files copied back
         self.producer_node = producer_node  # the configuration of nodes for data producers (c1.4)
         self.loaders: tuple[LoaderPlan, ...] = ()
+        self.shipped: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # names, cell files
 
     def prepare(self, task: RankTask, cell: Cell) -> Any:
         """The run's payload in Ray's object store: the shipped names and tensors (registered loaders
@@ -61,6 +62,7 @@ class ClusterBackend:
         # Each node's agent fills in its own environment, a run folder and its sys.path.
         context = KernelContext(kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
         request = ship(task, cell, context, to="ranks on the cluster's nodes")
+        self.shipped = (request.shipment.sent, frozenset(request.task.sources))  # what a session's ranks hold
         try:
             payload = NodePayload(request.task, request.shipment.data,
                                   _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases)
@@ -152,6 +154,19 @@ class ClusterRanks:
         live = [index for index, keys in enumerate(self.alive) if keys and (chosen is None or keys & chosen)]
         self._call(live, lambda index: self.agents[index].signal.remote(
             signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)), CALL_SECONDS)
+
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
+        through Ray's object store."""
+        chosen = set(ranks)
+        tensors = ray_module().put(_read(fds[0], cell.tensors_size) if fds else b"")
+        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        self._call(live, lambda index: self.agents[index].run_cell.remote(
+            cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), tensors), CALL_SECONDS)
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        live = [index for index, keys in enumerate(self.alive) if rank in keys]
+        self._call(live, lambda index: self.agents[index].answer.remote(rank, line), CALL_SECONDS)
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         chosen = set(ranks)

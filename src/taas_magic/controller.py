@@ -190,7 +190,7 @@ class _Watch:
         self.output.flush_idle()
         now = time.monotonic()
         running = group.running() - self.paused
-        if self.escalation is None and self._failures():
+        if self.escalation is None and self.failures():
             self._begin_stop(group, ON_FAILURE)
         elif self.escalation is None and _only_producers(running):
             self.retired = running  # every rank is done: the producers' work is over
@@ -304,7 +304,8 @@ class _Watch:
         return [f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
                 "(guard other writes with taas.is_main())"]
 
-    def _failures(self) -> list[Failure]:
+    def failures(self) -> list[Failure]:
+        """The processes that failed on their own, the first to fail (the root cause) first."""
         failures = []
         for rank, (code, when) in _in_order(self._ended()):
             record = self.records.get(rank)
@@ -328,13 +329,13 @@ class _Watch:
 
     def rank_failure(self) -> str | None:
         """The one-line failure when the run failed because a rank did (not an interrupt or a timeout)."""
-        failures = self._failures()
+        failures = self.failures()
         if self.interrupted or self.timed_out is not None or not failures:
             return None
         return self._failure_message(failures)[0]
 
     def raise_outcome(self) -> None:
-        failures = self._failures()
+        failures = self.failures()
         if self.interrupted:
             raise RunInterrupted(self._interrupt_lines())
         if self.timed_out is not None:

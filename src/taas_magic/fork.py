@@ -121,7 +121,7 @@ class ForkedRanks:
         Every process keeps only the sockets it needs: its own delivery channels. Once all are
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
         """
-        group = cls(idle_limit=task.idle_limit if task.keep else None)
+        group = cls(idle_limit=task.idle_limit if getattr(task, "keep", False) else None)
         service: Any = None  # DataService here, a cluster node's AttachedDelivery there
         opening = b""
         try:

@@ -117,10 +117,12 @@ class TaasMagics(Magics):
     def _start_session(self, spec: LaunchSpec, backend: Backend, payload: Any) -> controller.Outcome:
         """Start the ranks of a session; they run this cell first, and stay."""
         envs = rank_environments(spec, new_run_id(), 0, os.environ)
-        if isinstance(payload, ForkServerRequest):
-            namespace = self.ipython.user_ns
-            known = {name: shipping.fingerprint(namespace[name]) for name in payload.shipment.sent if name in namespace}
-            sources = set(payload.task.sources)
+        namespace = self.ipython.user_ns
+        shipped = (payload.shipment.sent, frozenset(payload.task.sources)) if isinstance(payload, ForkServerRequest) \
+            else getattr(backend, "shipped", None)  # on the cluster
+        if shipped is not None:
+            known = {name: shipping.fingerprint(namespace[name]) for name in shipped[0] if name in namespace}
+            sources = set(shipped[1])
         else:
             known = {name: shipping.fingerprint(value) for name, value in self.ipython.user_ns.items()
                      if not name.startswith("_")}  # forked: the ranks have every name as it is now
@@ -208,7 +210,7 @@ class TaasMagics(Magics):
         if session is None or session.ended or not session.failed:
             raise TaasUsageError("nothing to debug: no rank's cell failed in a session, and no rank is paused "
                                  "(--debug in a one-shot cell keeps the first rank that fails)")
-        rank = min(session.failed) if wanted is None else wanted
+        rank = session.failed[0] if wanted is None else wanted  # the first to fail: the one the cell named
         if rank not in session.failed:
             raise TaasUsageError(f"rank {rank}'s last cell did not fail: debug one of ranks "
                                  f"{', '.join(map(str, sorted(session.failed)))}")
@@ -388,7 +390,7 @@ def _check_fits_session(args: Any, session: Session) -> None:
         "--config": args.config is None or (spec.configuration is not None and args.config == spec.configuration.name),
         "--device": args.device in (None, "auto", spec.device),
         "--start": args.start in ("auto", session.start, "spawn" if session.start == "forkserver" else ""),
-        "--on": args.on in (None, "local"),
+        "--on": args.on in (None, "cluster" if session.start == "cluster" else "local"),
     }
     one_shot = {"--cpus": args.cpus is not None, "--units": args.units is not None,
                 "--prefetch": args.prefetch is not None, "--order": args.order != "deterministic",

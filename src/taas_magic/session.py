@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import linecache
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -52,13 +53,14 @@ class Session:
 
     group: SessionGroup
     spec: LaunchSpec
-    start: str  # "fork" or "forkserver"
+    start: str  # "fork", "forkserver" or "cluster"
     known: dict[str, tuple[Any, ...]]  # notebook name -> fingerprint of the value the ranks were given
     sources_sent: set[str]  # the notebook's cells the ranks can quote in tracebacks
     started: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     cells: int = 0
-    failed: set[int] = field(default_factory=set)  # ranks whose last cell raised: `%taas debug` enters them
+    failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
+    just_failed: list[int] = field(default_factory=list)  # those of the cell just watched
     ended: str = ""  # why the session is over, once it is
 
     @property
@@ -112,17 +114,27 @@ class Session:
             write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> Outcome:
         """Run ``cell`` in ``ranks``; rank 0's pickled names on success, else raise what the cell shows."""
         fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
-        return self._watch(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line)
+        return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line)
 
     def first_cell(self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str],
                    read_line: ReadLine) -> Outcome:
         """The cell that started the session, which every rank runs as it starts."""
-        return self._watch(lambda: None, list(range(self.size)), spec, write, cell_names, read_line)
+        return self._cell(lambda: None, list(range(self.size)), spec, write, cell_names, read_line)
 
     def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
         """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook."""
         self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], self.spec, write, {},
                     read_line, output="all")
+
+    def _cell(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
+              write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> Outcome:
+        """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
+        self.cells += 1
+        self.just_failed = []
+        try:
+            return self._watch(send, ranks, spec, write, cell_names, read_line)
+        finally:
+            self.failed = self.just_failed
 
     def _watch(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
                write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
@@ -132,18 +144,15 @@ class Session:
         shown = None if (output or spec.output) == "all" else {0}
         out = RankOutput(write, prefix=self.spec.show_rank_prefix, shown=shown)
         watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write)
-        self.cells += 1
         try:
-            send()
-            watch.until_ended()
+            watch.until_ended(send)
         except BaseException as e:
             self._end(str(e) if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
             raise
         finally:
             out.finish()
             self.last_used = time.monotonic()
-        self.failed = {rank for rank, record in watch.records.items()
-                       if isinstance(rank, int) and isinstance(record, Failed) and not record.interrupted}
+        self.just_failed = [failure.rank for failure in watch.failures() if isinstance(failure.rank, int)]
         watch.raise_outcome()
         return Outcome(watch.results, watch.skipped_names())
 
@@ -179,8 +188,9 @@ class Session:
             return f"ended: {self.ended}"
         idle = time.monotonic() - self.last_used
         configuration = f", configuration {self.spec.configuration.name}" if self.spec.configuration else ""
+        where = "on the cluster" if self.start == "cluster" else f"started by {self.start}"
         return (f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
-                f"started by {self.start}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
+                f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
                 f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)")
 
 
@@ -194,6 +204,7 @@ class _CellWatch(_Watch):
         self.ranks = set(ranks)
         self.deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         self.interrupt_sent: float | None = None
+        self.backlog: list[Event] = []  # events received and not taken yet
 
     def _exiting(self) -> bool:
         """A rank's cell called sys.exit(): the rank is ending (its exit ends the session)."""
@@ -206,7 +217,13 @@ class _CellWatch(_Watch):
     def in_cell(self) -> set[Key]:
         return {rank for rank in self.ranks if rank not in self.records}
 
-    def until_ended(self) -> None:
+    def until_ended(self, send: Callable[[], None] = lambda: None) -> None:
+        """Send the cell (``send``), then watch it until every rank of it has said how it ended there."""
+        try:
+            _uninterrupted(send)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self._interrupt()
         while self.in_cell() or self._exiting():
             try:
                 self._cell_step()
@@ -217,8 +234,11 @@ class _CellWatch(_Watch):
                 self._interrupt()
 
     def _cell_step(self) -> None:
-        for event in self.group.events(0.05):
-            self._take(event)
+        if not self.backlog:
+            self.backlog = self.group.events(0.05)
+        while self.backlog:  # an interrupt while one is taken leaves it to be taken again, never lost
+            self._take(self.backlog[0])
+            self.backlog.pop(0)
         self.output.flush_idle()
         now = time.monotonic()
         if self.interrupt_sent is None and any(isinstance(r, Failed) and not r.interrupted
@@ -259,14 +279,14 @@ class _CellWatch(_Watch):
         for rank in stuck:
             lines.append(f"{BOLD}{self._name(rank)} was here:{RESET}")
             lines += user_stack(stacks.get(rank, ""), self.cell_names) or ["(no stack received)"]
-        failures = self._failures()
+        failures = self.failures()
         if failures:  # why they were interrupted: the failure comes first
             failed, failed_lines = self._failure_message(failures)
             return f"{failed}; {message}", failed_lines + lines
         return message, lines
 
     def raise_outcome(self) -> None:
-        failures = self._failures()
+        failures = self.failures()
         if failures:
             message, lines = self._failure_message(failures)
             lines = [line.replace("stopped by taas after", "interrupted by taas after") for line in lines]
@@ -282,6 +302,35 @@ class _CellWatch(_Watch):
         message, lines = self._timeout_message()
         message = message.replace("now stopped", "now interrupted; the session goes on")
         return message, [line.replace("now stopped", "now interrupted; the session goes on") for line in lines]
+
+
+def _uninterrupted(call: Callable[[], None]) -> None:
+    """Run ``call`` to its end even if the user interrupts meanwhile (the interrupt is raised after it).
+
+    Sending a cell must be whole or not at all, and known to be which: an interrupt that landed
+    just after the message went, and before the kernel noted it, would leave the ranks running a
+    cell the kernel believes it never sent. Only the main thread receives interrupts.
+    """
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:
+            failure.append(e)
+
+    worker = threading.Thread(target=run, name="taas-send")
+    worker.start()
+    interrupted = False
+    while worker.is_alive():
+        try:
+            worker.join()
+        except KeyboardInterrupt:
+            interrupted = True
+    if failure:
+        raise failure[0]
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _ended_message(why: str, details: list[str] | None = None) -> tuple[str, list[str]]:
@@ -300,8 +349,7 @@ def debug_paused(group: SessionGroup, rank: int, write: Callable[[str, str], obj
     out = RankOutput(write, prefix=True)
     watch = _CellWatch(spec, out, {}, group, [rank], read_line, write)
     try:
-        group.run_cell(SessionCell(None), [rank], ())
-        watch.until_ended()
+        watch.until_ended(lambda: group.run_cell(SessionCell(None), [rank], ()))
     finally:
         out.finish()
         group.close()

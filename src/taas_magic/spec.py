@@ -92,16 +92,14 @@ def build(
         prefetch=getattr(options, "prefetch", None),
         on_cluster=on_cluster,
         max_restarts=getattr(options, "max_restarts", 0),
-        **_session_options(options, on_cluster),
+        **_session_options(options),
     )
 
 
-def _session_options(options: argparse.Namespace, on_cluster: bool) -> dict[str, Any]:
+def _session_options(options: argparse.Namespace) -> dict[str, Any]:
     keep, idle, debug = getattr(options, "keep", False), getattr(options, "idle", None), getattr(options, "debug", False)
     if idle is not None and not keep:
         raise TaasUsageError(f"--idle {idle:g} applies to a session: add --keep")
-    if keep and on_cluster:
-        raise TaasUsageError("--keep: sessions run on this machine for now: add --on local")
     if keep and debug:
         raise TaasUsageError("--debug applies to one-shot cells: a session keeps a failing rank's error for "
                              "%taas debug anyway")
