@@ -57,6 +57,10 @@ class TaasMagics(Magics):
         MASTER_PORT, ...), so `torch.distributed.init_process_group("nccl", init_method="env://")`
         works unchanged and Lightning needs no init. `#!g2.8` / `#pragma taas --gpus 8` at the
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
+
+        `--keep` starts a session: the ranks stay, and the taas cells that follow run in them
+        (`--ranks 0,2` in part of them); `%taas stop` ends it. `%taas debug [RANK]` opens pdb in a
+        rank whose cell raised (in a session, or paused by `--debug`); `breakpoint()` works in ranks.
         """
         line = _expand_variables(self.ipython, line)
         words = line.split()
