@@ -32,6 +32,12 @@ def gone(pid_list, within: float) -> bool:
     return not any(psutil.pid_exists(pid) for pid in pid_list)
 
 
+def assert_same_ranks_go_on(kernel: Kernel, first) -> None:
+    """The next cell runs in the session's own processes, and their process group still works."""
+    again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
+    assert pids(again) == pids(first)
+
+
 def stop(kernel: Kernel) -> None:
     kernel.execute("%taas stop").ok()
 
@@ -92,8 +98,7 @@ def test_an_exception_fails_the_cell_and_keeps_the_session(kernel):
         assert r.error["evalue"] == "rank 1 failed: ValueError: bad batch", r.error
         assert "Cell In[" in r.traceback and "interrupted by taas after the failure: rank 0" in r.traceback
         assert "the session goes on" in r.traceback and r.seconds < 10
-        again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
-        assert pids(again) == pids(first)
+        assert_same_ranks_go_on(kernel, first)
     finally:
         stop(kernel)
 
@@ -105,8 +110,7 @@ def test_an_interrupt_stops_the_cell_in_every_rank_and_the_session_survives(kern
                            interrupt_after=2.0)
         assert "KeyboardInterrupt" in r.traceback and "the session goes on" in r.traceback, r.traceback
         assert "[rank 0] cleaned" in r.stdout and "[rank 1] cleaned" in r.stdout and r.seconds < 6
-        again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
-        assert pids(again) == pids(first)
+        assert_same_ranks_go_on(kernel, first)
     finally:
         stop(kernel)
 
