@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test bench bench-cluster clean
+.PHONY: demo test bench bench-cluster bench-sessions clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench: $(VENV)/.installed-bench
 
 bench-cluster: $(VENV)/.installed-bench
 	$(PY) benchmarks/cluster.py
+
+bench-sessions: $(VENV)/.installed-bench
+	$(PY) benchmarks/sessions.py
 
 clean:
 	rm -rf $(VENV) .demo build src/*.egg-info .mypy_cache
