@@ -14,17 +14,22 @@ cell costs at most 20 ms over the plain cell at 8 CPU ranks.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from harness import ROOT, BenchError, Kernel, Progress, arguments, machine_info, print_checks, shown
 
 RANKS = 8
 TARGET_MS = 20.0
 BODY = "x = 1"
-SESSION_CHECK = "import os\nprint('rank', os.environ['RANK'], os.getpid(), flush=True)"
+# ipyparallel shows what engines print as display data: their process ids are printed here instead.
+PX_CHECK = "import os\nfor engine, pid in zip(rc.ids, rc[:].apply_sync(os.getpid)):\n    print('worker', engine, pid)"
 
 
 @dataclass
@@ -32,31 +37,38 @@ class Contender:
     """One way to run a cell in kept workers: how to start them, the cell, how to stop them."""
 
     name: str
-    setup: list[str]  # cells run once in its kernel
+    setup: list[str]  # cells run once in its kernel, the last printing each worker's process id
     cell: str  # the measured cell
+    check: str  # prints each worker's process id again
     teardown: str
     kernel: Kernel | None = None
     kernel_ms: list[float] = field(default_factory=list)
     client_ms: list[float] = field(default_factory=list)
+    plain_ms: list[float] = field(default_factory=list)  # `x = 1` run by this kernel itself
+    workers: dict[str, str] = field(default_factory=dict)  # worker -> process id, as it started
 
 
-def contenders() -> list[Contender]:
+def contenders(profile_dir: Path) -> list[Contender]:
+    taas_check = "import os\nprint('worker', os.environ['RANK'], os.getpid(), flush=True)"
     return [
-        Contender("taas fork", ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start fork --return none\n"
-                  f"{SESSION_CHECK}"], f"#pragma taas --return none\n{BODY}", "%taas stop"),
-        Contender("taas forkserver", ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start forkserver "
-                  f"--return none\n{SESSION_CHECK}"], f"#pragma taas --return none\n{BODY}", "%taas stop"),
+        Contender("taas fork", ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start fork "
+                  f"--return none\n{taas_check}"], f"#pragma taas --return none\n{BODY}",
+                  f"#pragma taas --return none\n{taas_check}", "%taas stop"),
+        Contender("taas forkserver", ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start "
+                  f"forkserver --return none\n{taas_check}"], f"#pragma taas --return none\n{BODY}",
+                  f"#pragma taas --return none\n{taas_check}", "%taas stop"),
         Contender("ipyparallel %%px", ["import ipyparallel as ipp\n"
-                  f"cluster = ipp.Cluster(n={RANKS}, controller_ip='127.0.0.1', log_level=40)\n"
-                  f"rc = cluster.start_and_connect_sync(activate=True)\nrc.wait_for_engines({RANKS}, timeout=120)"],
-                  f"%%px\n{BODY}", "cluster.stop_cluster_sync()"),
+                  f"cluster = ipp.Cluster(n={RANKS}, controller_ip='127.0.0.1', controller_location='127.0.0.1', "
+                  f"profile_dir={str(profile_dir)!r}, log_level=40)\n"
+                  f"rc = cluster.start_and_connect_sync(activate=True)\nrc.wait_for_engines({RANKS}, timeout=120)",
+                  PX_CHECK], f"%%px\n{BODY}", PX_CHECK, "cluster.stop_cluster_sync()"),
     ]
 
 
-def measure(rounds: int, progress: Progress) -> tuple[list[Contender], list[float]]:
-    """Every contender in its own kernel, cells in alternating rounds; the plain cell in each kernel too."""
-    runners = contenders()
-    baseline: list[float] = []
+def measure(rounds: int, progress: Progress) -> list[Contender]:
+    """Every contender in its own kernel, taking turns; each kernel's plain cell after its own cell."""
+    profile_dir = Path(tempfile.mkdtemp(prefix="taas-bench-ipyparallel-"))
+    runners = contenders(profile_dir)
     try:
         for runner in runners:
             progress(f"starting {runner.name}")
@@ -64,51 +76,74 @@ def measure(rounds: int, progress: Progress) -> tuple[list[Contender], list[floa
             if runner.name.startswith("taas"):
                 runner.kernel.check_module("taas_magic")
             for cell in runner.setup:
-                started = runner.kernel.run(cell, timeout=300)
-            _check_workers(runner, started.stdout)
+                said = runner.kernel.run(cell, timeout=300).stdout
+            runner.workers = _workers(runner, said)
             for _ in range(3):  # warm-up: first cells touch pages and caches
                 runner.kernel.run(runner.cell)
             runner.kernel.wait_until_quiet()
+        _check_loopback(runners[-1])
         for round_number in range(rounds):
             for runner in runners:
                 assert runner.kernel is not None
                 cell = runner.kernel.run(runner.cell)
                 runner.kernel_ms.append(cell.kernel_seconds * 1000)
                 runner.client_ms.append(cell.client_seconds * 1000)
-                baseline.append(runner.kernel.run(BODY).kernel_seconds * 1000)
+                runner.plain_ms.append(runner.kernel.run(BODY).kernel_seconds * 1000)
             if round_number % 20 == 0:
                 progress(f"round {round_number + 1} of {rounds}")
+        for runner in runners:
+            assert runner.kernel is not None
+            if _workers(runner, runner.kernel.run(runner.check).stdout) != runner.workers:
+                raise BenchError(f"{runner.name}: the workers are not those that started: the cells did not run warm")
     finally:
         for runner in runners:
-            if runner.kernel is not None:
-                try:
-                    runner.kernel.run(runner.teardown, timeout=120)
-                finally:
-                    left = runner.kernel.shutdown()
-                    if left:
-                        print(f"{runner.name}: left behind and killed: {left}", file=sys.stderr)
-    return runners, baseline
+            _stop(runner)
+        shutil.rmtree(profile_dir, ignore_errors=True)
+    return runners
 
 
-def _check_workers(runner: Contender, said: str) -> None:
-    """Every worker is there, and (for taas) the measured cells run in the session, not as one-shot runs."""
+def _workers(runner: Contender, said: str) -> dict[str, str]:
+    """Worker -> process id from what the check printed; all of them, or the figures mean nothing."""
+    found = dict(re.findall(r"worker (\d+) (\d+)", said))
+    if len(found) != RANKS:
+        raise BenchError(f"{runner.name}: {len(found)} workers answered, not {RANKS}:\n{said}")
+    return found
+
+
+def _check_loopback(runner: Contender) -> None:
+    """ipyparallel's controller and engines listen on loopback alone."""
     assert runner.kernel is not None
-    if runner.name.startswith("taas"):
-        if len(set(said.split())) < RANKS or "session:             up" not in runner.kernel.run("%taas").stdout:
-            raise BenchError(f"{runner.name}: no session of {RANKS} ranks started:\n{said}")
-    elif runner.kernel.run("print(len(rc.ids))").stdout.strip() != str(RANKS):
-        raise BenchError(f"{runner.name}: fewer than {RANKS} engines")
+    processes = psutil.Process(runner.kernel.pid).children(recursive=True)
+    listening = [c.laddr.ip for p in processes for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    outside = [ip for ip in listening if not ip.startswith("127.")]
+    if not listening or outside:
+        raise BenchError(f"{runner.name} listens on {outside or 'nothing'}: expected loopback alone")
 
 
-def report(runners: list[Contender], baseline: list[float], results: Path, plot: Path, rounds: int) -> None:
-    plain = statistics.median(baseline)
-    overhead = {r.name: statistics.median(r.kernel_ms) - plain for r in runners}
-    print(f"warm cell `{BODY}` in {RANKS} workers, {rounds} rounds; plain cell in the kernel: median {plain:.2f} ms")
-    print(f"{'':20} {'kernel median':>14} {'p90':>8} {'client median':>14} {'overhead':>9}")
+def _stop(runner: Contender) -> None:
+    """End the contender's workers and kernel, whatever happened; kill and report what is left."""
+    if runner.kernel is None:
+        return
+    try:
+        runner.kernel.run(runner.teardown, timeout=120)
+    except BenchError as e:
+        print(f"{runner.name}: {e}", file=sys.stderr)
+    finally:
+        left = runner.kernel.shutdown()
+        if left:
+            print(f"{runner.name}: left behind and killed: {left}", file=sys.stderr)
+
+
+def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> None:
+    overhead = {r.name: statistics.median(r.kernel_ms) - statistics.median(r.plain_ms) for r in runners}
+    print(f"warm cell `{BODY}` in {RANKS} workers, {rounds} rounds; busy->idle as the kernel stamps it, "
+          "less the same cell run by that kernel itself")
+    print(f"{'':20} {'cell median':>12} {'p90':>8} {'plain':>8} {'overhead':>9} {'client round trip':>18}")
     for r in runners:
         p90 = statistics.quantiles(r.kernel_ms, n=10)[-1]
-        print(f"{r.name:20} {statistics.median(r.kernel_ms):11.2f} ms {p90:5.1f} ms "
-              f"{statistics.median(r.client_ms):11.2f} ms {overhead[r.name]:6.2f} ms")
+        print(f"{r.name:20} {statistics.median(r.kernel_ms):9.2f} ms {p90:5.1f} ms "
+              f"{statistics.median(r.plain_ms):5.2f} ms {overhead[r.name]:6.2f} ms "
+              f"{statistics.median(r.client_ms):15.2f} ms")
     px = overhead["ipyparallel %%px"]
     for name in ("taas fork", "taas forkserver"):
         print(f"{name} / ipyparallel %%px overhead: {overhead[name] / px:.2f}x")
@@ -116,22 +151,22 @@ def report(runners: list[Contender], baseline: list[float], results: Path, plot:
                    f"plain cell at {RANKS} ranks (target <= {TARGET_MS:g} ms)") for name in ("taas fork", "taas forkserver")])
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({
-        "machine": machine_info("ipyparallel"), "ranks": RANKS, "rounds": rounds, "plain_ms": baseline,
-        "contenders": {r.name: {"kernel_ms": r.kernel_ms, "client_ms": r.client_ms, "overhead_ms": overhead[r.name]}
-                       for r in runners},
+        "machine": machine_info("ipyparallel"), "ranks": RANKS, "rounds": rounds,
+        "contenders": {r.name: {"kernel_ms": r.kernel_ms, "client_ms": r.client_ms, "plain_ms": r.plain_ms,
+                                "overhead_ms": overhead[r.name]} for r in runners},
     }, indent=1) + "\n")
-    _plot(runners, plain, plot)
+    _plot(runners, plot)
     print(f"results: {shown(results)}; plot: {shown(plot)}")
 
 
-def _plot(runners: list[Contender], plain: float, path: Path) -> None:
+def _plot(runners: list[Contender], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 3.2))
-    axes.boxplot([[ms - plain for ms in r.kernel_ms] for r in runners], orientation="horizontal", showfliers=False,
+    axes.boxplot([[ms - statistics.median(r.plain_ms) for ms in r.kernel_ms] for r in runners], orientation="horizontal", showfliers=False,
                  tick_labels=[r.name for r in runners])
     axes.axvline(TARGET_MS, color="tab:red", linestyle="--", linewidth=1, label=f"target {TARGET_MS:g} ms")
     axes.set_xlabel(f"warm cell time beyond the plain cell, ms ({RANKS} workers, CPU)")
@@ -145,8 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     args = arguments(__doc__ or "", "20 rounds instead of 100", ROOT / "benchmarks/results/sessions.json",
                      ROOT / "docs/images/sessions.png", argv)
     rounds = 20 if args.quick else 100
-    runners, baseline = measure(rounds, Progress())
-    report(runners, baseline, args.results, args.plot, rounds)
+    runners = measure(rounds, Progress())
+    report(runners, args.results, args.plot, rounds)
 
 
 if __name__ == "__main__":
