@@ -118,7 +118,8 @@ class ForkedRanks:
               note: Callable[[], bytes] = lambda: b"") -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
-        Every process keeps only the sockets it needs: its own delivery channels. Once all are
+        Every process keeps only the sockets it needs: its own delivery channels, and a rank its
+        control channel with this supervisor (``session_rank.py``, ``debugger.py``). Once all are
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
         """
         group = cls(idle_limit=task.idle_limit if getattr(task, "keep", False) else None)

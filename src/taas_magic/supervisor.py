@@ -13,7 +13,8 @@ server) dies.
 
 Requests, kernel → supervisor: ("go", names) first (the notebook's names for the functions ranks
 replace, found while the supervisor forks), then ("signal", signum, ranks | None),
-("stacks", ranks, timeout), ("close",). Messages, supervisor → kernel: ("started", pid, process
+("stacks", ranks, timeout), a session's ("cell", cell, ranks) with its tensors' memory file, a
+debugger's ("line", rank, text), and ("close",). Messages, supervisor → kernel: ("started", pid, process
 keys) or ("failed", text), then ("events", [Event, …]) and ("stacks", {rank: text}) as they
 come, ("closed", {rank: code}, [Event, …]) last, with the events that came with the end, once
 every process of the run has exited or the kernel asked; ("lost", why) instead when the
