@@ -149,7 +149,7 @@ def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
     events, group = run_to_end("import os\nprint('rank', os.environ['RANK'], os.environ['MASTER_PORT'])")
     text = b"".join(e.data for e in events if isinstance(e, Output) and e.stream == "stdout").decode()
     ports = {line.split()[2] for line in text.splitlines() if line.startswith("rank ")}
-    assert len(ports) == 1 and ports != {"0"}, "the supervisor opened the store's port"
+    assert len(ports) == 1 and ports != {"0"}, f"the supervisor opened the store's port: {events}"
     assert sorted(e.rank for e in events if isinstance(e, Exited)) == [0, 1]
     deadline = time.monotonic() + 2
     while containment.children() and time.monotonic() < deadline:

@@ -27,6 +27,9 @@ QUIET = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",  # the discard port: a report that goes nowhere
     "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
+    # Ray Client's server per client imports Ray afresh; on a busy 2-core machine, or the first time
+    # after installing (nothing compiled yet), that takes longer than Ray's 30 s default.
+    "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120",
 }
 FIRST_ADDRESS = 2  # 127.0.0.1 is what Ray replaces by the machine's address; nodes start at .2
 
