@@ -69,7 +69,7 @@ def test_a_syntax_error_is_reported_before_any_rank_starts(kernel):
         ("#!g2.8\n#pragma taas --gpus 16", "--gpus 16 needs 2 nodes of g2.8"),
         ("#pragma taas --cpus 9", "argument --cpus: 9 is out of range: use 0-8 (0 turns data delivery off)"),
         ("#pragma taas --units -1", "argument --units: -1 is out of range: use a whole number of 1 or more"),
-        ("#pragma taas --frobnicate", "unknown option '--frobnicate': allowed are --gpus, --cpus, --units"),
+        ("#pragma taas --frobnicate", "unknown option '--frobnicate': allowed are --gpus, --config, --device"),
         ("#!g9.9\n#pragma taas", "unknown configuration 'g9.9': known are c1.4"),
         ("#pragma taas --device auto", "no CUDA device is visible on this machine: run the ranks on CPU with --device cpu"),
         ("#pragma taas --device cuda --gpus 2", "no CUDA device is visible"),
@@ -110,12 +110,16 @@ def test_help_lists_every_option(kernel):
 def test_unload_removes_every_registration_and_reload_registers_once(kernel):
     count = "len([t for t in get_ipython().input_transformers_cleanup if type(t).__name__ == 'PragmaTransformer'])"
     magics = "('taas' in get_ipython().magics_manager.magics['cell'], 'taas' in get_ipython().magics_manager.magics['line'])"
+    others = ("(sum(type(c).__name__ == 'TaasMagics' for c in get_ipython().configurables), "
+              "sorted(k for k in get_ipython().strdispatchers['complete_command'].strs if 'taas' in k))")
     assert kernel.value(count) == 1
     kernel.execute("%reload_ext taas_magic").ok()
     kernel.execute("%reload_ext taas_magic").ok()
     assert kernel.value(count) == 1 and kernel.value(magics) == (True, True)
+    assert kernel.value(others) == (1, ["%%taas", "%taas"]), "one configurable, one completer per magic"
     kernel.execute("%unload_ext taas_magic").ok()
     assert kernel.value(count) == 0 and kernel.value(magics) == (False, False)
+    assert kernel.value(others) == (0, [])
     # Unloaded, a pragma cell is an ordinary cell again.
     assert kernel.execute("#pragma taas --gpus 2\nprint('in the kernel')").ok().stdout == "in the kernel\n"
     kernel.execute("%load_ext taas_magic").ok()

@@ -23,6 +23,7 @@ __all__ = ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
 __version__ = "0.1.0"
 
 _loaded: dict[int, tuple[Any, PragmaTransformer]] = {}
+COMPLETED = ("%taas", "%%taas")  # the words whose lines taas completes
 
 
 def _is_configuration(name: str) -> bool:
@@ -33,6 +34,7 @@ def _is_configuration(name: str) -> bool:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from . import completion, options
     from .magics import TaasMagics
 
     if id(ipython) in _loaded:
@@ -41,6 +43,9 @@ def load_ipython_extension(ipython: Any) -> None:
     magics = TaasMagics(ipython, transformer)
     transformer.on_cluster = lambda: magics.cluster_address is not None
     ipython.register_magics(magics)
+    complete = completion.completer(options.visible_options(TaasMagics.taas))
+    for key in COMPLETED:
+        ipython.set_hook("complete_command", complete, str_key=key)
     # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.
     ipython.input_transformers_cleanup.insert(0, transformer)
     _loaded[id(ipython)] = (magics, transformer)
@@ -53,6 +58,13 @@ def unload_ipython_extension(ipython: Any) -> None:
         return
     magics, transformer = entry
     magics.forkserver_backend.shutdown()
+    if magics.session is not None:
+        magics.session.stop()
+    if magics in ipython.configurables:  # IPython put it there, for %config: it goes with the magics
+        ipython.configurables.remove(magics)
+    dispatcher = ipython.strdispatchers.get("complete_command")
+    for key in COMPLETED if dispatcher is not None else ():
+        dispatcher.strs.pop(key, None)
     if magics.cluster is not None:
         magics.cluster.disconnect()  # its agents and their fork servers end with it
     if transformer in ipython.input_transformers_cleanup:

@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
+from traitlets import Enum
 
 from . import cluster, controller, machine, options, results, shipping, streams
 from .backend import Backend, Cell, SessionGroup
@@ -34,7 +35,17 @@ from .worker import RankTask
 
 @magics_class
 class TaasMagics(Magics):
-    """Runs a cell as a distributed PyTorch job; see `%%taas?`."""
+    """Runs a cell as a distributed PyTorch job; see `%%taas?`.
+
+    Its defaults are configurable as IPython's are: `%config TaasMagics.device = "cpu"`, or
+    `c.TaasMagics.device = "cpu"` in ipython_config.py. An option in the cell wins over them.
+    """
+
+    device = Enum(options.DEVICES, default_value=None, allow_none=True, config=True,
+                  help="The default --device (None: $TAAS_DEVICE, else auto).")
+    output = Enum(options.OUTPUTS, default_value="all", config=True, help="The default --output.")
+    start = Enum(tuple(name for name in options.STARTS if name != "spawn"), default_value="auto", config=True,
+                 help="The default --start.")
 
     def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer):
         super().__init__(shell)
@@ -90,7 +101,8 @@ class TaasMagics(Magics):
             raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))} runs a cell in part of a session, "
                                  "and none is running: start one with --keep")
         catalog = load_catalog()
-        spec = build(args, catalog, machine.detect(), os.environ, connected=self.cluster_address is not None)
+        spec = build(self._with_defaults(args), catalog, machine.detect(), os.environ,
+                     connected=self.cluster_address is not None)
         tree, code = self._compile(line, cell)
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         _import_torch_once()
@@ -112,6 +124,15 @@ class TaasMagics(Magics):
             if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
         self._take_back(outcome)
+
+    def _with_defaults(self, args: Any) -> Any:
+        """The options the cell left out, from the configured defaults (``%config TaasMagics.device = "cpu"``,
+        or ipython_config.py): an option in the cell wins, then the configuration, then $TAAS_DEVICE."""
+        args.output = args.output or self.output
+        args.start = args.start or self.start
+        if args.device is None:
+            args.device = self.device
+        return args
 
     def _cell_names(self) -> dict[str, str]:
         known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
@@ -145,7 +166,7 @@ class TaasMagics(Magics):
         outside = [rank for rank in ranks if rank >= session.size]
         if outside:
             raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))}: the session has ranks 0-{session.size - 1}")
-        spec = dataclasses.replace(session.spec, output=args.output, timeout=args.timeout,
+        spec = dataclasses.replace(session.spec, output=args.output or self.output, timeout=args.timeout,
                                    return_names=args.return_names)
         tree, code = self._compile(line, cell)
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
@@ -358,12 +379,14 @@ class TaasMagics(Magics):
             + (" (CUDA was used in this kernel: ranks start from the fork server)"
                if machine.fork_poisoned_for_cuda() else ""),
             f"CPU cores:           {found.cpus}",
-            f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
+            f"default --device:    {self.device} (from %config TaasMagics.device)" if self.device
+            else f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
             else f"default --device:    {device}",
             "default --gpus:      the configuration's GPUs per node, else 1",
-            "default --output:    all (each line prefixed with its rank)",
+            "default --output:    " + ("all (each line prefixed with its rank)" if self.output == "all"
+                                       else "rank0 (rank 0's output alone)") + _configured(self, "output"),
             "default --timeout:   none",
-            "default --start:     auto",
+            f"default --start:     {self.start}" + _configured(self, "start"),
             "default --return:    every name the cell binds at top level (rank 0's values)",
             "default --cpus:      1 producer per registered loader the cell uses (0: no data delivery)",
         ])
@@ -393,7 +416,7 @@ def _check_fits_session(args: Any, session: Session) -> None:
         "--gpus": args.gpus in (None, spec.world_size),
         "--config": args.config is None or (spec.configuration is not None and args.config == spec.configuration.name),
         "--device": args.device in (None, "auto", spec.device),
-        "--start": args.start in ("auto", session.start, "spawn" if session.start == "forkserver" else ""),
+        "--start": args.start in (None, "auto", session.start, "spawn" if session.start == "forkserver" else ""),
         "--on": args.on in (None, "cluster" if session.start == "cluster" else "local"),
     }
     one_shot = {"--cpus": args.cpus is not None, "--units": args.units is not None,
@@ -407,6 +430,11 @@ def _check_fits_session(args: Any, session: Session) -> None:
     if others:
         raise TaasUsageError(f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
                              "--return, --timeout and --output (%taas stop ends the session)")
+
+
+def _configured(magics: TaasMagics, name: str) -> str:
+    """Where a default came from, when it was configured rather than built in."""
+    return f" (from %config TaasMagics.{name})" if magics.trait_has_value(name) else ""
 
 
 def _read_line(prompt: str) -> str:

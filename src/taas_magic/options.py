@@ -89,11 +89,32 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate the magic with its options (the outermost decorator is listed first in help)."""
     decorators = [
         magic_arguments.magic_arguments(),
+        magic_arguments.argument_group("ranks and devices"),
         magic_arguments.argument(
             "--gpus", type=whole_number(1), default=None, metavar="N",
             help="number of ranks, one per GPU (default: the configuration's GPUs per node, else 1). "
             "More than one node's worth (g2.8: 16, 32) runs on the connected cluster.",
         ),
+        magic_arguments.argument(
+            "--config", default=None, metavar="NAME",
+            help="machine configuration (g2.8, g1.4, c1.4, ...); `#!NAME` on the first line means the same.",
+        ),
+        magic_arguments.argument(
+            "--device", choices=DEVICES, default=None,
+            help="where ranks compute (default: $TAAS_DEVICE, else auto = CUDA, with an error where there is none).",
+        ),
+        magic_arguments.argument(
+            "--start", choices=STARTS, default=None,
+            help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
+            "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
+            "earlier name); auto: fork unless CUDA was used in the kernel.",
+        ),
+        magic_arguments.argument(
+            "--on", choices=PLACES, default=None,
+            help="cluster: the ranks run on the connected Ray cluster (the default once connected, with "
+            "%%taas cluster ADDRESS or $TAAS_CLUSTER); local: on this machine, connected or not.",
+        ),
+        magic_arguments.argument_group("data delivery (registered DataLoaders)"),
         magic_arguments.argument(
             "--cpus", type=whole_number(0, MAX_CPUS, " (0 turns data delivery off)"), default=None, metavar="K",
             help=f"CPU prefetch workers per registered DataLoader, 0-{MAX_CPUS}.",
@@ -112,43 +133,31 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             help="elements a registered loader's producers may prepare ahead of the slowest rank "
             "(default: enough to keep every producer busy).",
         ),
+        magic_arguments.argument_group("output and results"),
         magic_arguments.argument(
-            "--config", default=None, metavar="NAME",
-            help="machine configuration (g2.8, g1.4, c1.4, ...); `#!NAME` on the first line means the same.",
-        ),
-        magic_arguments.argument(
-            "--device", choices=DEVICES, default=None,
-            help="where ranks compute (default: $TAAS_DEVICE, else auto = CUDA, with an error where there is none).",
-        ),
-        magic_arguments.argument(
-            "--output", choices=OUTPUTS, default="all",
+            "--output", choices=OUTPUTS, default=None,
             help="all: every rank's output, each line prefixed with its rank; rank0: rank 0's alone, unprefixed.",
-        ),
-        magic_arguments.argument(
-            "--timeout", type=seconds, default=None, metavar="SECONDS",
-            help="stop ranks still running after this many seconds and show where each one was.",
-        ),
-        magic_arguments.argument(
-            "--max-restarts", dest="max_restarts", type=whole_number(0, MAX_RESTARTS), default=0, metavar="N",
-            help="when a rank fails, stop every rank and start the run again, up to N times, as torchrun's "
-            "elastic agent does (TORCHELASTIC_RESTART_COUNT counts them); the cell fails with the last failure.",
-        ),
-        magic_arguments.argument(
-            "--start", choices=STARTS, default="auto",
-            help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
-            "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
-            "earlier name); auto: fork unless CUDA was used in the kernel.",
-        ),
-        magic_arguments.argument(
-            "--on", choices=PLACES, default=None,
-            help="cluster: the ranks run on the connected Ray cluster (the default once connected, with "
-            "%%taas cluster ADDRESS or $TAAS_CLUSTER); local: on this machine, connected or not.",
         ),
         magic_arguments.argument(
             "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",
             help="names rank 0 sends back into the notebook (default: every name the cell binds at top level); "
             "none: nothing comes back.",
         ),
+        magic_arguments.argument(
+            "--timeout", type=seconds, default=None, metavar="SECONDS",
+            help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument_group("failures"),
+        magic_arguments.argument(
+            "--max-restarts", dest="max_restarts", type=whole_number(0, MAX_RESTARTS), default=0, metavar="N",
+            help="when a rank fails, stop every rank and start the run again, up to N times, as torchrun's "
+            "elastic agent does (TORCHELASTIC_RESTART_COUNT counts them); the cell fails with the last failure.",
+        ),
+        magic_arguments.argument(
+            "--debug", action="store_true",
+            help="a rank whose cell raises stays, paused, so that %%taas debug can open the debugger at the error.",
+        ),
+        magic_arguments.argument_group("sessions"),
         magic_arguments.argument(
             "--keep", action="store_true",
             help="start a session: the ranks stay alive after the cell, and the taas cells that follow run in "
@@ -161,10 +170,6 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         magic_arguments.argument(
             "--idle", type=seconds, default=None, metavar="SECONDS",
             help="with --keep: end the session after this many seconds without a cell (default 3600).",
-        ),
-        magic_arguments.argument(
-            "--debug", action="store_true",
-            help="a rank whose cell raises stays, paused, so that %%taas debug can open the debugger at the error.",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
         # `#!NAME` alone while a cluster is connected: the cell as one process on such a node
@@ -193,9 +198,16 @@ def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
     except UsageError as e:  # argparse's own message: "argument --gpus: ..."
         raise TaasUsageError(str(e)) from None
     if unknown:
-        allowed = ", ".join(a.option_strings[0] for a in parser._actions if a.help != argparse.SUPPRESS)
+        allowed = ", ".join(visible_options(magic))
         raise TaasUsageError(f"unknown option {_cut(unknown[0])!r}: allowed are {allowed}")
     return namespace
+
+
+def visible_options(magic: Callable[..., Any]) -> list[str]:
+    """The options a user may give, in the order `%%taas?` lists them."""
+    parser: argparse.ArgumentParser = getattr(magic, "parser")
+    return [action.option_strings[0] for action in parser._actions
+            if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"]
 
 
 def default_device(environ: Mapping[str, str] | None = None) -> str:
