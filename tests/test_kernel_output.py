@@ -22,3 +22,12 @@ def test_cells_that_print_megabytes_do_not_grow_the_kernel(kernel):
         kernel.execute(PRINT_20_MB).ok()
     grown = (process.memory_info().rss - before) / 2**20
     assert grown < 10, f"the kernel grew by {grown:.0f} MB over 3 cells of 20 MB output"
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_tqdm_auto_in_a_rank_draws_a_text_bar_without_a_widgets_warning(kernel, start):
+    kernel.execute("import tqdm.auto").ok()  # the kernel chose its bar already, with a warning of its own
+    r = kernel.execute(f"#pragma taas --gpus 2 --start {start}\nfrom tqdm.auto import tqdm\n"
+                       "for i in tqdm(range(3)):\n    pass").ok()
+    assert "IProgress" not in r.stderr and "TqdmWarning" not in r.stderr, r.stderr
+    assert "[rank 0] 100%|" in r.stderr and "[rank 1] 100%|" in r.stderr

@@ -11,6 +11,8 @@ from __future__ import annotations
 import builtins
 import faulthandler
 import gc
+import importlib.abc
+import importlib.util
 import io
 import os
 import signal
@@ -79,6 +81,7 @@ def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     os.environ.update(env)
     shell = _detach_from_kernel()
     _look_like_a_script()
+    _progress_bars_as_text()
     return shell
 
 
@@ -194,6 +197,40 @@ def _look_like_a_script() -> None:
         module = sys.modules.get(name)
         if module is not None:
             setattr(module, "_IS_INTERACTIVE", False)
+
+
+def _progress_bars_as_text() -> None:
+    """`tqdm.auto` in a rank draws a text bar, as in a script, without its warning about widgets.
+
+    tqdm picks its notebook bar when it finds itself in a kernel, as a forked rank seems to be;
+    that bar has no front end to draw in here (and, without ipywidgets, warns once per rank).
+    So `tqdm.autonotebook`, tqdm's chooser, is the text bar in a rank: patched where the kernel
+    had imported it, else made so on first import (nothing is imported before a cell asks).
+    """
+    std = sys.modules.get("tqdm.std")
+    for name in ("tqdm.auto", "tqdm.autonotebook"):
+        module = sys.modules.get(name)
+        if module is not None and std is not None:
+            module.tqdm, module.trange = std.tqdm, std.trange  # type: ignore[attr-defined]
+    if "tqdm.autonotebook" not in sys.modules:
+        sys.meta_path.insert(0, _TextBarChooser())
+
+
+class _TextBarChooser(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `tqdm.autonotebook` as tqdm's text bar (`tqdm.std`)."""
+
+    NAME = "tqdm.autonotebook"
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(fullname, self) if fullname == self.NAME else None
+
+    def create_module(self, spec: Any) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: Any) -> None:
+        from tqdm.std import tqdm, trange  # type: ignore[import-untyped]
+
+        module.tqdm, module.trange = tqdm, trange
 
 
 _interactive_flags: tuple[str, ...] = ()
