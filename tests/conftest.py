@@ -92,7 +92,7 @@ class Kernel:
                 result.streams.append((content["name"], content["text"], now - started))
             elif kind == "error":
                 result.error = content
-            elif kind in ("display_data", "execute_result"):
+            elif kind in ("display_data", "update_display_data", "execute_result"):
                 result.displays.append(content["data"])
             elif kind == "status" and content["execution_state"] == "idle":
                 break

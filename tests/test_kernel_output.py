@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 
@@ -31,3 +33,14 @@ def test_tqdm_auto_in_a_rank_draws_a_text_bar_without_a_widgets_warning(kernel, 
                        "for i in tqdm(range(3)):\n    pass").ok()
     assert "IProgress" not in r.stderr and "TqdmWarning" not in r.stderr, r.stderr
     assert "[rank 0] 100%|" in r.stderr and "[rank 1] 100%|" in r.stderr
+
+
+def test_taas_progress_shows_each_ranks_step_rate_and_metrics_in_place(kernel):
+    r = kernel.execute("#pragma taas --gpus 2\nimport taas, time, torch\nfor step in range(40):\n"
+                       "    taas.progress(step=step, loss=torch.tensor(1.0 / (step + 1)))\n    time.sleep(0.02)").ok()
+    shown = [d["text/plain"] for d in r.displays]
+    assert len(shown) >= 2, "drawn while the run goes on, then updated in place"
+    assert shown[-1].splitlines() == ["rank 0: step 39, loss 0.025 (done)", "rank 1: step 39, loss 0.025 (done)"], shown
+    assert any(re.search(r"rank 0: step \d+, [\d.]+ steps/s, loss [\d.]+ \(running\)", text) for text in shown), shown
+    assert r.stdout == "" and r.stderr == "", "status lines are not output"
+    assert kernel.execute("import taas\ntaas.progress(step=1, loss=0.5)").ok().displays == [], "in the kernel: nothing"

@@ -9,6 +9,10 @@ answer as rank 0 of a job of 1, so the same code runs in both places.
     taas.register(loader), taas.unregister(loader), taas.registered()
 
 mark DataLoaders that taas cells serve from separate CPU prefetch workers.
+
+    taas.progress(step=i, loss=loss)
+
+shows a rank's step, its rate and its metrics in the cell while the run goes on.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from typing import Any
 
 from .registry import register, registered, unregister
 
-__all__ = ["device", "is_main", "local_rank", "local_world_size", "rank", "register", "registered", "unregister",
-           "world_size"]
+__all__ = ["device", "is_main", "local_rank", "local_world_size", "progress", "rank", "register", "registered",
+           "unregister", "world_size"]
 
 
 def rank() -> int:
@@ -63,6 +67,15 @@ def device() -> Any:
     if chosen == "cpu" or cuda_device_count() == 0:
         return torch.device("cpu")
     return torch.device("cuda", 0)
+
+
+def progress(step: int | None = None, **metrics: Any) -> None:
+    """Show this rank's ``step`` and ``metrics`` (numbers, or one-element tensors) in the cell:
+    one line per rank, updated in place, with the steps per second. Call it as often as you
+    like (every step): a rank sends at most four updates a second. Does nothing in the kernel."""
+    from taas_magic import progress as reports
+
+    reports.note(step, metrics)
 
 
 def _int(name: str, default: int) -> int:

@@ -20,7 +20,8 @@ from typing import Callable, Mapping, TypeVar
 from .backend import Backend, Event, Exited, InputRequest, Key, Output, RankGroup, Report, Result, key_order
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
-from .records import CellEnded, DeliveryProgress, DeliverySummary, Failed, Record, SavedOnNode, SaveSkipped
+from .rank_rows import RankRows
+from .records import CellEnded, DeliveryProgress, DeliverySummary, Failed, RankProgress, Record, SavedOnNode, SaveSkipped
 from .rendezvous import new_run_id
 from .spec import LaunchSpec
 from .streams import RankOutput
@@ -29,6 +30,7 @@ POLL_SECONDS = 0.05
 ON_FAILURE = ((0.0, signal.SIGTERM), (3.0, signal.SIGKILL))
 ON_INTERRUPT = ((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKILL))
 STACK_SECONDS = 2.0
+STATUS_SECONDS = 0.25  # the status lines are redrawn at most this often
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -136,6 +138,7 @@ def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, d
         group = backend.start(envs, task)
         try:
             watch.until_done(group, deadline)
+            watch.show_status(final=True)
         finally:
             if watch.paused and keep_paused is not None and group.running() == watch.paused:
                 keep_paused(group, next(iter(watch.paused)))  # type: ignore[arg-type]
@@ -175,6 +178,9 @@ class _Watch:
         self.timed_out: dict[Key, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
         self.paused: set[Key] = set()  # --debug: the rank that raised first, waiting for the debugger
+        self.rank_rows = RankRows()  # taas.progress, per rank
+        self.status_shown = 0.0  # when the status lines were last drawn
+        self.status_due = False  # something changed since
 
     def until_done(self, group: RankGroup, deadline: float | None) -> None:
         self.group = group
@@ -249,11 +255,15 @@ class _Watch:
             return "continue"
 
     def _take_record(self, key: Key, record: Record) -> None:
+        if isinstance(key, int) and self.rank_rows.take(key, record):
+            self.show_status()
         if isinstance(record, DeliveryProgress):
             latest = self.progress.get(record.loader)
             if latest is None or record.at >= latest.at:  # producers' and ranks' reports may cross
                 self.progress[record.loader] = record
-                self.status([_progress_line(progress) for _, progress in sorted(self.progress.items())])
+                self.show_status()
+        elif isinstance(record, RankProgress):
+            pass
         elif isinstance(record, SaveSkipped):
             self.saves_skipped.setdefault(record.path, set()).add(key)
         elif isinstance(record, SavedOnNode):
@@ -263,6 +273,20 @@ class _Watch:
             if (self.spec.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
                     and not record.interrupted):
                 self.paused.add(key)  # it waits for the debugger (session_rank.await_debugger)
+
+    def show_status(self, final: bool = False) -> None:
+        """The status lines (delivery per loader, progress per rank), redrawn at most every
+        ``STATUS_SECONDS``, and once more when the run is over."""
+        now = time.monotonic()
+        if not final and now - self.status_shown < STATUS_SECONDS:
+            self.status_due = True
+            return
+        if final and not self.status_due:
+            return
+        lines = [_progress_line(progress) for _, progress in sorted(self.progress.items())] + self.rank_rows.lines()
+        if lines:
+            self.status(lines)
+        self.status_shown, self.status_due = now, False
 
     def skipped_names(self) -> dict[str, str]:
         """Rank 0's names that could not be sent back, and why."""

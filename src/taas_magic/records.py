@@ -75,9 +75,18 @@ class SavedOnNode:
     node: str  # the node's address
 
 
-Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode]
+@dataclass(frozen=True)
+class RankProgress:
+    """A rank's own account of how far it got (``taas.progress``): its step and metrics at ``at``."""
+
+    at: float
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress]
 KINDS: dict[str, type] = {kind.__name__: kind for kind in (CellEnded, Failed, DeliveryProgress, SaveSkipped,
-                                                           SavedOnNode)}
+                                                           SavedOnNode, RankProgress)}
 
 
 def encode(record: Record) -> bytes:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
-from . import debugger, results, session_rank, storage, tempfiles
+from . import debugger, progress, results, session_rank, storage, tempfiles
 from .aliases import rebind
 from .cell_names import code_names
 from .child import (
@@ -103,6 +103,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
         if pair is not None:
             rebind(namespace, aliases, *pair)
     shell = shell if task.namespace is None else None
+    progress.attach(lambda record: report(fds.report, record))
     control = session_rank.open_control(fds)
     if control is not None:
         debugger.take_breakpoints(control)
@@ -222,7 +223,10 @@ def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: di
     """
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
-        exec(code, namespace)
+        try:
+            exec(code, namespace)
+        finally:
+            progress.flush()
     except SystemExit as e:
         if e.code not in (None, 0):
             return _failure(e, shell, task, f"the cell called sys.exit({e.code!r})") + (None, e)
