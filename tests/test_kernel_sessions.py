@@ -228,3 +228,13 @@ def test_debug_keeps_a_one_shot_runs_failing_rank_for_the_debugger(kernel):
     assert not kernel.children(), "once the debugger is left, the run is over"
     kernel.execute("#pragma taas --gpus 2 --debug\nraise ValueError('again')")
     assert kernel.execute("#pragma taas\nx = 1").ok(), "the next cell lets the paused rank go"
+
+
+def test_taas_progress_shows_in_a_sessions_cells(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("#pragma taas\nimport taas\nfor step in range(5):\n    taas.progress(step=step, acc=0.5)").ok()
+        assert [d["text/plain"] for d in r.displays][-1].splitlines() == [
+            "rank 0: step 4, acc 0.5 (done)", "rank 1: step 4, acc 0.5 (done)"], r.displays
+    finally:
+        stop(kernel)

@@ -154,6 +154,7 @@ class TaasMagics(Magics):
             sources = set(self._cell_names())
         group = cast(SessionGroup, backend.start(envs, payload))  # fork and fork server groups take cells
         self.session = Session(group, spec, backend.name, known, sources)
+        self.session.status = _ProgressDisplay().show
         session = self.session
         return self._session_outcome(lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(),
                                                                 _read_line))
@@ -173,6 +174,7 @@ class TaasMagics(Magics):
         self._session_loaders(analysed)
         wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
         prepared, shipment = session.prepare(analysed, code, wanted)
+        session.status = _ProgressDisplay().show  # this cell's status lines
         try:
             outcome = self._session_outcome(lambda: session.run(
                 prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), _read_line))

@@ -62,6 +62,7 @@ class Session:
     failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
     just_failed: list[int] = field(default_factory=list)  # those of the cell just watched
     ended: str = ""  # why the session is over, once it is
+    status: Callable[[list[str]], object] = lambda lines: None  # shows the cell's status lines (taas.progress)
 
     @property
     def size(self) -> int:
@@ -143,9 +144,10 @@ class Session:
             raise SessionEnded(f"the session ended: {self.ended}", [f"taas: the session ended: {self.ended}"])
         shown = None if (output or spec.output) == "all" else {0}
         out = RankOutput(write, prefix=self.spec.show_rank_prefix, shown=shown)
-        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write)
+        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write, self.status)
         try:
             watch.until_ended(send)
+            watch.show_status(final=True)
         except BaseException as e:
             self._end(str(e) if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
             raise
@@ -198,8 +200,9 @@ class _CellWatch(_Watch):
     """Watches one cell in a session: until each of its ranks has said how the cell ended there."""
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
-                 group: SessionGroup, ranks: list[int], read_line: ReadLine, write: Callable[[str, str], object]):
-        super().__init__(spec, output, cell_names, {}, lambda lines: None, write, read_line)
+                 group: SessionGroup, ranks: list[int], read_line: ReadLine, write: Callable[[str, str], object],
+                 status: Callable[[list[str]], object] = lambda lines: None):
+        super().__init__(spec, output, cell_names, {}, status, write, read_line)
         self.group: SessionGroup = group
         self.ranks = set(ranks)
         self.deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
