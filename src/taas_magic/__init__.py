@@ -34,7 +34,7 @@ def _is_configuration(name: str) -> bool:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from . import completion, options
+    from . import completion
     from .magics import TaasMagics
 
     if id(ipython) in _loaded:
@@ -43,7 +43,7 @@ def load_ipython_extension(ipython: Any) -> None:
     magics = TaasMagics(ipython, transformer)
     transformer.on_cluster = lambda: magics.cluster_address is not None
     ipython.register_magics(magics)
-    complete = completion.completer(options.visible_options(TaasMagics.taas))
+    complete = completion.completer(TaasMagics.taas)
     for key in COMPLETED:
         ipython.set_hook("complete_command", complete, str_key=key)
     # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.

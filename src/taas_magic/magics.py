@@ -44,8 +44,7 @@ class TaasMagics(Magics):
     device = Enum(options.DEVICES, default_value=None, allow_none=True, config=True,
                   help="The default --device (None: $TAAS_DEVICE, else auto).")
     output = Enum(options.OUTPUTS, default_value="all", config=True, help="The default --output.")
-    start = Enum(tuple(name for name in options.STARTS if name != "spawn"), default_value="auto", config=True,
-                 help="The default --start.")
+    start = Enum(options.STARTS, default_value="auto", config=True, help="The default --start.")
 
     def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer):
         super().__init__(shell)

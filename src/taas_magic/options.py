@@ -18,7 +18,8 @@ from IPython.utils.process import arg_split  # type: ignore[attr-defined]  # re-
 from .errors import TaasUsageError
 
 DEVICES = ("auto", "cuda", "cpu")
-STARTS = ("auto", "fork", "forkserver", "spawn")  # spawn: the fork server's earlier name
+STARTS = ("auto", "fork", "forkserver")
+OLD_STARTS = ("spawn",)  # the fork server's earlier name: still accepted, no longer offered
 ORDERS = ("deterministic", "fastest")
 OUTPUTS = ("all", "rank0")
 PLACES = ("local", "cluster")
@@ -104,7 +105,7 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             help="where ranks compute (default: $TAAS_DEVICE, else auto = CUDA, with an error where there is none).",
         ),
         magic_arguments.argument(
-            "--start", choices=STARTS, default=None,
+            "--start", choices=STARTS + OLD_STARTS, default=None,
             help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
             "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
             "earlier name); auto: fork unless CUDA was used in the kernel.",
@@ -201,6 +202,16 @@ def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
         allowed = ", ".join(visible_options(magic))
         raise TaasUsageError(f"unknown option {_cut(unknown[0])!r}: allowed are {allowed}")
     return namespace
+
+
+def offered_values(magic: Callable[..., Any], option: str) -> list[str] | None:
+    """The values an option takes, as completion offers them (earlier names left out); None for
+    an option of free values."""
+    parser: argparse.ArgumentParser = getattr(magic, "parser")
+    for action in parser._actions:
+        if option in action.option_strings and action.choices is not None:
+            return [value for value in action.choices if value not in OLD_STARTS]
+    return None
 
 
 def visible_options(magic: Callable[..., Any]) -> list[str]:
