@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import linecache
 import os
 import sys
@@ -55,7 +56,7 @@ class TaasMagics(Magics):
         self.cluster: Cluster | None = None  # the connected Ray cluster, once connected
         self.cluster_address = cluster.address_from(os.environ)  # connected to on first use
         self.session: Session | None = None  # the ranks of `--keep`, between cells
-        self.paused: tuple[Any, int] | None = None  # --debug: a one-shot run's group, and its rank paused at its error
+        self.paused: tuple[Any, int, LaunchSpec] | None = None  # --debug: a one-shot run's group, its rank paused at its error, the run's spec
 
     @options.declare
     @no_var_expand  # done in the magic, only where there is something to expand (_expand_variables)
@@ -118,7 +119,7 @@ class TaasMagics(Magics):
             else:
                 outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ,
                                          self._cell_names(), labels=producer_labels(loaders), status=progress.show,
-                                         keep_paused=self._keep_paused, read_line=_read_line)
+                                         keep_paused=functools.partial(self._keep_paused, spec), read_line=_read_line)
         finally:
             if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
@@ -225,12 +226,12 @@ class TaasMagics(Magics):
             raise TaasUsageError(f"%taas debug takes a rank number, or nothing; got {' '.join(words)!r}")
         wanted = int(words[0]) if words else None
         if self.paused is not None:
-            group, rank = self.paused
+            group, rank, spec = self.paused
             self.paused = None
             if wanted is not None and wanted != rank:
                 group.close()
                 raise TaasUsageError(f"rank {wanted} did not fail: rank {rank} was paused at its error")
-            debug_paused(group, rank, streams.write_to_cell, _read_line)
+            debug_paused(group, rank, spec, streams.write_to_cell, _read_line)
             return
         session = self.session
         if session is None or session.ended or not session.failed:
@@ -242,15 +243,15 @@ class TaasMagics(Magics):
                                  f"{', '.join(map(str, sorted(session.failed)))}")
         self._session_outcome(lambda: session.debug(rank, streams.write_to_cell, _read_line))
 
-    def _keep_paused(self, group: Any, rank: int) -> None:
-        self.paused = (group, rank)
+    def _keep_paused(self, spec: LaunchSpec, group: Any, rank: int) -> None:
+        self.paused = (group, rank, spec)
         print(f"taas: rank {rank} is paused at its error: %taas debug opens the debugger there "
               "(the next taas cell, or %taas stop, lets it go)", file=sys.stderr)
 
     def _let_paused_go(self) -> bool:
         if self.paused is None:
             return False
-        group, _ = self.paused
+        group, _, _ = self.paused
         self.paused = None
         group.close()
         return True

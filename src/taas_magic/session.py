@@ -18,6 +18,7 @@ The notebook's names a cell reads are sent only when they changed since the rank
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import signal
 import threading
@@ -60,7 +61,6 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     cells: int = 0
     failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
-    just_failed: list[int] = field(default_factory=list)  # those of the cell just watched
     ended: str = ""  # why the session is over, once it is
     status: Callable[[list[str]], object] = lambda lines: None  # shows the cell's status lines (taas.progress)
 
@@ -124,26 +124,27 @@ class Session:
 
     def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
         """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook."""
-        self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], self.spec, write, {},
-                    read_line, output="all")
+        spec = dataclasses.replace(self.spec, output="all", timeout=None)
+        self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], spec, write, {},
+                    read_line).raise_outcome()
 
     def _cell(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
               write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> Outcome:
         """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
         self.cells += 1
-        self.just_failed = []
-        try:
-            return self._watch(send, ranks, spec, write, cell_names, read_line)
-        finally:
-            self.failed = self.just_failed
+        self.failed = []
+        watch = self._watch(send, ranks, spec, write, cell_names, read_line)
+        self.failed = [failure.rank for failure in watch.failures() if isinstance(failure.rank, int)]
+        watch.raise_outcome()
+        return Outcome(watch.results, watch.skipped_names())
 
     def _watch(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
-               write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
-               output: str | None = None) -> Outcome:
+               write: Callable[[str, str], object], cell_names: Mapping[str, str],
+               read_line: ReadLine) -> "_CellWatch":
+        """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
             raise SessionEnded(f"the session ended: {self.ended}", [f"taas: the session ended: {self.ended}"])
-        shown = None if (output or spec.output) == "all" else {0}
-        out = RankOutput(write, prefix=self.spec.show_rank_prefix, shown=shown)
+        out = RankOutput(write, prefix=self.spec.show_rank_prefix, shown=None if spec.output == "all" else {0})
         watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write, self.status)
         try:
             watch.until_ended(send)
@@ -154,9 +155,7 @@ class Session:
         finally:
             out.finish()
             self.last_used = time.monotonic()
-        self.just_failed = [failure.rank for failure in watch.failures() if isinstance(failure.rank, int)]
-        watch.raise_outcome()
-        return Outcome(watch.results, watch.skipped_names())
+        return watch
 
     # -- its end --------------------------------------------------------------------------------
     def check(self) -> str:
@@ -166,15 +165,18 @@ class Session:
         """
         if self.ended:
             return self.ended
+        out = RankOutput(streams.write_to_cell, prefix=self.spec.show_rank_prefix)
         try:
             for event in self.group.events(0):
                 if isinstance(event, Output):
-                    streams.write_to_cell(event.stream, event.data.decode("utf-8", "replace"))
+                    out.feed(event.rank, event.stream, event.data)
                 elif isinstance(event, Exited):
                     self._end(f"rank {event.rank} {_describe_exit(event.returncode) if event.returncode else 'exited'} "
                               "between cells")
         except TaasRunError as e:
             self._end(getattr(e, "detail", str(e)))
+        finally:
+            out.finish()
         return self.ended
 
     def stop(self) -> None:
@@ -342,14 +344,12 @@ def _ended_message(why: str, details: list[str] | None = None) -> tuple[str, lis
     return plain(message), lines
 
 
-def debug_paused(group: SessionGroup, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
-    """``%taas debug`` after a one-shot ``--debug`` cell: the debugger in the rank paused at its error;
-    the run is over once the user leaves it."""
-    from .spec import LaunchSpec as _Spec
-
-    spec = _Spec(world_size=1, nodes=1, ranks_per_node=1, device="cpu", configuration=None, cpus=None,
-                 units=None, output="all", timeout=None, threads_per_rank=1)
-    out = RankOutput(write, prefix=True)
+def debug_paused(group: SessionGroup, rank: int, spec: LaunchSpec, write: Callable[[str, str], object],
+                 read_line: ReadLine) -> None:
+    """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
+    its error; the run is over once the user leaves it."""
+    spec = dataclasses.replace(spec, output="all", timeout=None)  # every line of the debugger, for as long as it takes
+    out = RankOutput(write, prefix=spec.show_rank_prefix)
     watch = _CellWatch(spec, out, {}, group, [rank], read_line, write)
     try:
         watch.until_ended(lambda: group.run_cell(SessionCell(None), [rank], ()))
