@@ -173,12 +173,12 @@ class TaasMagics(Magics):
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         self._session_loaders(analysed)
         wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
-        prepared, shipment = session.prepare(analysed, code, wanted)
+        prepared, shipment, sent = session.prepare(analysed, code, wanted)
         session.status = _ProgressDisplay().show  # this cell's status lines
         try:
             outcome = self._session_outcome(lambda: session.run(
                 prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), _read_line))
-            session.shipped(shipment, self.ipython.user_ns)
+            session.shipped(sent)
         finally:
             if shipment is not None:
                 shipment.close()

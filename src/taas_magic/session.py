@@ -69,29 +69,29 @@ class Session:
         return self.spec.world_size
 
     # -- cells ----------------------------------------------------------------------------------
-    def prepare(self, analysed: Cell, code: Any, return_names: tuple[str, ...]) -> tuple[SessionCell, shipping.Shipment | None]:
-        """The cell for the ranks: its code, and the notebook's names it reads that changed."""
+    def prepare(self, analysed: Cell, code: Any, return_names: tuple[str, ...]
+                ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, tuple[Any, ...]]]:
+        """The cell for the ranks: its code, and the notebook's names it reads that changed; and
+        the fingerprints of what it sends, for ``shipped`` once the ranks have it."""
         namespace = analysed.namespace
+        prints = _Fingerprints(namespace)  # each name's, once for this cell
         # What the cell reads, and what the notebook's functions it calls read: a name changed in
         # the notebook matters wherever it is read from.
         needed = shipping.needed_names(names_reached(analysed.reads, namespace), namespace)
-        changed = [name for name in needed if self.known.get(name) != shipping.fingerprint(namespace[name])]
+        changed = [name for name in needed if self.known.get(name) != prints(name)]
         shipment = None
         if changed:
-            shipment = shipping.pack_for_session(namespace, changed, self._held)
+            shipment = shipping.pack_for_session(namespace, changed,
+                                                 lambda name, value: name in self.known and self.known[name] == prints(name))
         sources = self._new_sources(code.co_filename, analysed.label)
         cell = SessionCell(code, return_names, shipment.data if shipment else b"",
                            shipment.tensors_size if shipment else 0, sources)
-        return cell, shipment
+        sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
+        return cell, shipment, sent
 
-    def _held(self, name: str, value: Any) -> bool:
-        return name in self.known and self.known[name] == shipping.fingerprint(value)
-
-    def shipped(self, shipment: shipping.Shipment | None, namespace: Mapping[str, Any]) -> None:
-        """The ranks now hold these names as the notebook has them."""
-        for name in shipment.sent if shipment is not None else ():
-            if name in namespace:
-                self.known[name] = shipping.fingerprint(namespace[name])
+    def shipped(self, sent: Mapping[str, tuple[Any, ...]]) -> None:
+        """The ranks now hold these names as the notebook has them (``prepare`` says which)."""
+        self.known.update(sent)
 
     def took_back(self, values: Mapping[str, Any]) -> None:
         """Rank 0's names joined the notebook: every rank holds its own value of each already, so
@@ -307,6 +307,20 @@ class _CellWatch(_Watch):
         message, lines = self._timeout_message()
         message = message.replace("now stopped", "now interrupted; the session goes on")
         return message, [line.replace("now stopped", "now interrupted; the session goes on") for line in lines]
+
+
+class _Fingerprints:
+    """The notebook's names' fingerprints, each taken once: a cell's check, its pickling and its
+    bookkeeping ask for the same names."""
+
+    def __init__(self, namespace: Mapping[str, Any]):
+        self.namespace = namespace
+        self.taken: dict[str, tuple[Any, ...]] = {}
+
+    def __call__(self, name: str) -> tuple[Any, ...]:
+        if name not in self.taken:
+            self.taken[name] = shipping.fingerprint(self.namespace[name])
+        return self.taken[name]
 
 
 def _uninterrupted(call: Callable[[], None]) -> None:
