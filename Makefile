@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test bench bench-cluster bench-sessions clean
+.PHONY: demo test bench bench-cluster bench-sessions bench-live-view screenshots clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ bench-cluster: $(VENV)/.installed-bench
 
 bench-sessions: $(VENV)/.installed-bench
 	$(PY) benchmarks/sessions.py
+
+bench-live-view: $(VENV)/.installed-bench
+	$(PY) benchmarks/live_view.py
+
+# The live view's screenshots in docs/images, taken in JupyterLab by tests/test_browser_view.py (needs Debian's chromium).
+screenshots: $(VENV)/.installed
+	TAAS_DEVICE=cpu TAAS_SCREENSHOTS=docs/images $(PY) -m pytest -q -p no:cacheprovider tests/test_browser_view.py
 
 clean:
 	rm -rf $(VENV) .demo build src/*.egg-info .mypy_cache

@@ -25,6 +25,7 @@ class CellResult:
     streams: list[tuple[str, str, float]] = field(default_factory=list)  # (name, text, arrival time)
     error: dict | None = None
     displays: list[dict] = field(default_factory=list)
+    display_messages: list[tuple[str, str | None]] = field(default_factory=list)  # (message type, display id)
     reply: dict = field(default_factory=dict)  # the execute_reply's content (status, payload)
     seconds: float = 0.0
     prompts: list[str] = field(default_factory=list)  # input requests' prompts, in order
@@ -35,6 +36,11 @@ class CellResult:
     @property
     def stdout(self) -> str:
         return self.text("stdout")
+
+    def each_rank(self, name: str = "stdout") -> str:
+        """The stream with every collapsed line (``[ranks 0-2] x``) written out once per rank, as
+        ``[rank 0] x``, ``[rank 1] x``…: for tests about what each rank printed."""
+        return each_rank(self.text(name))
 
     @property
     def stderr(self) -> str:
@@ -47,6 +53,20 @@ class CellResult:
     def ok(self) -> "CellResult":
         assert self.error is None, f"cell failed: {self.error['ename']}: {self.error['evalue']}\n{self.traceback}"
         return self
+
+
+def each_rank(text: str) -> str:
+    lines = []
+    for line in text.splitlines(keepends=True):
+        found = re.match(r"\[ranks ([\d,-]+)\]( ?)", line)
+        if not found:
+            lines.append(line)
+            continue
+        for part in found[1].split(","):
+            first, _, last = part.partition("-")
+            for rank in range(int(first), int(last or first) + 1):
+                lines.append(f"[rank {rank}]{found[2]}{line[found.end():]}")
+    return "".join(lines)
 
 
 class Kernel:
@@ -94,6 +114,7 @@ class Kernel:
                 result.error = content
             elif kind in ("display_data", "update_display_data", "execute_result"):
                 result.displays.append(content["data"])
+                result.display_messages.append((kind, content.get("transient", {}).get("display_id")))
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         result.seconds = time.monotonic() - started

@@ -227,8 +227,10 @@ def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_ord
     head = int(local.addresses[0].split(".")[-1])
     assert {node for g in got.values() for node in g["built"]} == {head}, "built on the CPU node alone"
     assert re.search(r"taas: loader: \d+ elements delivered to 4 ranks", r.stderr), r.stderr
-    progress = [d["text/plain"] for d in r.displays]
-    assert progress and progress[-1].startswith("taas: loader: "), progress
+    views = [d["text/plain"] for d in r.displays]
+    assert views and views[-1].startswith("taas: 4 ranks on cpu · done in "), views
+    assert any(line.startswith("loader ") and " produced · " in line for line in views[-1].splitlines()), views
+    assert any(line.startswith("node 1 ") and "2 done" in line for line in views[-1].splitlines()), views
     assert not leftovers(cluster_kernel)
 
 
@@ -400,7 +402,7 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
         r = cluster_kernel.execute("#pragma taas --ranks 3\nraise KeyError(f'on rank {mine}')", timeout=60)
         assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'" and "the session goes on" in r.traceback
         r = cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).ok()
-        assert "[rank 3] 3" in r.stdout, r.stdout
+        assert "[rank 3] 3" in r.each_rank(), r.stdout
         assert "session:             up: 4 ranks" in cluster_kernel.execute("%taas").ok().stdout
     finally:
         cluster_kernel.execute("%taas stop").ok()
@@ -498,7 +500,7 @@ def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
 
 def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
     r = cluster_kernel.execute("#pragma taas --gpus 2 --device cpu --on local\nprint(os.environ['MASTER_ADDR'])").ok()
-    assert r.stdout.count("127.0.0.1") == 2
+    assert r.each_rank().count("127.0.0.1") == 2
 
 
 def test_cluster_command_shows_nodes_by_configuration(cluster, cluster_kernel):

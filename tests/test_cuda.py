@@ -177,9 +177,9 @@ def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(cuda_used_kernel
 
 def test_cpu_ranks_still_run_once_the_kernel_used_cuda(cuda_used_kernel):
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu\nprint('cpu ok')").ok()
-    assert result.stdout.count("cpu ok") == 2
+    assert result.each_rank().count("cpu ok") == 2
     assert "the ranks start from the fork server (--start forkserver)" in result.stderr, \
         "a kernel holding a CUDA context is not forked by default, even for CPU ranks"
     # An explicit --start fork is still allowed for CPU ranks, which never touch CUDA.
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu --start fork\nprint('forked ok')").ok()
-    assert result.stdout.count("forked ok") == 2
+    assert result.each_rank().count("forked ok") == 2

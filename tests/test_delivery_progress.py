@@ -1,37 +1,56 @@
-"""What the progress line says: elements taken, skipped by ranks that stopped early, buffered, finished."""
+"""What a loader's row in the live view says: elements taken, skipped by ranks that stopped early, ready, finished."""
 
 from __future__ import annotations
 
 import torch
 
 from taas_magic.backend import Report
-from taas_magic.records import DeliveryProgress
-from taas_magic.controller import _progress_line, _Watch
+from taas_magic.controller import _Watch
 from taas_magic.delivery import transport
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.standin import StandIn
+from taas_magic.live_view import RunView
+from taas_magic.records import DeliveryProgress
 
 
-def stats(produced=0, taken=(0, 0), skipped=(0, 0), buffered=0, done=(0, 0), at=1.0) -> DeliveryProgress:
-    return DeliveryProgress("steps", at, produced, list(taken), list(skipped), buffered, list(done))
+def stats(produced=0, taken=(0, 0), skipped=(0, 0), buffered=0, done=(0, 0), at=1.0, waited=()) -> DeliveryProgress:
+    return DeliveryProgress("steps", at, produced, list(taken), list(skipped), buffered, list(done), list(waited))
 
 
-def test_the_line_names_what_was_taken_skipped_buffered_and_which_ranks_finished():
-    assert _progress_line(stats(20, (5, 5), buffered=10)) == \
-        "taas: steps: 20 produced, 10 consumed (5, 5 per rank), 10 buffered"
-    assert _progress_line(stats(17, (3, 3), (7, 7), 8)) == \
-        "taas: steps: 17 produced, 6 consumed (3, 3 per rank), 14 skipped, 8 buffered"
-    assert _progress_line(stats(20, (10, 3), (0, 7), 0, (0, 1))) == \
-        "taas: steps: 20 produced, 13 consumed (10, 3 per rank), 7 skipped, 0 buffered; rank 1 finished"
+def row(*reports: DeliveryProgress) -> str:
+    view = RunView("2 ranks on cpu", range(2))
+    for report in reports:
+        view.take(-1, report)
+    return view.loaders["steps"].text()
+
+
+def test_the_row_names_what_was_taken_skipped_buffered_and_which_ranks_finished():
+    assert row(stats(20, (5, 5), buffered=10)) == "20 produced · 10 consumed (5, 5 per rank) · 10 ready"
+    assert row(stats(17, (3, 3), (7, 7), 8)) == "17 produced · 6 consumed (3, 3 per rank) · 14 skipped · 8 ready"
+    assert row(stats(20, (10, 3), (0, 7), 0, (0, 1))) == \
+        "20 produced · 13 consumed (10, 3 per rank) · 7 skipped · 0 ready · rank 1 finished"
+
+
+def test_the_row_shows_the_rate_and_how_long_ranks_waited():
+    assert row(stats(0, at=1.0), stats(200, (100, 100), waited=(0.5, 1.5), at=3.0)) == \
+        "200 produced · 100/s · 200 consumed (100, 100 per rank) · 0 ready · ranks waited 50%"
+
+
+def test_the_view_shows_the_loader_in_its_text_and_its_html():
+    view = RunView("2 ranks on cpu", range(2))
+    view.take(-1, stats(20, (5, 5), buffered=10))
+    shown = view.render(1.0)
+    assert any(line.startswith("steps") and line.endswith("10 ready") for line in shown["text/plain"].splitlines())
+    assert 'data-key="loader-steps"' in shown["text/html"]
 
 
 def test_an_older_report_arriving_late_does_not_replace_a_newer_one():
-    shown = []
-    watch = _Watch(None, None, {}, {}, shown.append, lambda stream, text: None, None)
+    view = RunView("2 ranks on cpu", range(2))
+    watch = _Watch(None, None, {}, {}, lambda stream, text: None, None, view)  # type: ignore[arg-type]
     watch._handle(Report(-1, stats(20, (10, 3), at=2.0)))
     watch._handle(Report(0, stats(12, (5, 3), at=1.0)))  # a producer's look, read before the rank's
-    assert shown == [["taas: steps: 20 produced, 13 consumed (10, 3 per rank), 0 buffered"]]
+    assert view.loaders["steps"].latest.produced == 20
 
 
 def test_a_rank_that_leaves_a_pass_and_then_finishes_is_counted_exactly():

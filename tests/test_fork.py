@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from taas_magic.backend import Exited, Output, Report
-from taas_magic.records import CellEnded, Failed
+from taas_magic.records import CellEnded, Failed, RankVitals
 from taas_magic.fork import ForkedRanks
 from taas_magic.worker import RankTask
 
@@ -48,8 +48,11 @@ def test_output_reports_and_exits_arrive_in_order_per_rank():
     for rank in (0, 1):
         mine = [e for e in events if e.rank == rank]
         assert isinstance(mine[-1], Exited) and mine[-1].returncode == 0
-        reports = [dataclasses.replace(e.record, time=0.0) for e in mine if isinstance(e, Report)]
+        reports = [dataclasses.replace(e.record, time=0.0) for e in mine
+                   if isinstance(e, Report) and not isinstance(e.record, RankVitals)]
         assert reports == [CellEnded(0.0)]
+        vitals = [e.record for e in mine if isinstance(e, Report) and isinstance(e.record, RankVitals)]
+        assert vitals and vitals[0].memory > 1_000_000, "the rank's memory, sampled as its cell starts"
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stdout") == f"out {rank}\n".encode()
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stderr") == b"err\n"
 
@@ -60,7 +63,7 @@ def test_a_failure_report_carries_the_exception_and_a_timestamp():
         events = collect(group)
     finally:
         group.close()
-    (report,) = [e for e in events if isinstance(e, Report)]
+    (report,) = [e for e in events if isinstance(e, Report) and not isinstance(e.record, RankVitals)]
     assert isinstance(report.record, Failed) and not report.record.interrupted
     assert report.record.ename == "ValueError"
     assert report.record.evalue == "nope" and report.record.time <= time.monotonic()

@@ -35,7 +35,7 @@ def test_a_pragma_below_code_is_an_error_and_the_cell_does_not_run(kernel):
 def test_pragma_options_expand_notebook_variables(kernel):
     kernel.execute("GPUS = 3").ok()
     result = kernel.execute("#!g2.8\n#pragma taas --gpus {GPUS}\nimport taas\nprint(taas.world_size())").ok()
-    assert result.stdout.count("3\n") == 3
+    assert result.each_rank().count("3\n") == 3
     result = kernel.execute("#pragma taas --gpus $GPUS --output rank0\nimport taas\nprint(taas.world_size())").ok()
     assert result.stdout == "3\n"
     # From a function, its own local names expand, as IPython expands them for any magic.
@@ -89,7 +89,7 @@ def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(no_gpu_kernel
 
 def test_data_options_without_a_registered_loader_say_they_have_no_effect(kernel):
     result = kernel.execute("#pragma taas --gpus 2 --cpus 2 --units 100\nprint('ran')").ok()
-    assert result.stdout.count("] ran\n") == 2
+    assert result.each_rank().count("] ran\n") == 2
     assert result.stderr == ("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
                              "(taas.register(loader) in an earlier cell)\n")
 

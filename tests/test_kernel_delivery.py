@@ -190,9 +190,11 @@ paced = DataLoader(Paced(200), batch_size=2)
 taas.register(paced)
 """).ok()
     result = registered.execute("#pragma taas --gpus 2\nfor batch in paced:\n    pass").ok()
-    progress = [d["text/plain"] for d in result.displays]
-    assert progress and progress[0].startswith("taas: paced: ")
-    assert "produced" in progress[0] and "consumed" in progress[0] and "buffered" in progress[0]
+    shown = [d["text/plain"] for d in result.displays]
+    assert len({message[1] for message in result.display_messages}) == 1, "one display, updated in place"
+    rows = [line for view in shown for line in view.splitlines() if line.startswith("paced")]
+    assert rows and all("produced" in row and "consumed" in row and "ready" in row for row in rows), shown
+    assert shown[-1].startswith("taas: 2 ranks on cpu · done in"), "the view ends as the run's summary"
     registered.execute("taas.unregister(paced)").ok()
 
 
@@ -207,11 +209,11 @@ for i, b in enumerate(few):      # a pass left with break
 again = sum(1 for b in few)
 print("COUNTS", first.tolist(), whole, again)
 """).ok()
-    assert "[rank 0] COUNTS [0, 1] 10 10" in result.stdout and "[rank 1] COUNTS [2, 3] 10 10" in result.stdout
+    assert "[rank 0] COUNTS [0, 1] 10 10" in result.each_rank() and "[rank 1] COUNTS [2, 3] 10 10" in result.each_rank()
     assert "taas: few: 50 elements delivered to 2 ranks" in result.stderr  # 1 + 10 + 4 + 10 per rank
     result = registered.execute("#pragma taas --gpus 2 --timeout 30\nif taas.is_main():\n"
                                 "    print('MAIN', sum(len(b) for b in few))").ok()
-    assert "[rank 0] MAIN 20" in result.stdout, "rank 0's share; the other rank's cell ended"
+    assert "[rank 0] MAIN 20" in result.each_rank(), "rank 0's share; the other rank's cell ended"
     registered.execute("taas.unregister(few)").ok()
 
 
@@ -243,7 +245,7 @@ mine = [int(b) for b in kept] == list(range(taas.rank(), 2400, 2))
 print("KEPT", len(kept), before, len(os.listdir("/proc/self/fd")), int(mine))
 """).ok()
     kept = {int(m[1]): tuple(map(int, m.groups()[1:]))
-            for m in re.finditer(r"\[rank (\d)\] KEPT (\d+) (\d+) (\d+) (\d)", result.stdout)}
+            for m in re.finditer(r"\[rank (\d)\] KEPT (\d+) (\d+) (\d+) (\d)", result.each_rank())}
     assert sorted(kept) == [0, 1], result.stdout + result.stderr
     for count, before, after, mine in kept.values():
         assert count == 1200 and mine == 1
@@ -269,14 +271,18 @@ def execute_watching_progress(kernel, code: str):
         del kernel.client.get_iopub_msg
 
 
-PROGRESS = re.compile(r"taas: steps: (\d+) produced, (\d+) consumed \((\d+), (\d+) per rank\), (?:(\d+) skipped, )?"
-                      r"(\d+) buffered(?:; (.*) finished)?$")
+PROGRESS = re.compile(r"steps +(\w+) +(\d+) produced · (?:[\d,]+/s · )?(\d+) consumed \((\d+), (\d+) per rank\) · "
+                      r"(?:(\d+) skipped · )?(\d+) ready(?: · ranks waited \d+%)?(?: · (.*) finished)?$")
 
 
 def progress(states: list[str]) -> list[tuple]:
-    found = [PROGRESS.match(state) for state in states]
-    assert all(found), states
-    return [(int(m[1]), int(m[2]), (int(m[3]), int(m[4])), int(m[5] or 0), int(m[6]), m[7]) for m in found]
+    """The loader's row in each state of the view that has one: (produced, consumed, per rank, skipped,
+    ready, finished ranks: "done" once all are)."""
+    rows = [line for state in states for line in state.splitlines() if line.startswith("steps")]
+    found = [PROGRESS.match(row) for row in rows]
+    assert found and all(found), states
+    return [(int(m[2]), int(m[3]), (int(m[4]), int(m[5])), int(m[6] or 0), int(m[7]), "done" if m[1] == "done" else m[8])
+            for m in found]
 
 
 def test_the_progress_line_follows_a_rank_that_leaves_a_pass_early_to_the_end(registered):
@@ -288,7 +294,7 @@ for i, batch in enumerate(steps):
 """)
     result.ok()
     produced, consumed, per_rank, skipped, buffered, finished = progress(states)[-1]
-    assert (consumed, per_rank, skipped, buffered, finished) == (13, (10, 3), 7, 0, "ranks 0, 1")
+    assert (consumed, per_rank, skipped, buffered, finished) == (13, (10, 3), 7, 0, "done")
     assert 13 <= produced <= 20
     registered.execute("taas.unregister(steps)").ok()
 
@@ -311,5 +317,5 @@ time.sleep(1.5)
     # The rest of pass 0 is skipped; pass 1 is built as far as the window allows (4 rounds of 2 ranks),
     # and an element a producer was already sending as the ranks left pass 0 may still be counted.
     assert (consumed, per_rank) == (6, (3, 3)) and buffered in (8, 9)
-    assert seen[-1][1:] == (6, (3, 3), 14, 0, "ranks 0, 1"), "at the end nothing is buffered for anyone"
+    assert seen[-1][1:] == (6, (3, 3), 14, 0, "done"), "at the end nothing is buffered for anyone"
     registered.execute("taas.unregister(steps)").ok()

@@ -89,7 +89,7 @@ time.sleep(30)
 """, timeout=30)
     assert result.error["evalue"] == expected
     assert result.seconds < 10
-    assert "[rank 1] last words" in result.stderr
+    assert "[rank 1] last words" in result.each_rank("stderr")
     assert "last words" in result.traceback, "the crash report shows what the rank wrote last"
 
 
@@ -123,11 +123,11 @@ finally:
 """, interrupt_after=3, timeout=30)
     assert result.error is not None and result.error["ename"] in ("KeyboardInterrupt", "RunInterrupted")
     assert "KeyboardInterrupt" in result.traceback
-    assert "[rank 0] cleanup ran in rank 0" in result.stdout
-    assert "[rank 1] cleanup ran in rank 1" in result.stdout
+    assert "[rank 0] cleanup ran in rank 0" in result.each_rank()
+    assert "[rank 1] cleanup ran in rank 1" in result.each_rank()
     assert result.seconds < 10
     assert processes_of_run(run_id_of(result)) == []
-    assert kernel.execute("#pragma taas --gpus 2\nprint('next')").ok().stdout.count("next") == 2
+    assert kernel.execute("#pragma taas --gpus 2\nprint('next')").ok().each_rank().count("next") == 2
 
 
 def test_interrupt_escalates_to_sigkill_for_ranks_that_ignore_signals(kernel):

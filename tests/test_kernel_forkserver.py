@@ -115,8 +115,8 @@ print("SUM", big.sum().item(), os.getpid())
 big.add_(taas.rank())  # a rank's writes stay its own
 print("AFTER", big[0].item())
 """).ok()
-    assert result.stdout.count("SUM 8388608.0") == 2
-    assert "[rank 0] AFTER 1.0" in result.stdout and "[rank 1] AFTER 2.0" in result.stdout
+    assert result.each_rank().count("SUM 8388608.0") == 2
+    assert "[rank 0] AFTER 1.0" in result.each_rank() and "[rank 1] AFTER 2.0" in result.each_rank()
     assert defined.value("big[0].item()") == 1.0
 
 
@@ -130,7 +130,7 @@ finally:
     print("cleanup", taas.rank(), flush=True)
 """, interrupt_after=2.5, timeout=30)
     assert "KeyboardInterrupt" in result.traceback
-    assert "[rank 0] cleanup 0" in result.stdout and "[rank 1] cleanup 1" in result.stdout
+    assert "[rank 0] cleanup 0" in result.each_rank() and "[rank 1] cleanup 1" in result.each_rank()
     run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
     assert processes_of_run(run_id) == []
     result = defined.execute("#pragma taas --gpus 2 --start forkserver\nimport taas\nif taas.rank():\n    1 / 0")

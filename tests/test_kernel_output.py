@@ -32,7 +32,7 @@ def test_tqdm_auto_in_a_rank_draws_a_text_bar_without_a_widgets_warning(kernel, 
     r = kernel.execute(f"#pragma taas --gpus 2 --start {start}\nfrom tqdm.auto import tqdm\n"
                        "for i in tqdm(range(3)):\n    pass").ok()
     assert "IProgress" not in r.stderr and "TqdmWarning" not in r.stderr, r.stderr
-    assert "[rank 0] 100%|" in r.stderr and "[rank 1] 100%|" in r.stderr
+    assert "[rank 0] 100%|" in r.each_rank("stderr") and "[rank 1] 100%|" in r.each_rank("stderr")
 
 
 def test_taas_progress_shows_each_ranks_step_rate_and_metrics_in_place(kernel):
@@ -40,7 +40,11 @@ def test_taas_progress_shows_each_ranks_step_rate_and_metrics_in_place(kernel):
                        "    taas.progress(step=step, loss=torch.tensor(1.0 / (step + 1)))\n    time.sleep(0.02)").ok()
     shown = [d["text/plain"] for d in r.displays]
     assert len(shown) >= 2, "drawn while the run goes on, then updated in place"
-    assert shown[-1].splitlines() == ["rank 0: step 39, loss 0.025 (done)", "rank 1: step 39, loss 0.025 (done)"], shown
-    assert any(re.search(r"rank 0: step \d+, [\d.]+ steps/s, loss [\d.]+ \(running\)", text) for text in shown), shown
-    assert r.stdout == "" and r.stderr == "", "status lines are not output"
+    summary = shown[-1].splitlines()
+    assert summary[0].startswith("taas: 2 ranks on cpu · done in "), shown
+    for rank, line in enumerate(summary[1:]):
+        assert re.fullmatch(rf"rank {rank} +done +peak [\d.]+ [KMG]B +[\d.,]+ steps/s · step 39, loss 0.025", line), shown
+    assert any(re.search(r"rank 0 +running +[\d.]+ [KMG]B +step \d+, [\d.]+ steps/s, loss [\d.]+$", text, re.M)
+               for text in shown), shown
+    assert r.stdout == "" and r.stderr == "", "the view is not output"
     assert kernel.execute("import taas\ntaas.progress(step=1, loss=0.5)").ok().displays == [], "in the kernel: nothing"

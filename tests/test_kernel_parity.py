@@ -69,7 +69,7 @@ if taas.rank() == 2:
     quit()
 print("went on", taas.rank())
 """, timeout=30).ok()
-    assert "[rank 0] went on 0" in result.stdout
+    assert "[rank 0] went on 0" in result.each_rank()
     assert "went on 1" not in result.stdout and "went on 2" not in result.stdout
     failed = kernel.execute(f"#pragma taas --gpus 2 --start {start}\nimport taas\n%time pass\n"
                             "exit(3 if taas.rank() == 1 else 0)\n", timeout=30)
@@ -99,7 +99,7 @@ torch.backends.cudnn.allow_tf32 = False
         assert changed != defaults
         for start in ("fork", "forkserver"):
             result = kernel.execute(f"#pragma taas --gpus 2 --start {start}\n{SETTINGS}").ok()
-            assert result.stdout.count(f"] {changed}") == 2, (start, changed, result.stdout)
+            assert result.each_rank().count(f"] {changed}") == 2, (start, changed, result.stdout)
     finally:
         kernel.execute("""torch.use_deterministic_algorithms(False)
 torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
@@ -109,7 +109,7 @@ torch.backends.cudnn.allow_tf32 = True
 """).ok()
     assert kernel.execute(SETTINGS).ok().stdout == defaults
     result = kernel.execute(f"#pragma taas --gpus 2 --start forkserver\n{SETTINGS}").ok()
-    assert result.stdout.count(f"] {defaults}") == 2, "the fork server kept none of the earlier run's settings"
+    assert result.each_rank().count(f"] {defaults}") == 2, "the fork server kept none of the earlier run's settings"
 
 
 def test_accelerate_sees_the_distributed_cpu_run(kernel):
@@ -131,4 +131,4 @@ def test_the_base_seed_is_drawn_on_the_cpu_whatever_the_notebooks_default_device
         result = kernel.execute("#pragma taas --gpus 2 --start fork\nprint('went')")
     finally:
         kernel.execute("torch.set_default_device(None)").ok()
-    assert result.ok().stdout.count("] went") == 2
+    assert result.ok().each_rank().count("] went") == 2

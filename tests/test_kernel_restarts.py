@@ -31,7 +31,7 @@ dist.destroy_process_group()
 def test_a_run_that_checkpoints_survives_its_crashes_and_ends_where_it_should(kernel, tmp_path, start):
     kernel.execute(f"CKPT = {str(tmp_path / 'ckpt.pt')!r}").ok()
     r = kernel.execute(RESUMING.format(start=start), timeout=120).ok()
-    starts = re.findall(r"\[rank 0\] start (\d) of (\d) from step (\d) (\S+)", r.stdout)
+    starts = re.findall(r"\[rank 0\] start (\d) of (\d) from step (\d) (\S+)", r.each_rank())
     assert [(s[0], s[1], s[2]) for s in starts] == [("0", "2", "0"), ("1", "2", "2"), ("2", "2", "4")], r.stdout
     assert len({s[3] for s in starts}) == 1, "TORCHELASTIC_RUN_ID stays the same across restarts, as under torchrun"
     assert "taas: rank 1 failed: RuntimeError: crash at step 2: every rank starts again (restart 1 of " \

@@ -25,7 +25,7 @@ weights = model.module.weight.detach().clone()
 print("W", weights.tolist())
 """).ok()
     assert result.stderr == ""
-    rank0_weights = [line for line in result.stdout.splitlines() if line.startswith("[rank 0] W")][0].split(" W ")[1]
+    rank0_weights = [line for line in result.each_rank().splitlines() if line.startswith("[rank 0] W")][0].split(" W ")[1]
     assert kernel.value("type(model).__name__") == "Linear", "DDP comes back as the module it wraps"
     assert kernel.value("history") == [0, 1.5]
     assert kernel.value("(double(4), Box.size)") == (8, 7)

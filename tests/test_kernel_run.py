@@ -70,7 +70,7 @@ def train(x):
 square = lambda v: v * v
 """).ok()
     result = kernel.execute("#pragma taas --gpus 2\nprint(train(0.25), square(3), type(Net()).__name__, SCALE)").ok()
-    assert sorted(result.stdout.splitlines()) == ["[rank 0] 2 9 Net 10", "[rank 1] 2 9 Net 10"]
+    assert sorted(result.each_rank().splitlines()) == ["[rank 0] 2 9 Net 10", "[rank 1] 2 9 Net 10"]
 
 
 def test_init_process_group_env_and_a_collective_work_unchanged(kernel):
@@ -82,7 +82,7 @@ dist.all_reduce(t)
 print("sum", t.item(), dist.get_world_size(), dist.get_backend())
 dist.destroy_process_group()
 """).ok()
-    assert "[rank 0] sum 3.0 2 gloo" in result.stdout and "[rank 1] sum 3.0 2 gloo" in result.stdout
+    assert "[rank 0] sum 3.0 2 gloo" in result.each_rank() and "[rank 1] sum 3.0 2 gloo" in result.each_rank()
     assert result.stderr.count("backend 'nccl' is served by 'gloo'") == 1
 
 
@@ -110,11 +110,12 @@ print("to stderr", file=sys.stderr)
 sys.stdout.write("no newline at the end")
 """).ok()
     for rank in (0, 1):
-        mine = [line[len(f"[rank {rank}] "):] for line in result.stdout.splitlines() if line.startswith(f"[rank {rank}] ")]
+        mine = [line[len(f"[rank {rank}] "):] for line in result.each_rank().splitlines()
+                if line.startswith(f"[rank {rank}] ")]
         assert mine[:3000] == [f"line {i}" for i in range(3000)]
         assert mine[3000:] == ["written to fd 1 by C-level code", "from a child process", "no newline at the end"]
-        assert f"[rank {rank}] to stderr" in result.stderr.splitlines()
-        assert f"[rank {rank}] child error" in result.stderr.splitlines()
+        assert f"[rank {rank}] to stderr" in result.each_rank("stderr").splitlines()
+        assert f"[rank {rank}] child error" in result.each_rank("stderr").splitlines()
     assert "to stderr" not in result.stdout
 
 
@@ -123,7 +124,7 @@ def test_output_rank0_shows_rank_0_alone_without_prefix(kernel):
     assert result.stdout == "I am 0\n"
 
 
-def test_a_carriage_return_progress_bar_keeps_one_labelled_line(kernel):
+def test_a_carriage_return_progress_bar_is_drawn_in_its_row_and_ends_as_one_labelled_line(kernel):
     result = kernel.execute("""#pragma taas --gpus 2
 import sys, time, taas
 if taas.is_main():
@@ -133,9 +134,10 @@ if taas.is_main():
         time.sleep(0.3)
     sys.stdout.write("\\n")
 """).ok()
-    assert "\r[rank 0] progress 10%" in result.stdout
-    assert "\r[rank 0] progress 30%" in result.stdout
-    assert "[rank 1]" not in result.stdout
+    assert result.stdout == "[rank 0] progress 30%\n", "the bar's final drawing, once"
+    rows = [line for view in result.displays for line in view["text/plain"].splitlines() if line.startswith("rank 0 ")]
+    assert any(row.endswith("progress 10%") for row in rows) and any(row.endswith("progress 20%") for row in rows), \
+        "while it is redrawn, the bar is in its rank's row of the live view"
 
 
 def test_a_single_rank_is_not_prefixed(kernel):
@@ -150,7 +152,7 @@ for _ in tqdm(range(5), disable=not taas.is_main(), mininterval=0):
     time.sleep(0.05)
 """).ok()
     assert "[rank 0]" in result.stderr and "5/5" in result.stderr and "[rank 1]" not in result.stderr
-    assert "\r[rank 0]" in result.stderr
+    assert "\r" not in result.stderr and result.stderr.count("\n") == 1, "one line: the bar's final drawing"
 
 
 def test_nothing_of_the_run_remains_after_success(kernel):
@@ -177,6 +179,6 @@ for _ in range(20):
 log.warning("through a logger made in the kernel")
 """).ok()
     assert "must not arrive" not in result.stdout
-    assert "[rank 0] {'shown': 'as text'}" in result.stdout
-    assert "[rank 1] through a logger made in the kernel" in result.stderr
+    assert "[rank 0] {'shown': 'as text'}" in result.each_rank()
+    assert "[rank 1] through a logger made in the kernel" in result.each_rank("stderr")
     assert kernel.execute("print('kernel ok')").ok().stdout == "kernel ok\n"

@@ -270,7 +270,13 @@ def _drop_message(*args: Any, **kwargs: Any) -> None:
 
 
 def report(fd: int, record: Record) -> None:
-    write_all(fd, records.encode(record))
+    """One record, whole: a rank's threads (its cell, its vitals sampler) report on the same pipe."""
+    with _REPORTING:
+        write_all(fd, records.encode(record))
+
+
+_REPORTING = threading.Lock()
+os.register_at_fork(after_in_child=_REPORTING._at_fork_reinit)  # type: ignore[attr-defined]  # held by a thread that is not forked
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -20,17 +20,18 @@ from typing import Callable, Mapping, TypeVar
 from .backend import Backend, Event, Exited, InputRequest, Key, Output, RankGroup, Report, Result, key_order
 from .environment import rank_environments
 from .errors import RankFailed, RunTimedOut
-from .rank_rows import RankRows
-from .records import CellEnded, DeliveryProgress, DeliverySummary, Failed, RankProgress, Record, SavedOnNode, SaveSkipped
+from .live_view import RunView
+from .records import CellEnded, DeliverySummary, Failed, Record, SavedOnNode, SaveSkipped
 from .rendezvous import new_run_id
 from .spec import LaunchSpec
 from .streams import RankOutput
+from .tidy_output import TidyRankOutput
 
 POLL_SECONDS = 0.05
 ON_FAILURE = ((0.0, signal.SIGTERM), (3.0, signal.SIGKILL))
 ON_INTERRUPT = ((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKILL))
 STACK_SECONDS = 2.0
-STATUS_SECONDS = 0.25  # the status lines are redrawn at most this often
+VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -89,14 +90,15 @@ class Outcome:
 
 def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, str], object],
         kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None,
-        labels: Mapping[Key, str] | None = None, status: Callable[[list[str]], object] | None = None,
+        labels: Mapping[Key, str] | None = None, status: Callable[[dict[str, str], bool], object] | None = None,
         keep_paused: Callable[[RankGroup, int], None] | None = None,
         read_line: Callable[[str], str] | None = None) -> Outcome:
     """Run ``task`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
 
     ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
-    ``status`` shows live progress lines (one per registered loader) in place; ``read_line`` asks
-    the user for a line a rank's debugger waits for (`breakpoint()`).
+    ``status`` shows the live view (a MIME bundle, redrawn in place; None: no view, the ranks'
+    output as they write it); ``read_line`` asks the user for a line a rank's debugger waits for
+    (`breakpoint()`).
 
     With ``--debug``, the first rank whose cell raised stays, paused at its error, while the others
     are stopped; the group is handed to ``keep_paused`` instead of being closed.
@@ -113,7 +115,7 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
         envs = rank_environments(spec, first_id if restart == 0 else new_run_id(), 0, kernel_environ,
                                  restart=restart, elastic_id=first_id)
         watch = _attempt(spec, task, backend, envs, write, cell_names or {}, labels,
-                         status or (lambda lines: None), deadline, keep_paused, read_line)
+                         status, deadline, keep_paused, read_line)
         failure = watch.rank_failure()
         if failure is None or restart == spec.max_restarts:
             break
@@ -127,18 +129,17 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
 
 def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, dict[str, str]],
              write: Callable[[str, str], object], cell_names: Mapping[str, str], labels: dict[Key, str],
-             status: Callable[[list[str]], object], deadline: float | None,
+             status: Callable[[dict[str, str], bool], object] | None, deadline: float | None,
              keep_paused: Callable[[RankGroup, int], None] | None,
              read_line: Callable[[str], str] | None) -> "_Watch":
     """One start of the run, watched to its end; its outcome is the watch's to raise."""
-    output = RankOutput(write, prefix=spec.show_rank_prefix, shown=None if spec.output == "all" else {0},
-                        labels=labels)
-    watch = _Watch(spec, output, cell_names, labels, status, write, read_line)
+    output, view = live_output(spec, write, list(range(spec.world_size)), status, labels)
+    watch = _Watch(spec, output, cell_names, labels, write, read_line, view, status)
     try:
         group = backend.start(envs, task)
         try:
             watch.until_done(group, deadline)
-            watch.show_status(final=True)
+            watch.show_view(final=True)
         finally:
             if watch.paused and keep_paused is not None and group.running() == watch.paused:
                 keep_paused(group, next(iter(watch.paused)))  # type: ignore[arg-type]
@@ -151,12 +152,25 @@ def _attempt(spec: LaunchSpec, task: object, backend: Backend, envs: dict[int, d
     return watch
 
 
+def live_output(spec: LaunchSpec, write: Callable[[str, str], object], ranks: list[int],
+                status: Callable[[dict[str, str], bool], object] | None, labels: Mapping[Key, str] | None = None
+                ) -> tuple[RankOutput, RunView | None]:
+    """Where the ranks' output goes: with a live view (``status``), tidied, bars into the view's rows."""
+    shown = None if spec.output == "all" else {0}
+    if status is None:
+        return RankOutput(write, prefix=spec.show_rank_prefix, shown=shown, labels=labels), None
+    view = RunView(f"{len(ranks)} rank{'s' * (len(ranks) != 1)} on {spec.device}", ranks,
+                   spec.ranks_per_node if spec.nodes > 1 else 0)
+    return TidyRankOutput(write, spec.show_rank_prefix, len(ranks), view.bar, shown, labels), view
+
+
 class _Watch:
     """Consumes a group's events and steers it until every rank has exited."""
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
-                 labels: dict[Key, str], status: Callable[[list[str]], object],
-                 write: Callable[[str, str], object], read_line: Callable[[str], str] | None):
+                 labels: dict[Key, str], write: Callable[[str, str], object],
+                 read_line: Callable[[str], str] | None, view: RunView | None = None,
+                 status: Callable[[dict[str, str], bool], object] | None = None):
         self.spec = spec
         self.write = write
         self.read_line = read_line
@@ -164,8 +178,8 @@ class _Watch:
         self.output = output
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
         self.labels = labels
-        self.status = status
-        self.progress: dict[str, DeliveryProgress] = {}  # loader name -> its latest counters
+        self.view = view
+        self.status = status  # shows the view
         self.started = time.monotonic()
         self.records: dict[Key, CellEnded | Failed] = {}  # how each process's work ended
         self.results = b""
@@ -178,9 +192,7 @@ class _Watch:
         self.timed_out: dict[Key, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
         self.paused: set[Key] = set()  # --debug: the rank that raised first, waiting for the debugger
-        self.rank_rows = RankRows()  # taas.progress, per rank
-        self.status_shown = 0.0  # when the status lines were last drawn
-        self.status_due = False  # something changed since
+        self.view_shown = 0.0  # when the view was last drawn
 
     def until_done(self, group: RankGroup, deadline: float | None) -> None:
         self.group = group
@@ -194,6 +206,7 @@ class _Watch:
         for event in group.events(POLL_SECONDS):
             self._handle(event)
         self.output.flush_idle()
+        self.show_view()
         now = time.monotonic()
         running = group.running() - self.paused
         if self.escalation is None and self.failures():
@@ -235,7 +248,10 @@ class _Watch:
             self.results = event.data
         elif isinstance(event, Exited):
             self.exits[event.rank] = (event.returncode, time.monotonic())
-            self.output.finish(event.rank)
+            self.output.exited(event.rank)
+            if self.view is not None:
+                self.view.ended(event.rank, "stopped" if event.rank in self.stopped else
+                                "failed" if event.returncode else "done")
         elif isinstance(event, InputRequest):
             self.output.finish(event.rank)  # what it printed, whole, before its prompt
             answer = getattr(self.group, "answer", None)
@@ -255,38 +271,37 @@ class _Watch:
             return "continue"
 
     def _take_record(self, key: Key, record: Record) -> None:
-        if isinstance(key, int) and self.rank_rows.take(key, record):
-            self.show_status()
-        if isinstance(record, DeliveryProgress):
-            latest = self.progress.get(record.loader)
-            if latest is None or record.at >= latest.at:  # producers' and ranks' reports may cross
-                self.progress[record.loader] = record
-                self.show_status()
-        elif isinstance(record, RankProgress):
-            pass
-        elif isinstance(record, SaveSkipped):
+        if self.view is not None:
+            self.view.take(key, record)  # progress, delivery counters and vitals are the view's alone
+        if isinstance(record, SaveSkipped):
             self.saves_skipped.setdefault(record.path, set()).add(key)
         elif isinstance(record, SavedOnNode):
             self.saved_on_nodes.append(record)
-        else:
+        elif isinstance(record, (CellEnded, Failed)):
             self.records[key] = record
             if (self.spec.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
                     and not record.interrupted):
                 self.paused.add(key)  # it waits for the debugger (session_rank.await_debugger)
 
-    def show_status(self, final: bool = False) -> None:
-        """The status lines (delivery per loader, progress per rank), redrawn at most every
-        ``STATUS_SECONDS``, and once more when the run is over."""
+    def show_view(self, final: bool = False) -> None:
+        """The live view, redrawn when it changed, at most every ``VIEW_SECONDS``; its summary once the run is over."""
+        if self.view is None or self.status is None:
+            return
         now = time.monotonic()
-        if not final and now - self.status_shown < STATUS_SECONDS:
-            self.status_due = True
-            return
-        if final and not self.status_due:
-            return
-        lines = [_progress_line(progress) for _, progress in sorted(self.progress.items())] + self.rank_rows.lines()
-        if lines:
-            self.status(lines)
-        self.status_shown, self.status_due = now, False
+        if final:
+            self.status(self.view.summary(self.outcome(), now - self.started), True)
+        elif self.view.changed and now - self.view_shown >= VIEW_SECONDS:
+            self.view.changed = False
+            self.status(self.view.render(now - self.started), False)
+            self.view_shown = now
+
+    def outcome(self) -> str:
+        """How the run went, in a word or two: done, failed, interrupted, timed out."""
+        if self.interrupted:
+            return "interrupted"
+        if self.timed_out is not None:
+            return "timed out"
+        return "failed" if self.failures() else "done"
 
     def skipped_names(self) -> dict[str, str]:
         """Rank 0's names that could not be sent back, and why."""
@@ -458,15 +473,6 @@ def _in_order(by_key: Mapping[Key, Value]) -> list[tuple[Key, Value]]:
 
 def _only_producers(running: set[Key]) -> bool:
     return bool(running) and not any(isinstance(key, int) for key in running)
-
-
-def _progress_line(progress: DeliveryProgress) -> str:
-    """One loader's delivery now: built, taken per rank, skipped by ranks that stopped early, waiting."""
-    skipped = sum(progress.skipped)
-    finished = [rank for rank, done in enumerate(progress.done) if done]
-    return (f"taas: {progress.loader}: {progress.produced} produced, {sum(progress.taken)} consumed "
-            f"({', '.join(map(str, progress.taken))} per rank), " + (f"{skipped} skipped, " if skipped else "")
-            + f"{progress.buffered} buffered" + (f"; {_ranks(finished)} finished" if finished else ""))
 
 
 def _is_traceback(failure: Failure) -> bool:

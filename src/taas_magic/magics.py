@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
-from traitlets import Enum
+from traitlets import Bool, Enum
 
 from . import cluster, controller, machine, options, results, shipping, streams
 from .backend import Backend, Cell, SessionGroup
@@ -46,6 +46,8 @@ class TaasMagics(Magics):
                   help="The default --device (None: $TAAS_DEVICE, else auto).")
     output = Enum(options.OUTPUTS, default_value="all", config=True, help="The default --output.")
     start = Enum(options.STARTS, default_value="auto", config=True, help="The default --start.")
+    view = Bool(True, config=True, help="The live view of a run (a row per rank, bars in place, identical lines "
+                                        "of several ranks once); False: the ranks' output as they write it.")
 
     def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer):
         super().__init__(shell)
@@ -112,18 +114,21 @@ class TaasMagics(Magics):
                         seed=draw_base_seed(), keep=spec.keep, idle_limit=spec.idle_limit, debug=spec.debug)
         backend = self._cluster_backend(spec, catalog) if spec.on_cluster else self._choose_start(spec)
         payload = backend.prepare(task, analysed)
-        progress = _ProgressDisplay()
         try:
             if spec.keep:
                 outcome = self._start_session(spec, backend, payload)
             else:
                 outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ,
-                                         self._cell_names(), labels=producer_labels(loaders), status=progress.show,
+                                         self._cell_names(), labels=producer_labels(loaders), status=self._view_display(),
                                          keep_paused=functools.partial(self._keep_paused, spec), read_line=_read_line)
         finally:
             if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
         self._take_back(outcome)
+
+    def _view_display(self) -> Any:
+        """Where this cell's live view is shown (None when the view is off)."""
+        return _ViewDisplay(live=getattr(self.ipython, "kernel", None) is not None).show if self.view else None
 
     def _with_defaults(self, args: Any) -> Any:
         """The options the cell left out, from the configured defaults (``%config TaasMagics.device = "cpu"``,
@@ -154,7 +159,7 @@ class TaasMagics(Magics):
             sources = set(self._cell_names())
         group = cast(SessionGroup, backend.start(envs, payload))  # fork and fork server groups take cells
         self.session = Session(group, spec, backend.name, known, sources)
-        self.session.status = _ProgressDisplay().show
+        self.session.status = self._view_display()
         session = self.session
         return self._session_outcome(lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(),
                                                                 _read_line))
@@ -174,7 +179,7 @@ class TaasMagics(Magics):
         self._session_loaders(analysed)
         wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
         prepared, shipment, sent = session.prepare(analysed, code, wanted)
-        session.status = _ProgressDisplay().show  # this cell's status lines
+        session.status = self._view_display()  # this cell's view
         try:
             outcome = self._session_outcome(lambda: session.run(
                 prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), _read_line))
@@ -385,8 +390,11 @@ class TaasMagics(Magics):
             else f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
             else f"default --device:    {device}",
             "default --gpus:      the configuration's GPUs per node, else 1",
-            "default --output:    " + ("all (each line prefixed with its rank)" if self.output == "all"
+            "default --output:    " + ("all (each line labelled with its rank)" if self.output == "all"
                                        else "rank0 (rank 0's output alone)") + _configured(self, "output"),
+            "live view:           " + ("on (a row per rank; bars in their row; identical lines of several ranks once)"
+                                       if self.view else "off (the ranks' output as they write it)")
+            + _configured(self, "view"),
             "default --timeout:   none",
             f"default --start:     {self.start}" + _configured(self, "start"),
             "default --return:    every name the cell binds at top level (rank 0's values)",
@@ -394,20 +402,25 @@ class TaasMagics(Magics):
         ])
 
 
-class _ProgressDisplay:
-    """Live progress lines of data delivery: one display area in the cell, updated in place."""
+class _ViewDisplay:
+    """A run's live view: one display in the cell, updated in place, left as the run's summary.
 
-    def __init__(self) -> None:
+    A terminal cannot redraw a display: there (``live`` False) only the summary is shown.
+    """
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
         self.handle: Any = None  # IPython's DisplayHandle, once shown
 
-    def show(self, lines: list[str]) -> None:
+    def show(self, bundle: dict[str, str], final: bool) -> None:
         from IPython.display import display
 
-        data = {"text/plain": "\n".join(lines)}
+        if not self.live and not final:
+            return
         if self.handle is None:
-            self.handle = display(data, raw=True, display_id=True)
+            self.handle = display(bundle, raw=True, display_id=True)
         else:
-            self.handle.update(data, raw=True)
+            self.handle.update(bundle, raw=True)
 
 
 def _check_fits_session(args: Any, session: Session) -> None:

@@ -58,6 +58,7 @@ class DeliveryProgress:
     skipped: list[int]  # per rank: elements passed over by a rank that stopped early
     buffered: int
     done: list[int]  # per rank: 1 once its cell ended
+    waited: list[float] = field(default_factory=list)  # per rank: seconds its cell has waited for elements
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,20 @@ class RankProgress:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress]
+@dataclass(frozen=True)
+class RankVitals:
+    """What a rank's process holds at ``at``, sampled by the rank itself about once a second."""
+
+    at: float
+    memory: int  # resident bytes
+    peak_memory: int  # the most resident bytes so far
+    gpu_memory: int | None = None  # bytes in use on the rank's GPU (NVML), on CUDA runs
+    gpu_utilization: int | None = None  # percent of the last sample period the GPU was busy
+
+
+Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress, RankVitals]
 KINDS: dict[str, type] = {kind.__name__: kind for kind in (CellEnded, Failed, DeliveryProgress, SaveSkipped,
-                                                           SavedOnNode, RankProgress)}
+                                                           SavedOnNode, RankProgress, RankVitals)}
 
 
 def encode(record: Record) -> bytes:

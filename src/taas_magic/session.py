@@ -29,7 +29,9 @@ from typing import Any, Callable, Mapping
 from . import shipping, streams
 from .backend import Cell, Event, Exited, Key, Output, SessionGroup, key_order
 from .cell_names import names_reached
-from .controller import BOLD, RED, RESET, Outcome, RunInterrupted, _describe_exit, _Watch, plain, user_stack
+from .controller import (BOLD, RED, RESET, Outcome, RunInterrupted, _describe_exit, _Watch, live_output, plain,
+                         user_stack)
+from .live_view import RunView
 from .errors import RankFailed, RunTimedOut, TaasRunError
 from .records import CellEnded, Failed
 from .session_rank import SessionCell
@@ -62,7 +64,7 @@ class Session:
     cells: int = 0
     failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
     ended: str = ""  # why the session is over, once it is
-    status: Callable[[list[str]], object] = lambda lines: None  # shows the cell's status lines (taas.progress)
+    status: Callable[[dict[str, str], bool], object] | None = None  # shows the cell's live view (None: no view)
 
     @property
     def size(self) -> int:
@@ -144,11 +146,11 @@ class Session:
         """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
             raise SessionEnded(f"the session ended: {self.ended}", [f"taas: the session ended: {self.ended}"])
-        out = RankOutput(write, prefix=self.spec.show_rank_prefix, shown=None if spec.output == "all" else {0})
-        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write, self.status)
+        out, view = live_output(spec, write, ranks, self.status)
+        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write, view, self.status)
         try:
             watch.until_ended(send)
-            watch.show_status(final=True)
+            watch.show_view(final=True)
         except BaseException as e:
             self._end(str(e) if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
             raise
@@ -203,8 +205,8 @@ class _CellWatch(_Watch):
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
                  group: SessionGroup, ranks: list[int], read_line: ReadLine, write: Callable[[str, str], object],
-                 status: Callable[[list[str]], object] = lambda lines: None):
-        super().__init__(spec, output, cell_names, {}, status, write, read_line)
+                 view: RunView | None = None, status: Callable[[dict[str, str], bool], object] | None = None):
+        super().__init__(spec, output, cell_names, {}, write, read_line, view, status)
         self.group: SessionGroup = group
         self.ranks = set(ranks)
         self.deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
@@ -245,6 +247,7 @@ class _CellWatch(_Watch):
             self._take(self.backlog[0])
             self.backlog.pop(0)
         self.output.flush_idle()
+        self.show_view()
         now = time.monotonic()
         if self.interrupt_sent is None and any(isinstance(r, Failed) and not r.interrupted
                                                for r in self.records.values()):

@@ -96,6 +96,10 @@ class RankOutput:
             if text and self._is_shown(source_rank):
                 self._emit(source, stream, text)
 
+    def exited(self, rank: Key) -> None:
+        """The rank's process is gone: nothing more will come from it."""
+        self.finish(rank)
+
     def tail(self, rank: Key) -> list[str]:
         """The last lines the rank wrote to stderr, shown or not: what a crash left behind."""
         lines = list(self._tails.get(rank, ()))

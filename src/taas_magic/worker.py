@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
-from . import debugger, progress, results, session_rank, storage, tempfiles
+from . import debugger, progress, results, session_rank, storage, tempfiles, vitals
 from .aliases import rebind
 from .cell_names import code_names
 from .child import (
@@ -104,6 +104,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
             rebind(namespace, aliases, *pair)
     shell = shell if task.namespace is None else None
     progress.attach(lambda record: report(fds.report, record))
+    vitals.attach(lambda record: report(fds.report, record), int(env["LOCAL_RANK"]) if task.device == "cuda" else None)
     control = session_rank.open_control(fds)
     if control is not None:
         debugger.take_breakpoints(control)
@@ -224,7 +225,8 @@ def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: di
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
         try:
-            exec(code, namespace)
+            with vitals.sampling():
+                exec(code, namespace)
         finally:
             progress.flush()
     except SystemExit as e:

@@ -20,6 +20,8 @@ from typing import Collection
 
 from ..records import DeliveryProgress
 
+_RANK_FIELDS = 6  # position, taken, dropped, passes_over, done, waited
+
 
 class Counters:
     def __init__(self, producers: int, ranks: int, fd: int = -1):
@@ -29,7 +31,7 @@ class Counters:
         self._memory = mmap.mmap(fd, self.size(producers, ranks))  # MAP_SHARED (anonymous when fd is -1)
         values = memoryview(self._memory).cast("q")  # zeroed by the system
         self._values = values
-        cuts = [producers, producers * ranks] + [ranks] * 5
+        cuts = [producers, producers * ranks] + [ranks] * _RANK_FIELDS
         fields, start = [], 0
         for size in cuts:
             fields.append(values[start : start + size])
@@ -41,10 +43,11 @@ class Counters:
         self.dropped = fields[4]  # elements a rank received, or held, and threw away
         self.passes_over = fields[5]  # passes each rank has left or finished: none of them is sent any more
         self.done = fields[6]  # 1 once a rank's cell has ended: send it nothing, wait for it no more
+        self.waited = fields[7]  # microseconds each rank's cell spent waiting for elements
 
     @staticmethod
     def size(producers: int, ranks: int) -> int:
-        return 8 * (producers * (1 + ranks) + 5 * ranks)
+        return 8 * (producers * (1 + ranks) + _RANK_FIELDS * ranks)
 
     # -- between machines: each row has one writer, so copies merge by who owns which rows -------
     def snapshot(self) -> list[int]:
@@ -60,7 +63,7 @@ class Counters:
             for index in range(start, start + self.ranks):
                 values[index] = snapshot[index]
         rank_fields = self.producers * (1 + self.ranks)
-        for field in range(5):
+        for field in range(_RANK_FIELDS):
             for rank in ranks:
                 index = rank_fields + field * self.ranks + rank
                 values[index] = snapshot[index]
@@ -89,4 +92,4 @@ class Counters:
         buffered = sum(max(0, sent[r] - self.taken[r] - self.dropped[r]) for r in ranks if not self.done[r])
         return DeliveryProgress(name, time.monotonic(), int(sum(self.produced)), self.taken.tolist(),
                                 [int(self.position[r] - self.taken[r]) for r in ranks], int(buffered),
-                                self.done.tolist())
+                                self.done.tolist(), [microseconds / 1e6 for microseconds in self.waited.tolist()])

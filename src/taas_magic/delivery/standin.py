@@ -129,6 +129,7 @@ class StandIn:
         pass_number, index, element = receive(self._channel)
         waited = time.monotonic() - began
         self._waited += waited
+        self._counters.waited[self._rank] = int(self._waited * 1e6)
         if self._first_wait is None:
             self._first_wait = waited
         self._keep(pass_number, index, element)

@@ -1,0 +1,86 @@
+"""The live view's model: what each row says as records, bars and exits arrive, and the summary it becomes."""
+
+from __future__ import annotations
+
+import re
+
+from taas_magic.live_view import RunView
+from taas_magic.records import CellEnded, Failed, RankProgress, RankVitals
+
+MB = 1_000_000
+
+
+def rows(bundle: dict[str, str]) -> list[list[str]]:
+    """The text rows after the caption, split into their columns."""
+    return [re.split(r" {2,}", line, maxsplit=3) for line in bundle["text/plain"].splitlines()[1:]]
+
+
+def test_rows_go_from_starting_to_how_each_rank_ended():
+    view = RunView("4 ranks on cpu", range(4))
+    assert [row[1] for row in rows(view.render(0.1))] == ["starting"] * 4
+    for rank in range(4):
+        view.take(rank, RankVitals(1.0, 300 * MB, 310 * MB))
+    view.take(0, CellEnded(2.0))
+    view.take(1, Failed(2.0, "ValueError", "boom"))
+    view.take(2, Failed(2.1, "KeyboardInterrupt", "", interrupted=True))
+    view.ended(3, "stopped")
+    view.ended(0, "failed")  # its record said how its cell ended: the exit does not change that
+    assert [row[1] for row in rows(view.render(3.0))] == ["done", "failed", "stopped", "stopped"]
+
+
+def test_a_row_shows_memory_the_bar_and_taas_progress():
+    view = RunView("1 rank on cuda", [0])
+    view.take(0, RankVitals(1.0, 312 * MB, 312 * MB, gpu_memory=12_100 * MB, gpu_utilization=87))
+    view.bar(0, "45%|####5     | 45/100 [00:01<00:01, 40.12it/s]")
+    view.take(0, RankProgress(1.0, 40, {"loss": 0.5}))
+    view.take(0, RankProgress(2.0, 60, {"loss": 0.25}))
+    assert rows(view.render(2.0)) == [["rank 0", "running", "312 MB · GPU 12.1 GB 87%",
+                                       "45%|####5     | 45/100 [00:01<00:01, 40.12it/s] · step 60, 20.0 steps/s, loss 0.25"]]
+
+
+def test_the_summary_has_peaks_and_throughput():
+    view = RunView("2 ranks on cpu", range(2))
+    view.take(0, RankVitals(1.0, 300 * MB, 900 * MB))
+    view.take(0, RankProgress(1.0, 0, {}))
+    view.take(0, RankProgress(11.0, 100, {}))
+    view.take(1, RankVitals(1.0, 200 * MB, 250 * MB))
+    view.bar(1, "100%|##########| 100/100 [00:10<00:00, 9.87it/s]")
+    for rank in range(2):
+        view.take(rank, CellEnded(12.0))
+    summary = view.summary("done", 12.3)
+    assert summary["text/plain"].splitlines()[0] == "taas: 2 ranks on cpu · done in 12.3 s"
+    assert rows(summary) == [["rank 0", "done", "peak 900 MB", "10.0 steps/s · step 100"],
+                             ["rank 1", "done", "peak 250 MB", "9.87 it/s · 100%|##########| 100/100 [00:10<00:00, 9.87it/s]"]]
+    assert 'data-state="summary"' in summary["text/html"]
+    assert view.summary("failed", 3.0)["text/plain"].startswith("taas: 2 ranks on cpu · failed after 3.0 s")
+
+
+def test_a_cluster_run_has_a_row_per_node():
+    view = RunView("4 ranks on cpu", range(4), ranks_per_node=2)
+    for rank in range(4):
+        view.take(rank, RankVitals(1.0, 100 * MB, 100 * MB))
+    view.take(2, CellEnded(2.0))
+    node_rows = [row for row in rows(view.render(2.0)) if row[0].startswith("node")]
+    assert node_rows == [["node 0", "2 running", "200 MB"], ["node 1", "1 running, 1 done", "200 MB"]]
+
+
+def test_the_html_is_one_table_with_a_row_per_rank_and_escapes_what_ranks_print():
+    view = RunView("2 ranks on cpu", range(2))
+    view.bar(1, "<script>alert(1)</script> 10%")
+    html = view.render(1.0)["text/html"]
+    assert html.count('<table class="taas-view" data-state="running"') == 1
+    assert html.count('class="taas-row"') == 2 and 'data-rank="1"' in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+def test_only_a_change_asks_for_a_redraw():
+    view = RunView("1 rank on cpu", [0])
+    view.changed = False
+    view.bar(0, "10%")
+    assert view.changed
+    view.changed = False
+    view.take(0, RankVitals(1.0, MB, MB))
+    assert view.changed
+    view.changed = False
+    view.take(7, RankVitals(1.0, MB, MB))  # not a rank of this view (a session cell's --ranks)
+    assert not view.changed
