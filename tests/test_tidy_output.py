@@ -55,7 +55,7 @@ def test_each_ranks_lines_keep_their_order():
     output.feed(1, "stdout", b"B\nA\n", now=T0)
     output.flush_idle(now=LATER)
     lines = cell.text().splitlines()
-    assert lines == ["[rank 1] B", "[ranks 0-1] A", "[rank 0] B"]  # rank 0: A, B; rank 1: B, A
+    assert lines == ["[rank 0] A", "[ranks 0-1] B", "[rank 1] A"]  # rank 0: A, B; rank 1: B, A
 
 
 def test_a_rank_saying_the_same_twice_is_written_twice():
@@ -202,3 +202,15 @@ def test_a_rank_that_exited_still_shares_its_last_line_with_the_others():
     assert cell.text() == ""
     output.feed(1, "stdout", b"finished\n", now=T0 + 0.01)
     assert cell.text() == "[ranks 0-1] finished\n"
+
+
+def test_what_is_kept_to_compare_lines_stays_bounded_however_many_lines_pass():
+    cell = Cell()
+    output = tidy(cell, ranks=2)
+    for chunk in range(300):
+        text = "".join(f"step {chunk * 1000 + i}\n" for i in range(1000))
+        output.feed(0, "stdout", text.encode(), now=T0 + chunk)  # each chunk a window after the last
+    collapser = output._collapsers["stdout"]
+    assert len(collapser.added[0]) <= 51_000 and len(collapser.taken[0]) <= 51_000
+    output.finish()
+    assert cell.text().count("\n") == 300_000

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
 from typing import Callable, Iterable, Mapping
 
 from .backend import Key
@@ -29,69 +28,144 @@ COLLAPSE_WINDOW = 0.25  # seconds a complete line waits for other ranks to print
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-@dataclass
-class _Line:
-    text: str
-    arrived: float
+class _Chunk:
+    """Complete lines of one rank that arrived together."""
+
+    __slots__ = ("lines", "texts", "arrived")
+
+    def __init__(self, lines: list[str], arrived: float):
+        self.lines = lines
+        self.texts = set(lines)
+        self.arrived = arrived
+
+
+Block = tuple[list[Key], list[str]]  # lines to write, and the ranks that printed each of them
 
 
 class _Collapser:
     """One output stream's complete lines, held per rank until they are written.
 
-    A line is written when every rank has printed it (at once, labelled with all of them), or
-    when it has waited ``window`` seconds (labelled with the ranks that printed it by then).
-    Either way the lines each of those ranks printed before it are written first: each rank's
-    lines keep their order, whatever the other ranks print in between.
+    A line is written when it has waited ``window`` seconds, labelled with every rank that printed
+    it by then, or at once when every rank has printed it. Either way the lines each of those ranks
+    printed before it are written first: each rank's lines keep their order, whatever the other
+    ranks print in between.
+
+    Ranks print whole chunks of distinct lines (a loss per step) far more often than the same
+    line: the lines of a chunk are held, and compared with other ranks', as one set, so that the
+    work per line is done by set and join operations, not a loop of Python per line.
     """
 
     def __init__(self, expected: int, window: float = COLLAPSE_WINDOW):
         self.expected = expected  # ranks that may print the same line
         self.window = window
-        self.queues: dict[Key, deque[_Line]] = {}
-        self.counts: dict[Key, dict[str, int]] = {}  # rank -> how often each text waits in its queue
+        self.queues: dict[Key, deque[_Chunk]] = {}
+        # What each rank holds now is what it added less what was taken, counted by text (counting
+        # is done in C by Counter.update; subtracting would be a loop of Python per line).
+        self.added: dict[Key, Counter[str]] = {}
+        self.taken: dict[Key, Counter[str]] = {}
 
-    def add(self, rank: Key, text: str, now: float) -> None:
+    def add(self, rank: Key, lines: list[str], now: float) -> list[Block]:
+        """Hold ``rank``'s lines; return what is due at once: the lines every rank has now printed."""
         if rank not in self.queues:
-            self.queues[rank], self.counts[rank] = deque(), {}
-        self.queues[rank].append(_Line(text, now))
-        counts = self.counts[rank]
-        counts[text] = counts.get(text, 0) + 1
+            self.queues[rank], self.added[rank], self.taken[rank] = deque(), Counter(), Counter()
+        chunk = _Chunk(lines, now)
+        self.queues[rank].append(chunk)
+        self._count(rank, lines)
+        everyone = chunk.texts
+        others = [other for other in self.queues if other != rank]
+        if len(others) + 1 < self.expected:
+            return []
+        for other in others:
+            everyone = self._holding(other, everyone)
+            if not everyone:
+                return []
+        due: list[Block] = []
+        for text in [line for line in lines if line in everyone]:
+            if text in self._holding(rank, {text}):
+                due += self._group(rank, text)
+        return due
 
-    def release(self, now: float, rank: Key | None = None, everything: bool = False) -> list[tuple[list[Key], str]]:
-        """The lines due, in an order that keeps each rank's: (ranks, text).
+    def release(self, now: float, rank: Key | None = None, everything: bool = False) -> list[Block]:
+        """The lines due, in an order that keeps each rank's.
 
         ``rank``: that rank's lines are all due (it writes something that cannot wait);
         ``everything``: every line is.
         """
-        due: list[tuple[list[Key], str]] = []
+        due: list[Block] = []
         while True:
-            waiting = [queue for queue in self.queues.values() if queue]
-            if rank is not None and self.queues.get(rank):
-                oldest = self.queues[rank][0]
-            elif rank is None and waiting:
-                oldest = min((queue[0] for queue in waiting), key=lambda line: line.arrived)
+            head = self._due_head(now, rank, everything)
+            if head is None:
+                return due
+            chunk = self.queues[head][0]
+            shared: set[str] = set()
+            for other in self.queues:
+                if other != head:
+                    shared |= self._holding(other, chunk.texts)
+            if not shared:
+                self._take(head, len(chunk.lines))
+                due.append(([head], chunk.lines))
             else:
-                return due
-            holders = [key for key, counts in self.counts.items() if counts.get(oldest.text)]
-            if len(holders) < self.expected and oldest.arrived + self.window > now and rank is None \
-                    and not everything:
-                return due
-            for holder in holders:
-                due += self._before(holder, oldest.text)
-            due.append((holders, oldest.text))
+                first = next(line for line in chunk.lines if line in shared)
+                due += self._group(head, first)
 
-    def _before(self, rank: Key, text: str) -> list[tuple[list[Key], str]]:
-        """Take ``rank``'s lines up to its first ``text`` (which is taken too); return those before it."""
-        queue, counts = self.queues[rank], self.counts[rank]
-        earlier: list[tuple[list[Key], str]] = []
-        while True:
-            line = queue.popleft()
-            counts[line.text] -= 1
-            if not counts[line.text]:
-                del counts[line.text]
-            if line.text == text:
-                return earlier
-            earlier.append(([rank], line.text))
+    def _due_head(self, now: float, rank: Key | None, everything: bool) -> Key | None:
+        """The rank whose first held chunk is to be written next, if one is due."""
+        if rank is not None:
+            return rank if self.queues.get(rank) else None
+        heads = [(queue[0].arrived, key) for key, queue in self.queues.items() if queue]
+        if not heads:
+            return None
+        arrived, key = min(heads, key=lambda head: head[0])
+        return key if everything or arrived + self.window <= now else None
+
+    def _group(self, rank: Key, text: str) -> list[Block]:
+        """``text`` written once for every rank that holds it, after what each of them printed before it."""
+        holders = [other for other in self.queues if other == rank or self._holding(other, {text})]
+        due: list[Block] = []
+        for holder in holders:
+            due += self._take_until(holder, text)
+        due.append((holders, [text]))
+        return due
+
+    def _take_until(self, rank: Key, text: str) -> list[Block]:
+        """Take ``rank``'s lines up to its first ``text`` (taken too); return those before it."""
+        queue, before = self.queues[rank], []
+        while text not in queue[0].texts:
+            chunk = queue[0]
+            self._take(rank, len(chunk.lines))
+            before.append(([rank], chunk.lines))
+        index = queue[0].lines.index(text)
+        if index:
+            before.append(([rank], queue[0].lines[:index]))
+        self._take(rank, index + 1)
+        return before
+
+    def _take(self, rank: Key, count: int) -> None:
+        """The first ``count`` lines of the rank's first chunk are written."""
+        queue = self.queues[rank]
+        chunk = queue.popleft()
+        self.taken[rank].update(chunk.lines[:count])
+        if count < len(chunk.lines):
+            rest = _Chunk(chunk.lines[count:], chunk.arrived)
+            queue.appendleft(rest)
+
+    def _holding(self, rank: Key, texts: set[str]) -> set[str]:
+        """Those of ``texts`` that ``rank`` holds now."""
+        candidates = texts & self.added[rank].keys()
+        if not candidates:
+            return candidates
+        added, taken = self.added[rank], self.taken[rank]
+        return {text for text in candidates if added[text] > taken[text]}
+
+    def _count(self, rank: Key, lines: list[str]) -> None:
+        added = self.added[rank]
+        if len(added) > 50_000:  # counts of lines long written: start again from what is held
+            added.clear()
+            self.taken[rank].clear()
+            for chunk in self.queues[rank]:
+                if chunk.lines is not lines:
+                    added.update(chunk.lines)
+        added.update(lines)
 
 
 class TidyRankOutput(RankOutput):
@@ -117,9 +191,8 @@ class TidyRankOutput(RankOutput):
         source.last_data = now
         end = source.pending.rfind("\n") + 1
         if end:
-            lines = source.pending[: end - 1].split("\n")
-            source.pending = source.pending[end:]
-            self._lines(rank, stream, source, lines, now)
+            block, source.pending = source.pending[: end - 1], source.pending[end:]
+            self._lines(rank, stream, source, block, now)
         if "\r" in source.pending[:-1]:  # a lone \r at the end may be half of a \r\n
             self._redraw(rank, source)
         elif len(source.pending) > PARTIAL_LINE_MAX:  # a line that does not end: passed on in pieces
@@ -158,34 +231,40 @@ class TidyRankOutput(RankOutput):
             text = source.pending + source.decoder.decode(b"", final=True)
             source.pending = ""
             if text and self._is_shown(source_rank):
-                self._lines(source_rank, stream, source, [text], now)
+                self._lines(source_rank, stream, source, text, now)
 
-    def _lines(self, rank: Key, stream: str, source: _Source, lines: list[str], now: float) -> None:
-        """Complete lines of ``rank``: bars' final drawings, lines to label and collapse, or (one rank
-        shown, a producer, the end of a line already begun) lines written at once, in one piece."""
-        collapse = isinstance(rank, int) and self._prefix
-        direct: list[str] = []
-        for line in lines:
+    def _lines(self, rank: Key, stream: str, source: _Source, block: str, now: float) -> None:
+        """Complete lines of ``rank`` (``block``, without its last line break): bars' final drawings,
+        lines to label and collapse, or (one rank shown, a producer) lines written at once."""
+        lines = block.split("\n") if "\r" not in block else self._without_bars(rank, source, block)
+        direct = []
+        if lines and not source.at_line_start:  # it continues what was written of it already
+            direct.append(lines.pop(0) + "\n")
+            source.at_line_start = True
+        if lines and isinstance(rank, int) and self._prefix:
+            self._write_blocks(stream, self._collapsers[stream].add(rank, lines, now))
+        elif lines:
+            direct += [source.prefix + line + "\n" for line in lines]
+        if direct:
+            self._write(stream, source, "".join(direct), ends_line=True)
+
+    def _without_bars(self, rank: Key, source: _Source, block: str) -> list[str]:
+        """The lines of a block with carriage returns: a bar's last drawing stands for its line, and
+        the row shows it; a bar that erased itself when done (tqdm's ``leave=False``) leaves no line."""
+        lines: list[str] = []
+        for line in block.split("\n"):
             if line.endswith("\r"):
                 line = line[:-1]  # its \r\n
             if "\r" in line:
                 final = _last_drawing(line)
-                if final is None or not final.strip():  # a bar that erased itself when done (tqdm's leave=False)
-                    if not source.at_line_start:  # ... and what was written of its line: end that line
-                        direct.append("\n")
-                        source.at_line_start = True
+                if final is None or not final.strip():
+                    if not source.at_line_start and not lines:  # it erased what was written of its line too
+                        lines.append("")
                     continue
                 self._show_bar(rank, final)
                 line = final
-            if not source.at_line_start:  # it continues what was written of it already
-                direct.append(line + "\n")
-                source.at_line_start = True
-            elif collapse:
-                self._collapsers[stream].add(rank, line, now)
-            else:
-                direct.append(source.prefix + line + "\n")
-        if direct:
-            self._write(stream, source, "".join(direct), ends_line=True)
+            lines.append(line)
+        return lines
 
     def _redraw(self, rank: Key, source: _Source) -> None:
         """A bar being redrawn: the row shows its latest drawing; only that drawing is kept."""
@@ -218,11 +297,13 @@ class TidyRankOutput(RankOutput):
         target.open_source = None if ends_line else source
 
     def _release(self, stream: str, now: float, rank: Key | None = None, everything: bool = False) -> None:
-        due = self._collapsers[stream].release(now, rank, everything)
+        self._write_blocks(stream, self._collapsers[stream].release(now, rank, everything))
+
+    def _write_blocks(self, stream: str, due: list[Block]) -> None:
         if not due:
             return
         target = self._targets[stream]
-        text = "".join(_labelled(ranks, line) for ranks, line in due)
+        text = "".join(_labelled(ranks, lines) for ranks, lines in due)
         if target.open_source is not None:
             text = "\n" + text
             target.open_source.at_line_start = True
@@ -238,11 +319,13 @@ def _last_drawing(text: str) -> str | None:
     return drawings[-1] if drawings else None
 
 
-def _labelled(ranks: list[Key], text: str) -> str:
-    """``[rank 3] text`` or ``[ranks 0-3,6] text``; an empty line is its label alone."""
+def _labelled(ranks: list[Key], lines: list[str]) -> str:
+    """``[rank 3] text`` or ``[ranks 0-3,6] text`` for each line; an empty line is its label alone."""
     numbers = sorted(rank for rank in ranks if isinstance(rank, int))
     label = f"[rank {numbers[0]}]" if len(numbers) == 1 else f"[ranks {spans(numbers)}]"
-    return f"{label} {text}\n" if text else label + "\n"
+    if "" in lines:
+        return "".join(f"{label} {line}\n" if line else f"{label}\n" for line in lines)
+    return f"{label} " + f"\n{label} ".join(lines) + "\n"
 
 
 def spans(numbers: list[int]) -> str:
