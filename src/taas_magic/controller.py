@@ -32,6 +32,7 @@ ON_FAILURE = ((0.0, signal.SIGTERM), (3.0, signal.SIGKILL))
 ON_INTERRUPT = ((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKILL))
 STACK_SECONDS = 2.0
 VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
+VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a view drawn for an instant is noise
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -290,7 +291,7 @@ class _Watch:
         now = time.monotonic()
         if final:
             self.status(self.view.summary(self.outcome(), now - self.started), True)
-        elif self.view.changed and now - self.view_shown >= VIEW_SECONDS:
+        elif self.view.changed and now - self.view_shown >= VIEW_SECONDS and now - self.started >= VIEW_FIRST_SECONDS:
             self.view.changed = False
             self.status(self.view.render(now - self.started), False)
             self.view_shown = now
