@@ -214,3 +214,33 @@ def test_what_is_kept_to_compare_lines_stays_bounded_however_many_lines_pass():
     assert len(collapser.added[0]) <= 51_000 and len(collapser.taken[0]) <= 51_000
     output.finish()
     assert cell.text().count("\n") == 300_000
+
+
+def nested_bars() -> bytes:
+    """What tqdm writes for a bar with another below it (position=1, leave=False), as Lightning's
+    training and validation bars do, when it writes to a pipe."""
+    import io
+
+    from tqdm import tqdm
+
+    written = io.StringIO()
+    for _ in tqdm(range(3), file=written, mininterval=0, ascii=True):
+        for _ in tqdm(range(2), file=written, position=1, leave=False, mininterval=0, ascii=True):
+            pass
+    written.write("after\n")
+    return written.getvalue().encode()
+
+
+def test_a_bar_drawn_below_another_moves_the_cursor_and_leaves_no_lines():
+    data = nested_bars()
+    assert b"\x1b[A" in data
+    for size in (len(data), 7, 1):  # however the pipe cut it
+        cell = Cell()
+        output = tidy(cell, ranks=1)
+        for start in range(0, len(data), size):
+            output.feed(0, "stderr", data[start:start + size], now=T0)
+        output.finish()
+        lines = cell.text("stderr").splitlines()
+        assert len(lines) == 2 and lines[0].startswith("[rank 0] 100%|##########| 3/3"), (size, lines)
+        assert lines[1] == "[rank 0] after"
+        assert any("| 1/2 " in text for _, text in cell.bars), "the lower bar was shown in the rank's row"

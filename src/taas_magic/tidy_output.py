@@ -26,6 +26,9 @@ from .streams import PARTIAL_LINE_DELAY, PARTIAL_LINE_MAX, RankOutput, _Source
 
 COLLAPSE_WINDOW = 0.25  # seconds a complete line waits for other ranks to print the same
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# A bar drawn below another (tqdm's position=1, Lightning's validation bar): down a line, the
+# drawing, back up. The line break moves the cursor, it does not end a line.
+_LOWER_BAR = re.compile(r"\n+([^\n]*?)(?:\x1b\[\d*A)+")
 
 
 class _Chunk:
@@ -189,11 +192,17 @@ class TidyRankOutput(RankOutput):
         now = time.monotonic() if now is None else now
         source.pending += text
         source.last_data = now
+        if "\x1b[" in source.pending:
+            self._lower_bars(rank, source)
         end = source.pending.rfind("\n") + 1
+        previous = source.pending.rfind("\n", 0, max(end - 1, 0)) + 1
+        if end and "\r" in source.pending[previous : end - 1].removesuffix("\r"):
+            end = previous  # the line break after a bar may take the cursor to a lower bar: held
         if end:
             block, source.pending = source.pending[: end - 1], source.pending[end:]
             self._lines(rank, stream, source, block, now)
-        if "\r" in source.pending[:-1]:  # a lone \r at the end may be half of a \r\n
+        unfinished = source.pending[source.pending.rfind("\n") + 1 :]
+        if "\r" in unfinished[:-1]:  # a lone \r at the end may be half of a \r\n
             self._redraw(rank, source)
         elif len(source.pending) > PARTIAL_LINE_MAX:  # a line that does not end: passed on in pieces
             self._partial(rank, stream, source)
@@ -205,6 +214,12 @@ class TidyRankOutput(RankOutput):
         for (rank, stream), source in self._sources.items():
             if not source.pending or now - source.last_data < PARTIAL_LINE_DELAY:
                 continue
+            end = source.pending.rfind("\n") + 1  # a line break held back after a bar
+            if end:
+                block, source.pending = source.pending[: end - 1], source.pending[end:]
+                self._lines(rank, stream, source, block, now)
+                if not source.pending:
+                    continue
             if "\r" in source.pending:
                 self._redraw(rank, source)  # it ended with its \r: a bar, drawn before its \r
             else:
@@ -230,8 +245,8 @@ class TidyRankOutput(RankOutput):
                 continue
             text = source.pending + source.decoder.decode(b"", final=True)
             source.pending = ""
-            if text and self._is_shown(source_rank):
-                self._lines(source_rank, stream, source, text, now)
+            if text and self._is_shown(source_rank):  # its last line, ended or not (a held line break)
+                self._lines(source_rank, stream, source, text[:-1] if text.endswith("\n") else text, now)
 
     def _lines(self, rank: Key, stream: str, source: _Source, block: str, now: float) -> None:
         """Complete lines of ``rank`` (``block``, without its last line break): bars' final drawings,
@@ -266,13 +281,25 @@ class TidyRankOutput(RankOutput):
             lines.append(line)
         return lines
 
+    def _lower_bars(self, rank: Key, source: _Source) -> None:
+        """Bars drawn below the current line go to the rank's row; the cursor's trips to them leave no lines."""
+        def drawn(match: re.Match[str]) -> str:
+            drawing = _last_drawing(match[1])
+            if drawing is not None:
+                self._show_bar(rank, drawing)
+            return ""
+
+        source.pending = _LOWER_BAR.sub(drawn, source.pending)
+
     def _redraw(self, rank: Key, source: _Source) -> None:
         """A bar being redrawn: the row shows its latest drawing; only that drawing is kept."""
-        drawing = _last_drawing(source.pending)
+        held, line_break, unfinished = source.pending.rpartition("\n")  # a bar's held line, if any
+        drawing = _last_drawing(unfinished)
         if drawing is None:
             return
         self._show_bar(rank, drawing)
-        source.pending = "\r" + drawing + ("\r" if source.pending.endswith("\r") else "")  # the next drawing starts over it
+        source.pending = (held + line_break + "\r" + drawing
+                          + ("\r" if unfinished.endswith("\r") else ""))  # the next drawing starts over it
 
     def _show_bar(self, rank: Key, drawing: str) -> None:
         text = _ANSI.sub("", drawing).strip()
