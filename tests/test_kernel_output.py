@@ -37,7 +37,7 @@ def test_tqdm_auto_in_a_rank_draws_a_text_bar_without_a_widgets_warning(kernel, 
 
 def test_taas_progress_shows_each_ranks_step_rate_and_metrics_in_place(kernel):
     r = kernel.execute("#pragma taas --gpus 2\nimport taas, time, torch\nfor step in range(40):\n"
-                       "    taas.progress(step=step, loss=torch.tensor(1.0 / (step + 1)))\n    time.sleep(0.02)").ok()
+                       "    taas.progress(step=step, loss=torch.tensor(1.0 / (step + 1)))\n    time.sleep(0.03)").ok()
     shown = [d["text/plain"] for d in r.displays]
     assert len(shown) >= 2, "drawn while the run goes on, then updated in place"
     summary = shown[-1].splitlines()

@@ -128,16 +128,16 @@ def test_a_carriage_return_progress_bar_is_drawn_in_its_row_and_ends_as_one_labe
     result = kernel.execute("""#pragma taas --gpus 2
 import sys, time, taas
 if taas.is_main():
-    for pct in (10, 20, 30):
+    for pct in (10, 20, 30, 40):
         sys.stdout.write(f"\\rprogress {pct}%")
         sys.stdout.flush()
-        time.sleep(0.3)
+        time.sleep(0.4)
     sys.stdout.write("\\n")
 """).ok()
-    assert result.stdout == "[rank 0] progress 30%\n", "the bar's final drawing, once"
+    assert result.stdout == "[rank 0] progress 40%\n", "the bar's final drawing, once"
     rows = [line for view in result.displays for line in view["text/plain"].splitlines() if line.startswith("rank 0 ")]
-    assert any(row.endswith("progress 10%") for row in rows) and any(row.endswith("progress 20%") for row in rows), \
-        "while it is redrawn, the bar is in its rank's row of the live view"
+    drawn = {row.rsplit(" ", 1)[-1] for row in rows if " progress " in row}
+    assert len(drawn) >= 2, f"while it is redrawn, the bar is in its rank's row of the live view: {rows}"
 
 
 def test_a_single_rank_is_not_prefixed(kernel):

@@ -21,7 +21,7 @@ BARS = """#pragma taas --gpus 2
 import time
 from tqdm.auto import tqdm
 for step in tqdm(range(30)):
-    time.sleep(0.03)
+    time.sleep(0.04)
 print("finished")
 """
 
