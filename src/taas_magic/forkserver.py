@@ -24,7 +24,7 @@ import socket
 import sys
 from typing import Any
 
-from . import child, containment, shipping, worker
+from . import child, containment, plugins, shipping, worker
 from .channel import Channel, ChannelBroken
 from .supervisor import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 
@@ -40,6 +40,8 @@ def main(fd: int) -> None:
     import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
     import torch  # noqa: F401  (the reason this process exists: ranks start with torch imported)
     import torch.distributed  # noqa: F401
+
+    plugins.find()
 
     gc.freeze()  # what is imported stays: forked supervisors and ranks never walk it
     control = Channel(socket.socket(fileno=fd), secret, CONTROL)

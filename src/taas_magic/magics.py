@@ -15,7 +15,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from traitlets import Bool, Enum
 
-from . import cluster, controller, machine, options, results, shipping, streams
+from . import cluster, controller, machine, options, plugins, results, shipping, streams
 from .backend import Backend, Cell, SessionGroup
 from .cluster import Cluster
 from .cluster_backend import PRODUCER_NODE, ClusterBackend
@@ -496,3 +496,5 @@ def _import_torch_once() -> None:
     """Ranks need torch; importing it here once lets every forked rank share it for free."""
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
+
+    plugins.find()  # once per kernel, and again after packages changed

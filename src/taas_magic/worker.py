@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
 
-from . import debugger, progress, results, session_rank, storage, tempfiles, vitals
+from . import debugger, plugins, progress, results, session_rank, storage, tempfiles, vitals
 from .aliases import rebind
 from .cell_names import code_names
 from .child import (
@@ -91,6 +91,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     _exit_ends_the_rank(namespace)
     if task.context is not None:
         task.context.torch_settings.apply()  # forked ranks inherited them
+    plugins.use()
     rank = int(env["RANK"])
     replaced = [_bind_device(task, int(env["LOCAL_RANK"])),
                 storage.guard_torch_save(rank, lambda record: report(fds.report, record), env.get("TAAS_NODE_ADDRESS"))]
