@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 from jupyter_client.manager import KernelManager
@@ -238,6 +239,22 @@ class Progress:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
+
+
+def plot_axes(width: float, height: float) -> tuple[Any, Any]:
+    """A figure drawn off screen (no display here), and its one pair of axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def save_plot(figure: Any, path: Path) -> None:
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
 
 
 def print_checks(found: list[tuple[bool, str]]) -> None:

@@ -15,7 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
-from harness import ROOT, BenchError, Kernel, Progress, arguments, machine_info, print_checks, shown
+from harness import (ROOT, BenchError, Kernel, Progress, arguments, machine_info, plot_axes, print_checks, save_plot,
+                     shown)
 
 RANKS = 4
 LINES = 100_000  # in all, over the ranks
@@ -75,17 +76,10 @@ def report(seconds: dict[str, list[float]], results: Path, plot: Path, rounds: i
 
 
 def _plot(seconds: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 2.4))
+    figure, axes = plot_axes(7, 2.4)
     axes.boxplot(list(seconds.values()), orientation="horizontal", tick_labels=list(seconds), showfliers=False)
     axes.set_xlabel(f"cell time, s ({RANKS} CPU ranks, {LINES:,} lines, tqdm bars)")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    save_plot(figure, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from harness import ROOT, BenchError, Kernel, Progress, arguments, machine_info, print_checks, shown
+from harness import (ROOT, BenchError, Kernel, Progress, arguments, machine_info, plot_axes, print_checks, save_plot,
+                     shown)
 
 RANKS = 8
 TARGET_MS = 20.0
@@ -160,20 +161,13 @@ def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> 
 
 
 def _plot(runners: list[Contender], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 3.2))
+    figure, axes = plot_axes(7, 3.2)
     axes.boxplot([[ms - statistics.median(r.plain_ms) for ms in r.kernel_ms] for r in runners], orientation="horizontal", showfliers=False,
                  tick_labels=[r.name for r in runners])
     axes.axvline(TARGET_MS, color="tab:red", linestyle="--", linewidth=1, label=f"target {TARGET_MS:g} ms")
     axes.set_xlabel(f"warm cell time beyond the plain cell, ms ({RANKS} workers, CPU)")
     axes.legend(loc="lower right")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    save_plot(figure, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,20 +63,28 @@ class RankOutput:
         self._tail_partial: dict[Key, str] = {}  # a stderr line whose end has not arrived yet
 
     def feed(self, rank: Key, stream: str, data: bytes, now: float | None = None) -> None:
-        source = self._source(rank, stream)
-        text = source.decoder.decode(data)
-        if stream == "stderr":
-            self._keep_tail(rank, text)
-        if not self._is_shown(rank):
+        source = self._take(rank, stream, data, now)
+        if source is None:
             return
-        source.pending += text
-        source.last_data = time.monotonic() if now is None else now
         end = _complete_prefix_length(source.pending)
         if len(source.pending) - end > PARTIAL_LINE_MAX:  # a line that does not end: pass it on in pieces
             end = len(source.pending) - (1 if source.pending.endswith("\r") else 0)  # it may begin a \r\n
         if end:
             self._emit(source, stream, source.pending[:end])
             source.pending = source.pending[end:]
+
+    def _take(self, rank: Key, stream: str, data: bytes, now: float | None) -> _Source | None:
+        """Decode ``data`` onto its source's pending text (stderr kept for crash reports too); the source,
+        or None when the rank is not shown."""
+        source = self._source(rank, stream)
+        text = source.decoder.decode(data)
+        if stream == "stderr":
+            self._keep_tail(rank, text)
+        if not self._is_shown(rank):
+            return None
+        source.pending += text
+        source.last_data = time.monotonic() if now is None else now
+        return source
 
     def flush_idle(self, now: float | None = None) -> None:
         """Pass on partial lines whose rank has been quiet for ``PARTIAL_LINE_DELAY``."""

@@ -183,15 +183,10 @@ class TidyRankOutput(RankOutput):
         self._bar_shown: dict[Key, str] = {}
 
     def feed(self, rank: Key, stream: str, data: bytes, now: float | None = None) -> None:
-        source = self._source(rank, stream)
-        text = source.decoder.decode(data)
-        if stream == "stderr":
-            self._keep_tail(rank, text)
-        if not self._is_shown(rank):
-            return
         now = time.monotonic() if now is None else now
-        source.pending += text
-        source.last_data = now
+        source = self._take(rank, stream, data, now)
+        if source is None:
+            return
         if "\x1b[" in source.pending:
             self._lower_bars(rank, source)
         end = source.pending.rfind("\n") + 1
