@@ -22,9 +22,7 @@ import socket
 import struct
 from typing import Any
 
-import cloudpickle
-
-from . import memfile
+from . import memfile, pickler
 
 INLINE_LIMIT = 60_000  # bytes of pickle sent in the datagram itself; larger bodies go in a memory file
 _TAG_SIZE = 32
@@ -64,7 +62,7 @@ class Channel:
     # -- sending ----------------------------------------------------------------------------
     def send(self, kind: str, *fields: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
         """Send ``(run_id, kind, *fields)`` with ``fds``; raises ChannelBroken if the other side is gone."""
-        body = cloudpickle.dumps((self.run_id, kind) + fields, protocol=pickle.HIGHEST_PROTOCOL)
+        body = pickler.dumps((self.run_id, kind) + fields)
         self._sent += 1  # before sending: an interrupted send leaves a gap, never a repeated number
         header = _HEADER.pack(self._sent, len(body), len(body) > INLINE_LIMIT)
         carried = list(fds)

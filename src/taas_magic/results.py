@@ -20,14 +20,13 @@ import struct
 import types
 from typing import Any, Iterable
 
-import cloudpickle
-
+from . import pickler
 from .errors import first_line
 
 _INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index and this length
 
 
-class _ResultPickler(cloudpickle.Pickler):
+class _ResultPickler(pickler.Pickler):
     """A cloudpickle pickler that sends tensors as CPU tensors and DDP wrappers as their module."""
 
     def reducer_override(self, obj: Any) -> Any:

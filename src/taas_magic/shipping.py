@@ -22,9 +22,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
-import cloudpickle
-
-from . import memfile
+from . import memfile, pickler
 from .errors import TaasUsageError, first_line
 
 ANCHOR = "__taas_globals_anchor__"
@@ -65,7 +63,7 @@ class _TensorRef:
     parameter: bool
 
 
-class _ShippingPickler(cloudpickle.Pickler):
+class _ShippingPickler(pickler.Pickler):
     """Pickles tensors as references into one memory file instead of by value.
 
     For a session's ranks (``held`` given), the notebook's own globals dict and the values the
