@@ -100,13 +100,12 @@ class RunView:
         self.loaders: dict[str, _LoaderRow] = {}
         self.changed = True  # since it was last shown
 
-    def take(self, key: Key, record: Record) -> bool:
-        """Note a record of a rank or producer; True if the view changed."""
-        changed = self._take(key, record)
-        self.changed |= changed
-        return changed
+    def take(self, key: Key, record: Record) -> None:
+        """Note a record of a rank or producer."""
+        self.changed |= self._take(key, record)
 
     def _take(self, key: Key, record: Record) -> bool:
+        """Note the record; True if the view changed."""
         if isinstance(record, DeliveryProgress):
             return self._take_delivery(record)
         row = self.ranks.get(key) if isinstance(key, int) else None

@@ -48,6 +48,15 @@ class _Target:
     write: Callable[[str], object]
     open_source: _Source | None = None
 
+    def put(self, text: str, source: _Source | None, ends_line: bool) -> None:
+        """Write ``text`` of ``source`` (None: lines of several ranks at once); a line another source
+        left open is ended first, rather than mixed into."""
+        if self.open_source not in (None, source):
+            text = "\n" + text
+            self.open_source.at_line_start = True
+        self.write(text)
+        self.open_source = None if ends_line else source
+
 
 class RankOutput:
     """Feeds ranks' output into ``write(stream, text)``; shows the ranks in ``shown`` (all by default)."""
@@ -138,11 +147,7 @@ class RankOutput:
                 tail.append(line)
 
     def _emit(self, source: _Source, stream: str, text: str) -> None:
-        target = self._targets[stream]
         pieces = []
-        if target.open_source not in (None, source):
-            pieces.append("\n")  # another rank left a line open: end it rather than mix into it
-            target.open_source.at_line_start = True
         for piece in _BREAKS.split(text):
             if not piece:
                 continue
@@ -154,8 +159,7 @@ class RankOutput:
                     pieces.append(source.prefix)
                 pieces.append(piece)
                 source.at_line_start = False
-        target.write("".join(pieces))
-        target.open_source = None if text.endswith("\n") else source
+        self._targets[stream].put("".join(pieces), source, ends_line=text.endswith("\n"))
 
 
 def _complete_prefix_length(text: str) -> int:

@@ -310,13 +310,8 @@ class TidyRankOutput(RankOutput):
         self._write(stream, source, (source.prefix if source.at_line_start else "") + text, ends_line=False)
 
     def _write(self, stream: str, source: _Source, text: str, ends_line: bool) -> None:
-        target = self._targets[stream]
-        if target.open_source not in (None, source):
-            text = "\n" + text  # another rank left a line open: end it rather than mix into it
-            target.open_source.at_line_start = True
-        target.write(text)
+        self._targets[stream].put(text, source, ends_line)
         source.at_line_start = ends_line
-        target.open_source = None if ends_line else source
 
     def _release(self, stream: str, now: float, rank: Key | None = None, everything: bool = False) -> None:
         self._write_blocks(stream, self._collapsers[stream].release(now, rank, everything))
@@ -324,13 +319,7 @@ class TidyRankOutput(RankOutput):
     def _write_blocks(self, stream: str, due: list[Block]) -> None:
         if not due:
             return
-        target = self._targets[stream]
-        text = "".join(_labelled(ranks, lines) for ranks, lines in due)
-        if target.open_source is not None:
-            text = "\n" + text
-            target.open_source.at_line_start = True
-            target.open_source = None
-        target.write(text)
+        self._targets[stream].put("".join(_labelled(ranks, lines) for ranks, lines in due), None, ends_line=True)
 
 
 def _last_drawing(text: str) -> str | None:
