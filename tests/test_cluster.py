@@ -301,6 +301,7 @@ taas.register(slow)
     cluster_kernel.execute("taas.unregister(slow)").ok()
 
 
+@pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
 def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
     """Ray Client (ray://HOST:PORT): the same cells, warm agents, delivery and node list; the
     connected kernel (cluster_kernel) stays idle meanwhile."""

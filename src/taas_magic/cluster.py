@@ -38,6 +38,7 @@ AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker 
 AGENT_IDLE_SECONDS = 600.0  # an agent unused this long leaves (TAAS_CLUSTER_IDLE)
 CONNECT_SECONDS = 5.0  # how long an address may take to answer before connecting is given up
 CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
+FREE_SECONDS = 30.0  # how long Ray Client's kernel waits to learn which nodes are free
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
 AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), and pulls from other nodes
@@ -62,7 +63,7 @@ class Node:
     node_id: str
     address: str
     resources: Mapping[str, float]  # in total
-    available: Mapping[str, float]  # not held by anyone right now
+    available: Mapping[str, float] | None  # not held by anyone right now; None: the cluster did not say in time
 
     @property
     def labels(self) -> list[str]:
@@ -76,7 +77,15 @@ class Node:
         return not self.resources.get("GPU") and self.resources.get("CPU", 0) >= configuration.cpus
 
     def free_for(self, configuration: Configuration) -> bool:
-        return _holds(self.available, bundle_for(configuration, self))
+        return self.available is not None and _holds(self.available, bundle_for(configuration, self))
+
+
+def free_count(nodes: list[Node], configuration: Configuration) -> int | None:
+    """How many of ``nodes`` are free for ``configuration``; None when the cluster did not say
+    (a count would claim busy nodes that may be free)."""
+    if any(node.available is None for node in nodes):
+        return None
+    return sum(node.free_for(configuration) for node in nodes)
 
 
 def bundle_for(configuration: Configuration, node: Node | None = None) -> dict[str, float]:
@@ -111,8 +120,9 @@ class Placement:
         ray = ray_module()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            available = _available_by_node(ray)
-            if all(_holds(available.get(node.node_id, {}), bundle) for node, bundle in zip(self.nodes, self.bundles)):
+            available = _available_by_node(ray, max(deadline - time.monotonic(), 0.01))
+            if available is not None and all(_holds(available.get(node.node_id, {}), bundle)
+                                             for node, bundle in zip(self.nodes, self.bundles)):
                 return
             time.sleep(0.01)
 
@@ -154,7 +164,7 @@ class Cluster:
         ray = ray_module()
         available = _available_by_node(ray)
         return [Node(info["NodeID"], info["NodeManagerAddress"], dict(info["Resources"]),
-                     available.get(info["NodeID"], {}))
+                     None if available is None else available.get(info["NodeID"], {}))
                 for info in ray.nodes() if info.get("Alive")]
 
     def _settle(self) -> None:
@@ -172,9 +182,10 @@ class Cluster:
             configuration = catalog.get(name)
             matching = [node for node in nodes if node.fits(configuration)]
             if matching:
-                free = sum(node.free_for(configuration) for node in matching)
+                free = free_count(matching, configuration)
                 warm = sum(node.node_id in self.agents for node in matching)
-                lines.append(f"  {name}: {len(matching)} node{'s' * (len(matching) != 1)} ({free} free, "
+                free_text = "free unknown" if free is None else f"{free} free"
+                lines.append(f"  {name}: {len(matching)} node{'s' * (len(matching) != 1)} ({free_text}, "
                              f"{warm} with a warm agent): " + ", ".join(node.address for node in matching))
         unmatched = [node for node in nodes if not any(node.fits(catalog.get(n)) for n in catalog.names())]
         if unmatched:
@@ -207,14 +218,16 @@ class Cluster:
         group = placement_group(bundles, strategy="STRICT_SPREAD")
         if not group.wait(timeout_seconds=PLACEMENT_SECONDS):  # asks the control store: no task, no worker
             ray.util.remove_placement_group(group)
-            free = sum(node.free_for(configuration) for node in self.nodes() if node.fits(configuration))
-            message = (f"{count} nodes of {configuration.name} needed, {free} of the cluster's {len(matching)} "
-                       "are free now")
+            free = free_count([node for node in self.nodes() if node.fits(configuration)], configuration)
+            message = f"{count} nodes of {configuration.name} needed, " + (
+                f"{free} of the cluster's {len(matching)} are free now" if free is not None
+                else f"the cluster did not say which of its {len(matching)} are free")
             if hosts:
                 assert producer_node is not None
                 ids = {node.node_id for node in hosts}
-                idle = sum(node.free_for(producer_node) for node in self.nodes() if node.node_id in ids)
-                message += f"; {producers} of {producer_node.name} for data producers, {idle} of {len(hosts)} free"
+                idle = free_count([node for node in self.nodes() if node.node_id in ids], producer_node)
+                message += (f"; {producers} of {producer_node.name} for data producers, "
+                            f"{'?' if idle is None else idle} of {len(hosts)} free")
             raise TaasUsageError(message + " (the others run other work): try again later")
         by_id = {node.node_id: node for node in nodes}
         bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
@@ -330,17 +343,19 @@ def idle_seconds_from(environ: Mapping[str, str]) -> float:
     return seconds
 
 
-def _available_by_node(ray: Any) -> dict[str, dict[str, float]]:
-    """What each node has free right now (Ray's own per-node view; it has no public call for it).
+def _available_by_node(ray: Any, timeout: float = FREE_SECONDS) -> dict[str, dict[str, float]] | None:
+    """What each node has free right now (Ray's own per-node view; it has no public call for it),
+    or None when the cluster did not say.
 
-    Through Ray Client the kernel has no view of its own: a task on the cluster looks for it.
+    Through Ray Client the kernel has no view of its own: a task on the cluster looks for it. The
+    first such task waits for a worker process to start on the cluster, seconds on a busy head.
     """
     try:
         if ray.util.client.ray.is_connected():
-            return dict(ray.get(ray.remote(num_cpus=0)(free_resources).remote(), timeout=CHECK_SECONDS))
+            return dict(ray.get(ray.remote(num_cpus=0)(free_resources).remote(), timeout=timeout))
         return free_resources()
     except Exception:
-        return {}
+        return None
 
 
 def free_resources() -> dict[str, dict[str, float]]:

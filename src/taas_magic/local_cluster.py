@@ -30,6 +30,10 @@ QUIET = {
     # Ray Client's server per client imports Ray afresh; on a busy 2-core machine, or the first time
     # after installing (nothing compiled yet), that takes longer than Ray's 30 s default.
     "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120",
+    # Ray Client's proxy forks a server per client while its gRPC threads are busy; gRPC's own
+    # fork handlers then restart threads in the child before it execs, and that child sometimes
+    # dies of SIGSEGV at once, leaving the client waiting minutes. The child needs no gRPC.
+    "GRPC_ENABLE_FORK_SUPPORT": "false",
 }
 FIRST_ADDRESS = 2  # 127.0.0.1 is what Ray replaces by the machine's address; nodes start at .2
 
