@@ -598,6 +598,20 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
         k.shutdown()  # a failed assertion must not leave the kernel to later tests
 
 
+def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
+    """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
+    from taas_magic.cluster import Node, free_count
+    from taas_magic.configurations import load_catalog
+
+    shape = load_catalog().get("g2.8")
+    free = Node("a", "127.0.0.2", {"taas:g2.8": 1, "GPU": 8}, {"taas:g2.8": 1, "GPU": 8})
+    busy = Node("b", "127.0.0.3", {"taas:g2.8": 1, "GPU": 8}, {"GPU": 0})
+    unreported = Node("c", "127.0.0.4", {"taas:g2.8": 1, "GPU": 8}, None)
+    assert free_count([free, busy], shape) == 1
+    assert free_count([free, unreported], shape) is None
+    assert not unreported.free_for(shape)
+
+
 def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
     """A kernel where `import ray` fails, as where it is not installed."""
     (tmp_path / "ray").mkdir()
