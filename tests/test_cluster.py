@@ -321,6 +321,11 @@ def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registe
         k.execute(DATA).ok()
         got = collected(k.execute(HEADER + COLLECT, timeout=240).ok())
         assert [len(got[rank]["passes"][0]) for rank in range(4)] == [4] * 4
+        # Ray Client keeps gRPC threads in the kernel; forked ranks would get copies of them
+        local = k.execute("#pragma taas --gpus 2 --device cpu --on local\nimport os\nprint(sorted({open("
+                          "f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')}))").ok()
+        assert "gRPC runs threads in this kernel" in local.stderr
+        assert "event_engine" not in local.stdout and "lifeguard" not in local.stdout, local.stdout
         k.execute("%taas cluster off").ok()
     finally:
         k.shutdown()

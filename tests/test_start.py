@@ -29,10 +29,30 @@ def test_resolve_start(requested, device, unsafe, can_fork, expected):
     assert (expected[1] in notice) if expected[1] else notice == ""
 
 
+@pytest.mark.parametrize(
+    "requested, expected",
+    [("auto", ("forkserver", "gRPC runs threads in this kernel")), ("fork", ("fork", "")),
+     ("forkserver", ("forkserver", ""))],
+)
+def test_while_grpc_runs_threads_auto_starts_from_the_fork_server(requested, expected):
+    start, notice = resolve_start(requested, "cpu", False, True, grpc_threads=True)
+    assert start == expected[0]
+    assert (expected[1] in notice) if expected[1] else notice == ""
+
+
 @pytest.mark.parametrize("can_fork, message", [(True, "CUDA was already used"), (False, "cannot fork")])
 def test_fork_is_refused_where_it_cannot_work(can_fork, message):
     with pytest.raises(UsageError, match=message):
         resolve_start("fork", "cuda", True, can_fork)
+
+
+def test_a_live_grpc_channel_is_seen_and_a_closed_one_is_not():
+    """A channel starts grpcio's threads; they go when it closes (a fork is then clean again)."""
+    probe = ("import grpc, time\nfrom taas_magic.machine import grpc_threads_in_kernel as g\n"
+             "channel = grpc.insecure_channel('127.0.0.1:9')\nopen_ = g()\nchannel.close()\ntime.sleep(0.5)\n"
+             "print(open_, g())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr
 
 
 def test_asking_torch_whether_cuda_is_available_makes_forks_unable_to_use_it():

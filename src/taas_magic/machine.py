@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
+GRPC_THREADS = {"event_engine", "lifeguard"}  # the names grpcio's own threads give themselves
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -79,6 +81,29 @@ def fork_poisoned_for_cuda() -> bool:
         finally:
             os._exit(2)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+
+
+def grpc_threads_in_kernel() -> bool:
+    """Whether Python's gRPC (``grpcio``: Ray Client, cloud SDKs) runs threads in this process.
+
+    gRPC's fork handlers then restart those threads in every child before any of the child's
+    code runs: forked ranks would carry them, and a child forked while one of them is in a call
+    can die of SIGSEGV. A child started by ``exec`` (the fork server) is not touched.
+    """
+    if "grpc" not in sys.modules:
+        return False
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for thread in threads:
+        try:
+            with open(f"/proc/self/task/{thread}/comm") as comm:
+                if comm.read().strip() in GRPC_THREADS:
+                    return True
+        except OSError:
+            pass
+    return False
 
 
 def cuda_initialized_in_kernel() -> bool:

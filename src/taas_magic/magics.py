@@ -293,7 +293,8 @@ class TaasMagics(Magics):
         # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
         unsafe = machine.cuda_initialized_in_kernel() or (
             spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda())
-        start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork)
+        start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork,
+                                      grpc_threads=can_fork and machine.grpc_threads_in_kernel())
         if notice:
             print(notice, file=sys.stderr)
         return self.fork_backend if start == "fork" else self.forkserver_backend

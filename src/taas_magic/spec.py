@@ -206,11 +206,13 @@ def _threads_per_rank(environ: Mapping[str, str], cpus: int, ranks_per_node: int
     return max(1, cpus // ranks_per_node)
 
 
-def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool) -> tuple[str, str]:
+def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool,
+                  grpc_threads: bool = False) -> tuple[str, str]:
     """The start method a run uses, and a one-line notice when ``auto`` did not pick fork.
 
     Forking is the fast path; it is refused for GPU ranks once the kernel has touched CUDA,
-    where the fork server takes over.
+    where the fork server takes over. ``auto`` also leaves it to the fork server while gRPC runs
+    threads in the kernel, which a fork would restart in every rank (``--start fork`` still forks).
     """
     if requested == "fork":
         if not can_fork:
@@ -228,4 +230,7 @@ def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_f
     if fork_unsafe_for_cuda:
         return "forkserver", ("taas: CUDA was already used in this kernel, so the ranks start from the fork server "
                               "(--start forkserver)")
+    if grpc_threads:
+        return "forkserver", ("taas: gRPC runs threads in this kernel (Ray Client, say), which a fork would copy into "
+                              "every rank, so the ranks start from the fork server (--start forkserver)")
     return "fork", ""
