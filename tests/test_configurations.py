@@ -273,6 +273,30 @@ def test_an_integer_too_long_to_convert_is_refused(tmp_path) -> None:
     assert "is not valid YAML: Exceeds the limit" in load_error(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("configurations:\n  big: {gpus: 0x" + "f" * 5000 + "}\n",
+                     "configuration 'big' has gpus: a number of 20000 bits, cpus: 1", id="hex"),
+        pytest.param("configurations:\n  big: {cpus: " + ":".join(["59"] * 3000) + "}\n",
+                     "configuration 'big' has gpus: 0, cpus: a number of 17721 bits", id="base-60"),
+        pytest.param("max_nodes: 0" + "7" * 5000 + "\n", "max_nodes: a number of 15000 bits in", id="octal"),
+    ],
+)
+def test_huge_integers_in_other_bases_are_one_line_naming_their_size(tmp_path, text: str, expected: str) -> None:
+    """PyYAML caps decimal integers at Python's 4300 digits, not hex, octal or base 60 ones,
+    which Python then refuses to write out in an error message."""
+    message = load_error(write(tmp_path / "huge.yaml", text))
+    assert message.startswith(expected) and "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["a\\nb", "red\\x1b[31m", "two words", "", ".hidden"])
+def test_a_name_no_header_could_hold_is_refused_in_one_line(tmp_path, name: str) -> None:
+    message = load_error(write(tmp_path / "names.yaml", f'configurations:\n  "{name}": {{gpus: 1}}\n'))
+    assert message.startswith("configuration name ") and "\n" not in message and "\x1b" not in message
+    assert message.endswith("use letters, digits, '.', '_' and '-'")
+
+
 @pytest.mark.parametrize("device", ["/dev/zero", "/dev/null", "/dev/urandom"])
 def test_devices_are_refused_without_reading_them(device: str) -> None:
     assert load_error(device) == f"TAAS_CONFIG={device!r} does not name a readable file (not a regular file)"

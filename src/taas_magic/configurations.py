@@ -10,6 +10,7 @@ aliases, counts within what a node can have), so a bad one is a one-line error, 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,6 +32,7 @@ MAX_GPUS = 64  # per node
 MAX_CPUS = 4096  # vCPUs per node
 MAX_MEMORY_GB = 1_000_000  # per node
 MAX_NODES = 1024
+_NAME = re.compile(r"\w[\w.-]*")  # what a `#!NAME` header and an error line can show
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,10 @@ def _build(raw: dict[str, Any], sources: tuple[str, ...]) -> Catalog:
 
 
 def _configuration(name: str, fields: Mapping[str, Any], where: str) -> Configuration:
-    """One entry, checked: whole counts and a finite memory size, each within what a node can have."""
+    """One entry, checked: a name a `#!NAME` header can hold, whole counts and a finite memory
+    size, each within what a node can have."""
+    if not _NAME.fullmatch(name):
+        raise TaasUsageError(f"configuration name {_shown(name)} in {where}: use letters, digits, '.', '_' and '-'")
     try:
         gpus, cpus = _whole(fields, "gpus", 0), _whole(fields, "cpus", 1)
         memory_gb, gpu_model = _number(fields, "memory_gb", 0), _text(fields, "gpu_model", "")
@@ -226,7 +231,10 @@ def _text(fields: Mapping[str, Any], field: str, default: str) -> str:
 
 
 def _shown(value: Any) -> str:
-    """A value as an error message shows it: its repr, cut short when long."""
+    """A value as an error message shows it: its repr, cut short when long (an integer of
+    thousands of digits is not even written out: Python refuses to)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"a number of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:40] + "..."
 
