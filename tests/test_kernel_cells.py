@@ -74,9 +74,15 @@ def test_a_syntax_error_is_reported_before_any_rank_starts(kernel):
         ("#pragma taas --device auto", "no CUDA device is visible on this machine: run the ranks on CPU with --device cpu"),
         ("#pragma taas --device cuda --gpus 2", "no CUDA device is visible"),
         ("#pragma taas --timeout -1", "argument --timeout: -1 is not allowed: use a number of seconds greater than 0"),
+        # what a lone `#!NAME` line becomes is no option of the user's
+        ("#pragma taas --gpus 3 --alone", "unknown option '--alone': allowed are --gpus, --config, --device"),
+        ("#pragma taas --gpus 2 --check g2.8", "unknown option '--check': allowed are --gpus, --config, --device"),
+        ("%%taas --gpus 2 --alone", "unknown option '--alone': allowed are --gpus"),
+        ("#pragma taas --gpus 2 --config ''", "unknown configuration '': known are c1.4"),
     ],
     ids=["gpus-0", "gpus-nan", "gpus-12-g2.8", "gpus-16-multinode", "cpus-9", "units-neg", "unknown-option",
-         "unknown-config", "auto-without-cuda", "cuda-without-cuda", "timeout-neg"],
+         "unknown-config", "auto-without-cuda", "cuda-without-cuda", "timeout-neg", "alone", "check",
+         "alone-in-magic", "empty-config"],
 )
 def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(no_gpu_kernel, header, expected):
     result = no_gpu_kernel.execute(header + "\nprint('started')")

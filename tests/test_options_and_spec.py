@@ -285,6 +285,8 @@ def test_whole_numbers_are_plain_ascii_digits(option: str, value: str) -> None:
 def test_whole_numbers_in_plain_digits_are_accepted() -> None:
     parsed = options.parse(TaasMagics.taas, "--gpus 02 --units 1000000 --prefetch 3 --cpus 0")
     assert (parsed.gpus, parsed.units, parsed.prefetch, parsed.cpus) == (2, 1_000_000, 3, 0)
+    padded = options.parse(TaasMagics.taas, f"--gpus {'0' * 40}2 --cpus {'0' * 40}")  # zeros in front count for nothing
+    assert (padded.gpus, padded.cpus) == (2, 0)
 
 
 def test_a_count_with_too_many_digits_is_out_of_range() -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import linecache
 import os
+import re
 import sys
 from types import CodeType
 from typing import Any, cast
@@ -81,6 +82,7 @@ class TaasMagics(Magics):
             {"cluster": self._cluster_command, "stop": self._stop_command, "debug": self._debug_command}[words[0]](words[1:])
             return
         args = options.parse(TaasMagics.taas, line)
+        self._refuse_typed_internal_options(args)
         if cell is None:
             if args.check:
                 self._check_configuration(args.check)
@@ -227,8 +229,8 @@ class TaasMagics(Magics):
 
     def _debug_command(self, words: list[str]) -> None:
         """`%taas debug [RANK]`: the debugger in a rank whose cell raised, at its error."""
-        if len(words) > 1 or (words and not words[0].isdigit()):
-            raise TaasUsageError(f"%taas debug takes a rank number, or nothing; got {' '.join(words)!r}")
+        if len(words) > 1 or (words and not re.fullmatch(r"[0-9]{1,9}", words[0])):  # isdigit() takes "²"
+            raise TaasUsageError(f"%taas debug takes a rank number, or nothing; got {' '.join(words)[:40]!r}")
         wanted = int(words[0]) if words else None
         if self.paused is not None:
             group, rank, spec = self.paused
@@ -281,6 +283,16 @@ class TaasMagics(Magics):
         _show_header_as_written(filename, source, cell, self._raw_cell())
         tree = self.ipython.transform_ast(ast.parse(source, filename))
         return tree, compile(tree, filename, "exec", dont_inherit=True)
+
+    def _refuse_typed_internal_options(self, args: Any) -> None:
+        """``--check`` and ``--alone`` are what a lone ``#!NAME`` line becomes; typed by hand, in a
+        ``#pragma taas`` line or a ``%%taas`` call, they are unknown options like any other."""
+        if not (args.check or args.alone):
+            return
+        header = parse_header(self._raw_cell().splitlines(keepends=True), lambda name: True)
+        if header is None or header.options is not None:
+            allowed = ", ".join(options.visible_options(TaasMagics.taas))
+            raise TaasUsageError(f"unknown option {'--check' if args.check else '--alone'!r}: allowed are {allowed}")
 
     def _raw_cell(self) -> str:
         """The cell as the user typed it: IPython stores it in the history before running it."""

@@ -39,7 +39,8 @@ def whole_number(low: int, high: int | None = None, note: str = "") -> Callable[
         # Plain ASCII digits only: int() also takes "２", "٢", "0_2" and "+2".
         if not _WHOLE.fullmatch(text):
             raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a whole number: use {allowed}{note}")
-        value = int(text) if len(text) <= 30 else None  # no count has 30 digits; int() stops at 4300
+        digits = text.lstrip("0") or "0"
+        value = int(digits) if len(digits) <= 30 else None  # no count has 30 digits; int() stops at 4300
         if value is None or value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{_cut(text)} is out of range: use {allowed}{note}")
         return value

@@ -61,7 +61,7 @@ def build(
     connected: bool = False,
 ) -> LaunchSpec:
     """``connected``: a Ray cluster is connected, so runs go there unless ``--on local``."""
-    configuration = catalog.get(options.config) if options.config else None
+    configuration = catalog.get(options.config) if options.config is not None else None
     on_cluster = _on_cluster(getattr(options, "on", None), connected)
     alone = getattr(options, "alone", False)  # `#!NAME` alone on a cluster: one process on a node of NAME
     requested = options.device or default_device(environ)
