@@ -77,6 +77,16 @@ torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"], "no temporary file remains"
 
 
+def test_rank_0_saves_through_a_symlink_into_the_file_it_names_and_the_link_stays(kernel, tmp_path):
+    (tmp_path / "runs").mkdir()
+    link = tmp_path / "latest.pt"
+    link.symlink_to("runs/model.pt")
+    kernel.execute(f"#pragma taas --gpus 2\nimport torch, taas\ntorch.save(taas.rank() + 7, {str(link)!r})").ok()
+    import torch
+
+    assert link.is_symlink() and torch.load(tmp_path / "runs" / "model.pt") == 7
+
+
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_names_the_notebook_gave_to_torch_save_and_init_process_group_are_replaced_too(kernel, tmp_path, start):
     kernel.execute("from torch import save as keep\nfrom torch.distributed import init_process_group as join").ok()

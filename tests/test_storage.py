@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 
 import pytest
 import torch
@@ -74,6 +75,60 @@ def test_without_unnamed_files_a_named_temporary_file_is_used_and_removed(tmp_pa
 def test_a_missing_folder_is_reported_by_the_save_itself(tmp_path):
     with pytest.raises(RuntimeError, match="does not exist"):
         storage.save_whole(torch.save, {}, str(tmp_path / "missing" / "model.pt"))
+
+
+@pytest.fixture(params=["unnamed", "named"])
+def either_way(request, monkeypatch):
+    """Each test below runs through the unnamed file and through the named temporary file."""
+    if request.param == "named":
+        monkeypatch.setattr(storage, "_unnamed_file", lambda folder: None)
+
+
+def test_a_symlink_is_followed_and_stays_as_in_plain_torch_save(tmp_path, either_way):
+    (tmp_path / "target").mkdir()
+    link = tmp_path / "link.pt"
+    link.symlink_to("target/real.pt")  # dangling at first: the save creates the file it names
+    for value in (1.0, 2.0):
+        storage.save_whole(torch.save, torch.full((3,), value), str(link))
+        assert link.is_symlink() and os.readlink(link) == "target/real.pt"
+        assert torch.equal(torch.load(tmp_path / "target" / "real.pt"), torch.full((3,), value))
+    assert sorted(os.listdir(tmp_path)) == ["link.pt", "target"] and os.listdir(tmp_path / "target") == ["real.pt"]
+
+
+def test_an_existing_file_keeps_its_permission_bits(tmp_path, either_way):
+    target = tmp_path / "private.pt"
+    target.write_bytes(b"old")
+    target.chmod(0o600)
+    storage.save_whole(write_bytes, b"new", str(target))
+    assert target.read_bytes() == b"new" and (target.stat().st_mode & 0o777) == 0o600
+
+
+def test_a_new_file_gets_the_mode_open_would_give_under_the_umask(tmp_path, either_way):
+    previous = os.umask(0o077)
+    try:
+        storage.save_whole(write_bytes, b"new", str(tmp_path / "model.pt"))
+    finally:
+        os.umask(previous)
+    assert ((tmp_path / "model.pt").stat().st_mode & 0o777) == 0o600
+
+
+def test_the_null_device_is_written_into_and_not_replaced(either_way):
+    before = os.stat(os.devnull)
+    storage.save_whole(torch.save, {"w": torch.ones(3)}, os.devnull)
+    after = os.stat(os.devnull)
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+
+
+def test_a_fifo_is_written_into_and_not_replaced(tmp_path, either_way):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so that opening it to write does not wait
+    try:
+        assert storage.save_whole(write_bytes, b"through the pipe", str(fifo)) == 16
+        assert os.read(reader, 100) == b"through the pipe"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
 def _umask() -> int:

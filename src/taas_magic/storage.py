@@ -2,13 +2,15 @@
 
 In other ranks ``torch.save`` to a file path is skipped (reported once per cell by the
 controller); in rank 0 it writes to an unnamed file in the target's folder and links it into
-place, so the file appears once, whole, and a save cut short leaves nothing. Saving to a file
-object or buffer is left alone everywhere.
+place, so the file appears once, whole, and a save cut short leaves nothing. Otherwise the
+result is plain ``torch.save``'s: symlinks are followed, permission bits kept, and a device or
+FIFO is written into. Saving to a file object or buffer is left alone everywhere.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from typing import Any, Callable
 
@@ -60,20 +62,42 @@ def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwar
     linked, and the system frees it with the last descriptor. Where the folder's file system
     has no ``O_TMPFILE``, a named temporary file is used and removed on every way out that
     runs code.
+
+    What a user sees is what plain ``torch.save`` gives: a symlink's file is written and the
+    link stays, a file keeps its permission bits (a new one gets those ``open()`` would give),
+    and a device or FIFO (``os.devnull``) is written into, never replaced.
     """
-    fd = _unnamed_file(os.path.dirname(path) or ".")
+    target = os.path.realpath(path)  # open() follows links: the file they name is the one written
+    existing = _stat_or_none(target)
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        return save(obj, path, *args, **kwargs)  # only a regular file can be replaced by another
+    mode = None if existing is None else stat.S_IMODE(existing.st_mode) & 0o777
+    fd = _unnamed_file(os.path.dirname(target))
     if fd is None:
-        return _save_through_named_file(save, obj, path, *args, **kwargs)
+        return _save_through_named_file(save, obj, target, mode, *args, **kwargs)
     try:
         result = save(obj, f"/proc/self/fd/{fd}", *args, **kwargs)  # the save opens it by path, as any path
-        _link_into_place(fd, path)
+        if mode is not None:
+            os.fchmod(fd, mode)  # after the save, which reopens the file and must still be allowed to
+        _link_into_place(fd, target)
         return result
     finally:
         os.close(fd)
 
 
+def _stat_or_none(path: str) -> os.stat_result | None:
+    """What is at ``path`` now, or None where nothing is (or it cannot be seen: the save then says why)."""
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
 def _unnamed_file(folder: str) -> int | None:
-    """A file without a name in ``folder``, or None where this system or file system has none."""
+    """A file without a name in ``folder``, or None where this system or file system has none.
+
+    Its mode is 0666 less the umask, as a file that ``open()`` creates.
+    """
     if not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
         return None
     try:
@@ -103,10 +127,14 @@ def _link_into_place(fd: int, path: str) -> None:
         os.close(links)
 
 
-def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, mode: int | None,
+                             *args: Any, **kwargs: Any) -> Any:
+    """Save to a temporary name beside ``path``, give it ``mode`` where one is kept, and rename it over ``path``."""
     temporary = _temporary_name(path)
     try:
         result = save(obj, temporary, *args, **kwargs)
+        if mode is not None:
+            os.chmod(temporary, mode)
         os.replace(temporary, path)
         return result
     finally:
