@@ -100,6 +100,33 @@ def test_a_rank_stopped_by_taas_is_not_reported_as_a_failure():
     assert "stopped by taas after the failure: rank 0" in caught.value.lines
 
 
+def test_a_rank_that_exited_0_mid_cell_is_named_before_the_failure_it_caused():
+    # os._exit(0) in rank 1: no record, status 0. Rank 0's collective then fails; its failure's own
+    # time (10.0) is earlier than when taas saw rank 1's exit, but taas saw that exit first.
+    group = ScriptedGroup([[Exited(1, 0)], [error(0, 10.0, "RuntimeError"), Exited(0, 1)]])
+    with pytest.raises(RankFailed) as caught:
+        run(group)
+    assert str(caught.value) == "rank 0 failed: RuntimeError: x"
+    assert "before rank 0 failed: rank 1 exited with code 0 before the cell finished" in "\n".join(caught.value.lines)
+
+
+def test_a_rank_that_finished_its_cell_or_was_stopped_by_taas_is_not_said_to_have_exited_early():
+    finished = ScriptedGroup([[Report(0, CellEnded(5.0)), Exited(0, 0)], [error(1, 10.0, "ValueError"), Exited(1, 1)]])
+    with pytest.raises(RankFailed) as caught:
+        run(finished)
+    lines = "\n".join(caught.value.lines)
+    assert "before rank 1 failed: rank 0 had finished the cell" in lines and "exited with code 0" not in lines
+
+    def stop(group, signum):  # rank 0 leaves on taas's SIGTERM with status 0, without a record
+        group.batches.append([Exited(0, 0)])
+
+    stopped = ScriptedGroup([[error(1, 10.0, "ValueError"), Exited(1, 1)]], stop)
+    with pytest.raises(RankFailed) as caught:
+        run(stopped)
+    lines = "\n".join(caught.value.lines)
+    assert "before rank 1 failed" not in lines and "stopped by taas after the failure: rank 0" in lines
+
+
 def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
     def stop(group, signum):  # its DataLoader's worker dies of the stop first: the producer reports an error
         group.batches.append([error(Producer(0, 0), 30.0, "RuntimeError"), Exited(Producer(0, 0), 1)])

@@ -210,6 +210,20 @@ dist.all_reduce(torch.ones(1))  # rank 1 is gone: this fails
     assert "before rank 0 failed: rank 1 exited early with sys.exit(0)" in result.traceback
 
 
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_rank_that_left_with_os_exit_0_is_named_when_a_peer_then_fails(kernel, start):
+    result = kernel.execute(f"""#pragma taas --gpus 3 --start {start}
+import os, time, torch, taas, torch.distributed as dist
+dist.init_process_group("gloo")
+if taas.rank() == 2:
+    os._exit(0)  # no exception, no word to taas: status 0
+time.sleep(0.5)
+dist.all_reduce(torch.ones(1))  # rank 2 is gone: this fails
+""", timeout=30)
+    assert result.error["evalue"].startswith(("rank 0 failed: ", "rank 1 failed: "))
+    assert re.search(r"before rank [01] failed: rank 2 exited with code 0 before the cell finished", result.traceback)
+
+
 def test_a_rank_that_left_early_is_named_when_the_others_time_out(kernel):
     result = kernel.execute("""#pragma taas --gpus 2 --timeout 2
 import sys, time, taas

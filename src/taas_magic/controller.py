@@ -408,14 +408,28 @@ class _Watch:
     def _ended_before(self, moment: float) -> str:
         """Ranks whose cell ended without error before ``moment``: often why the others failed or hung.
 
-        A rank that called sys.exit(0) ended as if it succeeded, but left its peers' collectives.
+        A rank that called sys.exit(0) ended as if it succeeded, but left its peers' collectives;
+        so did one that left without a word (``os._exit(0)``).
         """
         ranks_by_end: dict[str, list[int]] = {}
         for rank, record in _in_order(self.records):
             if isinstance(rank, int) and isinstance(record, CellEnded) and record.time < moment:
                 how = f"exited early with {record.exited}" if record.exited else "had finished the cell"
                 ranks_by_end.setdefault(how, []).append(rank)
+        for rank, code in self._left_unfinished():
+            ranks_by_end.setdefault(_describe_exit(code), []).append(rank)
         return "; ".join(f"{_ranks(ranks)} {how}" for how, ranks in ranks_by_end.items())
+
+    def _left_unfinished(self) -> list[tuple[int, int]]:
+        """(rank, exit status) of ranks that exited with status 0 while their cell ran (``os._exit(0)``).
+
+        Not failures (a non-zero status is one, named as such), so nothing else names them. Not
+        stopped by taas: they left before taas knew of a failure or a timeout. That order, not the
+        clock, puts them before the failure: taas sees an exit a moment after it happened, and the
+        peer it broke may have timed its own failure earlier.
+        """
+        return [(rank, code) for rank, (code, _) in _in_order(self.exits)
+                if isinstance(rank, int) and code == 0 and rank not in self.records and rank not in self.stopped]
 
     def _name(self, key: Key) -> str:
         return self.labels.get(key, f"rank {key}")

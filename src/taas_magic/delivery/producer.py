@@ -15,6 +15,7 @@ can never deadlock: the element the slowest rank waits for is always inside the 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import random
 import signal
@@ -22,8 +23,9 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Generator, Iterator
 
 from .. import child, tempfiles, worker
 from ..records import Failed
@@ -33,6 +35,59 @@ from .transport import send
 
 STATS_SECONDS = 0.5
 Key = tuple[Pass, int, Any]  # (pass, element index, the sample indices it is built from)
+
+
+class _Stop:
+    """How a producer leaves when taas stops it with SIGTERM (the ranks are done, or one failed): quietly.
+
+    The signal becomes a KeyboardInterrupt, so the producer leaves through its ``finally``
+    blocks, but not while its loader's workers start or shut down (``held``): that would leave
+    them half made. One that lands in a destructor or finalizer (torch's and multiprocessing's
+    run at any moment) is not printed as "Exception ignored in …": the producer leaves at its
+    next ``check`` instead. The workers share the producer's process group, so they get the
+    signal too: from then on their deaths are expected, and torch's SIGCHLD handler must not
+    raise them as an error.
+    """
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.holds = 0
+
+    def install(self) -> None:
+        """In the producer's own process: the kernel's handlers and hooks are not touched."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        shown = sys.unraisablehook
+
+        def unless_stopping(unraisable: Any) -> None:
+            if not (self.asked and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+                shown(unraisable)
+
+        sys.unraisablehook = unless_stopping
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.asked = True
+        # A handler that does nothing, not SIG_DFL: a SIGCHLD already pending would find no
+        # Python handler, and Python prints "Signal 17 ignored due to race condition".
+        signal.signal(signal.SIGCHLD, _expected)
+        self.check()
+
+    def check(self) -> None:
+        """Leave now if taas asked, unless held."""
+        if self.asked and not self.holds:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A stop asked meanwhile is only noted: the next ``check`` after it leaves."""
+        self.holds += 1
+        try:
+            yield
+        finally:
+            self.holds -= 1
+
+
+def _expected(signum: int, frame: FrameType | None) -> None:
+    """A worker of a producer being stopped ended: nothing to do, the producer is leaving too."""
 
 
 @dataclass
@@ -49,6 +104,7 @@ class ProducerTask:
     counters: Counters
     seed: int
     reports_stats: bool  # producer 0 of each loader sends its counters for the progress line
+    stop: _Stop = field(default_factory=_Stop, repr=False)
 
     def run(self, env: dict[str, str], fds: child.RankFds) -> int:
         shell = child.become_child(fds, env)
@@ -56,7 +112,7 @@ class ProducerTask:
         tempfiles.name_multiprocessing_folders()
         # Stopped by taas (once the ranks are done, or after a failure): leave through the
         # `finally` blocks, so that the DataLoader workers and their temporary folder go too.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        self.stop.install()
         child.wait_at_gate(fds)
         reports = threading.Lock()  # one line at a time on the report pipe
         if self.reports_stats:
@@ -64,41 +120,49 @@ class ProducerTask:
         try:
             self._produce()
             self._wait_for_the_ranks()
-            if self.reports_stats:  # the last counters, whenever the thread last looked
-                with reports:
-                    child.report(fds.report, self.counters.stats(self.name))
+            with self.stop.held():  # leaving anyway: a stop now would only garble the last report
+                if self.reports_stats:  # the last counters, whenever the thread last looked
+                    with reports:
+                        child.report(fds.report, self.counters.stats(self.name))
         except BaseException as error:
-            child.flush_all()
-            with reports:
-                child.report(fds.report, self._failure(error, shell))
+            with self.stop.held():
+                child.flush_all()
+                with reports:
+                    child.report(fds.report, self._failure(error, shell))
             return child.EXIT_FAILED
         finally:
-            child.end_descendants()
-            tempfiles.remove_multiprocessing_folders()
+            with self.stop.held():
+                child.end_descendants()
+                tempfiles.remove_multiprocessing_folders()
         return 0
 
     # -- producing --------------------------------------------------------------------------
     def _produce(self) -> None:
         self.pending: collections.deque[Key] = collections.deque()  # keys handed to the fetcher, oldest first
         keys = self.pending
-        for element in self._fetch(keys):
-            pass_, index, _ = keys.popleft()
-            destinations = self.plan.destinations(pass_, index)
-            self._wait_for_window(destinations[0][1])
-            # Not to a rank that left the pass or ended its cell; an element no rank takes any more
-            # (built ahead for a pass nobody started) does not count as produced.
-            takers = [rank for rank, _ in destinations if self.counters.wants(rank, pass_.number)]
-            if takers:
-                self.counters.produced[self.index] += 1  # before a rank can count it consumed
-            for rank in takers:
-                send(self.channels[rank], pass_.number, index, element)
-                self.counters.count_sent(self.index, rank)
+        fetched = self._fetch(keys)
+        try:
+            for element in fetched:
+                self.stop.check()  # a stop that landed in a finalizer meanwhile
+                pass_, index, _ = keys.popleft()
+                destinations = self.plan.destinations(pass_, index)
+                self._wait_for_window(destinations[0][1])
+                # Not to a rank that left the pass or ended its cell; an element no rank takes any more
+                # (built ahead for a pass nobody started) does not count as produced.
+                takers = [rank for rank, _ in destinations if self.counters.wants(rank, pass_.number)]
+                if takers:
+                    self.counters.produced[self.index] += 1  # before a rank can count it consumed
+                for rank in takers:
+                    send(self.channels[rank], pass_.number, index, element)
+                    self.counters.count_sent(self.index, rank)
+        finally:
+            fetched.close()  # its workers end now, on every way out, not whenever it is collected
 
     def wanted(self, pass_: Pass, index: int) -> bool:
         """Whether any rank element ``index`` of ``pass_`` is for still reads that pass."""
         return any(self.counters.wants(rank, pass_.number) for rank, _ in self.plan.destinations(pass_, index))
 
-    def _fetch(self, keys: collections.deque[Key]) -> Iterator[Any]:
+    def _fetch(self, keys: collections.deque[Key]) -> Generator[Any, None, None]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
         from torch.utils.data import DataLoader
 
@@ -118,7 +182,14 @@ class ProducerTask:
             fetcher = DataLoader(dataset, batch_sampler=mine, **options)
         else:
             fetcher = DataLoader(dataset, batch_size=None, sampler=mine, **options)
-        yield from fetcher
+        with self.stop.held():
+            elements = iter(fetcher)  # starts the workers
+        try:
+            self.stop.check()
+            yield from elements
+        finally:
+            with self.stop.held():
+                _shut_down_workers(elements)
 
     def my_elements(self) -> Iterator[tuple[Pass, int, Any]]:
         """(pass, index, sample indices) of this producer's elements, in stream order."""
@@ -143,12 +214,13 @@ class ProducerTask:
     def _wait_for_window(self, round_: int) -> None:
         pause = 0.0002
         while round_ >= self.counters.slowest_rank() + self.window:
+            self.stop.check()
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
     def _wait_for_the_ranks(self) -> None:
         """Done with the stream: producer 0 stays while ranks still consume, so the progress line lives on."""
-        while self.reports_stats and not self.counters.all_done():
+        while self.reports_stats and not self.counters.all_done() and not self.stop.asked:
             time.sleep(0.05)
 
     def _report_progress(self, fds: child.RankFds, lock: threading.Lock) -> None:
@@ -184,6 +256,17 @@ class ProducerTask:
         return Failed(time.monotonic(), type(error).__name__, str(error),
                       [] if interrupted else worker.format_traceback(_past_taas(error), shell),
                       interrupted=interrupted, where=where.strip())
+
+
+def _shut_down_workers(elements: Iterator[Any]) -> None:
+    """End a DataLoader iterator's workers now (its ``__del__`` would, at a moment nobody chose).
+
+    ``_shutdown_workers`` is private to torch, but it is what ``__del__`` calls, and calling it
+    twice is harmless; an iterator without workers has none.
+    """
+    shut_down = getattr(elements, "_shutdown_workers", None)
+    if shut_down is not None:
+        shut_down()
 
 
 def _past_taas(error: BaseException) -> BaseException:
