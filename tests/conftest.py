@@ -82,27 +82,29 @@ class Kernel:
         self.pid = self.manager.provisioner.process.pid
         self.execute("%load_ext taas_magic\nimport torch, torch.distributed, os, sys, time").ok()
 
-    def execute(self, code: str, timeout: float = 90, interrupt_after: float | None = None,
+    def execute(self, code: str, timeout: float = 90, interrupt_after: float | tuple[float, ...] | None = None,
                 answers: list[str] | None = None) -> CellResult:
-        """Run ``code`` as a cell; ``answers``: lines typed, in order, when the cell asks for input
-        (Jupyter's stdin requests, as a front end answers them; their prompts go to ``prompts``)."""
+        """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds (several
+        times: a tuple); ``answers``: lines typed, in order, when the cell asks for input (Jupyter's
+        stdin requests, as a front end answers them; their prompts go to ``prompts``)."""
         result = CellResult()
         started = time.monotonic()
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
-        interrupted = interrupt_after is None
+        interrupts = sorted(interrupt_after if isinstance(interrupt_after, tuple) else
+                            [] if interrupt_after is None else [interrupt_after])
         while True:
             if answers is not None:
                 self._answer(result, pending)
-            wait = 0.2 if interrupted else min(0.2, max(0.001, started + interrupt_after - time.monotonic()))
+            wait = min(0.2, max(0.001, started + interrupts[0] - time.monotonic())) if interrupts else 0.2
             try:
                 msg = self.client.get_iopub_msg(timeout=wait)  # an interrupt is sent on time, not on the next message
             except queue.Empty:
                 msg = None
             now = time.monotonic()
-            if not interrupted and now - started >= interrupt_after:
+            while interrupts and now - started >= interrupts[0]:
                 self.manager.interrupt_kernel()
-                interrupted = True
+                interrupts.pop(0)
             if now - started > timeout:
                 raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}")
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:

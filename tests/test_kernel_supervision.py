@@ -51,6 +51,33 @@ print("OLD{n} done", flush=True)
     kernel.execute("del slow").ok()
 
 
+def test_a_second_interrupt_while_the_first_is_handled_leaves_no_zombie_descriptor_or_port(kernel):
+    """The second interrupt lands while the run is being freed (waiting for its supervisor):
+    the supervisor is still reaped, its channel and pidfd closed, the store's port closed."""
+    cell = "#pragma taas --gpus 2 --start fork\nimport time\ntime.sleep(3)"
+    kernel.execute(cell, interrupt_after=(0.1, 0.12), timeout=60)  # what the kernel opens once, on a first interrupt
+    kernel.execute("#pragma taas --gpus 2 --start fork\nwarm = 1").ok()
+    kernel_process = psutil.Process(kernel.pid)
+    descriptors = kernel_process.num_fds()
+
+    def listening() -> set:
+        return {c.laddr for c in kernel_process.net_connections() if c.status == psutil.CONN_LISTEN}
+
+    ports = listening()  # the kernel's own (ZeroMQ)
+    for first in (0.01, 0.02, 0.03, 0.02, 0.04, 0.08):
+        kernel.execute(cell, interrupt_after=(first, first + 0.02), timeout=60)
+        kernel.execute("#pragma taas --gpus 2 --start fork --output rank0\nprint('next')").ok()
+        deadline = time.monotonic() + 5  # a supervisor let go is reaped by a thread as it exits
+        while time.monotonic() < deadline and (
+                [c for c in kernel_process.children() if c.status() == psutil.STATUS_ZOMBIE]
+                or kernel_process.num_fds() != descriptors):
+            time.sleep(0.05)
+        zombies = [c.pid for c in kernel_process.children() if c.status() == psutil.STATUS_ZOMBIE]
+        assert zombies == [], f"after interrupts at {first} s (the fork server is {kernel.fork_server()})"
+        assert kernel_process.num_fds() == descriptors, f"after interrupts at {first} s"
+        assert listening() == ports
+
+
 @pytest.mark.parametrize("start", STARTS)
 def test_an_interrupt_while_ranks_print_heavily_leaves_the_start_method_working(kernel, start):
     kernel.execute(f"""#pragma taas --gpus 2 --start {start}

@@ -78,6 +78,20 @@ def kill(pid: int, signum: int) -> None:
         pass
 
 
+def to_the_end(*steps: Callable[[], object]) -> bool:
+    """Run each step to its end, again when an interrupt cut it short (each must bear running
+    twice); whether one did. For freeing what a run holds: half-freed is leaked for good."""
+    interrupted = False
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+    return interrupted
+
+
 def end_all_children(timeout: float, spare: Collection[int] = ()) -> list[int]:
     """Kill and reap every child of this (subreaper) process except ``spare``, and whatever they leave.
 
@@ -93,6 +107,14 @@ def end_all_children(timeout: float, spare: Collection[int] = ()) -> list[int]:
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.005)
+
+
+def reap(pid: int, options: int = 0) -> None:
+    """Collect a child's exit status (at once with ``os.WNOHANG``); nothing if another already did."""
+    try:
+        os.waitpid(pid, options)
+    except ChildProcessError:
+        pass
 
 
 def reap_strays(spare: Collection[int] = ()) -> None:

@@ -73,9 +73,14 @@ class ForkBackend:
                 child.settle_forked_process()
             finally:
                 supervise(channel.Channel(supervisor_end, secret, run_id), envs, lambda: task)
-        supervisor_end.close()
-        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
-                                envs, store=store)
+        try:  # an interrupt from here on must not leave the supervisor unreaped or the store open
+            supervisor_end.close()
+            group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
+                                    envs, store=store)
+        except BaseException:
+            containment.to_the_end(lambda: containment.kill(pid, signal.SIGKILL), lambda: containment.reap(pid),
+                                   kernel_end.close, store.close)
+            raise
         try:
             group.go(aliases.find(_namespace(task)))  # while the supervisor forks: it reads every name once
             group.wait_started(START_SECONDS)
@@ -197,6 +202,8 @@ class ForkedRanks:
                     control=ends[1].detach() if ends is not None else None, control_secret=self._control_secret,
                 )
                 status = task.run(env, fds)
+            except KeyboardInterrupt:
+                pass  # stopped while it started, before the cell ran: the run is being interrupted
             except BaseException:
                 traceback.print_exc()
             finally:

@@ -249,12 +249,12 @@ class SupervisorProcess:
             if not select.select([self.pidfd], [], [], timeout)[0]:
                 return False
             if self.is_child:
-                _reap(self.pid, 0)
+                containment.reap(self.pid, 0)
             return True
         deadline = time.monotonic() + timeout
         while True:
             if self.is_child:
-                _reap(self.pid, os.WNOHANG)
+                containment.reap(self.pid, os.WNOHANG)
             if not self.alive():
                 return True
             if time.monotonic() >= deadline:
@@ -285,14 +285,7 @@ class SupervisorProcess:
         """
         self.close()
         if self.is_child:
-            _thread.start_new_thread(_reap, (self.pid, 0))
-
-
-def _reap(pid: int, options: int) -> None:
-    try:
-        os.waitpid(pid, options)
-    except ChildProcessError:
-        pass
+            _thread.start_new_thread(containment.reap, (self.pid, 0))
 
 
 class SupervisedRanks:
@@ -412,18 +405,34 @@ class SupervisedRanks:
         except ChannelBroken:
             pass
         finally:
-            self.alive.clear()
-            self.channel.close()
-            if self.process is not None and confirmed:
-                self.process.let_go()
-            elif self.process is not None:
-                if not self.process.wait(2.0):
-                    self.process.kill()
-                self.process.close()
-            if self.store is not None:
-                self.store.close()
+            interrupted = self._release(confirmed) or interrupted
         if interrupted:
             raise KeyboardInterrupt
+
+    def _release(self, confirmed: bool) -> bool:
+        """Free what the run holds in the kernel: its channel, its supervisor (reaped) and its store;
+        whether an interrupt came meanwhile.
+
+        Each step runs to its end whatever interrupts come (a second one only cuts the wait for the
+        supervisor short): an interrupted release would leave a zombie, descriptors and an open
+        store port in the kernel for good, as ``closed`` is already set.
+        """
+        process = self.process
+        to_the_end = containment.to_the_end
+        interrupted = to_the_end(self.alive.clear, self.channel.close)
+        if process is not None and confirmed:
+            interrupted |= to_the_end(process.let_go)
+        elif process is not None:
+            try:
+                gone = process.wait(2.0)
+            except KeyboardInterrupt:
+                interrupted, gone = True, False
+            if not gone:
+                interrupted |= to_the_end(process.kill)
+            interrupted |= to_the_end(process.close)
+        if self.store is not None:
+            interrupted |= to_the_end(self.store.close)
+        return interrupted
 
     def _wait_closed(self) -> tuple[bool, bool]:
         """Until the supervisor says every process of the run is gone: (whether it said so, whether interrupted)."""
