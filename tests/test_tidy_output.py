@@ -244,3 +244,43 @@ def test_a_bar_drawn_below_another_moves_the_cursor_and_leaves_no_lines():
         assert len(lines) == 2 and lines[0].startswith("[rank 0] 100%|##########| 3/3"), (size, lines)
         assert lines[1] == "[rank 0] after"
         assert any("| 1/2 " in text for _, text in cell.bars), "the lower bar was shown in the rank's row"
+
+
+def test_an_interrupt_anywhere_in_feeding_leaves_the_held_lines_consistent():
+    """The controller catches an interrupt that lands in ``feed`` and goes on writing: whatever
+    update it cut in two, later lines are collapsed and everything held is written at the end."""
+    import random
+    import sys
+
+    from taas_magic import tidy_output
+
+    for trial in range(150):
+        pick = random.Random(trial)
+        written: list[str] = []
+        output = TidyRankOutput(lambda stream, text: written.append(text), True, 2, lambda rank, text: None)
+        steps, at = [0], pick.randint(1, 2500)
+
+        def interrupt_once(frame, event, arg):
+            if event == "line" and frame.f_code.co_filename == tidy_output.__file__:
+                steps[0] += 1
+                if steps[0] == at:
+                    raise KeyboardInterrupt
+            return interrupt_once
+
+        printed = [0, 0]  # both ranks print the same numbered lines, each at its own pace
+        sys.settrace(interrupt_once)
+        try:
+            for step in range(300):
+                rank, count = pick.randint(0, 1), pick.randint(1, 30)
+                lines = "".join(f"line {i}\n" for i in range(printed[rank], printed[rank] + count))
+                printed[rank] += count
+                try:
+                    output.feed(rank, "stdout", lines.encode(), now=step * 0.001)
+                except KeyboardInterrupt:
+                    pass
+        finally:
+            sys.settrace(None)
+        output.feed(0, "stdout", b"after\n", now=2.0)
+        output.feed(1, "stdout", b"after\n", now=2.0)
+        output.finish()
+        assert "[ranks 0-1] after\n" in "".join(written), f"trial {trial}"

@@ -19,9 +19,11 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter, deque
-from typing import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Mapping
 
 from .backend import Key
+from .containment import to_the_end
 from .streams import PARTIAL_LINE_DELAY, PARTIAL_LINE_MAX, RankOutput, _Source
 
 COLLAPSE_WINDOW = 0.25  # seconds a complete line waits for other ranks to print the same
@@ -69,6 +71,10 @@ class _Collapser:
 
     def add(self, rank: Key, lines: list[str], now: float) -> list[Block]:
         """Hold ``rank``'s lines; return what is due at once: the lines every rank has now printed."""
+        with self._counted_again_if_interrupted():
+            return self._add(rank, lines, now)
+
+    def _add(self, rank: Key, lines: list[str], now: float) -> list[Block]:
         if rank not in self.queues:
             self.queues[rank], self.added[rank], self.taken[rank] = deque(), Counter(), Counter()
         chunk = _Chunk(lines, now)
@@ -94,6 +100,10 @@ class _Collapser:
         ``rank``: that rank's lines are all due (it writes something that cannot wait);
         ``everything``: every line is.
         """
+        with self._counted_again_if_interrupted():
+            return self._release(now, rank, everything)
+
+    def _release(self, now: float, rank: Key | None, everything: bool) -> list[Block]:
         due: list[Block] = []
         while True:
             head = self._due_head(now, rank, everything)
@@ -159,6 +169,21 @@ class _Collapser:
             return candidates
         added, taken = self.added[rank], self.taken[rank]
         return {text for text in candidates if added[text] > taken[text]}
+
+    @contextmanager
+    def _counted_again_if_interrupted(self) -> Iterator[None]:
+        """An interrupt (the controller catches it and goes on writing) may cut an update of a queue
+        and its counts in two: the counts are then made again from the queues, which are the truth."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            to_the_end(self._recount)
+            raise
+
+    def _recount(self) -> None:
+        for rank, queue in self.queues.items():
+            self.added[rank] = Counter(line for chunk in queue for line in chunk.lines)
+            self.taken[rank] = Counter()
 
     def _count(self, rank: Key, lines: list[str]) -> None:
         added = self.added[rank]
