@@ -161,7 +161,7 @@ def test_parse_header_reports_where_the_header_is(
         pytest.param("x = [1,\n#pragma taas\n", 2, id="inside-open-brackets"),
         pytest.param('s = """a"""\n#pragma taas\n', 2, id="after-a-closed-string"),
         pytest.param('doc = """\n#pragma taas\n"""\n#pragma taas --gpus 2\n', 4, id="below-a-string-that-holds-one"),
-        pytest.param("%%bash\necho hi\n#pragma taas\n", 3, id="in-a-cell-magic-body"),
+        pytest.param("%%time\nx = 1\n#pragma taas\n", 3, id="in-a-python-cell-magic-body"),
     ],
 )
 def test_a_pragma_below_the_header_is_an_error_naming_its_line(cell: str, line: int) -> None:
@@ -269,6 +269,9 @@ IN_A_STRING = [
     pytest.param('def f():\n    """Docs.\n\n#pragma taas --gpus 2\n    """\n', id="docstring"),
     pytest.param('doc = """\n#pragma taas --gpus 2\n', id="unterminated-string"),
     pytest.param('x = !echo it\'s\ndoc = """\n#pragma taas\n"""\n', id="string-after-ipython-syntax"),
+    # the body of another cell magic is not Python: its lines are that magic's text
+    pytest.param("%%writefile train.py\nimport torch\n#pragma taas --gpus 2\n", id="writefile-body"),
+    pytest.param("\n%%bash\necho start\n#pragma taas --gpus 2\n", id="bash-body"),
 ]
 
 

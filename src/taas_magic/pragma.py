@@ -23,6 +23,8 @@ from typing import Callable, Iterator
 from .errors import TaasUsageError
 
 _SHEBANG = re.compile(r"#!\s*(?P<name>\S+)\s*")
+TEXT_MAGICS = {"writefile", "file", "bash", "sh", "script", "perl", "ruby", "python", "python2", "python3", "pypy",
+               "html", "javascript", "js", "latex", "markdown", "svg"}
 _PRAGMA = re.compile(r"#\s*pragma\s+taas(?!\S)")  # a prefix: the options are the rest of the line
 
 
@@ -90,15 +92,26 @@ def parse_header(lines: list[str], is_configuration: Callable[[str], bool]) -> H
 def misplaced_pragma(lines: list[str], header: Header | None) -> int | None:
     """The 1-based line of a `#pragma taas` comment that is not in the cell's header, if any.
 
-    Only real comments count: a line of a multi-line string that reads `#pragma taas` is text.
+    Only real comments count: a line of a multi-line string that reads `#pragma taas` is text,
+    and so is the body of a cell magic that is not this kernel's Python (`%%bash`, `%%writefile`).
+    Under `%%time` or `%%capture` a pragma would be silently ignored: that is still an error.
     The tokenizer is asked only when a line looks like a pragma, so ordinary cells cost a scan.
     """
+    if header is None and _text_magic(lines):
+        return None
     start = 0 if header is None or header.options is None else header.first_line + header.line_count
     suspects = [index for index in range(start, len(lines)) if _pragma_options(lines[index]) is not None]
     if not suspects:
         return None
     comments = _comment_lines(lines)
     return next((index + 1 for index in suspects if index in comments), None)
+
+
+def _text_magic(lines: list[str]) -> bool:
+    """Whether the cell starts with a cell magic whose body is text to this kernel: a file, a
+    script for another program, markup."""
+    first = next((line for line in lines if line.strip()), "").strip()
+    return first.startswith("%%") and first[2:].split(" ", 1)[0] in TEXT_MAGICS
 
 
 def _pragma_options(line: str) -> str | None:
