@@ -266,6 +266,11 @@ def test_tracebacks_quote_the_cell_header_as_written(kernel, start):
     tb = result.traceback
     assert re.search(r"1 #!g2\.8\n +2 #pragma taas --gpus 2 --start " + start + r"\n-+> 3 raise ValueError", tb), tb
     assert "%%taas" not in tb
+    below_blanks = kernel.execute(f"\n\n#!g2.8\n#pragma taas --gpus 2 --start {start}\nraise ValueError('low')\n",
+                                  timeout=30).traceback  # blank lines above a header are allowed
+    assert re.search(r"3 #!g2\.8\n +4 #pragma taas --gpus 2 --start " + start + r"\n-+> 5 raise ValueError",
+                     below_blanks), below_blanks
+    assert "%%taas" not in below_blanks
 
 
 @pytest.mark.parametrize("call", ["torch.ones(2).cuda()", "torch.zeros(1, device='cuda')"])

@@ -486,10 +486,10 @@ def _show_header_as_written(filename: str, source: str, cell: str, raw_cell: str
     header = parse_header(lines[first:], lambda name: True)
     if header is None or header.options is None:
         return
-    count = header.line_count
-    if lines[first + count :] != cell.splitlines(keepends=True)[count - 1 :]:  # the cell starts with padding
+    skip = first + header.line_count  # the user's blank lines and header, padding in the cell but its first
+    if lines[skip:] != cell.splitlines(keepends=True)[skip - 1 :]:
         return
-    shown = lines[first : first + count] + [line + "\n" for line in source.splitlines()][count:]
+    shown = lines[:skip] + [line + "\n" for line in source.splitlines()][skip:]
     linecache.cache[filename] = (len(source), None, shown, filename)
 
 
