@@ -59,6 +59,19 @@ def numbers():
     yield 1
 
 
+class _NameRaisesMeta(type):
+    @property
+    def __name__(cls):
+        raise RuntimeError("no name for you")
+
+
+class NameRaises(metaclass=_NameRaisesMeta):
+    """A class whose metaclass answers __name__ with an error, and whose instances refuse pickling."""
+
+    def __reduce__(self):
+        raise TypeError("no pickling")
+
+
 @pytest.mark.parametrize("value, why", [
     (RaisesOnReduce(ValueError("bad value")), "RaisesOnReduce cannot be pickled (ValueError: bad value)"),
     (RaisesOnReduce(SystemExit(3)), "RaisesOnReduce cannot be pickled (SystemExit: 3)"),
@@ -70,6 +83,7 @@ def numbers():
                 "required.)"),
     (numbers(), "generator cannot be pickled (TypeError: cannot pickle 'generator' object)"),
     (threading.Lock(), "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"),
+    (NameRaises(), "NameRaises cannot be pickled (TypeError: no pickling)"),
 ])
 def test_any_value_that_cannot_be_pickled_is_named_with_why_and_the_others_come_back(value, why):
     back, left_out = round_trip({"before": [1, 2], "bad": value, "after": "kept"})

@@ -98,7 +98,7 @@ def _dump_each(values: dict[str, Any]) -> bytes:
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # whatever a __reduce__ raises, SystemExit and RecursionError too
-            raise _Unpicklable(name, f"{type(value).__name__} cannot be pickled ({_describe(e)})") from None
+            raise _Unpicklable(name, f"{_type_name(value)} cannot be pickled ({_describe(e)})") from None
         index.append((name, buffer.tell() - start))
     packed_index = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
     buffer.write(packed_index)
@@ -106,12 +106,17 @@ def _dump_each(values: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _type_name(value: Any) -> str:
+    """The name of ``value``'s class, even where its metaclass answers ``__name__`` with an error."""
+    return str(type.__dict__["__name__"].__get__(type(value)))
+
+
 def _describe(error: BaseException) -> str:
     """The error in one line, even when its own message cannot be formatted."""
     try:
         return first_line(error)
     except Exception:
-        return type(error).__name__
+        return _type_name(error)
 
 
 def _why_not_sendable(value: Any) -> str | None:
