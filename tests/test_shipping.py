@@ -40,3 +40,46 @@ def test_an_augmented_assignment_reads_its_target_before_binding_it():
 
     assert {"total", "step"} <= names_read(ast.parse("total += step\nfresh = 1"))
     assert "fresh" not in names_read(ast.parse("total += step\nfresh = 1"))
+
+
+class _ExitsOnReduce:
+    def __reduce__(self):
+        raise SystemExit(3)
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("str fails")
+
+
+class _RaisesUnprintable:
+    def __reduce__(self):
+        raise _Unprintable()
+
+
+class _PicklesOnce:
+    """Pickles the first time only: the check of each name alone passes, the shipment fails."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __reduce__(self):
+        self.calls += 1
+        if self.calls > 1:
+            raise ValueError("second time")
+        return (_PicklesOnce, ())
+
+
+@pytest.mark.parametrize("value, fragment", [
+    (_ExitsOnReduce(), "the cell needs 'x' (a test_shipping._ExitsOnReduce), which cannot be sent to ranks started "
+                       "with --start forkserver (SystemExit: 3): create it inside the cell"),
+    (_RaisesUnprintable(), "(_Unprintable): create it inside the cell"),
+    (_PicklesOnce(), "the names the cell needs cannot be sent to ranks started with --start forkserver together "
+                     "(ValueError: second time), though each can alone"),
+])
+def test_whatever_pickling_a_name_raises_is_one_line(value, fragment) -> None:
+    from taas_magic.errors import TaasUsageError
+
+    with pytest.raises(TaasUsageError) as raised:
+        shipping.pack({"x": value}, ["x"])
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)

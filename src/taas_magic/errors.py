@@ -46,6 +46,15 @@ class RunTimedOut(TaasRunError):
 
 
 def first_line(error: BaseException) -> str:
-    """``Type: first line of the message``: enough to say why, short enough for a one-line notice."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    """``Type: first line of the message``: enough to say why, short enough for a one-line notice
+    (the type alone when the message cannot even be made: its ``__str__`` raised)."""
+    try:
+        text = str(error).strip().splitlines()
+    except Exception:
+        text = []
+    return f"{type_name(error)}: {text[0]}" if text else type_name(error)
+
+
+def type_name(value: object) -> str:
+    """The name of ``value``'s class, even where its metaclass answers ``__name__`` with an error."""
+    return str(type.__dict__["__name__"].__get__(type(value)))

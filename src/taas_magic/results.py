@@ -21,7 +21,7 @@ import types
 from typing import Any, Iterable
 
 from . import pickler
-from .errors import first_line
+from .errors import first_line, type_name
 
 _INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index and this length
 
@@ -98,25 +98,12 @@ def _dump_each(values: dict[str, Any]) -> bytes:
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # whatever a __reduce__ raises, SystemExit and RecursionError too
-            raise _Unpicklable(name, f"{_type_name(value)} cannot be pickled ({_describe(e)})") from None
+            raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({first_line(e)})") from None
         index.append((name, buffer.tell() - start))
     packed_index = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
     buffer.write(packed_index)
     buffer.write(_INDEX_LENGTH.pack(len(packed_index)))
     return buffer.getvalue()
-
-
-def _type_name(value: Any) -> str:
-    """The name of ``value``'s class, even where its metaclass answers ``__name__`` with an error."""
-    return str(type.__dict__["__name__"].__get__(type(value)))
-
-
-def _describe(error: BaseException) -> str:
-    """The error in one line, even when its own message cannot be formatted."""
-    try:
-        return first_line(error)
-    except Exception:
-        return _type_name(error)
 
 
 def _why_not_sendable(value: Any) -> str | None:
@@ -220,7 +207,7 @@ def _load_each(stream: io.BytesIO, pieces: list[tuple[str, int]]) -> tuple[dict[
         except KeyboardInterrupt:
             raise
         except BaseException as e:
-            lost[name] = f"could not be unpickled in the kernel ({_describe(e)})"
+            lost[name] = f"could not be unpickled in the kernel ({first_line(e)})"
         _mend(memo, before, _memo_sources(stream, start), name)
     return values, lost
 

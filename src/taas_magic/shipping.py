@@ -147,7 +147,7 @@ def pack(namespace: dict[str, Any], names: list[str], to: str = "ranks started w
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
     buffer = io.BytesIO()
     pickler = _ShippingPickler(buffer, namespace if track else None)
-    pickler.dump({ANCHOR: anchor, **{name: namespace[name] for name in names}})
+    _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to)
     fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
     return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
 
@@ -161,19 +161,33 @@ def pack_for_session(namespace: dict[str, Any], names: list[str], held: Callable
     buffer = io.BytesIO()
     pickler = _ShippingPickler(buffer, namespace, held)
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
-    pickler.dump({ANCHOR: anchor, **{name: namespace[name] for name in names}})
+    _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to)
     fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
     return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
 
 
 def _check_shippable(name: str, value: Any, to: str) -> None:
+    """Pickle one name alone first, so that the one that cannot go is named."""
     try:
         _ShippingPickler(io.BytesIO()).dump(value)
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # whatever a __reduce__ raises, SystemExit and RecursionError too
         raise TaasUsageError(
             f"the cell needs {name!r} (a {type(value).__module__}.{type(value).__qualname__}), which cannot be "
             f"sent to {to} ({first_line(e)}): create it inside the cell"
-        ) from e
+        ) from None
+
+
+def _dump_all(pickler: "_ShippingPickler", names: dict[str, Any], to: str) -> None:
+    """Every name together, each of which went alone: one that pickles only once fails here."""
+    try:
+        pickler.dump(names)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        raise TaasUsageError(f"the names the cell needs cannot be sent to {to} together ({first_line(e)}), "
+                             "though each can alone: create them inside the cell") from None
 
 
 def _write_tensors(tensors: list[tuple[int, Any]], size: int) -> int:
