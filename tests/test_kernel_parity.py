@@ -81,7 +81,8 @@ SETTINGS = """import torch
 print("SETTINGS", [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
                    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, str(torch.get_default_dtype()),
                    torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-                   torch.backends.cudnn.allow_tf32, torch.cuda.is_initialized()])
+                   torch.backends.cudnn.allow_tf32, torch.cuda.is_initialized(), torch.is_grad_enabled(),
+                   torch.is_anomaly_enabled(), str(torch.tensor([1.23456]))])
 """
 
 
@@ -93,6 +94,9 @@ torch.backends.cudnn.deterministic = True
 torch.set_default_dtype(torch.float64)
 torch.set_float32_matmul_precision("medium")
 torch.backends.cudnn.allow_tf32 = False
+torch.set_grad_enabled(False)
+torch.autograd.set_detect_anomaly(True)
+torch.set_printoptions(precision=2)
 """).ok()
     try:
         changed = kernel.execute(SETTINGS).ok().stdout
@@ -106,6 +110,9 @@ torch.backends.cudnn.benchmark = torch.backends.cudnn.deterministic = False
 torch.set_default_dtype(torch.float32)
 torch.set_float32_matmul_precision("highest")
 torch.backends.cudnn.allow_tf32 = True
+torch.set_grad_enabled(True)
+torch.autograd.set_detect_anomaly(False)
+torch.set_printoptions(profile="default")
 """).ok()
     assert kernel.execute(SETTINGS).ok().stdout == defaults
     result = kernel.execute(f"#pragma taas --gpus 2 --start forkserver\n{SETTINGS}").ok()

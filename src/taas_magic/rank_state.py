@@ -131,6 +131,9 @@ class TorchSettings:
     flags: tuple[tuple[str, Any], ...]
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
     default_dtype: Any
+    grad_enabled: bool = True  # torch.set_grad_enabled(False) in a cell of the notebook
+    anomaly: tuple[bool, bool] = (False, True)  # set_detect_anomaly(mode, check_nan)
+    print_options: tuple[tuple[str, Any], ...] = ()  # torch.set_printoptions(...)
 
     @classmethod
     def of_this_process(cls) -> "TorchSettings":
@@ -143,6 +146,9 @@ class TorchSettings:
             deterministic=(torch.are_deterministic_algorithms_enabled(),
                            torch.is_deterministic_algorithms_warn_only_enabled()),
             default_dtype=torch.get_default_dtype(),
+            grad_enabled=torch.is_grad_enabled(),
+            anomaly=(torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+            print_options=tuple(vars(torch._tensor_str.PRINT_OPTS).items()),
         )
 
     def apply(self) -> None:
@@ -159,6 +165,11 @@ class TorchSettings:
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
         if self.default_dtype != torch.get_default_dtype():
             torch.set_default_dtype(self.default_dtype)
+        torch.set_grad_enabled(self.grad_enabled)
+        if self.anomaly != (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()):
+            torch.set_anomaly_enabled(*self.anomaly)
+        if self.print_options:
+            torch.set_printoptions(**dict(self.print_options))
 
 
 def _resolve(root: Any, path: str) -> Any:
