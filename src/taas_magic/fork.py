@@ -60,9 +60,14 @@ class ForkBackend:
         envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
+        before = set(containment.children())
         try:
             pid = os.fork()
         except BaseException:
+            # An interrupt is raised as the fork returns, before its pid is bound: the supervisor
+            # may exist, and only the children that were not there before can be it.
+            for stray in set(containment.children()) - before:
+                containment.to_the_end(lambda: containment.kill(stray, signal.SIGKILL), lambda: containment.reap(stray))
             kernel_end.close()
             supervisor_end.close()
             store.close()
