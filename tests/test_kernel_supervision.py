@@ -51,20 +51,9 @@ print("OLD{n} done", flush=True)
     kernel.execute("del slow").ok()
 
 
-def zombies(process: psutil.Process) -> list[int]:
-    found = []
-    for child in process.children():
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                found.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass  # reaped as we looked
-    return found
-
-
-def test_a_second_interrupt_while_the_first_is_handled_leaves_no_zombie_descriptor_or_port(kernel):
+def test_a_second_interrupt_while_the_first_is_handled_leaves_no_descriptor_or_port(kernel):
     """The second interrupt lands while the run is being freed (waiting for its supervisor):
-    the supervisor is still reaped, its channel and pidfd closed, the store's port closed."""
+    the supervisor's channel and pidfd are still closed, and the store's port."""
     cell = "#pragma taas --gpus 2 --start fork\nimport time\ntime.sleep(3)"
     kernel.execute(cell, interrupt_after=(0.1, 0.12), timeout=60)  # what the kernel opens once, on a first interrupt
     kernel.execute("#pragma taas --gpus 2 --start fork\nwarm = 1").ok()
@@ -78,10 +67,9 @@ def test_a_second_interrupt_while_the_first_is_handled_leaves_no_zombie_descript
     for first in (0.01, 0.02, 0.03, 0.02, 0.04, 0.08):
         kernel.execute(cell, interrupt_after=(first, first + 0.02), timeout=60)
         kernel.execute("#pragma taas --gpus 2 --start fork --output rank0\nprint('next')").ok()
-        deadline = time.monotonic() + 10  # a supervisor let go is reaped by a thread as it exits
-        while time.monotonic() < deadline and (zombies(kernel_process) or kernel_process.num_fds() != descriptors):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and kernel_process.num_fds() != descriptors:
             time.sleep(0.05)
-        assert zombies(kernel_process) == [], f"after interrupts at {first} s"
         assert kernel_process.num_fds() == descriptors, f"after interrupts at {first} s"
         assert listening() == ports
 
