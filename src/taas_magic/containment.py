@@ -117,15 +117,16 @@ def reap(pid: int, options: int = 0) -> None:
         pass
 
 
+def end_child(pid: int) -> None:
+    """Kill a child of this process and reap it, whatever interrupts come meanwhile."""
+    to_the_end(lambda: kill(pid, signal.SIGKILL), lambda: reap(pid))
+
+
 def reap_strays(spare: Collection[int] = ()) -> None:
     """Reap dead children that are not in ``spare`` (whose exit statuses belong to someone else)."""
     for pid in children():
-        if pid in spare:
-            continue
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+        if pid not in spare:
+            reap(pid, os.WNOHANG)
 
 
 def drop_sockets(keep: set[int]) -> None:

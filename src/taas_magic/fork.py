@@ -67,7 +67,7 @@ class ForkBackend:
             # An interrupt is raised as the fork returns, before its pid is bound: the supervisor
             # may exist, and only the children that were not there before can be it.
             for stray in set(containment.children()) - before:
-                containment.to_the_end(lambda: containment.kill(stray, signal.SIGKILL), lambda: containment.reap(stray))
+                containment.end_child(stray)
             kernel_end.close()
             supervisor_end.close()
             store.close()
@@ -83,8 +83,8 @@ class ForkBackend:
             group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
                                     envs, store=store)
         except BaseException:
-            containment.to_the_end(lambda: containment.kill(pid, signal.SIGKILL), lambda: containment.reap(pid),
-                                   kernel_end.close, store.close)
+            containment.end_child(pid)
+            containment.to_the_end(kernel_end.close, store.close)
             raise
         try:
             group.go(aliases.find(_namespace(task)))  # while the supervisor forks: it reads every name once
