@@ -142,25 +142,22 @@ def pack(namespace: dict[str, Any], names: list[str], to: str = "ranks started w
 
     ``track``: find every notebook name whose value went (for a session: ``Shipment.sent``).
     """
-    for name in names:
-        _check_shippable(name, namespace[name], to)
-    anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
-    buffer = io.BytesIO()
-    pickler = _ShippingPickler(buffer, namespace if track else None)
-    _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to)
-    fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
-    return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
+    return _pack(namespace, names, to, namespace if track else None, None)
 
 
 def pack_for_session(namespace: dict[str, Any], names: list[str], held: Callable[[str, Any], bool]) -> Shipment:
     """``names`` for a session's ranks; what they hold already (``held(name, value)``) goes as a
     reference to their own namespace (``unpack_into``), whatever refers to it."""
-    to = "a session's ranks"
+    return _pack(namespace, names, "a session's ranks", namespace, held)
+
+
+def _pack(namespace: dict[str, Any], names: list[str], to: str, tracked: dict[str, Any] | None,
+          held: Callable[[str, Any], bool] | None) -> Shipment:
     for name in names:
         _check_shippable(name, namespace[name], to)
-    buffer = io.BytesIO()
-    pickler = _ShippingPickler(buffer, namespace, held)
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
+    buffer = io.BytesIO()
+    pickler = _ShippingPickler(buffer, tracked, held)
     _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to)
     fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
     return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
