@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import stat
@@ -95,3 +96,31 @@ def test_dropping_sockets_keeps_numbers_taken_and_the_chosen_ones_open():
         thing.close()
     os.close(read_end)
     os.close(write_end)
+
+
+def test_dropping_what_was_inherited_takes_pipes_event_descriptors_and_named_files_but_leaves_regular_files(tmp_path):
+    kept_pipe, other_pipe = os.pipe(), os.pipe()
+    event = select.epoll()
+    history = open(tmp_path / "history.sqlite", "w")
+    saved_stdout = open(tmp_path / "terminal", "w")
+    notes = open(tmp_path / "notes.txt", "w")
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            containment.drop_inherited({kept_pipe[0]}, also={saved_stdout.fileno()},
+                                       paths={os.path.realpath(history.name)})
+            target = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in
+                      (*kept_pipe, *other_pipe, event.fileno(), history.fileno(), saved_stdout.fileno(), notes.fileno())}
+            dropped = [target[fd] == os.devnull for fd in
+                       (kept_pipe[1], *other_pipe, event.fileno(), history.fileno(), saved_stdout.fileno())]
+            kept = target[kept_pipe[0]].startswith("pipe:") and target[notes.fileno()].endswith("notes.txt")
+            status = 0 if all(dropped) and kept else 2
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(code) == 0
+    for fd in (*kept_pipe, *other_pipe):
+        os.close(fd)
+    for thing in (event, history, saved_stdout, notes):
+        thing.close()

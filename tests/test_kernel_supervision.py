@@ -230,6 +230,49 @@ print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_
             "before it joins the process group, a rank holds one socket: its channel with its supervisor"
 
 
+DESCRIPTORS = """
+import os
+def descriptors():
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own descriptor
+    return found
+"""
+
+
+@pytest.mark.parametrize("start", STARTS)
+def test_ranks_hold_none_of_the_kernels_pipes_event_descriptors_or_history_but_keep_its_files(kernel, start, tmp_path):
+    notes = tmp_path / "notes.txt"
+    kernel.execute(DESCRIPTORS + f"notes = open({str(notes)!r}, 'w')\nKERNEL = descriptors()").ok()
+    kernel_fds = json.loads(kernel.value("__import__('json').dumps(KERNEL)"))
+    assert any(target.startswith("pipe:") for target in kernel_fds.values())
+    history = [target for target in kernel_fds.values() if target.endswith("history.sqlite")]
+    originals = kernel.value("[KERNEL[fd] for fd in (getattr(s, '_original_stdstream_copy', None) "
+                             "for s in (__import__('sys').stdout, __import__('sys').stderr)) if fd is not None]")
+    assert history
+    uses_notes = "notes.write('rank'); notes.flush()" if start == "fork" else ""
+    result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+import json
+{uses_notes}
+print("FDS", json.dumps(descriptors()))
+""").ok()
+    seen = re.findall(r"FDS (\{.*\})", result.stdout)
+    assert len(seen) == 2, result.stdout
+    theirs = {target for target in kernel_fds.values() if target.startswith(("pipe:", "socket:", "/memfd:"))}
+    for found in map(json.loads, seen):
+        targets = set(found.values())
+        assert not targets & theirs, "a rank holds one of the kernel's pipes, sockets or memory files"
+        assert not [t for t in targets if t.startswith("anon_inode:")], "the kernel's event and poll descriptors"
+        assert not targets & set(history), "the kernel's history database"
+        assert not targets & set(originals), "ipykernel's copies of the kernel's own stdout and stderr"
+    if start == "fork":
+        kernel.execute("notes.close()").ok()
+        assert notes.read_text() == "rankrank", "a file the notebook opened is still the rank's to use"
+
+
 # -- 3. only this machine can talk to a run --------------------------------------------------------------
 @pytest.mark.parametrize("start", STARTS)
 def test_every_socket_a_run_listens_on_is_on_loopback(kernel, start):

@@ -74,7 +74,7 @@ def settle_forked_process() -> None:
 def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     """What every process forked for a run does first; returns the kernel's shell object, if any."""
     settle_forked_process()
-    containment.drop_sockets(set(fds.sockets) | ({fds.control} if fds.control is not None else set()))
+    containment.drop_inherited(_own(fds), *_the_kernels_own_files())
     _tie_life_to_supervisor(fds.lifeline)
     _redirect_output(fds.stdout, fds.stderr)
     _reset_signals(fds.stack)
@@ -83,6 +83,22 @@ def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     _look_like_a_script()
     _progress_bars_as_text()
     return shell
+
+
+def _own(fds: RankFds) -> set[int]:
+    """Every descriptor the process was given for its run: the rest it inherited by accident."""
+    single = (fds.stdout, fds.stderr, fds.report, fds.stack, fds.results, fds.lifeline, fds.gate, fds.control)
+    return {fd for fd in single if fd is not None} | set(fds.sockets)
+
+
+def _the_kernels_own_files() -> tuple[set[int], set[str]]:
+    """What the kernel holds open that is neither a pipe nor a socket, and no business of a rank's:
+    ipykernel's copies of its original stdout and stderr, IPython's history database."""
+    numbers = {getattr(stream, "_original_stdstream_copy", None) for stream in (sys.stdout, sys.stderr)}
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    history = getattr(getattr(shell, "history_manager", None), "hist_file", None)
+    paths = {os.path.realpath(history)} if isinstance(history, (str, os.PathLike)) else set()
+    return {fd for fd in numbers if isinstance(fd, int)}, paths
 
 
 def _tie_life_to_supervisor(lifeline: int) -> None:

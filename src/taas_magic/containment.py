@@ -1,4 +1,4 @@
-"""Keeping a run's processes inside the run: subreapers, killing by process, dropping inherited sockets.
+"""Keeping a run's processes inside the run: subreapers, killing by process, dropping inherited descriptors.
 
 Process groups and sessions are no boundary: a rank's child may call ``setsid``, double-fork,
 or join another group. What cannot be escaped is ancestry under a *subreaper*: an orphan is
@@ -14,6 +14,7 @@ import errno
 import os
 import signal
 import stat
+import sys
 import time
 from typing import Callable, Collection
 
@@ -129,27 +130,63 @@ def reap_strays(spare: Collection[int] = ()) -> None:
             reap(pid, os.WNOHANG)
 
 
-def drop_sockets(keep: set[int]) -> None:
-    """Replace every inherited socket descriptor not in ``keep`` with /dev/null.
+def drop_sockets(keep: Collection[int]) -> None:
+    """Replace every inherited socket not in ``keep`` with /dev/null (see ``drop_inherited``).
 
-    The kernel's ZeroMQ ports, the fork server's channel, other ranks' delivery sockets: a
-    process that keeps them holds them open (a restarted kernel finds its ports taken) and
-    could speak on them. ``dup2`` keeps each number taken, so an object in the inherited heap
-    that still thinks it owns the number closes /dev/null, never a descriptor opened later.
+    For the supervisor: its pipes to the ranks are its own, the kernel's ports are not.
     """
+    _replace_with_null(keep, lambda fd: stat.S_ISSOCK(os.fstat(fd).st_mode))
+
+
+def drop_inherited(keep: Collection[int], also: Collection[int] = (), paths: Collection[str] = ()) -> None:
+    """Replace every inherited descriptor that ties this process to another one with /dev/null.
+
+    Dropped, unless in ``keep``: sockets (the kernel's ZeroMQ ports, the fork server's channel,
+    other ranks' delivery sockets), pipes (the kernel's captured output), event and poll
+    descriptors (ZeroMQ's and asyncio's, shared with the kernel), memory files, the numbers in
+    ``also`` and the files in ``paths`` (the kernel's history database). A process that kept them
+    would hold the kernel's ports open, read or write the kernel's streams, or change its event
+    loops. Regular files and devices stay: a file a cell opened earlier is still usable, and so
+    does multiprocessing's resource tracker, which its forked children share by design.
+    """
+    spare = set(keep) | _resource_tracker_fd()
+    _replace_with_null(spare, lambda fd: fd in also or _ties_to_another_process(fd, paths))
+
+
+def _replace_with_null(keep: Collection[int], drop: Callable[[int], bool]) -> None:
+    """``dup2`` keeps each number taken, so an object in the inherited heap that still thinks it
+    owns the number closes /dev/null, never a descriptor opened later."""
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         for fd in _open_descriptors():
-            if fd in keep or fd == null:
+            if fd < 3 or fd == null or fd in keep:
                 continue
             try:
-                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                if drop(fd):
                     os.dup2(null, fd, inheritable=False)
             except OSError as e:
                 if e.errno != errno.EBADF:
                     raise
     finally:
         os.close(null)
+
+
+_SHARED_KINDS = ("socket:", "pipe:", "anon_inode:", "/memfd:")
+
+
+def _ties_to_another_process(fd: int, paths: Collection[str]) -> bool:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc: what fstat can tell
+        mode = os.fstat(fd).st_mode
+        return stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)
+    return target.startswith(_SHARED_KINDS) or target in paths or stat.S_ISFIFO(os.fstat(fd).st_mode)
+
+
+def _resource_tracker_fd() -> set[int]:
+    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    fd = getattr(tracker, "_fd", None)
+    return {fd} if isinstance(fd, int) else set()
 
 
 def _open_descriptors() -> list[int]:
