@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
+import tempfile
 
 import pytest
 import torch
@@ -110,6 +112,57 @@ def test_a_new_file_gets_the_mode_open_would_give_under_the_umask(tmp_path, eith
     finally:
         os.umask(previous)
     assert ((tmp_path / "model.pt").stat().st_mode & 0o777) == 0o600
+
+
+def test_a_file_with_other_hard_links_is_written_into_as_in_plain_torch_save(tmp_path, either_way):
+    target, other = tmp_path / "model.pt", tmp_path / "also.pt"
+    target.write_bytes(b"old")
+    os.link(target, other)
+    storage.save_whole(write_bytes, b"new", str(target))
+    assert other.read_bytes() == b"new" and target.stat().st_nlink == 2 and target.samefile(other)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another owner")
+def test_an_existing_file_keeps_its_owner_and_group(tmp_path, either_way):
+    target = tmp_path / "theirs.pt"
+    target.write_bytes(b"old")
+    os.chown(target, 12345, 23456)
+    storage.save_whole(write_bytes, b"new", str(target))
+    found = target.stat()
+    assert target.read_bytes() == b"new" and (found.st_uid, found.st_gid) == (12345, 23456)
+
+
+def test_a_file_the_process_may_not_write_is_refused_as_plain_torch_save_refuses_it(either_way):
+    """Run as an unprivileged user: root may write any file."""
+    folder = tempfile.mkdtemp()
+    try:
+        os.chmod(folder, 0o777)
+        target = os.path.join(folder, "read-only.pt")
+        with open(target, "wb") as f:
+            f.write(b"old")
+        os.chmod(target, 0o444)
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                if os.geteuid() == 0:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                refusals = []
+                for save in (torch.save, lambda obj, path: storage.save_whole(torch.save, obj, path)):
+                    try:
+                        save({"w": torch.ones(3)}, target)
+                    except Exception as e:
+                        refusals.append((type(e), "Permission denied" in str(e)))
+                same = len(refusals) == 2 and refusals[0] == refusals[1] == (refusals[0][0], True)
+                status = 0 if same and os.listdir(folder) == ["read-only.pt"] else 2
+            finally:
+                os._exit(status)
+        _, code = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(code) == 0
+        assert open(target, "rb").read() == b"old"
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_the_null_device_is_written_into_and_not_replaced(either_way):

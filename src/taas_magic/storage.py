@@ -3,8 +3,9 @@
 In other ranks ``torch.save`` to a file path is skipped (reported once per cell by the
 controller); in rank 0 it writes to an unnamed file in the target's folder and links it into
 place, so the file appears once, whole, and a save cut short leaves nothing. Otherwise the
-result is plain ``torch.save``'s: symlinks are followed, permission bits kept, and a device or
-FIFO is written into. Saving to a file object or buffer is left alone everywhere.
+result is plain ``torch.save``'s: symlinks are followed, permission bits and owner kept, and a
+device, a FIFO, a file with other hard links or one this process may not write is written into
+(or refused) as plain ``torch.save`` does. Saving to a file object or buffer is left alone everywhere.
 """
 
 from __future__ import annotations
@@ -64,25 +65,46 @@ def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwar
     runs code.
 
     What a user sees is what plain ``torch.save`` gives: a symlink's file is written and the
-    link stays, a file keeps its permission bits (a new one gets those ``open()`` would give),
-    and a device or FIFO (``os.devnull``) is written into, never replaced.
+    link stays, a file keeps its permission bits and owner (a new one gets those ``open()``
+    would give). Where a new file could not be the same one to its users (a device or FIFO such
+    as ``os.devnull``, a file with other hard links, one owned by someone this process cannot
+    give a file to) or plain ``torch.save`` would fail (a file this process may not write), the
+    file is written into, or refused, by plain ``torch.save`` itself.
     """
     target = os.path.realpath(path)  # open() follows links: the file they name is the one written
     existing = _stat_or_none(target)
-    if existing is not None and not stat.S_ISREG(existing.st_mode):
-        return save(obj, path, *args, **kwargs)  # only a regular file can be replaced by another
-    mode = None if existing is None else stat.S_IMODE(existing.st_mode) & 0o777
+    if existing is not None and not _replaceable(target, existing):
+        return save(obj, path, *args, **kwargs)
     fd = _unnamed_file(os.path.dirname(target))
     if fd is None:
-        return _save_through_named_file(save, obj, target, mode, *args, **kwargs)
+        return _save_through_named_file(save, obj, target, existing, *args, **kwargs)
     try:
         result = save(obj, f"/proc/self/fd/{fd}", *args, **kwargs)  # the save opens it by path, as any path
-        if mode is not None:
-            os.fchmod(fd, mode)  # after the save, which reopens the file and must still be allowed to
+        if existing is not None:  # after the save, which reopens the file and must still be allowed to
+            _take_over(existing, lambda mode: os.fchmod(fd, mode), lambda uid, gid: os.fchown(fd, uid, gid))
         _link_into_place(fd, target)
         return result
     finally:
         os.close(fd)
+
+
+def _replaceable(path: str, existing: os.stat_result) -> bool:
+    """Whether a new file in place of ``existing`` is, to its users, the same file written again."""
+    return (stat.S_ISREG(existing.st_mode) and existing.st_nlink == 1 and os.access(path, os.W_OK)
+            and _may_give(existing.st_uid, existing.st_gid))
+
+
+def _may_give(uid: int, gid: int) -> bool:
+    """Whether this process may make a file of its own belong to ``uid`` and ``gid``."""
+    if os.geteuid() == 0:
+        return True
+    return uid == os.geteuid() and (gid == os.getegid() or gid in os.getgroups())
+
+
+def _take_over(existing: os.stat_result, chmod: Callable[[int], None], chown: Callable[[int, int], None]) -> None:
+    """Give the new file the old one's permission bits and owner."""
+    chmod(stat.S_IMODE(existing.st_mode) & 0o777)
+    chown(existing.st_uid, existing.st_gid)
 
 
 def _stat_or_none(path: str) -> os.stat_result | None:
@@ -127,14 +149,14 @@ def _link_into_place(fd: int, path: str) -> None:
         os.close(links)
 
 
-def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, mode: int | None,
+def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, existing: os.stat_result | None,
                              *args: Any, **kwargs: Any) -> Any:
-    """Save to a temporary name beside ``path``, give it ``mode`` where one is kept, and rename it over ``path``."""
+    """Save to a temporary name beside ``path``, give it the ``existing`` file's mode and owner, and rename it over ``path``."""
     temporary = _temporary_name(path)
     try:
         result = save(obj, temporary, *args, **kwargs)
-        if mode is not None:
-            os.chmod(temporary, mode)
+        if existing is not None:
+            _take_over(existing, lambda mode: os.chmod(temporary, mode), lambda uid, gid: os.chown(temporary, uid, gid))
         os.replace(temporary, path)
         return result
     finally:
