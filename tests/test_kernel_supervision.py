@@ -51,6 +51,27 @@ print("OLD{n} done", flush=True)
     kernel.execute("del slow").ok()
 
 
+def test_an_interrupt_that_lands_in_fork_callbacks_or_while_ranks_start_stops_the_run_at_once(kernel):
+    """At-fork callbacks (logging registers some) run Python inside os.fork: an interrupt raised
+    there is swallowed, in the kernel (the cell then ran on to its end) or in a starting rank
+    (which ignored it until the SIGTERM step). Here the callbacks sleep, so interrupts land in them."""
+    kernel.execute("import os, time\nSLOW_FORK = None\nos.register_at_fork("
+                   "after_in_parent=lambda: time.sleep(1) if SLOW_FORK == 'parent' else None, "
+                   "after_in_child=lambda: time.sleep(1) if SLOW_FORK == 'child' else None)").ok()
+    # parent: the kernel's fork of the supervisor; child: the supervisor's forks of the ranks, 1 s after it
+    for where, delay in (("parent", 0.5), ("child", 1.6)):
+        kernel.execute(f"SLOW_FORK = {where!r}").ok()
+        try:
+            result = kernel.execute("#pragma taas --gpus 2 --start fork\nimport time\ntime.sleep(8)\nlate_name = 1",
+                                    interrupt_after=delay, timeout=30)
+        finally:
+            kernel.execute("SLOW_FORK = None").ok()
+        assert result.error is not None and "Interrupt" in result.error["ename"], (where, result.stdout, result.stderr)
+        assert result.seconds < delay + 2.0, f"interrupted in the {where}'s fork callbacks: {result.seconds:.1f} s"
+        assert kernel.value("'late_name' in globals()") is False
+    assert kernel.execute("#pragma taas --gpus 2 --start fork --output rank0\nprint('next')").ok().stdout == "next\n"
+
+
 def test_a_second_interrupt_while_the_first_is_handled_leaves_no_descriptor_or_port(kernel):
     """The second interrupt lands while the run is being freed (waiting for its supervisor):
     the supervisor's channel and pidfd are still closed, and the store's port."""

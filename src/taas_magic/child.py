@@ -176,6 +176,8 @@ def _reset_signals(stack_fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
+    # The supervisor forked this process with interrupts held: one sent while it started is raised now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _detach_from_kernel() -> Any:

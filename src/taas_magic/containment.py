@@ -15,7 +15,9 @@ import os
 import signal
 import stat
 import sys
+import threading
 import time
+from types import FrameType
 from typing import Callable, Collection
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -91,6 +93,37 @@ def to_the_end(*steps: Callable[[], object]) -> bool:
             except KeyboardInterrupt:
                 interrupted = True
     return interrupted
+
+
+class HeldInterrupts:
+    """From its making until ``release``, SIGINT in this process only records that it came.
+
+    For ``os.fork``: at-fork callbacks (logging's, for one) run Python inside it, and an
+    interrupt raised there is reported and swallowed (the cell would run on as if never
+    interrupted); one raised as the fork returns would lose the new pid. Blocking the signal
+    would not do: the kernel's other threads take it, and Python runs the handler in the main
+    thread all the same. A forked child keeps recording until it sets handlers of its own.
+    """
+
+    def __init__(self) -> None:
+        self.came = False
+        self._previous = signal.getsignal(signal.SIGINT)
+        # Not where the handler was set outside Python, or off the main thread: there it cannot be put back.
+        self._held = self._previous is not None and threading.current_thread() is threading.main_thread()
+        if self._held:
+            signal.signal(signal.SIGINT, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.came = True
+
+    def release(self) -> None:
+        """Put the handler back; an interrupt that came meanwhile is raised now."""
+        if self._held:
+            self._held = False
+            signal.signal(signal.SIGINT, self._previous)
+        if self.came:
+            self.came = False
+            raise KeyboardInterrupt
 
 
 def end_all_children(timeout: float, spare: Collection[int] = ()) -> list[int]:

@@ -60,17 +60,12 @@ class ForkBackend:
         envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
-        before = set(containment.children())
+        held = containment.HeldInterrupts()  # none is swallowed by the fork's callbacks or lost before the pid is bound
         try:
             pid = os.fork()
         except BaseException:
-            # An interrupt is raised as the fork returns, before its pid is bound: the supervisor
-            # may exist, and only the children that were not there before can be it.
-            for stray in set(containment.children()) - before:
-                containment.end_child(stray)
-            kernel_end.close()
-            supervisor_end.close()
-            store.close()
+            containment.to_the_end(kernel_end.close, supervisor_end.close, store.close)
+            held.release()
             raise
         if pid == 0:  # the supervisor: never returns into the kernel's code
             try:
@@ -80,11 +75,12 @@ class ForkBackend:
                 supervise(channel.Channel(supervisor_end, secret, run_id), envs, lambda: task)
         try:  # an interrupt from here on must not leave the supervisor unreaped or the store open
             supervisor_end.close()
+            held.release()  # one that came during the fork is raised here
             group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
                                     envs, store=store)
         except BaseException:
             containment.end_child(pid)
-            containment.to_the_end(kernel_end.close, store.close)
+            containment.to_the_end(supervisor_end.close, kernel_end.close, store.close)
             raise
         try:
             group.go(aliases.find(_namespace(task)))  # while the supervisor forks: it reads every name once

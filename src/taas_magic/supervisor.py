@@ -67,6 +67,7 @@ def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Call
     try:
         os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # held, not lost, in a rank until it can take one
         containment.become_subreaper()
         _Supervisor(channel, os.getppid()).serve(envs, make_task)
         status = 0
