@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import containment
+
 GRPC_THREADS = {"event_engine", "lifeguard"}  # the names grpcio's own threads give themselves
 
 
@@ -74,13 +76,18 @@ def fork_poisoned_for_cuda() -> bool:
         return False
     if cuda_initialized_in_kernel():
         return True
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os._exit(1 if torch._C._cuda_isInBadFork() else 0)
-        finally:
-            os._exit(2)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+    held = containment.HeldInterrupts()  # the probe takes milliseconds: an interrupt waits for its end
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(1 if torch._C._cuda_isInBadFork() else 0)
+            finally:
+                os._exit(2)
+        status = os.waitpid(pid, 0)[1]
+    finally:
+        held.release()
+    return os.waitstatus_to_exitcode(status) != 0
 
 
 def grpc_threads_in_kernel() -> bool:
