@@ -98,9 +98,10 @@ def test_dropping_sockets_keeps_numbers_taken_and_the_chosen_ones_open():
     os.close(write_end)
 
 
-def test_dropping_what_was_inherited_takes_pipes_event_descriptors_and_named_files_but_leaves_regular_files(tmp_path):
-    kept_pipe, other_pipe = os.pipe(), os.pipe()
+def test_dropping_what_was_inherited_takes_the_kernels_machinery_and_leaves_what_a_cell_made(tmp_path):
+    output_pipe, cells_pipe = os.pipe(), os.pipe()
     event = select.epoll()
+    sock, other = socket.socketpair()
     history = open(tmp_path / "history.sqlite", "w")
     saved_stdout = open(tmp_path / "terminal", "w")
     notes = open(tmp_path / "notes.txt", "w")
@@ -108,19 +109,18 @@ def test_dropping_what_was_inherited_takes_pipes_event_descriptors_and_named_fil
     if pid == 0:
         status = 1
         try:
-            containment.drop_inherited({kept_pipe[0]}, also={saved_stdout.fileno()},
-                                       paths={os.path.realpath(history.name)})
-            target = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in
-                      (*kept_pipe, *other_pipe, event.fileno(), history.fileno(), saved_stdout.fileno(), notes.fileno())}
-            dropped = [target[fd] == os.devnull for fd in
-                       (kept_pipe[1], *other_pipe, event.fileno(), history.fileno(), saved_stdout.fileno())]
-            kept = target[kept_pipe[0]].startswith("pipe:") and target[notes.fileno()].endswith("notes.txt")
-            status = 0 if all(dropped) and kept else 2
+            link = lambda fd: os.readlink(f"/proc/self/fd/{fd}")  # noqa: E731
+            containment.drop_inherited({other.fileno()}, also={saved_stdout.fileno()},
+                                       targets={link(output_pipe[0]), os.path.realpath(history.name)})
+            dropped = [link(fd) == os.devnull for fd in
+                       (*output_pipe, event.fileno(), sock.fileno(), history.fileno(), saved_stdout.fileno())]
+            kept = [link(fd).startswith(("pipe:", "socket:")) for fd in (*cells_pipe, other.fileno())]
+            status = 0 if all(dropped) and all(kept) and link(notes.fileno()).endswith("notes.txt") else 2
         finally:
             os._exit(status)
     _, code = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(code) == 0
-    for fd in (*kept_pipe, *other_pipe):
+    for fd in (*output_pipe, *cells_pipe):
         os.close(fd)
-    for thing in (event, history, saved_stdout, notes):
+    for thing in (event, sock, other, history, saved_stdout, notes):
         thing.close()

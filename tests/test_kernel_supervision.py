@@ -277,33 +277,42 @@ def descriptors():
 
 
 @pytest.mark.parametrize("start", STARTS)
-def test_ranks_hold_none_of_the_kernels_pipes_event_descriptors_or_history_but_keep_its_files(kernel, start, tmp_path):
+def test_ranks_hold_none_of_the_kernels_machinery_but_keep_what_the_notebook_opened(kernel, start, tmp_path):
+    """Dropped: the kernel's sockets, event and poll descriptors, output pipes, memory files, history
+    database and saved stdout/stderr. Kept, in forked ranks: a file, a pipe and a multiprocessing
+    queue that an earlier cell made."""
     notes = tmp_path / "notes.txt"
-    kernel.execute(DESCRIPTORS + f"notes = open({str(notes)!r}, 'w')\nKERNEL = descriptors()").ok()
-    kernel_fds = json.loads(kernel.value("__import__('json').dumps(KERNEL)"))
-    assert any(target.startswith("pipe:") for target in kernel_fds.values())
-    history = [target for target in kernel_fds.values() if target.endswith("history.sqlite")]
-    originals = kernel.value("[KERNEL[fd] for fd in (getattr(s, '_original_stdstream_copy', None) "
-                             "for s in (__import__('sys').stdout, __import__('sys').stderr)) if fd is not None]")
-    assert history
-    uses_notes = "notes.write('rank'); notes.flush()" if start == "fork" else ""
+    kernel.execute(DESCRIPTORS + f"import multiprocessing\nnotes = open({str(notes)!r}, 'w')\n"
+                   "read_end, write_end = os.pipe()\nqueue = multiprocessing.Queue()\nKERNEL = descriptors()").ok()
+    kernel_fds = {int(fd): target for fd, target in json.loads(kernel.value("__import__('json').dumps(KERNEL)")).items()}
+    history = {target for target in kernel_fds.values() if target.endswith("history.sqlite")}
+    originals = set(kernel.value("[KERNEL[fd] for fd in (getattr(s, '_original_stdstream_copy', None) "
+                                 "for s in (__import__('sys').stdout, __import__('sys').stderr)) if fd is not None]"))
+    output_pipes = {kernel_fds[fd] for fd in (1, 2) if kernel_fds[fd].startswith("pipe:")}
+    machinery = {target for target in kernel_fds.values() if target.startswith(("socket:", "/memfd:"))}
+    assert history and machinery
+    uses_them = ("notes.write('rank'); notes.flush()\nos.write(write_end, b'pipe ')\n"
+                 "queue.put(int(os.environ['RANK'])); queue.close(); queue.join_thread()") if start == "fork" else ""
     result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
-import json
-{uses_notes}
+import json, os
 print("FDS", json.dumps(descriptors()))
+{uses_them}
 """).ok()
     seen = re.findall(r"FDS (\{.*\})", result.stdout)
     assert len(seen) == 2, result.stdout
-    theirs = {target for target in kernel_fds.values() if target.startswith(("pipe:", "socket:", "/memfd:"))}
     for found in map(json.loads, seen):
         targets = set(found.values())
-        assert not targets & theirs, "a rank holds one of the kernel's pipes, sockets or memory files"
+        assert not targets & machinery, "the kernel's sockets or memory files"
+        assert not targets & output_pipes, "the pipes that capture the kernel's output"
         assert not [t for t in targets if t.startswith("anon_inode:")], "the kernel's event and poll descriptors"
-        assert not targets & set(history), "the kernel's history database"
-        assert not targets & set(originals), "ipykernel's copies of the kernel's own stdout and stderr"
+        assert not targets & history, "the kernel's history database"
+        assert not targets & originals, "ipykernel's copies of the kernel's own stdout and stderr"
     if start == "fork":
         kernel.execute("notes.close()").ok()
-        assert notes.read_text() == "rankrank", "a file the notebook opened is still the rank's to use"
+        assert notes.read_text() == "rankrank", "a file the notebook opened is still the ranks' to use"
+        assert kernel.value("os.read(read_end, 100)") == b"pipe pipe "
+        assert sorted(kernel.value("[queue.get(timeout=10) for _ in range(2)]")) == [0, 1]
+    kernel.execute("os.close(read_end); os.close(write_end); queue.close()").ok()
 
 
 # -- 3. only this machine can talk to a run --------------------------------------------------------------

@@ -92,13 +92,25 @@ def _own(fds: RankFds) -> set[int]:
 
 
 def _the_kernels_own_files() -> tuple[set[int], set[str]]:
-    """What the kernel holds open that is neither a pipe nor a socket, and no business of a rank's:
-    ipykernel's copies of its original stdout and stderr, IPython's history database."""
+    """What the kernel's machinery holds open besides sockets and event descriptors, none of a
+    rank's business: ipykernel's copies of the kernel's original stdout and stderr (by number),
+    the pipes that capture the kernel's output and IPython's history database (by what
+    ``/proc/self/fd`` names them; until the rank's own pipes replace them, descriptors 1 and 2
+    are the kernel's)."""
     numbers = {getattr(stream, "_original_stdstream_copy", None) for stream in (sys.stdout, sys.stderr)}
+    targets = set()
+    for fd in (1, 2):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:"):
+            targets.add(target)
     shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     history = getattr(getattr(shell, "history_manager", None), "hist_file", None)
-    paths = {os.path.realpath(history)} if isinstance(history, (str, os.PathLike)) else set()
-    return {fd for fd in numbers if isinstance(fd, int)}, paths
+    if isinstance(history, (str, os.PathLike)):
+        targets.add(os.path.realpath(history))
+    return {fd for fd in numbers if isinstance(fd, int)}, targets
 
 
 def _tie_life_to_supervisor(lifeline: int) -> None:

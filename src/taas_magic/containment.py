@@ -14,7 +14,6 @@ import errno
 import os
 import signal
 import stat
-import sys
 import threading
 import time
 from types import FrameType
@@ -171,19 +170,19 @@ def drop_sockets(keep: Collection[int]) -> None:
     _replace_with_null(keep, lambda fd: stat.S_ISSOCK(os.fstat(fd).st_mode))
 
 
-def drop_inherited(keep: Collection[int], also: Collection[int] = (), paths: Collection[str] = ()) -> None:
-    """Replace every inherited descriptor that ties this process to another one with /dev/null.
+def drop_inherited(keep: Collection[int], also: Collection[int] = (), targets: Collection[str] = ()) -> None:
+    """Replace with /dev/null every inherited descriptor not in ``keep`` that ties this process
+    to the kernel's machinery.
 
-    Dropped, unless in ``keep``: sockets (the kernel's ZeroMQ ports, the fork server's channel,
-    other ranks' delivery sockets), pipes (the kernel's captured output), event and poll
-    descriptors (ZeroMQ's and asyncio's, shared with the kernel), memory files, the numbers in
-    ``also`` and the files in ``paths`` (the kernel's history database). A process that kept them
-    would hold the kernel's ports open, read or write the kernel's streams, or change its event
-    loops. Regular files and devices stay: a file a cell opened earlier is still usable, and so
-    does multiprocessing's resource tracker, which its forked children share by design.
+    Dropped: sockets (the kernel's ZeroMQ ports, the fork server's channel, other ranks' delivery
+    sockets), event and poll descriptors (ZeroMQ's and asyncio's, shared with the kernel), memory
+    files, the numbers in ``also`` and whatever ``targets`` names as ``/proc/self/fd`` does (the
+    kernel's captured-output pipes, its history database). A process that kept them would hold
+    the kernel's ports open, read or write its streams, or change its event loops. What a cell
+    made stays: its files, and its pipes (a ``multiprocessing.Queue`` the notebook made is still
+    the ranks' way to send it something).
     """
-    spare = set(keep) | _resource_tracker_fd()
-    _replace_with_null(spare, lambda fd: fd in also or _ties_to_another_process(fd, paths))
+    _replace_with_null(keep, lambda fd: fd in also or _ties_to_the_kernel(fd, targets))
 
 
 def _replace_with_null(keep: Collection[int], drop: Callable[[int], bool]) -> None:
@@ -204,22 +203,15 @@ def _replace_with_null(keep: Collection[int], drop: Callable[[int], bool]) -> No
         os.close(null)
 
 
-_SHARED_KINDS = ("socket:", "pipe:", "anon_inode:", "/memfd:")
+_MACHINERY_KINDS = ("socket:", "anon_inode:", "/memfd:")
 
 
-def _ties_to_another_process(fd: int, paths: Collection[str]) -> bool:
+def _ties_to_the_kernel(fd: int, targets: Collection[str]) -> bool:
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # no /proc: what fstat can tell
-        mode = os.fstat(fd).st_mode
-        return stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode)
-    return target.startswith(_SHARED_KINDS) or target in paths or stat.S_ISFIFO(os.fstat(fd).st_mode)
-
-
-def _resource_tracker_fd() -> set[int]:
-    tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
-    fd = getattr(tracker, "_fd", None)
-    return {fd} if isinstance(fd, int) else set()
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    return target.startswith(_MACHINERY_KINDS) or target in targets
 
 
 def _open_descriptors() -> list[int]:
