@@ -4,6 +4,7 @@ server, and what a run opens to the network. Each test attacks the run the way a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -283,7 +284,8 @@ def test_ranks_hold_none_of_the_kernels_machinery_but_keep_what_the_notebook_ope
     queue that an earlier cell made."""
     notes = tmp_path / "notes.txt"
     kernel.execute(DESCRIPTORS + f"import multiprocessing\nnotes = open({str(notes)!r}, 'w')\n"
-                   "read_end, write_end = os.pipe()\nqueue = multiprocessing.Queue()\nKERNEL = descriptors()").ok()
+                   "read_end, write_end = os.pipe()\nqueue = multiprocessing.Queue()\n"
+                   "memory = os.memfd_create('cells')\nos.write(memory, b'data')\nKERNEL = descriptors()").ok()
     kernel_fds = {int(fd): target for fd, target in json.loads(kernel.value("__import__('json').dumps(KERNEL)")).items()}
     history = {target for target in kernel_fds.values() if target.endswith("history.sqlite")}
     originals = set(kernel.value("[KERNEL[fd] for fd in (getattr(s, '_original_stdstream_copy', None) "
@@ -292,7 +294,8 @@ def test_ranks_hold_none_of_the_kernels_machinery_but_keep_what_the_notebook_ope
     machinery = {target for target in kernel_fds.values() if target.startswith(("socket:", "/memfd:"))}
     assert history and machinery
     uses_them = ("notes.write('rank'); notes.flush()\nos.write(write_end, b'pipe ')\n"
-                 "queue.put(int(os.environ['RANK'])); queue.close(); queue.join_thread()") if start == "fork" else ""
+                 "queue.put(int(os.environ['RANK'])); queue.close(); queue.join_thread()\n"
+                 "try:\n    os.pread(memory, 4, 0)\nexcept OSError as e:\n    print('MEMORY', e.errno)") if start == "fork" else ""
     result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
 import json, os
 print("FDS", json.dumps(descriptors()))
@@ -312,7 +315,8 @@ print("FDS", json.dumps(descriptors()))
         assert notes.read_text() == "rankrank", "a file the notebook opened is still the ranks' to use"
         assert kernel.value("os.read(read_end, 100)") == b"pipe pipe "
         assert sorted(kernel.value("[queue.get(timeout=10) for _ in range(2)]")) == [0, 1]
-    kernel.execute("os.close(read_end); os.close(write_end); queue.close()").ok()
+        assert result.each_rank().count(f"MEMORY {errno.EBADF}") == 2, "a dropped descriptor fails loudly, never reads as empty"
+    kernel.execute("os.close(read_end); os.close(write_end); os.close(memory); queue.close()").ok()
 
 
 # -- 3. only this machine can talk to a run --------------------------------------------------------------

@@ -163,16 +163,16 @@ def reap_strays(spare: Collection[int] = ()) -> None:
 
 
 def drop_sockets(keep: Collection[int]) -> None:
-    """Replace every inherited socket not in ``keep`` with /dev/null (see ``drop_inherited``).
+    """Make every inherited socket not in ``keep`` a dead end (see ``drop_inherited``).
 
     For the supervisor: its pipes to the ranks are its own, the kernel's ports are not.
     """
-    _replace_with_null(keep, lambda fd: stat.S_ISSOCK(os.fstat(fd).st_mode))
+    _replace_with_dead_end(keep, lambda fd: stat.S_ISSOCK(os.fstat(fd).st_mode))
 
 
 def drop_inherited(keep: Collection[int], also: Collection[int] = (), targets: Collection[str] = ()) -> None:
-    """Replace with /dev/null every inherited descriptor not in ``keep`` that ties this process
-    to the kernel's machinery.
+    """Make a dead end of every inherited descriptor not in ``keep`` that ties this process to the
+    kernel's machinery.
 
     Dropped: sockets (the kernel's ZeroMQ ports, the fork server's channel, other ranks' delivery
     sockets), event and poll descriptors (ZeroMQ's and asyncio's, shared with the kernel), memory
@@ -180,27 +180,30 @@ def drop_inherited(keep: Collection[int], also: Collection[int] = (), targets: C
     kernel's captured-output pipes, its history database). A process that kept them would hold
     the kernel's ports open, read or write its streams, or change its event loops. What a cell
     made stays: its files, and its pipes (a ``multiprocessing.Queue`` the notebook made is still
-    the ranks' way to send it something).
+    the ranks' way to send it something). A socket, memory file or event descriptor a cell made
+    goes too: using it in a rank fails, it never loses data in silence.
     """
-    _replace_with_null(keep, lambda fd: fd in also or _ties_to_the_kernel(fd, targets))
+    _replace_with_dead_end(keep, lambda fd: fd in also or _ties_to_the_kernel(fd, targets))
 
 
-def _replace_with_null(keep: Collection[int], drop: Callable[[int], bool]) -> None:
-    """``dup2`` keeps each number taken, so an object in the inherited heap that still thinks it
-    owns the number closes /dev/null, never a descriptor opened later."""
-    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+def _replace_with_dead_end(keep: Collection[int], drop: Callable[[int], bool]) -> None:
+    """``dup2`` a dead end onto each descriptor to drop: every read, write or poll on it fails with
+    EBADF (an ``O_PATH`` descriptor; /dev/null where there is none), so a stale object of the
+    inherited heap fails loudly instead of writing into nothing. The number stays taken: such an
+    object closes the dead end, never a descriptor opened later."""
+    dead_end = os.open("/", os.O_PATH | os.O_CLOEXEC) if hasattr(os, "O_PATH") else os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         for fd in _open_descriptors():
-            if fd < 3 or fd == null or fd in keep:
+            if fd < 3 or fd == dead_end or fd in keep:
                 continue
             try:
                 if drop(fd):
-                    os.dup2(null, fd, inheritable=False)
+                    os.dup2(dead_end, fd, inheritable=False)
             except OSError as e:
                 if e.errno != errno.EBADF:
                     raise
     finally:
-        os.close(null)
+        os.close(dead_end)
 
 
 _MACHINERY_KINDS = ("socket:", "anon_inode:", "/memfd:")
