@@ -115,6 +115,41 @@ def test_an_interrupt_stops_the_cell_in_every_rank_and_the_session_survives(kern
         stop(kernel)
 
 
+SLOW_TO_UNPICKLE = """
+import time
+class Index:
+    # rebuilds its table when unpickled, as many real objects do: a second in each rank
+    def __init__(self, n):
+        self.n = n
+    def __getstate__(self):
+        return {"n": self.n}
+    def __setstate__(self, state):
+        self.n = state["n"]
+        time.sleep(1.0)
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_an_interrupt_while_ranks_take_the_cell_in_stops_it_before_its_code(kernel, start):
+    """The interrupt reaches the ranks while they unpack a name the notebook changed: it is held for
+    the cell, whose code then does not start, and the session goes on (it was lost before)."""
+    kernel.execute(SLOW_TO_UNPICKLE).ok()
+    first = kernel.execute(START.format(start=start) + "count = 0").ok()
+    try:
+        for n, delay in enumerate((0.3, 0.6)):
+            kernel.execute(f"index = Index({n})").ok()  # changed in the notebook: shipped with the next cell
+            r = kernel.execute("#pragma taas\nprint('started', index.n)\ntime.sleep(3)\ncount += 1",
+                               interrupt_after=delay, timeout=60)
+            assert r.error is not None and r.error["ename"] == "RunInterrupted", (r.stdout, r.traceback)
+            assert "started" not in r.stdout and r.seconds < 2.5, (r.stdout, r.seconds)
+            assert "the session goes on" in r.traceback
+        counts = kernel.execute("#pragma taas\nprint('count', count, index.n)").ok()
+        assert counts.each_rank().count("count 0 1") == 2, counts.stdout
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
 def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_its_stack(kernel):
     first = kernel.execute(START.format(start="fork")).ok()
     r = kernel.execute("#pragma taas --ranks 0\ndist.barrier()  # rank 1 is not in the cell", interrupt_after=1.5)

@@ -41,6 +41,8 @@ class _Rank:
     stack_updated: float = 0.0
     results: bytearray = field(default_factory=bytearray)
     control: channel.Channel | None = None  # a rank's channel: cells to run, their ends, input requests
+    cell: str = "running"  # a session's rank: "sent" a cell it has not taken yet, "ended" its last one
+    interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
 
 
 @dataclass
@@ -314,7 +316,13 @@ class ForkedRanks:
         for fd in fds:
             os.close(fd)
         self._drain(state)
-        if kind == "ended":
+        if kind == "in cell":
+            state.cell = "running"
+            if state.interrupt_waiting:
+                state.interrupt_waiting = False
+                self._signal(state, signal.SIGINT)
+        elif kind == "ended":
+            state.cell = "ended"
             record, results = fields
             if results is not None:
                 self._pending.append(Result(state.rank, results))
@@ -339,6 +347,8 @@ class ForkedRanks:
     def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit."""
         for rank in sorted(ranks):
+            if rank in self.ranks:
+                self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
             self._tell(rank, "cell", cell, fds=fds)
 
     def answer(self, rank: Key, line: str | None) -> None:
@@ -392,9 +402,15 @@ class ForkedRanks:
 
     # -- acting on ranks --------------------------------------------------------------------
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
+        """An interrupt reaches a session's rank in its cell only: one for a cell on its way waits
+        until the rank takes it; one that comes after its cell ended is too late, and dropped."""
         chosen = self.running() if ranks is None else set(ranks) & self.running()
         for rank in sorted(chosen, key=key_order):
-            self._signal(self.ranks[rank], signum)
+            state = self.ranks[rank]
+            if signum == signal.SIGINT and state.cell != "running":
+                state.interrupt_waiting = state.cell == "sent"
+                continue
+            self._signal(state, signum)
 
     def _signal(self, state: _Rank, signum: int) -> None:
         """The rank's process group (its DataLoader workers…), and the rank itself, wherever it went.

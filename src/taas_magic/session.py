@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import shipping, streams
+from . import containment, shipping, streams
 from .backend import Cell, Event, Exited, Key, Output, SessionGroup, key_order
 from .cell_names import names_reached
 from .controller import (BOLD, RED, RESET, Outcome, RunInterrupted, _describe_exit, _Watch, live_output, plain,
@@ -331,28 +330,13 @@ def _uninterrupted(call: Callable[[], None]) -> None:
 
     Sending a cell must be whole or not at all, and known to be which: an interrupt that landed
     just after the message went, and before the kernel noted it, would leave the ranks running a
-    cell the kernel believes it never sent. Only the main thread receives interrupts.
+    cell the kernel believes it never sent.
     """
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as e:
-            failure.append(e)
-
-    worker = threading.Thread(target=run, name="taas-send")
-    worker.start()
-    interrupted = False
-    while worker.is_alive():
-        try:
-            worker.join()
-        except KeyboardInterrupt:
-            interrupted = True
-    if failure:
-        raise failure[0]
-    if interrupted:
-        raise KeyboardInterrupt
+    held = containment.HeldInterrupts()
+    try:
+        call()
+    finally:
+        held.release()
 
 
 def _ended_message(why: str, details: list[str] | None = None) -> tuple[str, list[str]]:

@@ -3,7 +3,10 @@
 The rank's names, its process group and its models stay from cell to cell, as they would in a
 kernel. Each cell ends with one message on the rank's control channel, ("ended", record, rank
 0's names): the supervisor relays the rank's output before it, so a cell's output never trails
-its end. Between cells the rank ignores interrupts, so a late one cannot land in the next cell.
+its end. Interrupts belong to one cell each: between cells the rank ignores them, and as it
+takes a cell it says ("in cell",); the supervisor holds an interrupt for a cell on its way until
+then, and drops one that comes after the rank's cell ended. So an early one is never lost and a
+late one never lands in the next cell.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from . import debugger, records, shipping
+from . import containment, debugger, records, shipping
 from .channel import Channel, ChannelBroken
 from .child import RankFds, flush_all
 from .records import CellEnded
@@ -53,12 +56,14 @@ def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds,
     rank0 = os.environ.get("RANK") == "0"
     last_error: BaseException | None = None
     cell = SessionCell(task.code, task.return_names)
+    interrupted = False  # before the cell's code began
     while True:
         if cell.code is None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(run_cell, cell, namespace, shell, task, rank0)
+            status, record, names, error = _run(run_cell, cell, namespace, shell, task, rank0, interrupted)
             last_error = error if error is not None else last_error
             if isinstance(record, CellEnded) and record.exited:
                 _send(control, record, names)
@@ -68,17 +73,39 @@ def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds,
         if received is None:
             return 0
         cell, tensors_fd = received
+        held = _take_interrupts(control)
         register_sources(cell.sources)
         if cell.names:
             shipping.unpack_into(namespace, cell.names, tensors_fd, cell.tensors_size)
+        interrupted = held.came
+
+
+def _take_interrupts(control: Channel) -> containment.HeldInterrupts:
+    """The cell's interrupts count from now: recorded while its names are unpacked, raised as its
+    code starts. Saying so lets the supervisor send those it held for the cell."""
+    held = containment.HeldInterrupts()
+    try:
+        control.send("in cell")
+    except ChannelBroken:
+        pass  # the session is over: the cell's end says so
+    return held
 
 
 def _run(run_cell: Any, cell: SessionCell, namespace: dict[str, Any], shell: Any, task: "RankTask",
-         rank0: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
-    """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel."""
+         rank0: bool, interrupted: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
+    """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
+
+    ``interrupted``: one came while the cell's names were unpacked; its code does not start.
+    """
+    from .worker import stopped_before_start
+
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if interrupted:
+            raise KeyboardInterrupt
         return run_cell(cell.code, cell.return_names if rank0 else None, namespace, shell, task)  # type: ignore[no-any-return]
+    except KeyboardInterrupt as e:  # outside the cell's code: before it began
+        return (*stopped_before_start(e, shell, task), None, e)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt that comes late is for the cell just ended
 

@@ -241,6 +241,11 @@ def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: di
     return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
 
 
+def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -> tuple[int, Failed]:
+    """How a session's cell ended that an interrupt stopped before its code began."""
+    return _failure(error, shell, task)
+
+
 def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
     """How each stand-in loader fared in this rank: elements received, time spent waiting."""
     return {plan.name: namespace[plan.name].summary() for plan in task.loaders
