@@ -132,6 +132,22 @@ def test_an_existing_file_keeps_its_owner_and_group(tmp_path, either_way):
     assert target.read_bytes() == b"new" and (found.st_uid, found.st_gid) == (12345, 23456)
 
 
+def _as_nobody(work) -> int:
+    """Run ``work()`` in a child process as an unprivileged user (root may write anything); its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            status = work()
+        finally:
+            os._exit(status)
+    _, code = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(code)
+
+
 def test_a_file_the_process_may_not_write_is_refused_as_plain_torch_save_refuses_it(either_way):
     """Run as an unprivileged user: root may write any file."""
     folder = tempfile.mkdtemp()
@@ -141,25 +157,18 @@ def test_a_file_the_process_may_not_write_is_refused_as_plain_torch_save_refuses
         with open(target, "wb") as f:
             f.write(b"old")
         os.chmod(target, 0o444)
-        pid = os.fork()
-        if pid == 0:
-            status = 1
-            try:
-                if os.geteuid() == 0:
-                    os.setgid(65534)
-                    os.setuid(65534)
-                refusals = []
-                for save in (torch.save, lambda obj, path: storage.save_whole(torch.save, obj, path)):
-                    try:
-                        save({"w": torch.ones(3)}, target)
-                    except Exception as e:
-                        refusals.append((type(e), "Permission denied" in str(e)))
-                same = len(refusals) == 2 and refusals[0] == refusals[1] == (refusals[0][0], True)
-                status = 0 if same and os.listdir(folder) == ["read-only.pt"] else 2
-            finally:
-                os._exit(status)
-        _, code = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(code) == 0
+
+        def refused_alike() -> int:
+            refusals = []
+            for save in (torch.save, lambda obj, path: storage.save_whole(torch.save, obj, path)):
+                try:
+                    save({"w": torch.ones(3)}, target)
+                except Exception as e:
+                    refusals.append((type(e), "Permission denied" in str(e)))
+            same = len(refusals) == 2 and refusals[0] == refusals[1] == (refusals[0][0], True)
+            return 0 if same and os.listdir(folder) == ["read-only.pt"] else 2
+
+        assert _as_nobody(refused_alike) == 0
         assert open(target, "rb").read() == b"old"
     finally:
         shutil.rmtree(folder)
@@ -188,3 +197,59 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a folder and a file of other owners")
+def test_a_writable_file_in_a_folder_the_process_may_not_write_is_written_into(either_way):
+    folder = tempfile.mkdtemp()
+    try:
+        target = os.path.join(folder, "shared.pt")
+        with open(target, "wb") as f:
+            f.write(b"old")
+        os.chown(target, 65534, 65534)  # the user's own file, in a folder that is not theirs
+        os.chmod(folder, 0o555)
+        inode = os.stat(target).st_ino
+
+        def save() -> int:
+            storage.save_whole(write_bytes, b"new", target)
+            return 0
+
+        assert _as_nobody(save) == 0
+        assert open(target, "rb").read() == b"new" and os.stat(target).st_ino == inode
+        assert sorted(os.listdir(folder)) == ["shared.pt"]
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_set_id_and_sticky_bits_are_kept(tmp_path, either_way):
+    target = tmp_path / "model.pt"
+    target.write_bytes(b"old")
+    target.chmod(0o2754)
+    storage.save_whole(write_bytes, b"new", str(target))
+    assert target.read_bytes() == b"new" and stat.S_IMODE(target.stat().st_mode) == 0o2754
+
+
+def test_a_link_that_loops_and_a_path_to_a_folder_fail_as_in_plain_torch_save(tmp_path, either_way):
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    for path in (str(tmp_path / "a"), str(tmp_path / "model.pt") + os.sep):
+        refusals = []
+        for save in (torch.save, lambda obj, p: storage.save_whole(torch.save, obj, p)):
+            with pytest.raises(Exception) as caught:
+                save({"w": torch.ones(1)}, path)
+            refusals.append(type(caught.value))
+        assert refusals[0] is refusals[1], path
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"] and (tmp_path / "a").is_symlink()
+
+
+def test_a_file_that_may_not_be_replaced_is_written_into(tmp_path, monkeypatch):
+    """An append-only or immutable file refuses the rename over it: plain torch.save takes over."""
+    def refused(fd, path):
+        raise PermissionError(1, "Operation not permitted", path)
+
+    monkeypatch.setattr(storage, "_link_into_place", refused)
+    target = tmp_path / "model.pt"
+    target.write_bytes(b"old")
+    inode = target.stat().st_ino
+    storage.save_whole(write_bytes, b"new", str(target))
+    assert target.read_bytes() == b"new" and target.stat().st_ino == inode and os.listdir(tmp_path) == ["model.pt"]

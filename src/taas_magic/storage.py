@@ -68,29 +68,43 @@ def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwar
     link stays, a file keeps its permission bits and owner (a new one gets those ``open()``
     would give). Where a new file could not be the same one to its users (a device or FIFO such
     as ``os.devnull``, a file with other hard links, one owned by someone this process cannot
-    give a file to) or plain ``torch.save`` would fail (a file this process may not write), the
-    file is written into, or refused, by plain ``torch.save`` itself.
+    give a file to), where no new file can be made (a folder the process may not write, a file
+    that may not be replaced), or where plain ``torch.save`` would fail (a file this process may
+    not write, a link that loops, a path that ends in a slash), the file is written into, or
+    refused, by plain ``torch.save`` itself.
     """
     target = os.path.realpath(path)  # open() follows links: the file they name is the one written
     existing = _stat_or_none(target)
-    if existing is not None and not _replaceable(target, existing):
+    if not _replaceable(path, target, existing):
         return save(obj, path, *args, **kwargs)
-    fd = _unnamed_file(os.path.dirname(target))
+    try:
+        fd = _unnamed_file(os.path.dirname(target))
+    except PermissionError:
+        return save(obj, path, *args, **kwargs)
     if fd is None:
         return _save_through_named_file(save, obj, target, existing, *args, **kwargs)
     try:
         result = save(obj, f"/proc/self/fd/{fd}", *args, **kwargs)  # the save opens it by path, as any path
         if existing is not None:  # after the save, which reopens the file and must still be allowed to
             _take_over(existing, lambda mode: os.fchmod(fd, mode), lambda uid, gid: os.fchown(fd, uid, gid))
-        _link_into_place(fd, target)
+        try:
+            _link_into_place(fd, target)
+        except PermissionError:  # the file may not be replaced (append-only, immutable): write into it
+            return save(obj, path, *args, **kwargs)
         return result
     finally:
         os.close(fd)
 
 
-def _replaceable(path: str, existing: os.stat_result) -> bool:
-    """Whether a new file in place of ``existing`` is, to its users, the same file written again."""
-    return (stat.S_ISREG(existing.st_mode) and existing.st_nlink == 1 and os.access(path, os.W_OK)
+def _replaceable(path: str, target: str, existing: os.stat_result | None) -> bool:
+    """Whether a new file at ``target`` (what ``path`` names) is, to its users, the file written again."""
+    if path.endswith(os.sep) or os.path.islink(target):  # a path to a folder, or a link that loops
+        return False
+    if not os.access(os.path.dirname(target), os.W_OK | os.X_OK):
+        return False
+    if existing is None:
+        return True
+    return (stat.S_ISREG(existing.st_mode) and existing.st_nlink == 1 and os.access(target, os.W_OK)
             and _may_give(existing.st_uid, existing.st_gid))
 
 
@@ -102,9 +116,10 @@ def _may_give(uid: int, gid: int) -> bool:
 
 
 def _take_over(existing: os.stat_result, chmod: Callable[[int], None], chown: Callable[[int, int], None]) -> None:
-    """Give the new file the old one's permission bits and owner."""
-    chmod(stat.S_IMODE(existing.st_mode) & 0o777)
+    """Give the new file the old one's owner and mode, set-id and sticky bits too (after the
+    owner: a change of owner clears the set-id bits)."""
     chown(existing.st_uid, existing.st_gid)
+    chmod(stat.S_IMODE(existing.st_mode))
 
 
 def _stat_or_none(path: str) -> os.stat_result | None:
@@ -118,12 +133,15 @@ def _stat_or_none(path: str) -> os.stat_result | None:
 def _unnamed_file(folder: str) -> int | None:
     """A file without a name in ``folder``, or None where this system or file system has none.
 
-    Its mode is 0666 less the umask, as a file that ``open()`` creates.
+    Its mode is 0666 less the umask, as a file that ``open()`` creates. Raises PermissionError
+    where the folder takes no new file (an immutable one).
     """
     if not hasattr(os, "O_TMPFILE") or not os.path.isdir("/proc/self/fd"):
         return None
     try:
         return os.open(folder, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    except PermissionError:
+        raise
     except OSError:  # not on this file system; a missing folder is then reported by the save itself
         return None
 
