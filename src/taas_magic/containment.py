@@ -97,11 +97,12 @@ def to_the_end(*steps: Callable[[], object]) -> bool:
 class HeldInterrupts:
     """From its making until ``release``, SIGINT in this process only records that it came.
 
-    For ``os.fork``: at-fork callbacks (logging's, for one) run Python inside it, and an
-    interrupt raised there is reported and swallowed (the cell would run on as if never
-    interrupted); one raised as the fork returns would lose the new pid. Blocking the signal
-    would not do: the kernel's other threads take it, and Python runs the handler in the main
-    thread all the same. A forked child keeps recording until it sets handlers of its own.
+    For steps an interrupt must not cut, and must not be lost in. ``os.fork``: at-fork callbacks
+    (logging's, for one) run Python inside it, and an interrupt raised there is reported and
+    swallowed (the cell would run on as if never interrupted); one raised as the fork returns
+    would lose the new pid. Sending a session's cell: it must go whole or not at all. Blocking
+    the signal would not do: the kernel's other threads take it, and Python runs the handler in
+    the main thread all the same. A forked child keeps recording until it sets handlers of its own.
     """
 
     def __init__(self) -> None:

@@ -16,7 +16,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, Literal
 
 from . import aliases, channel, child, containment, records, tempfiles, worker
 from .backend import Cell, Event, Exited, InputRequest, Key, Output, Report, Result, key_order
@@ -41,7 +41,7 @@ class _Rank:
     stack_updated: float = 0.0
     results: bytearray = field(default_factory=bytearray)
     control: channel.Channel | None = None  # a rank's channel: cells to run, their ends, input requests
-    cell: str = "running"  # a session's rank: "sent" a cell it has not taken yet, "ended" its last one
+    cell: Literal["running", "sent", "ended"] = "running"  # a session's rank: "sent" a cell not taken yet
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
 
 

@@ -335,6 +335,9 @@ def _uninterrupted(call: Callable[[], None]) -> None:
     held = containment.HeldInterrupts()
     try:
         call()
+    except BaseException:
+        held.came = False  # the failure says more than the interrupt: the cell did not go
+        raise
     finally:
         held.release()
 
