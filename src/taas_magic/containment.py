@@ -16,7 +16,7 @@ import signal
 import stat
 import threading
 import time
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Callable, Collection
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -125,6 +125,15 @@ class HeldInterrupts:
             self.came = False
             raise KeyboardInterrupt
 
+    def __enter__(self) -> "HeldInterrupts":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        """Released on the way out; a failure inside says more than an interrupt that came meanwhile."""
+        if kind is not None:
+            self.came = False
+        self.release()
+
 
 def end_all_children(timeout: float, spare: Collection[int] = ()) -> list[int]:
     """Kill and reap every child of this (subreaper) process except ``spare``, and whatever they leave.
@@ -192,7 +201,10 @@ def _replace_with_dead_end(keep: Collection[int], drop: Callable[[int], bool]) -
     EBADF (an ``O_PATH`` descriptor; /dev/null where there is none), so a stale object of the
     inherited heap fails loudly instead of writing into nothing. The number stays taken: such an
     object closes the dead end, never a descriptor opened later."""
-    dead_end = os.open("/", os.O_PATH | os.O_CLOEXEC) if hasattr(os, "O_PATH") else os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    if hasattr(os, "O_PATH"):
+        dead_end = os.open("/", os.O_PATH | os.O_CLOEXEC)
+    else:
+        dead_end = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
         for fd in _open_descriptors():
             if fd < 3 or fd == dead_end or fd in keep:

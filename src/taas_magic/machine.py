@@ -76,8 +76,7 @@ def fork_poisoned_for_cuda() -> bool:
         return False
     if cuda_initialized_in_kernel():
         return True
-    held = containment.HeldInterrupts()  # the probe takes milliseconds: an interrupt waits for its end
-    try:
+    with containment.HeldInterrupts():  # the probe takes milliseconds: an interrupt waits for its end
         pid = os.fork()
         if pid == 0:
             try:
@@ -85,8 +84,6 @@ def fork_poisoned_for_cuda() -> bool:
             finally:
                 os._exit(2)
         status = os.waitpid(pid, 0)[1]
-    finally:
-        held.release()
     return os.waitstatus_to_exitcode(status) != 0
 
 

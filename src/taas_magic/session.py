@@ -332,14 +332,8 @@ def _uninterrupted(call: Callable[[], None]) -> None:
     just after the message went, and before the kernel noted it, would leave the ranks running a
     cell the kernel believes it never sent.
     """
-    held = containment.HeldInterrupts()
-    try:
+    with containment.HeldInterrupts():
         call()
-    except BaseException:
-        held.came = False  # the failure says more than the interrupt: the cell did not go
-        raise
-    finally:
-        held.release()
 
 
 def _ended_message(why: str, details: list[str] | None = None) -> tuple[str, list[str]]:

@@ -86,7 +86,7 @@ def save_whole(save: Callable[..., Any], obj: Any, path: str, *args: Any, **kwar
     try:
         result = save(obj, f"/proc/self/fd/{fd}", *args, **kwargs)  # the save opens it by path, as any path
         if existing is not None:  # after the save, which reopens the file and must still be allowed to
-            _take_over(existing, lambda mode: os.fchmod(fd, mode), lambda uid, gid: os.fchown(fd, uid, gid))
+            _take_over(existing, fd)
         try:
             _link_into_place(fd, target)
         except PermissionError:  # the file may not be replaced (append-only, immutable): write into it
@@ -115,11 +115,11 @@ def _may_give(uid: int, gid: int) -> bool:
     return uid == os.geteuid() and (gid == os.getegid() or gid in os.getgroups())
 
 
-def _take_over(existing: os.stat_result, chmod: Callable[[int], None], chown: Callable[[int, int], None]) -> None:
-    """Give the new file the old one's owner and mode, set-id and sticky bits too (after the
-    owner: a change of owner clears the set-id bits)."""
-    chown(existing.st_uid, existing.st_gid)
-    chmod(stat.S_IMODE(existing.st_mode))
+def _take_over(existing: os.stat_result, new: int | str) -> None:
+    """Give the ``new`` file (a descriptor or a path) the old one's owner and mode, set-id and
+    sticky bits too (after the owner: a change of owner clears the set-id bits)."""
+    os.chown(new, existing.st_uid, existing.st_gid)
+    os.chmod(new, stat.S_IMODE(existing.st_mode))
 
 
 def _stat_or_none(path: str) -> os.stat_result | None:
@@ -169,12 +169,13 @@ def _link_into_place(fd: int, path: str) -> None:
 
 def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, existing: os.stat_result | None,
                              *args: Any, **kwargs: Any) -> Any:
-    """Save to a temporary name beside ``path``, give it the ``existing`` file's mode and owner, and rename it over ``path``."""
+    """Save to a temporary name beside ``path``, give it the ``existing`` file's owner and mode,
+    and rename it over ``path``."""
     temporary = _temporary_name(path)
     try:
         result = save(obj, temporary, *args, **kwargs)
         if existing is not None:
-            _take_over(existing, lambda mode: os.chmod(temporary, mode), lambda uid, gid: os.chown(temporary, uid, gid))
+            _take_over(existing, temporary)
         os.replace(temporary, path)
         return result
     finally:
