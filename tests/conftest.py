@@ -83,19 +83,21 @@ class Kernel:
         self.execute("%load_ext taas_magic\nimport torch, torch.distributed, os, sys, time").ok()
 
     def execute(self, code: str, timeout: float = 90, interrupt_after: float | tuple[float, ...] | None = None,
-                answers: list[str] | None = None) -> CellResult:
+                answers: list[str] | None = None, think: float = 0.0) -> CellResult:
         """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds (several
         times: a tuple); ``answers``: lines typed, in order, when the cell asks for input (Jupyter's
-        stdin requests, as a front end answers them; their prompts go to ``prompts``)."""
+        stdin requests, as a front end answers them; their prompts go to ``prompts``); ``think``: seconds
+        a person takes to type each answer."""
         result = CellResult()
         started = time.monotonic()
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
+        asked: list[float] = []  # when the unanswered input request came
         interrupts = sorted(interrupt_after if isinstance(interrupt_after, tuple) else
                             [] if interrupt_after is None else [interrupt_after])
         while True:
             if answers is not None:
-                self._answer(result, pending)
+                self._answer(result, pending, asked, think)
             wait = min(0.2, max(0.001, started + interrupts[0] - time.monotonic())) if interrupts else 0.2
             try:
                 msg = self.client.get_iopub_msg(timeout=wait)  # an interrupt is sent on time, not on the next message
@@ -126,13 +128,18 @@ class Kernel:
         result.reply = reply["content"]
         return result
 
-    def _answer(self, result: CellResult, pending: list[str]) -> None:
-        try:
-            request = self.client.get_stdin_msg(timeout=0.01)
-        except queue.Empty:
-            return
-        if request["msg_type"] == "input_request":
+    def _answer(self, result: CellResult, pending: list[str], asked: list[float], think: float) -> None:
+        if not asked:
+            try:
+                request = self.client.get_stdin_msg(timeout=0.01)
+            except queue.Empty:
+                return
+            if request["msg_type"] != "input_request":
+                return
             result.prompts.append(request["content"]["prompt"])
+            asked.append(time.monotonic())
+        if time.monotonic() - asked[0] >= think:
+            asked.clear()
             self.client.input(pending.pop(0) if pending else "q")
 
     def value(self, expression: str):

@@ -18,7 +18,8 @@ import time
 import psutil
 import pytest
 
-from conftest import Kernel
+from conftest import ANSI, Kernel
+from notebook_values import KINDS, SETUP, unpicklable
 
 ray = pytest.importorskip("ray")
 
@@ -73,7 +74,21 @@ def peers():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, peers):
+def shared_modules(tmp_path_factory):
+    """A folder of Python modules that the nodes and the kernel import from (on $PYTHONPATH), as
+    code on a shared file system would be: the notebook's own files do not travel to the nodes."""
+    folder = tmp_path_factory.mktemp("shared_modules")
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), saved]))
+    yield folder
+    if saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, peers, shared_modules):
     config = tmp_path_factory.mktemp("cluster") / "configurations.yaml"
     config.write_text(CONFIG)
     saved = os.environ.get("TAAS_CONFIG")
@@ -380,6 +395,26 @@ dist.barrier()
     assert not leftovers(cluster_kernel)
 
 
+def test_breakpoint_and_taas_debug_on_a_node_show_the_cells_lines_around_where_the_rank_stopped(cluster_kernel):
+    r = cluster_kernel.execute(HEADER + "import os\nmine = int(os.environ['RANK'])\nx = 5\nif mine == 3:\n"
+                               "    breakpoint()\n    x = 6\ny = x", answers=["c"], timeout=120).ok()
+    shown = ANSI.sub("", r.each_rank())
+    for line in ("    breakpoint()", "    x = 6", "y = x"):
+        assert re.search(rf"^\[rank 3\] .*\d+ {re.escape(line)}$", shown, re.M), shown
+    first = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep") + "import os\n"
+                                   "mine = int(os.environ['RANK'])", timeout=240).ok()
+    try:
+        r = cluster_kernel.execute("#pragma taas --ranks 3\nfactor = 7\nraise KeyError(f'on rank {mine}')\ndone = 1",
+                                   timeout=60)
+        assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'", first.stdout
+        shown = ANSI.sub("", cluster_kernel.execute("%taas debug", answers=["c"], timeout=60).ok().each_rank())
+        for line in ("factor = 7", "raise KeyError(f'on rank {mine}')", "done = 1"):
+            assert re.search(rf"^\[rank 3\] .*\d+ {re.escape(line)}$", shown, re.M), shown
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
 def test_a_failed_run_starts_again_on_the_cluster_with_max_restarts(cluster_kernel):
     r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --max-restarts 1") + INIT + """\
 restart = int(os.environ['TORCHELASTIC_RESTART_COUNT'])
@@ -415,6 +450,65 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
     assert not leftovers(cluster_kernel)
 
 
+def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cluster, registered):
+    local, _ = cluster
+    cluster_kernel = registered
+    here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok())
+    cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep --cpus 1") + "import json, taas",
+                           timeout=240).ok()
+    try:
+        cells = [cluster_kernel.execute("#pragma taas\n" + COLLECT, timeout=120).ok() for _ in range(2)]
+        got = [collected(r) for r in cells]
+        assert all(sorted(g) == [0, 1, 2, 3] and all(record["len"] == 4 for record in g.values()) for g in got)
+        assert {rank: g["passes"] for rank, g in got[0].items()} == {rank: g["passes"] for rank, g in here.items()}, \
+            "the session's first passes are a one-shot cell's, in the same order"
+        for number in range(2):
+            union = [i for rank in range(4) for batch in got[1][rank]["passes"][number] for i in batch]
+            assert sorted(set(union)) == list(range(50)) and len(union) == 62, "the next cell's passes are whole"
+        head = int(local.addresses[0].split(".")[-1])
+        assert {node for g in got for record in g.values() for node in record["built"]} == {head}, \
+            "built on the CPU node alone"
+        assert re.search(r"taas: loader: 48 elements delivered to 4 ranks", cells[1].stderr), cells[1].stderr
+        cluster_kernel.execute("late = DataLoader(Indices(8), batch_size=2)\ntaas.register(late)").ok()
+        r = cluster_kernel.execute("#pragma taas\nfor batch in late:\n    pass", timeout=60)
+        assert r.error["evalue"] == ("registered loader 'late' was registered after the session started, and on a "
+                                     "cluster a session's producers start with it: %taas stop, then start the "
+                                     "session again with --keep to have it served")
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+        cluster_kernel.execute("if any(loader is globals().get('late') for loader in taas.registered()):\n"
+                               "    taas.unregister(late)").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autoreload_on(cluster_kernel,
+                                                                                      shared_modules):
+    module = shared_modules / "on_nodes.py"
+
+    def write(value: int) -> None:  # a time that moves on by whole seconds: cached bytecode goes by them
+        module.write_text(f"def f():\n    return {value}\n")
+        os.utime(module, (1_700_000_000 + 10 * value,) * 2)
+
+    write(1)
+    cluster_kernel.execute("%load_ext autoreload\n%autoreload 2\nimport on_nodes").ok()
+    try:
+        r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep")
+                                   + "held = on_nodes.f\nprint('before', held(), flush=True)", timeout=240).ok()
+        assert r.each_rank().count("before 1") == 4, r.stdout
+        write(2)
+        r = cluster_kernel.execute("#pragma taas --return none\nprint('after', on_nodes.f(), held())", timeout=60).ok()
+        assert cluster_kernel.value("on_nodes.f()") == 2
+        assert r.each_rank().count("after 2 2") == 4, r.stdout
+        cluster_kernel.execute("%autoreload off").ok()
+        write(3)
+        r = cluster_kernel.execute("#pragma taas --return none\nprint('kept', on_nodes.f())", timeout=60).ok()
+        assert cluster_kernel.value("on_nodes.f()") == 2
+        assert r.each_rank().count("kept 2") == 4, r.stdout
+    finally:
+        cluster_kernel.execute("%taas stop\n%autoreload off").ok()
+    assert not leftovers(cluster_kernel)
+
+
 def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
     r = cluster_kernel.execute(HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60,
                                interrupt_after=4.0)
@@ -439,6 +533,28 @@ def test_a_name_that_cannot_travel_fails_the_cell_before_any_node_is_taken(clust
     r = cluster_kernel.execute(HEADER + "print(lock)", timeout=60)
     assert r.error is not None and "the cell needs 'lock'" in r.error["evalue"], r.error
     assert "cannot be sent to ranks on the cluster's nodes" in r.error["evalue"]
+    assert not leftovers(cluster_kernel)
+
+
+def test_every_kind_of_notebook_value_reaches_the_nodes_and_comes_back(cluster_kernel):
+    """None, NaN, mocks, modules, objects whose ``__eq__`` raises… (notebook_values.py) are read by a
+    cell on two nodes and by a configuration line alone on a CPU node; the generator, which cannot
+    travel, is named in one line, before any node is taken."""
+    everything = {f"v_{kind}": expression for kind, expression in KINDS.items()}
+    picklable = {name: expression for name, expression in everything.items() if not unpicklable(expression)}
+    cluster_kernel.execute(SETUP + "".join(f"{name} = {expression}\n" for name, expression in everything.items())).ok()
+    reads = ", ".join(picklable)
+    r = cluster_kernel.execute(HEADER + f"print('kinds', [type(v).__name__ for v in ({', '.join(everything)},)])",
+                               timeout=60)
+    assert r.error is not None and r.error["evalue"].startswith("the cell needs 'v_generator'"), r.error
+    assert not leftovers(cluster_kernel)
+    expected = cluster_kernel.value(f"[type(v).__name__ for v in ({reads},)]")
+    r = cluster_kernel.execute(HEADER + f"print('kinds', [type(v).__name__ for v in ({reads},)], flush=True)\n"
+                               + "".join(f"back_{name} = {name}\n" for name in picklable), timeout=240).ok()
+    assert r.each_rank().count(f"kinds {expected!r}") == 4, r.stdout
+    assert cluster_kernel.value(f"[type(b).__name__ for b in ({', '.join('back_' + n for n in picklable)},)]") == expected
+    r = cluster_kernel.execute("#!c1.4\nprint('alone', type(v_none).__name__, v_nan != v_nan)", timeout=60).ok()
+    assert "alone NoneType True" in r.stdout
     assert not leftovers(cluster_kernel)
 
 
@@ -686,3 +802,63 @@ def test_nothing_of_the_cluster_talked_beyond_loopback_but_name_lookups(cluster,
                    "a reverse lookup of 127.0.0.x, which /etc/hosts lacks, asks the machine's name server")
 def test_no_name_lookup_left_the_machine(cluster, peers):
     assert not peers.outside, sorted(peers.outside)
+
+
+# -- kernel-level commands while a session runs on the cluster ------------------------------------
+SESSION = HEADER.replace("--device cpu", "--device cpu --keep") + INIT + "mine = dist.get_rank()\n"
+
+
+def test_cluster_commands_leave_a_running_session_alone_or_refuse_in_one_line(cluster, cluster_kernel):
+    local, _ = cluster
+    cluster_kernel.execute(SESSION, timeout=240).ok()
+    try:
+        r = cluster_kernel.execute("%taas cluster release").ok()
+        kept = re.fullmatch(r"taas: 0 warm agents released; (\d) kept: they serve the running session "
+                            r"\(%taas stop ends it\)", r.stdout.strip())
+        assert kept and int(kept[1]) >= 2, r.stdout  # its 2 nodes (and a node of its data producers, if any)
+        for command in ("%taas cluster off", f"%taas cluster {local.address}"):
+            r = cluster_kernel.execute(command, timeout=60)
+            assert r.error is not None and r.error["evalue"] == (
+                "a session runs on the cluster (4 ranks): %taas stop first, then change the cluster"), r.error
+        cluster_kernel.execute("%reload_ext taas_magic").ok()
+        r = cluster_kernel.execute("#pragma taas\nx = torch.ones(1) * mine\ndist.all_reduce(x)\ntotal = x.item()",
+                                   timeout=60).ok()
+        assert cluster_kernel.value("total") == 6.0, "the session's ranks on both nodes still work together"
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+    released = cluster_kernel.execute("%taas cluster release").ok().stdout.strip()
+    assert released == f"taas: {kept[1]} warm agents released", "idle once the session is over"
+
+
+def test_stop_ends_a_session_whose_agents_died_in_one_line(cluster_kernel):
+    others = {p.pid for p in _agents()}
+    cluster_kernel.execute("%taas cluster release").ok()
+    cluster_kernel.execute(SESSION, timeout=240).ok()
+    try:
+        agents = [p for p in _agents() if p.pid not in others]
+        assert len(agents) >= 2, "one on each of the session's nodes"
+        for agent in agents:
+            agent.kill()
+        psutil.wait_procs(agents, timeout=10)
+        shown = cluster_kernel.execute("%taas", timeout=60).ok().stdout
+        assert "session:             ended: node 127.0.0." in shown and "its agent died" in shown, shown
+    finally:
+        r = cluster_kernel.execute("%taas stop", timeout=60).ok()
+    assert r.stdout.startswith("taas: the session had already ended (node 127.0.0."), r.stdout
+    cluster_kernel.execute(HEADER + "print('after')", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_taas_and_stop_say_in_one_line_that_a_session_is_over_when_the_connection_is_gone(cluster):
+    local, config = cluster
+    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        k.execute(SESSION, timeout=240).ok()
+        k.execute("import ray\nray.shutdown()").ok()  # as if the cluster went away
+        shown = k.execute("%taas", timeout=60).ok().stdout
+        assert "session:             ended: node 127.0.0." in shown and "its agent cannot be reached" in shown, shown
+        r = k.execute("%taas stop", timeout=60).ok()
+        assert r.stdout.startswith("taas: the session had already ended (node 127.0.0."), r.stdout
+    finally:
+        k.shutdown()

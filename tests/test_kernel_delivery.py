@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -340,3 +341,202 @@ time.sleep(1.5)
     assert (consumed, per_rank) == (6, (3, 3)) and buffered in (8, 9)
     assert seen[-1][1:] == (6, (3, 3), 14, 0, "done"), "at the end nothing is buffered for anyone"
     registered.execute("taas.unregister(steps)").ok()
+
+
+# -- sessions: producers that live as long as the session ------------------------------------------
+SESSION = """#pragma taas --gpus 2 --keep --cpus 2 --start {start}
+import json, os, taas
+print("RUN", os.environ["TAAS_RUN_ID"], flush=True) if taas.rank() == 0 else None
+"""
+
+
+def session_passes(results) -> dict[int, list]:
+    """Each rank's passes over the session's cells, in order."""
+    passes: dict[int, list] = {0: [], 1: []}
+    for result in results:
+        for rank, record in received(result).items():
+            passes[rank] += record["passes"]
+    return passes
+
+
+def assert_each_pass_whole(passes: dict[int, list], elements: int) -> None:
+    for number in range(len(passes[0])):
+        union = [i for rank in (0, 1) for batch in passes[rank][number] for i in batch]
+        assert sorted(set(union)) == list(range(elements)), f"pass {number}: every element, each once per place"
+        assert len(passes[0][number]) == len(passes[1][number]), "every rank gets the same number of elements"
+
+
+def leftovers(pids: set[int]) -> list[str]:
+    """Processes of ``pids`` still alive, and the temporary folders their DataLoaders made (``pymp-taas-PID-*``)."""
+    import glob
+    import tempfile
+
+    import psutil
+
+    alive = [f"pid {pid}" for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    return alive + [folder for pid in pids for folder in glob.glob(f"{tempfile.gettempdir()}/pymp-taas-{pid}-*")]
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_session_serves_a_registered_loader_pass_after_pass_as_a_one_shot_cell_would(registered, start):
+    _, one_shot = run(registered, "--cpus 2", passes=3)
+    first = registered.execute(SESSION.format(start=start)).ok()
+    run_id = re.search(r"RUN (taas-\w+)", first.stdout)[1]
+    try:
+        cells = [registered.execute("#pragma taas\n" + COLLECT.replace("PASSES", str(passes))).ok()
+                 for passes in (2, 1)]
+        assert "taas: loader: 28 elements delivered to 2 ranks" in cells[0].stderr
+        assert "taas: loader: 14 elements delivered to 2 ranks" in cells[1].stderr, "each cell sums up its own"
+        assert all(record["len"] == 7 for result in cells for record in received(result).values())
+        passes = session_passes(cells)
+        assert_each_pass_whole(passes, 50)
+        assert passes == {rank: record["passes"] for rank, record in one_shot.items()}, \
+            "the session's passes are a one-shot cell's, in the same order"
+        built = registered.execute("""#pragma taas
+print("BUILT", json.dumps(sorted({pid for batch in loader for pid in batch[:, 1].tolist()})))
+""").ok()
+        builders = {pid for found in re.findall(r"BUILT (.*)", built.stdout) for pid in json.loads(found)}
+        assert len(builders) == 2 and not builders & {record["pid"] for record in received(cells[0]).values()}
+    finally:
+        registered.execute("%taas stop").ok()
+    assert processes_of_run(run_id) == []
+    assert leftovers(builders) == [], "no producer, and nothing it made, outlives the session"
+
+
+def test_an_interrupted_session_cell_leaves_the_next_pass_whole_and_in_order(registered):
+    registered.execute("""
+class Paced(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return super().__getitem__(i)
+paced = DataLoader(Paced(300), batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(3))
+taas.register(paced)
+""").ok()
+    reference = registered.execute("""#pragma taas --gpus 2 --cpus 2
+import json, taas
+print("PASSES " + json.dumps([[b[0, 0].item() for b in paced] for _ in range(2)]))
+""").ok()
+    expected = {int(rank): json.loads(found) for rank, found in
+                re.findall(r"\[rank (\d)\] PASSES (.*)", reference.each_rank())}
+    registered.execute(SESSION.format(start="fork")).ok()
+    try:
+        interrupted = registered.execute("""#pragma taas
+import json
+took = []
+try:
+    for batch in paced:
+        took.append(batch[0, 0].item())
+finally:
+    print("TOOK " + json.dumps(took), flush=True)
+""", interrupt_after=2.0, timeout=60)
+        assert interrupted.error["evalue"].startswith("KeyboardInterrupt: taas interrupted the cell"), interrupted.error
+        took = {int(rank): json.loads(found) for rank, found in
+                re.findall(r"\[rank (\d)\] TOOK (.*)", interrupted.each_rank())}
+        assert all(0 < len(took[rank]) < 150 for rank in (0, 1)), "interrupted in the middle of the pass"
+        assert all(took[rank] == expected[rank][0][:len(took[rank])] for rank in (0, 1)), "in order until then"
+        after = registered.execute("""#pragma taas
+import json
+print("NEXT " + json.dumps([b[0, 0].item() for b in paced]))
+""", timeout=60).ok()
+        following = {int(rank): json.loads(found) for rank, found in
+                     re.findall(r"\[rank (\d)\] NEXT (.*)", after.each_rank())}
+        assert following == {rank: expected[rank][1] for rank in (0, 1)}, "the next pass, whole, in its order"
+        assert "taas: paced: 300 elements delivered to 2 ranks" in after.stderr, "the cell's own, not the interrupted one's"
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("taas.unregister(paced)").ok()
+
+
+LATE = """#pragma taas
+import json, taas
+print("LATE " + json.dumps([[b[:, 0].tolist() for b in late] for _ in range(PASSES)]))
+"""
+
+
+def late_passes(result) -> dict[int, list]:
+    return {int(rank): json.loads(found) for rank, found in re.findall(r"\[rank (\d)\] LATE (.*)", result.each_rank())}
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_loader_registered_during_a_session_is_served_from_the_next_cell_on(registered, start):
+    registered.execute("late = DataLoader(Indices(30), batch_size=3, shuffle=True)\ntaas.register(late)").ok()
+    reference = late_passes(registered.execute(LATE.replace("PASSES", "3").replace("#pragma taas", "#pragma taas --gpus 2 --cpus 2")).ok())
+    registered.execute("taas.unregister(late)").ok()
+    first = registered.execute(SESSION.format(start=start)).ok()
+    run_id = re.search(r"RUN (taas-\w+)", first.stdout)[1]
+    try:
+        registered.execute("taas.register(late)").ok()
+        cells = [registered.execute(LATE.replace("PASSES", str(passes))).ok() for passes in (1, 2)]
+        assert "taas: late: 10 elements delivered to 2 ranks" in cells[0].stderr
+        got = {rank: late_passes(cells[0])[rank] + late_passes(cells[1])[rank] for rank in (0, 1)}
+        assert got == reference, "served from the cell that first used it, as a one-shot cell serves it"
+        registered.execute("""
+class Later(Indices):
+    def __getitem__(self, i):
+        return super().__getitem__(i) + torch.tensor([1000, 0])
+fresh = DataLoader(Later(10), batch_size=2)
+taas.register(fresh)
+""").ok()
+        result = registered.execute("#pragma taas\nimport json\n"
+                                    "print('FRESH ' + json.dumps([b[:, 0].tolist() for b in fresh]), len(fresh))").ok()
+        found = [json.loads(part) for part in re.findall(r"FRESH (\[.*\]) 3", result.stdout)]
+        assert sorted(i for part in found for batch in part for i in batch) == sorted(list(range(1000, 1010)) + [1000, 1001]), \
+            "a loader of a class defined during the session: 5 batches padded to 6, each element once per place"
+        part = registered.execute("#pragma taas --ranks 0\nprint(len(loader))")
+        assert part.error["evalue"].startswith("--ranks 0: the cell uses 'loader', which producers serve to every rank")
+        registered.execute("late = DataLoader(Indices(12), batch_size=3)\ntaas.register(late)").ok()
+        rebound = late_passes(registered.execute(LATE.replace("PASSES", "2")).ok())
+        assert rebound == {0: [[[0, 1, 2], [6, 7, 8]]] * 2, 1: [[[3, 4, 5], [9, 10, 11]]] * 2}, \
+            "a name rebound to another registered loader is served as that loader"
+        _, got_loader = run(registered, "", passes=1)
+        assert all(record["len"] == 7 for record in got_loader.values()), "the session goes on, serving its loaders"
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("for name in ('late', 'fresh'):\n"
+                           "    if any(loader is globals().get(name) for loader in taas.registered()):\n"
+                           "        taas.unregister(globals()[name])").ok()
+    assert processes_of_run(run_id) == []
+
+
+def test_a_failing_dataset_in_a_session_fails_the_cell_naming_the_element_and_ends_the_session(registered):
+    registered.execute("unsound = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(unsound)").ok()
+    try:
+        first = registered.execute(SESSION.format(start="fork")).ok()
+        run_id = re.search(r"RUN (taas-\w+)", first.stdout)[1]
+        result = registered.execute("#pragma taas\nfor batch in unsound:\n    pass", timeout=60)
+        assert result.error["evalue"].startswith(
+            "producer 1 of unsound failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ValueError: sample 21")
+        assert result.error["evalue"].endswith("; the session ended"), result.error["evalue"]
+        assert "raise ValueError" in result.traceback and result.seconds < 15
+        assert processes_of_run(run_id) == []
+        assert "session:             none" in registered.execute("%taas").ok().stdout
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("taas.unregister(unsound)").ok()
+
+
+def test_units_in_a_session_end_its_stream_across_cells_and_the_session_goes_on(registered):
+    registered.execute(SESSION.format(start="fork").replace("--cpus 2", "--cpus 2 --units 20")).ok()
+    try:
+        cells = [registered.execute("#pragma taas\n" + COLLECT.replace("PASSES", str(passes))).ok()
+                 for passes in (1, 2)]
+        sizes = {rank: [len(p) for p in passes] for rank, passes in session_passes(cells).items()}
+        assert sizes == {0: [7, 4, 0], 1: [7, 4, 0]}, "13 batches, then 7 more (padded to 8), then nothing"
+        assert registered.execute("#pragma taas\nprint('still', len(loader))").ok(), "producers that finished end nothing"
+    finally:
+        registered.execute("%taas stop").ok()
+
+
+def test_a_kernel_restart_ends_a_sessions_producers(fresh_kernel):
+    fresh_kernel.execute(SETUP).ok()
+    fresh_kernel.execute(SESSION.format(start="fork")).ok()
+    built = fresh_kernel.execute("#pragma taas\nimport json\n"
+                                 "print('BUILT', os.getpid(), json.dumps(sorted({pid for b in loader for pid in b[:, 1].tolist()})))").ok()
+    found = re.findall(r"BUILT (\d+) (\[.*\])", built.stdout)
+    ranks, builders = {int(pid) for pid, _ in found}, {pid for _, pids in found for pid in json.loads(pids)}
+    assert len(builders) == 2 and not builders & ranks, "the session's producers built the elements"
+    fresh_kernel.manager.restart_kernel(now=True)
+    deadline = time.monotonic() + 3
+    while leftovers(builders | ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(builders | ranks) == [], "a session's producers are gone within 3 s of the kernel's death"

@@ -138,6 +138,18 @@ finally:
     assert "Cell In[" in result.traceback and "1 / 0" in result.traceback
 
 
+def test_breakpoint_from_the_fork_server_shows_the_lines_around_it_as_a_forked_rank_does(defined):
+    """ipykernel makes IPython's debugger ``pdb.Pdb`` in the kernel, and forked ranks inherit it; a rank
+    the fork server starts has plain pdb, which showed only the ``->`` line."""
+    r = defined.execute("#pragma taas --gpus 2 --start forkserver\nimport os\nx = 5\nif os.environ['RANK'] == '1':\n"
+                        "    breakpoint()\n    x = 6\ny = x", answers=["c"]).ok()
+    assert r.prompts == ["[rank 1] (Pdb) "]
+    assert re.search(r"^\[rank 1\] > .*\(6\)<module>\(\)\n"
+                     r"\[rank 1\]       3 x = 5\n\[rank 1\]       4 if os.environ\['RANK'\] == '1':\n"
+                     r"\[rank 1\]       5     breakpoint\(\)\n\[rank 1\] ----> 6     x = 6\n"
+                     r"\[rank 1\]       7 y = x$", r.stdout, re.M), r.stdout
+
+
 def test_only_rank_0_writes_from_the_fork_server_too(defined, tmp_path):
     target = tmp_path / "w.pt"
     result = defined.execute(f"#pragma taas --gpus 2 --start forkserver\nimport taas\ntorch.save(taas.rank(), {str(target)!r})").ok()

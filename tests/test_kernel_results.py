@@ -43,6 +43,15 @@ def test_return_limits_what_comes_back_and_none_turns_it_off(kernel):
     assert result.stderr == "taas: not copied back from rank 0: missing (not bound when the cell ended)\n"
 
 
+def test_a_name_bound_only_in_other_ranks_is_silently_not_copied_unless_return_asked_for_it(kernel):
+    branches = "import taas\nif taas.rank() == 1:\n    only_in_1 = 1\nin_all = 2"
+    result = kernel.execute("#pragma taas --gpus 2\n" + branches).ok()
+    assert result.stderr == ""
+    assert kernel.value("('only_in_1' in globals(), in_all)") == (False, 2)
+    result = kernel.execute("#pragma taas --gpus 2 --return only_in_1,in_all\n" + branches).ok()
+    assert result.stderr == "taas: not copied back from rank 0: only_in_1 (not bound when the cell ended)\n"
+
+
 def test_objects_that_live_only_in_the_job_are_listed_in_one_notice_not_raised(kernel):
     result = kernel.execute("""#pragma taas --gpus 2
 import threading, torch.distributed as dist

@@ -274,3 +274,106 @@ def test_taas_progress_shows_in_a_sessions_cells(kernel):
         assert [re.sub(r" +", " ", line).endswith("step 4, acc 0.5") for line in summary[1:]] == [True, True], summary
     finally:
         stop(kernel)
+
+
+# -- kernel-level commands while a session runs ---------------------------------------------------
+def test_reload_ext_keeps_the_session_its_ranks_and_the_configured_defaults(kernel):
+    first = kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        kernel.execute("%config TaasMagics.output = 'rank0'").ok()
+        kernel.execute("#pragma taas\nsteps = 100").ok()
+        kernel.execute("%reload_ext taas_magic").ok()
+        r = kernel.execute("#pragma taas\nsteps += 100\nprint('pid', os.getpid(), 'steps', steps, flush=True)\n"
+                           "dist.barrier()").ok()
+        assert r.stdout == f"pid {pids(first)[0]} steps 200\n", "the session's own rank 0, alone (--output rank0 kept)"
+        assert "session:             up: 2 ranks" in kernel.execute("%taas").ok().stdout
+    finally:
+        kernel.execute("%config TaasMagics.output = 'all'").ok()
+        stop(kernel)
+
+
+def test_unload_ext_ends_the_session_in_one_line_and_the_next_cell_after_loading_does_not_run(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute("%unload_ext taas_magic").ok()
+    assert "taas: taas_magic was unloaded (%unload_ext): the session ended; its 2 ranks are gone" in r.stderr, r.stderr
+    assert gone(pids(first).values(), 5)
+    kernel.execute("%load_ext taas_magic").ok()
+    r = kernel.execute("#pragma taas\nprint('ran', flush=True)")
+    assert r.error is not None and "ran" not in r.stdout
+    assert r.error["evalue"] == "the session ended: taas_magic was unloaded (%unload_ext)", r.error["evalue"]
+    kernel.execute("#pragma taas\nprint('one-shot again')").ok()
+
+
+# -- a person at a debugger prompt: --timeout, --max-restarts, interrupts ----------------------------
+ONE_SHOT = "#pragma taas --gpus 2 {options}\nimport os\nmine = int(os.environ['RANK'])"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_time_at_a_debugger_prompt_does_not_count_toward_timeout(kernel, keep):
+    if keep:
+        kernel.execute(START.format(start="fork")).ok()
+    header = "#pragma taas --timeout 2" if keep else ONE_SHOT.format(options="--timeout 2")
+    try:
+        r = kernel.execute(f"{header}\nx = 5\nif mine == 1:\n    breakpoint()\n    x = 6\ny = x + 1",
+                           answers=["p x", "c"], think=1.5).ok()
+        assert r.prompts == ["[rank 1] (Pdb) "] * 2 and r.seconds > 3, "3 s at the prompt, 2 s of --timeout"
+        assert kernel.value("y") == 6, "rank 0's names came back"
+        late = kernel.execute(f"{header}\nif mine == 1:\n    breakpoint()\ntime.sleep(30)", answers=["c"], think=1.5)
+        assert late.error is not None and late.error["evalue"].startswith(
+            "--timeout 2 s elapsed: ranks 0, 1 still running, now"), "the clock runs again after the prompt"
+        assert 3.5 < late.seconds < 15, late.seconds
+    finally:
+        if keep:
+            stop(kernel)
+
+
+@pytest.mark.parametrize("how", ["q", "interrupt"])
+def test_quitting_the_debugger_ends_a_one_shot_run_as_an_interrupt_and_never_restarts_it(kernel, how):
+    code = ONE_SHOT.format(options="--max-restarts 2") + "\nif mine == 1:\n    breakpoint()\ntime.sleep(30)"
+    if how == "q":
+        r = kernel.execute(code, answers=["q"])
+    else:
+        r = kernel.execute(code, answers=[], think=60, interrupt_after=3.0)
+    assert r.error is not None and r.error["ename"] == "RunInterrupted", r.error
+    assert "taas run interrupted; every rank stopped (0: KeyboardInterrupt, 1: quit the debugger)" in r.traceback, \
+        r.traceback
+    assert "starts again" not in r.stderr and r.prompts == ["[rank 1] (Pdb) "], (r.stderr, r.prompts)
+    assert r.seconds < 15
+
+
+@pytest.mark.parametrize("how", ["q", "interrupt"])
+def test_quitting_the_debugger_in_a_session_interrupts_the_cell_and_the_session_goes_on(kernel, how):
+    first = kernel.execute(START.format(start="fork")).ok()
+    try:
+        code = "#pragma taas\nif mine == 1:\n    breakpoint()\ntime.sleep(30)"
+        if how == "q":
+            r = kernel.execute(code, answers=["q"])
+        else:
+            r = kernel.execute(code, answers=[], think=60, interrupt_after=3.0)
+        assert r.error is not None and r.error["ename"] == "RunInterrupted", r.error
+        assert r.error["evalue"] == ("KeyboardInterrupt: the debugger was quit in rank 1; taas interrupted the cell "
+                                     "in rank 0; the session goes on"), r.error["evalue"]
+        assert r.seconds < 15
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_prompt_that_comes_after_another_rank_failed_is_not_put_to_the_user(kernel, keep):
+    if keep:
+        kernel.execute(START.format(start="fork")).ok()
+    header = "#pragma taas" if keep else ONE_SHOT.format(options="")
+    try:
+        r = kernel.execute(f"{header}\nif mine == 1:\n    breakpoint()\n    print('after the prompt', flush=True)\n"
+                           "    time.sleep(30)\nelse:\n    time.sleep(0.5)\n    raise ValueError('boom')",
+                           answers=["p 41 + 1"], think=2.0)
+        assert r.error is not None and r.error["evalue"] == "rank 0 failed: ValueError: boom", r.traceback + r.stdout
+        assert r.prompts == ["[rank 1] (Pdb) "] and "[rank 1] 42" in r.each_rank(), r.prompts
+        assert "[rank 1] after the prompt\n" not in r.each_rank() and r.seconds < 10, r.traceback
+        if keep:
+            assert "the session goes on" in r.traceback
+            assert_same_ranks_go_on(kernel, kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+    finally:
+        if keep:
+            stop(kernel)

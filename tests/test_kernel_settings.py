@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import Kernel
+from conftest import NO_GPU, Kernel
 
 pytestmark = pytest.mark.kernel
 
@@ -39,6 +39,27 @@ def test_a_configured_device_wins_over_the_environment_and_a_bad_one_is_one_line
         assert "The 'device' trait of a TaasMagics instance expected any of ['auto', 'cuda', 'cpu'] or None, " \
                "not the str 'gpu'." in r.stderr
         assert "default --device:    cpu (from %config TaasMagics.device)" in k.execute("%taas").ok().stdout
+    finally:
+        k.shutdown()
+
+
+GRANDPARENT = "#pragma taas --gpus 2 --output rank0\nimport os, psutil\nprint(psutil.Process(os.getppid()).ppid())"
+
+
+def test_settings_name_only_what_the_user_configured_and_what_using_cuda_changed():
+    k = Kernel(NO_GPU)
+    try:
+        shown = k.execute("%taas").ok().stdout
+        assert "(from %config" not in shown, "nothing was configured: every default is built in"
+        assert "default --start:     auto\n" in shown
+        k.execute("%config TaasMagics.view = True").ok()  # the built-in value, but set by the user
+        assert "(from %config TaasMagics.view)" in k.execute("%taas").ok().stdout
+        k.execute("torch.cuda.is_available()").ok()
+        shown = k.execute("%taas").ok().stdout
+        assert "CUDA devices:        0 visible (CUDA was used in this kernel: GPU cells start from the fork " \
+               "server; CPU cells still fork)" in shown
+        result = k.execute(GRANDPARENT).ok()
+        assert int(result.stdout) == k.pid and result.stderr == "", "a CPU cell is still forked from the kernel"
     finally:
         k.shutdown()
 

@@ -35,7 +35,20 @@ def test_a_row_shows_memory_the_bar_and_taas_progress():
     view.take(0, RankProgress(1.0, 40, {"loss": 0.5}))
     view.take(0, RankProgress(2.0, 60, {"loss": 0.25}))
     assert rows(view.render(2.0)) == [["rank 0", "running", "312 MB · GPU 12.1 GB 87%",
-                                       "45%|####5     | 45/100 [00:01<00:01, 40.12it/s] · step 60, 20.0 steps/s, loss 0.25"]]
+                                       "step 60, 20.0 steps/s, loss 0.25 · 45%|####5     | 45/100 [00:01<00:01, 40.12it/s]"]]
+
+
+def test_a_row_wider_than_the_cell_loses_no_number():
+    """A narrow cell once cut ``loss 0.025`` to ``loss 0.0``: the numbers come before the bar, and the row wraps."""
+    view = RunView("1 rank on cpu", [0])
+    view.take(0, RankVitals(1.0, 300 * MB, 300 * MB))
+    view.bar(0, "45%|" + "#" * 200 + "| 45/100 [00:01<00:01, 40.12it/s]")
+    view.take(0, RankProgress(1.0, 45, {"loss": 0.025}))
+    bundle = view.render(1.0)
+    assert rows(bundle)[0][3].startswith("step 45, loss 0.025 · 45%|")
+    progress_cell = re.findall(r"<td ([^>]*)>([^<]*)</td></tr>", bundle["text/html"])[0]
+    assert progress_cell[1].startswith("step 45, loss 0.025 · 45%|")
+    assert "white-space:pre-wrap" in progress_cell[0] and "nowrap" not in progress_cell[0]
 
 
 def test_the_summary_has_peaks_and_throughput():

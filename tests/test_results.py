@@ -143,3 +143,9 @@ def test_names_that_only_reuse_strings_or_globals_of_a_failed_name_still_come_ba
                                  "reuses": {"not in this process": 1, "key": refuse_here}})
     assert list(left_out) == ["bad"]
     assert back == {"reuses": {"not in this process": 1, "key": refuse_here}}
+
+
+def test_a_name_rank_0_never_bound_is_worth_saying_only_when_return_asked_for_it():
+    skipped = {"t0": results.NOT_BOUND, "lock": "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"}
+    assert results.worth_saying(skipped, None) == {"lock": skipped["lock"]}
+    assert results.worth_saying(skipped, ("t0", "lock")) == skipped

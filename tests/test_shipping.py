@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pickle
+from unittest.mock import MagicMock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from taas_magic import shipping
 
@@ -83,3 +86,105 @@ def test_whatever_pickling_a_name_raises_is_one_line(value, fragment) -> None:
     with pytest.raises(TaasUsageError) as raised:
         shipping.pack({"x": value}, ["x"])
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+# -- a session's view of the notebook's values --------------------------------------------------
+class _BadEq:
+    def __eq__(self, other):
+        raise RuntimeError("no comparing")
+
+    __hash__ = object.__hash__
+
+
+class _Anything:
+    def __getattr__(self, name):
+        return 42
+
+
+_plain_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.complex_numbers(allow_nan=True),
+              st.text(max_size=5000), st.binary(max_size=5000), st.just(Ellipsis), st.just(NotImplemented),
+              st.builds(_BadEq), st.builds(_Anything), st.builds(MagicMock), st.just(torch.tensor(float("nan")))),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner),
+                            st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=6)
+
+
+@given(_plain_values)
+@settings(max_examples=300, deadline=None)
+def test_a_fingerprint_of_any_value_equals_itself_and_never_asks_the_value(value) -> None:
+    assert shipping.fingerprint(value) == shipping.fingerprint(value)
+
+
+@given(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(), st.binary()))
+def test_a_number_or_string_is_fingerprinted_by_value(value) -> None:
+    copy = pickle.loads(pickle.dumps(value))
+    assert shipping.fingerprint(copy) == shipping.fingerprint(value)
+    assert shipping.fingerprint([copy]) != shipping.fingerprint([value]), "a new container is a new value"
+
+
+@pytest.mark.parametrize("make", [lambda i: _Anything(), lambda i: torch.zeros(1), lambda i: float(str(i) + ".5")],
+                         ids=["object", "tensor", "float"])
+def test_a_new_object_in_a_freed_ones_place_has_another_fingerprint(make) -> None:
+    old = make(0)
+    address, known = id(old), shipping.fingerprint(old)
+    del old
+    kept = []
+    for i in range(1, 100000):
+        new = make(i)
+        if id(new) == address:
+            break
+        kept.append(new)
+    assert id(new) == address, "the freed address must be reused for the test to mean anything"
+    assert shipping.fingerprint(new) != known
+
+
+def test_a_value_that_takes_no_weak_reference_is_kept_until_the_notebook_lets_go_of_it() -> None:
+    value = {"i": 0}
+    known = shipping.fingerprint(value)
+    assert not known.keeps_other_than(value) and known == shipping.fingerprint(value)
+    assert known.keeps_other_than({"i": 0}), "a session forgets it once the name is bound to another"
+    assert known != shipping.fingerprint({"i": 0}), "the same items in a new dict are a new value"
+
+
+def test_none_and_every_atom_reach_a_sessions_ranks_as_themselves() -> None:
+    """The notebook's globals are referred to, not copied, for a session's ranks: a value is checked
+    against cloudpickle's table of such globals, whose miss must match no value (None least of all)."""
+    notebook = {"__name__": "__main__", "x": None, "y": 0, "z": float("nan")}
+    shipment = shipping.pack_for_session(notebook, ["x", "y", "z"], lambda name, value: False)
+    rank = {"__name__": "__main__", "mine": 1}
+    shipping.unpack_into(rank, shipment.data, shipment.tensors_fd, shipment.tensors_size)
+    assert rank["x"] is None and rank["y"] == 0 and rank["z"] != rank["z"] and rank["mine"] == 1
+
+
+def test_a_notebook_value_reached_through_another_is_bound_in_the_ranks_under_its_name() -> None:
+    """The kernel counts a value that went as part of another (an object's class) as sent: the
+    ranks hold it under its notebook name too, and a later cell may refer to it there."""
+    namespace: dict = {"__name__": "__main__"}
+    exec("class Box:\n    pass\nbox = Box()\nbox.weights = weights", namespace | {"weights": torch.ones(2)}, namespace)
+    namespace["weights"] = namespace["box"].weights
+    shipment = shipping.pack(namespace, ["box"], track=True)
+    try:
+        assert {"Box", "weights"} <= shipment.sent
+        back = shipping.unpack(shipment.data, shipment.tensors_fd, shipment.tensors_size)
+    finally:
+        shipment.close()
+    assert type(back["box"]) is back["Box"] and back["box"].weights is back["weights"]
+    assert shipment.tensors_size == 8, "each tensor's data goes once"
+
+
+def test_the_names_a_cell_reaches_are_found_without_asking_any_value_for_an_attribute() -> None:
+    """Only functions, methods, partials and classes are looked into, by their type: a mock, or an
+    object that raises from every attribute, is a value like any other."""
+    import functools
+
+    from taas_magic.cell_names import names_reached
+
+    class Raising:
+        def __getattr__(self, name):
+            raise RuntimeError(f"asked for {name}")
+
+    namespace: dict = {"__name__": "__main__", "mock": MagicMock(), "raising": Raising(), "scale": 2, "unused": 3}
+    exec("def f(x):\n    return x * scale\n", namespace)
+    namespace["step"] = functools.partial(namespace["f"], 1)
+    assert names_reached({"mock", "raising", "step"}, namespace) == {"mock", "raising", "step", "scale"}

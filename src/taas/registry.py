@@ -26,7 +26,7 @@ def register(loader: Any) -> None:
 
 def unregister(loader: Any) -> None:
     """Stop serving ``loader``; raises ValueError if it was not registered."""
-    if _loaders.get(id(loader)) is not loader:
+    if not is_registered(loader):
         raise ValueError(f"{_describe(loader)} is not registered; registered: {_describe_all()}")
     del _loaders[id(loader)]
 
@@ -37,7 +37,12 @@ def registered() -> list[Any]:
 
 
 def is_registered(obj: Any) -> bool:
-    return _loaders.get(id(obj)) is obj
+    """Whether ``obj`` itself is registered. Looked up by identity, and the lookup's miss must not
+    match: a missing entry reads as a sentinel that no notebook value can be (``None`` is one)."""
+    return _loaders.get(id(obj), _MISSING) is obj
+
+
+_MISSING = object()
 
 
 def _describe(obj: Any) -> str:

@@ -12,17 +12,23 @@ headers; unloading removes exactly those.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .configurations import load_catalog
 from .errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
 from .pragma import PragmaTransformer
+
+if TYPE_CHECKING:
+    from .magics import TaasMagics
 
 __all__ = ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
            "load_ipython_extension", "unload_ipython_extension"]
 __version__ = "0.1.0"
 
 _loaded: dict[int, tuple[Any, PragmaTransformer]] = {}
+# The unloaded magics of each shell, until the next load takes them over or the cell ends. %reload_ext
+# runs this module again in the same namespace: what is parked here survives it.
+_parked: "dict[int, TaasMagics]" = globals().get("_parked", {})
 COMPLETED = ("%taas", "%%taas")  # the words whose lines taas completes
 
 
@@ -42,6 +48,9 @@ def load_ipython_extension(ipython: Any) -> None:
     transformer = PragmaTransformer(_is_configuration)
     magics = TaasMagics(ipython, transformer)
     transformer.on_cluster = lambda: magics.cluster_address is not None
+    parked = _parked.pop(id(ipython), None)
+    if parked is not None:
+        magics.take_over(parked)  # %reload_ext: the session, a paused rank and the cluster go on
     ipython.register_magics(magics)
     complete = completion.completer(TaasMagics.taas)
     for key in COMPLETED:
@@ -57,16 +66,12 @@ def unload_ipython_extension(ipython: Any) -> None:
     if entry is None:
         return
     magics, transformer = entry
-    magics.forkserver_backend.shutdown()
-    if magics.session is not None:
-        magics.session.stop()
+    _park(ipython, magics)
     if magics in ipython.configurables:  # IPython put it there, for %config: it goes with the magics
         ipython.configurables.remove(magics)
     dispatcher = ipython.strdispatchers.get("complete_command")
     for key in COMPLETED if dispatcher is not None else ():
         dispatcher.strs.pop(key, None)
-    if magics.cluster is not None:
-        magics.cluster.disconnect()  # its agents and their fork servers end with it
     if transformer in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(transformer)
     manager = ipython.magics_manager
@@ -74,3 +79,17 @@ def unload_ipython_extension(ipython: Any) -> None:
         if manager.magics[kind].get("taas") == getattr(magics, "taas", None):
             del manager.magics[kind]["taas"]
     manager.registry.pop(type(magics).__name__, None)
+
+
+def _park(ipython: Any, magics: "TaasMagics") -> None:
+    """Keep what ``magics`` runs (a session, a paused rank, the cluster, the fork server) for a load that
+    follows in the same cell, as ``%reload_ext`` does; otherwise it ends, in one line, once the cell ends."""
+    _parked[id(ipython)] = magics
+
+    def end_unless_taken(*_: Any) -> None:
+        ipython.events.unregister("post_run_cell", end_unless_taken)
+        if _parked.get(id(ipython)) is not magics:
+            return  # taken over by a load
+        # Its ended session stays parked: the next load's first taas cell says so, and does not run.
+        magics.close("taas_magic was unloaded (%unload_ext)")
+    ipython.events.register("post_run_cell", end_unless_taken)

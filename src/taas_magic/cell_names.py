@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import functools
+import types
 from typing import Any, Collection
 
 
@@ -39,14 +41,29 @@ def names_reached(reads: Collection[str], namespace: dict[str, Any]) -> set[str]
     return seen
 
 
-def _notebook_functions(value: Any, namespace: dict[str, Any]) -> list[Any]:
-    """The functions defined in the notebook that ``value`` is or holds (a class's methods)."""
-    try:
-        candidates = list(vars(value).values()) if isinstance(value, type) else [value]
-    except TypeError:
-        return []
-    candidates = [getattr(c, "__func__", c) for c in candidates]  # staticmethod/classmethod
-    return [c for c in candidates if getattr(c, "__globals__", None) is namespace and hasattr(c, "__code__")]
+def _notebook_functions(value: Any, namespace: dict[str, Any]) -> list[types.FunctionType]:
+    """The functions defined in the notebook that ``value`` is or holds (a class's methods, a
+    bound method's function, a partial's function).
+
+    Only real functions, methods and partials are looked into, by their type: a notebook value
+    may answer any attribute (a mock) or raise from every one, and is never asked for one.
+    """
+    if isinstance(value, type):
+        try:
+            candidates = list(vars(value).values())
+        except TypeError:
+            return []
+    else:
+        candidates = [value]
+    found = []
+    for candidate in candidates:
+        if isinstance(candidate, (staticmethod, classmethod, types.MethodType)):
+            candidate = candidate.__func__
+        elif isinstance(candidate, functools.partial):
+            candidate = candidate.func
+        if isinstance(candidate, types.FunctionType) and candidate.__globals__ is namespace:
+            found.append(candidate)
+    return found
 
 
 def top_level_bindings(tree: ast.Module) -> list[str]:

@@ -24,7 +24,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 from .cluster_agent import NodeAgent, NodeInfo, versions
 from .configurations import Catalog, Configuration
@@ -285,18 +285,19 @@ class Cluster:
         """An agent that died: the next run on its node starts a new one."""
         self.agents.pop(node_id, None)
 
-    def release(self) -> int:
-        """End every warm agent and its fork server; how many were ended."""
+    def release(self, keep: Collection[str] = ()) -> tuple[int, int]:
+        """End the warm agents and their fork servers, but those on the nodes (ids) in ``keep``: they serve a
+        session's ranks, which die with them. How many were ended, and how many kept."""
         ray = ray_module()
-        handles = list(self.agents.values())
-        self.agents.clear()
+        handles = [handle for node_id, handle in self.agents.items() if node_id not in keep]
+        self.agents = {node_id: handle for node_id, handle in self.agents.items() if node_id in keep}
         try:
             ray.get([handle.shutdown.remote() for handle in handles], timeout=15)
         except Exception:
             pass  # an agent that cannot say goodbye is killed below all the same
         for handle in handles:
             ray.kill(handle)
-        return len(handles)
+        return len(handles), len(self.agents)
 
     def disconnect(self) -> None:
         try:

@@ -186,10 +186,12 @@ class ClusterRanks:
         ray = ray_module()
         interrupted = False
         files = RunFiles({}, [])
-        refs = [agent.close.remote(index == 0) for index, agent in enumerate(self.agents)]
+        refs = [_sent(lambda: agent.close.remote(index == 0)) for index, agent in enumerate(self.agents)]
         try:
             for index, ref in enumerate(refs):
                 try:
+                    if ref is None:
+                        raise ConnectionError("its agent cannot be reached")
                     answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
                 except KeyboardInterrupt:
                     interrupted = True  # finish closing first
@@ -201,7 +203,10 @@ class ClusterRanks:
                     files = answer
         finally:
             self.alive = [set() for _ in self.agents]
-            self.placement.release()
+            try:
+                self.placement.release()
+            except Exception:
+                pass  # the cluster is gone, and its placement groups with it
         if files.files or files.left:
             self._copy_back(files)
         if interrupted:
@@ -224,7 +229,14 @@ class ClusterRanks:
 
     # -- calls to the agents ------------------------------------------------------------------
     def _call(self, indexes: list[int], request: Callable[[int], Any], timeout: float) -> list[Any]:
-        return self._wait(indexes, [request(index) for index in indexes], timeout)
+        refs = []
+        for index in indexes:
+            try:
+                refs.append(request(index))
+            except Exception as e:  # Ray could not even send it: the agent's actor, or the connection, is gone
+                self.cluster.forget(self.placement.nodes[index].node_id)
+                self._lose(index, f"its agent cannot be reached ({_first_line(e)})", None)
+        return self._wait(indexes, refs, timeout)
 
     def _wait(self, indexes: list[int], refs: list[Any], timeout: float) -> list[Any]:
         """The agents' answers; a node that died or does not answer ends the whole run."""
@@ -255,6 +267,14 @@ class ClusterRanks:
         if cause is not None and hasattr(cause, "_render_traceback_"):
             raise cause  # taas's own error from the node: it already says what happened
         raise RunLost(f"node {node.address} (node {index} of the run) was lost: {detail}")
+
+
+def _sent(call: Callable[[], Any]) -> Any:
+    """A call to an agent, or None when Ray cannot send it (the actor or the connection is gone)."""
+    try:
+        return call()
+    except Exception:
+        return None
 
 
 def _first_line(error: BaseException) -> str:

@@ -117,6 +117,7 @@ def run(spec: LaunchSpec, task: object, backend: Backend, write: Callable[[str, 
                                  restart=restart, elastic_id=first_id)
         watch = _attempt(spec, task, backend, envs, write, cell_names or {}, labels,
                          status, deadline, keep_paused, read_line)
+        deadline = watch.deadline  # later by the time a person spent at a debugger prompt
         failure = watch.rank_failure()
         if failure is None or restart == spec.max_restarts:
             break
@@ -193,17 +194,20 @@ class _Watch:
         self.timed_out: dict[Key, str] | None = None  # rank -> stack, when --timeout elapsed
         self.interrupted = False
         self.paused: set[Key] = set()  # --debug: the rank that raised first, waiting for the debugger
+        self.quit: set[Key] = set()  # ranks whose debugger the user quit (q, or an interrupt at its prompt)
+        self.deadline: float | None = None  # when --timeout elapses; the clock stops while a person is at a prompt
         self.view_shown = 0.0  # when the view was last drawn
 
     def until_done(self, group: RankGroup, deadline: float | None) -> None:
         self.group = group
+        self.deadline = deadline
         while group.running() - self.paused:
             try:
-                self._step(group, deadline)
+                self._step(group)
             except KeyboardInterrupt:
                 self._on_interrupt(group)
 
-    def _step(self, group: RankGroup, deadline: float | None) -> None:
+    def _step(self, group: RankGroup) -> None:
         for event in group.events(POLL_SECONDS):
             self._handle(event)
         self.output.flush_idle()
@@ -212,20 +216,29 @@ class _Watch:
         running = group.running() - self.paused
         if self.escalation is None and self.failures():
             self._begin_stop(group, ON_FAILURE)
+        elif self.escalation is None and self.quit:
+            self._on_interrupt(group)  # quitting the debugger is the user stopping the run: never restarted
         elif self.escalation is None and _only_producers(running):
             self.retired = running  # every rank is done: the producers' work is over
             self._begin_stop(group, ON_FAILURE)
-        elif self.escalation is None and deadline is not None and now >= deadline:
-            self.paused.clear()  # the time is up for the paused rank too
-            late = sorted(group.running(), key=key_order)
-            self.timed_out = {rank: "" for rank in late}
-            self.timed_out.update(group.stacks(late, STACK_SECONDS))
-            for event in group.events(0):
-                self._handle(event)
-            self._begin_stop(group, ON_FAILURE)
+        elif self.escalation is None and self.deadline is not None and now >= self.deadline:
+            self._time_out(group)
         if self.escalation is not None:
             for signum in self.escalation.due(time.monotonic()):
                 group.signal(signum, group.running() - self.paused)
+
+    def _time_out(self, group: RankGroup) -> None:
+        """``--timeout`` elapsed: stop the processes still at work, with where each was. One that ended its
+        cell meanwhile (it is sending its names back) is not late: it is neither named nor stopped."""
+        late = [key for key in sorted(group.running(), key=key_order) if key not in self.records]
+        stacks = group.stacks(late, STACK_SECONDS) if late else {}
+        for event in group.events(0):
+            self._handle(event)
+        late = [key for key in late if key in group.running() and key not in self.records]
+        if late:
+            self.timed_out = {key: stacks.get(key, "") for key in late}
+            self.paused.clear()  # the time is up for the paused rank too
+            self._begin_stop(group, ON_FAILURE)
 
     def _on_interrupt(self, group: RankGroup) -> None:
         self.interrupted = True
@@ -256,20 +269,36 @@ class _Watch:
         elif isinstance(event, InputRequest):
             self.output.finish(event.rank)  # what it printed, whole, before its prompt
             answer = getattr(self.group, "answer", None)
-            if answer is not None:
+            if answer is None:
+                pass
+            elif self._stopping():  # the cell is over: the rank leaves its debugger instead of waiting
+                self.stopped.add(event.rank)
+                answer(event.rank, "quit")
+            else:
                 answer(event.rank, self._ask(event.prompt))
 
+    def _stopping(self) -> bool:
+        """Whether the ranks are being stopped (a rank failed, the user quit a debugger, an interrupt, --timeout)."""
+        return self.escalation is not None or bool(self.quit) or bool(self.failures())
+
     def _ask(self, prompt: str) -> str:
-        """A line for a rank's debugger; "quit" on an interrupt, "continue" where none can be typed."""
+        """A line for a rank's debugger; "quit" on an interrupt, "continue" where none can be typed.
+
+        The time a person takes to answer does not count toward ``--timeout``: its deadline moves on by as much.
+        """
+        asked = time.monotonic()
         try:
             if self.read_line is None:
                 raise EOFError
             return self.read_line(prompt)
         except KeyboardInterrupt:
-            return "quit"
+            return "quit"  # the rank's breakpoint raises BdbQuit: the run then stops as on an interrupt
         except Exception:  # the front end takes no input (a script, a test): the rank goes on
             self.write("stderr", "taas: no input can be read here: the debugger continues\n")
             return "continue"
+        finally:
+            if self.deadline is not None:
+                self.deadline += time.monotonic() - asked
 
     def _take_record(self, key: Key, record: Record) -> None:
         if self.view is not None:
@@ -280,7 +309,9 @@ class _Watch:
             self.saved_on_nodes.append(record)
         elif isinstance(record, (CellEnded, Failed)):
             self.records[key] = record
-            if (self.spec.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
+            if _quit_debugger(record):
+                self.quit.add(key)
+            elif (self.spec.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
                     and not record.interrupted):
                 self.paused.add(key)  # it waits for the debugger (session_rank.await_debugger)
 
@@ -352,8 +383,8 @@ class _Watch:
             if rank in self.retired:
                 continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
             if isinstance(record, Failed):
-                if record.interrupted and rank in self.stopped:
-                    continue  # we interrupted it
+                if (record.interrupted and rank in self.stopped) or rank in self.quit:
+                    continue  # we interrupted it, or the user quit its debugger
                 summary = f"{record.ename}: {record.evalue}".rstrip(": ")
                 failures.append(Failure(rank, record.time or when, summary, record.traceback, record.where,
                                         record.hint))
@@ -509,7 +540,14 @@ def plain(text: str) -> str:
     return ANSI.sub("", text)
 
 
+def _quit_debugger(record: CellEnded | Failed) -> bool:
+    """The user quit a ``breakpoint()``'s debugger (``q``, or an interrupt at its prompt): pdb raised BdbQuit."""
+    return isinstance(record, Failed) and record.ename == "BdbQuit"
+
+
 def _describe_stop(code: int, record: CellEnded | Failed | None) -> str:
+    if record is not None and _quit_debugger(record):
+        return "quit the debugger"
     if isinstance(record, Failed) and record.interrupted:
         return "KeyboardInterrupt"
     if isinstance(record, CellEnded):

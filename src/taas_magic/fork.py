@@ -20,6 +20,7 @@ from typing import Any, Callable, Collection, Iterable, Literal
 
 from . import aliases, channel, child, containment, records, tempfiles, worker
 from .backend import Cell, Event, Exited, InputRequest, Key, Output, Report, Result, key_order
+from .delivery.cluster import AttachedDelivery
 from .delivery.service import DataService
 from .rendezvous import RunStore
 from .supervisor import SupervisedRanks, SupervisorProcess, supervise
@@ -115,6 +116,9 @@ class ForkedRanks:
     _pending: list[Event] = field(default_factory=list)
     _closed: bool = False
     idle_limit: float | None = None  # a session's: the supervisor ends it after this long without a cell
+    # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
+    # for loaders it begins to serve while it runs.
+    later_loaders: tuple[dict[str, Any], int, str] | None = None
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
@@ -142,6 +146,8 @@ class ForkedRanks:
                 for key, producer in service.producers():
                     group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
                 task = dataclasses.replace(task, loaders=service.rank_loaders(), delivery=None)
+            if getattr(task, "keep", False) and envs and not isinstance(service, AttachedDelivery):  # not a cluster node's
+                group.later_loaders = (_namespace(task), len(envs), envs[min(envs)]["TAAS_RUN_ID"])
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
             opening = note()
@@ -345,11 +351,42 @@ class ForkedRanks:
         return {state.control.fileno() for state in self.ranks.values() if state.control is not None}
 
     def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
-        """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit."""
-        for rank in sorted(ranks):
-            if rank in self.ranks:
-                self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
-            self._tell(rank, "cell", cell, fds=fds)
+        """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit.
+
+        The producers of loaders the session begins to serve with the cell start first, and each
+        rank gets its ends of them with the cell.
+        """
+        service = self._serve_new_loaders(cell, fds)
+        try:
+            for rank in sorted(ranks):
+                if rank in self.ranks:
+                    self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
+                ends = service.late_ends(rank) if service is not None else ()
+                self._tell(rank, "cell", cell, fds=fds + ends)
+        finally:
+            if service is not None:
+                service.close()
+
+    def _serve_new_loaders(self, cell: Any, fds: tuple[int, ...]) -> DataService | None:
+        """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
+        them) are unpacked here; None when it begins to serve none."""
+        plans = getattr(cell, "loaders", ())
+        if not plans or self.later_loaders is None:
+            return None
+        namespace, world, run_id = self.later_loaders
+        from . import shipping
+
+        shipping.unpack_into(namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
+        service = DataService(plans, namespace, world, first=cell.first_loader, late=True)
+        try:
+            for key, producer in service.producers():
+                self.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
+        except BaseException:
+            service.close()
+            raise
+        finally:
+            self._open_gates(b"")
+        return service
 
     def answer(self, rank: Key, line: str | None) -> None:
         self._tell(rank, "line", line)

@@ -2,7 +2,7 @@
 
     taas: 4 ranks on cpu · running 3.2 s
     rank 0  running  312 MB   45%|████▌     | 45/100 [00:01<00:01, 40.12it/s]
-    rank 1  running  309 MB   step 45, 35.2 steps/s, loss 0.1234
+    rank 1  running  309 MB   step 45, 35.2 steps/s, loss 0.1234 · 45%|████▌     | 45/100 [00:01<00:01]
     mnist   1,200 produced · 5,400/s · 64 ready · ranks waited 3%
 
 A rank's row holds its state (starting, running, done, failed, stopped), its current progress
@@ -41,14 +41,19 @@ class _RankRow:
     peak_gpu_memory: int = 0
 
     def progress_text(self, live: bool) -> str:
-        """The bar and the rank's own step and metrics (and, while it runs, its current steps per second)."""
-        parts = [self.bar] if self.bar else []
+        """The rank's own step and metrics (and, while it runs, its current steps per second), then its bar.
+
+        The numbers come first: a bar is wide, and what a narrow cell cannot show should be the bar's end.
+        """
+        parts = []
         if self.progress is not None:
             words = [] if self.progress.step is None else [f"step {self.progress.step}"]
             if live and self.rate is not None:
                 words.append(f"{self.rate:,.1f} steps/s")
             words += [f"{name} {value:.4g}" for name, value in self.progress.metrics.items()]
             parts.append(", ".join(words))
+        if self.bar:
+            parts.append(self.bar)
         return " · ".join(parts)
 
     def average_rate(self) -> float | None:
@@ -234,6 +239,8 @@ def _text(caption: str, rows: list[tuple[str, str, str, str, str]]) -> str:
 def _html(state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
           extra: list[tuple[str, str, str, str, str]]) -> str:
     cell = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"'
+    # A row wider than the cell wraps rather than losing its end at the cell's edge.
+    wraps = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:pre-wrap;overflow-wrap:anywhere"'
     body = []
     for kind, group in (("taas-row", rows), ("taas-extra", extra)):
         for name, row_state, memory, progress, key in group:
@@ -243,7 +250,7 @@ def _html(state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
                         f"<td {cell}>{html.escape(name)}</td>"
                         f'<td {cell}><span style="color:{colour}">{html.escape(row_state)}</span></td>'
                         f"<td {cell}>{html.escape(memory)}</td>"
-                        f'<td {cell}><span style="white-space:pre">{html.escape(progress)}</span></td></tr>')
+                        f"<td {wraps}>{html.escape(progress)}</td></tr>")
     return (f'<table class="taas-view" data-state="{state}" style="border-collapse:collapse;'
             f'font-family:var(--jp-code-font-family,monospace);font-size:12px;margin:2px 0">'
             f'<caption style="text-align:left;font-weight:bold;padding-bottom:2px">{html.escape(caption)}</caption>'

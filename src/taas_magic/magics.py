@@ -16,10 +16,10 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
 from traitlets import Bool, Enum
 
-from . import cluster, controller, machine, options, plugins, results, shipping, streams
+from . import cluster, controller, machine, options, plugins, reloading, results, shipping, streams
 from .backend import Backend, Cell, SessionGroup
 from .cluster import Cluster
-from .cluster_backend import PRODUCER_NODE, ClusterBackend
+from .cluster_backend import PRODUCER_NODE, ClusterBackend, ClusterRanks
 from .configurations import Catalog, load_catalog
 from .delivery import planning
 from .delivery.service import LoaderPlan, producer_labels
@@ -110,7 +110,9 @@ class TaasMagics(Magics):
         tree, code = self._compile(line, cell)
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
         _import_torch_once()
-        loaders = self._session_loaders(analysed) if spec.keep else self._loaders(spec, analysed)
+        loaders = self._served_loaders(spec) if spec.keep else self._loaders(spec, analysed)
+        if spec.keep and loaders:  # the ranks need each served loader whether this cell names it or not
+            analysed = dataclasses.replace(analysed, reads=analysed.reads | {plan.name for plan in loaders})
         task = RankTask(code=code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                         return_names=results.wanted(analysed.binds, spec.return_names),
                         seed=draw_base_seed(), keep=spec.keep, idle_limit=spec.idle_limit, debug=spec.debug)
@@ -118,7 +120,7 @@ class TaasMagics(Magics):
         payload = backend.prepare(task, analysed)
         try:
             if spec.keep:
-                outcome = self._start_session(spec, backend, payload)
+                outcome = self._start_session(spec, backend, payload, loaders)
             else:
                 outcome = controller.run(spec, payload, backend, streams.write_to_cell, os.environ,
                                          self._cell_names(), labels=producer_labels(loaders), status=self._view_display(),
@@ -126,7 +128,8 @@ class TaasMagics(Magics):
         finally:
             if isinstance(payload, ForkServerRequest):
                 payload.close()  # the shipped tensors' memory file
-        self._take_back(outcome)
+            streams.give_back_freed_memory()
+        self._take_back(outcome, spec.return_names)
 
     def _view_display(self) -> Any:
         """Where this cell's live view is shown (None when the view is off)."""
@@ -145,9 +148,33 @@ class TaasMagics(Magics):
         known = getattr(self.ipython.compile, "_filename_map", {})  # IPython's file name -> cell number
         return {name: f"Cell In[{number}]" for name, number in known.items()}
 
+    # -- unloading and loading again ----------------------------------------------------------
+    def take_over(self, old: Any) -> None:
+        """``%reload_ext``: what the unloaded magics ran goes on here (the session, a rank paused by
+        --debug, the cluster, the fork server) with their ``%config`` settings, as if nothing happened.
+        ``old`` may be of this class as it was before the module was reloaded."""
+        for name in ("fork_backend", "forkserver_backend", "cluster", "cluster_address", "session", "paused"):
+            setattr(self, name, getattr(old, name))
+        self.update_config(old.config)
+
+    def close(self, why: str) -> None:
+        """End all these magics run, ``why`` (a session in one line). An ended session stays, so that the
+        next taas cell says it ended instead of running as a one-shot cell."""
+        if self._let_paused_go():
+            print(f"taas: {why}: the paused rank is gone", file=sys.stderr)
+        if self.session is not None and not self.session.check():
+            self.session.stop(why)
+            print(f"taas: {why}: the session ended; its {_count(self.session.size, 'rank')} "
+                  f"{'are' if self.session.size != 1 else 'is'} gone", file=sys.stderr)
+        self.forkserver_backend.shutdown()
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.disconnect()  # its agents and their fork servers end with it
+
     # -- sessions -------------------------------------------------------------------------------
-    def _start_session(self, spec: LaunchSpec, backend: Backend, payload: Any) -> controller.Outcome:
-        """Start the ranks of a session; they run this cell first, and stay."""
+    def _start_session(self, spec: LaunchSpec, backend: Backend, payload: Any,
+                       loaders: tuple[LoaderPlan, ...]) -> controller.Outcome:
+        """Start the ranks of a session, and the producers of ``loaders``; they run this cell first, and stay."""
         envs = rank_environments(spec, new_run_id(), 0, os.environ)
         namespace = self.ipython.user_ns
         shipped = (payload.shipment.sent, frozenset(payload.task.sources)) if isinstance(payload, ForkServerRequest) \
@@ -161,6 +188,7 @@ class TaasMagics(Magics):
             sources = set(self._cell_names())
         group = cast(SessionGroup, backend.start(envs, payload))  # fork and fork server groups take cells
         self.session = Session(group, spec, backend.name, known, sources)
+        self.session.serve(loaders, namespace)
         self.session.status = self._view_display()
         session = self.session
         return self._session_outcome(lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(),
@@ -178,9 +206,11 @@ class TaasMagics(Magics):
                                    return_names=args.return_names)
         tree, code = self._compile(line, cell)
         analysed = Cell.of(tree, self.ipython.user_ns, f"Cell In[{self.ipython.execution_count}]")
-        self._session_loaders(analysed)
+        new = self._session_loaders(analysed, session, ranks)
+        session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
         wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
         prepared, shipment, sent = session.prepare(analysed, code, wanted)
+        prepared = session.begin_serving(prepared, new, self.ipython.user_ns)
         session.status = self._view_display()  # this cell's view
         try:
             outcome = self._session_outcome(lambda: session.run(
@@ -189,7 +219,8 @@ class TaasMagics(Magics):
         finally:
             if shipment is not None:
                 shipment.close()
-        self._take_back(outcome)
+            streams.give_back_freed_memory()
+        self._take_back(outcome, spec.return_names)
 
     def _session_outcome(self, run: Any) -> controller.Outcome:
         """Run a session's cell; a session that ended is forgotten, and rank 0's names are its own."""
@@ -202,13 +233,32 @@ class TaasMagics(Magics):
             raise
         return outcome
 
-    def _session_loaders(self, cell: Cell) -> tuple[LoaderPlan, ...]:
-        """A session's ranks iterate registered loaders themselves: producers serve one-shot cells."""
-        names = planning.loaders_used(cell.reads, self.ipython.user_ns)
-        if names:
-            print(f"taas: {', '.join(names)}: registered loaders are served by producers in one-shot cells; "
-                  "in a session each rank iterates the loader itself", file=sys.stderr)
-        return ()
+    def _served_loaders(self, spec: LaunchSpec) -> tuple[LoaderPlan, ...]:
+        """Every registered loader the notebook names when a session starts: its producers start with
+        the session and serve whichever of its cells iterate the loader."""
+        names = planning.registered_names(self.ipython.user_ns)
+        if spec.data_options_given and not names:
+            print("taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
+                  "DataLoader (taas.register(loader) before the cell that starts the session)", file=sys.stderr)
+        return planning.plans(spec, names, self.ipython.user_ns)
+
+    def _session_loaders(self, cell: Cell, session: Session, ranks: list[int]) -> tuple[LoaderPlan, ...]:
+        """Plans for the registered loaders the cell uses that the session does not serve yet (registered
+        since it started): the cell starts their producers. Served loaders go to every rank: a cell in
+        part of the session may not use one."""
+        if session.spec.cpus == 0:
+            return ()  # delivery is off: each rank iterates every loader itself
+        namespace = self.ipython.user_ns
+        names = planning.loaders_used(cell.reads, namespace)
+        if names and len(ranks) < session.size:
+            raise TaasUsageError(f"--ranks {','.join(map(str, ranks))}: the cell uses {names[0]!r}, which producers "
+                                 "serve to every rank of the session: run it in every rank (leave out --ranks)")
+        new = [name for name in names if not session.serves(name, namespace[name])]
+        if new and session.start == "cluster":
+            raise TaasUsageError(f"registered loader {new[0]!r} was registered after the session started, and on a "
+                                 "cluster a session's producers start with it: %taas stop, then start the session "
+                                 "again with --keep to have it served")
+        return planning.plans(session.spec, new, namespace)
 
     def _stop_command(self, words: list[str]) -> None:
         """`%taas stop`: end the session (and let a rank paused by --debug go)."""
@@ -328,14 +378,15 @@ class TaasMagics(Magics):
         if len(words) > 1:
             raise TaasUsageError(f"%taas cluster takes one of ADDRESS, off, release; got {' '.join(words)!r}")
         word = words[0] if words else ""
+        if word not in ("", "release"):
+            self._refuse_while_on_the_cluster()
         if word == "off":
             if self.cluster is not None:
                 self.cluster.disconnect()
             self.cluster, self.cluster_address = None, None
             print("taas: cells run on this machine")
         elif word == "release":
-            released = self.cluster.release() if self.cluster is not None else 0
-            print(f"taas: {released} warm agent{'s' * (released != 1)} released")
+            print(self._release())
         elif word:
             if self.cluster is not None:
                 self.cluster.disconnect()
@@ -351,9 +402,32 @@ class TaasMagics(Magics):
         else:
             print(self._connected().describe(load_catalog()))
 
-    def _take_back(self, outcome: controller.Outcome) -> None:
-        """Rank 0's names join the notebook's namespace; one line lists what could not come back."""
-        skipped = dict(outcome.skipped)
+    def _refuse_while_on_the_cluster(self) -> None:
+        """Leaving the cluster ends its agents, and with them the ranks of a session or a paused rank there."""
+        if self.session is not None and self.session.start == "cluster" and not self.session.check():
+            raise TaasUsageError(f"a session runs on the cluster ({_count(self.session.size, 'rank')}): "
+                                 "%taas stop first, then change the cluster")
+        if self.paused is not None and self.paused[2].on_cluster:
+            raise TaasUsageError(f"rank {self.paused[1]} is paused on the cluster (--debug): %taas debug or "
+                                 "%taas stop first, then change the cluster")
+
+    def _release(self) -> str:
+        """`%taas cluster release`: end the idle agents; those serving a session or a paused rank are not idle."""
+        if self.cluster is None:
+            return "taas: 0 warm agents released"
+        serving, what = set(), ""
+        if self.session is not None and not self.session.check():
+            serving, what = _nodes_of(self.session.group), "the running session (%taas stop ends it)"
+        elif self.paused is not None:
+            serving, what = _nodes_of(self.paused[0]), "the paused rank (%taas stop lets it go)"
+        released, kept = self.cluster.release(keep=serving)
+        line = f"taas: {released} warm agent{'s' * (released != 1)} released"
+        return line + (f"; {kept} kept: {'they serve' if kept != 1 else 'it serves'} {what}" if kept else "")
+
+    def _take_back(self, outcome: controller.Outcome, requested: tuple[str, ...] | None) -> None:
+        """Rank 0's names join the notebook's namespace; one line lists what could not come back
+        (names rank 0 never bound only if ``--return`` asked for them)."""
+        skipped = results.worth_saying(outcome.skipped, requested)
         try:
             values, lost = results.loads(outcome.results)
         except Exception as e:  # the stream itself is damaged: no name can be read
@@ -391,13 +465,12 @@ class TaasMagics(Magics):
             f"fork server:         {self.forkserver_backend.describe()}",
             "session:             " + (self.session.describe() if self.session is not None
                                        else "none (--keep starts one)"),
+            f"session modules:     {reloading.describe(self.ipython)}",
             "cluster:             " + (f"{self.cluster_address} (cells run there; --on local runs one here)"
                                        if self.cluster_address else "none (%taas cluster ADDRESS connects one)"),
             f"configurations:      {'; '.join(catalog.sources)}",
             f"                     {names}",
-            f"CUDA devices:        {found.cuda_devices} visible"
-            + (" (CUDA was used in this kernel: ranks start from the fork server)"
-               if machine.fork_poisoned_for_cuda() else ""),
+            f"CUDA devices:        {found.cuda_devices} visible" + _cuda_used_here(),
             f"CPU cores:           {found.cpus}",
             f"default --device:    {self.device} (from %config TaasMagics.device)" if self.device
             else f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
@@ -460,9 +533,30 @@ def _check_fits_session(args: Any, session: Session) -> None:
                              "--return, --timeout and --output (%taas stop ends the session)")
 
 
+def _nodes_of(group: Any) -> set[str]:
+    """The ids of the cluster nodes a run's group holds (none for a group on this machine)."""
+    return {node.node_id for node in group.placement.nodes} if isinstance(group, ClusterRanks) else set()
+
+
 def _configured(magics: TaasMagics, name: str) -> str:
-    """Where a default came from, when it was configured rather than built in."""
-    return f" (from %config TaasMagics.{name})" if magics.trait_has_value(name) else ""
+    """Where a default came from, when the user configured it (``%config`` or ipython_config.py).
+
+    The configuration says so, not ``trait_has_value``: that turns true once the built-in default is read.
+    """
+    return f" (from %config TaasMagics.{name})" if f"TaasMagics.{name}" in magics.config else ""
+
+
+def _cuda_used_here() -> str:
+    """What CUDA already used in the kernel means for the next cells, as ``_choose_start`` decides.
+
+    A CUDA context makes any fork unsafe; a lighter use (``torch.cuda.is_available()``) only
+    leaves forked ranks unable to use CUDA, so CPU cells still fork.
+    """
+    if machine.cuda_initialized_in_kernel():
+        return " (CUDA is initialized in this kernel: ranks start from the fork server)"
+    if machine.fork_poisoned_for_cuda():
+        return " (CUDA was used in this kernel: GPU cells start from the fork server; CPU cells still fork)"
+    return ""
 
 
 def _read_line(prompt: str) -> str:

@@ -24,6 +24,7 @@ from . import pickler
 from .errors import first_line, type_name
 
 _INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index and this length
+NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
 
 
 class _ResultPickler(pickler.Pickler):
@@ -243,6 +244,15 @@ def _mend(memo: _Memo, start: int, sources: list[tuple[str, Any]], name: str) ->
             dict.__setitem__(memo, index, argument)
         elif not (opcode in _LOOKUPS and index in memo):
             dict.__setitem__(memo, index, _Lost(name))
+
+
+def worth_saying(skipped: dict[str, str], requested: tuple[str, ...] | None) -> dict[str, str]:
+    """The names left behind that the user should hear of.
+
+    A name the cell binds only in other ranks' branches (``if taas.rank() == 1: t0 = …``) is
+    simply not in rank 0: that is news only for a name ``--return`` asked for.
+    """
+    return {name: why for name, why in skipped.items() if requested is not None or why != NOT_BOUND}
 
 
 def wanted(bound: Iterable[str], requested: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -22,14 +22,16 @@ import dataclasses
 import linecache
 import signal
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import containment, shipping, streams
-from .backend import Cell, Event, Exited, Key, Output, SessionGroup, key_order
+from . import containment, reloading, shipping, streams
+from .backend import Cell, Event, Exited, Key, Output, Producer, SessionGroup, key_order
 from .cell_names import names_reached
-from .controller import (BOLD, RED, RESET, Outcome, RunInterrupted, _describe_exit, _Watch, live_output, plain,
-                         user_stack)
+from .controller import (BOLD, RED, RESET, Failure, Outcome, RunInterrupted, _describe_exit, _Watch, live_output,
+                         plain, user_stack)
+from .delivery.service import LoaderPlan, producer_labels
 from .live_view import RunView
 from .errors import RankFailed, RunTimedOut, TaasRunError
 from .records import CellEnded, Failed
@@ -56,7 +58,7 @@ class Session:
     group: SessionGroup
     spec: LaunchSpec
     start: str  # "fork", "forkserver" or "cluster"
-    known: dict[str, tuple[Any, ...]]  # notebook name -> fingerprint of the value the ranks were given
+    known: dict[str, shipping.Fingerprint]  # notebook name -> fingerprint of the value the ranks were given
     sources_sent: set[str]  # the notebook's cells the ranks can quote in tracebacks
     started: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -64,17 +66,49 @@ class Session:
     failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
     ended: str = ""  # why the session is over, once it is
     status: Callable[[dict[str, str], bool], object] | None = None  # shows the cell's live view (None: no view)
+    reloads: reloading.KernelReloads = field(default_factory=lambda: reloading.KernelReloads(_shell()))
+    served: dict[str, "weakref.ref[Any]"] = field(default_factory=dict)  # notebook name -> loader its producers serve
+    loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
+    labels: dict[Key, str] = field(default_factory=dict)  # the producers' names: "producer 0 of train_loader"
 
     @property
     def size(self) -> int:
         return self.spec.world_size
 
+    def serve(self, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]) -> int:
+        """The session's producers serve these registered loaders from now on, as the notebook names them;
+        returns the number of the first among the session's loaders (producers are keyed by it)."""
+        first = self.loaders
+        self.loaders += len(plans)
+        self.served.update({plan.name: weakref.ref(namespace[plan.name]) for plan in plans})
+        self.labels.update(producer_labels(plans, first))
+        return first
+
+    def begin_serving(self, cell: SessionCell, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]
+                      ) -> SessionCell:
+        """``cell`` with the loaders registered since the session started that it uses: the supervisor
+        starts their producers as it passes the cell on, and the ranks make their stand-ins."""
+        if not plans:
+            return cell
+        return dataclasses.replace(cell, loaders=plans, first_loader=self.serve(plans, namespace))
+
+    def resend(self, names: list[str]) -> None:
+        """The next cell sends these names even if the ranks hold them as the notebook does."""
+        for name in names:
+            self.known.pop(name, None)
+
+    def serves(self, name: str, value: Any) -> bool:
+        """Whether the session's producers serve ``value`` under ``name``: the ranks hold its stand-in."""
+        loader = self.served.get(name)
+        return loader is not None and loader() is value
+
     # -- cells ----------------------------------------------------------------------------------
     def prepare(self, analysed: Cell, code: Any, return_names: tuple[str, ...]
-                ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, tuple[Any, ...]]]:
+                ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
         """The cell for the ranks: its code, and the notebook's names it reads that changed; and
         the fingerprints of what it sends, for ``shipped`` once the ranks have it."""
         namespace = analysed.namespace
+        self._forget_rebound(namespace)
         prints = _Fingerprints(namespace)  # each name's, once for this cell
         # What the cell reads, and what the notebook's functions it calls read: a name changed in
         # the notebook matters wherever it is read from.
@@ -90,7 +124,14 @@ class Session:
         sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
         return cell, shipment, sent
 
-    def shipped(self, sent: Mapping[str, tuple[Any, ...]]) -> None:
+    def _forget_rebound(self, namespace: Mapping[str, Any]) -> None:
+        """Drop what the kernel holds of values the notebook let go of (a list, a dict: they take
+        no weak reference): such a name is sent again when a cell reads it."""
+        for name, known in list(self.known.items()):
+            if known.keeps_other_than(namespace.get(name, _UNBOUND)):
+                del self.known[name]
+
+    def shipped(self, sent: Mapping[str, shipping.Fingerprint]) -> None:
         """The ranks now hold these names as the notebook has them (``prepare`` says which)."""
         self.known.update(sent)
 
@@ -101,10 +142,7 @@ class Session:
             self.known[name] = shipping.fingerprint(value)
 
     def _new_sources(self, filename: str, label: str) -> dict[str, tuple[str, str]]:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        known = getattr(getattr(shell, "compile", None), "_filename_map", {})
+        known = getattr(getattr(_shell(), "compile", None), "_filename_map", {})
         files = {name: f"Cell In[{number}]" for name, number in known.items()}
         files[filename] = label
         sources = {name: (files[name], "".join(linecache.getlines(name))) for name in files
@@ -116,6 +154,7 @@ class Session:
             write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> Outcome:
         """Run ``cell`` in ``ranks``; rank 0's pickled names on success, else raise what the cell shows."""
         fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
+        cell = dataclasses.replace(cell, reload=self.reloads.for_cell(_shell(), ranks))
         return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line)
 
     def first_cell(self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str],
@@ -136,6 +175,8 @@ class Session:
         self.failed = []
         watch = self._watch(send, ranks, spec, write, cell_names, read_line)
         self.failed = [failure.rank for failure in watch.failures() if isinstance(failure.rank, int)]
+        for line in watch.delivery_summaries():
+            write("stderr", line + "\n")
         watch.raise_outcome()
         return Outcome(watch.results, watch.skipped_names())
 
@@ -145,8 +186,8 @@ class Session:
         """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
             raise SessionEnded(f"the session ended: {self.ended}", [f"taas: the session ended: {self.ended}"])
-        out, view = live_output(spec, write, ranks, self.status)
-        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write, view, self.status)
+        out, view = live_output(spec, write, ranks, self.status, self.labels)
+        watch = _CellWatch(spec, out, cell_names, self.group, ranks, read_line, write, view, self.status, self.labels)
         try:
             watch.until_ended(send)
             watch.show_view(final=True)
@@ -166,13 +207,16 @@ class Session:
         """
         if self.ended:
             return self.ended
-        out = RankOutput(streams.write_to_cell, prefix=self.spec.show_rank_prefix)
+        out = RankOutput(streams.write_to_cell, prefix=self.spec.show_rank_prefix, labels=self.labels)
         try:
             for event in self.group.events(0):
                 if isinstance(event, Output):
                     out.feed(event.rank, event.stream, event.data)
+                elif isinstance(event, Exited) and isinstance(event.rank, Producer) and event.returncode == 0:
+                    pass  # its share of a stream cut by --units is built and sent
                 elif isinstance(event, Exited):
-                    self._end(f"rank {event.rank} {_describe_exit(event.returncode) if event.returncode else 'exited'} "
+                    who = self.labels.get(event.rank, f"rank {event.rank}")
+                    self._end(f"{who} {_describe_exit(event.returncode) if event.returncode else 'exited'} "
                               "between cells")
         except TaasRunError as e:
             self._end(getattr(e, "detail", str(e)))
@@ -180,8 +224,8 @@ class Session:
             out.finish()
         return self.ended
 
-    def stop(self) -> None:
-        self._end("stopped with %taas stop")
+    def stop(self, why: str = "stopped with %taas stop") -> None:
+        self._end(why)
 
     def _end(self, why: str) -> None:
         if not self.ended:
@@ -204,8 +248,9 @@ class _CellWatch(_Watch):
 
     def __init__(self, spec: LaunchSpec, output: RankOutput, cell_names: Mapping[str, str],
                  group: SessionGroup, ranks: list[int], read_line: ReadLine, write: Callable[[str, str], object],
-                 view: RunView | None = None, status: Callable[[dict[str, str], bool], object] | None = None):
-        super().__init__(spec, output, cell_names, {}, write, read_line, view, status)
+                 view: RunView | None = None, status: Callable[[dict[str, str], bool], object] | None = None,
+                 labels: Mapping[Key, str] | None = None):
+        super().__init__(spec, output, cell_names, dict(labels or {}), write, read_line, view, status)
         self.group: SessionGroup = group
         self.ranks = set(ranks)
         self.deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
@@ -215,6 +260,10 @@ class _CellWatch(_Watch):
     def _exiting(self) -> bool:
         """A rank's cell called sys.exit(): the rank is ending (its exit ends the session)."""
         return any(isinstance(record, CellEnded) and record.exited for record in self.records.values())
+
+    def _producer_failed(self) -> bool:
+        """A producer reported its failure: its exit, which ends the session, follows."""
+        return any(isinstance(key, Producer) and isinstance(record, Failed) for key, record in self.records.items())
 
     def _ended(self) -> dict[Key, tuple[int, float]]:
         """Ranks whose cell ended: they stay, so their status is 0."""
@@ -230,7 +279,7 @@ class _CellWatch(_Watch):
         except KeyboardInterrupt:
             self.interrupted = True
             self._interrupt()
-        while self.in_cell() or self._exiting():
+        while self.in_cell() or self._exiting() or self._producer_failed():
             try:
                 self._cell_step()
             except KeyboardInterrupt:
@@ -240,29 +289,56 @@ class _CellWatch(_Watch):
                 self._interrupt()
 
     def _cell_step(self) -> None:
-        if not self.backlog:
-            self.backlog = self.group.events(0.05)
-        while self.backlog:  # an interrupt while one is taken leaves it to be taken again, never lost
-            self._take(self.backlog[0])
-            self.backlog.pop(0)
+        self._take_events(0.05)
         self.output.flush_idle()
         self.show_view()
         now = time.monotonic()
-        if self.interrupt_sent is None and any(isinstance(r, Failed) and not r.interrupted
-                                               for r in self.records.values()):
+        if self.interrupt_sent is None and self._failed():
             self._interrupt()  # a rank failed: the others may wait for it forever in a collective
-        elif self.interrupt_sent is None and self.deadline is not None and now >= self.deadline:
-            late = sorted(self.in_cell(), key=key_order)
-            self.timed_out = {rank: "" for rank in late}
-            self.timed_out.update(self.group.stacks(late, STACK_SECONDS))
+        elif self.interrupt_sent is None and self.quit:
+            self.interrupted = True  # quitting the debugger is the user interrupting the cell
             self._interrupt()
+        elif self.interrupt_sent is None and self.deadline is not None and now >= self.deadline:
+            self._time_out_cell()
         elif self.interrupt_sent is not None and now - self.interrupt_sent > RETURN_SECONDS and self.in_cell():
             stuck = sorted(self.in_cell(), key=key_order)
             stacks = self.group.stacks(stuck, STACK_SECONDS)
             raise SessionEnded(*self._stuck_message(stuck, stacks))
 
+    def _failed(self) -> bool:
+        """A process's cell raised (not an interrupt, not the user quitting its debugger)."""
+        return any(isinstance(record, Failed) and not record.interrupted and key not in self.quit
+                   for key, record in self.records.items())
+
+    def _stopping(self) -> bool:
+        return self.interrupt_sent is not None or bool(self.quit) or self._failed()
+
+    def _take_events(self, timeout: float) -> None:
+        if not self.backlog:
+            self.backlog = self.group.events(timeout)
+        while self.backlog:  # an interrupt while one is taken leaves it to be taken again, never lost
+            self._take(self.backlog[0])
+            self.backlog.pop(0)
+
+    def _time_out_cell(self) -> None:
+        """``--timeout`` elapsed: interrupt the ranks still in the cell, with where each was; one whose
+        cell ended while the stacks were taken is not late."""
+        late = sorted(self.in_cell(), key=key_order)
+        stacks = self.group.stacks(late, STACK_SECONDS)
+        self._take_events(0)
+        late = [rank for rank in late if rank in self.in_cell()]
+        if late:
+            self.timed_out = {rank: stacks.get(rank, "") for rank in late}
+            self._interrupt()
+
+    def delivery_summaries(self) -> list[str]:
+        """One line per registered loader the cell's ranks iterated."""
+        return self._delivery_summaries()
+
     def _take(self, event: Event) -> None:
-        if isinstance(event, Exited):
+        if isinstance(event, Exited) and isinstance(event.rank, Producer):
+            self._producer_exited(event)
+        elif isinstance(event, Exited):
             self.output.finish(event.rank)
             record = self.records.get(event.rank)
             if isinstance(record, CellEnded) and record.exited:
@@ -272,6 +348,21 @@ class _CellWatch(_Watch):
             tail = [] if event.returncode == 0 else self.output.tail(event.rank)
             raise SessionEnded(*_ended_message(f"{why}: its process group cannot continue", tail))
         self._handle(event)
+
+    def _producer_exited(self, event: Exited) -> None:
+        """A producer that built its share of a stream cut by ``--units`` is done; one that failed or
+        died leaves its loader's ranks waiting for elements that never come, so the session ends."""
+        self.output.finish(event.rank)
+        if event.returncode == 0:
+            return
+        self.exits[event.rank] = (event.returncode, time.monotonic())
+        failures = self.failures() or [Failure(event.rank, time.monotonic(), _describe_exit(event.returncode),
+                                               self.output.tail(event.rank))]
+        message, lines = self._failure_message(failures)
+        lines = [line.replace("stopped by taas after", "interrupted by taas after") for line in lines]
+        raise SessionEnded(f"{message}; the session ended",
+                           lines + [f"{RED}{BOLD}taas: the session ended: {self._name(event.rank)} cannot serve "
+                                    f"its loader any more{RESET}"])
 
     def _interrupt(self) -> None:
         ranks = sorted(self.in_cell(), key=key_order)
@@ -302,13 +393,22 @@ class _CellWatch(_Watch):
         if self.timed_out is not None:
             raise RunTimedOut(*self._session_timeout())
         if self.interrupted:
-            raise RunInterrupted([f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas interrupted the cell in "
-                                  f"{self._names(sorted(self.stopped, key=key_order))}; the session goes on"])
+            quit = f"the debugger was quit in {self._names(sorted(self.quit, key=key_order))}; " if self.quit else ""
+            stopped = f"taas interrupted the cell in {self._names(sorted(self.stopped, key=key_order))}; " \
+                if self.stopped else ""
+            raise RunInterrupted([f"{RED}{BOLD}KeyboardInterrupt{RESET}: {quit}{stopped}the session goes on"])
 
     def _session_timeout(self) -> tuple[str, list[str]]:
         message, lines = self._timeout_message()
         message = message.replace("now stopped", "now interrupted; the session goes on")
         return message, [line.replace("now stopped", "now interrupted; the session goes on") for line in lines]
+
+
+def _shell() -> Any:
+    """The kernel's IPython shell (None outside IPython)."""
+    from IPython import get_ipython
+
+    return get_ipython()
 
 
 class _Fingerprints:
@@ -317,12 +417,15 @@ class _Fingerprints:
 
     def __init__(self, namespace: Mapping[str, Any]):
         self.namespace = namespace
-        self.taken: dict[str, tuple[Any, ...]] = {}
+        self.taken: dict[str, shipping.Fingerprint] = {}
 
-    def __call__(self, name: str) -> tuple[Any, ...]:
+    def __call__(self, name: str) -> shipping.Fingerprint:
         if name not in self.taken:
             self.taken[name] = shipping.fingerprint(self.namespace[name])
         return self.taken[name]
+
+
+_UNBOUND = object()  # what a name the notebook deleted is bound to, for _forget_rebound
 
 
 def _uninterrupted(call: Callable[[], None]) -> None:

@@ -19,6 +19,7 @@ from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from . import containment, debugger, records, shipping
+from .reloading import RankReloads, Reload
 from .channel import Channel, ChannelBroken
 from .child import RankFds, flush_all
 from .records import CellEnded
@@ -36,6 +37,11 @@ class SessionCell:
     names: bytes = b""  # shipped names (``shipping.pack``), empty when none changed
     tensors_size: int = 0  # the tensors' memory file comes with the message, when there is one
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)  # new cells, for tracebacks
+    reload: Reload | None = None  # the modules to reload first, as the kernel's autoreload did (None: keep them)
+    # Registered loaders the session begins to serve with this cell (``delivery.service.LoaderPlan``),
+    # the first numbered ``first_loader`` among its loaders: the supervisor starts their producers.
+    loaders: tuple[Any, ...] = ()
+    first_loader: int = 0
 
 
 def open_control(fds: RankFds) -> Channel | None:
@@ -57,6 +63,7 @@ def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds,
     last_error: BaseException | None = None
     cell = SessionCell(task.code, task.return_names)
     interrupted = False  # before the cell's code began
+    reloads = RankReloads(namespace)
     while True:
         if cell.code is None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
@@ -65,6 +72,7 @@ def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds,
         else:
             status, record, names, error = _run(run_cell, cell, namespace, shell, task, rank0, interrupted)
             last_error = error if error is not None else last_error
+            reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
                 _send(control, record, names)
                 return status
@@ -72,11 +80,14 @@ def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds,
         received = _next_cell(control)
         if received is None:
             return 0
-        cell, tensors_fd = received
+        cell, tensors_fd, ends = received
         held = _take_interrupts(control)
         register_sources(cell.sources)
+        reloads.before_cell(cell.reload)  # before the names: the notebook's came from the new code
         if cell.names:
             shipping.unpack_into(namespace, cell.names, tensors_fd, cell.tensors_size)
+        if cell.loaders:
+            task = _stand_in_for_new_loaders(task, cell, ends, namespace)
         interrupted = held.came
 
 
@@ -118,17 +129,34 @@ def _send(control: Channel, record: records.Record, names: bytes | None) -> None
         pass  # the session is over: the next receive says so
 
 
-def _next_cell(control: Channel) -> tuple[SessionCell, int | None] | None:
-    """The next cell, and its tensors' memory file; None when the session is over."""
+def _next_cell(control: Channel) -> tuple[SessionCell, int | None, list[int]] | None:
+    """The next cell, its tensors' memory file, and the ends of the loaders it begins to serve (two
+    each, last); None when the session is over."""
     try:
         kind, fields, fds = control.receive()
+        while kind == "line":  # the answer to a debugger prompt that an interrupt left meanwhile: nobody asks now
+            kind, fields, fds = control.receive()
     except ChannelBroken:
         return None
     if kind != "cell":
         for fd in fds:
             os.close(fd)
         return None
-    return fields[0], (fds[0] if fds else None)
+    cell = fields[0]
+    ends = len(fds) - 2 * len(cell.loaders)
+    return cell, (fds[0] if ends else None), fds[ends:]
+
+
+def _stand_in_for_new_loaders(task: "RankTask", cell: SessionCell, ends: list[int],
+                              namespace: dict[str, Any]) -> "RankTask":
+    """Loaders registered since the session started: their names become stand-ins from this cell on,
+    and the task names them, so each cell sums them up as it does the others."""
+    import dataclasses
+
+    from .delivery.service import late_stand_ins
+
+    late_stand_ins(cell.loaders, ends, namespace, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), task.device)
+    return dataclasses.replace(task, loaders=task.loaders + cell.loaders)
 
 
 def _debug(error: BaseException | None, control: Channel) -> records.Record:

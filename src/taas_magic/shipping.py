@@ -19,6 +19,7 @@ import os
 import pickle
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
@@ -82,13 +83,14 @@ class _ShippingPickler(pickler.Pickler):
         # to follow: they are recognized by name, in the globals of the functions that read them.
         self.known = {id(value): name for name, value in (namespace or {}).items() if type(value) not in _ATOMS}
         self.sent: set[str] = set()  # the notebook's names whose values were pickled
+        self.reached: set[str] = set()  # of those, the ones reached as objects, not as a function's globals
 
     def persistent_id(self, obj: Any) -> Any:
         if self.namespace is None:
             return None
         if isinstance(obj, _Held):
             return ("name", obj.name)
-        if self.held is not None and obj is getattr(self, "globals_ref", {}).get(id(self.namespace)):
+        if self.held is not None and self._is_notebook_globals(obj):
             return ("globals",)
         name = self.known.get(id(obj))
         if name is None:
@@ -96,7 +98,16 @@ class _ShippingPickler(pickler.Pickler):
         if self.held is not None and self.held(name, obj):
             return ("name", name)
         self.sent.add(name)
+        self.reached.add(name)
         return None
+
+    def _is_notebook_globals(self, obj: Any) -> bool:
+        """Whether ``obj`` is the dict cloudpickle builds for the notebook's functions' globals.
+
+        Looked up by the namespace's identity: before a notebook function is pickled there is no
+        such dict, and no value (``None`` least of all) may pass for it."""
+        built: dict[int, Any] = getattr(self, "globals_ref", {})
+        return id(self.namespace) in built and obj is built[id(self.namespace)]
 
     def _dynamic_function_reduce(self, func: Any) -> Any:
         """A notebook function: the notebook's globals it reads go with it, less what the ranks hold."""
@@ -159,8 +170,18 @@ def _pack(namespace: dict[str, Any], names: list[str], to: str, tracked: dict[st
     buffer = io.BytesIO()
     pickler = _ShippingPickler(buffer, tracked, held)
     _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to)
+    if pickler.reached - set(names):
+        _bind_reached(pickler, namespace, sorted(pickler.reached - set(names)))
     fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
     return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
+
+
+def _bind_reached(pickler: "_ShippingPickler", namespace: dict[str, Any], names: list[str]) -> None:
+    """Bind in the ranks the notebook names of values that went only as parts of others (the class
+    of a shipped object, a model an optimizer holds): the kernel counts them as sent, so the ranks
+    must hold them under those names too. A second pickle in the same stream: every value in it
+    went in the first, so it is a reference to what the ranks unpickled there."""
+    pickler.dump({name: namespace[name] for name in names})
 
 
 def _check_shippable(name: str, value: Any, to: str) -> None:
@@ -213,13 +234,24 @@ def unpack(data: bytes, tensors_fd: int | None, tensors_size: int) -> dict[str, 
     if tensors_fd is not None:
         _mapped = memfile.map_private(tensors_fd)
     try:
-        shipped: dict[str, Any] = pickle.loads(data)
+        shipped = _load(data, pickle.Unpickler)
     finally:
         _mapped = None
     namespace: dict[str, Any] = shipped.pop(ANCHOR).__globals__
     namespace.update(shipped)
     namespace["__name__"] = "__main__"
     return namespace
+
+
+def _load(data: bytes, make: Callable[[io.BytesIO], pickle.Unpickler]) -> dict[str, Any]:
+    """The shipped names: the first pickle's, and those ``_bind_reached`` added after it, read by
+    one unpickler, whose memo the second pickle refers to."""
+    stream = io.BytesIO(data)
+    unpickler = make(stream)
+    shipped: dict[str, Any] = unpickler.load()
+    if stream.tell() < len(data):
+        shipped = {**unpickler.load(), **shipped}
+    return shipped
 
 
 def _rebuild_tensor(ref: _TensorRef) -> Any:
@@ -258,7 +290,7 @@ def unpack_into(namespace: dict[str, Any], data: bytes, tensors_fd: int | None, 
     try:
         if tensors_fd is not None:
             _mapped = memfile.map_private(tensors_fd)
-        shipped: dict[str, Any] = _SessionUnpickler(io.BytesIO(data), namespace).load()
+        shipped = _load(data, lambda stream: _SessionUnpickler(stream, namespace))
     finally:
         _mapped = None
         if tensors_fd is not None:
@@ -267,37 +299,125 @@ def unpack_into(namespace: dict[str, Any], data: bytes, tensors_fd: int | None, 
     namespace.update(shipped)
 
 
-def fingerprint(value: Any) -> tuple[Any, ...]:
+def fingerprint(value: Any) -> Fingerprint:
     """What tells whether a notebook name still holds what a session's ranks were sent.
 
-    The object itself (by identity) and, where taas can see it cheaply, its contents: a tensor's
-    version counter (every in-place change moves it), a module's parameters and buffers, and the
-    items of a small list, dict, set or tuple. Other objects changed in place are not noticed.
+    Numbers, strings, bytes and ``None`` by value. Other objects by identity, held by a weak
+    reference where they take one: an address alone would match a new object that took a freed
+    one's place. Where taas can see it cheaply, contents too: a tensor's version counter (every
+    in-place change moves it), a module's parameters and buffers, the items of a small list,
+    dict, set or tuple. Other objects changed in place are not noticed.
     """
+    if type(value) in _ATOMS:
+        return Fingerprint((), (type(value), _atom_key(value)))
+    try:
+        return _fingerprint_of_object(value)
+    except Exception:  # a value that answers or raises anything (a mock): by identity alone
+        return Fingerprint((_Same(value),), ())
+
+
+def _fingerprint_of_object(value: Any) -> Fingerprint:
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return (id(value), value._version)
-    if torch is not None and isinstance(value, torch.nn.Module):
-        tensors = list(value.parameters()) + list(value.buffers())
-        return (id(value), value.training, tuple((id(t), t._version) for t in tensors))
+    if torch is not None and type(value) in (torch.Tensor, torch.nn.Parameter):
+        return Fingerprint((_Same(value),), (value._version,))
+    if torch is not None and isinstance(value, torch.nn.Module) and type(value).__module__ != "unittest.mock":
+        tensors = [*value.parameters(), *value.buffers()]
+        return Fingerprint(tuple(map(_Same, [value, *tensors])), (value.training, *(t._version for t in tensors)))
     if type(value) in (list, dict, set, tuple) and len(value) <= SMALL:
+        digest = _digest(value)
+        if digest is not None:  # the same container with the same items: a rebound name is sent again
+            contents, tensors = digest
+            return Fingerprint(tuple(map(_Same, [value, *tensors])), (type(value), contents))
+    return Fingerprint((_Same(value),), ())
+
+
+@dataclass(eq=True)
+class Fingerprint:
+    """Equal when the objects are the same live objects and the data compare equal (plain data:
+    types, numbers, digests; never a notebook value, whose ``__eq__`` may do anything)."""
+
+    objects: tuple["_Same", ...]
+    data: tuple[Any, ...]
+
+    def keeps_other_than(self, value: Any) -> bool:
+        """Whether this fingerprint keeps alive an object (one that takes no weak reference) that
+        is not ``value``: the notebook let go of it, and the kernel should not hold it for the ranks."""
+        return bool(self.objects) and self.objects[0].strong is not None and self.objects[0].strong is not value
+
+
+class _Same:
+    """One object by identity: equal to another ``_Same`` of the very same object, while it lives."""
+
+    __slots__ = ("ref", "strong")
+
+    def __init__(self, obj: Any) -> None:
         try:
-            buffer = io.BytesIO()
-            _DigestPickler(buffer).dump(value)
-            return (id(value), hashlib.blake2b(buffer.getvalue(), digest_size=16).digest())
-        except Exception:
-            pass
-    return (id(value),)
+            self.ref: Callable[[], Any] = weakref.ref(obj)
+            self.strong: Any = None
+        except TypeError:  # lists, dicts, tuples, some extension types: held (Session forgets rebound ones)
+            self.strong = obj
+            self.ref = self._strong
+
+    def _strong(self) -> Any:
+        return self.strong
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Same):
+            return NotImplemented
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _atom_key(value: Any) -> Any:
+    """An atom's value in a form that equals itself: NaN is not equal to NaN, but its hex is."""
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, complex):
+        return (value.real.hex(), value.imag.hex())
+    if isinstance(value, (str, bytes)) and len(value) > _DIGEST_FROM:
+        return hashlib.blake2b(value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value,
+                               digest_size=16).digest()
+    return value
+
+
+_DIGEST_FROM = 4096  # strings and bytes longer than this are compared by a digest, not kept
 
 
 SMALL = 1000  # items of a container whose contents are compared from cell to cell
+_DIGEST_LIMIT = 1 << 20  # bytes of a container's pickle past which it is compared by identity instead
+
+
+def _digest(value: Any) -> tuple[bytes, list[Any]] | None:
+    """A small container's items as a digest, and the tensors in it (compared by identity and
+    version); None when they cannot be pickled or are too large to compare every cell."""
+    buffer = _LimitedBuffer()
+    pickler = _DigestPickler(buffer)
+    try:
+        pickler.dump(value)
+    except Exception:
+        return None
+    return hashlib.blake2b(buffer.getvalue(), digest_size=16).digest(), pickler.tensors
+
+
+class _LimitedBuffer(io.BytesIO):
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > _DIGEST_LIMIT:
+            raise ValueError("too large to compare")
+        return super().write(data)
 
 
 class _DigestPickler(pickle.Pickler):
-    """Pickles a container's items for comparison: a tensor by identity and version, not its data."""
+    """Pickles a container's items for comparison: a tensor by its place and version, not its data."""
+
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[Any] = []
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
-            return tuple, ((id(obj), obj._version),)
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            self.tensors.append(obj)
+            return tuple, ((len(self.tensors), obj._version),)
         return NotImplemented

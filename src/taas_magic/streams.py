@@ -13,6 +13,7 @@ to the kernel's stream at once, without IPython keeping a copy (see there).
 from __future__ import annotations
 
 import codecs
+import ctypes
 import functools
 import re
 import sys
@@ -27,6 +28,7 @@ PARTIAL_LINE_DELAY = 0.1  # seconds a rank's unfinished line waits for more text
 PARTIAL_LINE_MAX = 64 * 1024  # characters of an unfinished line held back at most
 TAIL_LINES = 20  # recent stderr lines kept per rank for crash reports
 TAIL_LINE_MAX = 2000  # characters kept of each of those lines
+WRITE_PIECE = 32 * 1024  # characters handed to the kernel's stream at once (see write_to_cell)
 _BREAKS = re.compile(r"(\r\n|\n|\r)")
 
 
@@ -178,8 +180,26 @@ def write_to_cell(stream: str, text: str) -> None:
     into one message per 0.2 s, so megabytes per second of output make messages of many
     megabytes whose buffers the allocator keeps after they are freed: each piece is flushed
     at once, so a message is never larger than one piece, and the cell's output keeps pace
-    with what the kernel can send.
+    with what the kernel can send. A piece is at most ``WRITE_PIECE`` characters: the live view
+    writes what several ranks printed within its window as one block, megabytes at times.
     """
     target = sys.stdout if stream == "stdout" else sys.stderr
-    type(target).write(target, text)
-    target.flush()
+    for start in range(0, len(text), WRITE_PIECE):  # a block of many lines of several ranks, in pieces
+        type(target).write(target, text[start : start + WRITE_PIECE])
+        target.flush()
+
+
+def give_back_freed_memory() -> None:
+    """After a run, the pages its output freed go back to the system.
+
+    Megabytes of output pass through the kernel as short-lived strings and messages, and glibc
+    keeps the pages they freed in its heap for good: the kernel would stay that much larger after
+    every run that printed much. ``malloc_trim`` returns them; other C libraries have no such call.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # this process's own C library
+    except (OSError, AttributeError):  # not glibc (musl)
+        return
+    trim(0)

@@ -134,7 +134,6 @@ class _Supervisor:
 
         Returns the events that came with the last exit: they go with the word that the run is over.
         """
-        ours = {state.pid for state in group.ranks.values()}  # reaped by the group itself
         idle = _IdleClock(group.idle_limit, busy={key for key in group.ranks if isinstance(key, int)})
         while True:
             events = group.events(PARENT_CHECK_SECONDS)
@@ -147,7 +146,7 @@ class _Supervisor:
                 raise _Orphaned()
             if idle.expired():
                 raise _Idle(idle.limit)
-            containment.reap_strays(ours)
+            containment.reap_strays({state.pid for state in group.ranks.values()})  # reaped by the group itself
             while self.channel.ready(0):
                 kind, fields, fds = self.channel.receive()
                 try:

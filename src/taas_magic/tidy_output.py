@@ -157,10 +157,14 @@ class _Collapser:
         """The first ``count`` lines of the rank's first chunk are written."""
         queue = self.queues[rank]
         chunk = queue.popleft()
-        self.taken[rank].update(chunk.lines[:count])
         if count < len(chunk.lines):
-            rest = _Chunk(chunk.lines[count:], chunk.arrived)
-            queue.appendleft(rest)
+            self.taken[rank].update(chunk.lines[:count])
+            queue.appendleft(_Chunk(chunk.lines[count:], chunk.arrived))
+        elif queue:
+            self.taken[rank].update(chunk.lines)
+        else:  # it holds nothing now: its counts start again, so they never outgrow what one window holds
+            self.added[rank].clear()
+            self.taken[rank].clear()
 
     def _holding(self, rank: Key, texts: set[str]) -> set[str]:
         """Those of ``texts`` that ``rank`` holds now."""

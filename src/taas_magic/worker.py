@@ -223,6 +223,7 @@ def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: di
 
     ``return_names`` is None in ranks that send nothing back.
     """
+    _delivery_summaries(task, namespace)  # a session cell sums up its own loops, not those of one that failed
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
         try:
@@ -247,16 +248,17 @@ def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -
 
 
 def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
-    """How each stand-in loader fared in this rank: elements received, time spent waiting."""
-    return {plan.name: namespace[plan.name].summary() for plan in task.loaders
-            if hasattr(namespace.get(plan.name), "summary")}
+    """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting."""
+    summaries = {plan.name: namespace[plan.name].summary() for plan in task.loaders
+                 if hasattr(namespace.get(plan.name), "summary")}
+    return {name: summary for name, summary in summaries.items() if summary is not None}
 
 
 def _results(names: tuple[str, ...], namespace: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
     """The cell's names, pickled for the kernel; and {name: why} for those left out."""
     present = {name: namespace[name] for name in names if name in namespace}
     data, skipped = results.dumps(present) if present else (b"", {})
-    skipped.update({name: "not bound when the cell ended" for name in names if name not in namespace})
+    skipped.update({name: results.NOT_BOUND for name in names if name not in namespace})
     return data, skipped
 
 

@@ -132,6 +132,7 @@ class AttachedDelivery:
                     index=index, count=plan.producers, window=max(1, math.ceil(prefetch / self.share.world)),
                     channels=self.producers_ends[number], counters=self.counters[number], seed=plan.seed,
                     reports_stats=False,  # the kernel makes the progress line from every node's counters
+                    on_demand=plan.on_demand,
                 )
                 tasks.append((Producer(number, index), task))
         return tasks

@@ -20,7 +20,7 @@ from typing import Collection
 
 from ..records import DeliveryProgress
 
-_RANK_FIELDS = 6  # position, taken, dropped, passes_over, done, waited
+_RANK_FIELDS = 7  # position, taken, dropped, passes_over, done, waited, asked
 
 
 class Counters:
@@ -44,6 +44,7 @@ class Counters:
         self.passes_over = fields[5]  # passes each rank has left or finished: none of them is sent any more
         self.done = fields[6]  # 1 once a rank's cell has ended: send it nothing, wait for it no more
         self.waited = fields[7]  # microseconds each rank's cell spent waiting for elements
+        self.asked = fields[8]  # 1 once a rank began a pass: a session's producers start building then
 
     @staticmethod
     def size(producers: int, ranks: int) -> int:
@@ -74,6 +75,9 @@ class Counters:
     def slowest_rank(self) -> int | float:
         """Rounds taken by the slowest rank still running (infinite when none is)."""
         return min((self.position[r] for r in range(self.ranks) if not self.done[r]), default=float("inf"))
+
+    def any_asked(self) -> bool:
+        return any(self.asked)
 
     def is_done(self, rank: int) -> bool:
         return bool(self.done[rank])

@@ -17,6 +17,14 @@ def loaders_used(reads: Collection[str], namespace: dict[str, Any]) -> list[str]
     return sorted(name for name in names_reached(reads, namespace) if is_registered(namespace[name]))
 
 
+def registered_names(namespace: dict[str, Any]) -> list[str]:
+    """Every notebook name bound to a registered DataLoader: a session serves them all, since the
+    cells that iterate them come after the one that starts it."""
+    from taas.registry import is_registered
+
+    return sorted(name for name, value in list(namespace.items()) if not name.startswith("_") and is_registered(value))
+
+
 def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:
     """One plan per registered loader the cell uses; ``--cpus 0`` turns delivery off."""
     producers = 1 if spec.cpus is None else spec.cpus
@@ -25,7 +33,7 @@ def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tupl
     for name in names:
         _check_servable(name, namespace[name], producers)
     return tuple(LoaderPlan(name, producers, spec.units, spec.prefetch, spec.order == "fastest",
-                            _seed(namespace[name])) for name in names)
+                            _seed(namespace[name]), on_demand=spec.keep) for name in names)
 
 
 def _seed(loader: Any) -> int:

@@ -34,6 +34,7 @@ from .plan import Pass, StreamPlan
 from .transport import send
 
 STATS_SECONDS = 0.5
+DEMAND_SECONDS = 0.01  # how often an idle session producer looks whether a rank began iterating
 Key = tuple[Pass, int, Any]  # (pass, element index, the sample indices it is built from)
 
 
@@ -104,6 +105,7 @@ class ProducerTask:
     counters: Counters
     seed: int
     reports_stats: bool  # producer 0 of each loader sends its counters for the progress line
+    on_demand: bool = False  # a session's: wait until a rank first iterates the loader
     stop: _Stop = field(default_factory=_Stop, repr=False)
 
     def run(self, env: dict[str, str], fds: child.RankFds) -> int:
@@ -118,6 +120,7 @@ class ProducerTask:
         if self.reports_stats:
             self._report_progress(fds, reports)
         try:
+            self._wait_for_demand()
             self._produce()
             self._wait_for_the_ranks()
             with self.stop.held():  # leaving anyway: a stop now would only garble the last report
@@ -211,12 +214,23 @@ class ProducerTask:
                     yield pass_, index, indices
             number += pass_.real
 
+    def _wait_for_demand(self) -> None:
+        """A session serves every registered loader, used or not: one no cell iterates costs an idle
+        process, and a dataset that fails fails the cell that iterates it, not the session's start.
+        Once a rank has begun a pass, producers stay ahead within the window, as in a one-shot run."""
+        while self.on_demand and not self.counters.any_asked() and not self.counters.all_done():
+            self.stop.check()
+            time.sleep(DEMAND_SECONDS)
+
     def _wait_for_window(self, round_: int) -> None:
-        pause = 0.0002
+        """Until the slowest rank is close enough. A session's producers look less often once it has not
+        moved for a second: between cells they may wait for an hour."""
+        pause, began = 0.0002, time.monotonic()
         while round_ >= self.counters.slowest_rank() + self.window:
             self.stop.check()
             time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+            idle = self.on_demand and time.monotonic() - began > 1.0
+            pause = min(pause * 2, DEMAND_SECONDS * 5 if idle else 0.005)
 
     def _wait_for_the_ranks(self) -> None:
         """Done with the stream: producer 0 stays while ranks still consume, so the progress line lives on."""
@@ -233,6 +247,9 @@ class ProducerTask:
         def report_changes() -> None:
             last = None
             while True:
+                if self.on_demand and not self.counters.any_asked():
+                    time.sleep(STATS_SECONDS)  # a loader no cell iterated yet has no progress line
+                    continue
                 stats = self.counters.stats(self.name)
                 state = dataclasses.replace(stats, at=0.0)
                 if state != last:

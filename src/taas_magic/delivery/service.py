@@ -2,15 +2,19 @@
 
 For each registered loader the cell uses: one channel per rank, shared counters, and the
 tasks of its K producers. Built before anything is forked, so producers and ranks inherit
-their ends; this process closes its copies once they have.
+their ends; this process closes its copies once they have. A session also serves loaders
+registered while it runs: their ranks exist already, and get their ends with a cell.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
+from .. import memfile
 from ..backend import Key, Producer
 from .counters import Counters
 from .plan import StreamPlan
@@ -29,10 +33,12 @@ class LoaderPlan:
     prefetch: int | None
     fastest: bool
     seed: int  # the run's seed for per-sample seeding, taken in the kernel
+    on_demand: bool = False  # a session's: producers build nothing until a rank first iterates the loader
 
 
-def producer_labels(plans: tuple[LoaderPlan, ...]) -> dict[Key, str]:
-    return {Producer(n, j): f"producer {j} of {plan.name}" for n, plan in enumerate(plans)
+def producer_labels(plans: tuple[LoaderPlan, ...], first: int = 0) -> dict[Key, str]:
+    """``first``: the number of the first of ``plans`` among the run's loaders (a session adds loaders)."""
+    return {Producer(first + n, j): f"producer {j} of {plan.name}" for n, plan in enumerate(plans)
             for j in range(plan.producers)}
 
 
@@ -50,6 +56,7 @@ class _LoaderRuntime:
     counters: Counters
     window: int
     seed: int
+    counters_fd: int | None = None  # the counters' memory file, for ranks that are running already
 
 
 @dataclass(frozen=True)
@@ -69,16 +76,24 @@ class RankLoader:
 
 
 class DataService:
-    def __init__(self, plans: tuple[LoaderPlan, ...], namespace: dict[str, Any], world: int):
-        self.runtimes = [self._runtime(plan, namespace[plan.name], world) for plan in plans]
+    """``first``: the number of the first of ``plans`` among the run's loaders. A session adds loaders
+    while its ranks run (``late``): their counters are then in memory files the ranks map, and the
+    ranks get their ends with the cell (``late_ends``)."""
+
+    def __init__(self, plans: tuple[LoaderPlan, ...], namespace: dict[str, Any], world: int, first: int = 0,
+                 late: bool = False):
+        self.first = first
+        self.runtimes = [self._runtime(plan, namespace[plan.name], world, late) for plan in plans]
 
     @staticmethod
-    def _runtime(plan: LoaderPlan, loader: Any, world: int) -> _LoaderRuntime:
+    def _runtime(plan: LoaderPlan, loader: Any, world: int, late: bool) -> _LoaderRuntime:
         prefetch = plan.prefetch or default_prefetch(world, plan.producers, loader.num_workers)
+        fd = memfile.new_file("taas-counters", Counters.size(plan.producers, world)) if late else None
         return _LoaderRuntime(
             plan=plan, loader=loader, stream=StreamPlan(len(loader), world, plan.units),
-            channels=[channel_pair() for _ in range(world)], counters=Counters(plan.producers, world),
-            window=max(1, math.ceil(prefetch / world)), seed=plan.seed,
+            channels=[channel_pair() for _ in range(world)],
+            counters=Counters(plan.producers, world, -1 if fd is None else fd),
+            window=max(1, math.ceil(prefetch / world)), seed=plan.seed, counters_fd=fd,
         )
 
     def producers(self) -> list[tuple[Producer, ProducerTask]]:
@@ -89,14 +104,14 @@ class DataService:
                     name=runtime.plan.name, loader=runtime.loader, plan=runtime.stream, index=index,
                     count=runtime.plan.producers, window=runtime.window,
                     channels=[ends[0] for ends in runtime.channels], counters=runtime.counters,
-                    seed=runtime.seed, reports_stats=index == 0,
+                    seed=runtime.seed, reports_stats=index == 0, on_demand=runtime.plan.on_demand,
                 )
-                tasks.append((Producer(number, index), task))
+                tasks.append((Producer(self.first + number, index), task))
         return tasks
 
     def producer_sockets(self, key: Producer) -> set[int]:
         """Descriptors producer ``key`` keeps: its loader's producers' ends, one per rank."""
-        return {ends[0].fileno() for ends in self.runtimes[key.loader].channels}
+        return {ends[0].fileno() for ends in self.runtimes[key.loader - self.first].channels}
 
     def rank_sockets(self, rank: int) -> set[int]:
         """Descriptors rank ``rank`` keeps: its own end of each loader's channel."""
@@ -105,9 +120,31 @@ class DataService:
     def rank_loaders(self) -> tuple[RankLoader, ...]:
         return tuple(RankLoader(runtime) for runtime in self.runtimes)
 
+    def late_ends(self, rank: int) -> tuple[int, ...]:
+        """For a rank that runs already: its end of each loader's channel, then each loader's counters file
+        (``late_stand_ins`` takes them in that order)."""
+        return tuple(runtime.channels[rank][1].fileno() for runtime in self.runtimes) + \
+            tuple(runtime.counters_fd for runtime in self.runtimes if runtime.counters_fd is not None)
+
     def close(self) -> None:
         """This process's copies of the channels; the producers and ranks keep theirs."""
         for runtime in self.runtimes:
             for producers_end, ranks_end in runtime.channels:
                 producers_end.close()
                 ranks_end.close()
+            if runtime.counters_fd is not None:
+                os.close(runtime.counters_fd)
+                runtime.counters_fd = None
+
+
+def late_stand_ins(plans: tuple[LoaderPlan, ...], fds: list[int], namespace: dict[str, Any], rank: int,
+                   world: int, device: str) -> None:
+    """In a session's rank: stand-ins for loaders the session began to serve with this cell, over the ends
+    ``DataService.late_ends`` sent (the descriptors are this rank's to keep or close)."""
+    count = len(plans)
+    for plan, channel_fd, counters_fd in zip(plans, fds[:count], fds[count:]):
+        loader = namespace[plan.name]
+        counters = Counters(plan.producers, world, counters_fd)
+        os.close(counters_fd)  # the mapping stays
+        namespace[plan.name] = StandIn(plan.name, loader, rank, StreamPlan(len(loader), world, plan.units),
+                                       socket.socket(fileno=channel_fd), counters, plan.fastest, device)

@@ -10,10 +10,13 @@ not have (``dataset``, ``batch_size``…) are the original loader's.
 from __future__ import annotations
 
 import collections
+import select
 import socket
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
+from ..containment import HeldInterrupts
 from ..records import DeliveryProgress, DeliverySummary
 from .counters import Counters
 from .plan import StreamPlan
@@ -31,6 +34,7 @@ class StandIn:
         self._early: dict[tuple[int, int], list[Any]] = {}
         self._position = 0  # rounds of the stream this rank is past (skipped ones included)
         self._delivered = 0
+        self._summarized = (0, 0.0)  # elements taken and seconds waited up to the last summary
         self._dropped = 0  # elements received, or held, and thrown away
         self._waited = 0.0
         self._first_wait: float | None = None
@@ -38,6 +42,9 @@ class StandIn:
         self._last: float | None = None
         self._open: Any = None  # the pass being iterated
         self._closed_pass = -1  # passes up to this one are over for this rank
+        self._readable = select.poll()  # not select(): a rank may hold more than 1024 descriptors
+        self._readable.register(channel, select.POLLIN)
+        weakref.finalize(self, _left, channel, counters, rank)
 
     def __len__(self) -> int:
         return self._plan.share()
@@ -54,6 +61,7 @@ class StandIn:
         if pass_ is None:
             return  # --units used up
         self._open = pass_
+        self._counters.asked[self._rank] = 1
         order = self._plan.sequence(pass_, self._rank)
         wanted = collections.Counter(order)
         try:
@@ -86,8 +94,12 @@ class StandIn:
     def _take_in_waiting(self) -> None:
         """Receive what already waits, without waiting: what belongs to passes this rank left is dropped now."""
         try:
-            while (arrived := receive_if_waiting(self._channel)) is not None:
-                self._keep(*arrived)
+            while True:
+                with HeldInterrupts():  # an element taken off the socket is kept: none is lost to an interrupt
+                    arrived = receive_if_waiting(self._channel)
+                    if arrived is None:
+                        return
+                    self._keep(*arrived)
         except EOFError:
             pass  # every producer is done: nothing more will come
 
@@ -125,14 +137,22 @@ class StandIn:
             self._receive()
 
     def _receive(self) -> None:
+        """Wait for the next element, then take it off the socket and keep it with interrupts held.
+
+        An interrupt (a session's cell interrupted mid-pass) lands in the wait, never between
+        taking an element and keeping it: the element may be of a later pass, which the next
+        cell's loop must still find.
+        """
         began = time.monotonic()
-        pass_number, index, element = receive(self._channel)
+        self._readable.poll()
+        with HeldInterrupts():
+            pass_number, index, element = receive(self._channel)
+            self._keep(pass_number, index, element)
         waited = time.monotonic() - began
         self._waited += waited
         self._counters.waited[self._rank] = int(self._waited * 1e6)
         if self._first_wait is None:
             self._first_wait = waited
-        self._keep(pass_number, index, element)
 
     def _keep(self, pass_number: int, index: int, element: Any) -> None:
         if pass_number > self._closed_pass:
@@ -148,6 +168,28 @@ class StandIn:
 
         return pin_memory(element)
 
-    def summary(self) -> DeliverySummary:
-        span = (self._last or 0.0) - (self._started or 0.0)
-        return DeliverySummary(self._delivered, self._waited, self._first_wait or 0.0, max(span, 0.0))
+    def summary(self) -> DeliverySummary | None:
+        """What this rank took since the last summary, or None if it asked for nothing meanwhile.
+
+        One per cell: in a session the stand-in lives on, and each cell sums up its own loops.
+        """
+        if self._started is None:
+            return None
+        span = (self._last or 0.0) - self._started
+        taken, waited = self._summarized
+        summary = DeliverySummary(self._delivered - taken, self._waited - waited, self._first_wait or 0.0,
+                                  max(span, 0.0))
+        self._summarized = (self._delivered, self._waited)
+        self._started = self._last = self._first_wait = None
+        return summary
+
+
+def _left(channel: socket.socket, counters: Counters, rank: int) -> None:
+    """A stand-in nobody can reach any more (a session cell, or the notebook, rebound its name): its
+    producers send this rank nothing more, and what waits for it is thrown away."""
+    counters.done[rank] = 1
+    try:
+        discard_waiting(channel)
+    except OSError:
+        pass  # closed already
+    channel.close()
