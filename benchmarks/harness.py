@@ -34,7 +34,7 @@ KERNEL_LOG = Path(tempfile.gettempdir()) / "taas-bench-kernels.log"
 # Every process a benchmark starts gets the same environment: CPU ranks, gloo on loopback.
 BENCH_ENV = {"TAAS_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
 
-FORK_SERVER_MODULE = "taas_magic.forkserver"
+FORK_SERVER_MODULE = "taas_magic.launch.forkserver.server"
 
 
 class BenchError(RuntimeError):

@@ -457,7 +457,7 @@ HOLD_BODY = textwrap.dedent(f"""\
     dist.destroy_process_group()
 """)
 PACK_CELL = textwrap.dedent("""\
-    from taas_magic import shipping as _shipping
+    from taas_magic.wire import shipping as _shipping
     _t0 = time.perf_counter()
     _shipment = _shipping.pack(globals(), ["big"])
     print("taas-bench-inside", time.perf_counter() - _t0)

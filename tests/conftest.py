@@ -167,7 +167,7 @@ class Kernel:
 
     @staticmethod
     def is_fork_server(process: psutil.Process) -> bool:
-        return "taas_magic.forkserver" in " ".join(process.cmdline())
+        return "taas_magic.launch.forkserver.server" in " ".join(process.cmdline())
 
     def fork_server(self) -> psutil.Process | None:
         servers = [c for c in psutil.Process(self.pid).children() if self.is_fork_server(c)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from taas_magic import aliases
+from taas_magic.rank import aliases
 
 
 def test_every_name_bound_to_a_replaced_function_is_found_and_nothing_else():

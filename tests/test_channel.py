@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from taas_magic.channel import INLINE_LIMIT, Channel, ChannelBroken, new_secret, socket_pair
+from taas_magic.wire.channel import INLINE_LIMIT, Channel, ChannelBroken, new_secret, socket_pair
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from notebook_values import KINDS, SETUP, unpicklable
 
 ray = pytest.importorskip("ray")
 
-from taas_magic.local_cluster import LocalCluster  # noqa: E402
+from taas_magic.local_cluster import LocalCluster
 
 CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
@@ -254,7 +254,7 @@ def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hol
     configuration for producer nodes that the cluster lacks (c1.80)."""
     cluster_kernel = registered
     local, _ = cluster
-    cluster_kernel.execute("import taas_magic.magics as _magics\n_magics.PRODUCER_NODE = 'c1.80'").ok()
+    cluster_kernel.execute("import taas_magic.kernel.magics as _magics\n_magics.PRODUCER_NODE = 'c1.80'").ok()
     try:
         r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2 --units 20\n" + COLLECT,
                                    timeout=240).ok()
@@ -360,7 +360,7 @@ def test_the_store_port_is_open_for_the_run_only(cluster_kernel):
 def test_a_node_with_other_versions_is_refused_before_anything_starts(cluster_kernel):
     """The kernel compares its own versions with each new agent's (here the kernel claims others)."""
     cluster_kernel.execute("%taas cluster release").ok()
-    cluster_kernel.execute("import taas_magic.cluster as _cluster\n_versions = _cluster.versions\n"
+    cluster_kernel.execute("import taas_magic.launch.cluster.connection as _cluster\n_versions = _cluster.versions\n"
                            "_cluster.versions = lambda: ('3.99.0', '9.9', '9.9.9')").ok()
     try:
         r = cluster_kernel.execute(HEADER + "print('never')", timeout=240)
@@ -721,7 +721,7 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
 
 def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
     """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
-    from taas_magic.cluster import Node, free_count
+    from taas_magic.launch.cluster.connection import Node, free_count
     from taas_magic.configurations import load_catalog
 
     shape = load_catalog().get("g2.8")
@@ -781,7 +781,7 @@ def _ranks() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter():
         try:
-            if "taas_magic.forkserver" in " ".join(_cmdline(process)) and process.parent().name().startswith("ray::"):
+            if "taas_magic.launch.forkserver.server" in " ".join(_cmdline(process)) and process.parent().name().startswith("ray::"):
                 found += [p for p in process.children(recursive=True) if _alive(p)]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
             continue

@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from taas_magic import containment
+from taas_magic.process import containment
 
 ESCAPES = """
 import os, subprocess, time

@@ -6,11 +6,11 @@ import signal
 
 import pytest
 
-from taas_magic import controller
-from taas_magic.records import CellEnded, Failed
-from taas_magic.backend import Exited, Output, Producer, Report
+from taas_magic.kernel import controller
+from taas_magic.wire.records import CellEnded, Failed
+from taas_magic.wire.events import Exited, Output, Producer, Report
 from taas_magic.errors import RankFailed
-from taas_magic.spec import LaunchSpec
+from taas_magic.kernel.spec import LaunchSpec
 
 
 def spec(world_size: int = 2, timeout: float | None = None) -> LaunchSpec:

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import CellResult, Kernel
 from test_kernel_lightning import REGRESSION
-from taas_magic.machine import cuda_device_count
+from taas_magic.process.machine import cuda_device_count
 
 GPUS = cuda_device_count()
 pytestmark = [pytest.mark.cuda, pytest.mark.kernel,

@@ -8,7 +8,7 @@ import torch
 
 from taas_magic.delivery.cluster import NodeDelivery, RunProgress, shares
 from taas_magic.delivery.counters import Counters
-from taas_magic.backend import Producer
+from taas_magic.wire.events import Producer
 from taas_magic.delivery.service import LoaderPlan
 from taas_magic.delivery.transport import channel_pair, put, receive, send, take_waiting
 
@@ -50,7 +50,7 @@ def test_counters_merge_only_the_rows_another_copy_owns():
 
 
 def test_a_counters_memory_file_is_shared_by_whoever_maps_it():
-    from taas_magic import memfile
+    from taas_magic.wire import memfile
 
     fd = memfile.new_file("counters", Counters.size(1, 2))
     try:

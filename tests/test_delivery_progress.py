@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from taas_magic.backend import Report
-from taas_magic.controller import _Watch
+from taas_magic.wire.events import Report
+from taas_magic.kernel.controller import _Watch
 from taas_magic.delivery import transport
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.standin import StandIn
-from taas_magic.live_view import RunView
-from taas_magic.records import DeliveryProgress
+from taas_magic.kernel.live_view import RunView
+from taas_magic.wire.records import DeliveryProgress
 
 
 def stats(produced=0, taken=(0, 0), skipped=(0, 0), buffered=0, done=(0, 0), at=1.0, waited=()) -> DeliveryProgress:

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from taas_magic import environment
+from taas_magic.kernel import environment
 from taas_magic.configurations import load_catalog
-from taas_magic.environment import TORCHRUN_VARIABLES, loopback_interface, rank_environments
-from taas_magic.spec import LaunchSpec
+from taas_magic.kernel.environment import TORCHRUN_VARIABLES, loopback_interface, rank_environments
+from taas_magic.kernel.spec import LaunchSpec
 
 RUN_ID = "run-1234"
 PORT = 41234

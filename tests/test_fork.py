@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 
-from taas_magic.backend import Exited, Output, Report
-from taas_magic.records import CellEnded, Failed, RankVitals
-from taas_magic.fork import ForkedRanks
-from taas_magic.worker import RankTask
+from taas_magic.wire.events import Exited, Output, Report
+from taas_magic.wire.records import CellEnded, Failed, RankVitals
+from taas_magic.launch.supervisor.ranks import ForkedRanks
+from taas_magic.rank.worker import RankTask
 
 
 def start(source: str, ranks: int = 2):
@@ -171,7 +171,7 @@ class _ShowsItsNote:
     delivery = None
 
     def run(self, env, fds) -> int:
-        from taas_magic import child
+        from taas_magic.process import child
 
         note = child.wait_at_gate(fds)
         os.write(fds.stdout, b"%s %f\n" % (note, time.monotonic()))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from taas_magic.live_view import RunView
-from taas_magic.records import CellEnded, Failed, RankProgress, RankVitals
+from taas_magic.kernel.live_view import RunView
+from taas_magic.wire.records import CellEnded, Failed, RankProgress, RankVitals
 
 MB = 1_000_000
 

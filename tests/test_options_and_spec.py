@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-from taas_magic import options, spec
+from taas_magic.kernel import options, spec
 from taas_magic.configurations import load_catalog
-from taas_magic.machine import Machine
-from taas_magic.magics import TaasMagics
+from taas_magic.process.machine import Machine
+from taas_magic.kernel.magics import TaasMagics
 
 CATALOG = load_catalog({})
 EIGHT_GPUS = Machine(cpus=16, cuda_devices=8)
@@ -254,8 +254,8 @@ def test_any_option_like_line_gives_a_spec_or_a_usage_error(
 
 
 def test_quotes_group_words_and_are_removed():
-    from taas_magic import options as opts
-    from taas_magic.magics import TaasMagics
+    from taas_magic.kernel import options as opts
+    from taas_magic.kernel.magics import TaasMagics
 
     assert opts.parse(TaasMagics.taas, "--config 'g2.8' --return 'a, b'").config == "g2.8"
     assert opts.parse(TaasMagics.taas, "--return 'a, b'").return_names == ("a", "b")
@@ -264,8 +264,8 @@ def test_quotes_group_words_and_are_removed():
 def test_abbreviated_options_are_not_guessed():
     from IPython.core.error import UsageError
 
-    from taas_magic import options as opts
-    from taas_magic.magics import TaasMagics
+    from taas_magic.kernel import options as opts
+    from taas_magic.kernel.magics import TaasMagics
 
     with pytest.raises(UsageError, match="unknown option '--gp'"):
         opts.parse(TaasMagics.taas, "--gp 2")

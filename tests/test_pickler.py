@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from taas_magic import pickler
+from taas_magic.wire import pickler
 
 
 def test_a_function_keeps_its_file_name_and_lines():

@@ -13,7 +13,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 CHECK = textwrap.dedent("""
     import importlib.metadata, sys
     import torch.distributed as dist
-    from taas_magic import plugins
+    from taas_magic.rank import plugins
 
     scans = []
     scan = importlib.metadata.distributions

@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 import torch
 
-from taas_magic.rank_state import RankSeeds, TorchSettings, rank_seeds
+from taas_magic.rank.state import RankSeeds, TorchSettings, rank_seeds
 
 
 def test_rank_seeds_differ_per_rank_and_library_and_never_change() -> None:
@@ -31,7 +31,7 @@ def test_numpy_is_seeded_when_the_cell_first_imports_numpy_random() -> None:
     script = textwrap.dedent("""
         import sys, torch
         assert "numpy.random" not in sys.modules, "the test needs a process that has not imported it"
-        from taas_magic.rank_state import rank_seeds, seed_rank
+        from taas_magic.rank.state import rank_seeds, seed_rank
         seed_rank(12345, 3, "cpu")
         assert "numpy.random" not in sys.modules, "seeding imported numpy.random"
         import numpy.random

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from taas_magic import records
-from taas_magic.records import CellEnded, DeliveryProgress, DeliverySummary, Failed, SaveSkipped
+from taas_magic.wire import records
+from taas_magic.wire.records import CellEnded, DeliveryProgress, DeliverySummary, Failed, SaveSkipped
 
 
 @pytest.mark.parametrize("record", [

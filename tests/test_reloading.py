@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from IPython.extensions.autoreload import AutoreloadMagics
 
-from taas_magic.reloading import KernelReloads, RankReloads, Reload, describe, mode
+from taas_magic.kernel.reloading import KernelReloads, describe, mode
+from taas_magic.rank.reloading import RankReloads, Reload
 
 
 def write_module(folder: Path, name: str, value: int) -> None:

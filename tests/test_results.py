@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from taas_magic import results
+from taas_magic.wire import results
 
 
 def round_trip(values: dict) -> tuple[dict, dict]:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taas_magic import shipping
+from taas_magic.wire import shipping
 
 
 def test_names_and_tensors_arrive_with_the_tensors_data_in_one_memory_file() -> None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from IPython.core.error import UsageError
 
-from taas_magic.spec import resolve_start
+from taas_magic.kernel.spec import resolve_start
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_fork_is_refused_where_it_cannot_work(can_fork, message):
 
 def test_a_live_grpc_channel_is_seen_and_a_closed_one_is_not():
     """A channel starts grpcio's threads; they go when it closes (a fork is then clean again)."""
-    probe = ("import grpc, time\nfrom taas_magic.machine import grpc_threads_in_kernel as g\n"
+    probe = ("import grpc, time\nfrom taas_magic.process.machine import grpc_threads_in_kernel as g\n"
              "channel = grpc.insecure_channel('127.0.0.1:9')\nopen_ = g()\nchannel.close()\ntime.sleep(0.5)\n"
              "print(open_, g())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -56,7 +56,7 @@ def test_a_live_grpc_channel_is_seen_and_a_closed_one_is_not():
 
 
 def test_asking_torch_whether_cuda_is_available_makes_forks_unable_to_use_it():
-    probe = ("import torch\nfrom taas_magic.machine import fork_poisoned_for_cuda as p\n"
+    probe = ("import torch\nfrom taas_magic.process.machine import fork_poisoned_for_cuda as p\n"
              "before = p()\ntorch.cuda.is_available()\nprint(before, p(), torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True", "False"], out.stderr

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from taas_magic import storage
+from taas_magic.rank import storage
 
 
 def write_bytes(obj: bytes, path: str) -> int:

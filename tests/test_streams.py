@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from taas_magic.streams import (
+from taas_magic.kernel.streams import (
     PARTIAL_LINE_DELAY,
     PARTIAL_LINE_MAX,
     TAIL_LINE_MAX,

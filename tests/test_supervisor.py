@@ -17,12 +17,13 @@ import psutil
 import pytest
 import torch.distributed  # noqa: F401  (as in a kernel: ranks start with torch imported)
 
-from taas_magic import containment
-from taas_magic.backend import Exited, Output, Producer
-from taas_magic.channel import Channel, new_secret, socket_pair
-from taas_magic.fork import ForkBackend
-from taas_magic.supervisor import RunLost, SupervisedRanks
-from taas_magic.worker import RankTask
+from taas_magic.process import containment
+from taas_magic.wire.events import Exited, Output, Producer
+from taas_magic.wire.channel import Channel, new_secret, socket_pair
+from taas_magic.launch.fork.backend import ForkBackend
+from taas_magic.errors import RunLost
+from taas_magic.launch.supervisor.handle import SupervisedRanks
+from taas_magic.rank.worker import RankTask
 
 PRODUCER = Producer(0, 0)  # a data producer of the run
 

@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import signal
 
-from taas_magic import tempfiles
+from taas_magic.process import tempfiles
 
 
 def _in_a_child(body) -> dict:

@@ -62,7 +62,7 @@ def device() -> Any:
     chosen = os.environ.get("TAAS_DEVICE", "").strip().lower()
     if "TAAS_RUN_ID" in os.environ:  # inside a rank: the launch resolved the device
         return torch.device("cuda", local_rank()) if chosen == "cuda" else torch.device("cpu")
-    from taas_magic.machine import cuda_device_count
+    from taas_magic.process.machine import cuda_device_count
 
     if chosen == "cpu" or cuda_device_count() == 0:
         return torch.device("cpu")
@@ -73,7 +73,7 @@ def progress(step: int | None = None, **metrics: Any) -> None:
     """Show this rank's ``step`` and ``metrics`` (numbers, or one-element tensors) in the cell:
     one line per rank, updated in place, with the steps per second. Call it as often as you
     like (every step): a rank sends at most four updates a second. Does nothing in the kernel."""
-    from taas_magic import progress as reports
+    from taas_magic.rank import progress as reports
 
     reports.note(step, metrics)
 

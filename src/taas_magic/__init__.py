@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .configurations import load_catalog
-from .errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
-from .pragma import PragmaTransformer
+from taas_magic.configurations import load_catalog
+from taas_magic.errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
+from taas_magic.kernel.pragma import PragmaTransformer
 
 if TYPE_CHECKING:
-    from .magics import TaasMagics
+    from taas_magic.kernel.magics import TaasMagics
 
 __all__ = ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
            "load_ipython_extension", "unload_ipython_extension"]
@@ -40,8 +40,8 @@ def _is_configuration(name: str) -> bool:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from . import completion
-    from .magics import TaasMagics
+    from taas_magic.kernel import completion
+    from taas_magic.kernel.magics import TaasMagics
 
     if id(ipython) in _loaded:
         return

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import yaml
 from yaml.composer import ComposerError
 
-from .errors import TaasUsageError
+from taas_magic.errors import TaasUsageError
 
 ENV_VAR = "TAAS_CONFIG"
 

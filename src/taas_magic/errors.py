@@ -58,3 +58,12 @@ def first_line(error: BaseException) -> str:
 def type_name(value: object) -> str:
     """The name of ``value``'s class, even where its metaclass answers ``__name__`` with an error."""
     return str(type.__dict__["__name__"].__get__(type(value)))
+
+
+class RunLost(TaasRunError):
+    """The kernel lost its supervisor: it died, or its channel failed; everything of the run was ended."""
+
+    def __init__(self, detail: str):
+        message = f"taas lost the run's processes ({detail}); every process of the run was stopped"
+        super().__init__(message, [message])
+        self.detail = detail

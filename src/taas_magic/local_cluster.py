@@ -21,7 +21,7 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
-from .configurations import load_catalog
+from taas_magic.configurations import load_catalog
 
 QUIET = {
     "RAY_USAGE_STATS_ENABLED": "0",

@@ -32,15 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
-from .. import memfile
-from ..backend import Producer
-from ..records import DeliveryProgress
-from .counters import Counters
-from .plan import StreamPlan
-from .producer import ProducerTask
-from .service import LoaderPlan, default_prefetch
-from .standin import StandIn
-from .transport import channel_pair, put, take_waiting
+from taas_magic.wire import memfile
+from taas_magic.wire.events import Producer
+from taas_magic.wire.records import DeliveryProgress
+from taas_magic.delivery.counters import Counters
+from taas_magic.delivery.plan import StreamPlan
+from taas_magic.delivery.producer import ProducerTask
+from taas_magic.delivery.service import LoaderPlan, default_prefetch
+from taas_magic.delivery.standin import StandIn
+from taas_magic.delivery.transport import channel_pair, put, take_waiting
 
 PULL_WAIT_SECONDS = 0.1  # how long a host waits for an element before answering a pull with none
 PULL_BYTES = 64 * 1024**2  # the most one pull carries; more waits for the next

@@ -18,7 +18,7 @@ import mmap
 import time
 from typing import Collection
 
-from ..records import DeliveryProgress
+from taas_magic.wire.records import DeliveryProgress
 
 _RANK_FIELDS = 7  # position, taken, dropped, passes_over, done, waited, asked
 

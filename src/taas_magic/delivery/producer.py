@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Generator, Iterator
 
-from .. import child, tempfiles, worker
-from ..records import Failed
-from .counters import Counters
-from .plan import Pass, StreamPlan
-from .transport import send
+from taas_magic.process import child, tempfiles, tracebacks
+from taas_magic.wire.records import Failed
+from taas_magic.delivery.counters import Counters
+from taas_magic.delivery.plan import Pass, StreamPlan
+from taas_magic.delivery.transport import send
 
 STATS_SECONDS = 0.5
 DEMAND_SECONDS = 0.01  # how often an idle session producer looks whether a rank began iterating
@@ -271,7 +271,7 @@ class ProducerTask:
             where = f" at element {index} of pass {pass_.number} (samples {_short(indices)})"
         interrupted = isinstance(error, KeyboardInterrupt)
         return Failed(time.monotonic(), type(error).__name__, str(error),
-                      [] if interrupted else worker.format_traceback(_past_taas(error), shell),
+                      [] if interrupted else tracebacks.format_traceback(_past_taas(error), shell),
                       interrupted=interrupted, where=where.strip())
 
 

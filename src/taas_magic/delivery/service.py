@@ -14,13 +14,13 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from .. import memfile
-from ..backend import Key, Producer
-from .counters import Counters
-from .plan import StreamPlan
-from .producer import ProducerTask
-from .standin import StandIn
-from .transport import channel_pair
+from taas_magic.wire import memfile
+from taas_magic.wire.events import Key, Producer
+from taas_magic.delivery.counters import Counters
+from taas_magic.delivery.plan import StreamPlan
+from taas_magic.delivery.producer import ProducerTask
+from taas_magic.delivery.standin import StandIn
+from taas_magic.delivery.transport import channel_pair
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import time
 import weakref
 from typing import Any, Callable, Iterator
 
-from ..containment import HeldInterrupts
-from ..records import DeliveryProgress, DeliverySummary
-from .counters import Counters
-from .plan import StreamPlan
-from .transport import discard_waiting, receive, receive_if_waiting
+from taas_magic.process.containment import HeldInterrupts
+from taas_magic.wire.records import DeliveryProgress, DeliverySummary
+from taas_magic.delivery.counters import Counters
+from taas_magic.delivery.plan import StreamPlan
+from taas_magic.delivery.transport import discard_waiting, receive, receive_if_waiting
 
 
 class StandIn:

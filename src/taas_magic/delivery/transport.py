@@ -20,7 +20,7 @@ import socket
 import struct
 from typing import Any
 
-from .. import memfile
+from taas_magic.wire import memfile
 
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
 _FD = struct.Struct("i")  # a descriptor in SCM_RIGHTS data

@@ -1,0 +1,48 @@
+"""Tab completion for `%taas` / `%%taas`: the options, and the values an option takes.
+
+IPython asks a completer registered for the line's first word (`set_hook("complete_command")`)
+and keeps the candidates that start with what is typed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from taas_magic.kernel import options
+from taas_magic.configurations import load_catalog
+
+SUBCOMMANDS = ("cluster", "stop", "debug")  # `%taas WORD`
+
+
+def candidates(magic: Callable[..., Any], text_until_cursor: str, line_magic: bool) -> list[str]:
+    """What may come at the cursor: a value of the option just typed, else an option (or, first
+    on a `%taas` line, a subcommand)."""
+    words = text_until_cursor.split()
+    typing_word = bool(words) and not text_until_cursor[-1:].isspace()
+    before = words[:-1] if typing_word else words
+    previous = before[-1] if len(before) > 1 else ""
+    if previous == "--config":
+        return _configuration_names()
+    values = options.offered_values(magic, previous) if previous.startswith("--") else None
+    if values is not None:
+        return values
+    first = len(before) == 1
+    return options.visible_options(magic) + (list(SUBCOMMANDS) if line_magic and first else [])
+
+
+def _configuration_names() -> list[str]:
+    try:
+        return list(load_catalog().names())
+    except Exception:  # a broken TAAS_CONFIG file: its own error comes when a cell runs
+        return []
+
+
+def completer(magic: Callable[..., Any]) -> Callable[[Any, Any], list[str]]:
+    """The hook IPython calls (as a method of the shell: ``self`` first) with a completion event;
+    ``magic`` is the decorated magic, whose parser knows the options and their values."""
+
+    def complete(shell: Any, event: Any) -> list[str]:
+        line = getattr(event, "text_until_cursor", None) or event.line
+        return candidates(magic, line, line_magic=not line.lstrip().startswith("%%"))
+
+    return complete

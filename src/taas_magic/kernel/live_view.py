@@ -1,0 +1,257 @@
+"""In the kernel: the live view of a run, one row per rank, as text and as HTML.
+
+    taas: 4 ranks on cpu · running 3.2 s
+    rank 0  running  312 MB   45%|████▌     | 45/100 [00:01<00:01, 40.12it/s]
+    rank 1  running  309 MB   step 45, 35.2 steps/s, loss 0.1234 · 45%|████▌     | 45/100 [00:01<00:01]
+    mnist   1,200 produced · 5,400/s · 64 ready · ranks waited 3%
+
+A rank's row holds its state (starting, running, done, failed, stopped), its current progress
+bar (what the rank redraws with carriage returns), its ``taas.progress`` step and metrics, and
+what its process holds (``RankVitals``: memory, GPU memory and load). Each registered loader has a
+row for its producers; on a cluster each node has one too. When the run is over the view
+becomes its summary: how long it took, and each rank's peak memory, throughput and last progress.
+
+The model knows nothing of Jupyter: the controller feeds it, and hands ``render()`` (a MIME
+bundle) to whatever shows it.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from taas_magic.wire.events import Key
+from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankProgress, RankVitals, Record
+
+STATES = ("starting", "running", "done", "failed", "stopped")
+_COLOURS = {"starting": "#888", "running": "#1f6feb", "done": "#1a7f37", "failed": "#cf222e", "stopped": "#bc4c00"}
+_BAR_RATE = re.compile(r"([0-9.]+)\s*([A-Za-z]*)/s\b")
+
+
+@dataclass
+class _RankRow:
+    state: str = "starting"
+    bar: str = ""  # the latest drawing of its progress bar
+    progress: RankProgress | None = None  # its latest taas.progress
+    first_progress: RankProgress | None = None
+    rate: float | None = None  # steps per second, between its last two taas.progress reports
+    vitals: RankVitals | None = None
+    peak_gpu_memory: int = 0
+
+    def progress_text(self, live: bool) -> str:
+        """The rank's own step and metrics (and, while it runs, its current steps per second), then its bar.
+
+        The numbers come first: a bar is wide, and what a narrow cell cannot show should be the bar's end.
+        """
+        parts = []
+        if self.progress is not None:
+            words = [] if self.progress.step is None else [f"step {self.progress.step}"]
+            if live and self.rate is not None:
+                words.append(f"{self.rate:,.1f} steps/s")
+            words += [f"{name} {value:.4g}" for name, value in self.progress.metrics.items()]
+            parts.append(", ".join(words))
+        if self.bar:
+            parts.append(self.bar)
+        return " · ".join(parts)
+
+    def average_rate(self) -> float | None:
+        first, last = self.first_progress, self.progress
+        if first is None or last is None or first.step is None or last.step is None or last.at <= first.at:
+            return None
+        return (last.step - first.step) / (last.at - first.at)
+
+    def throughput(self) -> str:
+        """Steps per second from taas.progress, else the rate the bar itself shows."""
+        rate = self.average_rate()
+        if rate is not None:
+            return f"{rate:,.1f} steps/s"
+        found = _BAR_RATE.findall(self.bar)
+        return f"{found[-1][0]} {found[-1][1] or 'it'}/s" if found else ""
+
+
+@dataclass
+class _LoaderRow:
+    first: DeliveryProgress
+    latest: DeliveryProgress
+
+    def text(self) -> str:
+        """Built, taken (per rank), skipped by ranks that stopped early, ready, waited for, finished."""
+        latest = self.latest
+        parts = [f"{latest.produced} produced"]
+        span = latest.at - self.first.at
+        if span > 0:
+            parts.append(f"{(latest.produced - self.first.produced) / span:,.0f}/s")
+        parts.append(f"{sum(latest.taken)} consumed ({', '.join(map(str, latest.taken))} per rank)")
+        if sum(latest.skipped):
+            parts.append(f"{sum(latest.skipped)} skipped")
+        parts.append(f"{latest.buffered} ready")
+        if latest.waited and span > 0:
+            parts.append(f"ranks waited {sum(latest.waited) / len(latest.waited) / span:.0%}")
+        finished = [str(rank) for rank, done in enumerate(latest.done) if done]
+        if finished and len(finished) < len(latest.done):
+            parts.append(f"rank{'s' * (len(finished) > 1)} {', '.join(finished)} finished")
+        return " · ".join(parts)
+
+
+class RunView:
+    """The rows of one run (or one session cell), fed as its events arrive."""
+
+    def __init__(self, title: str, ranks: Iterable[int], ranks_per_node: int = 0):
+        self.title = title  # "4 ranks on cpu"
+        self.ranks = {rank: _RankRow() for rank in ranks}
+        self.ranks_per_node = ranks_per_node  # > 0 on a cluster: a row per node too
+        self.loaders: dict[str, _LoaderRow] = {}
+        self.changed = True  # since it was last shown
+
+    def take(self, key: Key, record: Record) -> None:
+        """Note a record of a rank or producer."""
+        self.changed |= self._take(key, record)
+
+    def _take(self, key: Key, record: Record) -> bool:
+        """Note the record; True if the view changed."""
+        if isinstance(record, DeliveryProgress):
+            return self._take_delivery(record)
+        row = self.ranks.get(key) if isinstance(key, int) else None
+        if row is None:
+            return False
+        if isinstance(record, RankVitals):
+            row.vitals = record
+            row.peak_gpu_memory = max(row.peak_gpu_memory, record.gpu_memory or 0)
+        elif isinstance(record, RankProgress):
+            if row.progress is not None and row.progress.step is not None and record.step is not None \
+                    and record.at > row.progress.at:
+                row.rate = (record.step - row.progress.step) / (record.at - row.progress.at)
+            row.first_progress = row.first_progress or record
+            row.progress = record
+        elif isinstance(record, CellEnded):
+            row.state = "done"
+            return True
+        elif isinstance(record, Failed):
+            row.state = "stopped" if record.interrupted else "failed"
+            return True
+        else:
+            return False
+        if row.state == "starting":
+            row.state = "running"
+        return True
+
+    def bar(self, key: Key, text: str) -> None:
+        row = self.ranks.get(key) if isinstance(key, int) else None
+        if row is not None:
+            row.bar = text
+            self.changed = True
+            if row.state == "starting":
+                row.state = "running"
+
+    def ended(self, key: Key, state: str) -> None:
+        """A rank's process is gone: ``state`` unless its record said how its cell ended."""
+        row = self.ranks.get(key) if isinstance(key, int) else None
+        if row is not None and row.state in ("starting", "running"):
+            row.state = state
+            self.changed = True
+
+    def _take_delivery(self, record: DeliveryProgress) -> bool:
+        row = self.loaders.get(record.loader)
+        if row is None:
+            self.loaders[record.loader] = _LoaderRow(record, record)
+        elif record.at >= row.latest.at:  # producers' and ranks' reports may cross
+            row.latest = record
+        else:
+            return False
+        return True
+
+    # -- what is shown ------------------------------------------------------------------------
+    def render(self, elapsed: float) -> dict[str, str]:
+        """The view while the run goes: a MIME bundle (text and HTML)."""
+        caption = f"taas: {self.title} · running {elapsed:.1f} s"
+        rows = [(f"rank {rank}", row.state, _memory(row), row.progress_text(live=True), str(rank))
+                for rank, row in self.ranks.items()]
+        return self._bundle("running", caption, rows, self._extra_rows())
+
+    def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
+        """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""
+        caption = f"taas: {self.title} · {outcome} {'in' if outcome == 'done' else 'after'} {elapsed:.1f} s"
+        rows = [(f"rank {rank}", row.state, _peak_memory(row), " · ".join(
+            part for part in (row.throughput(), row.progress_text(live=False)) if part), str(rank))
+                for rank, row in self.ranks.items()]
+        return self._bundle("summary", caption, rows, self._extra_rows())
+
+    def _extra_rows(self) -> list[tuple[str, str, str, str, str]]:
+        """Rows of nodes (on a cluster) and of loaders' producers."""
+        extra = []
+        if self.ranks_per_node:
+            nodes: dict[int, list[_RankRow]] = {}
+            for rank, row in self.ranks.items():
+                nodes.setdefault(rank // self.ranks_per_node, []).append(row)
+            for node, rows in sorted(nodes.items()):
+                states = [row.state for row in rows]
+                counted = ", ".join(f"{states.count(state)} {state}" for state in STATES if state in states)
+                memory = sum(row.vitals.memory for row in rows if row.vitals is not None)
+                extra.append((f"node {node}", counted, _bytes(memory) if memory else "", "", f"node-{node}"))
+        for name, loader in sorted(self.loaders.items()):
+            state = "done" if all(loader.latest.done) else "running"
+            extra.append((name, state, "", loader.text(), f"loader-{name}"))
+        return extra
+
+    def _bundle(self, state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
+                extra: list[tuple[str, str, str, str, str]]) -> dict[str, str]:
+        return {"text/plain": _text(caption, rows + extra), "text/html": _html(state, caption, rows, extra)}
+
+
+def _memory(row: _RankRow) -> str:
+    vitals = row.vitals
+    if vitals is None:
+        return ""
+    text = _bytes(vitals.memory)
+    if vitals.gpu_memory is not None:
+        text += f" · GPU {_bytes(vitals.gpu_memory)}"
+        if vitals.gpu_utilization is not None:
+            text += f" {vitals.gpu_utilization}%"
+    return text
+
+
+def _peak_memory(row: _RankRow) -> str:
+    if row.vitals is None:
+        return ""
+    text = f"peak {_bytes(row.vitals.peak_memory)}"
+    return text + (f" · GPU {_bytes(row.peak_gpu_memory)}" if row.peak_gpu_memory else "")
+
+
+def _bytes(count: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.3g} {unit}"
+        count /= 1000  # type: ignore[assignment]
+    return f"{count:.3g} TB"
+
+
+def _text(caption: str, rows: list[tuple[str, str, str, str, str]]) -> str:
+    widths = [max((len(row[column]) for row in rows), default=0) for column in range(3)]
+    lines = [caption]
+    for row in rows:
+        cells = [row[column].ljust(widths[column]) for column in range(3)] + [row[3]]
+        lines.append("  ".join(cell for cell in cells if cell).rstrip())
+    return "\n".join(lines)
+
+
+def _html(state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
+          extra: list[tuple[str, str, str, str, str]]) -> str:
+    cell = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"'
+    # A row wider than the cell wraps rather than losing its end at the cell's edge.
+    wraps = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:pre-wrap;overflow-wrap:anywhere"'
+    body = []
+    for kind, group in (("taas-row", rows), ("taas-extra", extra)):
+        for name, row_state, memory, progress, key in group:
+            colour = _COLOURS.get(row_state, "inherit")
+            attribute = f'data-rank="{key}"' if kind == "taas-row" else f'data-key="{html.escape(key)}"'
+            body.append(f'<tr class="{kind}" {attribute} data-state="{html.escape(row_state)}">'
+                        f"<td {cell}>{html.escape(name)}</td>"
+                        f'<td {cell}><span style="color:{colour}">{html.escape(row_state)}</span></td>'
+                        f"<td {cell}>{html.escape(memory)}</td>"
+                        f"<td {wraps}>{html.escape(progress)}</td></tr>")
+    return (f'<table class="taas-view" data-state="{state}" style="border-collapse:collapse;'
+            f'font-family:var(--jp-code-font-family,monospace);font-size:12px;margin:2px 0">'
+            f'<caption style="text-align:left;font-weight:bold;padding-bottom:2px">{html.escape(caption)}</caption>'
+            + "".join(body) + "</table>")

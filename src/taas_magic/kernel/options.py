@@ -1,0 +1,230 @@
+"""The options of `%%taas` / `#pragma taas`, declared once for parsing and for `%%taas?` help.
+
+Converters raise ``ArgumentTypeError`` with the value and what is allowed, so every bad option
+ends as a one-line ``UsageError`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any, Callable, Mapping
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.utils.process import arg_split  # type: ignore[attr-defined]  # re-exported by IPython
+
+from taas_magic.errors import TaasUsageError
+
+DEVICES = ("auto", "cuda", "cpu")
+STARTS = ("auto", "fork", "forkserver")
+OLD_STARTS = ("spawn",)  # the fork server's earlier name: still accepted, no longer offered
+ORDERS = ("deterministic", "fastest")
+OUTPUTS = ("all", "rank0")
+PLACES = ("local", "cluster")
+MAX_CPUS = 8
+MAX_RESTARTS = 100  # a typo like --max-restarts 1000 must not loop a crashing job for hours
+MAX_LINE = 4096  # characters of options, after IPython expanded {expressions} and $names
+
+# ASCII digits only: these are what a user types, and what error messages can show back.
+_WHOLE = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_NOT_FINITE = re.compile(r"-?(?:nan|inf|infinity)", re.IGNORECASE)  # parsed only to be refused by name
+
+
+def whole_number(low: int, high: int | None = None, note: str = "") -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        allowed = f"{low}-{high}" if high is not None else f"a whole number of {low} or more"
+        # Plain ASCII digits only: int() also takes "２", "٢", "0_2" and "+2".
+        if not _WHOLE.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a whole number: use {allowed}{note}")
+        digits = text.lstrip("0") or "0"
+        value = int(digits) if len(digits) <= 30 else None  # no count has 30 digits; int() stops at 4300
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{_cut(text)} is out of range: use {allowed}{note}")
+        return value
+
+    return convert
+
+
+def seconds(text: str) -> float:
+    """Plain decimal seconds (``1.5``, ``2e-3``); float() would also take "1_0", "٢" or " 2 "."""
+    if not (_DECIMAL.fullmatch(text) or _NOT_FINITE.fullmatch(text)):
+        raise argparse.ArgumentTypeError(
+            f"{_cut(text)!r} is not a number of seconds: use a number of seconds greater than 0"
+        )
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{_cut(text)} is not allowed: use a number of seconds greater than 0")
+    return value
+
+
+def _cut(text: str, keep: int = 40) -> str:
+    """A value as an error message shows it: cut short when long."""
+    return text if len(text) <= keep else text[:keep] + "..."
+
+
+def names_or_none(text: str) -> tuple[str, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    bad = [name for name in names if not name.isidentifier()]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of names: use a,b,c or none")
+    return names
+
+
+def rank_list(text: str) -> tuple[int, ...]:
+    """``0`` or ``0,2``: ranks of a session, each once."""
+    words = [word.strip() for word in text.split(",")]
+    if not words or not all(_WHOLE.fullmatch(word) and not word.startswith("-") for word in words):
+        raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of ranks: use a rank number, or several "
+                                         "separated by commas (0,2)")
+    ranks = tuple(int(word) if len(word) <= 9 else 10**9 for word in words)
+    if len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"{_cut(text)!r} names a rank twice: name each once")
+    return ranks
+
+
+def declare(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate the magic with its options (the outermost decorator is listed first in help)."""
+    decorators = [
+        magic_arguments.magic_arguments(),
+        magic_arguments.argument_group("ranks and devices"),
+        magic_arguments.argument(
+            "--gpus", type=whole_number(1), default=None, metavar="N",
+            help="number of ranks, one per GPU (default: the configuration's GPUs per node, else 1). "
+            "More than one node's worth (g2.8: 16, 32) runs on the connected cluster.",
+        ),
+        magic_arguments.argument(
+            "--config", default=None, metavar="NAME",
+            help="machine configuration (g2.8, g1.4, c1.4, ...); `#!NAME` on the first line means the same.",
+        ),
+        magic_arguments.argument(
+            "--device", choices=DEVICES, default=None,
+            help="where ranks compute (default: $TAAS_DEVICE, else auto = CUDA, with an error where there is none).",
+        ),
+        magic_arguments.argument(
+            "--start", choices=STARTS + OLD_STARTS, default=None,
+            help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
+            "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
+            "earlier name); auto: fork unless CUDA was used in the kernel.",
+        ),
+        magic_arguments.argument(
+            "--on", choices=PLACES, default=None,
+            help="cluster: the ranks run on the connected Ray cluster (the default once connected, with "
+            "%%taas cluster ADDRESS or $TAAS_CLUSTER); local: on this machine, connected or not.",
+        ),
+        magic_arguments.argument_group("data delivery (registered DataLoaders)"),
+        magic_arguments.argument(
+            "--cpus", type=whole_number(0, MAX_CPUS, " (0 turns data delivery off)"), default=None, metavar="K",
+            help=f"CPU prefetch workers per registered DataLoader, 0-{MAX_CPUS}.",
+        ),
+        magic_arguments.argument(
+            "--units", type=whole_number(1), default=None, metavar="U",
+            help="elements to take from registered DataLoaders in total (default: as many as the ranks ask for).",
+        ),
+        magic_arguments.argument(
+            "--order", choices=ORDERS, default="deterministic",
+            help="deterministic: every rank gets the same elements in the same order on every run; "
+            "fastest: a rank takes whichever of its elements is ready first.",
+        ),
+        magic_arguments.argument(
+            "--prefetch", type=whole_number(1), default=None, metavar="N",
+            help="elements a registered loader's producers may prepare ahead of the slowest rank "
+            "(default: enough to keep every producer busy).",
+        ),
+        magic_arguments.argument_group("output and results"),
+        magic_arguments.argument(
+            "--output", choices=OUTPUTS, default=None,
+            help="all: every rank's output, each line prefixed with its rank; rank0: rank 0's alone, unprefixed.",
+        ),
+        magic_arguments.argument(
+            "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",
+            help="names rank 0 sends back into the notebook (default: every name the cell binds at top level); "
+            "none: nothing comes back.",
+        ),
+        magic_arguments.argument(
+            "--timeout", type=seconds, default=None, metavar="SECONDS",
+            help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument_group("failures"),
+        magic_arguments.argument(
+            "--max-restarts", dest="max_restarts", type=whole_number(0, MAX_RESTARTS), default=0, metavar="N",
+            help="when a rank fails, stop every rank and start the run again, up to N times, as torchrun's "
+            "elastic agent does (TORCHELASTIC_RESTART_COUNT counts them); the cell fails with the last failure.",
+        ),
+        magic_arguments.argument(
+            "--debug", action="store_true",
+            help="a rank whose cell raises stays, paused, so that %%taas debug can open the debugger at the error.",
+        ),
+        magic_arguments.argument_group("sessions"),
+        magic_arguments.argument(
+            "--keep", action="store_true",
+            help="start a session: the ranks stay alive after the cell, and the taas cells that follow run in "
+            "them, with their names, process group and models (%%taas stop ends it).",
+        ),
+        magic_arguments.argument(
+            "--ranks", type=rank_list, default=None, metavar="R,R",
+            help="in a session: run the cell in these ranks only (0 or 0,2); the others wait.",
+        ),
+        magic_arguments.argument(
+            "--idle", type=seconds, default=None, metavar="SECONDS",
+            help="with --keep: end the session after this many seconds without a cell (default 3600).",
+        ),
+        magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
+        # `#!NAME` alone while a cluster is connected: the cell as one process on such a node
+        magic_arguments.argument("--alone", action="store_true", help=argparse.SUPPRESS),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
+    """Parse a `%%taas` line; anything unknown is a one-line error naming it and the allowed options."""
+    parser: argparse.ArgumentParser = getattr(magic, "parser")  # attached by @magic_arguments
+    parser.allow_abbrev = False  # `--gp 2` is a typo to report, not a guess to make
+    if len(line) > MAX_LINE:  # splitting a huge line (a {name} holding megabytes) takes too long
+        raise TaasUsageError(
+            f"the options are {len(line)} characters long ({_cut(line)!r}): use at most {MAX_LINE}"
+        )
+    try:
+        argv = arg_split(line, posix=True, strict=True)  # posix: quotes group words and are removed
+    except ValueError as e:
+        raise TaasUsageError(f"cannot split the options {_cut(line)!r}: {e}") from e
+    try:
+        namespace: argparse.Namespace
+        namespace, unknown = parser.parse_known_args(argv)
+    except UsageError as e:  # argparse's own message: "argument --gpus: ..."
+        raise TaasUsageError(str(e)) from None
+    if unknown:
+        allowed = ", ".join(visible_options(magic))
+        raise TaasUsageError(f"unknown option {_cut(unknown[0])!r}: allowed are {allowed}")
+    return namespace
+
+
+def offered_values(magic: Callable[..., Any], option: str) -> list[str] | None:
+    """The values an option takes, as completion offers them (earlier names left out); None for
+    an option of free values."""
+    parser: argparse.ArgumentParser = getattr(magic, "parser")
+    for action in parser._actions:
+        if option in action.option_strings and action.choices is not None:
+            return [value for value in action.choices if value not in OLD_STARTS]
+    return None
+
+
+def visible_options(magic: Callable[..., Any]) -> list[str]:
+    """The options a user may give, in the order `%%taas?` lists them."""
+    parser: argparse.ArgumentParser = getattr(magic, "parser")
+    return [action.option_strings[0] for action in parser._actions
+            if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"]
+
+
+def default_device(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    value = environ.get("TAAS_DEVICE", "").strip().lower() or "auto"
+    if value not in DEVICES:
+        raise TaasUsageError(f"TAAS_DEVICE={value!r} is not allowed: use {', '.join(DEVICES)}")
+    return value

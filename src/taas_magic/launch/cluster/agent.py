@@ -1,0 +1,310 @@
+"""The agent on each cluster node: a Ray actor that starts that node's share of every run.
+
+A Ray worker holds gRPC threads, so it never forks: the agent starts taas's own fork server as a
+child process and drives it exactly as the kernel does on one machine (``ForkServerBackend``).
+The fork server stays warm between cells, so a second cell starts without importing torch again.
+If the agent dies (its node, or the kernel that owns it), the fork server sees its parent go and
+ends every process of the run.
+
+Each run works in a folder of its own on the node, removed after the run: rank 0's relative
+``torch.save`` paths land there, and the files travel back to the notebook when the run closes.
+This module imports no Ray: the kernel wraps ``NodeAgent`` with ``ray.remote`` when it connects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, TypeVar, cast
+
+from taas_magic.wire import memfile
+from taas_magic.wire.events import Event, Key, key_order
+from taas_magic.delivery.cluster import NodeDelivery, NodeShare
+from taas_magic.errors import TaasRunError
+from taas_magic.launch.forkserver.client import ForkServerBackend, ForkServerRequest
+from taas_magic.launch.rendezvous import RunStore
+from taas_magic.wire.shipping import Shipment
+from taas_magic.launch.supervisor.handle import SupervisedRanks
+from taas_magic.rank.worker import KernelContext, RankTask
+
+FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
+MAX_FILES_BACK = 2 * 1024**3
+IDLE_CHECK_SECONDS = 5.0  # bytes of rank 0's files a run may send back to the notebook
+
+
+class DeliveryLost(TaasRunError):
+    """This node's ranks can no longer be fed: a node that hosts producers did not answer."""
+
+    def __init__(self, detail: str):
+        message = f"data delivery to the ranks of this node failed ({detail}); every process of the run was stopped"
+        super().__init__(message, [message])
+
+
+@dataclass(frozen=True)
+class NodePayload:
+    """What every node of a run receives, once, through Ray's object store."""
+
+    task: RankTask  # its context carries the kernel's torch settings and chosen variables only
+    data: bytes  # the shipped names' pickle
+    tensors: bytes  # the shipped tensors' data
+    aliases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Who an agent is, to check it can run what the kernel compiled."""
+
+    address: str
+    pid: int
+    python: str
+    torch: str
+    taas: str
+
+
+def versions() -> tuple[str, str, str]:
+    """Python, torch and taas versions: a cell compiled by one Python runs only under the same one."""
+    import torch
+    from importlib.metadata import version
+
+    return platform.python_version(), str(torch.__version__), version("taas-magic")
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _call(method: Method) -> Method:
+    """A call from the kernel: it holds the agent from start to end, so the idle watch never ends
+    an agent in the middle of one (a cold start takes seconds), and it counts as use."""
+
+    @functools.wraps(method)
+    def call(self: "NodeAgent", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            self.last_used = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.last_used = time.monotonic()
+
+    return cast(Method, call)
+
+
+class NodeAgent:
+    """The body of the Ray actor: one per node, kept between cells, gone after ``idle_seconds`` unused.
+
+    Leaving on its own matters when the kernel goes quiet for hours: the fork server holds memory
+    on the node all that time. The kernel notices a departed agent when it next needs the node.
+    """
+
+    def __init__(self, idle_seconds: float) -> None:
+        import ray
+
+        self.ray = ray
+        self.address: str = ray.util.get_node_ip_address()  # this node's, as the cluster knows it
+        self.backend = ForkServerBackend()
+        self.backend.warm_up()  # the first cell finds torch imported
+        _remove_orphaned_folders()
+        self.store: RunStore | None = None
+        self.group: SupervisedRanks | None = None
+        self.delivery: NodeDelivery | None = None  # this node's part in the run's data delivery
+        self.folder: str | None = None
+        self.idle_seconds = idle_seconds
+        self.last_used = time.monotonic()
+        self.lock = threading.RLock()  # held by each call from start to end, and by the idle watch
+        threading.Thread(target=self._leave_when_idle, name="taas-agent-idle", daemon=True).start()
+
+    def _leave_when_idle(self) -> None:
+        while True:
+            time.sleep(min(self.idle_seconds, IDLE_CHECK_SECONDS))
+            with self.lock:
+                if self.group is None and time.monotonic() - self.last_used > self.idle_seconds:
+                    self.shutdown()
+                    os._exit(0)  # the actor ends with its worker; Ray reports it gone to whoever asks
+
+    @_call
+    def info(self) -> NodeInfo:
+        python, torch_version, taas_version = versions()
+        return NodeInfo(self.address, os.getpid(), python, torch_version, taas_version)
+
+    @_call
+    def open_store(self, envs: dict[int, dict[str, str]]) -> int:
+        """Listen for the run's TCPStore on this node (node 0 of the run); the port, for every node."""
+        self._end_run()
+        self.store = RunStore(envs)
+        return self.store.port
+
+    @_call
+    def start(self, run_id: str, envs: dict[int, dict[str, str]], payload: NodePayload,
+              share: NodeShare | None) -> list[Key]:
+        """Start this node's share of a run: its ranks, and the producers it hosts (``share``); the
+        processes' keys once they run."""
+        store, self.store = self.store, None
+        if self.group is not None:
+            self._end_run()
+        envs = {rank: {**env, "TAAS_NODE_ADDRESS": self.address} for rank, env in envs.items()}
+        self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
+        self.delivery = NodeDelivery(share) if share is not None and share.active() else None
+        request = self._request(payload, self.folder, self.delivery)
+        try:
+            self.group = self.backend.start_node(run_id, envs, request, store)
+        finally:
+            request.close()
+        if self.delivery is not None:
+            self.delivery.handed_over()
+            self.delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
+        return sorted(self.group.running(), key=key_order)
+
+    def _request(self, payload: NodePayload, folder: str, delivery: NodeDelivery | None) -> ForkServerRequest:
+        """The fork server's request, with this node's environment, the run's folder and, when it
+        takes part in data delivery, its channels' ends."""
+        sent = payload.task.context
+        assert sent is not None
+        environ = {**os.environ, **sent.environ, "TAAS_NODE_ADDRESS": self.address}  # producers' too
+        context = KernelContext(environ, folder, list(sys.path), sent.torch_settings)
+        fd = None
+        if payload.tensors:
+            fd = memfile.new_file("taas-tensors", len(payload.tensors))
+            os.pwrite(fd, payload.tensors, 0)
+        shipment = Shipment(payload.data, fd, len(payload.tensors))
+        ends, fds = delivery.ends() if delivery is not None else (None, [])
+        task = dataclasses.replace(payload.task, context=context, delivery=ends)
+        return ForkServerRequest(task, shipment, payload.aliases, tuple(fds))
+
+    def pull(self, run_id: str, number: int, ranks: tuple[int, ...], snapshot: list[int]) -> tuple[list[Any], bool]:
+        """Elements this node's producers made for another node's ``ranks`` (not a ``_call``: pulls
+        come from rank nodes' feeding threads while the kernel's calls wait for events)."""
+        delivery = self.delivery
+        if delivery is None or delivery.share.run_id != run_id:  # not started yet, or over
+            time.sleep(0.05)
+            return [], self.group is not None and delivery is None
+        return delivery.pull(number, ranks, snapshot)
+
+    # -- the RankGroup contract, relayed ---------------------------------------------------------
+    @_call
+    def events(self, timeout: float) -> tuple[list[Event], list[Key], list[list[int]]]:
+        """Events so far (waiting up to ``timeout`` for the first), the processes still running, and
+        this node's copy of each registered loader's counters."""
+        if self.group is None:
+            return [], [], []
+        if self.delivery is not None and self.delivery.failure is not None:
+            raise DeliveryLost(self.delivery.failure)
+        events = self.group.events(timeout)
+        snapshots = self.delivery.snapshots() if self.delivery is not None else []
+        return events, sorted(self.group.running(), key=key_order), snapshots
+
+    @_call
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
+        if self.group is not None:
+            self.group.signal(signum, ranks)
+
+    @_call
+    def run_cell(self, cell: Any, ranks: list[int], tensors: bytes) -> None:
+        """A session's next cell for this node's ``ranks``, with its shipped tensors' data."""
+        if self.group is None:
+            return
+        fd = None
+        if tensors:
+            fd = memfile.new_file("taas-tensors", len(tensors))
+            os.pwrite(fd, tensors, 0)
+        try:
+            self.group.run_cell(cell, ranks, (fd,) if fd is not None else ())
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @_call
+    def answer(self, rank: Key, line: str | None) -> None:
+        if self.group is not None:
+            self.group.answer(rank, line)
+
+    @_call
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        return self.group.stacks(ranks, timeout) if self.group is not None else {}
+
+    @_call
+    def close(self, collect_files: bool) -> RunFiles:
+        """End the run here; with ``collect_files``, the files its ranks left in the run's folder."""
+        try:
+            if self.group is not None:
+                self.group.close()
+            return _files_in(self.folder) if collect_files and self.folder else RunFiles({}, [])
+        finally:
+            self._end_run()
+
+    def _end_run(self) -> None:
+        group, self.group = self.group, None
+        store, self.store = self.store, None
+        folder, self.folder = self.folder, None
+        delivery, self.delivery = self.delivery, None
+        try:
+            if group is not None:
+                group.close()
+        finally:
+            if delivery is not None:
+                delivery.close()
+            if store is not None:
+                store.close()
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    @_call
+    def shutdown(self) -> None:
+        """End everything of this agent: the run, if any, and the fork server."""
+        try:
+            self._end_run()
+        finally:
+            self.backend.shutdown()
+
+
+def _remove_orphaned_folders() -> None:
+    """Run folders of agents that died (killed with their worker, so they could not clean up)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        owner = name[len(FOLDER_PREFIX):].split("-")[0]
+        if name.startswith(FOLDER_PREFIX) and owner.isdecimal() and not _alive(int(owner)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process
+    return True
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files rank 0 left in its run folder, by relative path; those too big to travel, named."""
+
+    files: dict[str, bytes]
+    left: list[str]
+
+
+def _files_in(folder: str) -> RunFiles:
+    """Every regular file under ``folder``, up to MAX_FILES_BACK bytes in all; the rest named."""
+    found = RunFiles({}, [])
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            if not os.path.isfile(path) or os.path.islink(path):
+                continue
+            relative = os.path.relpath(path, folder)
+            total += os.path.getsize(path)
+            if total > MAX_FILES_BACK:
+                found.left.append(relative)
+                continue
+            with open(path, "rb") as file:
+                found.files[relative] = file.read()
+    return found
+

@@ -1,0 +1,284 @@
+"""The cluster backend: a run's ranks on several nodes of a Ray cluster, behind the same contract.
+
+    kernel ── Ray ──► placement group (one whole node per bundle)
+                      ├─ node 0: agent ─ fork server ─ ranks 0..k-1   (serves the run's TCPStore)
+                      ├─ node 1: agent ─ fork server ─ ranks k..2k-1
+                      └─ c1.4 nodes, when the cell uses registered loaders: agent ─ fork server ─ producers
+                         (each rank node's agent pulls its ranks' batches from them: delivery/cluster.py)
+
+The payload (the task and the names the cell reads, tensor data included) goes into Ray's object
+store once; each node's agent fetches it once for all its ranks. The kernel polls every node's
+agent for events in parallel; a node or agent that dies turns into a cell error naming it, and
+the other nodes' ranks are stopped. Closing a run ends every node's share, releases the nodes and
+copies rank 0's files back into the notebook's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+from typing import Any, Callable, Iterable
+
+from taas_magic.launch.backend import Cell
+from taas_magic.wire.events import Event, Key, Report, key_order
+from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
+from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
+from taas_magic.configurations import Configuration
+from taas_magic.delivery.cluster import NodeShare, RunProgress, shares
+from taas_magic.delivery.service import LoaderPlan
+from taas_magic.launch.forkserver.client import ship
+from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.errors import RunLost
+from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
+from taas_magic.rank.state import TorchSettings
+from taas_magic.rank.worker import KernelContext, RankTask
+
+PRODUCER_NODE = "c1.4"  # the configuration of nodes for data producers, as in the original service
+CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
+START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
+
+
+class ClusterBackend:
+    """Runs one spec's ranks on the cluster; made per run, as it knows the run's shape."""
+
+    name = "cluster"
+
+    def __init__(self, cluster: Cluster, spec: LaunchSpec, notify: Callable[[str], object],
+                 producer_node: Configuration | None = None):
+        assert spec.configuration is not None, "the spec refuses a cluster run without one"
+        self.cluster = cluster
+        self.spec = spec
+        self.notify = notify  # one line to the cell's stderr: files copied back
+        self.producer_node = producer_node  # the configuration of nodes for data producers (c1.4)
+        self.loaders: tuple[LoaderPlan, ...] = ()
+        self.shipped: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # names, cell files
+
+    def prepare(self, task: RankTask, cell: Cell) -> Any:
+        """The run's payload in Ray's object store: the shipped names and tensors (registered loaders
+        included, for the nodes that host their producers), and the task with the kernel's torch
+        settings and the variables that steer communication (not its whole environment, which is
+        the kernel's machine's)."""
+        self.loaders = task.loaders
+        cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.loaders})
+        # Each node's agent fills in its own environment, a run folder and its sys.path.
+        context = KernelContext(kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
+        request = ship(task, cell, context, to="ranks on the cluster's nodes")
+        self.shipped = (request.shipment.sent, frozenset(request.task.sources))  # what a session's ranks hold
+        try:
+            payload = NodePayload(request.task, request.shipment.data,
+                                  _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases)
+        finally:
+            request.close()
+        return ray_module().put(payload)
+
+    def start(self, envs: dict[int, dict[str, str]], payload: Any) -> "ClusterRanks":
+        assert self.spec.configuration is not None
+        producers = sum(plan.producers for plan in self.loaders)
+        placement = self.cluster.place(self.spec.configuration, self.spec.nodes, producers, self.producer_node)
+        try:
+            agents = self.cluster.agents_on(placement.nodes)
+        except BaseException:
+            placement.release()
+            raise
+        per_node = _on_nodes(envs, placement.nodes)
+        run_id = next(iter(envs.values()))["TAAS_RUN_ID"]
+        node_shares = (shares(run_id, self.loaders, [tuple(sorted(node)) for node in per_node[:self.spec.nodes]],
+                              placement.hosts, agents, [node.address for node in placement.nodes])
+                       if self.loaders else None)
+        group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares)
+        try:
+            group.start(run_id, per_node, payload)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+
+def _on_nodes(envs: dict[int, dict[str, str]], nodes: list[Node]) -> list[dict[int, dict[str, str]]]:
+    """Each node's ranks' environments, pointed at node 0, which serves the run's store (nodes that
+    host producers alone have none)."""
+    master = nodes[0].address
+    per_node: list[dict[int, dict[str, str]]] = [{} for _ in nodes]
+    for rank, env in envs.items():
+        per_node[int(env["GROUP_RANK"])][rank] = {**env, "MASTER_ADDR": master}
+    return per_node
+
+
+def _read(fd: int | None, size: int) -> bytes:
+    if fd is None or size == 0:
+        return b""
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as memory:
+        return memory[:]
+
+
+class ClusterRanks:
+    """The controller's view of a run spread over nodes (the RankGroup contract)."""
+
+    def __init__(self, cluster: Cluster, placement: Placement, agents: list[Any], notify: Callable[[str], object],
+                 shares: list[NodeShare] | None = None):
+        self.cluster = cluster
+        self.placement = placement
+        self.agents = agents  # in node-rank order, then the nodes that host producers alone
+        self.notify = notify
+        self.shares = shares  # each node's part in data delivery, when the cell uses registered loaders
+        self.progress = RunProgress(shares) if shares else None
+        self.alive: list[set[Key]] = [set() for _ in agents]
+        self.closed = False
+
+    def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: Any) -> None:
+        """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
+        port = self._call([0], lambda index: self.agents[index].open_store.remote(envs[0]), CALL_SECONDS)[0]
+        envs = [{rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                 for rank, env in node.items()} for node in envs]
+        refs = [agent.start.remote(run_id, envs[index], payload, self.shares[index] if self.shares else None)
+                for index, agent in enumerate(self.agents)]
+        for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
+            self.alive[index] = set(keys)
+
+    # -- the RankGroup contract ---------------------------------------------------------------
+    def running(self) -> set[Key]:
+        return set().union(*self.alive)
+
+    def events(self, timeout: float) -> list[Event]:
+        live = [index for index, keys in enumerate(self.alive) if keys]
+        answers = self._call(live, lambda index: self.agents[index].events.remote(timeout), timeout + CALL_SECONDS)
+        events: list[Event] = []
+        for index, (node_events, running, snapshots) in zip(live, answers):
+            events += node_events
+            self.alive[index] = set(running)
+            if self.progress is not None and snapshots:
+                events += [Report(key, record) for key, record in self.progress.take(index, snapshots)]
+        return events
+
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
+        chosen = None if ranks is None else set(ranks)
+        live = [index for index, keys in enumerate(self.alive) if keys and (chosen is None or keys & chosen)]
+        self._call(live, lambda index: self.agents[index].signal.remote(
+            signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)), CALL_SECONDS)
+
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
+        through Ray's object store."""
+        chosen = set(ranks)
+        tensors = ray_module().put(_read(fds[0], cell.tensors_size) if fds else b"")
+        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        self._call(live, lambda index: self.agents[index].run_cell.remote(
+            cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), tensors), CALL_SECONDS)
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        live = [index for index, keys in enumerate(self.alive) if rank in keys]
+        self._call(live, lambda index: self.agents[index].answer.remote(rank, line), CALL_SECONDS)
+
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        chosen = set(ranks)
+        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        stacks: dict[Key, str] = {}
+        asked = self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index], key=key_order),
+                                                                                  timeout), timeout + CALL_SECONDS)
+        for answer in asked:
+            stacks.update(answer)
+        return stacks
+
+    def close(self) -> None:
+        """End every node's share of the run, release the nodes, bring rank 0's files back."""
+        if self.closed:
+            return
+        self.closed = True
+        ray = ray_module()
+        interrupted = False
+        files = RunFiles({}, [])
+        refs = [_sent(lambda: agent.close.remote(index == 0)) for index, agent in enumerate(self.agents)]
+        try:
+            for index, ref in enumerate(refs):
+                try:
+                    if ref is None:
+                        raise ConnectionError("its agent cannot be reached")
+                    answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
+                except KeyboardInterrupt:
+                    interrupted = True  # finish closing first
+                    answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
+                except Exception:
+                    self.cluster.forget(self.placement.nodes[index].node_id)
+                    continue
+                if index == 0:
+                    files = answer
+        finally:
+            self.alive = [set() for _ in self.agents]
+            try:
+                self.placement.release()
+            except Exception:
+                pass  # the cluster is gone, and its placement groups with it
+        if files.files or files.left:
+            self._copy_back(files)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def _copy_back(self, found: RunFiles) -> None:
+        for relative, data in found.files.items():
+            path = os.path.join(os.getcwd(), relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as file:
+                file.write(data)
+        node = self.placement.nodes[0].address
+        if found.files:
+            self.notify(f"taas: rank 0 wrote {', '.join(sorted(found.files))} on node {node}: "
+                        "copied into this notebook's folder")
+        if found.left:
+            self.notify(f"taas: rank 0 also wrote {', '.join(sorted(found.left))} on node {node}: more than "
+                        f"{MAX_FILES_BACK // 1024**3} GB in all, so not copied here; they were removed with the "
+                        "run's folder (save large files under an absolute path on storage you can reach)")
+
+    # -- calls to the agents ------------------------------------------------------------------
+    def _call(self, indexes: list[int], request: Callable[[int], Any], timeout: float) -> list[Any]:
+        refs = []
+        for index in indexes:
+            try:
+                refs.append(request(index))
+            except Exception as e:  # Ray could not even send it: the agent's actor, or the connection, is gone
+                self.cluster.forget(self.placement.nodes[index].node_id)
+                self._lose(index, f"its agent cannot be reached ({_first_line(e)})", None)
+        return self._wait(indexes, refs, timeout)
+
+    def _wait(self, indexes: list[int], refs: list[Any], timeout: float) -> list[Any]:
+        """The agents' answers; a node that died or does not answer ends the whole run."""
+        ray = ray_module()
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        answers = []
+        for index, ref in zip(indexes, refs):
+            try:
+                answers.append(ray.get(ref, timeout=timeout))
+            except RayTaskError as e:  # the agent raised: its own run was lost, or could not start
+                cause = e.cause if isinstance(e.cause, Exception) else e
+                self._lose(index, f"{type(cause).__name__}: {cause}", cause)
+            except RayActorError as e:
+                self._lose(index, f"its agent died ({_first_line(e)})", None)
+            except GetTimeoutError:
+                self._lose(index, f"its agent did not answer within {timeout:g} s", None)
+        return answers
+
+    def _lose(self, index: int, detail: str, cause: Exception | None) -> None:
+        node = self.placement.nodes[index]
+        if cause is None:
+            self.cluster.forget(node.node_id)  # the next run on that node starts a new agent
+        try:
+            self.close()
+        except Exception:
+            pass
+        if cause is not None and hasattr(cause, "_render_traceback_"):
+            raise cause  # taas's own error from the node: it already says what happened
+        raise RunLost(f"node {node.address} (node {index} of the run) was lost: {detail}")
+
+
+def _sent(call: Callable[[], Any]) -> Any:
+    """A call to an agent, or None when Ray cannot send it (the actor or the connection is gone)."""
+    try:
+        return call()
+    except Exception:
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -1,0 +1,1 @@
+"""The fork backend: the kernel forks a run's supervisor, which forks the ranks."""

@@ -1,0 +1,236 @@
+"""The CUDA-safe backend: ranks forked, through a supervisor, from a fork server that never touched CUDA.
+
+The server (``forkserver.py``) is started in the background when the extension loads, so a cell
+never waits for a cold Python and torch import; if it has died it is started again. The cell's
+needed names travel by value (``shipping.py``). The kernel only ever *sends* to the server, one
+datagram per run; the run itself talks to the kernel on its own channel, so the controller sees
+the same ``RankGroup`` as with fork, and an interrupt at any moment leaves the server as it was.
+The server's standard error goes to a memory file whose tail is shown if it dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from taas_magic.rank import aliases
+from taas_magic.wire import channel, memfile, shipping
+from taas_magic.launch.backend import Cell
+from taas_magic.errors import TaasRunError
+from taas_magic.launch.forkserver.server import CONTROL
+from taas_magic.launch.rendezvous import RunStore
+from taas_magic.wire.shipping import Shipment
+from taas_magic.errors import RunLost
+from taas_magic.launch.supervisor.handle import CLOSE_SECONDS, SupervisedRanks
+from taas_magic.rank.worker import KernelContext, RankTask
+
+READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
+SOURCES_LIMIT = 2_000_000  # characters of the notebook's cells shipped for tracebacks
+STDERR_TAIL = 2000  # characters of the server's standard error shown when it died
+
+
+class ForkServerDied(TaasRunError):
+    """The fork server could not take the run: it is gone."""
+
+    def __init__(self, detail: str):
+        message = f"the taas fork server stopped unexpectedly ({detail}); the next cell starts a new one"
+        super().__init__(message, [message])
+
+
+class ForkServer:
+    """One fork server process, the kernel's end of its channel, and its standard error."""
+
+    def __init__(self) -> None:
+        kernel_end, server_end = channel.socket_pair()
+        secret = channel.new_secret()
+        self.stderr = memfile.new_file("taas-fork-server-stderr", 0)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "taas_magic.launch.forkserver.server", str(server_end.fileno())],
+                pass_fds=[server_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
+            )
+            assert self.process.stdin is not None
+            self.process.stdin.write(secret)
+            self.process.stdin.close()
+        except BaseException:
+            kernel_end.close()
+            os.close(self.stderr)
+            raise
+        finally:
+            server_end.close()
+        self.control = channel.Channel(kernel_end, secret, CONTROL)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def gone(self, within: float) -> bool:
+        """Whether the server has exited, or does within ``within`` seconds (its channel closes a moment
+        before the process is gone)."""
+        try:
+            self.process.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def describe_death(self) -> str:
+        """How the server ended and the last it wrote, for error messages."""
+        code = self.process.poll()
+        if code is None:
+            how = f"the fork server (pid {self.process.pid}) is still running"
+        elif code < 0:
+            how = f"the fork server (pid {self.process.pid}) was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"the fork server (pid {self.process.pid}) exited with code {code}"
+        tail = self.stderr_tail()
+        return how + (f"; it last wrote: {tail}" if tail else "")
+
+    def stderr_tail(self) -> str:
+        size = os.fstat(self.stderr).st_size
+        data = os.pread(self.stderr, STDERR_TAIL, max(0, size - STDERR_TAIL))
+        return " | ".join(line for line in data.decode("utf-8", "replace").splitlines() if line.strip())
+
+    def stop(self) -> None:
+        """Close the channel (the server ends everything and exits on EOF); kill it if it lingers."""
+        self.control.close()
+        try:
+            self.process.wait(timeout=CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self.stderr)
+
+
+@dataclass
+class ForkServerRequest:
+    """A run for the fork server: the ranks' task and the names shipped for it."""
+
+    task: RankTask
+    shipment: Shipment
+    aliases: tuple[str, ...] = ()  # shipped names bound to the functions ranks replace
+    delivery_fds: tuple[int, ...] = ()  # on a cluster node: the data delivery ends (``task.delivery`` says which is which)
+
+    def close(self) -> None:
+        self.shipment.close()
+
+
+def ship(task: RankTask, cell: Cell, context: KernelContext, to: str) -> ForkServerRequest:
+    """The task with what ranks that do not share the kernel's memory need of it: the names the cell
+    reads, by value, the cell's source for tracebacks, and ``context``, what they take on of the
+    kernel's process (``to`` names them in the error for a name that cannot travel)."""
+    needed = shipping.needed_names(cell.reads, cell.namespace)
+    shipment = shipping.pack(cell.namespace, needed, to, track=task.keep)
+    rank_task = dataclasses.replace(
+        task,
+        sources=_notebook_cells(task.code.co_filename, cell.label),
+        context=context,
+    )
+    # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
+    return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
+
+
+def _notebook_cells(filename: str, label: str) -> dict[str, tuple[str, str]]:
+    """The cell being run and the session's earlier cells, newest first up to SOURCES_LIMIT
+    characters: the notebook's functions that ranks and producers run come from those."""
+    sources = {filename: (label, "".join(linecache.getlines(filename)))}
+    size = len(sources[filename][1])
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    known = getattr(getattr(shell, "compile", None), "_filename_map", {})  # file name -> cell number
+    for earlier, number in sorted(known.items(), key=lambda item: -item[1]):
+        code = "".join(linecache.getlines(earlier))
+        size += len(code)
+        if size > SOURCES_LIMIT:
+            break
+        sources.setdefault(earlier, (f"Cell In[{number}]", code))
+    return sources
+
+
+class ForkServerBackend:
+    name = "forkserver"
+
+    def __init__(self) -> None:
+        self._server: ForkServer | None = None
+
+    def prepare(self, task: RankTask, cell: Cell) -> ForkServerRequest:
+        """The names the cell reads, and the kernel's environment, folder, sys.path and torch settings."""
+        return ship(task, cell, KernelContext.of_this_process(), to="ranks started with --start forkserver")
+
+    def describe(self) -> str:
+        if self._server is None:
+            return "not started"
+        return f"running (pid {self._server.process.pid})" if self._server.alive() else "stopped (restarts when needed)"
+
+    def warm_up(self) -> None:
+        """Start the fork server in the background; the first forkserver cell finds it ready."""
+        if self._server is not None and not self._server.alive():
+            self.shutdown()
+        if self._server is None:
+            self._server = ForkServer()
+
+    def start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
+        """Hand the run to the fork server; a server that turns out to have died is replaced, once.
+
+        A run lost before its supervisor said "started" ran no code of the cell, so it can be
+        handed to a fresh server without the user noticing a server that died while idle.
+        """
+        try:
+            return self._start(envs, request)
+        except (ForkServerDied, RunLost):
+            if self._server is not None and not self._server.gone(within=1.0):
+                raise
+            self.shutdown()
+        return self._start(envs, request)
+
+    def _start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
+        return self.start_node(envs[min(envs)]["TAAS_RUN_ID"], envs, request, RunStore(envs))
+
+    def start_node(self, run_id: str, envs: dict[int, dict[str, str]], request: ForkServerRequest,
+                   store: RunStore | None) -> SupervisedRanks:
+        """Start this machine's share of a run: ``store`` is the run's TCPStore when it is served
+        here (its port goes into the ranks' environments), None when another machine serves it.
+        A cluster node that only hosts producers has no ranks (``envs`` is empty)."""
+        self.warm_up()
+        server = self._server
+        assert server is not None
+        if store is not None:
+            envs = store.environments(envs)
+        kernel_end, supervisor_end = channel.socket_pair()
+        secret = channel.new_secret()
+        shipment = dataclasses.replace(request.shipment, tensors_fd=None)
+        fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
+        fds += request.delivery_fds
+        try:
+            server.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
+        except BaseException as e:
+            kernel_end.close()
+            if store is not None:
+                store.close()
+            if isinstance(e, channel.ChannelBroken):
+                raise ForkServerDied(server.describe_death()) from e
+            raise
+        finally:
+            supervisor_end.close()
+
+        def lost(detail: str) -> str:
+            return f"{detail}; {server.describe_death()}" if not server.alive() else detail
+
+        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
+        try:
+            group.go(request.aliases)
+        except BaseException:
+            group.close()
+            raise
+        group.wait_started(READY_SECONDS)
+        return group
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None

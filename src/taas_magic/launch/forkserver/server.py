@@ -1,0 +1,128 @@
+"""The fork server: a process that has imported torch, never touches CUDA, and forks supervisors.
+
+Started in the background when the extension loads (``python -m taas_magic.launch.forkserver.server FD``), it
+does one thing per run: fork a supervisor (``supervisor.py``), which unpacks the shipped names
+and forks the ranks from itself, so they share them copy-on-write and start in milliseconds.
+Nothing of a run ever lives in the server itself, so no run can leave it in a different state.
+
+Its channel to the kernel carries requests one way only — ("run", run_id, secret, envs, task,
+shipment) with the run's own channel end and the tensors' memory file beside it — and
+each request is one datagram, so an interrupted kernel can never leave the two out of step.
+Everything about a run travels on the run's own channel, between the kernel and the run's
+supervisor. The server is a subreaper: processes of a supervisor that died come to it, and it
+ends them. It exits, ending everything it started, when its channel closes or its parent dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+from taas_magic.process import child, containment, tracebacks
+from taas_magic.rank import plugins
+from taas_magic.wire import shipping
+from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
+
+CONTROL = "fork-server"  # the run id the control channel's messages carry
+SECRET_SIZE = 32
+
+
+def main(fd: int) -> None:
+    secret = _read_secret()
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a Ray worker starts it with SIGINT blocked: ranks inherit masks
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's to forward
+    containment.become_subreaper()
+    import IPython.core.interactiveshell  # noqa: F401  (for cells with IPython syntax)
+    import torch  # noqa: F401  (the reason this process exists: ranks start with torch imported)
+    import torch.distributed  # noqa: F401
+
+    plugins.find()
+
+    gc.freeze()  # what is imported stays: forked supervisors and ranks never walk it
+    control = Channel(socket.socket(fileno=fd), secret, CONTROL)
+    parent = os.getppid()
+    supervisors: dict[int, int] = {}  # pidfd -> pid: a supervisor is reaped the moment it ends
+    try:
+        while os.getppid() == parent:
+            ready = select.select([control.fileno(), *supervisors], [], [], PARENT_CHECK_SECONDS)[0]
+            if control.fileno() in ready:
+                kind, fields, fds = control.receive()
+                if kind != "run":
+                    raise ChannelBroken(f"unexpected request {kind!r}")
+                pid = _fork_supervisor(control, fields, fds)
+                supervisors[os.pidfd_open(pid)] = pid
+            _tend(supervisors)
+    except ChannelBroken:
+        pass  # the kernel closed the channel or is gone
+    finally:
+        containment.end_all_children(STOP_SECONDS)
+
+
+def _read_secret() -> bytes:
+    secret = b""
+    while len(secret) < SECRET_SIZE:
+        chunk = os.read(0, SECRET_SIZE - len(secret))
+        if not chunk:
+            raise SystemExit("taas fork server: no channel secret on standard input")
+        secret += chunk
+    return secret
+
+
+def _fork_supervisor(control: Channel, fields: tuple[Any, ...], fds: list[int]) -> int:
+    run_id, secret, envs, task, shipment = fields
+    try:
+        pid = os.fork()
+        if pid == 0:  # the run's supervisor: never returns into the server's loop
+            try:
+                control.close()
+                child.settle_forked_process()
+                run_channel = Channel(socket.socket(fileno=fds[0]), secret, run_id)
+            except BaseException:
+                os._exit(1)
+            supervise(run_channel, envs, lambda: _unpack(task, shipment, fds[1:]))
+        return pid
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the supervisor's copy: already taken over by its channel
+
+
+def _unpack(task: Any, shipment: shipping.Shipment, fds: list[int]) -> Any:
+    """In the supervisor: the kernel's context first (imports may depend on sys.path), then the names,
+    then (on a cluster node) the data delivery ends its agent passed, the last of ``fds``."""
+    cut = len(fds) - (task.delivery.fd_count() if task.delivery is not None else 0)
+    fds, delivery_fds = fds[:cut], fds[cut:]
+    if task.context is not None:
+        task.context.apply()
+    tracebacks.register_sources(task.sources)
+    try:
+        namespace = shipping.unpack(shipment.data, fds[0] if fds else None, shipment.tensors_size)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    child.find_interactive_flags()  # the shipped names may have imported Lightning
+    delivery = task.delivery.attach(delivery_fds, namespace) if task.delivery is not None else None
+    return dataclasses.replace(task, namespace=namespace, delivery=delivery)
+
+
+def _tend(supervisors: dict[int, int]) -> None:
+    """Reap supervisors that ended; end whatever else came to us: the leftovers of a supervisor that died."""
+    for pidfd, pid in list(supervisors.items()):
+        if select.select([pidfd], [], [], 0)[0]:
+            os.close(pidfd)
+            del supervisors[pidfd]
+            os.waitpid(pid, 0)
+    containment.end_all_children(0.0, spare=set(supervisors.values()))  # one pass: the loop comes back
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

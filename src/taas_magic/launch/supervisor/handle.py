@@ -1,0 +1,296 @@
+"""The kernel's side of a run's supervisor: its process handle and the run as the controller sees it.
+
+A supervisor is started by the kernel (fork), by the fork server, or by a cluster node's agent; whoever
+started it holds a ``SupervisorProcess`` to wait for and kill it, and talks to it through
+``SupervisedRanks``, the ``RankGroup`` the controller drives.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import _thread
+import time
+from typing import Any, Callable, Iterable, NoReturn
+
+from taas_magic.errors import RunLost, TaasRunError
+from taas_magic.launch.rendezvous import RunStore
+from taas_magic.process import containment
+from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.wire.events import Event, Exited, Key, key_order
+
+CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
+
+
+class SupervisorProcess:
+    """The kernel's handle on a supervisor: a pidfd, so it can be waited for and killed without pid races."""
+
+    def __init__(self, pid: int, is_child: bool):
+        self.pid = pid
+        self.is_child = is_child
+        try:
+            self.pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def alive(self) -> bool:
+        if self.pidfd is not None:
+            return not select.select([self.pidfd], [], [], 0)[0]
+        try:
+            os.kill(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def wait(self, timeout: float) -> bool:
+        """Until the process is gone (and reaped, if it is the kernel's child); False if still there after ``timeout``."""
+        if self.pidfd is not None:
+            if not select.select([self.pidfd], [], [], timeout)[0]:
+                return False
+            if self.is_child:
+                containment.reap(self.pid, 0)
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.is_child:
+                containment.reap(self.pid, os.WNOHANG)
+            if not self.alive():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass
+        self.wait(CLOSE_SECONDS)
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+    def let_go(self) -> None:
+        """The supervisor said the run is over and is exiting: let it, without waiting.
+
+        Its exit takes milliseconds (tearing down a copy of the kernel's memory) that nobody
+        needs to wait for; a kernel's child is reaped by a short-lived thread the moment it is gone
+        (a bare one: ``threading`` would wait for it to start).
+        """
+        self.close()
+        if self.is_child:
+            _thread.start_new_thread(containment.reap, (self.pid, 0))
+
+
+class SupervisedRanks:
+    """The controller's view of a run whose ranks live under a supervisor (the RankGroup contract).
+
+    ``process`` is None until the supervisor says who it is, when the fork server started it.
+    ``on_lost`` adds what the backend knows to a lost run's message (a fork server's last words).
+    """
+
+    def __init__(self, channel: Channel, process: SupervisorProcess | None, ranks: Iterable[Key],
+                 on_lost: Callable[[str], str] | None = None, store: RunStore | None = None):
+        self.channel = channel
+        self.process = process
+        self.store = store  # the run's TCPStore, served from the kernel until the run is closed
+        self.alive = set(ranks)
+        self.pending: list[Event] = []
+        self.codes: dict[Key, int] = {}
+        self.on_lost = on_lost or (lambda detail: detail)
+        self.started = False
+        self.finished = False  # the supervisor said every process of the run is gone
+        self.closed = False
+
+    # -- starting -----------------------------------------------------------------------------
+    def wait_started(self, timeout: float) -> None:
+        """Until the supervisor says its ranks started; ends the run and raises what went wrong otherwise."""
+        try:
+            deadline = time.monotonic() + timeout
+            while not self._readable(max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    self._lose(f"the ranks had not started after {timeout:g} s")
+            kind, fields = self._receive()
+            if kind == "failed":
+                message = f"the ranks could not be started: {fields[0]}"
+                raise TaasRunError(message, [message])
+            if kind != "started":
+                self._lose(f"unexpected first message {kind!r}")
+            if self.process is None:
+                self.process = SupervisorProcess(fields[0], is_child=False)
+            self.alive = set(fields[1])  # the ranks, and the producers of registered loaders
+            self.started = True
+        except BaseException:
+            self.close()
+            raise
+
+    def _readable(self, timeout: float) -> bool:
+        pidfd = self.process.pidfd if self.process is not None else None
+        watched = [self.channel.fileno()] + ([pidfd] if pidfd is not None else [])
+        ready = select.select(watched, [], [], timeout)[0]
+        if self.channel.fileno() in ready:
+            return True
+        if ready:  # the supervisor is gone and left nothing to read
+            self._lose("the run's supervisor exited unexpectedly")
+        return False
+
+    def go(self, aliases: tuple[str, ...]) -> None:
+        """The kernel's part of the start, done while the supervisor forks: serve the run's store,
+        then let the forked processes go once all are forked, telling them the notebook's ``aliases``."""
+        if self.store is not None:
+            self.store.serve()
+        try:
+            self.channel.send("go", aliases)
+        except ChannelBroken:
+            pass  # the supervisor could not start the run and went: ``wait_started`` reads why
+
+    # -- the RankGroup contract ---------------------------------------------------------------
+    def running(self) -> set[Key]:
+        return set(self.alive)
+
+    def events(self, timeout: float) -> list[Event]:
+        if not self.pending and self.alive and self._readable(timeout):
+            self._take(*self._receive())
+        events, self.pending = self.pending, []
+        return events
+
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
+        if self.alive:
+            self._send("signal", signum, None if ranks is None else sorted(set(ranks) & self.alive, key=key_order))
+
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        self._send("cell", cell, sorted(ranks), fds=fds)
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        self._send("line", rank, line)
+
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        self._send("stacks", sorted(ranks, key=key_order), timeout)
+        deadline = time.monotonic() + timeout + CLOSE_SECONDS
+        while time.monotonic() < deadline:
+            if self._readable(max(0.0, deadline - time.monotonic())):
+                kind, fields = self._receive()
+                if kind == "stacks":
+                    return dict(fields[0])
+                self._take(kind, fields)
+                if self.finished:
+                    break
+        return {}
+
+    def close(self) -> None:
+        """Ask the supervisor to end the run and wait until it has; kill it if it does not answer."""
+        self._close(polite=True)
+
+    def _close(self, polite: bool) -> None:
+        """``polite``: wait for the supervisor's word that the run is over; else just close the channel,
+        which it answers by ending everything, and make sure it is gone."""
+        if self.closed:
+            return
+        self.closed = True
+        interrupted, confirmed = False, self.finished
+        try:
+            if polite and not confirmed:
+                try:
+                    self.channel.send("close")
+                except ChannelBroken:
+                    pass  # it finished and went: what it said last may still be waiting to be read
+                if self.started:
+                    confirmed, interrupted = self._wait_closed()
+        except ChannelBroken:
+            pass
+        finally:
+            interrupted = self._release(confirmed) or interrupted
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def _release(self, confirmed: bool) -> bool:
+        """Free what the run holds in the kernel: its channel, its supervisor (reaped) and its store;
+        whether an interrupt came meanwhile.
+
+        Each step runs to its end whatever interrupts come (a second one only cuts the wait for the
+        supervisor short): an interrupted release would leave a zombie, descriptors and an open
+        store port in the kernel for good, as ``closed`` is already set.
+        """
+        process = self.process
+        to_the_end = containment.to_the_end
+        interrupted = to_the_end(self.alive.clear, self.channel.close)
+        if process is not None and confirmed:
+            interrupted |= to_the_end(process.let_go)
+        elif process is not None:
+            try:
+                gone = process.wait(2.0)
+            except KeyboardInterrupt:
+                interrupted, gone = True, False
+            if not gone:
+                interrupted |= to_the_end(process.kill)
+            interrupted |= to_the_end(process.close)
+        if self.store is not None:
+            interrupted |= to_the_end(self.store.close)
+        return interrupted
+
+    def _wait_closed(self) -> tuple[bool, bool]:
+        """Until the supervisor says every process of the run is gone: (whether it said so, whether interrupted)."""
+        interrupted = confirmed = False
+        deadline = time.monotonic() + CLOSE_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                if self.channel.ready(min(0.1, max(0.0, deadline - time.monotonic()))):
+                    kind, fields, fds = self.channel.receive()
+                    for fd in fds:
+                        os.close(fd)
+                    if kind == "closed":
+                        self.codes = dict(fields[0])
+                        confirmed = True
+                        break
+            except KeyboardInterrupt:
+                interrupted = True  # finish closing first
+        return confirmed, interrupted
+
+    # -- messages -----------------------------------------------------------------------------
+    def _receive(self) -> tuple[str, tuple[Any, ...]]:
+        try:
+            kind, fields, fds = self.channel.receive()
+        except ChannelBroken as e:
+            self._lose(str(e))
+        for fd in fds:
+            os.close(fd)
+        return kind, fields
+
+    def _take(self, kind: str, fields: tuple[Any, ...]) -> None:
+        if kind == "events":
+            for event in fields[0]:
+                if isinstance(event, Exited):
+                    self.alive.discard(event.rank)
+            self.pending.extend(fields[0])
+        elif kind == "closed":
+            self._take("events", (fields[1],))  # the events that came with the end
+            if self.alive:
+                self._lose("the run's supervisor ended the run on its own")
+            self.codes = dict(fields[0])
+            self.finished = True  # every process exited: the run is over
+        elif kind == "lost":  # the supervisor ended the run without being asked
+            self._lose(fields[0])
+        elif kind != "stacks":  # a reply that came after its request timed out
+            self._lose(f"unexpected message {kind!r}")
+
+    def _send(self, kind: str, *fields: Any, fds: tuple[int, ...] = ()) -> None:
+        try:
+            self.channel.send(kind, *fields, fds=fds)
+        except ChannelBroken as e:
+            # The run may have ended and its supervisor gone just before the request: its last
+            # words are still here to read, and the request no longer matters.
+            while not self.finished and self.channel.ready(0):
+                self._take(*self._receive())
+            if not self.finished:
+                self._lose(str(e))
+
+    def _lose(self, detail: str) -> NoReturn:
+        """The run cannot be trusted any more: end it from here and say so."""
+        self._close(polite=False)
+        raise RunLost(self.on_lost(detail))

@@ -1,0 +1,204 @@
+"""The run's supervisor: one process per run that starts the ranks, relays them, and ends them all.
+
+    kernel ──(fork, or via the fork server)──► supervisor (subreaper) ──fork──► producers, ranks
+       ▲                                          │
+       └──────── its own authenticated channel ◄──┘
+
+Each run has its own supervisor and its own channel, so nothing of one run can reach the next:
+a run the kernel gives up on (an interrupt, a lost message) is simply a closed channel, and the
+supervisor answers a closed channel by ending everything. As a subreaper it stays an ancestor
+of every process the run starts, however they detach, and kills them all, by process id,
+before it says the run is closed. It also ends the run when its parent (the kernel, or the fork
+server) dies.
+
+Requests, kernel → supervisor: ("go", names) first (the notebook's names for the functions ranks
+replace, found while the supervisor forks), then ("signal", signum, ranks | None),
+("stacks", ranks, timeout), a session's ("cell", cell, ranks) with its tensors' memory file, a
+debugger's ("line", rank, text), and ("close",). Messages, supervisor → kernel: ("started", pid, process
+keys) or ("failed", text), then ("events", [Event, …]) and ("stacks", {rank: text}) as they
+come, ("closed", {rank: code}, [Event, …]) last, with the events that came with the end, once
+every process of the run has exited or the kernel asked; ("lost", why) instead when the
+supervisor had to end the run on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from typing import Any, Callable, NoReturn
+
+from taas_magic.process import containment
+from taas_magic.wire.events import Event, Key, Report, key_order
+from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.wire.records import CellEnded, Failed
+from taas_magic.launch.supervisor.ranks import ForkedRanks
+
+PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
+STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the run
+
+
+# -- in the supervisor process -------------------------------------------------------------------
+def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Callable[[], Any]) -> NoReturn:
+    """The whole life of a supervisor, from just after its fork to ``os._exit``.
+
+    ``make_task`` gives the ranks' task: at hand after a fork from the kernel, unpacked from
+    what the kernel shipped after a fork from the fork server (a failure there is reported).
+    """
+    status = 1
+    try:
+        os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # held, not lost, in a rank until it can take one
+        containment.become_subreaper()
+        _Supervisor(channel, os.getppid()).serve(envs, make_task)
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            containment.end_all_children(STOP_SECONDS)
+        finally:
+            os._exit(status)
+
+
+class _Supervisor:
+    def __init__(self, channel: Channel, parent: int):
+        self.channel = channel
+        self.parent = parent
+
+    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any]) -> None:
+        try:
+            group = ForkedRanks.start(envs, make_task(), note=self._await_go)
+        except ChannelBroken:
+            return  # the kernel gave up on the run before it started: everything forked is ended
+        except Exception as e:
+            self._send("failed", f"{type(e).__name__}: {e}")
+            return
+        last: list[Event] = []
+        try:
+            # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
+            containment.drop_sockets({self.channel.fileno()} | group.control_fds())
+            group.watch(self.channel.fileno())
+            self._send("started", os.getpid(), sorted(group.ranks, key=key_order))
+            last = self._relay(group)
+        except ChannelBroken:
+            pass  # the kernel gave up on the run, or is gone: end it
+        except _Orphaned:
+            self._tell_lost("the process that started the run's supervisor died")
+        except _Idle as idle:
+            self._tell_lost(f"the session was idle for {idle.args[0]:g} s, its limit (--idle)")
+        finally:
+            group.close()
+        containment.end_all_children(STOP_SECONDS)
+        codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
+        try:
+            self._send("closed", codes, last)
+        except ChannelBroken:
+            return
+        _step_aside()
+
+    def _await_go(self) -> bytes:
+        """The kernel's word to let the forked processes go, with what it found while they were
+        forked: the notebook's names for the functions ranks replace (``aliases.find``)."""
+        kind, fields, fds = self.channel.receive()
+        for fd in fds:
+            os.close(fd)
+        if kind != "go":
+            raise ChannelBroken(f"expected the word to go, got {kind!r}")
+        return json.dumps(list(fields[0])).encode()
+
+    def _relay(self, group: "ForkedRanks") -> list[Event]:
+        """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
+        every process of the run has exited (then the kernel need not ask: it learns at once).
+
+        Returns the events that came with the last exit: they go with the word that the run is over.
+        """
+        idle = _IdleClock(group.idle_limit, busy={key for key in group.ranks if isinstance(key, int)})
+        while True:
+            events = group.events(PARENT_CHECK_SECONDS)
+            if not group.running():
+                return events
+            if events:
+                idle.saw(events)
+                self._send("events", events)
+            if os.getppid() != self.parent:
+                raise _Orphaned()
+            if idle.expired():
+                raise _Idle(idle.limit)
+            containment.reap_strays({state.pid for state in group.ranks.values()})  # reaped by the group itself
+            while self.channel.ready(0):
+                kind, fields, fds = self.channel.receive()
+                try:
+                    if kind == "close":
+                        return []
+                    self._serve(group, kind, fields, tuple(fds), idle)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+
+    def _serve(self, group: "ForkedRanks", kind: str, fields: tuple[Any, ...], fds: tuple[int, ...],
+               idle: "_IdleClock") -> None:
+        """One request of the kernel's, other than to close."""
+        if kind == "signal":
+            group.signal(fields[0], fields[1])
+        elif kind == "stacks":
+            stacks = group.stacks(fields[0], fields[1])
+            self._send("events", group.events(0))
+            self._send("stacks", stacks)
+        elif kind == "cell":  # a session's next cell, for some of its ranks
+            idle.busy.update(fields[1])
+            group.run_cell(fields[0], fields[1], fds)
+        elif kind == "line":
+            group.answer(fields[0], fields[1])
+        else:
+            raise ChannelBroken(f"unexpected request {kind!r}")
+
+    def _send(self, kind: str, *fields: Any) -> None:
+        self.channel.send(kind, *fields)
+
+    def _tell_lost(self, why: str) -> None:
+        try:
+            self._send("lost", why)
+        except ChannelBroken:
+            pass
+
+
+def _step_aside() -> None:
+    """The run is over and the kernel told: this process's exit (tearing down a copy of the kernel's
+    memory) must not take the CPU from the kernel finishing the cell."""
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+
+class _Orphaned(Exception):
+    """The supervisor's parent died: the run cannot go on without the one who asked for it."""
+
+
+class _Idle(Exception):
+    """A session ran no cell for its idle limit: its ranks give back what they hold (GPUs, memory)."""
+
+
+class _IdleClock:
+    """How long a session's ranks have all been waiting for a cell. Without a limit, never expires."""
+
+    def __init__(self, limit: float | None, busy: set[Key]):
+        self.limit = limit
+        self.busy = busy  # ranks running a cell (every rank runs the first)
+        self.since = time.monotonic()
+
+    def saw(self, events: list[Event]) -> None:
+        if self.busy:
+            self.since = time.monotonic()
+        for event in events:
+            if isinstance(event, Report) and isinstance(event.record, (CellEnded, Failed)):
+                self.busy.discard(event.rank)
+
+    def expired(self) -> bool:
+        if self.limit is None or self.busy:
+            return False
+        return time.monotonic() - self.since > self.limit

@@ -1,0 +1,471 @@
+"""The ranks of a run, in its supervisor: forked, relayed, signalled and ended.
+
+``ForkedRanks`` lives in the supervisor (whichever way it was started) and owns every rank, producer
+and descriptor of the run: each rank leads a process group, holds the read end of a lifeline pipe (it
+dies with its supervisor) and is a subreaper of its own; ``close`` kills and reaps them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Iterable, Literal
+
+from taas_magic.rank import worker
+from taas_magic.wire import channel, records
+from taas_magic.process import child, containment, tempfiles
+from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result, key_order
+from taas_magic.delivery.cluster import AttachedDelivery
+from taas_magic.delivery.service import DataService
+
+READ_SIZE = 1 << 16
+NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
+
+
+@dataclass
+class _Rank:
+    rank: Key  # a rank's number, or a producer
+    pid: int
+    fds: dict[str, int]  # supervisor-side read ends: stdout, stderr, report, stack, results
+    pidfd: int | None = None
+    returncode: int | None = None
+    report_buffer: bytes = b""
+    stack_text: str = ""
+    stack_updated: float = 0.0
+    results: bytearray = field(default_factory=bytearray)
+    control: channel.Channel | None = None  # a rank's channel: cells to run, their ends, input requests
+    cell: Literal["running", "sent", "ended"] = "running"  # a session's rank: "sent" a cell not taken yet
+    interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
+
+
+def task_namespace(task: worker.RankTask) -> dict[str, Any]:
+    """The names a forked rank starts with: the task's own, else the kernel's (forked from it)."""
+    if task.namespace is not None:
+        return task.namespace
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    namespace: dict[str, Any] = shell.user_ns if shell is not None else {}  # forked from the kernel: its own
+    return namespace
+
+
+def _producer_env(run_id: str) -> dict[str, str]:
+    """Producers are CPU workers of the run: its id, no rank, no GPU, one thread each."""
+    return {"TAAS_RUN_ID": run_id, "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class ForkedRanks:
+    ranks: dict[Key, _Rank] = field(default_factory=dict)
+    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+    _pending: list[Event] = field(default_factory=list)
+    _closed: bool = False
+    idle_limit: float | None = None  # a session's: the supervisor ends it after this long without a cell
+    # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
+    # for loaders it begins to serve while it runs.
+    later_loaders: tuple[dict[str, Any], int, str] | None = None
+
+    def __post_init__(self) -> None:
+        self._lifeline_read, self._lifeline_write = os.pipe()
+        self._control_secret = channel.new_secret()
+        self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
+
+    @classmethod
+    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
+              note: Callable[[], bytes] = lambda: b"") -> "ForkedRanks":
+        """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
+
+        Every process keeps only the sockets it needs: its own delivery channels, and a rank its
+        control channel with this supervisor (``session_rank.py``, ``debugger.py``). Once all are
+        forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
+        """
+        group = cls(idle_limit=task.idle_limit if getattr(task, "keep", False) else None)
+        service: Any = None  # DataService here, a cluster node's AttachedDelivery there
+        opening = b""
+        try:
+            if task.delivery is not None:  # a cluster node's, set up by its agent
+                service, run_id = task.delivery, task.delivery.run_id
+            elif task.loaders:
+                service, run_id = DataService(task.loaders, task_namespace(task), len(envs)), envs[min(envs)]["TAAS_RUN_ID"]
+            if service is not None:
+                for key, producer in service.producers():
+                    group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
+                task = dataclasses.replace(task, loaders=service.rank_loaders(), delivery=None)
+            if getattr(task, "keep", False) and envs and not isinstance(service, AttachedDelivery):  # not a cluster node's
+                group.later_loaders = (task_namespace(task), len(envs), envs[min(envs)]["TAAS_RUN_ID"])
+            for rank, env in sorted(envs.items()):
+                group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
+            opening = note()
+        except BaseException:
+            group.close()
+            raise
+        finally:
+            group._open_gates(opening)
+            if service is not None:
+                service.close()
+        return group
+
+    def _open_gates(self, note: bytes) -> None:
+        """Let every forked process go on, with ``note``: written to each one's gate, which is then closed.
+
+        A forked process sets itself up, then waits at the gate (``child.wait_at_gate``) until all
+        are forked: forks run one after the other, and each is several times slower while the
+        processes forked before it run the cell on the same cores. Their set-up is short, and uses
+        a core the forking leaves idle. The ranks meet at the rendezvous anyway, so none loses
+        anything by waiting. A note too long to sit in a pipe whole is not sent (the processes then
+        do without it).
+        """
+        for fd in self._gates:
+            try:
+                if len(note) <= NOTE_LIMIT:
+                    os.write(fd, note)  # into an empty pipe: never blocks
+            except OSError:
+                pass  # the process is gone already
+            finally:
+                os.close(fd)
+        self._gates = []
+
+    # -- starting ---------------------------------------------------------------------------
+    def fork(self, rank: Key, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
+        """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer."""
+        pipes: dict[str, tuple[int, int]] = {}
+        ends = channel.socket_pair() if isinstance(rank, int) else None  # (ours, the rank's)
+        try:
+            for name in ("stdout", "stderr", "report", "stack", "results", "gate"):
+                pipes[name] = os.pipe()  # the gate's write end stays here, the others' read ends
+            pid = os.fork()
+        except BaseException:
+            for pair in pipes.values():
+                for fd in pair:
+                    os.close(fd)
+            for sock in ends or ():
+                sock.close()
+            raise
+        gate_read, gate_write = pipes.pop("gate")
+        if pid == 0:  # the rank: never returns into the supervisor's code
+            status = child.EXIT_FAILED
+            try:
+                os.setpgid(0, 0)
+                self._close_supervisor_side(pipes, gate_write)
+                if ends is not None:
+                    ends[0].close()
+                fds = child.RankFds(
+                    stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
+                    stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
+                    sockets=frozenset(sockets), gate=gate_read,
+                    control=ends[1].detach() if ends is not None else None, control_secret=self._control_secret,
+                )
+                status = task.run(env, fds)
+            except KeyboardInterrupt:
+                pass  # stopped while it started, before the cell ran: the run is being interrupted
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(status)
+        try:
+            os.setpgid(pid, pid)  # also here, so a signal sent right away reaches the new group
+        except OSError:
+            pass
+        for read_end, write_end in pipes.values():
+            os.close(write_end)
+        os.close(gate_read)
+        self._gates.append(gate_write)
+        state = _Rank(rank, pid, {name: pair[0] for name, pair in pipes.items()})
+        if ends is not None:
+            ends[1].close()
+            state.control = channel.Channel(ends[0], self._control_secret, env.get("TAAS_RUN_ID", ""))
+            self._selector.register(state.control.fileno(), selectors.EVENT_READ, (rank, "control"))
+        self.ranks[rank] = state
+        for name, fd in state.fds.items():
+            os.set_blocking(fd, False)
+            self._selector.register(fd, selectors.EVENT_READ, (rank, name))
+        if hasattr(os, "pidfd_open"):
+            state.pidfd = os.pidfd_open(pid)
+            self._selector.register(state.pidfd, selectors.EVENT_READ, (rank, "exit"))
+
+    def watch(self, fd: int) -> None:
+        """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
+        self._selector.register(fd, selectors.EVENT_READ, None)
+
+    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]], own_gate: int) -> None:
+        """In a new rank: drop every descriptor that belongs to the supervisor's side of the run."""
+        fds = [self._lifeline_write, own_gate] + self._gates + [ends[0] for ends in own_pipes.values()]
+        for other in self.ranks.values():
+            fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
+            fds += [other.control.fileno()] if other.control is not None else []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- watching ---------------------------------------------------------------------------
+    def running(self) -> set[Key]:
+        return {r.rank for r in self.ranks.values() if r.returncode is None}
+
+    def events(self, timeout: float) -> list[Event]:
+        if self._pending:
+            timeout = 0
+        for key, _ in self._selector.select(timeout):
+            if key.data is None:
+                continue  # a watched descriptor: its owner looks at it
+            rank, name = key.data
+            state = self.ranks[rank]
+            # An earlier key of this batch may have ended the rank and closed this descriptor.
+            if name == "exit" and state.pidfd == key.fd:
+                self._on_exit(state)
+            elif name == "control" and state.control is not None and state.control.fileno() == key.fd:
+                self._on_message(state)
+            elif state.fds.get(name) == key.fd:
+                self._read(state, name, key.fd)
+        if not hasattr(os, "pidfd_open"):
+            self._poll_exits()
+        events, self._pending = self._pending, []
+        return events
+
+    def _read(self, state: _Rank, name: str, fd: int) -> bool:
+        """Read what ``fd`` holds now; True if there was something (there may be more)."""
+        try:
+            data = os.read(fd, READ_SIZE)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self._selector.unregister(fd)
+            os.close(fd)
+            del state.fds[name]
+            if name == "results" and state.results:
+                self._pending.append(Result(state.rank, bytes(state.results)))
+            return False
+        if name in ("stdout", "stderr"):
+            self._pending.append(Output(state.rank, name, data))
+        elif name == "results":
+            state.results += data
+        elif name == "report":
+            state.report_buffer += data
+            *lines, state.report_buffer = state.report_buffer.split(b"\n")
+            for line in lines:
+                self._pending.append(Report(state.rank, records.decode(line)))
+        else:
+            state.stack_text += data.decode("utf-8", "replace")
+            state.stack_updated = time.monotonic()
+        return True
+
+    def _on_message(self, state: _Rank) -> None:
+        """A rank's word on its control channel: the end of a cell, or a request for a line of input.
+
+        What the rank wrote before it is in its pipes already: it goes out first, so a cell's
+        output never trails its end, and a debugger's prompt follows what it printed.
+        """
+        assert state.control is not None
+        try:
+            kind, fields, fds = state.control.receive()
+        except channel.ChannelBroken:
+            self._drop_control(state)  # the rank is ending: its exit says the rest
+            return
+        for fd in fds:
+            os.close(fd)
+        self._drain(state)
+        if kind == "in cell":
+            state.cell = "running"
+            if state.interrupt_waiting:
+                state.interrupt_waiting = False
+                self._signal(state, signal.SIGINT)
+        elif kind == "ended":
+            state.cell = "ended"
+            record, results = fields
+            if results is not None:
+                self._pending.append(Result(state.rank, results))
+            self._pending.append(Report(state.rank, records.decode(record)))
+        elif kind == "input":
+            self._pending.append(InputRequest(state.rank, fields[0]))
+
+    def _drain(self, state: _Rank) -> None:
+        for name in ("stdout", "stderr", "report"):
+            while name in state.fds and self._read(state, name, state.fds[name]):
+                pass
+
+    def _drop_control(self, state: _Rank) -> None:
+        if state.control is not None:
+            self._selector.unregister(state.control.fileno())
+            state.control.close()
+            state.control = None
+
+    def control_fds(self) -> set[int]:
+        return {state.control.fileno() for state in self.ranks.values() if state.control is not None}
+
+    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit.
+
+        The producers of loaders the session begins to serve with the cell start first, and each
+        rank gets its ends of them with the cell.
+        """
+        service = self._serve_new_loaders(cell, fds)
+        try:
+            for rank in sorted(ranks):
+                if rank in self.ranks:
+                    self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
+                ends = service.late_ends(rank) if service is not None else ()
+                self._tell(rank, "cell", cell, fds=fds + ends)
+        finally:
+            if service is not None:
+                service.close()
+
+    def _serve_new_loaders(self, cell: Any, fds: tuple[int, ...]) -> DataService | None:
+        """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
+        them) are unpacked here; None when it begins to serve none."""
+        plans = getattr(cell, "loaders", ())
+        if not plans or self.later_loaders is None:
+            return None
+        namespace, world, run_id = self.later_loaders
+        from taas_magic.wire import shipping
+
+        shipping.unpack_into(namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
+        service = DataService(plans, namespace, world, first=cell.first_loader, late=True)
+        try:
+            for key, producer in service.producers():
+                self.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
+        except BaseException:
+            service.close()
+            raise
+        finally:
+            self._open_gates(b"")
+        return service
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        self._tell(rank, "line", line)
+
+    def _tell(self, rank: Key, kind: str, *fields: Any, fds: tuple[int, ...] = ()) -> None:
+        state = self.ranks.get(rank)
+        if state is not None and state.control is not None:
+            try:
+                state.control.send(kind, *fields, fds=fds)
+            except channel.ChannelBroken:
+                pass
+
+    def _on_exit(self, state: _Rank) -> None:
+        """A rank ended: stop what it left running, reap it, deliver its last output, then say so.
+
+        Everything the rank itself wrote is in its pipes by now. A pipe that stays open is held by
+        something the rank started that left its group: what that writes later still arrives (after
+        the exit), and the run's end stops it; nobody waits for it.
+        """
+        self._signal_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
+        _, status = os.waitpid(state.pid, 0)
+        state.returncode = os.waitstatus_to_exitcode(status)
+        if state.returncode != 0:
+            tempfiles.remove_folders_of(state.pid)  # a killed process could not remove its own
+        if state.pidfd is not None:
+            self._selector.unregister(state.pidfd)
+            os.close(state.pidfd)
+            state.pidfd = None
+        while state.control is not None and state.control.ready(0):
+            self._on_message(state)  # its last words: a cell's end, sent just before it exited
+        self._drop_control(state)
+        for name, fd in list(state.fds.items()):
+            while name in state.fds and self._read(state, name, fd):
+                pass
+        self._pending.append(Exited(state.rank, state.returncode))
+
+    @staticmethod
+    def _signal_group(state: _Rank, signum: int) -> None:
+        try:
+            os.killpg(state.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _poll_exits(self) -> None:
+        for state in self.ranks.values():
+            if state.returncode is None:
+                info = os.waitid(os.P_PID, state.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None:
+                    self._on_exit(state)
+
+    # -- acting on ranks --------------------------------------------------------------------
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
+        """An interrupt reaches a session's rank in its cell only: one for a cell on its way waits
+        until the rank takes it; one that comes after its cell ended is too late, and dropped."""
+        chosen = self.running() if ranks is None else set(ranks) & self.running()
+        for rank in sorted(chosen, key=key_order):
+            state = self.ranks[rank]
+            if signum == signal.SIGINT and state.cell != "running":
+                state.interrupt_waiting = state.cell == "sent"
+                continue
+            self._signal(state, signum)
+
+    def _signal(self, state: _Rank, signum: int) -> None:
+        """The rank's process group (its DataLoader workers…), and the rank itself, wherever it went.
+
+        SIGKILL also goes to every descendant by process id: a group is no boundary for a
+        process that left it.
+        """
+        if state.returncode is not None:
+            return  # a reaped rank's id may belong to someone else now
+        try:
+            leads_its_group = os.getpgid(state.pid) == state.pid
+        except ProcessLookupError:
+            return
+        below = containment.descendants(state.pid) if signum == signal.SIGKILL else []
+        if leads_its_group:
+            self._signal_group(state, signum)
+        else:
+            containment.kill(state.pid, signum)
+        for pid in below:
+            containment.kill(pid, signum)
+
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        """Ask faulthandler in each rank for all its threads' stacks; wait until they stop arriving."""
+        chosen = sorted(set(ranks) & self.running(), key=key_order)
+        for rank in chosen:
+            self.ranks[rank].stack_text = ""
+            containment.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler
+        meanwhile: list[Event] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self.ranks[r] for r in chosen]
+            if all(s.stack_text and time.monotonic() - s.stack_updated > 0.2 for s in states):
+                break
+            meanwhile += self.events(min(0.05, max(0.0, deadline - time.monotonic())))
+        self._pending = meanwhile + self._pending
+        return {rank: self.ranks[rank].stack_text for rank in chosen}
+
+    # -- ending -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Kill whatever still runs, reap every rank, close every descriptor. Safe to call twice."""
+        if self._closed:
+            return
+        pending_interrupt = False
+        for state in self.ranks.values():
+            while state.returncode is None:
+                try:
+                    self._signal(state, signal.SIGKILL)
+                    _, status = os.waitpid(state.pid, 0)
+                    state.returncode = os.waitstatus_to_exitcode(status)
+                    tempfiles.remove_folders_of(state.pid)
+                except ChildProcessError:
+                    state.returncode = -signal.SIGKILL
+                except KeyboardInterrupt:
+                    pending_interrupt = True  # finish cleaning up first
+        for state in self.ranks.values():
+            for fd in list(state.fds.values()) + ([state.pidfd] if state.pidfd is not None else []):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            state.fds.clear()
+            state.pidfd = None
+            if state.control is not None:
+                state.control.close()
+                state.control = None
+        for fd in (self._lifeline_read, self._lifeline_write):
+            os.close(fd)
+        self._selector.close()
+        self._closed = True
+        if pending_interrupt:
+            raise KeyboardInterrupt

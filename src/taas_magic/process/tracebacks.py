@@ -1,0 +1,59 @@
+"""Tracebacks in a rank or producer as IPython shows them in the kernel, naming cells as ``Cell In[5]``.
+
+Forked processes inherit the kernel's line cache and shell; those the fork server started get the
+notebook's cells shipped (``register_sources``) before they are forked.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sys
+import traceback
+from typing import Any
+
+
+_cell_labels: dict[str, str] = {}  # file name -> "Cell In[5]", in processes that unpacked shipped cells
+
+
+def register_sources(sources: dict[str, tuple[str, str]]) -> None:
+    """Make the notebook's cells readable where the kernel's line cache is not inherited (before the
+    ranks and producers are forked): tracebacks then quote their lines, and name them as IPython does."""
+    numbers = _shell_cell_numbers()
+    for filename, (label, code) in sources.items():
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        _cell_labels[filename] = label
+        if numbers is not None and label.startswith("Cell In[") and label[8:-1].isdigit():
+            numbers[filename] = int(label[8:-1])  # a forked rank's shell: its tracebacks say "Cell In[n]" too
+
+
+def _shell_cell_numbers() -> dict[str, int] | None:
+    """The kernel's own map of cell file names to numbers, in a rank forked from it (None elsewhere)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    return numbers if isinstance(numbers, dict) else None
+
+
+def format_traceback(error: BaseException, shell: Any) -> list[str]:
+    """The traceback as IPython would show it in the kernel, without this module's frame."""
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    try:
+        if shell is not None:
+            return list(shell.InteractiveTB.structured_traceback(type(error), error, tb))
+        lines = _standalone_formatter().structured_traceback(type(error), error, tb)
+        for filename, label in _cell_labels.items():
+            lines = [line.replace(filename, label) for line in lines]
+        return list(lines)
+    except Exception:
+        return traceback.format_exception(type(error), error, tb)
+
+
+def _standalone_formatter() -> Any:
+    from IPython.core.ultratb import AutoFormattedTB
+
+    try:
+        return AutoFormattedTB(mode="Context", theme_name="linux")
+    except TypeError:  # IPython 8
+        return AutoFormattedTB(mode="Context", color_scheme="Linux")  # type: ignore[call-arg]
+
+

@@ -1,0 +1,98 @@
+"""One cell's code in a rank: run it, and say how it ended (a record, rank 0's names, the error).
+
+A one-shot rank runs one cell (``worker.py``), a session's rank one after another (``session.py``);
+both end each cell here, so a failure or an early ``sys.exit`` reads the same in either.
+"""
+
+from __future__ import annotations
+
+import time
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
+from taas_magic.process.tracebacks import format_traceback
+from taas_magic.rank import progress, vitals
+from taas_magic.wire import results
+from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
+
+if TYPE_CHECKING:
+    from taas_magic.rank.worker import RankTask
+
+
+def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: dict[str, Any], shell: Any,
+             task: "RankTask") -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
+    """Run one cell's code: (exit status, how it ended, rank 0's pickled names, the error it raised).
+
+    ``return_names`` is None in ranks that send nothing back.
+    """
+    _delivery_summaries(task, namespace)  # a session cell sums up its own loops, not those of one that failed
+    exited = None  # how the cell ended early without failing: "sys.exit(0)"
+    try:
+        try:
+            with vitals.sampling():
+                exec(code, namespace)
+        finally:
+            progress.flush()
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            return _failure(e, shell, task, f"the cell called sys.exit({e.code!r})") + (None, e)
+        exited = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
+    except BaseException as e:
+        return _failure(e, shell, task) + (None, e)
+    ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
+    data, skipped = _results(return_names, namespace) if return_names is not None else (None, {})
+    return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
+
+
+def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: "RankTask") -> tuple[int, Failed]:
+    """How a session's cell ended that an interrupt stopped before its code began."""
+    return _failure(error, shell, task)
+
+
+def _delivery_summaries(task: "RankTask", namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
+    """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting."""
+    summaries = {plan.name: namespace[plan.name].summary() for plan in task.loaders
+                 if hasattr(namespace.get(plan.name), "summary")}
+    return {name: summary for name, summary in summaries.items() if summary is not None}
+
+
+def _results(names: tuple[str, ...], namespace: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """The cell's names, pickled for the kernel; and {name: why} for those left out."""
+    present = {name: namespace[name] for name in names if name in namespace}
+    data, skipped = results.dumps(present) if present else (b"", {})
+    skipped.update({name: results.NOT_BOUND for name in names if name not in namespace})
+    return data, skipped
+
+
+def _failure(error: BaseException, shell: Any, task: "RankTask", summary: str | None = None) -> tuple[int, Failed]:
+    when = time.monotonic()  # before formatting: the earliest failure is the root cause
+    flush_all()
+    interrupted = isinstance(error, KeyboardInterrupt)
+    # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
+    record = Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell),
+                    interrupted=interrupted, hint=_hint(error, task))
+    return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
+
+
+# What torch says when a CPU-only rank asks for CUDA (no driver, no device visible, a CPU-only build).
+_NO_CUDA = ("found no nvidia driver", "no cuda gpus are available", "torch not compiled with cuda enabled",
+            "no cuda-capable device is detected", "cuda driver initialization failed")
+
+
+def _hint(error: BaseException, task: "RankTask") -> str:
+    """One line of advice for mistakes taas can recognize; empty otherwise."""
+    if task.device == "cpu" and any(phrase in str(e).lower() for e in _chain(error) for phrase in _NO_CUDA):
+        return ("this run is on CPU (--device cpu), so CUDA is not available in its ranks: "
+                "taas.device() gives each rank its device on CPU and CUDA runs alike")
+    return ""
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error and those it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain and len(chain) < 10:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain

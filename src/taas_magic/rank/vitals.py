@@ -1,0 +1,100 @@
+"""In a rank: what its process holds (memory, and on CUDA its GPU's memory and load), reported about once a second.
+
+The cell's live view shows it in the rank's row, and its summary the peak. A thread samples,
+so a rank busy in native code (a long matmul, a collective) is still seen. Sampling reads
+``/proc/self/statm`` and, on CUDA, NVML through torch (``nvidia-ml-py``): neither initializes
+CUDA, so a rank that has not touched its GPU yet is not made to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+import time
+from typing import Callable, Iterator
+
+from taas_magic.wire.records import RankVitals
+
+INTERVAL = 1.0  # seconds between two samples
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+_send: Callable[[RankVitals], None] | None = None
+_sample: "_Sampler | None" = None
+_in_cell = threading.Event()
+
+
+def attach(send: Callable[[RankVitals], None], gpu: int | None) -> None:
+    """In a rank, as it starts: where its samples go, and its CUDA device index (None on CPU).
+
+    Samples are taken only while a cell runs (``sampling``): a session's ranks waiting for their
+    next cell send nothing, so nothing piles up where no one reads it.
+    """
+    global _send, _sample
+    _send, _sample = send, _Sampler(gpu)
+    threading.Thread(target=_every_interval, name="taas-vitals", daemon=True).start()
+
+
+@contextlib.contextmanager
+def sampling() -> Iterator[None]:
+    """Around a cell: a sample at once (the row shows the rank running), then one every ``INTERVAL``."""
+    if _send is None:
+        yield
+        return
+    _report()
+    _in_cell.set()
+    try:
+        yield
+    finally:
+        _in_cell.clear()
+
+
+def _every_interval() -> None:
+    while _send is not None:
+        _in_cell.wait()
+        time.sleep(INTERVAL)
+        if _in_cell.is_set():
+            _report()
+
+
+def _report() -> None:
+    global _send
+    if _send is None or _sample is None:
+        return
+    try:
+        _send(_sample())
+    except OSError:
+        _send = None  # the report pipe is gone: the run is over
+
+
+class _Sampler:
+    def __init__(self, gpu: int | None):
+        self.gpu = gpu
+        self.peak = 0
+
+    def __call__(self) -> RankVitals:
+        memory = _resident_bytes()
+        self.peak = max(self.peak, memory, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        gpu_memory, utilization = self._gpu()
+        return RankVitals(time.monotonic(), memory, self.peak, gpu_memory, utilization)
+
+    def _gpu(self) -> tuple[int | None, int | None]:
+        torch = sys.modules.get("torch")
+        if self.gpu is None or torch is None:
+            return None, None
+        try:
+            return int(torch.cuda.device_memory_used(self.gpu)), int(torch.cuda.utilization(self.gpu))
+        except Exception:  # no NVML binding or driver: the row shows no GPU figures
+            self.gpu = None
+            return None, None
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except OSError:  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

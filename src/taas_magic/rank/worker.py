@@ -1,0 +1,213 @@
+"""A rank's job: bind it to its place in the job, run the cell, send results and failures back.
+
+The process around it is set up by ``child.py``; what the rank runs arrives as a ``RankTask``,
+inherited by fork or, from the fork server, shipped with the names the cell needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any
+
+from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
+from taas_magic.rank.cell import run_cell
+from taas_magic.process import tempfiles
+from taas_magic.rank.aliases import rebind
+from taas_magic.cell_names import code_names
+from taas_magic.process.child import (
+    RankFds,
+    become_child,
+    end_descendants,
+    flush_all,
+    print_display_data,
+    report,
+    wait_at_gate,
+    write_all,
+)
+from taas_magic.rank.state import TorchSettings, seed_rank
+
+
+@dataclass(frozen=True)
+class KernelContext:
+    """The kernel's process state that spawned ranks must see as forked ones do.
+
+    The fork server takes on the environment, folder and ``sys.path`` (``apply``); torch's
+    settings are applied in each rank, so the server itself stays as it started.
+    """
+
+    environ: dict[str, str]
+    cwd: str
+    sys_path: list[str]
+    torch_settings: TorchSettings
+
+    @classmethod
+    def of_this_process(cls) -> "KernelContext":
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), TorchSettings.of_this_process())
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.sys_path
+
+
+@dataclass(frozen=True)
+class RankTask:
+    """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
+
+    code: CodeType
+    device: str  # "cuda" or "cpu"
+    threads: int  # intra-op threads on CPU
+    return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
+    namespace: dict[str, Any] | None = None  # spawned ranks: the shipped names; forked: the kernel's own
+    # The notebook's cells by file name: (label, code), for tracebacks where the kernel's line cache
+    # is not inherited: {".../ipykernel_1/2.py": ("Cell In[5]", "x = 1\n")}.
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
+    loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
+    context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
+    seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
+    delivery: Any = None  # on a cluster node: its share of data delivery (a NodeEnds, attached once unpacked)
+    keep: bool = False  # a session: the ranks stay, running the cells they are sent (session_rank.py)
+    idle_limit: float | None = None  # a session ends after this many seconds without a cell
+    debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
+
+    def run(self, env: dict[str, str], fds: "RankFds") -> int:
+        return run_rank(self, env, fds)
+
+
+def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
+    """Become a rank and run the cell; returns the exit status for ``os._exit``."""
+    shell = become_child(fds, env)
+    tempfiles.name_multiprocessing_folders()
+    namespace = _namespace(task, shell)
+    _exit_ends_the_rank(namespace)
+    if task.context is not None:
+        task.context.torch_settings.apply()  # forked ranks inherited them
+    plugins.use()
+    rank = int(env["RANK"])
+    replaced = [_bind_device(task, int(env["LOCAL_RANK"])),
+                storage.guard_torch_save(rank, lambda record: report(fds.report, record), env.get("TAAS_NODE_ADDRESS"))]
+    for plan in task.loaders:
+        namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
+    if task.seed is not None:
+        seed_rank(task.seed, rank, task.device)
+    aliases = _aliases(wait_at_gate(fds))
+    for pair in replaced:
+        if pair is not None:
+            rebind(namespace, aliases, *pair)
+    shell = shell if task.namespace is None else None
+    progress.attach(lambda record: report(fds.report, record))
+    vitals.attach(lambda record: report(fds.report, record), int(env["LOCAL_RANK"]) if task.device == "cuda" else None)
+    control = session.open_control(fds)
+    if control is not None:
+        debugger.take_breakpoints(control)
+    try:
+        if task.keep and control is not None:
+            return session.serve(task, namespace, shell, fds, control)
+        status, error = _execute(task, namespace, shell, fds, send_results=rank == 0)
+        if error is not None and task.debug and control is not None:
+            session.await_debugger(error, control)
+        return status
+    finally:
+        for plan in task.loaders:
+            finish = getattr(namespace.get(plan.name), "finish", None)
+            if finish is not None:
+                finish(lambda record: report(fds.report, record))
+        flush_all()
+        end_descendants()
+        tempfiles.remove_multiprocessing_folders()
+
+
+def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
+    if task.namespace is not None:
+        if "get_ipython" in code_names(task.code):
+            _standalone_shell(task.namespace)
+        return task.namespace
+    return shell.user_ns if shell is not None else {"__name__": "__main__"}
+
+
+def _standalone_shell(namespace: dict[str, Any]) -> None:
+    """IPython syntax (magics, `!cmd`) in a spawned rank: a shell of its own over the rank's namespace."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False  # no history database for a rank
+    shell = InteractiveShell.instance(config=config, user_ns=namespace)
+    setattr(shell.display_pub, "publish", print_display_data)
+
+
+def _exit_ends_the_rank(namespace: dict[str, Any]) -> None:
+    """`exit()` / `quit()` end the rank as `sys.exit()` does, `exit(3)` fails it as `sys.exit(3)` does.
+
+    IPython's own (the kernel's, or a spawned rank's shell's) would ask a shell to stop after the
+    cell. ``sys.exit`` itself replaces them: a builtin adds no frame to the traceback. A user's
+    own `exit` stays.
+    """
+    try:
+        from IPython.core.autocall import ExitAutocall
+    except ImportError:
+        return
+    for name in ("exit", "quit"):
+        if isinstance(namespace.get(name), ExitAutocall):
+            namespace[name] = sys.exit
+
+
+def _aliases(note: bytes) -> tuple[str, ...] | None:
+    """The notebook's names for functions this rank replaced, as the kernel found them while the
+    ranks were forked (``aliases.find``); None, to look at every name, when the note is missing."""
+    try:
+        names = json.loads(note)
+    except ValueError:
+        return None
+    return tuple(names) if isinstance(names, list) else None
+
+
+def _bind_device(task: RankTask, local_rank: int) -> tuple[Any, Any] | None:
+    """The rank's device and threads; on CPU, returns (init_process_group, its replacement)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if task.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        return None
+    torch.set_num_threads(task.threads)
+    return _serve_nccl_with_gloo()
+
+
+def _serve_nccl_with_gloo() -> tuple[Any, Any]:
+    """On CPU a notebook written for GPUs runs unchanged: backend "nccl" is given to gloo."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.init_process_group
+    noticed: list[bool] = []
+
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if str(backend).lower() == "nccl":
+            if not noticed and os.environ.get("RANK") == "0":
+                noticed.append(True)
+                print("taas: --device cpu: backend 'nccl' is served by 'gloo'", file=sys.stderr)
+            backend = "gloo"
+        return original(backend, *args, **kwargs)
+
+    dist.init_process_group = c10d.init_process_group = init_process_group
+    return original, init_process_group
+
+
+def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds,
+             send_results: bool) -> tuple[int, BaseException | None]:
+    """A one-shot cell: run it, then results (rank 0) and how it ended go down their pipes."""
+    status, record, data, error = run_cell(task.code, task.return_names if send_results else None, namespace,
+                                           shell, task)
+    if send_results:
+        try:
+            write_all(fds.results, data or b"")
+        finally:
+            os.close(fds.results)
+    report(fds.report, record)
+    return status, error

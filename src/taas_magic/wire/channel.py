@@ -1,0 +1,146 @@
+"""Authenticated messages between two taas processes over a SOCK_SEQPACKET socketpair.
+
+A message is one datagram, so it is sent whole or not at all: an interrupt can land before or
+after a send, never in the middle, and the two sides can never disagree about where a message
+begins. Bodies too large for one datagram travel in an anonymous memory file whose descriptor
+goes with the datagram. Every datagram carries a sequence number and a keyed BLAKE2b tag over
+everything it says, so a process that holds the socket without knowing the channel's secret
+(a rank's stray descendant, say) cannot inject anything, and nothing is ever replayed.
+Receivers drop nothing silently: a bad tag, a stale sequence number or a message of another
+run marks the channel broken, and its owner then ends whatever depended on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+from typing import Any
+
+from taas_magic.wire import memfile, pickler
+
+INLINE_LIMIT = 60_000  # bytes of pickle sent in the datagram itself; larger bodies go in a memory file
+_TAG_SIZE = 32
+_HEADER = struct.Struct("!QQB")  # sequence number, body length, body in a memory file (1) or inline (0)
+MAX_FDS = 250  # descriptors one message may carry (the system's limit is 253): a cluster node's data channels
+
+
+class ChannelBroken(ConnectionError):
+    """The other side is gone, or sent something this side cannot trust."""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected ends; neither has a name or an address, and neither survives an exec."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+class Channel:
+    """One end of a channel: ``send`` and ``receive`` whole messages tagged with ``run_id``."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, run_id: str):
+        self.sock = sock
+        self.run_id = run_id
+        self._secret = secret
+        self._sent = 0
+        self._received = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- sending ----------------------------------------------------------------------------
+    def send(self, kind: str, *fields: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send ``(run_id, kind, *fields)`` with ``fds``; raises ChannelBroken if the other side is gone."""
+        body = pickler.dumps((self.run_id, kind) + fields)
+        self._sent += 1  # before sending: an interrupted send leaves a gap, never a repeated number
+        header = _HEADER.pack(self._sent, len(body), len(body) > INLINE_LIMIT)
+        carried = list(fds)
+        if len(carried) >= MAX_FDS:
+            raise ValueError(f"{len(carried)} descriptors in one message: at most {MAX_FDS - 1}")
+        body_file = None
+        if len(body) > INLINE_LIMIT:
+            body_file = memfile.new_file("taas-message", len(body))
+            os.pwrite(body_file, body, 0)
+            carried.append(body_file)
+            payload = header
+        else:
+            payload = header + body
+        tag = self._tag(header, body)
+        try:
+            socket.send_fds(self.sock, [tag + payload], carried) if carried else self.sock.sendall(tag + payload)
+        except OSError as e:
+            raise ChannelBroken(f"could not send {kind!r}: {e}") from e
+        finally:
+            if body_file is not None:
+                os.close(body_file)
+
+    # -- receiving --------------------------------------------------------------------------
+    def ready(self, timeout: float) -> bool:
+        return bool(select.select([self.sock], [], [], timeout)[0])
+
+    def receive(self) -> tuple[str, tuple[Any, ...], list[int]]:
+        """The next message as ``(kind, fields, fds)``; blocks until one arrives."""
+        try:
+            datagram, fds, flags = self._receive_datagram()
+        except OSError as e:
+            raise ChannelBroken(f"the channel failed: {e}") from e
+        try:
+            return self._open(datagram, fds, flags)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _receive_datagram(self) -> tuple[bytes, list[int], int]:
+        size = _TAG_SIZE + _HEADER.size + INLINE_LIMIT
+        try:
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, MAX_FDS)
+        except ConnectionResetError:
+            # The other side closed before reading all we sent (a request that crossed its last
+            # words). The system says so once; what it sent before closing is still there to read.
+            datagram, fds, flags, _ = socket.recv_fds(self.sock, size, MAX_FDS)
+        return datagram, fds, flags
+
+    def _open(self, datagram: bytes, fds: list[int], flags: int) -> tuple[str, tuple[Any, ...], list[int]]:
+        if not datagram:
+            raise ChannelBroken("the other side closed the channel")
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(datagram) < _TAG_SIZE + _HEADER.size:
+            raise ChannelBroken("a malformed message arrived")
+        tag, header = datagram[:_TAG_SIZE], datagram[_TAG_SIZE : _TAG_SIZE + _HEADER.size]
+        sequence, length, in_file = _HEADER.unpack(header)
+        if in_file:
+            if not fds:
+                raise ChannelBroken("a message announced a body it did not carry")
+            body_file = fds.pop()
+            try:
+                body = os.pread(body_file, length, 0)
+            finally:
+                os.close(body_file)
+        else:
+            body = datagram[_TAG_SIZE + _HEADER.size :]
+        if len(body) != length or not hmac.compare_digest(tag, self._tag(header, body)):
+            raise ChannelBroken("a message failed authentication")
+        if sequence <= self._received:
+            raise ChannelBroken(f"message {sequence} arrived after message {self._received}")
+        self._received = sequence
+        run_id, kind, *fields = pickle.loads(body)
+        if run_id != self.run_id:
+            raise ChannelBroken(f"a message of run {run_id!r} arrived on the channel of run {self.run_id!r}")
+        return kind, tuple(fields), fds
+
+    def _tag(self, header: bytes, body: bytes) -> bytes:
+        digest = hashlib.blake2b(key=self._secret, digest_size=_TAG_SIZE)
+        digest.update(header)
+        digest.update(body)
+        return digest.digest()

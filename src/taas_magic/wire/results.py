@@ -1,0 +1,262 @@
+"""Results back: the names a cell binds at top level in rank 0 come back into the notebook.
+
+Rank 0 pickles the names one after another with one pickler, each name a pickle of its own in
+one stream. The pickler remembers what it has written, so objects that share parts (a model and
+its optimizer) are written once and still share them in the kernel, which loads the names in
+order with one unpickler. CUDA tensors go as CPU tensors and DDP wrappers as the module they
+wrap: unpickling in the kernel must never initialize CUDA there.
+
+Nothing is lost for one bad name. What rank 0 cannot pickle is left out by name, with the
+reason, whatever the pickler raised. What the kernel cannot unpickle is left out the same way,
+together with the later names that share objects with it; the other names still come back.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import struct
+import types
+from typing import Any, Iterable
+
+from taas_magic.wire import pickler
+from taas_magic.errors import first_line, type_name
+
+_INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index and this length
+NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
+
+
+class _ResultPickler(pickler.Pickler):
+    """A cloudpickle pickler that sends tensors as CPU tensors and DDP wrappers as their module."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        converted = _portable(obj)
+        if converted is not obj:
+            return _same, (converted,)
+        return super().reducer_override(obj)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _portable(obj: Any) -> Any:
+    torch = _torch()
+    if torch is None:
+        return obj
+    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        return obj.module
+    if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+        cpu = obj.detach().cpu()
+        return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else cpu
+    return obj
+
+
+def _torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+# -- in rank 0 --------------------------------------------------------------------------------
+class _Unpicklable(Exception):
+    def __init__(self, name: str, why: str):
+        super().__init__(name, why)
+        self.name, self.why = name, why
+
+
+def dumps(values: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    """Pickle what can be pickled; returns the pickle and {name: why} for what was left out."""
+    skipped = {name: why for name, value in values.items() if (why := _why_not_sendable(value))}
+    kept = {name: value for name, value in values.items() if name not in skipped}
+    try:
+        return _dump_each(kept), skipped
+    except _Unpicklable:
+        pass
+    for name, value in kept.items():  # one pass finds every name that fails on its own
+        try:
+            _dump_each({name: value})
+        except _Unpicklable as failure:
+            skipped[name] = failure.why
+    while True:  # what fails only beside other names (a reducer with state) is found one at a time
+        kept = {name: value for name, value in kept.items() if name not in skipped}
+        try:
+            return _dump_each(kept), skipped
+        except _Unpicklable as failure:
+            skipped[failure.name] = failure.why
+
+
+def _dump_each(values: dict[str, Any]) -> bytes:
+    """One pickle per name in one stream, then the index: [(name, length of its pickle), ...]."""
+    buffer = io.BytesIO()
+    pickler = _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    index = []
+    for name, value in values.items():
+        start = buffer.tell()
+        try:
+            pickler.dump(value)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # whatever a __reduce__ raises, SystemExit and RecursionError too
+            raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({first_line(e)})") from None
+        index.append((name, buffer.tell() - start))
+    packed_index = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+    buffer.write(packed_index)
+    buffer.write(_INDEX_LENGTH.pack(len(packed_index)))
+    return buffer.getvalue()
+
+
+def _why_not_sendable(value: Any) -> str | None:
+    """Objects that only make sense inside the job, named before pickling is even tried."""
+    try:
+        return _only_in_the_job(value)
+    except Exception:
+        return None  # an object that fails even this look: pickling will say what is wrong with it
+
+
+def _only_in_the_job(value: Any) -> str | None:
+    torch = _torch()
+    if isinstance(value, types.ModuleType):
+        return None
+    if torch is not None:
+        if isinstance(value, torch.utils.data.dataloader._BaseDataLoaderIter):
+            return "DataLoader iterator (exists only inside the job)"
+        if isinstance(value, torch.utils.data.DataLoader):
+            iterator = getattr(value, "_iterator", None)
+            if iterator is not None and getattr(iterator, "_workers", None):
+                return "DataLoader with live worker processes"
+        distributed = getattr(torch, "distributed", None)
+        process_group = getattr(distributed, "ProcessGroup", None) if distributed else None
+        if process_group is not None and isinstance(value, process_group):
+            return "process group (exists only inside the job)"
+    return None
+
+
+# -- in the kernel ----------------------------------------------------------------------------
+def loads(data: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+    """Rank 0's names, and {name: why} for those that cannot be unpickled here."""
+    if not data:
+        return {}, {}
+    pieces = _pieces(data)
+    stream = io.BytesIO(data)
+    try:
+        loader = pickle.Unpickler(stream)
+        return {name: loader.load() for name, _ in pieces}, {}
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        pass  # some name cannot be unpickled here: start again and take the names one by one
+    return _load_each(stream, pieces)
+
+
+def _pieces(data: bytes) -> list[tuple[str, int]]:
+    """(name, where its pickle starts) for each name, from the index at the end of ``data``."""
+    (length,) = _INDEX_LENGTH.unpack_from(data, len(data) - _INDEX_LENGTH.size)
+    end = len(data) - _INDEX_LENGTH.size
+    pieces, start = [], 0
+    for name, size in pickle.loads(data[end - length : end]):
+        pieces.append((name, start))
+        start += size
+    return pieces
+
+
+class _Lost:
+    """Stands in the memo for what a name that could not be unpickled had put there."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _SharesLost(Exception):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+class _Memo(dict[int, Any]):
+    """The unpickler's memo: a later name that reaches for a lost name's objects fails, naming it."""
+
+    def __getitem__(self, index: int) -> Any:
+        value = dict.__getitem__(self, index)
+        if isinstance(value, _Lost):
+            raise _SharesLost(value.name)
+        return value
+
+
+def _load_each(stream: io.BytesIO, pieces: list[tuple[str, int]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The slow, careful way: a name that fails is left out and the others still come back.
+
+    The Python unpickler is used here because its memo is a plain dict that can be mended: the
+    entries a failed name made, or would have made, are put right, so every later name finds
+    its own objects at the same places as in rank 0, and one that shares objects with the
+    failed name fails too instead of getting half-built ones.
+    """
+    loader = pickle._Unpickler(stream)  # the pure-Python unpickler, whose memo is an attribute
+    memo = _Memo()
+    setattr(loader, "memo", memo)
+    values: dict[str, Any] = {}
+    lost: dict[str, str] = {}
+    for name, start in pieces:
+        stream.seek(start)
+        before = len(memo)
+        try:
+            values[name] = loader.load()
+            continue
+        except _SharesLost as e:
+            lost[name] = f"shares objects with {e.name}, which could not be unpickled in the kernel"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            lost[name] = f"could not be unpickled in the kernel ({first_line(e)})"
+        _mend(memo, before, _memo_sources(stream, start), name)
+    return values, lost
+
+
+_LITERALS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"})
+_LOOKUPS = frozenset({"STACK_GLOBAL", "GLOBAL"})
+
+
+def _memo_sources(stream: io.BytesIO, start: int) -> list[tuple[str, Any]]:
+    """For each memo entry the pickle at ``start`` makes: the opcode that made the object, and its argument.
+
+    Protocol 4 and later (the only ones rank 0 uses) memoize with MEMOIZE, right after the
+    opcode that pushed the object.
+    """
+    stream.seek(start)
+    sources, previous = [], ("", None)
+    for opcode, argument, _ in pickletools.genops(stream):
+        if opcode.name == "MEMOIZE":
+            sources.append(previous)
+        previous = (opcode.name, argument)
+    return sources
+
+
+def _mend(memo: _Memo, start: int, sources: list[tuple[str, Any]], name: str) -> None:
+    """Put right the memo entries of the failed name ``name``.
+
+    Strings and bytes are whole wherever the failure struck, and later names often reuse them
+    (attribute and module names): they are restored. So are classes and functions found by name
+    before the failure. Anything else may be half-built, or was never made: it is lost.
+    """
+    for index, (opcode, argument) in enumerate(sources, start):
+        if opcode in _LITERALS:
+            dict.__setitem__(memo, index, argument)
+        elif not (opcode in _LOOKUPS and index in memo):
+            dict.__setitem__(memo, index, _Lost(name))
+
+
+def worth_saying(skipped: dict[str, str], requested: tuple[str, ...] | None) -> dict[str, str]:
+    """The names left behind that the user should hear of.
+
+    A name the cell binds only in other ranks' branches (``if taas.rank() == 1: t0 = …``) is
+    simply not in rank 0: that is news only for a name ``--return`` asked for.
+    """
+    return {name: why for name, why in skipped.items() if requested is not None or why != NOT_BOUND}
+
+
+def wanted(bound: Iterable[str], requested: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The names to send back: all bound names, or those ``--return`` asked for."""
+    if requested is None:
+        return tuple(name for name in bound if not name.startswith("_"))
+    return requested
