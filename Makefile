@@ -15,9 +15,11 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	TAAS_DEVICE=$${TAAS_DEVICE:-cpu} TAAS_GPUS=$${TAAS_GPUS:-$(GPUS)} $(PY) examples/run_demo.py
 
-# Strict type checking of src/ first (settings in pyproject.toml's [tool.mypy]), then the tests.
+# Strict type checking of src/ first (settings in pyproject.toml's [tool.mypy]), the layers between packages
+# (pyproject.toml's [tool.importlinter]), then the tests.
 test: $(VENV)/.installed
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests
 
 $(VENV)/.installed-bench: $(VENV)/.installed

@@ -34,7 +34,8 @@ KERNEL_LOG = Path(tempfile.gettempdir()) / "taas-bench-kernels.log"
 # Every process a benchmark starts gets the same environment: CPU ranks, gloo on loopback.
 BENCH_ENV = {"TAAS_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "GLOO_SOCKET_IFNAME": "lo"}
 
-FORK_SERVER_MODULE = "taas_magic.launch.forkserver.server"
+# The fork server's module, as this checkout and as releases before the layout by process named it.
+FORK_SERVER_MODULES = ("taas_magic.launch.forkserver.server", "taas_magic.forkserver")
 
 
 class BenchError(RuntimeError):
@@ -58,12 +59,12 @@ class Cell:
 class Kernel:
     """An ipykernel in its own process, driven over jupyter_client like a notebook frontend."""
 
-    def __init__(self, grace: float = 10.0) -> None:
+    def __init__(self, grace: float = 10.0, env: dict[str, str] | None = None) -> None:
         self.grace = grace  # seconds its processes get to end after a shutdown before they are killed
         self.hung = False  # a cell never finished: whatever the kernel started may be stuck too
         self.manager = KernelManager(kernel_name="python3")
         with open(KERNEL_LOG, "ab") as log:  # the kernels' own chatter, kept out of the report
-            self.manager.start_kernel(env={**os.environ, **BENCH_ENV}, stdout=log, stderr=log)
+            self.manager.start_kernel(env={**os.environ, **BENCH_ENV, **(env or {})}, stdout=log, stderr=log)
         self.pid: int = self.manager.provisioner.process.pid
         self.client = self.manager.client()
         try:
@@ -190,7 +191,8 @@ def kill(processes: list[psutil.Process]) -> list[str]:
 
 
 def _is_fork_server(process: psutil.Process) -> bool:
-    return FORK_SERVER_MODULE in " ".join(process.cmdline())
+    command = process.cmdline()
+    return any(module in command for module in FORK_SERVER_MODULES)
 
 
 def _wait_quiet(cpu_seconds: Callable[[], float], *, threshold: float, quiet: float, poll: float, timeout: float,

@@ -254,14 +254,14 @@ def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hol
     configuration for producer nodes that the cluster lacks (c1.80)."""
     cluster_kernel = registered
     local, _ = cluster
-    cluster_kernel.execute("import taas_magic.kernel.magics as _magics\n_magics.PRODUCER_NODE = 'c1.80'").ok()
+    cluster_kernel.execute("import taas_magic.kernel.cluster_link as _link\n_link.PRODUCER_NODE = 'c1.80'").ok()
     try:
         r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2 --units 20\n" + COLLECT,
                                    timeout=240).ok()
         built = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2\n"
                                        "print('BUILT', sorted({int(b[0, 1]) for b in loader}))", timeout=240).ok()
     finally:
-        cluster_kernel.execute("_magics.PRODUCER_NODE = 'c1.4'").ok()
+        cluster_kernel.execute("_link.PRODUCER_NODE = 'c1.4'").ok()
     got = collected(r)
     assert [[len(p) for p in got[rank]["passes"]] for rank in range(4)] == [[4, 2]] * 4, "13 units, then 7 of 20"
     assert all(g["built"] == [] for g in got.values()), "the third pass is beyond --units"

@@ -1,4 +1,6 @@
-"""The controller's decisions, driven by a scripted group of ranks: outcome, root cause, escalation."""
+"""The controller's pump, driven by a scripted group of ranks: output, outcome, root cause, closing.
+
+The decisions themselves are the run state machine's, tested without any group in test_run_state.py."""
 
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ class ScriptedBackend:
     def __init__(self, group):
         self.group = group
 
-    def start(self, envs, task):
-        assert sorted(envs) == [0, 1]
+    def start(self, plan, launch):
+        assert sorted(launch.envs) == [0, 1]
         return self.group
 
 
@@ -136,12 +138,3 @@ def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
     group.alive = {0, 1, Producer(0, 0)}
     run(group)
     assert group.signals[0] == signal.SIGTERM and group.closed
-
-
-def test_escalation_sends_each_signal_once_at_its_time():
-    escalation = controller._Escalation(controller.ON_INTERRUPT, started=100.0)
-    assert escalation.due(100.0) == [signal.SIGINT]
-    assert escalation.due(102.9) == []
-    assert escalation.due(103.0) == [signal.SIGTERM]
-    assert escalation.skip_ahead() == [signal.SIGKILL]
-    assert escalation.due(200.0) == [] and escalation.skip_ahead() == []

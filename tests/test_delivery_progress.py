@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from taas_magic.wire.events import Report
-from taas_magic.kernel.controller import _Watch
+from taas_magic.kernel.controller import Pump
+from taas_magic.kernel.run_state import ONE_SHOT, RunState
+from taas_magic.kernel.streams import RankOutput
 from taas_magic.delivery import transport
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
@@ -47,10 +49,26 @@ def test_the_view_shows_the_loader_in_its_text_and_its_html():
 
 def test_an_older_report_arriving_late_does_not_replace_a_newer_one():
     view = RunView("2 ranks on cpu", range(2))
-    watch = _Watch(None, None, {}, {}, lambda stream, text: None, None, view)  # type: ignore[arg-type]
-    watch._handle(Report(-1, stats(20, (10, 3), at=2.0)))
-    watch._handle(Report(0, stats(12, (5, 3), at=1.0)))  # a producer's look, read before the rank's
+    group = _OneBatch([Report(-1, stats(20, (10, 3), at=2.0)),
+                       Report(0, stats(12, (5, 3), at=1.0))])  # a producer's look, read before the rank's
+    write = lambda stream, text: None  # noqa: E731
+    Pump(group, RunState(ONE_SHOT, 0.0), RankOutput(write, prefix=False), write, None, {}, view,
+         lambda bundle, final: None).until_over()
     assert view.loaders["steps"].latest.produced == 20
+
+
+class _OneBatch:
+    """A group whose only process reports ``batch`` and is gone."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def events(self, timeout):
+        batch, self.batch = self.batch, []
+        return batch
+
+    def running(self):
+        return {0} if self.batch else set()
 
 
 def test_a_rank_that_leaves_a_pass_and_then_finishes_is_counted_exactly():

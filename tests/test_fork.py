@@ -14,7 +14,7 @@ import pytest
 from taas_magic.wire.events import Exited, Output, Report
 from taas_magic.wire.records import CellEnded, Failed, RankVitals
 from taas_magic.launch.supervisor.ranks import ForkedRanks
-from taas_magic.rank.worker import RankTask
+from taas_magic.wire.task import RankTask
 
 
 def start(source: str, ranks: int = 2):
@@ -164,21 +164,19 @@ def test_a_failed_fork_leaks_no_descriptor(monkeypatch):
     group.close()
 
 
-class _ShowsItsNote:
-    """A process that prints what came through its start gate, and when."""
+def _shows_its_note(task, env, fds, stand_ins) -> int:
+    """A rank that prints what came through its start gate, and when."""
+    from taas_magic.process import child
 
-    loaders = ()
-    delivery = None
-
-    def run(self, env, fds) -> int:
-        from taas_magic.process import child
-
-        note = child.wait_at_gate(fds)
-        os.write(fds.stdout, b"%s %f\n" % (note, time.monotonic()))
-        return 0
+    note = child.wait_at_gate(fds)
+    os.write(fds.stdout, b"%s %f\n" % (note, time.monotonic()))
+    return 0
 
 
-def test_every_process_waits_at_its_gate_and_gets_the_note_passed_through_it():
+def test_every_process_waits_at_its_gate_and_gets_the_note_passed_through_it(monkeypatch):
+    from taas_magic.rank import worker
+
+    monkeypatch.setattr(worker, "run_rank", _shows_its_note)
     opened = []
 
     def note() -> bytes:
@@ -187,7 +185,8 @@ def test_every_process_waits_at_its_gate_and_gets_the_note_passed_through_it():
         return b'["keep"]'
 
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3"} for rank in range(3)}
-    group = ForkedRanks.start(envs, _ShowsItsNote(), note=note)
+    task = RankTask(code=compile("pass", "<cell>", "exec"), device="cpu", threads=1)
+    group = ForkedRanks.start(envs, task, note=note)
     try:
         out = b"".join(e.data for e in collect(group) if isinstance(e, Output))
     finally:

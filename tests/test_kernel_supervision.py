@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
-import signal
 import time
 
 import psutil
 import pytest
 
-from conftest import port_is_free, processes_of_run
+from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
 

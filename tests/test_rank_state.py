@@ -12,7 +12,8 @@ from typing import Callable
 import pytest
 import torch
 
-from taas_magic.rank.state import RankSeeds, TorchSettings, rank_seeds
+from taas_magic.rank.state import RankSeeds, rank_seeds
+from taas_magic.wire.task import TorchSettings
 
 
 def test_rank_seeds_differ_per_rank_and_library_and_never_change() -> None:

@@ -12,7 +12,8 @@ import pytest
 from IPython.extensions.autoreload import AutoreloadMagics
 
 from taas_magic.kernel.reloading import KernelReloads, describe, mode
-from taas_magic.rank.reloading import RankReloads, Reload
+from taas_magic.rank.reloading import RankReloads
+from taas_magic.wire.rank_control import Reload
 
 
 def write_module(folder: Path, name: str, value: int) -> None:

@@ -19,11 +19,13 @@ import torch.distributed  # noqa: F401  (as in a kernel: ranks start with torch 
 
 from taas_magic.process import containment
 from taas_magic.wire.events import Exited, Output, Producer
-from taas_magic.wire.channel import Channel, new_secret, socket_pair
-from taas_magic.launch.fork.backend import ForkBackend
+from taas_magic.wire.channel import new_secret, socket_pair
+from taas_magic.wire.supervision import Close, Closed, Events, Lost, Started, StartFailed, kernel_end, supervisor_end
+from taas_magic.launch.backend import Launch
+from taas_magic.launch.fork.backend import ForkBackend, ForkPlan
 from taas_magic.errors import RunLost
 from taas_magic.launch.supervisor.handle import SupervisedRanks
-from taas_magic.rank.worker import RankTask
+from taas_magic.wire.task import RankTask
 
 PRODUCER = Producer(0, 0)  # a data producer of the run
 
@@ -33,8 +35,8 @@ def ends():
     """The kernel's view, and the supervisor's channel end held by the test; ``sleep`` stands in for its process."""
     kernel_sock, supervisor_sock = socket_pair()
     secret = new_secret()
-    supervisor = Channel(supervisor_sock, secret, "run-x")
-    group = SupervisedRanks(Channel(kernel_sock, secret, "run-x"), None, [0, 1])
+    supervisor = supervisor_end(supervisor_sock, secret, "run-x")
+    group = SupervisedRanks(kernel_end(kernel_sock, secret, "run-x"), None, [0, 1])
     stand_in = psutil.Popen(["sleep", "60"])
     group.stand_in_pid = stand_in.pid
     yield group, supervisor
@@ -46,20 +48,20 @@ def ends():
 
 def test_the_kernel_learns_the_processes_of_the_run_when_it_starts(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [PRODUCER, 0, 1])
+    supervisor.send(Started(group.stand_in_pid, (PRODUCER, 0, 1)))
     group.wait_started(5)
     assert group.running() == {PRODUCER, 0, 1}, "producers count as running processes"
-    supervisor.send("events", [Output(0, "stdout", b"hi\n"), Exited(0, 0)])
+    supervisor.send(Events((Output(0, "stdout", b"hi\n"), Exited(0, 0))))
     assert group.events(1) == [Output(0, "stdout", b"hi\n"), Exited(0, 0)]
     assert group.running() == {PRODUCER, 1}
 
 
 def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [0, 1])
+    supervisor.send(Started(group.stand_in_pid, (0, 1)))
     group.wait_started(5)
-    supervisor.send("events", [Exited(0, 0)])
-    supervisor.send("closed", {0: 0, 1: 3}, [Output(1, "stdout", b"bye\n"), Exited(1, 3)])
+    supervisor.send(Events((Exited(0, 0),)))
+    supervisor.send(Closed({0: 0, 1: 3}, (Output(1, "stdout", b"bye\n"), Exited(1, 3))))
     assert group.events(1) == [Exited(0, 0)]
     assert group.events(1) == [Output(1, "stdout", b"bye\n"), Exited(1, 3)]
     assert group.running() == set() and group.finished and group.codes == {0: 0, 1: 3}
@@ -67,9 +69,9 @@ def test_the_last_events_come_with_the_word_that_the_run_is_over(ends):
 
 def test_a_request_that_crosses_the_end_of_the_run_is_moot_not_a_lost_run(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [0, PRODUCER])
+    supervisor.send(Started(group.stand_in_pid, (0, PRODUCER)))
     group.wait_started(5)
-    supervisor.send("closed", {0: 0, PRODUCER: 0}, [Exited(0, 0), Exited(PRODUCER, 0)])
+    supervisor.send(Closed({0: 0, PRODUCER: 0}, (Exited(0, 0), Exited(PRODUCER, 0))))
     supervisor.close()  # the run ended and its supervisor went
     group.signal(signal.SIGTERM, [PRODUCER])  # meanwhile the kernel asked to stop the producer
     assert group.events(1) == [Exited(0, 0), Exited(PRODUCER, 0)]
@@ -78,21 +80,22 @@ def test_a_request_that_crosses_the_end_of_the_run_is_moot_not_a_lost_run(ends):
 
 def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
     group, supervisor = ends
-    supervisor.send("failed", "ModuleNotFoundError: No module named 'gone'")
+    supervisor.send(StartFailed("ModuleNotFoundError: No module named 'gone'"))
     with pytest.raises(Exception, match="could not be started: ModuleNotFoundError"):
         group.wait_started(5)
 
 
 @pytest.mark.parametrize("message, expected", [
-    (("lost", "the process that started the run's supervisor died"), "supervisor died"),
-    (("closed", {0: 0}, [Exited(0, 0)]), "ended the run on its own"),
-    (("surprise",), "unexpected message 'surprise'"),
+    (Lost("the process that started the run's supervisor died"), "supervisor died"),
+    (Closed({0: 0}, (Exited(0, 0),)), "ended the run on its own"),
+    (Started(1, (0, 1)), "unexpected message 'started'"),
+    (Close(), "unexpected message 'close'"),  # a request, on the way back: not a message the kernel takes
 ])
 def test_a_run_the_supervisor_ended_or_garbled_is_lost_and_closed(ends, message, expected):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [0, 1])
+    supervisor.send(Started(group.stand_in_pid, (0, 1)))
     group.wait_started(5)
-    supervisor.send(*message)
+    supervisor.send(message)
     with pytest.raises(RunLost, match=expected):
         group.events(1)
     assert group.closed and group.running() == set()
@@ -107,14 +110,14 @@ def test_a_supervisor_that_vanishes_before_starting_is_lost(ends):
 
 def test_close_waits_for_the_supervisor_to_say_everything_is_gone(ends):
     group, supervisor = ends
-    supervisor.send("started", group.stand_in_pid, [0, 1])
+    supervisor.send(Started(group.stand_in_pid, (0, 1)))
     group.wait_started(5)
 
     def answer() -> None:
-        kind, _, _ = supervisor.receive()
-        assert kind == "close"
+        message, _ = supervisor.receive()
+        assert message == Close()
         time.sleep(0.3)
-        supervisor.send("closed", {0: 0, 1: -9}, [])
+        supervisor.send(Closed({0: 0, 1: -9}, ()))
 
     helper = threading.Thread(target=answer)
     helper.start()
@@ -133,7 +136,7 @@ def envs(ranks: int) -> dict[int, dict[str, str]]:
 
 def run_to_end(source: str, ranks: int = 2, seconds: float = 30) -> tuple[list, SupervisedRanks]:
     task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
-    group = ForkBackend().start(envs(ranks), task)
+    group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(ranks)))
     events = []
     deadline = time.monotonic() + seconds
     try:
@@ -162,7 +165,7 @@ def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
 def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():
     task = RankTask(code=compile("import time\nprint('up', flush=True)\ntime.sleep(60)", "<cell>", "exec"),
                     device="cpu", threads=1)
-    group = ForkBackend().start(envs(2), task)
+    group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(2)))
     try:
         ranks = psutil.Process(group.process.pid).children()
         assert len(ranks) == 2

@@ -47,7 +47,7 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     transformer = PragmaTransformer(_is_configuration)
     magics = TaasMagics(ipython, transformer)
-    transformer.on_cluster = lambda: magics.cluster_address is not None
+    transformer.on_cluster = lambda: magics.link.address is not None
     parked = _parked.pop(id(ipython), None)
     if parked is not None:
         magics.take_over(parked)  # %reload_ext: the session, a paused rank and the cluster go on

@@ -1,10 +1,17 @@
-"""The errors a user can see from a taas cell.
+"""Every error a user can see from a taas cell, and the shape of its message.
 
-    TaasUsageError (an IPython UsageError)   bad input, reported in one line before anything starts
-    TaasRunError                              a run that started and did not succeed
-      ├── RankFailed                          a rank raised, exited non-zero or died by a signal
-      ├── RunTimedOut                         --timeout elapsed; shows where each rank was
-      └── (interrupts end the cell with the ordinary KeyboardInterrupt)
+    TaasUsageError (an IPython UsageError)   bad input, in one line before anything starts:
+                                             "--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"
+    TaasRunError                             a run that started and did not succeed; ``lines`` is what the cell shows
+      ├── RankFailed                         a rank raised, exited non-zero or died by a signal:
+      │                                      "rank 1 failed: <Type>: <message>", its traceback below
+      ├── RunTimedOut                        --timeout elapsed: "--timeout 30 s elapsed", where each rank was
+      ├── RunLost                            "taas lost the run's processes (<why>); every process of the run was stopped"
+      ├── ForkServerDied                     "the taas fork server stopped unexpectedly (<why>); the next cell starts a new one"
+      ├── DeliveryLost                       "data delivery to the ranks of this node failed (<why>); every process ..."
+      └── SessionEnded                       "the session ended: <why>", and what became of the cell
+    RunInterrupted (a KeyboardInterrupt)     the cell was interrupted and every rank stopped:
+                                             "KeyboardInterrupt: ... stopped by taas after ..."
 
 Run errors implement IPython's ``_render_traceback_`` so the cell shows the failing rank's own
 traceback, not the extension's internals.
@@ -12,7 +19,11 @@ traceback, not the extension's internals.
 
 from __future__ import annotations
 
+import re
+
 from IPython.core.error import UsageError
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal colours, in the lines a cell shows
 
 
 class TaasUsageError(UsageError):
@@ -67,3 +78,39 @@ class RunLost(TaasRunError):
         message = f"taas lost the run's processes ({detail}); every process of the run was stopped"
         super().__init__(message, [message])
         self.detail = detail
+
+
+class ForkServerDied(TaasRunError):
+    """The fork server could not take the run: it is gone."""
+
+    def __init__(self, detail: str):
+        message = f"the taas fork server stopped unexpectedly ({detail}); the next cell starts a new one"
+        super().__init__(message, [message])
+
+
+class DeliveryLost(TaasRunError):
+    """A node's ranks can no longer be fed: a node that hosts producers did not answer."""
+
+    def __init__(self, detail: str):
+        message = f"data delivery to the ranks of this node failed ({detail}); every process of the run was stopped"
+        super().__init__(message, [message])
+
+
+class SessionEnded(TaasRunError):
+    """The session is over (a rank died, or did not leave an interrupted cell): nothing of it is left."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The cell was interrupted; every rank has been stopped."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__(plain(lines[0]) if lines else "")  # the error's evalue: stored and shown as text
+        self.lines = lines
+
+    def _render_traceback_(self) -> list[str]:
+        return self.lines
+
+
+def plain(text: str) -> str:
+    """Text without terminal colours: for an error's one-line value, which Jupyter stores as is."""
+    return ANSI.sub("", text)

@@ -38,7 +38,8 @@ from taas_magic.wire.records import DeliveryProgress
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.producer import ProducerTask
-from taas_magic.delivery.service import LoaderPlan, default_prefetch
+from taas_magic.delivery.service import default_prefetch
+from taas_magic.wire.task import LoaderPlan
 from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair, put, take_waiting
 

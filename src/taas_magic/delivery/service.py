@@ -16,24 +16,12 @@ from typing import Any
 
 from taas_magic.wire import memfile
 from taas_magic.wire.events import Key, Producer
+from taas_magic.wire.task import LoaderPlan
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair
-
-
-@dataclass(frozen=True)
-class LoaderPlan:
-    """What the cell asks of one registered loader (picklable: it travels to the fork server)."""
-
-    name: str
-    producers: int
-    units: int | None
-    prefetch: int | None
-    fastest: bool
-    seed: int  # the run's seed for per-sample seeding, taken in the kernel
-    on_demand: bool = False  # a session's: producers build nothing until a rank first iterates the loader
 
 
 def producer_labels(plans: tuple[LoaderPlan, ...], first: int = 0) -> dict[Key, str]:
@@ -64,6 +52,10 @@ class RankLoader:
     """A rank's view of one loader's delivery: builds its stand-in inside the rank."""
 
     runtime: _LoaderRuntime
+
+    @property
+    def plan(self) -> LoaderPlan:
+        return self.runtime.plan
 
     @property
     def name(self) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Collection
 from taas_magic.cell_names import names_reached
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.spec import LaunchSpec
-from taas_magic.delivery.service import LoaderPlan
+from taas_magic.wire.task import LoaderPlan
 
 
 def loaders_used(reads: Collection[str], namespace: dict[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Mapping
 
 from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.launch.backend import Launch
 
 TORCHRUN_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -43,6 +44,13 @@ def rank_environments(
         if missing:
             raise ValueError(f"rank {rank} environment lacks {missing}")
     return envs
+
+
+def launch(spec: LaunchSpec, run_id: str, kernel_environ: Mapping[str, str], restart: int = 0,
+           elastic_id: str | None = None) -> Launch:
+    """One start of ``spec``'s ranks as run ``run_id``: every rank's environment, its MASTER_PORT left
+    for the backend to open (on a socket it holds for the run alone)."""
+    return Launch(run_id, rank_environments(spec, run_id, 0, kernel_environ, restart=restart, elastic_id=elastic_id))
 
 
 def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], restart: int,

@@ -1,12 +1,12 @@
 """Autoreload for a session's ranks, in the kernel: what the kernel's ``%autoreload`` reloaded since each
-rank's last cell, sent with the next one as a ``Reload`` (``rank/reloading.py`` reloads it there).
+rank's last cell, sent with the next one as a ``Reload`` (``wire/rank_control.py``; ``rank/reloading.py`` reloads it there).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from taas_magic.rank.reloading import Reload
+from taas_magic.wire.rank_control import Reload
 
 
 def kernel_reloader(shell: Any) -> Any | None:

@@ -33,7 +33,7 @@ _BREAKS = re.compile(r"(\r\n|\n|\r)")
 
 
 @dataclass
-class _Source:
+class StreamSource:
     """One rank's stdout or stderr."""
 
     prefix: str
@@ -48,9 +48,9 @@ class _Target:
     """One of the cell's output streams, and which source left its last line open."""
 
     write: Callable[[str], object]
-    open_source: _Source | None = None
+    open_source: StreamSource | None = None
 
-    def put(self, text: str, source: _Source | None, ends_line: bool) -> None:
+    def put(self, text: str, source: StreamSource | None, ends_line: bool) -> None:
         """Write ``text`` of ``source`` (None: lines of several ranks at once); a line another source
         left open is ended first, rather than mixed into."""
         if self.open_source not in (None, source):
@@ -68,7 +68,7 @@ class RankOutput:
         self._targets = {name: _Target(functools.partial(write, name)) for name in ("stdout", "stderr")}
         self._prefix = prefix
         self._shown = None if shown is None else set(shown)
-        self._sources: dict[tuple[Key, str], _Source] = {}
+        self._sources: dict[tuple[Key, str], StreamSource] = {}
         self._tails: dict[Key, deque[str]] = {}
         self._labels = labels or {}  # names of processes that are not ranks (data producers)
         self._tail_partial: dict[Key, str] = {}  # a stderr line whose end has not arrived yet
@@ -84,7 +84,7 @@ class RankOutput:
             self._emit(source, stream, source.pending[:end])
             source.pending = source.pending[end:]
 
-    def _take(self, rank: Key, stream: str, data: bytes, now: float | None) -> _Source | None:
+    def _take(self, rank: Key, stream: str, data: bytes, now: float | None) -> StreamSource | None:
         """Decode ``data`` onto its source's pending text (stderr kept for crash reports too); the source,
         or None when the rank is not shown."""
         source = self._source(rank, stream)
@@ -127,11 +127,11 @@ class RankOutput:
             lines = (lines + [partial])[-TAIL_LINES:]
         return lines
 
-    def _source(self, rank: Key, stream: str) -> _Source:
+    def _source(self, rank: Key, stream: str) -> StreamSource:
         key = (rank, stream)
         if key not in self._sources:
             label = self._labels.get(rank, f"rank {rank}")
-            self._sources[key] = _Source(prefix=f"[{label}] " if self._prefix or rank in self._labels else "")
+            self._sources[key] = StreamSource(prefix=f"[{label}] " if self._prefix or rank in self._labels else "")
         return self._sources[key]
 
     def _is_shown(self, rank: Key) -> bool:
@@ -148,7 +148,7 @@ class RankOutput:
             if line.strip():
                 tail.append(line)
 
-    def _emit(self, source: _Source, stream: str, text: str) -> None:
+    def _emit(self, source: StreamSource, stream: str, text: str) -> None:
         pieces = []
         for piece in _BREAKS.split(text):
             if not piece:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 from taas_magic.wire.events import Key
 from taas_magic.process.containment import to_the_end
-from taas_magic.kernel.streams import PARTIAL_LINE_DELAY, PARTIAL_LINE_MAX, RankOutput, _Source
+from taas_magic.kernel.streams import PARTIAL_LINE_DELAY, PARTIAL_LINE_MAX, RankOutput, StreamSource
 
 COLLAPSE_WINDOW = 0.25  # seconds a complete line waits for other ranks to print the same
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -272,7 +272,7 @@ class TidyRankOutput(RankOutput):
             if text and self._is_shown(source_rank):  # its last line, ended or not (a held line break)
                 self._lines(source_rank, stream, source, text[:-1] if text.endswith("\n") else text, now)
 
-    def _lines(self, rank: Key, stream: str, source: _Source, block: str, now: float) -> None:
+    def _lines(self, rank: Key, stream: str, source: StreamSource, block: str, now: float) -> None:
         """Complete lines of ``rank`` (``block``, without its last line break): bars' final drawings,
         lines to label and collapse, or (one rank shown, a producer) lines written at once."""
         lines = block.split("\n") if "\r" not in block else self._without_bars(rank, source, block)
@@ -287,7 +287,7 @@ class TidyRankOutput(RankOutput):
         if direct:
             self._write(stream, source, "".join(direct), ends_line=True)
 
-    def _without_bars(self, rank: Key, source: _Source, block: str) -> list[str]:
+    def _without_bars(self, rank: Key, source: StreamSource, block: str) -> list[str]:
         """The lines of a block with carriage returns: a bar's last drawing stands for its line, and
         the row shows it; a bar that erased itself when done (tqdm's ``leave=False``) leaves no line."""
         lines: list[str] = []
@@ -305,7 +305,7 @@ class TidyRankOutput(RankOutput):
             lines.append(line)
         return lines
 
-    def _lower_bars(self, rank: Key, source: _Source) -> None:
+    def _lower_bars(self, rank: Key, source: StreamSource) -> None:
         """Bars drawn below the current line go to the rank's row; the cursor's trips to them leave no lines."""
         def drawn(match: re.Match[str]) -> str:
             drawing = _last_drawing(match[1])
@@ -315,7 +315,7 @@ class TidyRankOutput(RankOutput):
 
         source.pending = _LOWER_BAR.sub(drawn, source.pending)
 
-    def _redraw(self, rank: Key, source: _Source) -> None:
+    def _redraw(self, rank: Key, source: StreamSource) -> None:
         """A bar being redrawn: the row shows its latest drawing; only that drawing is kept."""
         held, line_break, unfinished = source.pending.rpartition("\n")  # a bar's held line, if any
         drawing = _last_drawing(unfinished)
@@ -331,14 +331,14 @@ class TidyRankOutput(RankOutput):
             self._bar_shown[rank] = text
             self._bar(rank, text)
 
-    def _partial(self, rank: Key, stream: str, source: _Source) -> None:
+    def _partial(self, rank: Key, stream: str, source: StreamSource) -> None:
         """An unfinished line (a prompt, a line too long to hold) is written as it is, labelled, after
         the rank's lines still in the window."""
         self._release(stream, time.monotonic(), rank)
         text, source.pending = source.pending, ""
         self._write(stream, source, (source.prefix if source.at_line_start else "") + text, ends_line=False)
 
-    def _write(self, stream: str, source: _Source, text: str, ends_line: bool) -> None:
+    def _write(self, stream: str, source: StreamSource, text: str, ends_line: bool) -> None:
         self._targets[stream].put(text, source, ends_line)
         source.at_line_start = ends_line
 

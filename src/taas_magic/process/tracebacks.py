@@ -7,10 +7,10 @@ notebook's cells shipped (``register_sources``) before they are forked.
 from __future__ import annotations
 
 import linecache
-import sys
 import traceback
 from typing import Any
 
+from taas_magic.process import cell_files
 
 _cell_labels: dict[str, str] = {}  # file name -> "Cell In[5]", in processes that unpacked shipped cells
 
@@ -28,10 +28,7 @@ def register_sources(sources: dict[str, tuple[str, str]]) -> None:
 
 def _shell_cell_numbers() -> dict[str, int] | None:
     """The kernel's own map of cell file names to numbers, in a rank forked from it (None elsewhere)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
-    return numbers if isinstance(numbers, dict) else None
+    return cell_files.cell_numbers(cell_files.current_shell())
 
 
 def format_traceback(error: BaseException, shell: Any) -> list[str]:

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import time
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
 from taas_magic.process.tracebacks import format_traceback
 from taas_magic.rank import progress, vitals
 from taas_magic.wire import results
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
-
-if TYPE_CHECKING:
-    from taas_magic.rank.worker import RankTask
+from taas_magic.wire.task import RankTask
 
 
 def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: dict[str, Any], shell: Any,
-             task: "RankTask") -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
+             task: RankTask) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
     """Run one cell's code: (exit status, how it ended, rank 0's pickled names, the error it raised).
 
     ``return_names`` is None in ranks that send nothing back.
@@ -45,12 +43,12 @@ def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: di
     return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
 
 
-def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: "RankTask") -> tuple[int, Failed]:
+def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -> tuple[int, Failed]:
     """How a session's cell ended that an interrupt stopped before its code began."""
     return _failure(error, shell, task)
 
 
-def _delivery_summaries(task: "RankTask", namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
+def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
     """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting."""
     summaries = {plan.name: namespace[plan.name].summary() for plan in task.loaders
                  if hasattr(namespace.get(plan.name), "summary")}
@@ -65,7 +63,7 @@ def _results(names: tuple[str, ...], namespace: dict[str, Any]) -> tuple[bytes, 
     return data, skipped
 
 
-def _failure(error: BaseException, shell: Any, task: "RankTask", summary: str | None = None) -> tuple[int, Failed]:
+def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> tuple[int, Failed]:
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
     flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
@@ -80,7 +78,7 @@ _NO_CUDA = ("found no nvidia driver", "no cuda gpus are available", "torch not c
             "no cuda-capable device is detected", "cuda driver initialization failed")
 
 
-def _hint(error: BaseException, task: "RankTask") -> str:
+def _hint(error: BaseException, task: RankTask) -> str:
     """One line of advice for mistakes taas can recognize; empty otherwise."""
     if task.device == "cpu" and any(phrase in str(e).lower() for e in _chain(error) for phrase in _NO_CUDA):
         return ("this run is on CPU (--device cpu), so CUDA is not available in its ranks: "

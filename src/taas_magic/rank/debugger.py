@@ -1,9 +1,9 @@
 """pdb inside a rank, typed into from the notebook.
 
 A rank has no terminal: its debugger's input comes from the kernel. Each line it needs is one
-("input", prompt) request on the rank's control channel; the kernel asks its front end for the
-line (Jupyter's stdin request: JupyterLab, Notebook, VS Code and terminal IPython all answer
-it) and sends back ("line", text). The debugger's output is the rank's output, shown live in
+``Prompt`` on the rank's control channel (``wire/rank_control.py``); the kernel asks its front end
+for the line (Jupyter's stdin request: JupyterLab, Notebook, VS Code and terminal IPython all
+answer it) and sends back a ``Line``. The debugger's output is the rank's output, shown live in
 the cell like any other.
 """
 
@@ -16,27 +16,28 @@ import sys
 from types import FrameType
 from typing import Any
 
-from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.wire.channel import ChannelBroken
+from taas_magic.wire.rank_control import Line, Prompt, RankEnd
 from taas_magic.process.child import flush_all
 
 
 class _KernelInput:
     """A file whose lines are typed in the notebook: what pdb reads when it is given ``stdin``."""
 
-    def __init__(self, control: Channel, prompt: str):
+    def __init__(self, control: RankEnd, prompt: str):
         self.control = control
         self.prompt = prompt
 
     def readline(self) -> str:
         flush_all()  # what the debugger printed comes before its prompt
         try:
-            self.control.send("input", self.prompt)
+            self.control.send(Prompt(self.prompt))
             while True:
-                kind, fields, fds = self.control.receive()
+                message, fds = self.control.receive()
                 for fd in fds:
                     os.close(fd)
-                if kind == "line":
-                    return f"{fields[0]}\n"
+                if isinstance(message, Line):
+                    return f"{message.line}\n"
         except ChannelBroken:
             return ""  # end of input: pdb quits
 
@@ -82,7 +83,7 @@ def _left_by_interrupts(base: type[pdb.Pdb]) -> type[pdb.Pdb]:
     return RankPdb
 
 
-def _debugger(control: Channel) -> pdb.Pdb:
+def _debugger(control: RankEnd) -> pdb.Pdb:
     rank = os.environ.get("RANK", "?")
     debugger_class = pdb.Pdb if pdb.Pdb.__module__ != "pdb" else _ListingPdb  # IPython's lists the lines itself
     # nosigint: after `c`, pdb would take SIGINT for itself (to break in again), and an interrupt or --timeout
@@ -93,7 +94,7 @@ def _debugger(control: Channel) -> pdb.Pdb:
     return debugger
 
 
-def post_mortem(error: BaseException, control: Channel) -> None:
+def post_mortem(error: BaseException, control: RankEnd) -> None:
     """The debugger at the frame that raised ``error``, with its locals; returns when the user quits."""
     tb = error.__traceback__.tb_next if error.__traceback__ is not None else None  # not taas's own frame
     if tb is None:
@@ -106,7 +107,7 @@ def post_mortem(error: BaseException, control: Channel) -> None:
     debugger.interaction(None, tb)
 
 
-def take_breakpoints(control: Channel) -> None:
+def take_breakpoints(control: RankEnd) -> None:
     """`breakpoint()` in the cell stops this rank in the debugger, typed into from the notebook.
 
     PYTHONBREAKPOINT=0 turns breakpoints off here as it does anywhere.

@@ -3,7 +3,7 @@
 IPython's autoreload extension reloads changed modules in the kernel before each cell. A
 session's ranks imported their modules once and have no extension of their own, so the kernel
 reads its autoreload's state with each session cell (``KernelReloads.for_cell``) and sends it as
-a ``Reload``. The rank (``RankReloads``) then reloads its own changed modules with IPython's
+a ``Reload`` (``wire/rank_control.py``). The rank (``RankReloads``) then reloads its own changed modules with IPython's
 ``ModuleReloader``, whose superreload gives functions and classes the rank already holds the new
 code, as in the kernel. With autoreload off the ranks keep what they imported, as the kernel does.
 
@@ -17,18 +17,9 @@ from __future__ import annotations
 import os
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Reload:
-    """Which changed modules a rank reloads before a cell, as the kernel's autoreload did before it."""
-
-    every: bool  # every changed module (%autoreload 2 or 3); else those in ``modules``
-    modules: tuple[str, ...] = ()  # %aimport-ed, or reloaded in the kernel since the last cell (%autoreload now)
-    skip: tuple[str, ...] = ()  # %aimport -NAME: never reloaded
-    new_objects: bool = False  # %autoreload 3: names new in a module join the namespace too
+from taas_magic.wire.rank_control import Reload
 
 
 class RankReloads:

@@ -1,12 +1,12 @@
 """A session's rank: the cells it is sent, one after another, in the same process and namespace.
 
 The rank's names, its process group and its models stay from cell to cell, as they would in a
-kernel. Each cell ends with one message on the rank's control channel, ("ended", record, rank
-0's names): the supervisor relays the rank's output before it, so a cell's output never trails
-its end. Interrupts belong to one cell each: between cells the rank ignores them, and as it
-takes a cell it says ("in cell",); the supervisor holds an interrupt for a cell on its way until
-then, and drops one that comes after the rank's cell ended. So an early one is never lost and a
-late one never lands in the next cell.
+kernel. Each cell ends with one message on the rank's control channel, ``CellEnd`` (how it ended,
+rank 0's names; ``wire/rank_control.py``): the supervisor relays the rank's output before it, so a
+cell's output never trails its end. Interrupts belong to one cell each: between cells the rank
+ignores them, and as it takes a cell it says ``InCell``; the supervisor holds an interrupt for a
+cell on its way until then, and drops one that comes after the rank's cell ended. So an early one
+is never lost and a late one never lands in the next cell.
 """
 
 from __future__ import annotations
@@ -14,47 +14,29 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from dataclasses import dataclass, field
 from types import CodeType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from taas_magic.process import containment
 from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger
 from taas_magic.rank.cell import run_cell, stopped_before_start
 from taas_magic.wire import records, shipping
-from taas_magic.rank.reloading import RankReloads, Reload
-from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.rank.reloading import RankReloads
+from taas_magic.wire.channel import ChannelBroken
+from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.wire.records import CellEnded
-
-if TYPE_CHECKING:
-    from taas_magic.rank.worker import RankTask
+from taas_magic.wire.task import RankTask
 
 
-@dataclass(frozen=True)
-class SessionCell:
-    """A cell for a session's ranks: its code and the notebook's names that changed since the last."""
-
-    code: CodeType | None  # None: open the debugger at the last cell's error instead
-    return_names: tuple[str, ...] = ()  # what rank 0 sends back
-    names: bytes = b""  # shipped names (``shipping.pack``), empty when none changed
-    tensors_size: int = 0  # the tensors' memory file comes with the message, when there is one
-    sources: dict[str, tuple[str, str]] = field(default_factory=dict)  # new cells, for tracebacks
-    reload: Reload | None = None  # the modules to reload first, as the kernel's autoreload did (None: keep them)
-    # Registered loaders the session begins to serve with this cell (``delivery.service.LoaderPlan``),
-    # the first numbered ``first_loader`` among its loaders: the supervisor starts their producers.
-    loaders: tuple[Any, ...] = ()
-    first_loader: int = 0
-
-
-def open_control(fds: RankFds) -> Channel | None:
+def open_control(fds: RankFds) -> RankEnd | None:
     if fds.control is None:
         return None
-    return Channel(socket.socket(fileno=fds.control), fds.control_secret, os.environ.get("TAAS_RUN_ID", ""))
+    return rank_end(socket.socket(fileno=fds.control), fds.control_secret, os.environ.get("TAAS_RUN_ID", ""))
 
 
-def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds, control: Channel) -> int:
+def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, control: RankEnd) -> int:
     """Run the first cell, then every cell the kernel sends, until it closes the channel.
 
     A cell that raised keeps its error for ``%taas debug``; a cell that called ``sys.exit()``
@@ -93,18 +75,18 @@ def serve(task: "RankTask", namespace: dict[str, Any], shell: Any, fds: RankFds,
         interrupted = held.came
 
 
-def _take_interrupts(control: Channel) -> containment.HeldInterrupts:
+def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
     """The cell's interrupts count from now: recorded while its names are unpacked, raised as its
     code starts. Saying so lets the supervisor send those it held for the cell."""
     held = containment.HeldInterrupts()
     try:
-        control.send("in cell")
+        control.send(InCell())
     except ChannelBroken:
         pass  # the session is over: the cell's end says so
     return held
 
 
-def _run(code: CodeType, return_names: tuple[str, ...], namespace: dict[str, Any], shell: Any, task: "RankTask",
+def _run(code: CodeType, return_names: tuple[str, ...], namespace: dict[str, Any], shell: Any, task: RankTask,
          rank0: bool, interrupted: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
@@ -121,34 +103,29 @@ def _run(code: CodeType, return_names: tuple[str, ...], namespace: dict[str, Any
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt that comes late is for the cell just ended
 
 
-def _send(control: Channel, record: records.Record, names: bytes | None) -> None:
+def _send(control: RankEnd, record: records.Record, names: bytes | None) -> None:
     flush_all()
     try:
-        control.send("ended", records.encode(record), names)
+        control.send(CellEnd(records.encode(record), names))
     except ChannelBroken:
         pass  # the session is over: the next receive says so
 
 
-def _next_cell(control: Channel) -> tuple[SessionCell, int | None, list[int]] | None:
+def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | None:
     """The next cell, its tensors' memory file, and the ends of the loaders it begins to serve (two
     each, last); None when the session is over."""
     try:
-        kind, fields, fds = control.receive()
-        while kind == "line":  # the answer to a debugger prompt that an interrupt left meanwhile: nobody asks now
-            kind, fields, fds = control.receive()
+        cell, fds = control.receive()
+        while isinstance(cell, Line):  # the answer to a prompt that an interrupt left meanwhile: nobody asks now
+            cell, fds = control.receive()
     except ChannelBroken:
         return None
-    if kind != "cell":
-        for fd in fds:
-            os.close(fd)
-        return None
-    cell = fields[0]
     ends = len(fds) - 2 * len(cell.loaders)
     return cell, (fds[0] if ends else None), fds[ends:]
 
 
-def _stand_in_for_new_loaders(task: "RankTask", cell: SessionCell, ends: list[int],
-                              namespace: dict[str, Any]) -> "RankTask":
+def _stand_in_for_new_loaders(task: RankTask, cell: SessionCell, ends: list[int],
+                              namespace: dict[str, Any]) -> RankTask:
     """Loaders registered since the session started: their names become stand-ins from this cell on,
     and the task names them, so each cell sums them up as it does the others."""
     import dataclasses
@@ -159,7 +136,7 @@ def _stand_in_for_new_loaders(task: "RankTask", cell: SessionCell, ends: list[in
     return dataclasses.replace(task, loaders=task.loaders + cell.loaders)
 
 
-def _debug(error: BaseException | None, control: Channel) -> records.Record:
+def _debug(error: BaseException | None, control: RankEnd) -> records.Record:
     """``%taas debug``: the post-mortem debugger at the last cell's error; the session goes on after it."""
     if error is None:
         print("taas: no cell failed in this rank: nothing to debug")
@@ -168,7 +145,7 @@ def _debug(error: BaseException | None, control: Channel) -> records.Record:
     return CellEnded(0.0)
 
 
-def await_debugger(error: BaseException, control: Channel) -> None:
+def await_debugger(error: BaseException, control: RankEnd) -> None:
     """``--debug`` in a one-shot cell: this rank raised; it stays, paused, until ``%taas debug``
     opens the debugger at its error, or the kernel lets it go."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,6 +1,6 @@
 """A rank's job: bind it to its place in the job, run the cell, send results and failures back.
 
-The process around it is set up by ``child.py``; what the rank runs arrives as a ``RankTask``,
+The process around it is set up by ``child.py``; what the rank runs arrives as a ``RankTask`` (``wire.task``),
 inherited by fork or, from the fork server, shipped with the names the cell needs.
 """
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
-from types import CodeType
 from typing import Any
 
 from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
@@ -28,59 +26,18 @@ from taas_magic.process.child import (
     wait_at_gate,
     write_all,
 )
-from taas_magic.rank.state import TorchSettings, seed_rank
+from taas_magic.rank.state import seed_rank
+from taas_magic.delivery.cluster import FedLoader
+from taas_magic.delivery.service import RankLoader
+from taas_magic.wire.task import RankTask
 
 
-@dataclass(frozen=True)
-class KernelContext:
-    """The kernel's process state that spawned ranks must see as forked ones do.
+def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
+             stand_ins: tuple[RankLoader | FedLoader, ...] = ()) -> int:
+    """Become a rank and run the cell; returns the exit status for ``os._exit``.
 
-    The fork server takes on the environment, folder and ``sys.path`` (``apply``); torch's
-    settings are applied in each rank, so the server itself stays as it started.
+    ``stand_ins``: what builds the stand-in of each registered loader the cell uses, in the rank.
     """
-
-    environ: dict[str, str]
-    cwd: str
-    sys_path: list[str]
-    torch_settings: TorchSettings
-
-    @classmethod
-    def of_this_process(cls) -> "KernelContext":
-        return cls(dict(os.environ), os.getcwd(), list(sys.path), TorchSettings.of_this_process())
-
-    def apply(self) -> None:
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        sys.path[:] = self.sys_path
-
-
-@dataclass(frozen=True)
-class RankTask:
-    """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
-
-    code: CodeType
-    device: str  # "cuda" or "cpu"
-    threads: int  # intra-op threads on CPU
-    return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
-    namespace: dict[str, Any] | None = None  # spawned ranks: the shipped names; forked: the kernel's own
-    # The notebook's cells by file name: (label, code), for tracebacks where the kernel's line cache
-    # is not inherited: {".../ipykernel_1/2.py": ("Cell In[5]", "x = 1\n")}.
-    sources: dict[str, tuple[str, str]] = field(default_factory=dict)
-    loaders: tuple[Any, ...] = ()  # delivery plans of the registered loaders the cell uses
-    context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
-    seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank_state.py)
-    delivery: Any = None  # on a cluster node: its share of data delivery (a NodeEnds, attached once unpacked)
-    keep: bool = False  # a session: the ranks stay, running the cells they are sent (session_rank.py)
-    idle_limit: float | None = None  # a session ends after this many seconds without a cell
-    debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
-
-    def run(self, env: dict[str, str], fds: "RankFds") -> int:
-        return run_rank(self, env, fds)
-
-
-def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
-    """Become a rank and run the cell; returns the exit status for ``os._exit``."""
     shell = become_child(fds, env)
     tempfiles.name_multiprocessing_folders()
     namespace = _namespace(task, shell)
@@ -91,8 +48,8 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds) -> int:
     rank = int(env["RANK"])
     replaced = [_bind_device(task, int(env["LOCAL_RANK"])),
                 storage.guard_torch_save(rank, lambda record: report(fds.report, record), env.get("TAAS_NODE_ADDRESS"))]
-    for plan in task.loaders:
-        namespace[plan.name] = plan.stand_in(rank, namespace[plan.name], task.device)
+    for loader in stand_ins:
+        namespace[loader.name] = loader.stand_in(rank, namespace[loader.name], task.device)
     if task.seed is not None:
         seed_rank(task.seed, rank, task.device)
     aliases = _aliases(wait_at_gate(fds))

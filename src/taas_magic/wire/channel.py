@@ -8,6 +8,11 @@ everything it says, so a process that holds the socket without knowing the chann
 (a rank's stray descendant, say) cannot inject anything, and nothing is ever replayed.
 Receivers drop nothing silently: a bad tag, a stale sequence number or a message of another
 run marks the channel broken, and its owner then ends whatever depended on it.
+
+A channel is typed by its protocol: ``Channel[Sends, Receives]`` sends only the messages of one
+direction and receives only those of the other (frozen dataclasses, in ``supervision.py``,
+``fork_server.py`` and ``rank_control.py``); each protocol module makes its ends. A message of any
+other class that arrives, however well authenticated, breaks the channel too.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import secrets
 import select
 import socket
 import struct
-from typing import Any
+from typing import Generic, NoReturn, TypeVar, get_args
 
 from taas_magic.wire import memfile, pickler
 
@@ -34,6 +39,16 @@ class ChannelBroken(ConnectionError):
     """The other side is gone, or sent something this side cannot trust."""
 
 
+Sends = TypeVar("Sends")
+Receives = TypeVar("Receives")
+
+
+def assert_never(value: NoReturn) -> NoReturn:
+    """``typing.assert_never`` (Python 3.11) on 3.10: in the default branch of a ``match`` on a
+    message's class, mypy names the message a dispatch forgot."""
+    raise AssertionError(f"unexpected message: {value!r}")
+
+
 def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
@@ -43,15 +58,26 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-class Channel:
-    """One end of a channel: ``send`` and ``receive`` whole messages tagged with ``run_id``."""
+def kind_of(message: object) -> str:
+    """What taas calls a message in what it says about it: the protocol's word for it, else its class."""
+    kind = getattr(type(message), "kind", None)
+    return kind if isinstance(kind, str) else type(message).__name__
 
-    def __init__(self, sock: socket.socket, secret: bytes, run_id: str):
+
+class Channel(Generic[Sends, Receives]):
+    """One end of a channel: ``send`` and ``receive`` whole messages tagged with ``run_id``.
+
+    ``receives``: the classes of the messages this end takes (a ``Union`` of them, or one class), as
+    ``Receives`` says; the protocol modules' functions that make each end keep the two the same.
+    """
+
+    def __init__(self, sock: socket.socket, secret: bytes, run_id: str, receives: object = ()):
         self.sock = sock
         self.run_id = run_id
         self._secret = secret
         self._sent = 0
         self._received = 0
+        self._receives: tuple[type, ...] = get_args(receives) or ((receives,) if isinstance(receives, type) else ())
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -60,9 +86,9 @@ class Channel:
         self.sock.close()
 
     # -- sending ----------------------------------------------------------------------------
-    def send(self, kind: str, *fields: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
-        """Send ``(run_id, kind, *fields)`` with ``fds``; raises ChannelBroken if the other side is gone."""
-        body = pickler.dumps((self.run_id, kind) + fields)
+    def send(self, message: Sends, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Send ``message`` with ``fds``; raises ChannelBroken if the other side is gone."""
+        body = pickler.dumps((self.run_id, message))
         self._sent += 1  # before sending: an interrupted send leaves a gap, never a repeated number
         header = _HEADER.pack(self._sent, len(body), len(body) > INLINE_LIMIT)
         carried = list(fds)
@@ -80,7 +106,7 @@ class Channel:
         try:
             socket.send_fds(self.sock, [tag + payload], carried) if carried else self.sock.sendall(tag + payload)
         except OSError as e:
-            raise ChannelBroken(f"could not send {kind!r}: {e}") from e
+            raise ChannelBroken(f"could not send {kind_of(message)!r}: {e}") from e
         finally:
             if body_file is not None:
                 os.close(body_file)
@@ -89,8 +115,8 @@ class Channel:
     def ready(self, timeout: float) -> bool:
         return bool(select.select([self.sock], [], [], timeout)[0])
 
-    def receive(self) -> tuple[str, tuple[Any, ...], list[int]]:
-        """The next message as ``(kind, fields, fds)``; blocks until one arrives."""
+    def receive(self) -> tuple[Receives, list[int]]:
+        """The next message and the descriptors that came with it; blocks until one arrives."""
         try:
             datagram, fds, flags = self._receive_datagram()
         except OSError as e:
@@ -112,7 +138,7 @@ class Channel:
             datagram, fds, flags, _ = socket.recv_fds(self.sock, size, MAX_FDS)
         return datagram, fds, flags
 
-    def _open(self, datagram: bytes, fds: list[int], flags: int) -> tuple[str, tuple[Any, ...], list[int]]:
+    def _open(self, datagram: bytes, fds: list[int], flags: int) -> tuple[Receives, list[int]]:
         if not datagram:
             raise ChannelBroken("the other side closed the channel")
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(datagram) < _TAG_SIZE + _HEADER.size:
@@ -134,10 +160,16 @@ class Channel:
         if sequence <= self._received:
             raise ChannelBroken(f"message {sequence} arrived after message {self._received}")
         self._received = sequence
-        run_id, kind, *fields = pickle.loads(body)
+        run_id, message = pickle.loads(body)
         if run_id != self.run_id:
             raise ChannelBroken(f"a message of run {run_id!r} arrived on the channel of run {self.run_id!r}")
-        return kind, tuple(fields), fds
+        if not self._takes(message):
+            raise ChannelBroken(f"unexpected message {kind_of(message)!r}")
+        received: Receives = message
+        return received, fds
+
+    def _takes(self, message: object) -> bool:
+        return isinstance(message, self._receives)
 
     def _tag(self, header: bytes, body: bytes) -> bytes:
         digest = hashlib.blake2b(key=self._secret, digest_size=_TAG_SIZE)

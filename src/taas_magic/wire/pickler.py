@@ -17,6 +17,8 @@ from typing import Any
 
 import cloudpickle
 
+from taas_magic.errors import first_line
+
 
 class Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
@@ -32,3 +34,22 @@ def dumps(obj: Any) -> bytes:
     file = io.BytesIO()
     Pickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return file.getvalue()
+
+
+class Unpicklable(Exception):
+    """Pickling a value raised; ``why`` is that error in one line (``Type: first line``)."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+def dump(pickler: pickle.Pickler, value: Any) -> None:
+    """``pickler.dump(value)``, where whatever a ``__reduce__`` raises (SystemExit and RecursionError too)
+    but an interrupt becomes ``Unpicklable``: the one rule of what counts as "cannot be pickled"."""
+    try:
+        pickler.dump(value)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        raise Unpicklable(first_line(e)) from None

@@ -90,16 +90,14 @@ def dumps(values: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
 def _dump_each(values: dict[str, Any]) -> bytes:
     """One pickle per name in one stream, then the index: [(name, length of its pickle), ...]."""
     buffer = io.BytesIO()
-    pickler = _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    dumper = _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     index = []
     for name, value in values.items():
         start = buffer.tell()
         try:
-            pickler.dump(value)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # whatever a __reduce__ raises, SystemExit and RecursionError too
-            raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({first_line(e)})") from None
+            pickler.dump(dumper, value)
+        except pickler.Unpicklable as e:
+            raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({e.why})") from None
         index.append((name, buffer.tell() - start))
     packed_index = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
     buffer.write(packed_index)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 from taas_magic.wire import memfile, pickler
-from taas_magic.errors import TaasUsageError, first_line
+from taas_magic.errors import TaasUsageError
 
 ANCHOR = "__taas_globals_anchor__"
 
@@ -187,24 +187,20 @@ def _bind_reached(pickler: "_ShippingPickler", namespace: dict[str, Any], names:
 def _check_shippable(name: str, value: Any, to: str) -> None:
     """Pickle one name alone first, so that the one that cannot go is named."""
     try:
-        _ShippingPickler(io.BytesIO()).dump(value)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # whatever a __reduce__ raises, SystemExit and RecursionError too
+        pickler.dump(_ShippingPickler(io.BytesIO()), value)
+    except pickler.Unpicklable as e:
         raise TaasUsageError(
             f"the cell needs {name!r} (a {type(value).__module__}.{type(value).__qualname__}), which cannot be "
-            f"sent to {to} ({first_line(e)}): create it inside the cell"
+            f"sent to {to} ({e.why}): create it inside the cell"
         ) from None
 
 
-def _dump_all(pickler: "_ShippingPickler", names: dict[str, Any], to: str) -> None:
+def _dump_all(dumper: "_ShippingPickler", names: dict[str, Any], to: str) -> None:
     """Every name together, each of which went alone: one that pickles only once fails here."""
     try:
-        pickler.dump(names)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        raise TaasUsageError(f"the names the cell needs cannot be sent to {to} together ({first_line(e)}), "
+        pickler.dump(dumper, names)
+    except pickler.Unpicklable as e:
+        raise TaasUsageError(f"the names the cell needs cannot be sent to {to} together ({e.why}), "
                              "though each can alone: create them inside the cell") from None
 
 

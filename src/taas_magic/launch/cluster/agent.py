@@ -28,24 +28,17 @@ from typing import Any, Callable, Iterable, TypeVar, cast
 from taas_magic.wire import memfile
 from taas_magic.wire.events import Event, Key, key_order
 from taas_magic.delivery.cluster import NodeDelivery, NodeShare
-from taas_magic.errors import TaasRunError
+from taas_magic.errors import DeliveryLost
 from taas_magic.launch.forkserver.client import ForkServerBackend, ForkServerRequest
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.wire.shipping import Shipment
 from taas_magic.launch.supervisor.handle import SupervisedRanks
-from taas_magic.rank.worker import KernelContext, RankTask
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.task import KernelContext, RankTask
 
 FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
 MAX_FILES_BACK = 2 * 1024**3
 IDLE_CHECK_SECONDS = 5.0  # bytes of rank 0's files a run may send back to the notebook
-
-
-class DeliveryLost(TaasRunError):
-    """This node's ranks can no longer be fed: a node that hosts producers did not answer."""
-
-    def __init__(self, detail: str):
-        message = f"data delivery to the ranks of this node failed ({detail}); every process of the run was stopped"
-        super().__init__(message, [message])
 
 
 @dataclass(frozen=True)
@@ -205,7 +198,7 @@ class NodeAgent:
             self.group.signal(signum, ranks)
 
     @_call
-    def run_cell(self, cell: Any, ranks: list[int], tensors: bytes) -> None:
+    def run_cell(self, cell: SessionCell, ranks: list[int], tensors: bytes) -> None:
         """A session's next cell for this node's ``ranks``, with its shipped tensors' data."""
         if self.group is None:
             return

@@ -18,77 +18,84 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from taas_magic.launch.backend import Cell
+from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
 from taas_magic.wire.events import Event, Key, Report, key_order
 from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
 from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
 from taas_magic.configurations import Configuration
 from taas_magic.delivery.cluster import NodeShare, RunProgress, shares
-from taas_magic.delivery.service import LoaderPlan
-from taas_magic.launch.forkserver.client import ship
-from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.launch.forkserver.client import notebook_cells, ship
 from taas_magic.errors import RunLost
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
-from taas_magic.rank.state import TorchSettings
-from taas_magic.rank.worker import KernelContext, RankTask
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.task import KernelContext, LoaderPlan, TorchSettings
 
-PRODUCER_NODE = "c1.4"  # the configuration of nodes for data producers, as in the original service
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
 START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
 
 
+@dataclass(frozen=True)
+class ClusterPlan:
+    """A run for the cluster's nodes (the cluster backend's plan)."""
+
+    payload: object  # a reference to the ``NodePayload`` in Ray's object store, fetched once by each node
+    loaders: tuple[LoaderPlan, ...]  # the registered loaders whose producers the run's nodes host
+    holding: Holding  # what the ranks hold of the notebook: for a session, what need not be sent again
+
+    def close(self) -> None:
+        pass  # the payload stays in Ray's object store while it is referenced, then Ray frees it
+
+
 class ClusterBackend:
-    """Runs one spec's ranks on the cluster; made per run, as it knows the run's shape."""
+    """Runs one cell's ranks on the cluster; made per run, as it knows the run's shape: ``nodes``
+    nodes of ``configuration``, and ``producer_node``, the configuration of nodes for data producers
+    (None: the producers take turns on the run's own nodes)."""
 
     name = "cluster"
 
-    def __init__(self, cluster: Cluster, spec: LaunchSpec, notify: Callable[[str], object],
+    def __init__(self, cluster: Cluster, configuration: Configuration, nodes: int, notify: Callable[[str], object],
                  producer_node: Configuration | None = None):
-        assert spec.configuration is not None, "the spec refuses a cluster run without one"
         self.cluster = cluster
-        self.spec = spec
+        self.configuration = configuration
+        self.nodes = nodes
         self.notify = notify  # one line to the cell's stderr: files copied back
-        self.producer_node = producer_node  # the configuration of nodes for data producers (c1.4)
-        self.loaders: tuple[LoaderPlan, ...] = ()
-        self.shipped: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # names, cell files
+        self.producer_node = producer_node
 
-    def prepare(self, task: RankTask, cell: Cell) -> Any:
+    def prepare(self, make_task: MakeTask, cell: Cell) -> ClusterPlan:
         """The run's payload in Ray's object store: the shipped names and tensors (registered loaders
         included, for the nodes that host their producers), and the task with the kernel's torch
         settings and the variables that steer communication (not its whole environment, which is
         the kernel's machine's)."""
-        self.loaders = task.loaders
-        cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.loaders})
         # Each node's agent fills in its own environment, a run folder and its sys.path.
         context = KernelContext(kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
-        request = ship(task, cell, context, to="ranks on the cluster's nodes")
-        self.shipped = (request.shipment.sent, frozenset(request.task.sources))  # what a session's ranks hold
+        task = make_task(sources=notebook_cells(cell), context=context)
+        cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.loaders})
+        request = ship(task, cell, to="ranks on the cluster's nodes")
         try:
             payload = NodePayload(request.task, request.shipment.data,
                                   _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases)
         finally:
             request.close()
-        return ray_module().put(payload)
+        return ClusterPlan(ray_module().put(payload), task.loaders, request.holding)
 
-    def start(self, envs: dict[int, dict[str, str]], payload: Any) -> "ClusterRanks":
-        assert self.spec.configuration is not None
-        producers = sum(plan.producers for plan in self.loaders)
-        placement = self.cluster.place(self.spec.configuration, self.spec.nodes, producers, self.producer_node)
+    def start(self, plan: ClusterPlan, launch: Launch) -> "ClusterRanks":
+        producers = sum(loader.producers for loader in plan.loaders)
+        placement = self.cluster.place(self.configuration, self.nodes, producers, self.producer_node)
         try:
             agents = self.cluster.agents_on(placement.nodes)
         except BaseException:
             placement.release()
             raise
-        per_node = _on_nodes(envs, placement.nodes)
-        run_id = next(iter(envs.values()))["TAAS_RUN_ID"]
-        node_shares = (shares(run_id, self.loaders, [tuple(sorted(node)) for node in per_node[:self.spec.nodes]],
+        per_node = _on_nodes(launch.envs, placement.nodes)
+        node_shares = (shares(launch.run_id, plan.loaders, [tuple(sorted(node)) for node in per_node[:self.nodes]],
                               placement.hosts, agents, [node.address for node in placement.nodes])
-                       if self.loaders else None)
+                       if plan.loaders else None)
         group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares)
         try:
-            group.start(run_id, per_node, payload)
+            group.start(launch.run_id, per_node, plan.payload)
         except BaseException:
             group.close()
             raise
@@ -126,7 +133,7 @@ class ClusterRanks:
         self.alive: list[set[Key]] = [set() for _ in agents]
         self.closed = False
 
-    def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: Any) -> None:
+    def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
         """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
         port = self._call([0], lambda index: self.agents[index].open_store.remote(envs[0]), CALL_SECONDS)[0]
         envs = [{rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
@@ -157,7 +164,7 @@ class ClusterRanks:
         self._call(live, lambda index: self.agents[index].signal.remote(
             signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)), CALL_SECONDS)
 
-    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+    def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
         chosen = set(ranks)

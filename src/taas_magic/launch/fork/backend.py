@@ -9,16 +9,28 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from taas_magic.launch.backend import Cell
+from taas_magic.launch.backend import Cell, Launch, MakeTask
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.launch.supervisor.handle import SupervisedRanks, SupervisorProcess
 from taas_magic.launch.supervisor.main import supervise
 from taas_magic.launch.supervisor.ranks import task_namespace
 from taas_magic.process import child, containment
-from taas_magic.rank import aliases, worker
-from taas_magic.wire import channel
+from taas_magic.rank import aliases
+from taas_magic.wire import channel, supervision
+from taas_magic.wire.task import RankTask
 
 START_SECONDS = 60.0  # a forked supervisor reports its ranks started long before this
+
+
+@dataclass(frozen=True)
+class ForkPlan:
+    """A run of forked ranks: the task alone, as they have the notebook as it is."""
+
+    task: RankTask
+    holding: None = None  # the ranks hold the whole notebook, as it is when they fork
+
+    def close(self) -> None:
+        pass  # nothing of it is held apart from the kernel's own memory
 
 
 @dataclass
@@ -27,12 +39,12 @@ class ForkBackend:
 
     name: str = "fork"
 
-    def prepare(self, task: worker.RankTask, cell: Cell) -> worker.RankTask:
-        """Forked ranks have the notebook as it is: the task alone."""
-        return task
+    def prepare(self, make_task: MakeTask, cell: Cell) -> ForkPlan:
+        """Forked ranks inherit the kernel's line cache and process state: nothing travels with the task."""
+        return ForkPlan(make_task(sources={}, context=None))
 
-    def start(self, envs: dict[int, dict[str, str]], task: worker.RankTask) -> SupervisedRanks:
-        run_id = envs[min(envs)]["TAAS_RUN_ID"]
+    def start(self, plan: ForkPlan, launch: Launch) -> SupervisedRanks:
+        task, run_id, envs = plan.task, launch.run_id, launch.envs
         child.find_interactive_flags()  # here, where it touches no page shared with a child
         store = RunStore(envs)
         envs = store.environments(envs)
@@ -50,11 +62,11 @@ class ForkBackend:
                 kernel_end.close()
                 child.settle_forked_process()
             finally:
-                supervise(channel.Channel(supervisor_end, secret, run_id), envs, lambda: task)
+                supervise(supervision.supervisor_end(supervisor_end, secret, run_id), envs, lambda: (task, None))
         try:  # an interrupt from here on must not leave the supervisor unreaped or the store open
             supervisor_end.close()
             held.release()  # one that came during the fork is raised here
-            group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
+            group = SupervisedRanks(supervision.kernel_end(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
                                     envs, store=store)
         except BaseException:
             containment.end_child(pid)

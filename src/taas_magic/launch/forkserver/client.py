@@ -18,28 +18,19 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from taas_magic.process import cell_files
 from taas_magic.rank import aliases
-from taas_magic.wire import channel, memfile, shipping
-from taas_magic.launch.backend import Cell
-from taas_magic.errors import TaasRunError
-from taas_magic.launch.forkserver.server import CONTROL
+from taas_magic.wire import channel, fork_server, memfile, shipping, supervision
+from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask, Sources
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.wire.shipping import Shipment
-from taas_magic.errors import RunLost
+from taas_magic.errors import ForkServerDied, RunLost
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS, SupervisedRanks
-from taas_magic.rank.worker import KernelContext, RankTask
+from taas_magic.wire.task import KernelContext, RankTask
 
 READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
 SOURCES_LIMIT = 2_000_000  # characters of the notebook's cells shipped for tracebacks
 STDERR_TAIL = 2000  # characters of the server's standard error shown when it died
-
-
-class ForkServerDied(TaasRunError):
-    """The fork server could not take the run: it is gone."""
-
-    def __init__(self, detail: str):
-        message = f"the taas fork server stopped unexpectedly ({detail}); the next cell starts a new one"
-        super().__init__(message, [message])
 
 
 class ForkServer:
@@ -64,7 +55,7 @@ class ForkServer:
             raise
         finally:
             server_end.close()
-        self.control = channel.Channel(kernel_end, secret, CONTROL)
+        self.control = fork_server.kernel_end(kernel_end, secret)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -108,41 +99,36 @@ class ForkServer:
 
 @dataclass
 class ForkServerRequest:
-    """A run for the fork server: the ranks' task and the names shipped for it."""
+    """A run for the fork server (the fork server backend's plan): the ranks' task and the names shipped for it."""
 
     task: RankTask
     shipment: Shipment
     aliases: tuple[str, ...] = ()  # shipped names bound to the functions ranks replace
     delivery_fds: tuple[int, ...] = ()  # on a cluster node: the data delivery ends (``task.delivery`` says which is which)
 
+    @property
+    def holding(self) -> Holding:
+        return Holding(self.shipment.sent, frozenset(self.task.sources))
+
     def close(self) -> None:
         self.shipment.close()
 
 
-def ship(task: RankTask, cell: Cell, context: KernelContext, to: str) -> ForkServerRequest:
-    """The task with what ranks that do not share the kernel's memory need of it: the names the cell
-    reads, by value, the cell's source for tracebacks, and ``context``, what they take on of the
-    kernel's process (``to`` names them in the error for a name that cannot travel)."""
+def ship(task: RankTask, cell: Cell, to: str) -> ForkServerRequest:
+    """``task`` with what ranks that do not share the kernel's memory need of the notebook: the names
+    the cell reads, by value (``to`` names the ranks in the error for a name that cannot travel)."""
     needed = shipping.needed_names(cell.reads, cell.namespace)
     shipment = shipping.pack(cell.namespace, needed, to, track=task.keep)
-    rank_task = dataclasses.replace(
-        task,
-        sources=_notebook_cells(task.code.co_filename, cell.label),
-        context=context,
-    )
     # The ranks' namespace is the shipped names: their aliases are looked for among those alone.
-    return ForkServerRequest(rank_task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
+    return ForkServerRequest(task, shipment, aliases.find({name: cell.namespace[name] for name in needed}))
 
 
-def _notebook_cells(filename: str, label: str) -> dict[str, tuple[str, str]]:
+def notebook_cells(cell: Cell) -> Sources:
     """The cell being run and the session's earlier cells, newest first up to SOURCES_LIMIT
-    characters: the notebook's functions that ranks and producers run come from those."""
-    sources = {filename: (label, "".join(linecache.getlines(filename)))}
-    size = len(sources[filename][1])
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    known = getattr(getattr(shell, "compile", None), "_filename_map", {})  # file name -> cell number
+    characters, for tracebacks: the notebook's functions that ranks and producers run come from those."""
+    sources = {cell.filename: (cell.label, "".join(linecache.getlines(cell.filename)))}
+    size = len(sources[cell.filename][1])
+    known = cell_files.cell_numbers(cell_files.current_shell()) or {}
     for earlier, number in sorted(known.items(), key=lambda item: -item[1]):
         code = "".join(linecache.getlines(earlier))
         size += len(code)
@@ -158,9 +144,11 @@ class ForkServerBackend:
     def __init__(self) -> None:
         self._server: ForkServer | None = None
 
-    def prepare(self, task: RankTask, cell: Cell) -> ForkServerRequest:
-        """The names the cell reads, and the kernel's environment, folder, sys.path and torch settings."""
-        return ship(task, cell, KernelContext.of_this_process(), to="ranks started with --start forkserver")
+    def prepare(self, make_task: MakeTask, cell: Cell) -> ForkServerRequest:
+        """The task with the notebook's cells and the kernel's environment, folder, sys.path and torch
+        settings; the names the cell reads."""
+        task = make_task(sources=notebook_cells(cell), context=KernelContext.of_this_process())
+        return ship(task, cell, to="ranks started with --start forkserver")
 
     def describe(self) -> str:
         if self._server is None:
@@ -174,22 +162,19 @@ class ForkServerBackend:
         if self._server is None:
             self._server = ForkServer()
 
-    def start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
+    def start(self, plan: ForkServerRequest, launch: Launch) -> SupervisedRanks:
         """Hand the run to the fork server; a server that turns out to have died is replaced, once.
 
         A run lost before its supervisor said "started" ran no code of the cell, so it can be
         handed to a fresh server without the user noticing a server that died while idle.
         """
         try:
-            return self._start(envs, request)
+            return self.start_node(launch.run_id, launch.envs, plan, RunStore(launch.envs))
         except (ForkServerDied, RunLost):
             if self._server is not None and not self._server.gone(within=1.0):
                 raise
             self.shutdown()
-        return self._start(envs, request)
-
-    def _start(self, envs: dict[int, dict[str, str]], request: ForkServerRequest) -> SupervisedRanks:
-        return self.start_node(envs[min(envs)]["TAAS_RUN_ID"], envs, request, RunStore(envs))
+        return self.start_node(launch.run_id, launch.envs, plan, RunStore(launch.envs))
 
     def start_node(self, run_id: str, envs: dict[int, dict[str, str]], request: ForkServerRequest,
                    store: RunStore | None) -> SupervisedRanks:
@@ -207,7 +192,7 @@ class ForkServerBackend:
         fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
         fds += request.delivery_fds
         try:
-            server.control.send("run", run_id, secret, envs, request.task, shipment, fds=fds)
+            server.control.send(fork_server.StartRun(run_id, secret, envs, request.task, shipment), fds=fds)
         except BaseException as e:
             kernel_end.close()
             if store is not None:
@@ -221,7 +206,7 @@ class ForkServerBackend:
         def lost(detail: str) -> str:
             return f"{detail}; {server.describe_death()}" if not server.alive() else detail
 
-        group = SupervisedRanks(channel.Channel(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
+        group = SupervisedRanks(supervision.kernel_end(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
         try:
             group.go(request.aliases)
         except BaseException:

@@ -5,12 +5,12 @@ does one thing per run: fork a supervisor (``supervisor.py``), which unpacks the
 and forks the ranks from itself, so they share them copy-on-write and start in milliseconds.
 Nothing of a run ever lives in the server itself, so no run can leave it in a different state.
 
-Its channel to the kernel carries requests one way only — ("run", run_id, secret, envs, task,
-shipment) with the run's own channel end and the tensors' memory file beside it — and
-each request is one datagram, so an interrupted kernel can never leave the two out of step.
-Everything about a run travels on the run's own channel, between the kernel and the run's
-supervisor. The server is a subreaper: processes of a supervisor that died come to it, and it
-ends them. It exits, ending everything it started, when its channel closes or its parent dies.
+Its channel to the kernel carries requests one way only — a ``StartRun`` (``wire/fork_server.py``)
+with the run's own channel end and the tensors' memory file beside it — and each request is one
+datagram, so an interrupted kernel can never leave the two out of step. Everything about a run
+travels on the run's own channel, between the kernel and the run's supervisor. The server is a
+subreaper: processes of a supervisor that died come to it, and it ends them. It exits, ending
+everything it started, when its channel closes or its parent dies.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ import select
 import signal
 import socket
 import sys
-from typing import Any
 
+from taas_magic.delivery.cluster import AttachedDelivery, NodeEnds
 from taas_magic.process import child, containment, tracebacks
 from taas_magic.rank import plugins
-from taas_magic.wire import shipping
-from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.wire import fork_server, shipping, supervision
+from taas_magic.wire.channel import ChannelBroken
+from taas_magic.wire.fork_server import ServerEnd, StartRun
+from taas_magic.wire.task import RankTask
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 
-CONTROL = "fork-server"  # the run id the control channel's messages carry
 SECRET_SIZE = 32
 
 
@@ -46,17 +47,15 @@ def main(fd: int) -> None:
     plugins.find()
 
     gc.freeze()  # what is imported stays: forked supervisors and ranks never walk it
-    control = Channel(socket.socket(fileno=fd), secret, CONTROL)
+    control = fork_server.server_end(socket.socket(fileno=fd), secret)
     parent = os.getppid()
     supervisors: dict[int, int] = {}  # pidfd -> pid: a supervisor is reaped the moment it ends
     try:
         while os.getppid() == parent:
             ready = select.select([control.fileno(), *supervisors], [], [], PARENT_CHECK_SECONDS)[0]
             if control.fileno() in ready:
-                kind, fields, fds = control.receive()
-                if kind != "run":
-                    raise ChannelBroken(f"unexpected request {kind!r}")
-                pid = _fork_supervisor(control, fields, fds)
+                request, fds = control.receive()
+                pid = _fork_supervisor(control, request, fds)
                 supervisors[os.pidfd_open(pid)] = pid
             _tend(supervisors)
     except ChannelBroken:
@@ -75,15 +74,15 @@ def _read_secret() -> bytes:
     return secret
 
 
-def _fork_supervisor(control: Channel, fields: tuple[Any, ...], fds: list[int]) -> int:
-    run_id, secret, envs, task, shipment = fields
+def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> int:
+    run_id, secret, envs, task, shipment = request.run_id, request.secret, request.envs, request.task, request.shipment
     try:
         pid = os.fork()
         if pid == 0:  # the run's supervisor: never returns into the server's loop
             try:
                 control.close()
                 child.settle_forked_process()
-                run_channel = Channel(socket.socket(fileno=fds[0]), secret, run_id)
+                run_channel = supervision.supervisor_end(socket.socket(fileno=fds[0]), secret, run_id)
             except BaseException:
                 os._exit(1)
             supervise(run_channel, envs, lambda: _unpack(task, shipment, fds[1:]))
@@ -96,7 +95,7 @@ def _fork_supervisor(control: Channel, fields: tuple[Any, ...], fds: list[int]) 
                 pass  # the supervisor's copy: already taken over by its channel
 
 
-def _unpack(task: Any, shipment: shipping.Shipment, fds: list[int]) -> Any:
+def _unpack(task: RankTask, shipment: shipping.Shipment, fds: list[int]) -> tuple[RankTask, AttachedDelivery | None]:
     """In the supervisor: the kernel's context first (imports may depend on sys.path), then the names,
     then (on a cluster node) the data delivery ends its agent passed, the last of ``fds``."""
     cut = len(fds) - (task.delivery.fd_count() if task.delivery is not None else 0)
@@ -110,8 +109,9 @@ def _unpack(task: Any, shipment: shipping.Shipment, fds: list[int]) -> Any:
         for fd in fds:
             os.close(fd)
     child.find_interactive_flags()  # the shipped names may have imported Lightning
-    delivery = task.delivery.attach(delivery_fds, namespace) if task.delivery is not None else None
-    return dataclasses.replace(task, namespace=namespace, delivery=delivery)
+    ends = task.delivery
+    attached = ends.attach(delivery_fds, namespace) if isinstance(ends, NodeEnds) else None
+    return dataclasses.replace(task, namespace=namespace, delivery=None), attached
 
 
 def _tend(supervisors: dict[int, int]) -> None:

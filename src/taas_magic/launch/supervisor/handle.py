@@ -12,13 +12,16 @@ import select
 import signal
 import _thread
 import time
-from typing import Any, Callable, Iterable, NoReturn
+from typing import Callable, Iterable, NoReturn
 
 from taas_magic.errors import RunLost, TaasRunError
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.process import containment
-from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.wire.channel import ChannelBroken, assert_never
 from taas_magic.wire.events import Event, Exited, Key, key_order
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, KernelEnd,
+                                         Lost, RunCell, SignalRanks, Stacks, Started, StartFailed, ToSupervisor)
 
 CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
 
@@ -95,7 +98,7 @@ class SupervisedRanks:
     ``on_lost`` adds what the backend knows to a lost run's message (a fork server's last words).
     """
 
-    def __init__(self, channel: Channel, process: SupervisorProcess | None, ranks: Iterable[Key],
+    def __init__(self, channel: KernelEnd, process: SupervisorProcess | None, ranks: Iterable[Key],
                  on_lost: Callable[[str], str] | None = None, store: RunStore | None = None):
         self.channel = channel
         self.process = process
@@ -116,15 +119,15 @@ class SupervisedRanks:
             while not self._readable(max(0.0, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
                     self._lose(f"the ranks had not started after {timeout:g} s")
-            kind, fields = self._receive()
-            if kind == "failed":
-                message = f"the ranks could not be started: {fields[0]}"
+            first = self._receive()
+            if isinstance(first, StartFailed):
+                message = f"the ranks could not be started: {first.reason}"
                 raise TaasRunError(message, [message])
-            if kind != "started":
-                self._lose(f"unexpected first message {kind!r}")
+            if not isinstance(first, Started):
+                self._lose(f"unexpected first message {first.kind!r}")
             if self.process is None:
-                self.process = SupervisorProcess(fields[0], is_child=False)
-            self.alive = set(fields[1])  # the ranks, and the producers of registered loaders
+                self.process = SupervisorProcess(first.pid, is_child=False)
+            self.alive = set(first.processes)  # the ranks, and the producers of registered loaders
             self.started = True
         except BaseException:
             self.close()
@@ -146,7 +149,7 @@ class SupervisedRanks:
         if self.store is not None:
             self.store.serve()
         try:
-            self.channel.send("go", aliases)
+            self.channel.send(Go(aliases))
         except ChannelBroken:
             pass  # the supervisor could not start the run and went: ``wait_started`` reads why
 
@@ -156,29 +159,30 @@ class SupervisedRanks:
 
     def events(self, timeout: float) -> list[Event]:
         if not self.pending and self.alive and self._readable(timeout):
-            self._take(*self._receive())
+            self._take(self._receive())
         events, self.pending = self.pending, []
         return events
 
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         if self.alive:
-            self._send("signal", signum, None if ranks is None else sorted(set(ranks) & self.alive, key=key_order))
+            chosen = None if ranks is None else tuple(sorted(set(ranks) & self.alive, key=key_order))
+            self._send(SignalRanks(signum, chosen))
 
-    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
-        self._send("cell", cell, sorted(ranks), fds=fds)
+    def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        self._send(RunCell(cell, tuple(sorted(ranks))), fds=fds)
 
     def answer(self, rank: Key, line: str | None) -> None:
-        self._send("line", rank, line)
+        self._send(AnswerLine(rank, line))
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
-        self._send("stacks", sorted(ranks, key=key_order), timeout)
+        self._send(AskStacks(tuple(sorted(ranks, key=key_order)), timeout))
         deadline = time.monotonic() + timeout + CLOSE_SECONDS
         while time.monotonic() < deadline:
             if self._readable(max(0.0, deadline - time.monotonic())):
-                kind, fields = self._receive()
-                if kind == "stacks":
-                    return dict(fields[0])
-                self._take(kind, fields)
+                message = self._receive()
+                if isinstance(message, Stacks):
+                    return dict(message.stacks)
+                self._take(message)
                 if self.finished:
                     break
         return {}
@@ -197,7 +201,7 @@ class SupervisedRanks:
         try:
             if polite and not confirmed:
                 try:
-                    self.channel.send("close")
+                    self.channel.send(Close())
                 except ChannelBroken:
                     pass  # it finished and went: what it said last may still be waiting to be read
                 if self.started:
@@ -241,11 +245,11 @@ class SupervisedRanks:
         while time.monotonic() < deadline:
             try:
                 if self.channel.ready(min(0.1, max(0.0, deadline - time.monotonic()))):
-                    kind, fields, fds = self.channel.receive()
+                    message, fds = self.channel.receive()
                     for fd in fds:
                         os.close(fd)
-                    if kind == "closed":
-                        self.codes = dict(fields[0])
+                    if isinstance(message, Closed):
+                        self.codes = dict(message.codes)
                         confirmed = True
                         break
             except KeyboardInterrupt:
@@ -253,40 +257,48 @@ class SupervisedRanks:
         return confirmed, interrupted
 
     # -- messages -----------------------------------------------------------------------------
-    def _receive(self) -> tuple[str, tuple[Any, ...]]:
+    def _receive(self) -> FromSupervisor:
         try:
-            kind, fields, fds = self.channel.receive()
+            message, fds = self.channel.receive()
         except ChannelBroken as e:
             self._lose(str(e))
         for fd in fds:
             os.close(fd)
-        return kind, fields
+        return message
 
-    def _take(self, kind: str, fields: tuple[Any, ...]) -> None:
-        if kind == "events":
-            for event in fields[0]:
-                if isinstance(event, Exited):
-                    self.alive.discard(event.rank)
-            self.pending.extend(fields[0])
-        elif kind == "closed":
-            self._take("events", (fields[1],))  # the events that came with the end
-            if self.alive:
-                self._lose("the run's supervisor ended the run on its own")
-            self.codes = dict(fields[0])
-            self.finished = True  # every process exited: the run is over
-        elif kind == "lost":  # the supervisor ended the run without being asked
-            self._lose(fields[0])
-        elif kind != "stacks":  # a reply that came after its request timed out
-            self._lose(f"unexpected message {kind!r}")
+    def _take(self, message: FromSupervisor) -> None:
+        match message:
+            case Events(events):
+                self._take_events(events)
+            case Closed(codes, last):
+                self._take_events(last)  # the events that came with the end
+                if self.alive:
+                    self._lose("the run's supervisor ended the run on its own")
+                self.codes = dict(codes)
+                self.finished = True  # every process exited: the run is over
+            case Lost(why):  # the supervisor ended the run without being asked
+                self._lose(why)
+            case Stacks():
+                pass  # a reply that came after its request timed out
+            case Started() | StartFailed():
+                self._lose(f"unexpected message {message.kind!r}")
+            case _:
+                assert_never(message)
 
-    def _send(self, kind: str, *fields: Any, fds: tuple[int, ...] = ()) -> None:
+    def _take_events(self, events: tuple[Event, ...]) -> None:
+        for event in events:
+            if isinstance(event, Exited):
+                self.alive.discard(event.rank)
+        self.pending.extend(events)
+
+    def _send(self, message: ToSupervisor, fds: tuple[int, ...] = ()) -> None:
         try:
-            self.channel.send(kind, *fields, fds=fds)
+            self.channel.send(message, fds=fds)
         except ChannelBroken as e:
             # The run may have ended and its supervisor gone just before the request: its last
             # words are still here to read, and the request no longer matters.
             while not self.finished and self.channel.ready(0):
-                self._take(*self._receive())
+                self._take(self._receive())
             if not self.finished:
                 self._lose(str(e))
 

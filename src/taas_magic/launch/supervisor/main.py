@@ -11,14 +11,7 @@ of every process the run starts, however they detach, and kills them all, by pro
 before it says the run is closed. It also ends the run when its parent (the kernel, or the fork
 server) dies.
 
-Requests, kernel → supervisor: ("go", names) first (the notebook's names for the functions ranks
-replace, found while the supervisor forks), then ("signal", signum, ranks | None),
-("stacks", ranks, timeout), a session's ("cell", cell, ranks) with its tensors' memory file, a
-debugger's ("line", rank, text), and ("close",). Messages, supervisor → kernel: ("started", pid, process
-keys) or ("failed", text), then ("events", [Event, …]) and ("stacks", {rank: text}) as they
-come, ("closed", {rank: code}, [Event, …]) last, with the events that came with the end, once
-every process of the run has exited or the kernel asked; ("lost", why) instead when the
-supervisor had to end the run on its own.
+What the two say to each other is ``wire/supervision.py``.
 """
 
 from __future__ import annotations
@@ -28,24 +21,31 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Callable, NoReturn
+from typing import Callable, NoReturn
 
 from taas_magic.process import containment
 from taas_magic.wire.events import Event, Key, Report, key_order
-from taas_magic.wire.channel import Channel, ChannelBroken
+from taas_magic.wire.channel import ChannelBroken, assert_never
 from taas_magic.wire.records import CellEnded, Failed
+from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, Lost,
+                                         RunCell, SignalRanks, Stacks, Started, StartFailed, SupervisorEnd,
+                                         ToSupervisor)
+from taas_magic.wire.task import RankTask
 from taas_magic.launch.supervisor.ranks import ForkedRanks
+from taas_magic.delivery.cluster import AttachedDelivery
 
 PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
 STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the run
 
 
 # -- in the supervisor process -------------------------------------------------------------------
-def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Callable[[], Any]) -> NoReturn:
+def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]],
+              make_task: Callable[[], tuple[RankTask, AttachedDelivery | None]]) -> NoReturn:
     """The whole life of a supervisor, from just after its fork to ``os._exit``.
 
     ``make_task`` gives the ranks' task: at hand after a fork from the kernel, unpacked from
-    what the kernel shipped after a fork from the fork server (a failure there is reported).
+    what the kernel shipped after a fork from the fork server (a failure there is reported); and on a
+    cluster node, its share of the run's data delivery.
     """
     status = 1
     try:
@@ -65,24 +65,26 @@ def supervise(channel: Channel, envs: dict[int, dict[str, str]], make_task: Call
 
 
 class _Supervisor:
-    def __init__(self, channel: Channel, parent: int):
+    def __init__(self, channel: SupervisorEnd, parent: int):
         self.channel = channel
         self.parent = parent
 
-    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Any]) -> None:
+    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], tuple[RankTask, AttachedDelivery | None]]
+              ) -> None:
         try:
-            group = ForkedRanks.start(envs, make_task(), note=self._await_go)
+            task, attached = make_task()
+            group = ForkedRanks.start(envs, task, note=self._await_go, attached=attached)
         except ChannelBroken:
             return  # the kernel gave up on the run before it started: everything forked is ended
         except Exception as e:
-            self._send("failed", f"{type(e).__name__}: {e}")
+            self._send(StartFailed(f"{type(e).__name__}: {e}"))
             return
         last: list[Event] = []
         try:
             # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
             containment.drop_sockets({self.channel.fileno()} | group.control_fds())
             group.watch(self.channel.fileno())
-            self._send("started", os.getpid(), sorted(group.ranks, key=key_order))
+            self._send(Started(os.getpid(), tuple(sorted(group.ranks, key=key_order))))
             last = self._relay(group)
         except ChannelBroken:
             pass  # the kernel gave up on the run, or is gone: end it
@@ -95,7 +97,7 @@ class _Supervisor:
         containment.end_all_children(STOP_SECONDS)
         codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
         try:
-            self._send("closed", codes, last)
+            self._send(Closed(codes, tuple(last)))
         except ChannelBroken:
             return
         _step_aside()
@@ -103,12 +105,12 @@ class _Supervisor:
     def _await_go(self) -> bytes:
         """The kernel's word to let the forked processes go, with what it found while they were
         forked: the notebook's names for the functions ranks replace (``aliases.find``)."""
-        kind, fields, fds = self.channel.receive()
+        message, fds = self.channel.receive()
         for fd in fds:
             os.close(fd)
-        if kind != "go":
-            raise ChannelBroken(f"expected the word to go, got {kind!r}")
-        return json.dumps(list(fields[0])).encode()
+        if not isinstance(message, Go):
+            raise ChannelBroken(f"expected the word to go, got {message.kind!r}")
+        return json.dumps(list(message.aliases)).encode()
 
     def _relay(self, group: "ForkedRanks") -> list[Event]:
         """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
@@ -123,45 +125,49 @@ class _Supervisor:
                 return events
             if events:
                 idle.saw(events)
-                self._send("events", events)
+                self._send(Events(tuple(events)))
             if os.getppid() != self.parent:
                 raise _Orphaned()
             if idle.expired():
                 raise _Idle(idle.limit)
             containment.reap_strays({state.pid for state in group.ranks.values()})  # reaped by the group itself
             while self.channel.ready(0):
-                kind, fields, fds = self.channel.receive()
+                message, fds = self.channel.receive()
                 try:
-                    if kind == "close":
+                    if self._serve(group, message, tuple(fds), idle):
                         return []
-                    self._serve(group, kind, fields, tuple(fds), idle)
                 finally:
                     for fd in fds:
                         os.close(fd)
 
-    def _serve(self, group: "ForkedRanks", kind: str, fields: tuple[Any, ...], fds: tuple[int, ...],
-               idle: "_IdleClock") -> None:
-        """One request of the kernel's, other than to close."""
-        if kind == "signal":
-            group.signal(fields[0], fields[1])
-        elif kind == "stacks":
-            stacks = group.stacks(fields[0], fields[1])
-            self._send("events", group.events(0))
-            self._send("stacks", stacks)
-        elif kind == "cell":  # a session's next cell, for some of its ranks
-            idle.busy.update(fields[1])
-            group.run_cell(fields[0], fields[1], fds)
-        elif kind == "line":
-            group.answer(fields[0], fields[1])
-        else:
-            raise ChannelBroken(f"unexpected request {kind!r}")
+    def _serve(self, group: "ForkedRanks", message: ToSupervisor, fds: tuple[int, ...], idle: "_IdleClock") -> bool:
+        """One request of the kernel's; True when it asks to close the run."""
+        match message:
+            case Close():
+                return True
+            case SignalRanks(signum, ranks):
+                group.signal(signum, ranks)
+            case AskStacks(ranks, timeout):
+                stacks = group.stacks(ranks, timeout)
+                self._send(Events(tuple(group.events(0))))
+                self._send(Stacks(stacks))
+            case RunCell(cell, ranks):  # a session's next cell, for some of its ranks
+                idle.busy.update(ranks)
+                group.run_cell(cell, ranks, fds)
+            case AnswerLine(rank, line):
+                group.answer(rank, line)
+            case Go():
+                raise ChannelBroken(f"unexpected request {message.kind!r}")
+            case _:
+                assert_never(message)
+        return False
 
-    def _send(self, kind: str, *fields: Any) -> None:
-        self.channel.send(kind, *fields)
+    def _send(self, message: FromSupervisor) -> None:
+        self.channel.send(message)
 
     def _tell_lost(self, why: str) -> None:
         try:
-            self._send("lost", why)
+            self._send(Lost(why))
         except ChannelBroken:
             pass
 

@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable, Literal
 
 from taas_magic.rank import worker
-from taas_magic.wire import channel, records
+from taas_magic.wire.task import RankTask
+from taas_magic.wire import channel, rank_control, records
+from taas_magic.wire.channel import assert_never
+from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
 from taas_magic.process import child, containment, tempfiles
 from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result, key_order
-from taas_magic.delivery.cluster import AttachedDelivery
-from taas_magic.delivery.service import DataService
+from taas_magic.delivery.cluster import AttachedDelivery, FedLoader
+from taas_magic.delivery.producer import ProducerTask
+from taas_magic.delivery.service import DataService, RankLoader
 
 READ_SIZE = 1 << 16
 NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
@@ -38,12 +42,12 @@ class _Rank:
     stack_text: str = ""
     stack_updated: float = 0.0
     results: bytearray = field(default_factory=bytearray)
-    control: channel.Channel | None = None  # a rank's channel: cells to run, their ends, input requests
+    control: rank_control.SupervisorEnd | None = None  # a rank's channel: cells to run, their ends, input requests
     cell: Literal["running", "sent", "ended"] = "running"  # a session's rank: "sent" a cell not taken yet
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
 
 
-def task_namespace(task: worker.RankTask) -> dict[str, Any]:
+def task_namespace(task: RankTask) -> dict[str, Any]:
     """The names a forked rank starts with: the task's own, else the kernel's (forked from it)."""
     if task.namespace is not None:
         return task.namespace
@@ -57,6 +61,18 @@ def task_namespace(task: worker.RankTask) -> dict[str, Any]:
 def _producer_env(run_id: str) -> dict[str, str]:
     """Producers are CPU workers of the run: its id, no rank, no GPU, one thread each."""
     return {"TAAS_RUN_ID": run_id, "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def _run(task: RankTask | ProducerTask, env: dict[str, str], fds: child.RankFds,
+         stand_ins: tuple[RankLoader | FedLoader, ...]) -> int:
+    """In a forked process: what it is there for; returns its exit status."""
+    match task:
+        case RankTask():
+            return worker.run_rank(task, env, fds, stand_ins)
+        case ProducerTask():
+            return task.run(env, fds)
+        case _:
+            assert_never(task)
 
 
 @dataclass
@@ -76,30 +92,34 @@ class ForkedRanks:
         self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
 
     @classmethod
-    def start(cls, envs: dict[int, dict[str, str]], task: worker.RankTask,
-              note: Callable[[], bytes] = lambda: b"") -> "ForkedRanks":
+    def start(cls, envs: dict[int, dict[str, str]], task: RankTask, note: Callable[[], bytes] = lambda: b"",
+              attached: AttachedDelivery | None = None) -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
         Every process keeps only the sockets it needs: its own delivery channels, and a rank its
         control channel with this supervisor (``session_rank.py``, ``debugger.py``). Once all are
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
+        ``attached``: a cluster node's share of the run's data delivery, set up by its agent.
         """
-        group = cls(idle_limit=task.idle_limit if getattr(task, "keep", False) else None)
-        service: Any = None  # DataService here, a cluster node's AttachedDelivery there
+        group = cls(idle_limit=task.idle_limit if task.keep else None)
+        service: DataService | AttachedDelivery | None = None
+        stand_ins: tuple[RankLoader | FedLoader, ...] = ()  # what builds each loader's stand-in in a rank
         opening = b""
         try:
-            if task.delivery is not None:  # a cluster node's, set up by its agent
-                service, run_id = task.delivery, task.delivery.run_id
+            if attached is not None:
+                service, run_id = attached, attached.run_id
             elif task.loaders:
                 service, run_id = DataService(task.loaders, task_namespace(task), len(envs)), envs[min(envs)]["TAAS_RUN_ID"]
             if service is not None:
                 for key, producer in service.producers():
                     group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
-                task = dataclasses.replace(task, loaders=service.rank_loaders(), delivery=None)
-            if getattr(task, "keep", False) and envs and not isinstance(service, AttachedDelivery):  # not a cluster node's
+                stand_ins = service.rank_loaders()
+                task = dataclasses.replace(task, loaders=tuple(loader.plan for loader in stand_ins), delivery=None)
+            if task.keep and envs and attached is None:  # not a cluster node's
                 group.later_loaders = (task_namespace(task), len(envs), envs[min(envs)]["TAAS_RUN_ID"])
             for rank, env in sorted(envs.items()):
-                group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else ())
+                group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else (),
+                           stand_ins=stand_ins)
             opening = note()
         except BaseException:
             group.close()
@@ -131,8 +151,10 @@ class ForkedRanks:
         self._gates = []
 
     # -- starting ---------------------------------------------------------------------------
-    def fork(self, rank: Key, env: dict[str, str], task: Any, sockets: Collection[int] = ()) -> None:
-        """Fork one process that runs ``task.run(env, fds)``: a rank, or a data producer."""
+    def fork(self, rank: Key, env: dict[str, str], task: RankTask | ProducerTask, sockets: Collection[int] = (),
+             stand_ins: tuple[RankLoader | FedLoader, ...] = ()) -> None:
+        """Fork one process that runs ``task``: a rank (``worker.run_rank``, its loaders' ``stand_ins``),
+        or a data producer."""
         pipes: dict[str, tuple[int, int]] = {}
         ends = channel.socket_pair() if isinstance(rank, int) else None  # (ours, the rank's)
         try:
@@ -160,7 +182,7 @@ class ForkedRanks:
                     sockets=frozenset(sockets), gate=gate_read,
                     control=ends[1].detach() if ends is not None else None, control_secret=self._control_secret,
                 )
-                status = task.run(env, fds)
+                status = _run(task, env, fds, stand_ins)
             except KeyboardInterrupt:
                 pass  # stopped while it started, before the cell ran: the run is being interrupted
             except BaseException:
@@ -178,7 +200,7 @@ class ForkedRanks:
         state = _Rank(rank, pid, {name: pair[0] for name, pair in pipes.items()})
         if ends is not None:
             ends[1].close()
-            state.control = channel.Channel(ends[0], self._control_secret, env.get("TAAS_RUN_ID", ""))
+            state.control = rank_control.supervisor_end(ends[0], self._control_secret, env.get("TAAS_RUN_ID", ""))
             self._selector.register(state.control.fileno(), selectors.EVENT_READ, (rank, "control"))
         self.ranks[rank] = state
         for name, fd in state.fds.items():
@@ -265,26 +287,28 @@ class ForkedRanks:
         """
         assert state.control is not None
         try:
-            kind, fields, fds = state.control.receive()
+            message, fds = state.control.receive()
         except channel.ChannelBroken:
             self._drop_control(state)  # the rank is ending: its exit says the rest
             return
         for fd in fds:
             os.close(fd)
         self._drain(state)
-        if kind == "in cell":
-            state.cell = "running"
-            if state.interrupt_waiting:
-                state.interrupt_waiting = False
-                self._signal(state, signal.SIGINT)
-        elif kind == "ended":
-            state.cell = "ended"
-            record, results = fields
-            if results is not None:
-                self._pending.append(Result(state.rank, results))
-            self._pending.append(Report(state.rank, records.decode(record)))
-        elif kind == "input":
-            self._pending.append(InputRequest(state.rank, fields[0]))
+        match message:
+            case InCell():
+                state.cell = "running"
+                if state.interrupt_waiting:
+                    state.interrupt_waiting = False
+                    self._signal(state, signal.SIGINT)
+            case CellEnd(record, results):
+                state.cell = "ended"
+                if results is not None:
+                    self._pending.append(Result(state.rank, results))
+                self._pending.append(Report(state.rank, records.decode(record)))
+            case Prompt(prompt):
+                self._pending.append(InputRequest(state.rank, prompt))
+            case _:
+                assert_never(message)
 
     def _drain(self, state: _Rank) -> None:
         for name in ("stdout", "stderr", "report"):
@@ -300,7 +324,7 @@ class ForkedRanks:
     def control_fds(self) -> set[int]:
         return {state.control.fileno() for state in self.ranks.values() if state.control is not None}
 
-    def run_cell(self, cell: Any, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+    def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit.
 
         The producers of loaders the session begins to serve with the cell start first, and each
@@ -312,15 +336,15 @@ class ForkedRanks:
                 if rank in self.ranks:
                     self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
                 ends = service.late_ends(rank) if service is not None else ()
-                self._tell(rank, "cell", cell, fds=fds + ends)
+                self._tell(rank, cell, fds=fds + ends)
         finally:
             if service is not None:
                 service.close()
 
-    def _serve_new_loaders(self, cell: Any, fds: tuple[int, ...]) -> DataService | None:
+    def _serve_new_loaders(self, cell: SessionCell, fds: tuple[int, ...]) -> DataService | None:
         """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
         them) are unpacked here; None when it begins to serve none."""
-        plans = getattr(cell, "loaders", ())
+        plans = cell.loaders
         if not plans or self.later_loaders is None:
             return None
         namespace, world, run_id = self.later_loaders
@@ -339,13 +363,13 @@ class ForkedRanks:
         return service
 
     def answer(self, rank: Key, line: str | None) -> None:
-        self._tell(rank, "line", line)
+        self._tell(rank, Line(line))
 
-    def _tell(self, rank: Key, kind: str, *fields: Any, fds: tuple[int, ...] = ()) -> None:
+    def _tell(self, rank: Key, message: ToRank, fds: tuple[int, ...] = ()) -> None:
         state = self.ranks.get(rank)
         if state is not None and state.control is not None:
             try:
-                state.control.send(kind, *fields, fds=fds)
+                state.control.send(message, fds=fds)
             except channel.ChannelBroken:
                 pass
 

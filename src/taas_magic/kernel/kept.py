@@ -1,0 +1,151 @@
+"""What a taas cell leaves running for the cells after it, and how it ends: a session's ranks (`--keep`),
+or a one-shot run's rank paused at its error (`--debug`). `%taas stop` and `%taas debug` act on them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from taas_magic.errors import SessionEnded, TaasUsageError
+from taas_magic.kernel import streams
+from taas_magic.kernel.session import Session, debug_paused
+from taas_magic.kernel.settings import count
+from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.launch.backend import RankGroup, SessionGroup
+from taas_magic.launch.cluster.backend import ClusterRanks
+
+Value = TypeVar("Value")
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A one-shot ``--debug`` run whose failed rank waits at its error for ``%taas debug``."""
+
+    group: SessionGroup
+    rank: int
+    spec: LaunchSpec
+
+
+def read_line(prompt: str) -> str:
+    """A line typed by the user: Jupyter's stdin request in a notebook, the terminal in IPython."""
+    return input(prompt)
+
+
+class Kept:
+    """The session and the paused rank, between cells; each ends with ``%taas stop``, ``close`` or its
+    own end (a session's idle limit, a rank that died)."""
+
+    def __init__(self) -> None:
+        self.session: Session | None = None  # the ranks of `--keep`, between cells
+        self.paused: Paused | None = None
+
+    # -- a paused rank ------------------------------------------------------------------------
+    def keep_paused(self, spec: LaunchSpec, group: SessionGroup, rank: int) -> None:
+        self.paused = Paused(group, rank, spec)
+        print(f"taas: rank {rank} is paused at its error: %taas debug opens the debugger there "
+              "(the next taas cell, or %taas stop, lets it go)", file=sys.stderr)
+
+    def let_paused_go(self) -> bool:
+        """End the paused rank's run, if there is one; whether there was."""
+        if self.paused is None:
+            return False
+        group = self.paused.group
+        self.paused = None
+        group.close()
+        return True
+
+    # -- the session ----------------------------------------------------------------------------
+    def live_session(self) -> Session | None:
+        """The session the next cell runs in; one that ended on its own since the last cell is
+        forgotten, and the cell fails saying so."""
+        if self.session is not None and self.session.check():
+            ended, self.session = self.session.ended, None
+            raise SessionEnded(f"the session ended: {ended}", [
+                f"taas: the session ended: {ended}. This cell did not run: run it again to run it as a one-shot "
+                "cell, or start another session with --keep"])
+        return self.session
+
+    def in_session(self, run: Callable[[], Value]) -> Value:
+        """Run a session's cell; a session that ended meanwhile is forgotten."""
+        try:
+            return run()
+        except SessionEnded:
+            self.session = None
+            raise
+
+    # -- %taas stop, %taas debug ----------------------------------------------------------------
+    def stop_command(self, words: list[str]) -> None:
+        """`%taas stop`: end the session (and let a rank paused by --debug go)."""
+        if words:
+            raise TaasUsageError(f"%taas stop takes nothing more; got {' '.join(words)!r}")
+        stopped = self.let_paused_go()
+        if self.session is not None:
+            ended = self.session.check()
+            size = self.session.size
+            self.session.stop()
+            self.session = None
+            print(f"taas: the session had already ended ({ended})" if ended else
+                  f"taas: session stopped; its {size} rank{'s' * (size != 1)} are gone")
+        elif stopped:
+            print("taas: the paused rank is gone")
+        else:
+            print("taas: no session is running")
+
+    def debug_command(self, words: list[str]) -> None:
+        """`%taas debug [RANK]`: the debugger in a rank whose cell raised, at its error."""
+        if len(words) > 1 or (words and not re.fullmatch(r"[0-9]{1,9}", words[0])):  # isdigit() takes "²"
+            raise TaasUsageError(f"%taas debug takes a rank number, or nothing; got {' '.join(words)[:40]!r}")
+        wanted = int(words[0]) if words else None
+        if self.paused is not None:
+            paused, self.paused = self.paused, None
+            if wanted is not None and wanted != paused.rank:
+                paused.group.close()
+                raise TaasUsageError(f"rank {wanted} did not fail: rank {paused.rank} was paused at its error")
+            debug_paused(paused.group, paused.rank, paused.spec, streams.write_to_cell, read_line)
+            return
+        session = self.session
+        if session is None or session.ended or not session.failed:
+            raise TaasUsageError("nothing to debug: no rank's cell failed in a session, and no rank is paused "
+                                 "(--debug in a one-shot cell keeps the first rank that fails)")
+        rank = session.failed[0] if wanted is None else wanted  # the first to fail: the one the cell named
+        if rank not in session.failed:
+            raise TaasUsageError(f"rank {rank}'s last cell did not fail: debug one of ranks "
+                                 f"{', '.join(map(str, sorted(session.failed)))}")
+        self.in_session(lambda: session.debug(rank, streams.write_to_cell, read_line))
+
+    # -- on the cluster -------------------------------------------------------------------------
+    def refuse_leaving_the_cluster(self) -> None:
+        """Leaving the cluster ends its agents, and with them the ranks of a session or a paused rank there."""
+        if self.session is not None and self.session.start == "cluster" and not self.session.check():
+            raise TaasUsageError(f"a session runs on the cluster ({count(self.session.size, 'rank')}): "
+                                 "%taas stop first, then change the cluster")
+        if self.paused is not None and self.paused.spec.on_cluster:
+            raise TaasUsageError(f"rank {self.paused.rank} is paused on the cluster (--debug): %taas debug or "
+                                 "%taas stop first, then change the cluster")
+
+    def cluster_nodes_in_use(self) -> tuple[set[str], str]:
+        """The ids of the cluster nodes the session or the paused rank holds, and what holds them."""
+        if self.session is not None and not self.session.check():
+            return _nodes_of(self.session.group), "the running session (%taas stop ends it)"
+        if self.paused is not None:
+            return _nodes_of(self.paused.group), "the paused rank (%taas stop lets it go)"
+        return set(), ""
+
+    # -- the end ----------------------------------------------------------------------------------
+    def close(self, why: str) -> None:
+        """End the paused rank and the session, ``why`` (in one line). An ended session stays, so that
+        the next taas cell says it ended instead of running as a one-shot cell."""
+        if self.let_paused_go():
+            print(f"taas: {why}: the paused rank is gone", file=sys.stderr)
+        if self.session is not None and not self.session.check():
+            self.session.stop(why)
+            print(f"taas: {why}: the session ended; its {count(self.session.size, 'rank')} "
+                  f"{'are' if self.session.size != 1 else 'is'} gone", file=sys.stderr)
+
+
+def _nodes_of(group: RankGroup) -> set[str]:
+    """The ids of the cluster nodes a run's group holds (none for a group on this machine)."""
+    return {node.node_id for node in group.placement.nodes} if isinstance(group, ClusterRanks) else set()

@@ -1,0 +1,277 @@
+"""Every message of a run, worded from its ``RunResult``: pure functions, no I/O.
+
+What the cell shows when a run fails, times out, is interrupted or ends its session (``error``,
+``session_ended``); the notices said after a cell; the lines about restarts. One-shot and session
+cells share these functions; where their words differ, the result's ``Policy`` says how.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Mapping, TypeVar
+
+from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded, plain
+from taas_magic.kernel.run_state import EndCause, Failure, Notice, Outcome, RunResult, quit_debugger
+from taas_magic.wire.events import Key, key_order
+from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
+
+RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
+Value = TypeVar("Value")
+
+
+def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | None:
+    """What the cell raises for ``result`` (None: it succeeded); ``cell_names`` names the notebook's
+    code files in stacks ("Cell In[5]")."""
+    if result.outcome is Outcome.DONE:
+        return None
+    if result.outcome is Outcome.FAILED:
+        message, lines = failure(result, result.policy.others_were)
+        if result.policy.keep:
+            lines.append(f"taas: the session goes on (%taas debug opens the debugger in "
+                         f"{name(result, result.failures[0].rank)} at the error)")
+        return RankFailed(message, lines)
+    if result.outcome is Outcome.TIMED_OUT:
+        return RunTimedOut(*timed_out(result, cell_names))
+    if result.outcome is Outcome.INTERRUPTED:
+        return RunInterrupted(interrupted(result))
+    return session_ended(result, cell_names)
+
+
+def failure(result: RunResult, others_were: str) -> tuple[str, list[str]]:
+    """The root cause, in one line and in full; what else failed after it, and what taas did to the others."""
+    failures = result.failures
+    root = failures[0]
+    who = name(result, root.rank)
+    message = f"{who} failed{' ' + root.where if root.where else ''}: {summary(root)}"
+    lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+    ended = _ended_before(result, root.time)
+    if ended:
+        lines.append(f"{BOLD}before {who} failed: {ended}{RESET}")
+    if root.details:
+        lines += [f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else
+                  f"{BOLD}last lines {who} wrote to stderr:{RESET}"]
+        lines += root.details
+    if root.hint:
+        lines.append(f"{BOLD}taas: {root.hint}{RESET}")
+    others = [f"{name(result, f.rank)} ({summary(f)})" for f in failures[1:]]
+    stopped = sorted(result.stopped - {f.rank for f in failures}, key=key_order)
+    if others:
+        lines.append(f"also failed, after {who}: " + "; ".join(others))
+    if stopped:
+        lines.append(f"{others_were} by taas after the failure: {names(result, stopped)}")
+    return plain(message), lines
+
+
+def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, list[str]]:
+    """``--timeout`` elapsed: which processes were still at work, and where each was."""
+    stacks = result.late or {}
+    late = sorted(stacks, key=key_order)
+    message = (f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, "
+               f"{result.policy.timeout_end}")
+    lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+    ended = _ended_before(result, float("inf"))
+    if ended:
+        lines.append(f"{BOLD}before the time ran out: {ended}{RESET}")
+    for key in late:
+        lines.append(f"{BOLD}{name(result, key)} was here when the time ran out:{RESET}")
+        lines += user_stack(stacks[key], cell_names) or ["(no stack received)"]
+    return message, lines
+
+
+def interrupted(result: RunResult) -> list[str]:
+    """The cell was interrupted: how each rank stopped (one-shot), or what taas interrupted (a session)."""
+    if result.policy.keep:
+        quit = f"the debugger was quit in {names(result, sorted(result.quit, key=key_order))}; " if result.quit else ""
+        stopped = (f"taas interrupted the cell in {names(result, sorted(result.stopped, key=key_order))}; "
+                   if result.stopped else "")
+        return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: {quit}{stopped}the session goes on"]
+    how = ", ".join(f"{rank}: {_describe_stop(code, result.records.get(rank))}"
+                    for rank, code in _in_order(result.exits) if isinstance(rank, int))
+    return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
+
+
+def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEnded:
+    """The session cannot go on: why, and what became of the cell."""
+    end = result.end
+    if end is None or end.cause is EndCause.INTERRUPTED_TWICE:
+        return SessionEnded(*_ended("interrupted twice while its ranks were leaving the cell"))
+    if end.cause is EndCause.RANK_EXITED:
+        rank = end.keys[0]
+        record = result.records.get(rank)
+        if isinstance(record, CellEnded) and record.exited:
+            why = f"rank {rank} ended the session with {record.exited}"
+        else:
+            why = f"rank {rank} {describe_exit(end.code) if end.code else 'exited'}"
+        return SessionEnded(*_ended(f"{why}: its process group cannot continue", list(end.tail)))
+    if end.cause is EndCause.PRODUCER_DIED:
+        message, lines = failure(result, result.policy.others_were)
+        return SessionEnded(f"{message}; the session ended",
+                            lines + [f"{RED}{BOLD}taas: the session ended: {name(result, end.keys[0])} cannot serve "
+                                     f"its loader any more{RESET}"])
+    stuck = list(end.keys)
+    message, lines = _ended(f"{names(result, stuck)} did not leave the interrupted cell within "
+                            f"{result.policy.leave_seconds:g} s (a collective waits for its peers there, or the code "
+                            "ignores interrupts)")
+    for key in stuck:
+        lines.append(f"{BOLD}{name(result, key)} was here:{RESET}")
+        lines += user_stack(end.stacks.get(key, ""), cell_names) or ["(no stack received)"]
+    if result.failures:  # why they were interrupted: the failure comes first
+        failed, failed_lines = failure(result, "stopped")  # the session ends: every rank is stopped
+        return SessionEnded(f"{failed}; {message}", failed_lines + lines)
+    return SessionEnded(message, lines)
+
+
+def session_over(why: str) -> SessionEnded:
+    """A cell sent to a session that ended before it."""
+    return SessionEnded(f"the session ended: {why}", [f"taas: the session ended: {why}"])
+
+
+def exited_between_cells(who: str, code: int) -> str:
+    return f"{who} {describe_exit(code) if code else 'exited'} between cells"
+
+
+def _ended(why: str, details: list[str] | None = None) -> tuple[str, list[str]]:
+    message = f"taas: the session ended: {why}"
+    lines = [f"{RED}{BOLD}{message}{RESET}"] + (["last lines it wrote to stderr:"] + details if details else [])
+    return plain(message), lines
+
+
+# -- after the cell -----------------------------------------------------------------------------
+def notices(result: RunResult) -> list[str]:
+    """One line per cell for each kind of thing taas did on the user's behalf (those the policy says)."""
+    lines = []
+    for notice in result.policy.notices:
+        if notice is Notice.SAVED_ON_NODE:
+            lines += [f"taas: rank 0 saved {record.path} on node {record.node}: a file saved under an absolute path "
+                      "stays on its node (save under a relative path to have it copied here)"
+                      for record in result.saved_on_nodes]
+        elif notice is Notice.SAVE_SKIPPED and result.saves_skipped:
+            paths = ", ".join(repr(path) for path in sorted(result.saves_skipped))
+            ranks = sorted(key for keys in result.saves_skipped.values() for key in keys if isinstance(key, int))
+            lines.append(f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
+                         "(guard other writes with taas.is_main())")
+        elif notice is Notice.DELIVERY:
+            lines += _delivery_summaries(result)
+    return lines
+
+
+def _delivery_summaries(result: RunResult) -> list[str]:
+    per_loader: dict[str, list[DeliverySummary]] = {}
+    for _, record in _in_order(result.records):
+        for loader, summary_ in (record.delivery if isinstance(record, CellEnded) else {}).items():
+            per_loader.setdefault(loader, []).append(summary_)
+    lines = []
+    for loader, summaries in sorted(per_loader.items()):
+        taken = sum(s.taken for s in summaries)
+        span = max((s.span for s in summaries), default=0.0)
+        waited = sum(s.waited for s in summaries) / len(summaries)
+        share = waited / span if span > 0 else 0.0
+        first = max(s.first_wait for s in summaries)
+        rate = f"{taken / span:,.0f} elements/s" if span > 0 else "—"
+        ranks = f"{len(summaries)} rank{'s' if len(summaries) != 1 else ''}"
+        lines.append(f"taas: {loader}: {taken} elements delivered to {ranks}, {rate}, "
+                     f"ranks waited for data {share:.0%} of the time (first element after {first * 1000:.0f} ms)")
+    return lines
+
+
+def restarting(result: RunResult, restart: int, max_restarts: int) -> str:
+    return (f"taas: {failure(result, result.policy.others_were)[0]}: every rank starts again (restart {restart} of "
+            f"--max-restarts {max_restarts})\n")
+
+
+def restarts_spent(max_restarts: int) -> str:
+    return f"taas: --max-restarts {max_restarts} spent: the cell fails with the last failure\n"
+
+
+# -- pieces ---------------------------------------------------------------------------------------
+def summary(failure_: Failure) -> str:
+    """One line: "ValueError: boom" or "killed by signal SIGSEGV"."""
+    if failure_.raised is None:
+        return describe_exit(failure_.code)
+    return f"{failure_.raised[0]}: {failure_.raised[1]}".rstrip(": ")
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            signame = signal.Signals(-code).name
+        except ValueError:
+            signame = f"signal {-code}"
+        return f"killed by signal {signame}"
+    return f"exited with code {code} before the cell finished"
+
+
+def user_stack(dump: str, cell_names: Mapping[str, str]) -> list[str]:
+    """A faulthandler dump cut to what matters: no taas threads, nothing below the cell's code."""
+    kept: list[str] = []
+    for block in dump.strip().split("\n\n"):
+        frames = block.splitlines()
+        if not frames or any("taas_magic" in line and " in watch" in line for line in frames):
+            continue  # the rank's lifeline thread
+        header, frames = frames[0], frames[1:]
+        inside = _until_taas(frames)
+        for filename, label in cell_names.items():
+            inside = [line.replace(f'File "{filename}"', label) for line in inside]
+        kept += [header] + inside
+    return kept
+
+
+def _until_taas(frames: list[str]) -> list[str]:
+    """Frames above the point where taas started the process's work (most recent first)."""
+    for index, line in enumerate(frames):
+        if "/taas_magic/rank/worker.py" in line or "/taas_magic/launch/fork/backend.py" in line:
+            return frames[:index]
+    return frames
+
+
+def name(result: RunResult, key: Key) -> str:
+    return result.labels.get(key, f"rank {key}")
+
+
+def names(result: RunResult, keys: list[Key]) -> str:
+    ranks = sorted(key for key in keys if isinstance(key, int))
+    others = [name(result, key) for key in sorted(keys, key=key_order) if not isinstance(key, int)]
+    return "; ".join(([_ranks(ranks)] if ranks else []) + others)
+
+
+def _ended_before(result: RunResult, moment: float) -> str:
+    """Ranks whose cell ended without error before ``moment``: often why the others failed or hung.
+
+    A rank that called sys.exit(0) ended as if it succeeded, but left its peers' collectives; so did
+    one that left without a word (``os._exit(0)``): it exited with status 0 while its cell ran. Such
+    a rank is no failure, and nothing else names it; taas did not stop it (it left before taas knew
+    of a failure or a timeout). That order, not the clock, puts it before the failure: taas sees an
+    exit a moment after it happened, and the peer it broke may have timed its own failure earlier.
+    """
+    ranks_by_end: dict[str, list[int]] = {}
+    for rank, record in _in_order(result.records):
+        if isinstance(rank, int) and isinstance(record, CellEnded) and record.time < moment:
+            how = f"exited early with {record.exited}" if record.exited else "had finished the cell"
+            ranks_by_end.setdefault(how, []).append(rank)
+    for rank, code in _in_order(result.exits):
+        if isinstance(rank, int) and code == 0 and rank not in result.records and rank not in result.stopped:
+            ranks_by_end.setdefault(describe_exit(code), []).append(rank)
+    return "; ".join(f"{_ranks(ranks)} {how}" for how, ranks in ranks_by_end.items())
+
+
+def _is_traceback(failure_: Failure) -> bool:
+    return not summary(failure_).startswith(("killed by", "exited with"))
+
+
+def _describe_stop(code: int, record: CellEnded | Failed | None) -> str:
+    if record is not None and quit_debugger(record):
+        return "quit the debugger"
+    if isinstance(record, Failed) and record.interrupted:
+        return "KeyboardInterrupt"
+    if isinstance(record, CellEnded):
+        return f"had exited with {record.exited}" if record.exited else "had finished"
+    return describe_exit(code) if code else "exited"
+
+
+def _in_order(by_key: Mapping[Key, Value]) -> list[tuple[Key, Value]]:
+    """The items of ``by_key``: ranks first, by number, then producers."""
+    return sorted(by_key.items(), key=lambda item: key_order(item[0]))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -1,0 +1,514 @@
+"""The run state machine: what a run's events mean and what to do about them, with no I/O at all.
+
+A run is the set of processes taas watches until each has ended its work: ranks, and the data
+producers that feed them. ``RunState`` takes what happens — a process's report, its result, its
+exit, its debugger's prompt, the clock, the user's interrupt — and answers with actions for the
+pump (``controller.Pump``) to carry out: send a signal, take the stacks of the late ranks, redraw
+the live view, ask the user for a line or answer for them, end the session. Once the run is over,
+``result()`` is its frozen ``RunResult``, and ``render`` words every message from that.
+
+    RUNNING ──(a failure · every rank done · --timeout · an interrupt)──► STOPPING ──► OVER
+
+One-shot cells and session cells are two ``Policy`` values over this one machine:
+
+- ``ONE_SHOT``: a stop sends SIGTERM, then SIGKILL 3 s later (an interrupt: SIGINT, SIGTERM after
+  3 s, SIGKILL after 6 s; another interrupt sends the next one now); the work is over when every
+  process has exited (but a rank paused at its error by ``--debug``).
+- ``SESSION``: the ranks outlive the cell. A stop interrupts the cell (SIGINT) in the ranks still
+  in it; the work is over when each rank of the cell has said how the cell ended there. A rank
+  that exits, a producer that dies, ranks that do not leave an interrupted cell within 5 s and a
+  second interrupt end the session.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Mapping, Union
+
+from taas_magic.wire.events import Key, Producer, key_order
+from taas_magic.wire.records import CellEnded, Failed, Record, SavedOnNode, SaveSkipped
+
+VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
+VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a view drawn for an instant is noise
+
+Step = tuple[float, int]  # (seconds after the stop began, signal to send)
+
+
+class Phase(Enum):
+    RUNNING = "running"  # the processes work
+    STOPPING = "stopping"  # taas stops them: signals escalate, or the ranks leave an interrupted cell
+    OVER = "over"  # every process's work is over, or the session ended
+
+
+class StopCause(Enum):
+    FAILURE = "failure"  # a process failed on its own
+    FINISHED = "finished"  # every rank is done: only the producers run, and their work is over
+    TIMEOUT = "timeout"  # --timeout elapsed
+    INTERRUPT = "interrupt"  # the user interrupted the cell, or quit a rank's debugger
+
+
+class Outcome(Enum):
+    """How a run ended; the value is the live view's word for it."""
+
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed out"
+    INTERRUPTED = "interrupted"
+    SESSION_ENDED = "session ended"
+
+
+class EndCause(Enum):
+    """Why a session cannot go on."""
+
+    RANK_EXITED = "rank exited"  # its process group cannot continue
+    PRODUCER_DIED = "producer died"  # its loader's ranks would wait for elements that never come
+    STUCK = "stuck"  # ranks did not leave an interrupted cell in time
+    INTERRUPTED_TWICE = "interrupted twice"  # the user would not wait for the ranks to leave the cell
+
+
+class Notice(Enum):
+    """A kind of thing taas did on the user's behalf, said in a line after the cell."""
+
+    SAVED_ON_NODE = "saved on node"
+    SAVE_SKIPPED = "save skipped"
+    DELIVERY = "delivery"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a run is steered and worded: the one-shot cell and the session cell differ here alone."""
+
+    keep: bool  # the ranks outlive the cell: it is over once each said how it ended there; an exit ends the session
+    on_failure: tuple[Step, ...]  # the signals when a process failed, the ranks are done or the time ran out
+    on_interrupt: tuple[Step, ...]  # the signals when the user interrupted the cell or quit a debugger
+    again_ends: bool  # an interrupt while stopping ends the session (else: the next signal now)
+    interrupt_at_once: bool  # an interrupt's first signal goes out at once (else: with the next tick)
+    leave_seconds: float | None  # ranks still in an interrupted cell after this long end the session
+    own_interrupt_stops: bool  # a KeyboardInterrupt a cell raised itself stops the other processes
+    pauses: bool  # --debug keeps the first rank that raised, paused at its error
+    order: tuple[Outcome, ...]  # which outcome the cell reports when several happened, the first that did
+    notices: tuple[Notice, ...]  # the notices said after the cell
+    others_were: str  # what taas did to the other ranks after a failure, as its message says it
+    timeout_end: str  # how the message of --timeout ends
+
+
+ONE_SHOT = Policy(
+    keep=False,
+    on_failure=((0.0, signal.SIGTERM), (3.0, signal.SIGKILL)),
+    # SIGINT first, so that `finally` blocks and Lightning's shutdown run.
+    on_interrupt=((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKILL)),
+    again_ends=False,
+    interrupt_at_once=False,
+    leave_seconds=None,
+    own_interrupt_stops=True,
+    pauses=True,
+    order=(Outcome.INTERRUPTED, Outcome.TIMED_OUT, Outcome.FAILED),
+    notices=(Notice.SAVED_ON_NODE, Notice.SAVE_SKIPPED, Notice.DELIVERY),
+    others_were="stopped",
+    timeout_end="now stopped",
+)
+SESSION = Policy(
+    keep=True,
+    on_failure=((0.0, signal.SIGINT),),  # the others may wait for the failed rank forever in a collective
+    on_interrupt=((0.0, signal.SIGINT),),
+    again_ends=True,
+    interrupt_at_once=True,
+    leave_seconds=5.0,
+    own_interrupt_stops=False,
+    pauses=False,
+    order=(Outcome.FAILED, Outcome.TIMED_OUT, Outcome.INTERRUPTED),
+    notices=(Notice.DELIVERY,),
+    others_were="interrupted",
+    timeout_end="now interrupted; the session goes on",
+)
+
+
+# -- what the machine asks the pump to do ------------------------------------------------------
+@dataclass(frozen=True)
+class Signal:
+    signum: int
+    keys: tuple[Key, ...] | None  # None: every process still running
+
+
+@dataclass(frozen=True)
+class TakeStacks:
+    """Take these processes' stacks and hand them to ``stacks_taken``: for ``--timeout`` (``late``: the
+    events that came meanwhile are taken first: a rank that ended its cell is not late), or for ranks
+    that did not leave an interrupted cell."""
+
+    keys: tuple[Key, ...]
+    late: bool
+
+
+@dataclass(frozen=True)
+class ShowView:
+    elapsed: float  # seconds since the run started
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Ask the user for a line for ``key``'s debugger; tell ``waited`` how long it took."""
+
+    key: Key
+    prompt: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Answer ``key``'s debugger without asking: the run is being stopped."""
+
+    key: Key
+    line: str
+
+
+@dataclass(frozen=True)
+class MarkEnded:
+    """The live view's row of ``key`` ends in ``state``: done, failed or stopped."""
+
+    key: Key
+    state: str
+
+
+@dataclass(frozen=True)
+class EndSession:
+    """The session cannot go on: the cell ends with ``render.session_ended(result())``."""
+
+
+Action = Union[Signal, TakeStacks, ShowView, Prompt, Answer, MarkEnded, EndSession]
+
+
+# -- what the machine hands back -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Failure:
+    """A process that failed on its own: its cell raised (``raised``), or it died or exited non-zero (``code``)."""
+
+    rank: Key
+    time: float
+    details: tuple[str, ...]  # traceback lines, or the last stderr lines of a crash
+    where: str = ""  # what the process was doing: "at element 5 of pass 0 (samples …)"
+    hint: str = ""  # advice for a mistake the rank recognized: "this run is on CPU …"
+    raised: tuple[str, str] | None = None  # (exception type, message)
+    code: int = 0  # the exit status of a process that ended without a record
+    interrupted: bool = False  # what it raised was a KeyboardInterrupt
+
+
+@dataclass(frozen=True)
+class SessionEnd:
+    """Why a session ended, with what its message shows."""
+
+    cause: EndCause
+    keys: tuple[Key, ...] = ()  # the process that exited, or those that did not leave the cell
+    code: int = 0  # the exit status of the process that exited
+    tail: tuple[str, ...] = ()  # the last lines it wrote to stderr, when it did not exit with 0
+    stacks: Mapping[Key, str] = field(default_factory=dict)  # where the ranks that did not leave were
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a run ended: everything its messages are rendered from."""
+
+    policy: Policy
+    outcome: Outcome
+    failures: tuple[Failure, ...]  # the processes that failed on their own, the first (the root cause) first
+    results: bytes  # rank 0's pickled names
+    skipped: Mapping[str, str]  # rank 0's names that could not be sent back, and why
+    records: Mapping[Key, CellEnded | Failed]  # how each process's cell ended
+    exits: Mapping[Key, int]  # the exit status of each process that exited
+    stopped: frozenset[Key]  # the processes taas stopped (or interrupted) before they failed on their own
+    quit: frozenset[Key]  # the ranks whose debugger the user quit
+    late: Mapping[Key, str] | None  # when --timeout elapsed: each process still at work, and where it was
+    interrupted: bool  # the user interrupted the cell (or quit a debugger)
+    saves_skipped: Mapping[str, frozenset[Key]]  # path -> the ranks whose torch.save was skipped
+    saved_on_nodes: tuple[SavedOnNode, ...]  # rank 0's saves that stay on a cluster node
+    end: SessionEnd | None  # why the session ended, if it did
+    labels: Mapping[Key, str]  # names of the processes that are not ranks: "producer 0 of train_loader"
+    timeout: float | None  # the --timeout, in seconds
+
+    @property
+    def seen_as(self) -> Outcome:
+        """How the ranks' work ended, as the live view's summary says it: an interrupt first, then the
+        time, then a failure (a session cell reports a failure first, its view an interrupt)."""
+        return _outcome(ONE_SHOT.order, self.interrupted, self.late is not None, bool(self.failures))
+
+
+# -- the machine ----------------------------------------------------------------------------------
+@dataclass
+class _Stop:
+    """Stopping, since ``started``: the signals of ``steps`` sent so far."""
+
+    cause: StopCause
+    steps: tuple[Step, ...]
+    started: float
+    sent: int = 0
+
+    def due(self, now: float) -> list[int]:
+        due = [signum for delay, signum in self.steps[self.sent :] if now - self.started >= delay]
+        self.sent += len(due)
+        return due
+
+    def skip_ahead(self) -> list[int]:
+        """An impatient second interrupt: the next step now."""
+        if self.sent >= len(self.steps):
+            return []
+        self.sent += 1
+        return [self.steps[self.sent - 1][1]]
+
+
+@dataclass
+class _Ledger:
+    """What the processes reported and how they exited."""
+
+    records: dict[Key, CellEnded | Failed] = field(default_factory=dict)
+    results: bytes = b""
+    saves_skipped: dict[str, set[Key]] = field(default_factory=dict)
+    saved_on_nodes: list[SavedOnNode] = field(default_factory=list)
+    exits: dict[Key, tuple[int, float]] = field(default_factory=dict)  # exit status, when taas saw it
+    tails: dict[Key, tuple[str, ...]] = field(default_factory=dict)  # the last stderr lines of those that exited
+
+
+class RunState:
+    """One run's state: events and the clock in, actions out (see the module's docstring).
+
+    ``ranks`` are a session cell's ranks; ``deadline`` is when ``--timeout`` elapses (the clock stops
+    while a person is at a debugger's prompt: see ``waited``); ``debug`` is ``--debug``.
+    """
+
+    def __init__(self, policy: Policy, now: float, *, ranks: Iterable[int] = (), deadline: float | None = None,
+                 debug: bool = False, timeout: float | None = None, labels: Mapping[Key, str] | None = None):
+        self.policy = policy
+        self.started = now
+        self.ranks = frozenset(ranks)
+        self.deadline = deadline
+        self.debug = debug and policy.pauses
+        self.timeout = timeout
+        self.labels = dict(labels or {})
+        self.ledger = _Ledger()
+        self.running: frozenset[Key] = frozenset()  # as the group said last
+        self.stop: _Stop | None = None
+        self.stopped: set[Key] = set()  # processes taas signalled before they failed on their own
+        self.retired: set[Key] = set()  # producers stopped because every rank was done: how they end does not matter
+        self.paused: set[int] = set()  # --debug: the rank that raised first, waiting for the debugger
+        self.quit: set[Key] = set()  # ranks whose debugger the user quit (q, or an interrupt at its prompt)
+        self.late: dict[Key, str] | None = None  # process -> its stack, once --timeout elapsed
+        self.interrupted = False
+        self.end: SessionEnd | None = None
+        self.finished = False
+        self.view_shown = 0.0  # when the live view was last drawn
+
+    @property
+    def phase(self) -> Phase:
+        if self.end is not None or self.finished:
+            return Phase.OVER
+        return Phase.RUNNING if self.stop is None else Phase.STOPPING
+
+    def over(self, running: Iterable[Key]) -> bool:
+        """Whether the run is over, ``running`` being the processes still running: asked before each step."""
+        self.running = frozenset(running)
+        if self.end is None:
+            if self.policy.keep:
+                self.finished = not (self._in_cell() or self._exiting() or self._producer_failed())
+            else:
+                self.finished = not self.running - self.paused
+        return self.phase is Phase.OVER
+
+    # -- events ----------------------------------------------------------------------------------
+    def reported(self, key: Key, record: Record) -> None:
+        ledger = self.ledger
+        if isinstance(record, SaveSkipped):
+            ledger.saves_skipped.setdefault(record.path, set()).add(key)
+        elif isinstance(record, SavedOnNode):
+            ledger.saved_on_nodes.append(record)
+        elif isinstance(record, (CellEnded, Failed)):
+            ledger.records[key] = record
+            if quit_debugger(record):
+                self.quit.add(key)
+            elif (self.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
+                    and not record.interrupted):
+                self.paused.add(key)  # it waits for the debugger (rank.session.await_debugger)
+
+    def result_sent(self, data: bytes) -> None:
+        self.ledger.results = data
+
+    def exited(self, key: Key, code: int, now: float, tail: Iterable[str] = ()) -> list[Action]:
+        """``key``'s process is gone, with exit status ``code``; ``tail``: the last lines it wrote to stderr."""
+        if not self.policy.keep:
+            self.ledger.exits[key] = (code, now)
+            self.ledger.tails[key] = tuple(tail)
+            return [MarkEnded(key, "stopped" if key in self.stopped else "failed" if code else "done")]
+        if isinstance(key, Producer):
+            if code == 0:
+                return []  # its share of a stream cut by --units is built and sent
+            self.ledger.exits[key] = (code, now)
+            self.ledger.tails[key] = tuple(tail)
+            return self._end_session(SessionEnd(EndCause.PRODUCER_DIED, (key,), code))
+        return self._end_session(SessionEnd(EndCause.RANK_EXITED, (key,), code, tuple(tail) if code else ()))
+
+    def input_requested(self, key: Key, prompt: str) -> list[Action]:
+        """``key``'s debugger waits for a line: the user's, or "quit" once the cell is being stopped."""
+        if self._stopping():
+            self.stopped.add(key)
+            return [Answer(key, "quit")]
+        return [Prompt(key, prompt)]
+
+    def waited(self, seconds: float) -> None:
+        """A person spent ``seconds`` at a prompt: they do not count toward --timeout."""
+        if self.deadline is not None:
+            self.deadline += seconds
+
+    def view(self, now: float, changed: bool) -> list[Action]:
+        """Whether to redraw the live view, which ``changed`` since it was drawn: at most every
+        ``VIEW_SECONDS``, and not in a run's first ``VIEW_FIRST_SECONDS``."""
+        if changed and now - self.view_shown >= VIEW_SECONDS and now - self.started >= VIEW_FIRST_SECONDS:
+            self.view_shown = now
+            return [ShowView(now - self.started)]
+        return []
+
+    def tick(self, now: float, running: Iterable[Key]) -> list[Action]:
+        """The clock: begin stopping, send the signals that are due."""
+        self.running = frozenset(running)
+        actions = self._decide(now) if self.stop is None else []
+        return actions + self._due(now)
+
+    def interrupt(self, now: float, running: Iterable[Key]) -> list[Action]:
+        """The user interrupted the cell."""
+        self.running = frozenset(running)
+        return self._interrupt(now) + (self._due(now) if self.policy.interrupt_at_once else [])
+
+    def stacks_taken(self, asked: TakeStacks, stacks: Mapping[Key, str], now: float,
+                     running: Iterable[Key]) -> list[Action]:
+        """The stacks ``asked`` for: the processes still late are stopped; ranks stuck in the cell end the session."""
+        self.running = frozenset(running)
+        if not asked.late:
+            return self._end_session(SessionEnd(EndCause.STUCK, asked.keys, stacks=dict(stacks)))
+        late = self._late()
+        still = [key for key in asked.keys if key in late]  # one that ended its cell meanwhile is not late
+        if still:
+            self.late = {key: stacks.get(key, "") for key in still}
+            self.paused.clear()  # the time is up for the paused rank too
+            self._begin(StopCause.TIMEOUT, now)
+        return self._due(now)
+
+    # -- decisions --------------------------------------------------------------------------------
+    def _decide(self, now: float) -> list[Action]:
+        working = self.running - self.paused
+        if self._failing():
+            self._begin(StopCause.FAILURE, now)
+        elif self.quit:
+            return self._interrupt(now)  # quitting a debugger is the user stopping the run: never restarted
+        elif not self.policy.keep and working and not any(isinstance(key, int) for key in working):
+            self.retired = set(working)  # every rank is done: the producers' work is over
+            self._begin(StopCause.FINISHED, now)
+        elif self.deadline is not None and now >= self.deadline:
+            return [TakeStacks(tuple(sorted(self._late(), key=key_order)), late=True)]
+        return []
+
+    def _interrupt(self, now: float) -> list[Action]:
+        self.interrupted = True
+        self.paused.clear()  # an interrupt stops every rank, the paused one too
+        if self.stop is not None and self.policy.again_ends:
+            return self._end_session(SessionEnd(EndCause.INTERRUPTED_TWICE))
+        if self.stop is not None and self.stop.cause is StopCause.INTERRUPT:
+            return [Signal(signum, None) for signum in self.stop.skip_ahead()]
+        self._begin(StopCause.INTERRUPT, now)
+        return []
+
+    def _begin(self, cause: StopCause, now: float) -> None:
+        self.stopped |= set(self._targets())
+        self.stop = _Stop(cause, self.policy.on_interrupt if cause is StopCause.INTERRUPT else self.policy.on_failure,
+                          now)
+
+    def _due(self, now: float) -> list[Action]:
+        """The signals due by ``now``; the stacks of ranks that did not leave an interrupted cell in time."""
+        if self.stop is None or self.end is not None:
+            return []
+        actions: list[Action] = [Signal(signum, self._targets()) for signum in self.stop.due(now)]
+        leave = self.policy.leave_seconds
+        if leave is not None and now - self.stop.started > leave and self._in_cell():
+            actions.append(TakeStacks(self._targets(), late=False))
+        return actions
+
+    def _end_session(self, end: SessionEnd) -> list[Action]:
+        self.end = end
+        return [EndSession()]
+
+    # -- what the run is at -----------------------------------------------------------------------
+    def _targets(self) -> tuple[Key, ...]:
+        """What a stop signals: a session's ranks still in the cell; else every running process but a paused rank."""
+        return tuple(sorted(self._in_cell() if self.policy.keep else self.running - self.paused, key=key_order))
+
+    def _late(self) -> set[Key]:
+        """The processes still at their work when the time runs out (one sending its names back is not)."""
+        return self._in_cell() if self.policy.keep else set(self.running - set(self.ledger.records))
+
+    def _in_cell(self) -> set[Key]:
+        return {rank for rank in self.ranks if rank not in self.ledger.records}
+
+    def _exiting(self) -> bool:
+        """A rank's cell called sys.exit(): the rank is ending (its exit ends the session)."""
+        return any(isinstance(record, CellEnded) and record.exited for record in self.ledger.records.values())
+
+    def _producer_failed(self) -> bool:
+        """A producer reported its failure: its exit, which ends the session, follows."""
+        return any(isinstance(key, Producer) and isinstance(record, Failed)
+                   for key, record in self.ledger.records.items())
+
+    def _failing(self) -> bool:
+        """A process failed on its own: the others are stopped."""
+        return any(self.policy.own_interrupt_stops or not failure.interrupted for failure in self.failures())
+
+    def _stopping(self) -> bool:
+        """Whether the processes are being stopped (a failure, a quit debugger, an interrupt, --timeout)."""
+        return self.stop is not None or bool(self.quit) or self._failing()
+
+    def failures(self) -> list[Failure]:
+        """The processes that failed on their own, the first to fail (the root cause) first."""
+        ledger = self.ledger
+        if self.policy.keep:  # a session's ranks stay: their cell ended when they said so
+            ended = {key: (0, self.started) for key in ledger.records}
+        else:
+            ended = dict(ledger.exits)
+            ended.update({rank: (0, self.started) for rank in self.paused})  # it failed, and waits
+        failures = []
+        for key, (code, when) in sorted(ended.items(), key=lambda item: key_order(item[0])):
+            record = ledger.records.get(key)
+            if key in self.retired:
+                continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
+            if isinstance(record, Failed):
+                if (record.interrupted and key in self.stopped) or key in self.quit:
+                    continue  # taas interrupted it, or the user quit its debugger
+                failures.append(Failure(key, record.time or when, tuple(record.traceback), record.where, record.hint,
+                                        (record.ename, record.evalue), interrupted=record.interrupted))
+            elif code != 0 and key not in self.stopped:
+                failures.append(Failure(key, when, ledger.tails.get(key, ()), code=code))
+        return sorted(failures, key=lambda failure: failure.time)
+
+    def result(self) -> RunResult:
+        ledger, end = self.ledger, self.end
+        failures = self.failures()
+        if end is not None and end.cause is EndCause.PRODUCER_DIED and not failures:
+            code, when = ledger.exits[end.keys[0]]  # it died without a word
+            failures = [Failure(end.keys[0], when, ledger.tails.get(end.keys[0], ()), code=code)]
+        outcome = (Outcome.SESSION_ENDED if end is not None else
+                   _outcome(self.policy.order, self.interrupted, self.late is not None, bool(failures)))
+        first = ledger.records.get(0)
+        return RunResult(
+            policy=self.policy, outcome=outcome, failures=tuple(failures), results=ledger.results,
+            skipped=dict(first.skipped) if isinstance(first, CellEnded) else {}, records=dict(ledger.records),
+            exits={key: code for key, (code, _) in ledger.exits.items()}, stopped=frozenset(self.stopped),
+            quit=frozenset(self.quit), late=None if self.late is None else dict(self.late),
+            interrupted=self.interrupted,
+            saves_skipped={path: frozenset(keys) for path, keys in ledger.saves_skipped.items()},
+            saved_on_nodes=tuple(ledger.saved_on_nodes), end=end, labels=dict(self.labels), timeout=self.timeout)
+
+
+def _outcome(order: tuple[Outcome, ...], interrupted: bool, timed_out: bool, failed: bool) -> Outcome:
+    """The first outcome of ``order`` that happened; done if none did."""
+    happened = {Outcome.INTERRUPTED: interrupted, Outcome.TIMED_OUT: timed_out, Outcome.FAILED: failed}
+    return next((outcome for outcome in order if happened.get(outcome)), Outcome.DONE)
+
+
+def quit_debugger(record: CellEnded | Failed) -> bool:
+    """The user quit a ``breakpoint()``'s debugger (``q``, or an interrupt at its prompt): pdb raised BdbQuit."""
+    return isinstance(record, Failed) and record.ename == "BdbQuit"

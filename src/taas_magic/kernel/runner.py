@@ -1,0 +1,280 @@
+"""A taas cell's run, from its parsed options to rank 0's names in the notebook: a one-shot run, the
+first cell of a session (`--keep`), or a cell in the running session.
+
+    options ─► LaunchSpec ─► compiled cell ─► RankTask (built once, by the backend's ``prepare``)
+            ─► backend.start / session ─► controller (pump, restarts) ─► rank 0's names back
+
+Which backend starts the ranks (fork, the fork server, the cluster) is decided here; what each needs
+besides the task is its own plan, which this module never looks into.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+from typing import Any
+
+from IPython.core.interactiveshell import InteractiveShell
+
+from taas_magic.configurations import load_catalog
+from taas_magic.delivery.service import producer_labels
+from taas_magic.errors import TaasUsageError
+from taas_magic.kernel import cell_source, controller, delivery_planning, environment, streams
+from taas_magic.kernel.cluster_link import ClusterLink
+from taas_magic.kernel.kept import Kept, read_line
+from taas_magic.kernel.pragma import PragmaTransformer
+from taas_magic.kernel.run_state import RunResult
+from taas_magic.kernel.session import Session
+from taas_magic.kernel.settings import Defaults
+from taas_magic.kernel.spec import LaunchSpec, build, resolve_start
+from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
+from taas_magic.launch.fork.backend import ForkBackend
+from taas_magic.launch.forkserver.client import ForkServerBackend
+from taas_magic.launch.rendezvous import new_run_id
+from taas_magic.process import cell_files, machine
+from taas_magic.rank import plugins
+from taas_magic.rank.state import draw_base_seed
+from taas_magic.wire import results, shipping
+from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask
+
+
+class CellRunner:
+    """Runs taas cells in ``shell``: forked from it, from the fork server, or on the cluster of ``link``;
+    what outlives a cell (a session, a paused rank) is ``kept``'s."""
+
+    def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer, link: ClusterLink, kept: Kept,
+                 fork_backend: ForkBackend, forkserver_backend: ForkServerBackend):
+        self.shell = shell
+        self.transformer = transformer
+        self.link = link
+        self.kept = kept
+        self.fork_backend = fork_backend
+        self.forkserver_backend = forkserver_backend
+
+    def run(self, args: argparse.Namespace, defaults: Defaults, line: str, cell: str) -> None:
+        """Run ``cell`` with the options ``args`` (``defaults`` for those it left out)."""
+        self.kept.let_paused_go()
+        session = self.kept.live_session()
+        if session is not None and not args.keep:
+            self._run_in_session(session, args, defaults, line, cell)
+            return
+        if args.keep and session is not None:
+            raise TaasUsageError(f"a session is running ({session.size} ranks): %taas stop first, "
+                                 "or leave out --keep to run the cell in it")
+        if args.ranks is not None:
+            raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))} runs a cell in part of a session, "
+                                 "and none is running: start one with --keep")
+        catalog = load_catalog()
+        spec = build(defaults.fill_in(args), catalog, machine.detect(), os.environ,
+                     connected=self.link.address is not None)
+        compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
+        analysed = compiled.cell
+        _import_torch_once()
+        loaders = self._served_loaders(spec) if spec.keep else self._loaders(spec, analysed)
+        if spec.keep and loaders:  # the ranks need each served loader whether this cell names it or not
+            analysed = dataclasses.replace(analysed, reads=analysed.reads | {plan.name for plan in loaders})
+        wanted = results.wanted(analysed.binds, spec.return_names)
+        seed = draw_base_seed()
+
+        def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
+            return RankTask(code=compiled.code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
+                            return_names=wanted, seed=seed, keep=spec.keep, idle_limit=spec.idle_limit,
+                            debug=spec.debug, sources=sources, context=context)
+
+        if spec.on_cluster:
+            result = self._launch(self.link.backend(spec, catalog), spec, make_task, analysed, loaders, defaults.view)
+        elif self._choose_start(spec) == "fork":
+            result = self._launch(self.fork_backend, spec, make_task, analysed, loaders, defaults.view)
+        else:
+            result = self._launch(self.forkserver_backend, spec, make_task, analysed, loaders, defaults.view)
+        self._take_back(result, spec.return_names)
+
+    def _launch(self, backend: Backend[PlanT], spec: LaunchSpec, make_task: MakeTask, cell: Cell,
+                loaders: tuple[LoaderPlan, ...], view: bool) -> RunResult:
+        """Prepare ``backend``'s plan and run it: a one-shot run, or a session's first cell."""
+        plan = backend.prepare(make_task, cell)
+        try:
+            if spec.keep:
+                return self._start_session(spec, backend, plan, loaders, view)
+            return controller.run(spec, plan, backend, streams.write_to_cell, os.environ, self._cell_names(),
+                                  labels=producer_labels(loaders), status=self._view_display(view),
+                                  keep_paused=functools.partial(self.kept.keep_paused, spec), read_line=read_line)
+        finally:
+            plan.close()  # what the plan held here (a memory file of shipped tensors)
+            streams.give_back_freed_memory()
+
+    def _choose_start(self, spec: LaunchSpec) -> str:
+        """Fork when it is safe, else the fork server."""
+        can_fork = hasattr(os, "fork")
+        # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
+        unsafe = machine.cuda_initialized_in_kernel() or (
+            spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda())
+        start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork,
+                                      grpc_threads=can_fork and machine.grpc_threads_in_kernel())
+        if notice:
+            print(notice, file=sys.stderr)
+        return start
+
+    def _cell_names(self) -> dict[str, str]:
+        return cell_files.cell_labels(self.shell)
+
+    def _view_display(self, view: bool) -> controller.Status | None:
+        """Where this cell's live view is shown (None when the view is off)."""
+        return ViewDisplay(live=getattr(self.shell, "kernel", None) is not None).show if view else None
+
+    # -- sessions -------------------------------------------------------------------------------
+    def _start_session(self, spec: LaunchSpec, backend: Backend[PlanT], plan: PlanT,
+                       loaders: tuple[LoaderPlan, ...], view: bool) -> RunResult:
+        """Start the ranks of a session, and the producers of ``loaders``; they run this cell first, and stay."""
+        launch = environment.launch(spec, new_run_id(), os.environ)
+        namespace = self.shell.user_ns
+        holding = plan.holding
+        if holding is not None:
+            known = {name: shipping.fingerprint(namespace[name]) for name in holding.names if name in namespace}
+            sources = set(holding.sources)
+        else:
+            known = {name: shipping.fingerprint(value) for name, value in namespace.items()
+                     if not name.startswith("_")}  # forked: the ranks have every name as it is now
+            sources = set(self._cell_names())
+        group = backend.start(plan, launch)
+        session = self.kept.session = Session(group, spec, backend.name, known, sources)
+        session.serve(loaders, namespace)
+        session.status = self._view_display(view)
+        return self.kept.in_session(lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(),
+                                                               read_line))
+
+    def _run_in_session(self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str,
+                        cell: str) -> None:
+        _check_fits_session(args, session)
+        ranks = list(args.ranks) if args.ranks is not None else list(range(session.size))
+        outside = [rank for rank in ranks if rank >= session.size]
+        if outside:
+            raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))}: the session has ranks 0-{session.size - 1}")
+        spec = dataclasses.replace(session.spec, output=args.output or defaults.output, timeout=args.timeout,
+                                   return_names=args.return_names)
+        compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
+        analysed = compiled.cell
+        new = self._session_loaders(analysed, session, ranks)
+        session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
+        wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
+        prepared, shipment, sent = session.prepare(analysed, compiled.code, wanted)
+        prepared = session.begin_serving(prepared, new, self.shell.user_ns)
+        session.status = self._view_display(defaults.view)  # this cell's view
+        try:
+            result = self.kept.in_session(lambda: session.run(
+                prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), read_line))
+            session.shipped(sent)
+        finally:
+            if shipment is not None:
+                shipment.close()
+            streams.give_back_freed_memory()
+        self._take_back(result, spec.return_names)
+
+    # -- registered loaders ---------------------------------------------------------------------
+    def _loaders(self, spec: LaunchSpec, cell: Cell) -> tuple[LoaderPlan, ...]:
+        """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
+        names = delivery_planning.loaders_used(cell.reads, self.shell.user_ns)
+        if spec.data_options_given and not names:
+            print("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
+                  "(taas.register(loader) in an earlier cell)", file=sys.stderr)
+        return delivery_planning.plans(spec, names, self.shell.user_ns)
+
+    def _served_loaders(self, spec: LaunchSpec) -> tuple[LoaderPlan, ...]:
+        """Every registered loader the notebook names when a session starts: its producers start with
+        the session and serve whichever of its cells iterate the loader."""
+        names = delivery_planning.registered_names(self.shell.user_ns)
+        if spec.data_options_given and not names:
+            print("taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
+                  "DataLoader (taas.register(loader) before the cell that starts the session)", file=sys.stderr)
+        return delivery_planning.plans(spec, names, self.shell.user_ns)
+
+    def _session_loaders(self, cell: Cell, session: Session, ranks: list[int]) -> tuple[LoaderPlan, ...]:
+        """Plans for the registered loaders the cell uses that the session does not serve yet (registered
+        since it started): the cell starts their producers. Served loaders go to every rank: a cell in
+        part of the session may not use one."""
+        if session.spec.cpus == 0:
+            return ()  # delivery is off: each rank iterates every loader itself
+        namespace = self.shell.user_ns
+        names = delivery_planning.loaders_used(cell.reads, namespace)
+        if names and len(ranks) < session.size:
+            raise TaasUsageError(f"--ranks {','.join(map(str, ranks))}: the cell uses {names[0]!r}, which producers "
+                                 "serve to every rank of the session: run it in every rank (leave out --ranks)")
+        new = [name for name in names if not session.serves(name, namespace[name])]
+        if new and session.start == "cluster":
+            raise TaasUsageError(f"registered loader {new[0]!r} was registered after the session started, and on a "
+                                 "cluster a session's producers start with it: %taas stop, then start the session "
+                                 "again with --keep to have it served")
+        return delivery_planning.plans(session.spec, new, namespace)
+
+    # -- the end of a cell ----------------------------------------------------------------------
+    def _take_back(self, result: RunResult, requested: tuple[str, ...] | None) -> None:
+        """Rank 0's names join the notebook's namespace; one line lists what could not come back
+        (names rank 0 never bound only if ``--return`` asked for them)."""
+        skipped = results.worth_saying(dict(result.skipped), requested)
+        try:
+            values, lost = results.loads(result.results)
+        except Exception as e:  # the stream itself is damaged: no name can be read
+            values, lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
+        self.shell.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
+        if self.kept.session is not None:
+            self.kept.session.took_back(values)
+        skipped.update(lost)
+        if skipped:
+            listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
+            print(f"taas: not copied back from rank 0: {listed}", file=sys.stderr)
+
+
+class ViewDisplay:
+    """A run's live view: one display in the cell, updated in place, left as the run's summary.
+
+    A terminal cannot redraw a display: there (``live`` False) only the summary is shown.
+    """
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.handle: Any = None  # IPython's DisplayHandle, once shown
+
+    def show(self, bundle: dict[str, str], final: bool) -> None:
+        from IPython.display import display
+
+        if not self.live and not final:
+            return
+        if self.handle is None:
+            self.handle = display(bundle, raw=True, display_id=True)
+        else:
+            self.handle.update(bundle, raw=True)
+
+
+def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
+    """A cell in a session may choose only --ranks, --return, --timeout and --output; an option that
+    would make it another run (its size, device, configuration, start) is an error."""
+    spec = session.spec
+    same = {
+        "--gpus": args.gpus in (None, spec.world_size),
+        "--config": args.config is None or (spec.configuration is not None and args.config == spec.configuration.name),
+        "--device": args.device in (None, "auto", spec.device),
+        "--start": args.start in (None, "auto", session.start, "spawn" if session.start == "forkserver" else ""),
+        "--on": args.on in (None, "cluster" if session.start == "cluster" else "local"),
+    }
+    one_shot = {"--cpus": args.cpus is not None, "--units": args.units is not None,
+                "--prefetch": args.prefetch is not None, "--order": args.order != "deterministic",
+                "--max-restarts": args.max_restarts != 0, "--debug": args.debug, "--idle": args.idle is not None}
+    changed = [name for name, ok in same.items() if not ok]
+    if changed:
+        raise TaasUsageError(f"{', '.join(changed)} would change the running session ({session.size} ranks on "
+                             f"{spec.device}): %taas stop first, then start another with --keep")
+    others = [name for name, given in one_shot.items() if given]
+    if others:
+        raise TaasUsageError(f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
+                             "--return, --timeout and --output (%taas stop ends the session)")
+
+
+def _import_torch_once() -> None:
+    """Ranks need torch; importing it here once lets every forked rank share it for free."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    plugins.find()  # once per kernel, and again after packages changed

@@ -1,0 +1,101 @@
+"""The conversation between a run's supervisor and each of its ranks, on the rank's control channel.
+
+A session's rank runs the cells it is sent (``SessionCell``, with its tensors' memory file and the
+ends of the loaders it begins to serve beside it), says when it takes one (``InCell``: the
+interrupts held for the cell go to it from then on) and when it ended (``CellEnd``). A rank's
+debugger, in a session or at a ``breakpoint()``, asks for each line it reads (``Prompt``) and gets
+what the notebook typed (``Line``). The kernel's side of a session's cells and lines goes through
+the supervisor (``supervision.py``).
+
+``kind`` is each message's name in what taas says about it.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import ClassVar, Union
+
+from taas_magic.wire.channel import Channel
+from taas_magic.wire.task import LoaderPlan
+
+
+@dataclass(frozen=True)
+class Reload:
+    """Which changed modules a rank reloads before a cell, as the kernel's autoreload did before it."""
+
+    every: bool  # every changed module (%autoreload 2 or 3); else those in ``modules``
+    modules: tuple[str, ...] = ()  # %aimport-ed, or reloaded in the kernel since the last cell (%autoreload now)
+    skip: tuple[str, ...] = ()  # %aimport -NAME: never reloaded
+    new_objects: bool = False  # %autoreload 3: names new in a module join the namespace too
+
+
+# -- supervisor → rank ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionCell:
+    """A cell for a session's ranks: its code and the notebook's names that changed since the last."""
+
+    kind: ClassVar[str] = "cell"
+    code: CodeType | None  # None: open the debugger at the last cell's error instead
+    return_names: tuple[str, ...] = ()  # what rank 0 sends back
+    names: bytes = b""  # shipped names (``shipping.pack``), empty when none changed
+    tensors_size: int = 0  # the tensors' memory file comes with the message, when there is one
+    sources: dict[str, tuple[str, str]] = field(default_factory=dict)  # new cells, for tracebacks
+    reload: Reload | None = None  # the modules to reload first, as the kernel's autoreload did (None: keep them)
+    # Registered loaders the session begins to serve with this cell, the first numbered
+    # ``first_loader`` among its loaders: the supervisor starts their producers.
+    loaders: tuple[LoaderPlan, ...] = ()
+    first_loader: int = 0
+
+
+@dataclass(frozen=True)
+class Line:
+    """A line typed in the notebook for the rank's debugger (None: end of input, and pdb quits)."""
+
+    kind: ClassVar[str] = "line"
+    line: str | None
+
+
+# -- rank → supervisor ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class InCell:
+    """The rank took its cell: an interrupt for it is no longer held back."""
+
+    kind: ClassVar[str] = "in cell"
+
+
+@dataclass(frozen=True)
+class CellEnd:
+    """The rank's cell ended: how (a ``CellEnded`` or ``Failed``, as ``records.encode`` writes it on the
+    report pipe), and rank 0's pickled names (None in the other ranks)."""
+
+    kind: ClassVar[str] = "ended"
+    record: bytes
+    names: bytes | None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The rank's debugger reads a line: the kernel asks the notebook for one, showing ``prompt``."""
+
+    kind: ClassVar[str] = "input"
+    prompt: str
+
+
+ToRank = Union[SessionCell, Line]
+FromRank = Union[InCell, CellEnd, Prompt]
+
+# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (tests/test_protocol.py).
+DIRECTIONS = (("supervisor", "rank", ToRank), ("rank", "supervisor", FromRank))
+
+SupervisorEnd = Channel[ToRank, FromRank]
+RankEnd = Channel[FromRank, ToRank]
+
+
+def supervisor_end(sock: socket.socket, secret: bytes, run_id: str) -> SupervisorEnd:
+    return Channel(sock, secret, run_id, receives=FromRank)
+
+
+def rank_end(sock: socket.socket, secret: bytes, run_id: str) -> RankEnd:
+    return Channel(sock, secret, run_id, receives=ToRank)
