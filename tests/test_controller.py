@@ -47,6 +47,9 @@ class ScriptedGroup:
     def stacks(self, ranks, timeout):
         return {rank: f"stack of {rank}" for rank in ranks}
 
+    def nodes(self):
+        return frozenset()
+
     def close(self):
         self.closed = True
 

@@ -20,7 +20,7 @@ from taas_magic.wire.task import RankTask
 def start(source: str, ranks: int = 2):
     task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1, return_names=())
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)} for rank in range(ranks)}
-    return ForkedRanks.start(envs, task)
+    return ForkedRanks.start("test", envs, task)
 
 
 def collect(group, seconds: float = 20):
@@ -164,7 +164,7 @@ def test_a_failed_fork_leaks_no_descriptor(monkeypatch):
     group.close()
 
 
-def _shows_its_note(task, env, fds, stand_ins) -> int:
+def _shows_its_note(task, env, fds, stand_ins, shipped) -> int:
     """A rank that prints what came through its start gate, and when."""
     from taas_magic.process import child
 
@@ -186,7 +186,7 @@ def test_every_process_waits_at_its_gate_and_gets_the_note_passed_through_it(mon
 
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3"} for rank in range(3)}
     task = RankTask(code=compile("pass", "<cell>", "exec"), device="cpu", threads=1)
-    group = ForkedRanks.start(envs, task, note=note)
+    group = ForkedRanks.start("test", envs, task, note=note)
     try:
         out = b"".join(e.data for e in collect(group) if isinstance(e, Output))
     finally:

@@ -14,8 +14,7 @@ from taas_magic.kernel import streams
 from taas_magic.kernel.session import Session, debug_paused
 from taas_magic.kernel.settings import count
 from taas_magic.kernel.spec import LaunchSpec
-from taas_magic.launch.backend import RankGroup, SessionGroup
-from taas_magic.launch.cluster.backend import ClusterRanks
+from taas_magic.launch.backend import SessionGroup
 
 Value = TypeVar("Value")
 
@@ -129,9 +128,9 @@ class Kept:
     def cluster_nodes_in_use(self) -> tuple[set[str], str]:
         """The ids of the cluster nodes the session or the paused rank holds, and what holds them."""
         if self.session is not None and not self.session.check():
-            return _nodes_of(self.session.group), "the running session (%taas stop ends it)"
+            return set(self.session.group.nodes()), "the running session (%taas stop ends it)"
         if self.paused is not None:
-            return _nodes_of(self.paused.group), "the paused rank (%taas stop lets it go)"
+            return set(self.paused.group.nodes()), "the paused rank (%taas stop lets it go)"
         return set(), ""
 
     # -- the end ----------------------------------------------------------------------------------
@@ -145,7 +144,3 @@ class Kept:
             print(f"taas: {why}: the session ended; its {count(self.session.size, 'rank')} "
                   f"{'are' if self.session.size != 1 else 'is'} gone", file=sys.stderr)
 
-
-def _nodes_of(group: RankGroup) -> set[str]:
-    """The ids of the cluster nodes a run's group holds (none for a group on this machine)."""
-    return {node.node_id for node in group.placement.nodes} if isinstance(group, ClusterRanks) else set()

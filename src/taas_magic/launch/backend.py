@@ -1,4 +1,4 @@
-"""What the controller needs from a backend, and the events a running group of ranks reports.
+"""What the kernel needs from a backend: a plan per cell, a group of ranks per start (events: wire/events.py).
 
 "Start these ranks with these environments and this task; tell me what they print, what they
 report, and when each exits and how." The contract holds no process ids, file descriptors or
@@ -41,6 +41,9 @@ class RankGroup(Protocol):
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         """Each rank's Python stack right now, as text."""
+
+    def nodes(self) -> frozenset[str]:
+        """The ids of the cluster nodes the group holds while it runs; none on this machine."""
 
     def close(self) -> None: ...
 

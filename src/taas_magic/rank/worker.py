@@ -33,14 +33,14 @@ from taas_magic.wire.task import RankTask
 
 
 def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
-             stand_ins: tuple[RankLoader | FedLoader, ...] = ()) -> int:
+             stand_ins: tuple[RankLoader | FedLoader, ...] = (), shipped: dict[str, Any] | None = None) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``.
 
     ``stand_ins``: what builds the stand-in of each registered loader the cell uses, in the rank.
     """
     shell = become_child(fds, env)
     tempfiles.name_multiprocessing_folders()
-    namespace = _namespace(task, shell)
+    namespace = _namespace(task, shell, shipped)
     _exit_ends_the_rank(namespace)
     if task.context is not None:
         task.context.torch_settings.apply()  # forked ranks inherited them
@@ -56,7 +56,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
     for pair in replaced:
         if pair is not None:
             rebind(namespace, aliases, *pair)
-    shell = shell if task.namespace is None else None
+    shell = shell if shipped is None else None
     progress.attach(lambda record: report(fds.report, record))
     vitals.attach(lambda record: report(fds.report, record), int(env["LOCAL_RANK"]) if task.device == "cuda" else None)
     control = session.open_control(fds)
@@ -79,11 +79,11 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
         tempfiles.remove_multiprocessing_folders()
 
 
-def _namespace(task: RankTask, shell: Any) -> dict[str, Any]:
-    if task.namespace is not None:
+def _namespace(task: RankTask, shell: Any, shipped: dict[str, Any] | None) -> dict[str, Any]:
+    if shipped is not None:
         if "get_ipython" in code_names(task.code):
-            _standalone_shell(task.namespace)
-        return task.namespace
+            _standalone_shell(shipped)
+        return shipped
     return shell.user_ns if shell is not None else {"__name__": "__main__"}
 
 

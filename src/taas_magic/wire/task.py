@@ -177,7 +177,6 @@ class RankTask:
     device: str  # "cuda" or "cpu"
     threads: int  # intra-op threads on CPU
     return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
-    namespace: dict[str, object] | None = None  # spawned ranks: the shipped names; forked: the kernel's own
     # The notebook's cells by file name: (label, code), for tracebacks where the kernel's line cache
     # is not inherited: {".../ipykernel_1/2.py": ("Cell In[5]", "x = 1\n")}.
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)

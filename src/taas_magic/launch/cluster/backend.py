@@ -144,6 +144,9 @@ class ClusterRanks:
             self.alive[index] = set(keys)
 
     # -- the RankGroup contract ---------------------------------------------------------------
+    def nodes(self) -> frozenset[str]:
+        return frozenset(node.node_id for node in self.placement.nodes)
+
     def running(self) -> set[Key]:
         return set().union(*self.alive)
 

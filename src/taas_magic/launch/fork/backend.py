@@ -13,7 +13,7 @@ from taas_magic.launch.backend import Cell, Launch, MakeTask
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.launch.supervisor.handle import SupervisedRanks, SupervisorProcess
 from taas_magic.launch.supervisor.main import supervise
-from taas_magic.launch.supervisor.ranks import task_namespace
+from taas_magic.launch.supervisor.ranks import Received, kernel_namespace
 from taas_magic.process import child, containment
 from taas_magic.rank import aliases
 from taas_magic.wire import channel, supervision
@@ -62,7 +62,7 @@ class ForkBackend:
                 kernel_end.close()
                 child.settle_forked_process()
             finally:
-                supervise(supervision.supervisor_end(supervisor_end, secret, run_id), envs, lambda: (task, None))
+                supervise(supervision.supervisor_end(supervisor_end, secret, run_id), envs, lambda: Received(task))
         try:  # an interrupt from here on must not leave the supervisor unreaped or the store open
             supervisor_end.close()
             held.release()  # one that came during the fork is raised here
@@ -73,7 +73,7 @@ class ForkBackend:
             containment.to_the_end(supervisor_end.close, kernel_end.close, store.close)
             raise
         try:
-            group.go(aliases.find(task_namespace(task)))  # while the supervisor forks: it reads every name once
+            group.go(aliases.find(kernel_namespace()))  # while the supervisor forks: it reads every name once
             group.wait_started(START_SECONDS)
         except BaseException:
             group.close()

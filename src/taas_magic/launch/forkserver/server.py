@@ -15,7 +15,6 @@ everything it started, when its channel closes or its parent dies.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import select
@@ -23,7 +22,7 @@ import signal
 import socket
 import sys
 
-from taas_magic.delivery.cluster import AttachedDelivery, NodeEnds
+from taas_magic.delivery.cluster import NodeEnds
 from taas_magic.process import child, containment, tracebacks
 from taas_magic.rank import plugins
 from taas_magic.wire import fork_server, shipping, supervision
@@ -31,6 +30,7 @@ from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.fork_server import ServerEnd, StartRun
 from taas_magic.wire.task import RankTask
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
+from taas_magic.launch.supervisor.ranks import Received
 
 SECRET_SIZE = 32
 
@@ -95,7 +95,7 @@ def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> i
                 pass  # the supervisor's copy: already taken over by its channel
 
 
-def _unpack(task: RankTask, shipment: shipping.Shipment, fds: list[int]) -> tuple[RankTask, AttachedDelivery | None]:
+def _unpack(task: RankTask, shipment: shipping.Shipment, fds: list[int]) -> Received:
     """In the supervisor: the kernel's context first (imports may depend on sys.path), then the names,
     then (on a cluster node) the data delivery ends its agent passed, the last of ``fds``."""
     cut = len(fds) - (task.delivery.fd_count() if task.delivery is not None else 0)
@@ -111,7 +111,7 @@ def _unpack(task: RankTask, shipment: shipping.Shipment, fds: list[int]) -> tupl
     child.find_interactive_flags()  # the shipped names may have imported Lightning
     ends = task.delivery
     attached = ends.attach(delivery_fds, namespace) if isinstance(ends, NodeEnds) else None
-    return dataclasses.replace(task, namespace=namespace, delivery=None), attached
+    return Received(task, namespace, attached)
 
 
 def _tend(supervisors: dict[int, int]) -> None:

@@ -154,6 +154,9 @@ class SupervisedRanks:
             pass  # the supervisor could not start the run and went: ``wait_started`` reads why
 
     # -- the RankGroup contract ---------------------------------------------------------------
+    def nodes(self) -> frozenset[str]:
+        return frozenset()  # a supervisor's ranks are on this machine
+
     def running(self) -> set[Key]:
         return set(self.alive)
 

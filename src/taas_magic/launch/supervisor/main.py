@@ -30,9 +30,7 @@ from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, Lost,
                                          RunCell, SignalRanks, Stacks, Started, StartFailed, SupervisorEnd,
                                          ToSupervisor)
-from taas_magic.wire.task import RankTask
-from taas_magic.launch.supervisor.ranks import ForkedRanks
-from taas_magic.delivery.cluster import AttachedDelivery
+from taas_magic.launch.supervisor.ranks import ForkedRanks, Received
 
 PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
 STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the run
@@ -40,7 +38,7 @@ STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the
 
 # -- in the supervisor process -------------------------------------------------------------------
 def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]],
-              make_task: Callable[[], tuple[RankTask, AttachedDelivery | None]]) -> NoReturn:
+              make_task: Callable[[], Received]) -> NoReturn:
     """The whole life of a supervisor, from just after its fork to ``os._exit``.
 
     ``make_task`` gives the ranks' task: at hand after a fork from the kernel, unpacked from
@@ -69,11 +67,12 @@ class _Supervisor:
         self.channel = channel
         self.parent = parent
 
-    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], tuple[RankTask, AttachedDelivery | None]]
+    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received]
               ) -> None:
         try:
-            task, attached = make_task()
-            group = ForkedRanks.start(envs, task, note=self._await_go, attached=attached)
+            received = make_task()
+            group = ForkedRanks.start(self.channel.run_id, envs, received.task, note=self._await_go,
+                                      attached=received.attached, shipped=received.shipped)
         except ChannelBroken:
             return  # the kernel gave up on the run before it started: everything forked is ended
         except Exception as e:

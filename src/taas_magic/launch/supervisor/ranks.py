@@ -47,10 +47,19 @@ class _Rank:
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
 
 
-def task_namespace(task: RankTask) -> dict[str, Any]:
-    """The names a forked rank starts with: the task's own, else the kernel's (forked from it)."""
-    if task.namespace is not None:
-        return task.namespace
+@dataclass(frozen=True)
+class Received:
+    """What a supervisor starts its ranks with: the task as the kernel sent it, and what the process that
+    started the supervisor added: the names it unpacked from a shipment (the fork server), a cluster
+    node's share of data delivery (its agent)."""
+
+    task: RankTask
+    shipped: dict[str, Any] | None = None
+    attached: AttachedDelivery | None = None
+
+
+def kernel_namespace() -> dict[str, Any]:
+    """The notebook's names, in a process forked from the kernel (empty in any other)."""
     from IPython import get_ipython
 
     shell = get_ipython()
@@ -64,11 +73,11 @@ def _producer_env(run_id: str) -> dict[str, str]:
 
 
 def _run(task: RankTask | ProducerTask, env: dict[str, str], fds: child.RankFds,
-         stand_ins: tuple[RankLoader | FedLoader, ...]) -> int:
+         stand_ins: tuple[RankLoader | FedLoader, ...], shipped: dict[str, Any] | None) -> int:
     """In a forked process: what it is there for; returns its exit status."""
     match task:
         case RankTask():
-            return worker.run_rank(task, env, fds, stand_ins)
+            return worker.run_rank(task, env, fds, stand_ins, shipped)
         case ProducerTask():
             return task.run(env, fds)
         case _:
@@ -85,6 +94,13 @@ class ForkedRanks:
     # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
     # for loaders it begins to serve while it runs.
     later_loaders: tuple[dict[str, Any], int, str] | None = None
+    # The names the ranks start with when they were shipped (the fork server unpacked them); None: the
+    # supervisor was forked from the kernel, and so are they, with the notebook's own.
+    shipped: dict[str, Any] | None = None
+
+    @property
+    def names(self) -> dict[str, Any]:
+        return self.shipped if self.shipped is not None else kernel_namespace()
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
@@ -92,31 +108,32 @@ class ForkedRanks:
         self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
 
     @classmethod
-    def start(cls, envs: dict[int, dict[str, str]], task: RankTask, note: Callable[[], bytes] = lambda: b"",
-              attached: AttachedDelivery | None = None) -> "ForkedRanks":
+    def start(cls, run_id: str, envs: dict[int, dict[str, str]], task: RankTask, note: Callable[[], bytes] = lambda: b"",
+              attached: AttachedDelivery | None = None, shipped: dict[str, Any] | None = None) -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
         Every process keeps only the sockets it needs: its own delivery channels, and a rank its
         control channel with this supervisor (``session_rank.py``, ``debugger.py``). Once all are
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
-        ``attached``: a cluster node's share of the run's data delivery, set up by its agent.
+        ``run_id`` names the run to its producers; ``attached``: a cluster node's share of the run's data
+        delivery, set up by its agent; ``shipped``: the names unpacked from a shipment.
         """
-        group = cls(idle_limit=task.idle_limit if task.keep else None)
+        group = cls(idle_limit=task.idle_limit if task.keep else None, shipped=shipped)
         service: DataService | AttachedDelivery | None = None
         stand_ins: tuple[RankLoader | FedLoader, ...] = ()  # what builds each loader's stand-in in a rank
         opening = b""
         try:
             if attached is not None:
-                service, run_id = attached, attached.run_id
+                service = attached
             elif task.loaders:
-                service, run_id = DataService(task.loaders, task_namespace(task), len(envs)), envs[min(envs)]["TAAS_RUN_ID"]
+                service = DataService(task.loaders, group.names, len(envs))
             if service is not None:
                 for key, producer in service.producers():
                     group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
                 stand_ins = service.rank_loaders()
                 task = dataclasses.replace(task, loaders=tuple(loader.plan for loader in stand_ins), delivery=None)
             if task.keep and envs and attached is None:  # not a cluster node's
-                group.later_loaders = (task_namespace(task), len(envs), envs[min(envs)]["TAAS_RUN_ID"])
+                group.later_loaders = (group.names, len(envs), run_id)
             for rank, env in sorted(envs.items()):
                 group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else (),
                            stand_ins=stand_ins)
@@ -182,7 +199,7 @@ class ForkedRanks:
                     sockets=frozenset(sockets), gate=gate_read,
                     control=ends[1].detach() if ends is not None else None, control_secret=self._control_secret,
                 )
-                status = _run(task, env, fds, stand_ins)
+                status = _run(task, env, fds, stand_ins, self.shipped)
             except KeyboardInterrupt:
                 pass  # stopped while it started, before the cell ran: the run is being interrupted
             except BaseException:
