@@ -391,3 +391,23 @@ def test_a_cell_sent_to_an_ended_session_says_why_it_ended():
     assert (str(error), error.lines) == ("the session ended: rank 1 exited between cells",
                                          ["taas: the session ended: rank 1 exited between cells"])
     assert render.exited_between_cells("rank 1", -signal.SIGKILL) == "rank 1 killed by signal SIGKILL between cells"
+
+
+def test_a_stack_shown_after_a_timeout_stops_where_taas_handed_the_process_its_work() -> None:
+    from taas_magic.delivery import producer
+    from taas_magic.launch.supervisor import ranks
+    from taas_magic.rank import cell, worker
+
+    rank_dump = (f'Thread 0x1 (most recent call first):\n'
+                 f'  File "/tmp/ipykernel_1/3.py", line 2 in <module>\n'
+                 f'  File "{cell.__file__}", line 40 in run_cell\n'
+                 f'  File "{worker.__file__}", line 60 in run_rank\n')
+    assert render.user_stack(rank_dump, {"/tmp/ipykernel_1/3.py": "Cell In[3]"}) == [
+        "Thread 0x1 (most recent call first):", "  Cell In[3], line 2 in <module>"]
+    producer_dump = (f'Thread 0x2 (most recent call first):\n'
+                     f'  File "/data/loader.py", line 9 in __getitem__\n'
+                     f'  File "{producer.__file__}", line 150 in run\n'
+                     f'  File "{ranks.__file__}", line 80 in _run\n')
+    assert render.user_stack(producer_dump, {}) == [
+        "Thread 0x2 (most recent call first):", '  File "/data/loader.py", line 9 in __getitem__',
+        f'  File "{producer.__file__}", line 150 in run']

@@ -5,4 +5,9 @@
     producer.py   a producer process: fetches its share of each pass with the loader's own parts
     standin.py    what a rank iterates instead of the registered loader
     service.py    the producers' side of a run: channels, shared counters, progress
+    counters.py   counters in shared memory: flow control and the progress line
+    cluster.py    across a cluster's nodes: producers on CPU nodes, their elements relayed to the ranks
+
+The kernel decides which loaders a cell uses (``kernel/delivery_planning.py``); everything here runs in
+the run's supervisor, its producers and its ranks.
 """

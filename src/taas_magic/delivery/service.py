@@ -1,4 +1,4 @@
-"""The producers' side of a run, in the process that forks the ranks (the kernel or the fork server).
+"""The producers' side of a run, in the run's supervisor, which forks the producers and the ranks.
 
 For each registered loader the cell uses: one channel per rank, shared counters, and the
 tasks of its K producers. Built before anything is forked, so producers and ranks inherit

@@ -216,10 +216,16 @@ def user_stack(dump: str, cell_names: Mapping[str, str]) -> list[str]:
     return kept
 
 
+# Where taas hands a process its work: a rank's cell (run_cell, or the rank's setup before it), a forked
+# process's start in its supervisor (a producer's loop is its work, and shown).
+WORK_STARTS = ("/taas_magic/rank/cell.py", "/taas_magic/rank/worker.py", "/taas_magic/launch/supervisor/ranks.py",
+               "/taas_magic/launch/fork/backend.py")
+
+
 def _until_taas(frames: list[str]) -> list[str]:
     """Frames above the point where taas started the process's work (most recent first)."""
     for index, line in enumerate(frames):
-        if "/taas_magic/rank/worker.py" in line or "/taas_magic/launch/fork/backend.py" in line:
+        if any(start in line for start in WORK_STARTS):
             return frames[:index]
     return frames
 

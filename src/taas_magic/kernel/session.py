@@ -1,7 +1,7 @@
 """Sessions, in the kernel: ranks that stay alive from cell to cell (`--keep`), and the cells run in them.
 
 A session is the group of a run started with ``RankTask.keep``: its ranks run its first cell,
-then each cell they are sent (``session_rank.py``). A cell in a session ends when every rank
+then each cell they are sent (``rank/session.py``). A cell in a session ends when every rank
 it runs in has said so, not when they exit. Its outcomes:
 
 - the cell's code raised in a rank: the cell fails with that traceback, the ranks still in the

@@ -1,6 +1,6 @@
 """A rank's job: bind it to its place in the job, run the cell, send results and failures back.
 
-The process around it is set up by ``child.py``; what the rank runs arrives as a ``RankTask`` (``wire.task``),
+The process around it is set up by ``process/child.py``; what the rank runs arrives as a ``RankTask`` (``wire.task``),
 inherited by fork or, from the fork server, shipped with the names the cell needs.
 """
 

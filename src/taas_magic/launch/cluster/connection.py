@@ -7,7 +7,7 @@ takes its nodes whole through one placement group (one bundle per node, STRICT_S
 runs never share a node, and a run that cannot have its nodes is told so within seconds. The data
 producers of a run's registered loaders take CPU nodes (c1.4) of their own in the same group.
 
-Agents (``cluster_agent.NodeAgent``) are pinned to their node and kept between cells; they are
+Agents (``agent.NodeAgent``) are pinned to their node and kept between cells; they are
 owned by the kernel, so they die with it. One unused for ``idle_seconds`` leaves on its own (the
 kernel finds it gone when it next needs the node and starts another); ``%taas cluster release``
 ends them all at once.

@@ -1,8 +1,8 @@
 """The CUDA-safe backend: ranks forked, through a supervisor, from a fork server that never touched CUDA.
 
-The server (``forkserver.py``) is started in the background when the extension loads, so a cell
+The server (``server.py``) is started in the background when the extension loads, so a cell
 never waits for a cold Python and torch import; if it has died it is started again. The cell's
-needed names travel by value (``shipping.py``). The kernel only ever *sends* to the server, one
+needed names travel by value (``wire/shipping.py``). The kernel only ever *sends* to the server, one
 datagram per run; the run itself talks to the kernel on its own channel, so the controller sees
 the same ``RankGroup`` as with fork, and an interrupt at any moment leaves the server as it was.
 The server's standard error goes to a memory file whose tail is shown if it dies.

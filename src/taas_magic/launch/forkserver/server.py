@@ -1,7 +1,7 @@
 """The fork server: a process that has imported torch, never touches CUDA, and forks supervisors.
 
 Started in the background when the extension loads (``python -m taas_magic.launch.forkserver.server FD``), it
-does one thing per run: fork a supervisor (``supervisor.py``), which unpacks the shipped names
+does one thing per run: fork a supervisor (``launch/supervisor/main.py``), which unpacks the shipped names
 and forks the ranks from itself, so they share them copy-on-write and start in milliseconds.
 Nothing of a run ever lives in the server itself, so no run can leave it in a different state.
 

@@ -113,7 +113,7 @@ class ForkedRanks:
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
         Every process keeps only the sockets it needs: its own delivery channels, and a rank its
-        control channel with this supervisor (``session_rank.py``, ``debugger.py``). Once all are
+        control channel with this supervisor (``rank/session.py``, ``rank/debugger.py``). Once all are
         forked, each is let go with ``note()``: what the kernel found meanwhile (``child.wait_at_gate``).
         ``run_id`` names the run to its producers; ``attached``: a cluster node's share of the run's data
         delivery, set up by its agent; ``shipped``: the names unpacked from a shipment.
