@@ -7,12 +7,14 @@ removed or redirected in the code shows up in the docs too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import pkgutil
 import typing
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -89,12 +91,21 @@ def test_what_travels_inside_messages_is_frozen_and_typed_too(part: type) -> Non
         assert "Any" not in str(field.type), f"{part.__name__}.{field.name}: {field.type}"
 
 
-def test_each_end_takes_only_the_other_direction() -> None:
-    kernel_sock, supervisor_sock = socket_pair()
+@contextlib.contextmanager
+def connected(make_one: Callable[..., Any], make_other: Callable[..., Any], *run_id: str) -> Iterator[tuple[Any, Any]]:
+    """The two ends of one conversation over a fresh socket pair, closed afterwards."""
+    one_sock, other_sock = socket_pair()
     secret = new_secret()
-    kernel = supervision.kernel_end(kernel_sock, secret, "run-p")
-    supervisor = supervision.supervisor_end(supervisor_sock, secret, "run-p")
+    one, other = make_one(one_sock, secret, *run_id), make_other(other_sock, secret, *run_id)
     try:
+        yield one, other
+    finally:
+        one.close()
+        other.close()
+
+
+def test_each_end_takes_only_the_other_direction() -> None:
+    with connected(supervision.kernel_end, supervision.supervisor_end, "run-p") as (kernel, supervisor):
         kernel.send(supervision.SignalRanks(2, (0, 1)))
         assert supervisor.receive() == (supervision.SignalRanks(2, (0, 1)), [])
         supervisor.send(supervision.Lost("idle"))
@@ -102,17 +113,10 @@ def test_each_end_takes_only_the_other_direction() -> None:
         supervisor.send(supervision.Close())  # a request, sent the wrong way
         with pytest.raises(ChannelBroken, match="unexpected message 'close'"):
             kernel.receive()
-    finally:
-        kernel.close()
-        supervisor.close()
 
 
 def test_a_rank_takes_a_session_cell_and_its_supervisor_the_cells_end() -> None:
-    supervisor_sock, rank_sock = socket_pair()
-    secret = new_secret()
-    supervisor = rank_control.supervisor_end(supervisor_sock, secret, "run-r")
-    rank = rank_control.rank_end(rank_sock, secret, "run-r")
-    try:
+    with connected(rank_control.supervisor_end, rank_control.rank_end, "run-r") as (supervisor, rank):
         cell = rank_control.SessionCell(compile("x = 1", "<cell>", "exec"), ("x",), reload=rank_control.Reload(True))
         supervisor.send(cell)
         received, _ = rank.receive()
@@ -120,22 +124,12 @@ def test_a_rank_takes_a_session_cell_and_its_supervisor_the_cells_end() -> None:
         assert received.reload == rank_control.Reload(True)
         rank.send(rank_control.CellEnd(b"{}", None))
         assert supervisor.receive() == (rank_control.CellEnd(b"{}", None), [])
-    finally:
-        supervisor.close()
-        rank.close()
 
 
 def test_the_fork_server_takes_run_requests_and_the_kernel_takes_nothing() -> None:
-    kernel_sock, server_sock = socket_pair()
-    secret = new_secret()
-    kernel = fork_server.kernel_end(kernel_sock, secret)
-    server = fork_server.server_end(server_sock, secret)
-    try:
-        request = fork_server.StartRun("run-s", secret, {}, RankTask(compile("", "<cell>", "exec"), "cpu", 1),
+    with connected(fork_server.kernel_end, fork_server.server_end) as (kernel, server):
+        request = fork_server.StartRun("run-s", new_secret(), {}, RankTask(compile("", "<cell>", "exec"), "cpu", 1),
                                        Shipment(b"", None, 0))
         server.send(request)  # a request, sent the wrong way
         with pytest.raises(ChannelBroken, match="unexpected message 'run'"):
             kernel.receive()
-    finally:
-        kernel.close()
-        server.close()
