@@ -11,6 +11,7 @@ import stat
 import time
 
 import psutil
+import pytest
 
 from taas_magic.process import containment
 
@@ -137,3 +138,18 @@ def _dead_end(fd: int) -> bool:
             if e.errno != errno.EBADF:
                 return False
     return True
+
+
+def test_a_close_cut_by_an_interrupt_at_its_very_call_is_run_again_then_the_interrupt_raised() -> None:
+    calls: list[str] = []
+
+    def close() -> None:
+        calls.append("close")
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # as Python raises a pending one when the function begins
+
+    with pytest.raises(KeyboardInterrupt):
+        containment.close_whole(close)
+    assert calls == ["close", "close"]
+    containment.close_whole(lambda: calls.append("quiet"))  # no interrupt: nothing raised
+    assert calls[-1] == "quiet"

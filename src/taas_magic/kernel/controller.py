@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping, NoReturn
 
+from taas_magic.process import containment
 from taas_magic.launch.backend import Backend, Launch, PlanT, RankGroup, SessionGroup
 from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result
 from taas_magic.kernel import environment, render
@@ -100,7 +101,7 @@ def _attempt(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], launch: Lau
             if state.paused and keep_paused is not None and group.running() == state.paused:
                 keep_paused(group, min(state.paused))
             else:
-                group.close()
+                containment.close_whole(group.close)
     finally:
         output.finish()
         for line in render.notices(state.result()):

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from taas_magic.process import containment
 from taas_magic.errors import SessionEnded, TaasUsageError
 from taas_magic.kernel import streams
 from taas_magic.kernel.session import Session, debug_paused
@@ -53,7 +54,7 @@ class Kept:
             return False
         group = self.paused.group
         self.paused = None
-        group.close()
+        containment.close_whole(group.close)
         return True
 
     # -- the session ----------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class Kept:
         if self.paused is not None:
             paused, self.paused = self.paused, None
             if wanted is not None and wanted != paused.rank:
-                paused.group.close()
+                containment.close_whole(paused.group.close)
                 raise TaasUsageError(f"rank {wanted} did not fail: rank {paused.rank} was paused at its error")
             debug_paused(paused.group, paused.rank, paused.spec, streams.write_to_cell, read_line)
             return

@@ -233,7 +233,7 @@ class Session:
     def _end(self, why: str) -> None:
         if not self.ended:
             self.ended = why
-            self.group.close()
+            containment.close_whole(self.group.close)
 
     def describe(self) -> str:
         if self.check():
@@ -297,4 +297,4 @@ def debug_paused(group: SessionGroup, rank: int, spec: LaunchSpec, write: Callab
         pump.until_over()
     finally:
         out.finish()
-        group.close()
+        containment.close_whole(group.close)

@@ -94,6 +94,15 @@ def to_the_end(*steps: Callable[[], object]) -> bool:
     return interrupted
 
 
+def close_whole(close: Callable[[], object]) -> None:
+    """``close()`` run to its end whatever interrupts come, one at its very call included (Python takes
+    a pending interrupt as a function begins, before its first line could guard against it); an
+    interrupt that came is raised once all is closed. For a run's group of processes: half-closed
+    leaves a supervisor unreaped, its descriptors and the store's port open, for good."""
+    if to_the_end(close):
+        raise KeyboardInterrupt
+
+
 class HeldInterrupts:
     """From its making until ``release``, SIGINT in this process only records that it came.
 

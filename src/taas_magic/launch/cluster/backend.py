@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from taas_magic.process import containment
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
 from taas_magic.wire.events import Event, Key, Report, key_order
 from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
@@ -97,7 +98,7 @@ class ClusterBackend:
         try:
             group.start(launch.run_id, per_node, plan.payload)
         except BaseException:
-            group.close()
+            containment.close_whole(group.close)
             raise
         return group
 

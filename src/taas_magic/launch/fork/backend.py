@@ -76,6 +76,6 @@ class ForkBackend:
             group.go(aliases.find(kernel_namespace()))  # while the supervisor forks: it reads every name once
             group.wait_started(START_SECONDS)
         except BaseException:
-            group.close()
+            containment.close_whole(group.close)
             raise
         return group

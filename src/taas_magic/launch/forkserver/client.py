@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from taas_magic.process import cell_files
+from taas_magic.process import cell_files, containment
 from taas_magic.rank import aliases
 from taas_magic.wire import channel, fork_server, memfile, shipping, supervision
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask, Sources
@@ -210,7 +210,7 @@ class ForkServerBackend:
         try:
             group.go(request.aliases)
         except BaseException:
-            group.close()
+            containment.close_whole(group.close)
             raise
         group.wait_started(READY_SECONDS)
         return group
