@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import CellResult, Kernel
+from conftest import ANSI, CellResult, Kernel
 from test_kernel_lightning import REGRESSION
 from taas_magic.process.machine import cuda_device_count
 
@@ -95,6 +95,68 @@ def test_the_kernel_never_initializes_cuda_itself(gpu_kernel):
         "a CUDA tensor comes back as a CPU tensor"
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
 
+
+
+# The hang doctor on NCCL: its collectives are read from NCCL's own flight recorder.
+NCCL_INIT = """import time, torch, torch.distributed as dist
+dist.init_process_group(backend="nccl", init_method="env://")
+t = torch.ones(1024, device="cuda")
+dist.all_reduce(t)
+torch.cuda.synchronize()
+"""
+ALL_GPUS = f"#pragma taas --gpus {max(GPUS, 2)} --device cuda"
+needs_two = pytest.mark.skipif(GPUS < 2, reason="NCCL puts one rank on each GPU: a hang needs two")
+
+
+@needs_two
+def test_an_nccl_rank_that_skips_a_collective_is_named_with_where_it_is(gpu_kernel):
+    r = gpu_kernel.execute(f"{ALL_GPUS} --hang-after 5 --timeout 20\n" + NCCL_INIT + """\
+if dist.get_rank() != 1:
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+time.sleep(60)
+""", timeout=180)
+    shown = ANSI.sub("", r.stderr)
+    others = "rank 0" if GPUS == 2 else f"ranks 0,2-{GPUS - 1}"
+    assert (f"rank 1 has not entered all_reduce #2 that {others} wait" in shown
+            and "time.sleep(60)" in shown), shown
+    assert "(4.1 KB float32)" in shown
+    assert r.error is not None and r.error["ename"] == "RunTimedOut"
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
+@needs_two
+def test_an_nccl_all_reduce_of_different_shapes_is_named_as_such(gpu_kernel):
+    r = gpu_kernel.execute(f"{ALL_GPUS} --hang-after 5 --timeout 20\n" + NCCL_INIT + """\
+size = 1000 if dist.get_rank() == 0 else 10
+dist.all_reduce(torch.ones(size, device="cuda"))
+torch.cuda.synchronize()
+""", timeout=180)
+    shown = ANSI.sub("", r.stderr + r.traceback)
+    assert "with different tensors: rank 0 with [1000] float32" in shown, shown
+    assert r.error is not None
+
+
+@needs_two
+def test_an_interrupted_nccl_hang_shows_each_place_once_and_the_kernel_goes_on(gpu_kernel):
+    r = gpu_kernel.execute(f"{ALL_GPUS}\n" + NCCL_INIT + """\
+if dist.get_rank() == 0:
+    time.sleep(600)
+dist.all_reduce(t)
+torch.cuda.synchronize()
+""", timeout=180, interrupt_after=15)
+    shown = ANSI.sub("", r.traceback)
+    assert "where the ranks were when interrupted:" in shown, shown
+    assert shown.count("time.sleep(600)") == 1
+    assert gpu_kernel.execute("print('usable')").ok().stdout == "usable\n"
+
+
+def test_a_single_nccl_rank_asleep_is_diagnosed_without_touching_nccl_state(gpu_kernel):
+    r = gpu_kernel.execute("#pragma taas --gpus 1 --device cuda --hang-after 3 --timeout 10\n" + NCCL_INIT
+                           + "time.sleep(60)\n", timeout=180)
+    shown = ANSI.sub("", r.stderr)
+    assert "no progress for 3 s: no rank is in a collective: rank 0 is at Cell In[" in shown, shown
+    assert "time.sleep(60)" in shown and "finished #1" in shown
 
 def test_registered_loader_with_pin_memory_delivers_pinned_batches(gpu_kernel):
     gpu_kernel.execute("""

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from taas_magic.wire.events import Exited, Output, Report
-from taas_magic.wire.records import CellEnded, Failed, RankVitals
+from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankVitals
 from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.wire.task import RankTask
 
@@ -49,7 +49,7 @@ def test_output_reports_and_exits_arrive_in_order_per_rank():
         mine = [e for e in events if e.rank == rank]
         assert isinstance(mine[-1], Exited) and mine[-1].returncode == 0
         reports = [dataclasses.replace(e.record, time=0.0) for e in mine
-                   if isinstance(e, Report) and not isinstance(e.record, RankVitals)]
+                   if isinstance(e, Report) and not isinstance(e.record, (RankVitals, RankActivity))]
         assert reports == [CellEnded(0.0)]
         vitals = [e.record for e in mine if isinstance(e, Report) and isinstance(e.record, RankVitals)]
         assert vitals and vitals[0].memory > 1_000_000, "the rank's memory, sampled as its cell starts"
@@ -63,7 +63,7 @@ def test_a_failure_report_carries_the_exception_and_a_timestamp():
         events = collect(group)
     finally:
         group.close()
-    (report,) = [e for e in events if isinstance(e, Report) and not isinstance(e.record, RankVitals)]
+    (report,) = [e for e in events if isinstance(e, Report) and not isinstance(e.record, (RankVitals, RankActivity))]
     assert isinstance(report.record, Failed) and not report.record.interrupted
     assert report.record.ename == "ValueError"
     assert report.record.evalue == "nope" and report.record.time <= time.monotonic()

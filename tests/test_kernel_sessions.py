@@ -154,7 +154,8 @@ def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_it
     first = kernel.execute(START.format(start="fork")).ok()
     r = kernel.execute("#pragma taas --ranks 0\ndist.barrier()  # rank 1 is not in the cell", interrupt_after=1.5)
     assert "the session ended: rank 0 did not leave the interrupted cell within 5 s" in r.traceback, r.traceback
-    assert "rank 0 was here:" in r.traceback and "in barrier" in r.traceback and r.seconds < 15
+    assert "where they were:\nrank 0: in barrier #" in r.traceback, r.traceback
+    assert "dist.barrier()  # rank 1 is not in the cell" in r.traceback and r.seconds < 15
     assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
     assert "session:             none" in kernel.execute("%taas").ok().stdout
 
@@ -377,3 +378,56 @@ def test_a_prompt_that_comes_after_another_rank_failed_is_not_put_to_the_user(ke
     finally:
         if keep:
             stop(kernel)
+
+
+# -- %taas stacks: where a session's processes are between cells --------------------------------------
+def test_taas_stacks_says_once_that_every_rank_of_an_idle_session_waits_for_the_next_cell(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("%taas stacks").ok()
+        assert r.stdout == "ranks 0-1: idle, waiting for the next cell\n", r.stdout
+        assert r.seconds < 5, "the ranks answer at once: nothing waits for a timeout"
+    finally:
+        stop(kernel)
+
+
+def test_taas_stacks_shows_a_thread_the_users_cell_left_blocked_under_its_rank(kernel):
+    kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        kernel.execute("#pragma taas\nimport threading, time\ndef stuck():\n    time.sleep(600)\n"
+                                 "if mine == 1:\n    threading.Thread(target=stuck, daemon=True).start()").ok()
+        r = kernel.execute("%taas stacks").ok()
+        lines = r.stdout.splitlines()
+        assert lines[:3] == ["rank 0: idle, waiting for the next cell",
+                             "rank 1: idle, waiting for the next cell:",
+                             "    another thread:"], r.stdout
+        assert re.fullmatch(r"    Cell In\[\d+\], line 4 in stuck", lines[3]), r.stdout
+        assert lines[4] == "      time.sleep(600)", r.stdout
+        assert all("taas_magic" not in line for line in lines), "taas's own threads and frames are left out"
+    finally:
+        stop(kernel)
+
+
+def test_taas_stacks_shows_the_sessions_data_producers_by_name(kernel):
+    kernel.execute("import taas, torch\nfrom torch.utils.data import DataLoader\n"
+                   "steps = DataLoader(torch.arange(64), batch_size=4)\ntaas.register(steps)").ok()
+    try:
+        kernel.execute("#pragma taas --gpus 2 --keep --cpus 2\nn = sum(1 for _ in steps)").ok()
+        r = kernel.execute("%taas stacks").ok()
+        assert r.stdout == ("ranks 0-1: idle, waiting for the next cell\n"
+                            "producer 0 of steps; producer 1 of steps: idle, waiting for the ranks\n"), r.stdout
+    finally:
+        stop(kernel)
+        kernel.execute("taas.unregister(steps)").ok()
+
+
+def test_taas_stacks_without_a_session_says_so_in_one_line(kernel):
+    r = kernel.execute("%taas stacks").ok()
+    assert r.stdout == "taas: no session is running (a taas cell with --keep starts one)\n", r.stdout
+    bad = kernel.execute("%taas stacks 1")
+    assert bad.error is not None and bad.error["evalue"] == "%taas stacks takes nothing more; got '1'", bad.error
+
+
+def test_tab_completion_offers_taas_stacks(kernel):
+    kernel.client.complete("%taas sta", len("%taas sta"))
+    assert "stacks" in kernel.client.get_shell_msg(timeout=10)["content"]["matches"]

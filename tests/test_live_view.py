@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from taas_magic.kernel.live_view import RunView
-from taas_magic.wire.records import CellEnded, Failed, RankProgress, RankVitals
+from taas_magic.wire.records import CellEnded, Collective, Failed, RankActivity, RankProgress, RankVitals
 
 MB = 1_000_000
 
@@ -49,6 +49,56 @@ def test_a_row_wider_than_the_cell_loses_no_number():
     progress_cell = re.findall(r"<td ([^>]*)>([^<]*)</td></tr>", bundle["text/html"])[0]
     assert progress_cell[1].startswith("step 45, loss 0.025 · 45%|")
     assert "white-space:pre-wrap" in progress_cell[0] and "nowrap" not in progress_cell[0]
+
+
+def all_reduce(seq: int, seconds: float) -> Collective:
+    return Collective("0", seq, "all_reduce", [[1000]], ["Float"], seconds)
+
+
+def test_a_row_says_a_collective_that_lasts_and_nothing_for_a_short_one():
+    view = RunView("3 ranks on cpu", range(3))
+    view.take(0, RankActivity(1.0, 0.5, {"0": 4}, [all_reduce(5, 3.0)]))
+    view.take(1, RankActivity(1.0, 0.5, {"0": 4}, [all_reduce(5, 0.2)]))
+    view.take(2, RankActivity(1.0, 0.5, {"0": 4}, [all_reduce(5, 3.0)]))
+    view.take(2, RankProgress(1.0, 40))
+    assert rows(view.render(1.0)) == [["rank 0", "running", "in all_reduce #5 (4 KB float32) 3 s"],
+                                      ["rank 1", "running"],
+                                      ["rank 2", "running", "in all_reduce #5 (4 KB float32) 3 s · step 40"]]
+    for rank in range(3):
+        view.take(rank, CellEnded(2.0))
+    assert "all_reduce" not in view.render(2.0)["text/plain"]  # a rank that is done does nothing
+    assert "all_reduce" not in view.summary("done", 2.0)["text/plain"]
+
+
+def test_a_row_says_a_wait_for_data_that_lasts_and_process_group_setup():
+    view = RunView("3 ranks on cpu", range(3))
+    view.take(0, RankActivity(1.0, 0.5, waiting="train_loader", waited=2.0))
+    view.take(1, RankActivity(1.0, 0.5, waiting="train_loader", waited=0.2))
+    view.take(2, RankActivity(1.0, 0.5, setup=5.0, store="10.0.0.1:29400"))
+    assert rows(view.render(1.0)) == [["rank 0", "running", "waiting for data 2 s"],
+                                      ["rank 1", "running"],
+                                      ["rank 2", "running", "in process-group setup 5 s"]]
+
+
+def test_a_row_says_computing_when_the_cpu_rose_between_two_samples():
+    view = RunView("2 ranks on cpu", range(2))
+    for rank in range(2):
+        view.take(rank, RankActivity(1.0, 1.0, {"0": 4}))
+    assert [row[2:] for row in rows(view.render(1.0))] == [[], []]  # one sample says nothing of the CPU
+    view.take(0, RankActivity(2.0, 1.9, {"0": 4}))
+    view.take(1, RankActivity(2.0, 1.1, {"0": 4}))  # a tenth of a core: it sleeps, or waits on a lock
+    assert [row[2:] for row in rows(view.render(2.0))] == [["computing"], []]
+
+
+def test_a_rank_that_has_not_reached_the_collective_the_others_wait_in_is_behind():
+    view = RunView("3 ranks on cpu", range(3))
+    view.take(0, RankActivity(1.0, 1.0, {"0": 4}, [all_reduce(5, 3.0)]))
+    view.take(1, RankActivity(1.0, 1.0, {"0": 4}, [all_reduce(5, 3.0)]))
+    view.take(2, RankActivity(1.0, 1.0, {"0": 4}))
+    view.take(2, RankActivity(2.0, 2.0, {"0": 4}))
+    assert rows(view.render(2.0))[2] == ["rank 2", "running", "behind: at #4, others wait in #5 · computing"]
+    view.take(2, RankActivity(3.0, 2.0, {"0": 4}, [all_reduce(5, 0.1)]))  # it got there
+    assert rows(view.render(3.0))[2] == ["rank 2", "running"]
 
 
 def test_the_summary_has_peaks_and_throughput():

@@ -28,11 +28,11 @@ def test_the_extension_offers_its_entry_points_and_errors() -> None:
 def test_the_options_are_the_documented_ones_in_their_order() -> None:
     assert options.visible_options(TaasMagics.taas) == [
         "--gpus", "--config", "--device", "--start", "--on", "--cpus", "--units", "--order", "--prefetch",
-        "--output", "--return", "--timeout", "--max-restarts", "--debug", "--keep", "--ranks", "--idle"]
+        "--output", "--return", "--timeout", "--hang-after", "--max-restarts", "--debug", "--keep", "--ranks", "--idle"]
 
 
 def test_the_settings_of_config_are_the_documented_ones() -> None:
-    assert sorted(TaasMagics.class_own_traits(config=True)) == ["device", "output", "start", "view"]
+    assert sorted(TaasMagics.class_own_traits(config=True)) == ["device", "hang_after", "output", "start", "view"]
 
 
 def test_a_local_cluster_is_importable_where_the_docs_say() -> None:

@@ -7,12 +7,15 @@ words ``render`` makes of that result, for one-shot cells and session cells alik
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import signal
+import sysconfig
 
 import pytest
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded
 from taas_magic.kernel import render
+from taas_magic.kernel.hang import Hang, Process, stack_lines
 from taas_magic.kernel.run_state import (
     ONE_SHOT,
     SESSION,
@@ -24,20 +27,49 @@ from taas_magic.kernel.run_state import (
     Phase,
     Prompt,
     RunState,
+    ShowHang,
     ShowView,
     Signal,
     StopCause,
     TakeStacks,
+    Why,
 )
+from taas_magic.rank import cell
 from taas_magic.wire.events import Producer
-from taas_magic.wire.records import CellEnded, DeliverySummary, Failed, SavedOnNode, SaveSkipped
+from taas_magic.wire.records import (
+    CellEnded,
+    Collective,
+    DeliverySummary,
+    Failed,
+    RankActivity,
+    RankProgress,
+    SavedOnNode,
+    SaveSkipped,
+)
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
 BOTH = {0, 1}
+CELL = "/tmp/ipykernel_1/2.py"
+C10D = f"{sysconfig.get_paths()['purelib']}/torch/distributed/distributed_c10d.py"
+ALL_REDUCE = ((C10D, 2501, "all_reduce"), (CELL, 4, "<module>"))
 
 
 def failed(when: float, name: str = "ValueError", interrupted: bool = False) -> Failed:
     return Failed(when, name, "x", [f"tb at {when}"], interrupted=interrupted)
+
+
+def dump(*frames: tuple[str, int, str]) -> str:
+    """A rank's faulthandler dump: the cell's thread, its frames down to where taas ran the cell."""
+    return "Current thread 0x00007f0000000001 (most recent call first):\n" + "".join(
+        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames) + \
+        f'  File "{cell.__file__}", line 40 in run_cell\n'
+
+
+def sample(at: float, cpu: float = 0.0, finished: int = 4, seq: int | None = None, seconds: float = 1.0,
+           taken: int = 0, waiting: str = "", setup: float | None = None) -> RankActivity:
+    """A rank's activity at ``at``: in all_reduce ``seq`` (for ``seconds``) if given, after ``finished``."""
+    collectives = [] if seq is None else [Collective("0", seq, "all_reduce", [[1000]], ["Float"], seconds)]
+    return RankActivity(at, cpu, {"0": finished}, collectives, waiting, 0.0, taken, setup)
 
 
 def one_shot(**kwargs) -> RunState:
@@ -69,7 +101,9 @@ def test_a_failure_stops_the_others_with_sigterm_then_sigkill_3_s_later():
     state = one_shot()
     state.reported(1, failed(0.5))
     assert state.exited(1, 1, 0.6) == [MarkEnded(1, "failed")]
-    assert state.tick(1.0, {0}) == [Signal(signal.SIGTERM, (0,))]
+    asked, *signals = state.tick(1.0, {0})  # where the others are, before the signals move them
+    assert (asked, signals) == (TakeStacks((0,), Why.STOP), [Signal(signal.SIGTERM, (0,))])
+    assert state.stacks_taken(asked, {}, 1.0, {0}) == []  # the stop goes on
     assert state.phase is Phase.STOPPING and state.stop is not None and state.stop.cause is StopCause.FAILURE
     assert state.tick(3.9, {0}) == []
     assert state.tick(4.0, {0}) == [Signal(signal.SIGKILL, (0,))]
@@ -86,7 +120,7 @@ def test_a_failure_stops_the_others_with_sigterm_then_sigkill_3_s_later():
 
 def test_an_interrupt_escalates_and_another_skips_to_the_next_signal():
     state = RunState(ONE_SHOT, 100.0)
-    assert state.interrupt(100.0, BOTH) == []  # the first signal goes with the next tick
+    assert state.interrupt(100.0, BOTH) == [TakeStacks((0, 1), Why.STOP)]  # the first signal goes with the next tick
     assert state.phase is Phase.STOPPING and state.stop is not None and state.stop.cause is StopCause.INTERRUPT
     assert state.tick(100.05, BOTH) == [Signal(signal.SIGINT, (0, 1))]
     assert state.tick(102.9, BOTH) == []
@@ -99,8 +133,8 @@ def test_an_interrupt_while_stopping_for_a_failure_starts_the_interrupt_escalati
     state = one_shot()
     state.reported(1, failed(0.5))
     state.exited(1, 1, 0.5)
-    assert state.tick(1.0, {0}) == [Signal(signal.SIGTERM, (0,))]
-    assert state.interrupt(1.5, {0}) == []
+    assert state.tick(1.0, {0}) == [TakeStacks((0,), Why.STOP), Signal(signal.SIGTERM, (0,))]
+    assert state.interrupt(1.5, {0}) == [TakeStacks((0,), Why.STOP)]
     assert state.tick(1.55, {0}) == [Signal(signal.SIGINT, (0,))]
     assert state.result().outcome is Outcome.INTERRUPTED  # a one-shot cell says an interrupt first
 
@@ -152,29 +186,48 @@ def test_producers_left_alone_are_retired_and_never_fail_the_cell():
     assert state.result().outcome is Outcome.DONE
 
 
-def test_a_timeout_takes_the_late_ranks_stacks_and_stops_them():
+def test_a_timeout_takes_the_late_ranks_stacks_and_stops_them(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(linecache.cache, CELL, (0, None, ["import time\n", "\n", "time.sleep(600)\n"], CELL))
     state = one_shot(deadline=10.0, timeout=10.0)
     assert state.tick(9.9, BOTH) == []
     state.reported(0, CellEnded(9.95))  # rank 0 sends its names back: not late
     asked = state.tick(10.0, BOTH)
-    assert asked == [TakeStacks((1,), late=True)]
-    stack = 'Thread 0x1 (most recent call first):\n  File "/tmp/ipykernel_1/2.py", line 3 in <module>'
+    assert asked == [TakeStacks((1,), Why.LATE)]
+    stack = dump((CELL, 3, "<module>"))
     assert state.stacks_taken(asked[0], {1: stack}, 10.5, BOTH) == [Signal(signal.SIGTERM, (0, 1))]
     result = state.result()
     assert result.outcome is Outcome.TIMED_OUT and result.late == {1: stack}
-    error = render.error(result, {"/tmp/ipykernel_1/2.py": "Cell In[2]"})
+    error = render.error(result, {CELL: "Cell In[2]"})
     assert isinstance(error, RunTimedOut)
     assert str(error) == "--timeout 10 s elapsed: rank 1 still running, now stopped"
     assert error.lines == [f"{RED}{BOLD}taas: --timeout 10 s elapsed: rank 1 still running, now stopped{RESET}",
                            f"{BOLD}before the time ran out: rank 0 had finished the cell{RESET}",
-                           f"{BOLD}rank 1 was here when the time ran out:{RESET}",
-                           "Thread 0x1 (most recent call first):", "  Cell In[2], line 3 in <module>"]
+                           f"{BOLD}where the processes were when the time ran out:{RESET}",
+                           "rank 0: had finished the cell",
+                           "rank 1: in no collective:",
+                           "    Cell In[2], line 3 in <module>",
+                           "      time.sleep(600)"]
+
+
+def test_late_ranks_at_the_same_place_are_shown_once_and_one_that_sent_no_stack_says_so():
+    state = one_shot(deadline=10.0, timeout=10.0)
+    ranks = {0, 1, 2}
+    asked = state.tick(10.0, ranks)
+    assert asked == [TakeStacks((0, 1, 2), Why.LATE)]
+    state.stacks_taken(asked[0], {0: dump((CELL, 3, "<module>")), 2: dump((CELL, 3, "<module>"))}, 10.5, ranks)
+    error = render.error(state.result(), {CELL: "Cell In[2]"})
+    assert isinstance(error, RunTimedOut)
+    assert error.lines[1:] == [f"{BOLD}where the processes were when the time ran out:{RESET}",
+                               "ranks 0,2: in no collective:",
+                               "    Cell In[2], line 3 in <module>",
+                               "rank 1: in no collective",
+                               "    (no stack received)"]
 
 
 def test_a_rank_that_ended_its_cell_while_its_stack_was_taken_is_not_late():
     state = one_shot(deadline=10.0, timeout=10.0)
     asked = state.tick(10.0, BOTH)
-    assert asked == [TakeStacks((0, 1), late=True)]
+    assert asked == [TakeStacks((0, 1), Why.LATE)]
     state.reported(1, CellEnded(10.1))
     assert state.stacks_taken(asked[0], {}, 10.2, BOTH) == [Signal(signal.SIGTERM, (0, 1))]
     assert state.late == {0: ""}
@@ -205,7 +258,7 @@ def test_a_prompt_while_stopping_is_answered_quit_and_its_rank_counts_as_stopped
 def test_quitting_a_debugger_interrupts_the_run_and_is_no_failure_to_restart():
     state = one_shot()
     state.reported(0, Failed(1.0, "BdbQuit", ""))
-    assert state.tick(1.0, BOTH) == [Signal(signal.SIGINT, (0, 1))]
+    assert state.tick(1.0, BOTH) == [TakeStacks((0, 1), Why.STOP), Signal(signal.SIGINT, (0, 1))]
     state.exited(0, 1, 1.1)
     state.reported(1, failed(1.2, "KeyboardInterrupt", interrupted=True))
     state.exited(1, 1, 1.3)
@@ -218,7 +271,7 @@ def test_debug_pauses_the_first_rank_that_raised_and_stops_the_others():
     state = one_shot(debug=True)
     state.reported(1, failed(0.5))
     assert state.paused == {1}
-    assert state.tick(1.0, BOTH) == [Signal(signal.SIGTERM, (0,))]
+    assert state.tick(1.0, BOTH) == [TakeStacks((0,), Why.STOP), Signal(signal.SIGTERM, (0,))]
     state.exited(0, -signal.SIGTERM, 1.1)
     assert state.over({1})  # the paused rank waits for %taas debug
     result = state.result()
@@ -261,6 +314,56 @@ def test_a_restart_is_announced_with_the_one_line_failure():
         "taas: rank 1 failed: ValueError: x: every rank starts again (restart 1 of --max-restarts 2)\n"
 
 
+# -- where the processes were when taas stopped them ---------------------------------------------
+def test_a_failure_shows_where_the_ranks_it_stopped_were_waiting():
+    state = one_shot()
+    state.reported(0, sample(0.5, seq=5, seconds=2.0), 0.5)
+    state.reported(1, failed(0.8))
+    state.exited(1, 1, 0.9)
+    asked, _ = state.tick(1.5, {0})
+    assert asked == TakeStacks((0,), Why.STOP)
+    state.stacks_taken(asked, {0: dump(*ALL_REDUCE)}, 1.5, {0})
+    state.exited(0, -signal.SIGTERM, 1.6)
+    error = render.error(state.result(), {CELL: "Cell In[2]"})
+    assert isinstance(error, RankFailed)
+    assert error.lines[3:] == ["stopped by taas after the failure: rank 0",
+                               f"{BOLD}where they were when rank 1 failed:{RESET}",
+                               "rank 0: in all_reduce #5 (4 KB float32) for 3 s:",
+                               "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+                               "    Cell In[2], line 4 in <module>"]
+
+
+def test_a_failure_does_not_show_where_ranks_that_were_not_waiting_were():
+    state = one_shot()
+    state.reported(0, sample(0.5, cpu=0.4), 0.5)  # computing: the failure stopped it, nothing held it
+    state.reported(1, failed(0.8))
+    state.exited(1, 1, 0.9)
+    asked, _ = state.tick(1.5, {0})
+    state.stacks_taken(asked, {0: dump((CELL, 3, "<module>"))}, 1.5, {0})
+    state.exited(0, -signal.SIGTERM, 1.6)
+    error = render.error(state.result(), {CELL: "Cell In[2]"})
+    assert isinstance(error, RankFailed) and error.lines[-1] == "stopped by taas after the failure: rank 0"
+
+
+def test_an_interrupt_shows_where_the_ranks_were():
+    state = one_shot()
+    for rank in (0, 1):
+        state.reported(rank, sample(0.5, seq=5, seconds=0.5), 0.5)
+    [asked] = state.interrupt(1.0, BOTH)
+    assert asked == TakeStacks((0, 1), Why.STOP)
+    assert state.stacks_taken(asked, {0: dump(*ALL_REDUCE), 1: dump(*ALL_REDUCE)}, 1.0, BOTH) == []
+    assert state.tick(1.05, BOTH) == [Signal(signal.SIGINT, (0, 1))]
+    for rank in (0, 1):
+        state.reported(rank, failed(1.1, "KeyboardInterrupt", interrupted=True))
+        state.exited(rank, 1, 1.2)
+    error = render.error(state.result(), {CELL: "Cell In[2]"})
+    assert isinstance(error, RunInterrupted)
+    assert error.lines[1:] == [f"{BOLD}where the ranks were when interrupted:{RESET}",
+                               "ranks 0-1: in all_reduce #5 (4 KB float32) for 1 s:",
+                               "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+                               "    Cell In[2], line 4 in <module>"]
+
+
 # -- session cells --------------------------------------------------------------------------------
 def test_a_session_cell_is_over_when_its_ranks_said_so_not_when_they_exit():
     state = session(ranks=(0,))
@@ -273,7 +376,7 @@ def test_a_failure_in_a_session_interrupts_the_ranks_still_in_the_cell_once():
     state = session(ranks=(0, 1, 2))
     state.reported(2, CellEnded(0.2))
     state.reported(1, failed(0.5))
-    assert state.tick(1.0, {0, 1, 2}) == [Signal(signal.SIGINT, (0,))]
+    assert state.tick(1.0, {0, 1, 2}) == [TakeStacks((0,), Why.STOP), Signal(signal.SIGINT, (0,))]
     assert state.tick(3.0, {0, 1, 2}) == []
     state.reported(0, failed(1.5, "KeyboardInterrupt", interrupted=True))
     assert state.over({0, 1, 2})
@@ -302,12 +405,12 @@ def test_a_session_cell_raising_keyboardinterrupt_itself_lets_the_others_finish(
     stopping = one_shot()
     stopping.reported(0, failed(0.5, "KeyboardInterrupt", interrupted=True))
     stopping.exited(0, 1, 0.5)
-    assert stopping.tick(1.0, {1}) == [Signal(signal.SIGTERM, (1,))]
+    assert stopping.tick(1.0, {1}) == [TakeStacks((1,), Why.STOP), Signal(signal.SIGTERM, (1,))]
 
 
 def test_an_interrupted_session_cell_says_what_taas_interrupted():
     state = session()
-    assert state.interrupt(1.0, BOTH) == [Signal(signal.SIGINT, (0, 1))]
+    assert state.interrupt(1.0, BOTH) == [TakeStacks((0, 1), Why.STOP), Signal(signal.SIGINT, (0, 1))]
     for rank in (0, 1):
         state.reported(rank, failed(1.1, "KeyboardInterrupt", interrupted=True))
     error = render.error(state.result(), {})
@@ -320,13 +423,13 @@ def test_a_session_timeout_interrupts_the_late_ranks_and_the_session_goes_on():
     state = session(deadline=5.0, timeout=5.0)
     state.reported(0, CellEnded(4.0))
     asked = state.tick(5.0, BOTH)
-    assert asked == [TakeStacks((1,), late=True)]
+    assert asked == [TakeStacks((1,), Why.LATE)]
     assert state.stacks_taken(asked[0], {}, 5.1, BOTH) == [Signal(signal.SIGINT, (1,))]
     state.reported(1, failed(5.2, "KeyboardInterrupt", interrupted=True))
     error = render.error(state.result(), {})
     assert isinstance(error, RunTimedOut)
     assert str(error) == "--timeout 5 s elapsed: rank 1 still running, now interrupted; the session goes on"
-    assert error.lines[-1] == "(no stack received)"
+    assert error.lines[1:] == [f"{BOLD}before the time ran out: rank 0 had finished the cell{RESET}"]  # no stack came
 
 
 def test_a_second_interrupt_while_the_ranks_leave_the_cell_ends_the_session():
@@ -344,17 +447,21 @@ def test_a_second_interrupt_while_the_ranks_leave_the_cell_ends_the_session():
 def test_ranks_that_do_not_leave_an_interrupted_cell_in_5_s_end_the_session_with_where_they_were():
     state = session()
     state.reported(1, failed(0.5))
-    assert state.tick(1.0, BOTH) == [Signal(signal.SIGINT, (0,))]
+    assert state.tick(1.0, BOTH) == [TakeStacks((0,), Why.STOP), Signal(signal.SIGINT, (0,))]
     assert state.tick(6.0, BOTH) == []
     asked = state.tick(6.1, BOTH)
-    assert asked == [TakeStacks((0,), late=False)]
-    assert state.stacks_taken(asked[0], {0: "Thread 0x1:\n  File \"x.py\", line 1 in f"}, 8.0, BOTH) == [EndSession()]
-    error = render.session_ended(state.result(), {})
+    assert asked == [TakeStacks((0,), Why.STUCK)]
+    assert state.stacks_taken(asked[0], {0: dump(*ALL_REDUCE)}, 8.0, BOTH) == [EndSession()]
+    error = render.session_ended(state.result(), {CELL: "Cell In[3]"})
     assert str(error) == ("rank 1 failed: ValueError: x; taas: the session ended: rank 0 did not leave the "
                           "interrupted cell within 5 s (a collective waits for its peers there, or the code ignores "
                           "interrupts)")
     assert "stopped by taas after the failure: rank 0" in error.lines
-    assert error.lines[-3:] == [f"{BOLD}rank 0 was here:{RESET}", "Thread 0x1:", '  File "x.py", line 1 in f']
+    assert error.lines[-5:] == [f"{BOLD}where they were:{RESET}",
+                                "rank 0: in no collective:",
+                                "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+                                "    Cell In[3], line 4 in <module>",
+                                "rank 1: failed (ValueError)"]
 
 
 def test_a_rank_that_exits_ends_the_session_with_its_last_words():
@@ -402,12 +509,124 @@ def test_a_stack_shown_after_a_timeout_stops_where_taas_handed_the_process_its_w
                  f'  File "/tmp/ipykernel_1/3.py", line 2 in <module>\n'
                  f'  File "{cell.__file__}", line 40 in run_cell\n'
                  f'  File "{worker.__file__}", line 60 in run_rank\n')
-    assert render.user_stack(rank_dump, {"/tmp/ipykernel_1/3.py": "Cell In[3]"}) == [
-        "Thread 0x1 (most recent call first):", "  Cell In[3], line 2 in <module>"]
+    assert stack_lines(rank_dump, {"/tmp/ipykernel_1/3.py": "Cell In[3]"}) == ["    Cell In[3], line 2 in <module>"]
     producer_dump = (f'Thread 0x2 (most recent call first):\n'
                      f'  File "/data/loader.py", line 9 in __getitem__\n'
                      f'  File "{producer.__file__}", line 150 in run\n'
                      f'  File "{ranks.__file__}", line 80 in _run\n')
-    assert render.user_stack(producer_dump, {}) == [
-        "Thread 0x2 (most recent call first):", '  File "/data/loader.py", line 9 in __getitem__',
-        f'  File "{producer.__file__}", line 150 in run']
+    assert stack_lines(producer_dump, {}) == ['    File "/data/loader.py", line 9 in __getitem__'], \
+        "taas's own frames left out"
+
+
+# -- the watchdog -------------------------------------------------------------------------------------
+def stall(state: RunState, now: float, running=BOTH, stacks=None, watched=(0, 1)) -> Hang:
+    """The watchdog speaks at ``now``: it asks for the stacks of ``watched``, and shows what it found."""
+    [asked] = state.tick(now, running)
+    assert asked == TakeStacks(watched, Why.HANG)
+    [shown] = state.stacks_taken(asked, stacks or {}, now, running)
+    assert isinstance(shown, ShowHang)
+    return shown.hang
+
+
+def test_the_watchdog_speaks_once_per_stall_after_hang_after_and_the_run_goes_on():
+    state = one_shot(hang_after=10.0)
+    state.reported(0, sample(0.0, seq=5, seconds=1.0), 0.0)
+    assert state.tick(9.9, BOTH) == []
+    asked = state.tick(10.0, BOTH)
+    assert asked == [TakeStacks((0, 1), Why.HANG)]
+    assert state.stacks_taken(asked[0], {0: dump(*ALL_REDUCE)}, 10.0, BOTH) == [ShowHang(Hang(
+        10.0, (Process(0, "rank 0", sample(0.0, seq=5, seconds=1.0), 10.0, dump(*ALL_REDUCE)), Process(1, "rank 1")),
+        10.0))]
+    assert state.tick(10.1, BOTH) == [] and state.tick(1000.0, BOTH) == []  # once per stall
+    assert state.phase is Phase.RUNNING and state.stop is None
+
+
+def test_the_hang_message_says_the_cause_where_each_rank_is_and_that_the_run_goes_on():
+    state = one_shot(hang_after=10.0)
+    state.reported(1, sample(0.0, seq=5, seconds=0.5), 0.0)
+    state.reported(0, CellEnded(0.5), 0.5)
+    state.exited(0, 0, 0.6)
+    hang = stall(state, 10.5, {1}, {1: dump(*ALL_REDUCE)}, watched=(1,))
+    assert [(p.key, p.ended) for p in hang.processes] == [(0, "had finished the cell"), (1, "")]  # 0 had left
+    assert render.hang(hang, {CELL: "Cell In[2]"}) == [
+        f"{RED}{BOLD}taas: no progress for 10 s: rank 0 has not entered all_reduce #5 that rank 1 waits in; "
+        f"it had finished the cell{RESET}",
+        "rank 0: had finished the cell",
+        "rank 1: in all_reduce #5 (4 KB float32) for 11 s:",
+        "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+        "    Cell In[2], line 4 in <module>",
+        f"{BOLD}taas: the run goes on: wait, or interrupt the cell to stop it (said after --hang-after 10 s without "
+        f"progress; --hang-after 0 turns this off){RESET}"]
+
+
+@pytest.mark.parametrize("progress", [
+    lambda state: state.moved(15.0),  # a rank wrote output
+    lambda state: state.reported(1, RankProgress(15.0, 3), 15.0),
+    lambda state: state.reported(0, sample(15.0, finished=5), 15.0),  # left the collective: it finished
+    lambda state: state.reported(1, sample(15.0, taken=1), 15.0),  # took an element
+    lambda state: state.reported(1, sample(15.0, cpu=7.5), 15.0),  # half a core for 15 s: computing
+], ids=["output", "taas.progress", "collective finished", "element taken", "computing"])
+def test_progress_rearms_the_watchdog(progress):
+    state = one_shot(hang_after=10.0)
+    state.reported(0, sample(0.0, seq=5), 0.0)
+    state.reported(1, sample(0.0), 0.0)
+    stall(state, 10.0)
+    progress(state)
+    assert state.tick(24.9, BOTH) == []
+    stall(state, 25.0)
+
+
+@pytest.mark.parametrize("still", [
+    sample(5.0, seq=5, seconds=6.0),  # in the same collective, no CPU
+    sample(5.0, cpu=5.0, seq=5, seconds=6.0),  # spinning in it
+    sample(5.0, cpu=5.0, seq=5, seconds=6.0, waiting="train_loader"),
+    sample(5.0, cpu=5.0, seq=5, seconds=6.0, setup=6.0),
+    sample(5.0, cpu=2.4, seq=None),  # outside collectives, under half a core: a sleep with a timer, not work
+], ids=["no cpu", "cpu in a collective", "cpu waiting for data", "cpu in setup", "little cpu"])
+def test_a_rank_that_only_waits_is_no_progress(still):
+    state = one_shot(hang_after=10.0)
+    state.reported(0, dataclasses.replace(still, at=0.0, cpu=0.0), 0.0)
+    state.reported(0, still, 5.0)
+    assert state.tick(9.9, BOTH) == []
+    stall(state, 10.0)
+
+
+def test_time_at_a_debugger_prompt_is_no_stall():
+    state = one_shot(hang_after=10.0)
+    state.waited(30.0)  # a person answered a breakpoint() for 30 s
+    assert state.tick(39.9, BOTH) == []
+    stall(state, 40.0)
+
+
+@pytest.mark.parametrize("hang_after", [0, 0.0, None])
+def test_hang_after_0_turns_the_watchdog_off(hang_after):
+    state = one_shot(hang_after=hang_after)
+    assert state.tick(10_000.0, BOTH) == []
+
+
+def test_no_watchdog_while_the_processes_are_stopped():
+    state = one_shot(hang_after=10.0)
+    state.interrupt(1.0, BOTH)
+    actions = [action for now in (1.05, 4.0, 7.0, 50.0, 100.0) for action in state.tick(now, BOTH)]
+    assert actions == [Signal(signal.SIGINT, (0, 1)), Signal(signal.SIGTERM, (0, 1)), Signal(signal.SIGKILL, (0, 1))]
+
+
+def test_a_stall_seen_as_the_timeout_elapses_is_not_shown_as_a_run_that_goes_on():
+    state = one_shot(deadline=10.0, timeout=10.0, hang_after=10.0)  # a cell stuck from its start
+    shown = []
+    for action in state.tick(10.0, BOTH):
+        if isinstance(action, TakeStacks):
+            shown += state.stacks_taken(action, {}, 10.1, BOTH)
+    assert state.stop is not None and state.stop.cause is StopCause.TIMEOUT
+    assert not [action for action in shown if isinstance(action, ShowHang)]
+
+
+def test_a_session_cell_watches_its_own_ranks_and_the_producers():
+    producer = Producer(0, 0)
+    state = session(ranks=(0, 1), hang_after=10.0, labels={producer: "producer 0 of train_loader"})
+    running = {0, 1, 2, 3, producer}  # ranks 2 and 3 are not in this cell
+    assert state.tick(10.0, running) == [TakeStacks((0, 1, producer), Why.HANG)]
+    state.reported(0, CellEnded(12.0), 12.0)  # its cell ended: progress, and no more its stall
+    hang = stall(state, 22.0, running, watched=(1, producer))
+    assert [(p.key, p.label, p.ended) for p in hang.processes] == [
+        (0, "rank 0", "had finished the cell"), (1, "rank 1", ""), (producer, "producer 0 of train_loader", "")]

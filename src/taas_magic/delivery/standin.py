@@ -22,6 +22,10 @@ from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.transport import discard_waiting, receive, receive_if_waiting
 
+# What this rank's cell is doing with its loaders, read by its activity sampler (``rank.activity``):
+WAITING: dict[str, float] = {}  # loader name -> time.monotonic() when the cell began waiting for its element
+TAKEN: dict[str, int] = {}  # loader name -> elements the cell took so far
+
 
 class StandIn:
     def __init__(self, name: str, loader: Any, rank: int, plan: StreamPlan, channel: socket.socket,
@@ -71,6 +75,7 @@ class StandIn:
                 self._delivered += 1
                 self._counters.position[self._rank] = self._position
                 self._counters.taken[self._rank] = self._delivered
+                TAKEN[self._name] = self._delivered
                 self._last = time.monotonic()
                 yield self._pinned(element)
                 if self._open is not pass_:
@@ -144,7 +149,11 @@ class StandIn:
         cell's loop must still find.
         """
         began = time.monotonic()
-        self._readable.poll()
+        WAITING[self._name] = began
+        try:
+            self._readable.poll()
+        finally:
+            WAITING.pop(self._name, None)
         with HeldInterrupts():
             pass_number, index, element = receive(self._channel)
             self._keep(pass_number, index, element)

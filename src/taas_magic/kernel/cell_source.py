@@ -21,6 +21,7 @@ from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options
 from taas_magic.kernel.pragma import PragmaTransformer, parse_header
 from taas_magic.launch.backend import Cell
+from taas_magic.process import cell_files
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,12 @@ def compile_cell(shell: InteractiveShell, transformer: PragmaTransformer, line: 
     analyse it once: the names it reads and binds, the notebook's namespace, its label."""
     with transformer.disabled():
         source = shell.transform_cell(f"# %%taas {line}\n{cell}")
-    filename = shell.compile.cache(source, shell.execution_count)
+    number = cell_files.running_cell_number(shell)
+    filename = shell.compile.cache(source, number)
     _show_header_as_written(filename, source, cell, raw_cell(shell))
     tree = shell.transform_ast(ast.parse(source, filename))
     code = compile(tree, filename, "exec", dont_inherit=True)
-    return Compiled(code, Cell.of(tree, shell.user_ns, f"Cell In[{shell.execution_count}]", filename))
+    return Compiled(code, Cell.of(tree, shell.user_ns, f"Cell In[{number}]", filename))
 
 
 def raw_cell(shell: InteractiveShell) -> str:

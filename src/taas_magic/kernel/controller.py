@@ -27,9 +27,11 @@ from taas_magic.kernel.run_state import (
     Prompt,
     RunResult,
     RunState,
+    ShowHang,
     ShowView,
     Signal,
     TakeStacks,
+    Why,
 )
 from taas_magic.launch.rendezvous import new_run_id
 from taas_magic.kernel.spec import LaunchSpec
@@ -90,7 +92,8 @@ def _attempt(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], launch: Lau
     """One start of the run, pumped to its end; its state says how it went."""
     output, view = live_output(spec, write, list(range(spec.world_size)), status, labels)
     state = RunState(ONE_SHOT, time.monotonic(), deadline=deadline, debug=spec.debug, timeout=spec.timeout,
-                     labels=labels)
+                     labels=labels, hang_after=spec.hang_after,
+                     ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0)
     try:
         group = backend.start(plan, launch)
         try:
@@ -144,6 +147,8 @@ class Pump:
                 self._step()
             except KeyboardInterrupt:
                 self.interrupt()
+        if not self.state.policy.keep:
+            self._take_events(0)  # the exits of the last processes, seen ended before their events were taken
 
     def interrupt(self) -> None:
         """The user interrupted the cell."""
@@ -171,10 +176,11 @@ class Pump:
     def _take(self, event: Event) -> None:
         if isinstance(event, Output):
             self.output.feed(event.rank, event.stream, event.data)
+            self.state.moved(time.monotonic())
         elif isinstance(event, Report):
             if self.view is not None:
                 self.view.take(event.rank, event.record)  # progress, delivery counters and vitals are the view's alone
-            self.state.reported(event.rank, event.record)
+            self.state.reported(event.rank, event.record, time.monotonic())
         elif isinstance(event, Result):
             self.state.result_sent(event.data)
         elif isinstance(event, Exited):
@@ -196,9 +202,12 @@ class Pump:
                 self.group.signal(action.signum, action.keys)
             elif isinstance(action, TakeStacks):
                 stacks = self.group.stacks(action.keys, STACK_SECONDS) if action.keys else {}
-                if action.late:
+                if action.why is Why.LATE:
                     self._take_events(0)
                 self._do(self.state.stacks_taken(action, stacks, time.monotonic(), self.group.running()))
+            elif isinstance(action, ShowHang):
+                self.output.flush_idle()
+                self.write("stderr", "\n".join(render.hang(action.hang, self.cell_names)) + "\n")
             elif isinstance(action, ShowView):
                 if self.view is not None and self.status is not None:
                     self.view.changed = False

@@ -20,6 +20,9 @@ TORCHRUN_VARIABLES = (
 )
 
 
+FLIGHT_RECORDER_ENTRIES = "64"  # enough for a diagnosis; reading the ring each second costs little
+
+
 def rank_environments(
     spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], node_rank: int | None = None,
     restart: int = 0, elastic_id: str | None = None,
@@ -72,6 +75,9 @@ def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Map
         "TAAS_DEVICE": spec.device,
         "TAAS_CONFIGURATION": spec.configuration.name if spec.configuration else "",
     }
+    if "TORCH_FR_BUFFER_SIZE" not in kernel_environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in kernel_environ:
+        # torch's flight recorder: where each rank is in its collectives (rank.activity reads it)
+        env["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
     if spec.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # code that asks torch.cuda.is_available() picks the CPU
         env["ACCELERATE_USE_CPU"] = "true"  # Accelerate's Accelerator() then joins the run on gloo (MULTI_CPU)

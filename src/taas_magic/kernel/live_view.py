@@ -3,11 +3,15 @@
     taas: 4 ranks on cpu · running 3.2 s
     rank 0  running  312 MB   45%|████▌     | 45/100 [00:01<00:01, 40.12it/s]
     rank 1  running  309 MB   step 45, 35.2 steps/s, loss 0.1234 · 45%|████▌     | 45/100 [00:01<00:01]
+    rank 2  running  305 MB   in all_reduce #1235 (4 MB float32) 12 s
+    rank 3  running  305 MB   behind: at #1234, others wait in #1235 · computing
     mnist   1,200 produced · 5,400/s · 64 ready · ranks waited 3%
 
 A rank's row holds its state (starting, running, done, failed, stopped), its current progress
 bar (what the rank redraws with carriage returns), its ``taas.progress`` step and metrics, and
-what its process holds (``RankVitals``: memory, GPU memory and load). Each registered loader has a
+what its process holds (``RankVitals``: memory, GPU memory and load), and what it is doing when that
+is worth a look (``RankActivity``: a collective or a wait for data that lasts, setup, computing), a rank
+that has not reached the collective the others wait in marked behind. Each registered loader has a
 row for its producers; on a cluster each node has one too. When the run is over the view
 becomes its summary: how long it took, and each rank's peak memory, throughput and last progress.
 
@@ -23,11 +27,14 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from taas_magic.wire.events import Key
-from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankProgress, RankVitals, Record
+from taas_magic.kernel.hang import describe
+from taas_magic.kernel.run_state import COMPUTING
+from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
 STATES = ("starting", "running", "done", "failed", "stopped")
 _COLOURS = {"starting": "#888", "running": "#1f6feb", "done": "#1a7f37", "failed": "#cf222e", "stopped": "#bc4c00"}
 _BAR_RATE = re.compile(r"([0-9.]+)\s*([A-Za-z]*)/s\b")
+LASTING = 1.0  # seconds in a collective, or waiting for data, before the row says so
 
 
 @dataclass
@@ -39,6 +46,30 @@ class _RankRow:
     rate: float | None = None  # steps per second, between its last two taas.progress reports
     vitals: RankVitals | None = None
     peak_gpu_memory: int = 0
+    activity: RankActivity | None = None  # its latest sample
+    computing: bool = False  # it spent CPU outside collectives and data waits since the sample before
+
+    def doing(self, waited_in: int | None) -> str:
+        """What the rank does, when it lasts: "in all_reduce #1235 (4 MB float32) 12 s", "waiting for data
+        3 s", "in process-group setup 5 s", "computing"; ``waited_in``: the collective others wait in."""
+        activity = self.activity
+        if activity is None or self.state != "running":
+            return ""
+        behind = ""
+        finished = max(activity.finished.get("0", 0), 0)
+        inside = [c.seq for c in activity.collectives if c.group == "0" and not c.p2p]
+        if waited_in is not None and waited_in not in inside and finished < waited_in:
+            behind = f"behind: at #{finished}, others wait in #{waited_in}"
+        lasting = next((c for c in activity.collectives if c.seconds >= LASTING), None)
+        if lasting is not None:
+            now = f"in {describe(lasting)} {lasting.seconds:.0f} s"
+        elif activity.waiting and activity.waited >= LASTING:
+            now = f"waiting for data {activity.waited:.0f} s"
+        elif activity.setup is not None:
+            now = f"in process-group setup {activity.setup:.0f} s"
+        else:
+            now = "computing" if self.computing else ""
+        return " · ".join(part for part in (behind, now) if part)
 
     def progress_text(self, live: bool) -> str:
         """The rank's own step and metrics (and, while it runs, its current steps per second), then its bar.
@@ -116,7 +147,12 @@ class RunView:
         row = self.ranks.get(key) if isinstance(key, int) else None
         if row is None:
             return False
-        if isinstance(record, RankVitals):
+        if isinstance(record, RankActivity):
+            before = row.activity
+            row.computing = (before is not None and record.at > before.at and not record.collectives
+                             and not record.waiting and (record.cpu - before.cpu) / (record.at - before.at) >= COMPUTING)
+            row.activity = record
+        elif isinstance(record, RankVitals):
             row.vitals = record
             row.peak_gpu_memory = max(row.peak_gpu_memory, record.gpu_memory or 0)
         elif isinstance(record, RankProgress):
@@ -166,9 +202,17 @@ class RunView:
     def render(self, elapsed: float) -> dict[str, str]:
         """The view while the run goes: a MIME bundle (text and HTML)."""
         caption = f"taas: {self.title} · running {elapsed:.1f} s"
-        rows = [(f"rank {rank}", row.state, _memory(row), row.progress_text(live=True), str(rank))
+        waited_in = self._waited_in()
+        rows = [(f"rank {rank}", row.state, _memory(row), " · ".join(
+            part for part in (row.doing(waited_in), row.progress_text(live=True)) if part), str(rank))
                 for rank, row in self.ranks.items()]
         return self._bundle("running", caption, rows, self._extra_rows())
+
+    def _waited_in(self) -> int | None:
+        """The latest collective of the default group some rank has waited in for a while."""
+        lasting = [c.seq for row in self.ranks.values() if row.activity is not None and row.state == "running"
+                   for c in row.activity.collectives if c.group == "0" and not c.p2p and c.seconds >= LASTING]
+        return max(lasting, default=None)
 
     def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
         """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""

@@ -1,9 +1,10 @@
 """`%%taas` and `%taas`: IPython's glue to a run. Parse → spec → run → report.
 
 What the magic does is elsewhere, one job per module: the cell's run (``runner``), what outlives a
-cell and `%taas stop` / `%taas debug` (``kept``), the cluster and `%taas cluster` (``cluster_link``),
-`%taas` alone and the configurable defaults (``settings``), reading and compiling the cell
-(``cell_source``). The ``%config`` traits stay here, where IPython looks for them.
+cell and `%taas stop` / `%taas debug` (``kept``), where a session's ranks are for `%taas stacks`
+(``session``), the cluster and `%taas cluster` (``cluster_link``), `%taas` alone and the
+configurable defaults (``settings``), reading and compiling the cell (``cell_source``). The
+``%config`` traits stay here, where IPython looks for them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_expand
-from traitlets import Bool, Enum
+from traitlets import Bool, Enum, Float, TraitError, validate
 
+from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import cell_source, options, settings
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept
@@ -23,6 +25,7 @@ from taas_magic.kernel.runner import CellRunner
 from taas_magic.launch.cluster import connection
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
+from taas_magic.process import cell_files
 
 
 @magics_class
@@ -39,6 +42,16 @@ class TaasMagics(Magics):
     start = Enum(options.STARTS, default_value="auto", config=True, help="The default --start.")
     view = Bool(True, config=True, help="The live view of a run (a row per rank, bars in place, identical lines "
                                         "of several ranks once); False: the ranks' output as they write it.")
+    hang_after = Float(120.0, config=True, help="The default --hang-after: seconds without progress after which a "
+                                                "run says where each rank waits and why (0: never).")
+
+    @validate("hang_after")
+    def _valid_hang_after(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not 0 <= value < float("inf"):
+            raise TraitError(f"TaasMagics.hang_after = {value!r} is not allowed: use a number of seconds greater "
+                             "than 0, or 0 to turn the watchdog off")
+        return value
 
     def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer):
         super().__init__(shell)
@@ -61,8 +74,9 @@ class TaasMagics(Magics):
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
 
         `--keep` starts a session: the ranks stay, and the taas cells that follow run in them
-        (`--ranks 0,2` in part of them); `%taas stop` ends it. `%taas debug [RANK]` opens pdb in a
-        rank whose cell raised (in a session, or paused by `--debug`); `breakpoint()` works in ranks.
+        (`--ranks 0,2` in part of them); `%taas stacks` shows where its ranks are between cells, and
+        `%taas stop` ends it. `%taas debug [RANK]` opens pdb in a rank whose cell raised (in a session,
+        or paused by `--debug`); `breakpoint()` works in ranks.
         """
         line = cell_source.expand_variables(self.ipython, line)
         words = line.split()
@@ -74,6 +88,9 @@ class TaasMagics(Magics):
             return
         if cell is None and words[:1] == ["debug"]:
             self.kept.debug_command(words[1:])
+            return
+        if cell is None and words[:1] == ["stacks"]:
+            self._stacks_command(words[1:])
             return
         args = options.parse(TaasMagics.taas, line)
         cell_source.refuse_typed_internal_options(args, self.ipython, TaasMagics.taas)
@@ -88,8 +105,18 @@ class TaasMagics(Magics):
                             self.forkserver_backend)
         runner.run(args, self._defaults(), line, cell)
 
+    def _stacks_command(self, words: list[str]) -> None:
+        """`%taas stacks`: where each process of the session is, between its cells."""
+        if words:
+            raise TaasUsageError(f"%taas stacks takes nothing more; got {' '.join(words)[:40]!r}")
+        session = self.kept.session
+        if session is None:
+            print("taas: no session is running (a taas cell with --keep starts one)")
+            return
+        print("\n".join(session.where(cell_files.cell_labels(self.ipython))))
+
     def _defaults(self) -> settings.Defaults:
-        return settings.Defaults.of(self.device, self.output, self.start, self.view, self.config)
+        return settings.Defaults.of(self.device, self.output, self.start, self.view, self.hang_after, self.config)
 
     # -- unloading and loading again ----------------------------------------------------------
     def take_over(self, old: Any) -> None:

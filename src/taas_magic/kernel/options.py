@@ -60,6 +60,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def seconds_or_off(text: str) -> float:
+    """Seconds, or 0 for off (``--hang-after 0``)."""
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    try:
+        return seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{_cut(text)!r} is not allowed: use a number of seconds greater than 0, or 0 to turn it off") from None
+
+
 def _cut(text: str, keep: int = 40) -> str:
     """A value as an error message shows it: cut short when long."""
     return text if len(text) <= keep else text[:keep] + "..."
@@ -148,6 +159,11 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         magic_arguments.argument(
             "--timeout", type=seconds, default=None, metavar="SECONDS",
             help="stop ranks still running after this many seconds and show where each one was.",
+        ),
+        magic_arguments.argument(
+            "--hang-after", dest="hang_after", type=seconds_or_off, default=None, metavar="SECONDS",
+            help="when no rank made progress for this many seconds, say which rank waits where and why, and let "
+            "the run go on (default 120; 0: never).",
         ),
         magic_arguments.argument_group("failures"),
         magic_arguments.argument(

@@ -11,6 +11,7 @@ import signal
 from typing import Mapping, TypeVar
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded, plain
+from taas_magic.kernel.hang import Hang, Process, cause, span, where_lines
 from taas_magic.kernel.run_state import EndCause, Failure, Notice, Outcome, RunResult, quit_debugger
 from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
@@ -25,7 +26,7 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
     if result.outcome is Outcome.DONE:
         return None
     if result.outcome is Outcome.FAILED:
-        message, lines = failure(result, result.policy.others_were)
+        message, lines = failure(result, result.policy.others_were, cell_names)
         if result.policy.keep:
             lines.append(f"taas: the session goes on (%taas debug opens the debugger in "
                          f"{name(result, result.failures[0].rank)} at the error)")
@@ -33,11 +34,12 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
     if result.outcome is Outcome.TIMED_OUT:
         return RunTimedOut(*timed_out(result, cell_names))
     if result.outcome is Outcome.INTERRUPTED:
-        return RunInterrupted(interrupted(result))
+        return RunInterrupted(interrupted(result) + _where(result, cell_names, "where the ranks were when interrupted:"))
     return session_ended(result, cell_names)
 
 
-def failure(result: RunResult, others_were: str) -> tuple[str, list[str]]:
+def failure(result: RunResult, others_were: str,
+            cell_names: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
     """The root cause, in one line and in full; what else failed after it, and what taas did to the others."""
     failures = result.failures
     root = failures[0]
@@ -47,19 +49,56 @@ def failure(result: RunResult, others_were: str) -> tuple[str, list[str]]:
     ended = _ended_before(result, root.time)
     if ended:
         lines.append(f"{BOLD}before {who} failed: {ended}{RESET}")
+    alike = [f.rank for f in failures if _same_error(f, root)]  # read once, labelled with every rank it is of
     if root.details:
-        lines += [f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else
-                  f"{BOLD}last lines {who} wrote to stderr:{RESET}"]
+        if len(alike) > 1:
+            lines.append(f"{BOLD}[{names(result, alike, compact=True)}] "
+                         + (f"traceback ({who} failed first):" if _is_traceback(root) else
+                            f"last lines each wrote to stderr ({who}'s):") + RESET)
+        else:
+            lines.append(f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else
+                         f"{BOLD}last lines {who} wrote to stderr:{RESET}")
         lines += root.details
     if root.hint:
         lines.append(f"{BOLD}taas: {root.hint}{RESET}")
-    others = [f"{name(result, f.rank)} ({summary(f)})" for f in failures[1:]]
+    others = _alike_failures(result, [f for f in failures[1:] if f.rank not in alike])
+    if len(alike) > 1 and not root.details:
+        others.insert(0, f"{names(result, alike[1:], compact=True)} ({summary(root)})")
     stopped = sorted(result.stopped - {f.rank for f in failures}, key=key_order)
     if others:
         lines.append(f"also failed, after {who}: " + "; ".join(others))
     if stopped:
         lines.append(f"{others_were} by taas after the failure: {names(result, stopped)}")
+        stuck = frozenset(p.key for p in result.where if p.key in stopped and _stuck(p))
+        if stuck:
+            lines += _where(result, cell_names or {}, f"where they were when {who} failed:", stuck)
     return plain(message), lines
+
+
+def _same_error(one: Failure, other: Failure) -> bool:
+    """The same failure in two processes: the same error, raised at the same lines (or the same death)."""
+    return (one.raised, one.code, one.details, one.where, one.hint) == (other.raised, other.code, other.details,
+                                                                      other.where, other.hint)
+
+
+def _alike_failures(result: RunResult, failures: list[Failure]) -> list[str]:
+    """Each distinct failure once, with every process it happened in: "ranks 2,5 (KeyError: 'x')"."""
+    groups: dict[str, list[Key]] = {}
+    for failure_ in failures:
+        groups.setdefault(summary(failure_), []).append(failure_.rank)
+    return [f"{names(result, keys, compact=True)} ({text})" for text, keys in groups.items()]
+
+
+def _stuck(process: Process) -> bool:
+    """In a collective, waiting for data or in process-group setup: waiting for others, maybe forever.
+
+    Not one already reporting a failure of its own (a gloo peer whose connection broke as the failed
+    rank exited): where it waited is gone, and its stack is taas formatting its traceback.
+    """
+    activity = process.activity
+    if " in _failure" in process.stack:
+        return False
+    return process.collective() is not None or process.in_setup() or bool(activity and activity.waiting)
 
 
 def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -72,9 +111,7 @@ def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, li
     ended = _ended_before(result, float("inf"))
     if ended:
         lines.append(f"{BOLD}before the time ran out: {ended}{RESET}")
-    for key in late:
-        lines.append(f"{BOLD}{name(result, key)} was here when the time ran out:{RESET}")
-        lines += user_stack(stacks[key], cell_names) or ["(no stack received)"]
+    lines += _where(result, cell_names, "where the processes were when the time ran out:")
     return message, lines
 
 
@@ -112,13 +149,28 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
     message, lines = _ended(f"{names(result, stuck)} did not leave the interrupted cell within "
                             f"{result.policy.leave_seconds:g} s (a collective waits for its peers there, or the code "
                             "ignores interrupts)")
-    for key in stuck:
-        lines.append(f"{BOLD}{name(result, key)} was here:{RESET}")
-        lines += user_stack(end.stacks.get(key, ""), cell_names) or ["(no stack received)"]
+    lines += _where(result, cell_names, "where they were:")
     if result.failures:  # why they were interrupted: the failure comes first
         failed, failed_lines = failure(result, "stopped")  # the session ends: every rank is stopped
         return SessionEnded(f"{failed}; {message}", failed_lines + lines)
     return SessionEnded(message, lines)
+
+
+def hang(found: Hang, cell_names: Mapping[str, str]) -> list[str]:
+    """The watchdog's diagnosis: how long nothing moved, the likely cause, and where each process is."""
+    first = f"taas: no progress for {found.stalled:.0f} s: {cause(found.processes, cell_names)}"
+    return ([f"{RED}{BOLD}{first}{RESET}"] + where_lines(found.processes, cell_names, found.ranks_per_node)
+            + [f"{BOLD}taas: the run goes on: wait, or interrupt the cell to stop it (said after --hang-after "
+               f"{found.after:g} s without progress; --hang-after 0 turns this off){RESET}"])
+
+
+def _where(result: RunResult, cell_names: Mapping[str, str], title: str,
+           only: frozenset[Key] | None = None) -> list[str]:
+    """Where the processes were when taas took their stacks, each place once (nothing if it took none)."""
+    processes = [p for p in result.where if only is None or p.key in only]
+    if not any(p.stack for p in processes):
+        return []
+    return [f"{BOLD}{title}{RESET}"] + where_lines(processes, cell_names, result.ranks_per_node)
 
 
 def session_over(why: str) -> SessionEnded:
@@ -201,43 +253,15 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code} before the cell finished"
 
 
-def user_stack(dump: str, cell_names: Mapping[str, str]) -> list[str]:
-    """A faulthandler dump cut to what matters: no taas threads, nothing below the cell's code."""
-    kept: list[str] = []
-    for block in dump.strip().split("\n\n"):
-        frames = block.splitlines()
-        if not frames or any("taas_magic" in line and " in watch" in line for line in frames):
-            continue  # the rank's lifeline thread
-        header, frames = frames[0], frames[1:]
-        inside = _until_taas(frames)
-        for filename, label in cell_names.items():
-            inside = [line.replace(f'File "{filename}"', label) for line in inside]
-        kept += [header] + inside
-    return kept
-
-
-# Where taas hands a process its work: a rank's cell (run_cell, or the rank's setup before it), a forked
-# process's start in its supervisor (a producer's loop is its work, and shown).
-WORK_STARTS = ("/taas_magic/rank/cell.py", "/taas_magic/rank/worker.py", "/taas_magic/launch/supervisor/ranks.py",
-               "/taas_magic/launch/fork/backend.py")
-
-
-def _until_taas(frames: list[str]) -> list[str]:
-    """Frames above the point where taas started the process's work (most recent first)."""
-    for index, line in enumerate(frames):
-        if any(start in line for start in WORK_STARTS):
-            return frames[:index]
-    return frames
-
-
 def name(result: RunResult, key: Key) -> str:
     return result.labels.get(key, f"rank {key}")
 
 
-def names(result: RunResult, keys: list[Key]) -> str:
+def names(result: RunResult, keys: list[Key], compact: bool = False) -> str:
+    """"ranks 0, 2; producer 0 of train_loader" (``compact``: "ranks 0-2,4")."""
     ranks = sorted(key for key in keys if isinstance(key, int))
     others = [name(result, key) for key in sorted(keys, key=key_order) if not isinstance(key, int)]
-    return "; ".join(([_ranks(ranks)] if ranks else []) + others)
+    return "; ".join(([span(ranks) if compact else _ranks(ranks)] if ranks else []) + others)
 
 
 def _ended_before(result: RunResult, moment: float) -> str:

@@ -27,11 +27,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Mapping, Union
 
+from taas_magic.kernel.hang import Hang, Process
 from taas_magic.wire.events import Key, Producer, key_order
-from taas_magic.wire.records import CellEnded, Failed, Record, SavedOnNode, SaveSkipped
+from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankProgress, Record, SavedOnNode, SaveSkipped
 
 VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
 VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a view drawn for an instant is noise
+# taas sees a death a moment after it happened (its supervisor reaps it, the pump reads the event): a peer
+# that failed because of it (its channel broke) may have caught its error before that moment.
+SEEN_LATE = 0.25
+COMPUTING = 0.5  # a rank that spent this share of a core outside collectives and data waits is computing
 
 Step = tuple[float, int]  # (seconds after the stop began, signal to send)
 
@@ -132,14 +137,28 @@ class Signal:
     keys: tuple[Key, ...] | None  # None: every process still running
 
 
+class Why(Enum):
+    """Why the stacks of some processes are taken."""
+
+    LATE = "late"  # --timeout elapsed (the events that came meanwhile are taken first: one that ended is not late)
+    STUCK = "stuck"  # a session's ranks did not leave an interrupted cell
+    STOP = "stop"  # a failure or an interrupt is about to stop them: where were they?
+    HANG = "hang"  # the watchdog: no process moved for --hang-after seconds
+
+
 @dataclass(frozen=True)
 class TakeStacks:
-    """Take these processes' stacks and hand them to ``stacks_taken``: for ``--timeout`` (``late``: the
-    events that came meanwhile are taken first: a rank that ended its cell is not late), or for ranks
-    that did not leave an interrupted cell."""
+    """Take these processes' stacks and hand them to ``stacks_taken``."""
 
     keys: tuple[Key, ...]
-    late: bool
+    why: Why
+
+
+@dataclass(frozen=True)
+class ShowHang:
+    """No process moved for ``hang.stalled`` seconds: say where each is and why, and let the run go on."""
+
+    hang: Hang
 
 
 @dataclass(frozen=True)
@@ -176,7 +195,7 @@ class EndSession:
     """The session cannot go on: the cell ends with ``render.session_ended(result())``."""
 
 
-Action = Union[Signal, TakeStacks, ShowView, Prompt, Answer, MarkEnded, EndSession]
+Action = Union[Signal, TakeStacks, ShowHang, ShowView, Prompt, Answer, MarkEnded, EndSession]
 
 
 # -- what the machine hands back -----------------------------------------------------------------
@@ -225,6 +244,8 @@ class RunResult:
     end: SessionEnd | None  # why the session ended, if it did
     labels: Mapping[Key, str]  # names of the processes that are not ranks: "producer 0 of train_loader"
     timeout: float | None  # the --timeout, in seconds
+    where: tuple[Process, ...] = ()  # where the processes were when the time ran out, or when taas stopped them
+    ranks_per_node: int = 0  # > 0 on a cluster: where they were is grouped with their node
 
     @property
     def seen_as(self) -> Outcome:
@@ -276,7 +297,8 @@ class RunState:
     """
 
     def __init__(self, policy: Policy, now: float, *, ranks: Iterable[int] = (), deadline: float | None = None,
-                 debug: bool = False, timeout: float | None = None, labels: Mapping[Key, str] | None = None):
+                 debug: bool = False, timeout: float | None = None, labels: Mapping[Key, str] | None = None,
+                 hang_after: float | None = None, ranks_per_node: int = 0, world: int = 0):
         self.policy = policy
         self.started = now
         self.ranks = frozenset(ranks)
@@ -296,6 +318,14 @@ class RunState:
         self.end: SessionEnd | None = None
         self.finished = False
         self.view_shown = 0.0  # when the live view was last drawn
+        self.hang_after = hang_after or None  # --hang-after: the watchdog (None or 0: off)
+        self.ranks_per_node = ranks_per_node  # > 0 on a cluster: stacks are grouped with their node
+        self.world = world  # a session's ranks, those of the cell and the others (--ranks)
+        self.clock = now  # the latest time the machine was told
+        self.moved_at = now  # when a process last made progress
+        self.hang_shown = False  # the watchdog spoke about the current stall
+        self.activity: dict[Key, tuple[RankActivity, float]] = {}  # each rank's latest sample, and when it came
+        self.where: tuple[Process, ...] = ()  # see RunResult.where
 
     @property
     def phase(self) -> Phase:
@@ -314,8 +344,15 @@ class RunState:
         return self.phase is Phase.OVER
 
     # -- events ----------------------------------------------------------------------------------
-    def reported(self, key: Key, record: Record) -> None:
+    def reported(self, key: Key, record: Record, now: float | None = None) -> None:
         ledger = self.ledger
+        now = self.clock if now is None else now
+        if isinstance(record, RankActivity):
+            if self._moves(key, record):
+                self.moved(now)
+            self.activity[key] = (record, now)
+        elif isinstance(record, (RankProgress, CellEnded, Failed)):
+            self.moved(now)
         if isinstance(record, SaveSkipped):
             ledger.saves_skipped.setdefault(record.path, set()).add(key)
         elif isinstance(record, SavedOnNode):
@@ -353,9 +390,29 @@ class RunState:
         return [Prompt(key, prompt)]
 
     def waited(self, seconds: float) -> None:
-        """A person spent ``seconds`` at a prompt: they do not count toward --timeout."""
+        """A person spent ``seconds`` at a prompt: they do not count toward --timeout, nor as a stall."""
         if self.deadline is not None:
             self.deadline += seconds
+        self.moved_at += seconds
+
+    def moved(self, now: float) -> None:
+        """A process made progress (wrote output, finished a collective, took an element, …)."""
+        self.moved_at = max(self.moved_at, now)
+        self.hang_shown = False  # a later stall is said again
+
+    def _moves(self, key: Key, sample: RankActivity) -> bool:
+        """Whether a rank's new sample shows progress since its last: a collective finished or entered, an
+        element taken, or CPU spent outside collectives and data waits (a long computation)."""
+        last = self.activity.get(key)
+        if last is None:
+            return True
+        before = last[0]
+        position = (sample.finished, [(c.group, c.seq) for c in sample.collectives], sample.taken)
+        if position != (before.finished, [(c.group, c.seq) for c in before.collectives], before.taken):
+            return True
+        waiting = sample.collectives or sample.waiting or sample.setup is not None
+        span = sample.at - before.at
+        return not waiting and span > 0 and (sample.cpu - before.cpu) / span >= COMPUTING
 
     def view(self, now: float, changed: bool) -> list[Action]:
         """Whether to redraw the live view, which ``changed`` since it was drawn: at most every
@@ -366,26 +423,56 @@ class RunState:
         return []
 
     def tick(self, now: float, running: Iterable[Key]) -> list[Action]:
-        """The clock: begin stopping, send the signals that are due."""
+        """The clock: begin stopping, send the signals that are due, or wake the watchdog."""
         self.running = frozenset(running)
+        self.clock = now
         actions = self._decide(now) if self.stop is None else []
-        return actions + self._due(now)
+        return actions + self._due(now) + ([] if actions else self._watch(now))
+
+    def _watch(self, now: float) -> list[Action]:
+        """The watchdog: no process moved for --hang-after seconds; once per stall."""
+        if self.hang_after is None or self.hang_shown or self.stop is not None or self.paused:
+            return []
+        watched = self._watched()
+        if now - self.moved_at < self.hang_after or not any(isinstance(key, int) for key in watched):
+            return []
+        self.hang_shown = True
+        return [TakeStacks(watched, Why.HANG)]
+
+    def _watched(self) -> tuple[Key, ...]:
+        """The processes a stall concerns: the ranks at work (a session's: in the cell), and the producers."""
+        ranks = self._in_cell() if self.policy.keep else {key for key in self.running if isinstance(key, int)}
+        producers = {key for key in self.running if not isinstance(key, int)}
+        return tuple(sorted((ranks | producers) - self.paused, key=key_order))
 
     def interrupt(self, now: float, running: Iterable[Key]) -> list[Action]:
         """The user interrupted the cell."""
         self.running = frozenset(running)
+        self.clock = now
         return self._interrupt(now) + (self._due(now) if self.policy.interrupt_at_once else [])
 
     def stacks_taken(self, asked: TakeStacks, stacks: Mapping[Key, str], now: float,
                      running: Iterable[Key]) -> list[Action]:
-        """The stacks ``asked`` for: the processes still late are stopped; ranks stuck in the cell end the session."""
+        """The stacks ``asked`` for: the processes still late are stopped; ranks stuck in the cell end the
+        session; a stall is shown; a stop goes on, knowing where the processes were."""
         self.running = frozenset(running)
-        if not asked.late:
+        self.clock = now
+        if asked.why is Why.HANG:
+            if self.stop is not None:
+                return []  # the run is being stopped meanwhile: it does not go on
+            return [ShowHang(Hang(now - self.moved_at, self.processes(asked.keys, stacks, now), self.hang_after or 0.0,
+                                  self.ranks_per_node))]
+        if asked.why is Why.STOP:
+            self.where = self.processes(asked.keys, stacks, now)
+            return []
+        if asked.why is Why.STUCK:
+            self.where = self.processes(asked.keys, stacks, now)
             return self._end_session(SessionEnd(EndCause.STUCK, asked.keys, stacks=dict(stacks)))
         late = self._late()
         still = [key for key in asked.keys if key in late]  # one that ended its cell meanwhile is not late
         if still:
             self.late = {key: stacks.get(key, "") for key in still}
+            self.where = self.processes(tuple(still), stacks, now)
             self.paused.clear()  # the time is up for the paused rank too
             self._begin(StopCause.TIMEOUT, now)
         return self._due(now)
@@ -395,13 +482,14 @@ class RunState:
         working = self.running - self.paused
         if self._failing():
             self._begin(StopCause.FAILURE, now)
+            return self._where_stopped()
         elif self.quit:
             return self._interrupt(now)  # quitting a debugger is the user stopping the run: never restarted
         elif not self.policy.keep and working and not any(isinstance(key, int) for key in working):
             self.retired = set(working)  # every rank is done: the producers' work is over
             self._begin(StopCause.FINISHED, now)
         elif self.deadline is not None and now >= self.deadline:
-            return [TakeStacks(tuple(sorted(self._late(), key=key_order)), late=True)]
+            return [TakeStacks(tuple(sorted(self._late(), key=key_order)), Why.LATE)]
         return []
 
     def _interrupt(self, now: float) -> list[Action]:
@@ -412,7 +500,12 @@ class RunState:
         if self.stop is not None and self.stop.cause is StopCause.INTERRUPT:
             return [Signal(signum, None) for signum in self.stop.skip_ahead()]
         self._begin(StopCause.INTERRUPT, now)
-        return []
+        return self._where_stopped()
+
+    def _where_stopped(self) -> list[Action]:
+        """Before the signals of a stop: where the ranks it stops are (they may be stuck waiting for each other)."""
+        ranks = tuple(key for key in self._targets() if isinstance(key, int))
+        return [TakeStacks(ranks, Why.STOP)] if ranks else []
 
     def _begin(self, cause: StopCause, now: float) -> None:
         self.stopped |= set(self._targets())
@@ -426,7 +519,7 @@ class RunState:
         actions: list[Action] = [Signal(signum, self._targets()) for signum in self.stop.due(now)]
         leave = self.policy.leave_seconds
         if leave is not None and now - self.stop.started > leave and self._in_cell():
-            actions.append(TakeStacks(self._targets(), late=False))
+            actions.append(TakeStacks(self._targets(), Why.STUCK))
         return actions
 
     def _end_session(self, end: SessionEnd) -> list[Action]:
@@ -434,6 +527,38 @@ class RunState:
         return [EndSession()]
 
     # -- what the run is at -----------------------------------------------------------------------
+    def processes(self, keys: Iterable[Key], stacks: Mapping[Key, str], now: float) -> tuple[Process, ...]:
+        """``keys`` with their stacks and latest activity, and the ranks that already left, with how."""
+        keys = set(keys)
+        known = (keys | set(self.activity) | set(self.ledger.records) | set(self.ledger.exits) | set(self.ranks)
+                 | set(range(self.world)))
+        processes = []
+        for key in sorted(known, key=key_order):
+            if key not in keys and not isinstance(key, int):
+                continue
+            activity, came = self.activity.get(key, (None, now))
+            processes.append(Process(key, self.labels.get(key, f"rank {key}"), activity, max(0.0, now - came),
+                                     stacks.get(key, ""), "" if key in keys else self._how_left(key)))
+        return tuple(processes)
+
+    def _how_left(self, key: Key) -> str:
+        if self.policy.keep and key not in self.ranks:
+            return "is not in this cell (--ranks)"
+        record = self.ledger.records.get(key)
+        if isinstance(record, CellEnded):
+            return f"exited early with {record.exited}" if record.exited else "had finished the cell"
+        if isinstance(record, Failed):
+            return f"failed ({record.ename})"
+        code = self.ledger.exits.get(key, (None, 0.0))[0]
+        if code is None:
+            return "is still running" if key in self.running else "had left"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
     def _targets(self) -> tuple[Key, ...]:
         """What a stop signals: a session's ranks still in the cell; else every running process but a paused rank."""
         return tuple(sorted(self._in_cell() if self.policy.keep else self.running - self.paused, key=key_order))
@@ -481,7 +606,7 @@ class RunState:
                 failures.append(Failure(key, record.time or when, tuple(record.traceback), record.where, record.hint,
                                         (record.ename, record.evalue), interrupted=record.interrupted))
             elif code != 0 and key not in self.stopped:
-                failures.append(Failure(key, when, ledger.tails.get(key, ()), code=code))
+                failures.append(Failure(key, when - SEEN_LATE, ledger.tails.get(key, ()), code=code))
         return sorted(failures, key=lambda failure: failure.time)
 
     def result(self) -> RunResult:
@@ -500,7 +625,8 @@ class RunState:
             quit=frozenset(self.quit), late=None if self.late is None else dict(self.late),
             interrupted=self.interrupted,
             saves_skipped={path: frozenset(keys) for path, keys in ledger.saves_skipped.items()},
-            saved_on_nodes=tuple(ledger.saved_on_nodes), end=end, labels=dict(self.labels), timeout=self.timeout)
+            saved_on_nodes=tuple(ledger.saved_on_nodes), end=end, labels=dict(self.labels), timeout=self.timeout,
+            where=self.where, ranks_per_node=self.ranks_per_node)
 
 
 def _outcome(order: tuple[Outcome, ...], interrupted: bool, timed_out: bool, failed: bool) -> Outcome:

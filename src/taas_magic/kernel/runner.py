@@ -154,7 +154,7 @@ class CellRunner:
         if outside:
             raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))}: the session has ranks 0-{session.size - 1}")
         spec = dataclasses.replace(session.spec, output=args.output or defaults.output, timeout=args.timeout,
-                                   return_names=args.return_names)
+                                   return_names=args.return_names, hang_after=args.hang_after)
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
         new = self._session_loaders(analysed, session, ranks)
@@ -249,7 +249,7 @@ class ViewDisplay:
 
 
 def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
-    """A cell in a session may choose only --ranks, --return, --timeout and --output; an option that
+    """A cell in a session may choose only --ranks, --return, --timeout, --hang-after and --output; an option that
     would make it another run (its size, device, configuration, start) is an error."""
     spec = session.spec
     same = {
@@ -269,7 +269,7 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
     others = [name for name, given in one_shot.items() if given]
     if others:
         raise TaasUsageError(f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
-                             "--return, --timeout and --output (%taas stop ends the session)")
+                             "--return, --timeout, --hang-after and --output (%taas stop ends the session)")
 
 
 def _import_torch_once() -> None:

@@ -32,8 +32,8 @@ from taas_magic.kernel import streams
 from taas_magic.launch.backend import Cell, SessionGroup
 from taas_magic.wire.events import Exited, Key, Output, Producer
 from taas_magic.cell_names import names_reached
-from taas_magic.kernel import render
-from taas_magic.kernel.controller import Pump, live_output
+from taas_magic.kernel import hang, render
+from taas_magic.kernel.controller import STACK_SECONDS, Pump, live_output
 from taas_magic.kernel.run_state import SESSION, RunResult, RunState
 from taas_magic.delivery.service import producer_labels
 from taas_magic.wire.task import LoaderPlan
@@ -189,7 +189,8 @@ class Session:
             raise render.session_over(self.ended)
         out, view = live_output(spec, write, ranks, self.status, self.labels)
         state = RunState(SESSION, time.monotonic(), ranks=ranks, timeout=spec.timeout, labels=self.labels,
-                         deadline=None if spec.timeout is None else time.monotonic() + spec.timeout)
+                         hang_after=spec.hang_after, ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
+                         world=self.size, deadline=None if spec.timeout is None else time.monotonic() + spec.timeout)
         pump = Pump(self.group, state, out, write, read_line, cell_names, view, self.status)
         try:
             _send(pump, send)
@@ -202,6 +203,23 @@ class Session:
             out.finish()
             self.last_used = time.monotonic()
         return state.result()
+
+    # -- where its processes are ------------------------------------------------------------------
+    def where(self, cell_names: Mapping[str, str]) -> list[str]:
+        """``%taas stacks`` between cells: each place the session's ranks and producers are, once for all
+        at the same place. A rank waiting for the next cell is idle; the threads of the user's that it
+        runs still show, since one stuck there (in a collective, a loop) is what the next cell meets."""
+        if self.check():
+            return [f"taas: the session ended: {self.ended}"]
+        keys = self.group.running()
+        stacks = self.group.stacks(keys, STACK_SECONDS) if keys else {}
+        processes = []
+        for key in keys:
+            label, dump = self.labels.get(key, f"rank {key}"), stacks.get(key, "")
+            idle = _idle(key, dump)  # then only the threads the user started are worth showing
+            processes.append(hang.Process(key, label, stack=dump) if idle is None else
+                             hang.Process(key, label, stack=_other_threads(dump), ended=idle))
+        return hang.where_lines(processes, cell_names, self.spec.ranks_per_node if self.spec.nodes > 1 else 0)
 
     # -- its end --------------------------------------------------------------------------------
     def check(self) -> str:
@@ -244,6 +262,27 @@ class Session:
         return (f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
                 f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
                 f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)")
+
+
+def _idle(key: Key, dump: str) -> str | None:
+    """What a process does when its main thread waits in taas's own loop: a rank for the next cell
+    (``rank/session.py``), a producer for the ranks (``delivery/producer.py``, building nothing); None
+    when it does something else."""
+    threads = hang.parse_stacks(dump)
+    if not threads or not threads[0].main or not threads[0].frames:
+        return None
+    frames = threads[0].frames
+    if isinstance(key, int):
+        waits = any(frame.file.endswith("/taas_magic/rank/session.py") and frame.function == "_next_cell"
+                    for frame in frames)
+        return "idle, waiting for the next cell" if waits else None
+    return "idle, waiting for the ranks" if all("/taas_magic/" in frame.file for frame in frames) else None
+
+
+def _other_threads(dump: str) -> str:
+    """A faulthandler dump without its main thread ("Current thread")."""
+    return "\n\n".join(block for block in dump.strip().split("\n\n")
+                       if not block.lstrip().startswith("Current thread"))
 
 
 def _shell() -> Any:

@@ -18,7 +18,7 @@ from taas_magic.kernel.session import Session
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.process import machine
 
-CONFIGURABLE = ("device", "output", "start", "view")  # the TaasMagics traits a user may set
+CONFIGURABLE = ("device", "output", "start", "view", "hang_after")  # the TaasMagics traits a user may set
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,15 @@ class Defaults:
     output: str
     start: str
     view: bool  # the live view of a run
+    hang_after: float  # the default --hang-after (0: the watchdog is off)
     configured: frozenset[str]  # the names set with %config or in ipython_config.py
 
     @classmethod
-    def of(cls, device: str | None, output: str, start: str, view: bool, config: Config) -> "Defaults":
+    def of(cls, device: str | None, output: str, start: str, view: bool, hang_after: float,
+           config: Config) -> "Defaults":
         # The configuration says what the user set, not ``trait_has_value``: that turns true once the
         # built-in default is read.
-        return cls(device, output, start, view,
+        return cls(device, output, start, view, hang_after,
                    frozenset(name for name in CONFIGURABLE if f"TaasMagics.{name}" in config))
 
     def fill_in(self, args: argparse.Namespace) -> argparse.Namespace:
@@ -43,6 +45,8 @@ class Defaults:
         configuration, then $TAAS_DEVICE."""
         args.output = args.output or self.output
         args.start = args.start or self.start
+        if getattr(args, "hang_after", None) is None:
+            args.hang_after = self.hang_after
         if args.device is None:
             args.device = self.device
         return args
@@ -82,6 +86,8 @@ class Defaults:
                                        if self.view else "off (the ranks' output as they write it)")
             + self._from_config("view"),
             "default --timeout:   none",
+            "default --hang-after: " + (f"{self.hang_after:g} s" if self.hang_after else "0 (no watchdog)")
+            + self._from_config("hang_after"),
             f"default --start:     {self.start}" + self._from_config("start"),
             "default --return:    every name the cell binds at top level (rank 0's values)",
             "default --cpus:      1 producer per registered loader the cell uses (0: no data delivery)",

@@ -41,6 +41,7 @@ class LaunchSpec:
     keep: bool = False  # start a session: the ranks stay for the cells that follow (session.py)
     idle_limit: float = 3600.0  # a session ends after this many seconds without a cell
     debug: bool = False  # a rank whose cell raised stays, paused, for `%taas debug`
+    hang_after: float = 120.0  # seconds without progress before the cell says where each rank waits (0: never)
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -92,6 +93,7 @@ def build(
         prefetch=getattr(options, "prefetch", None),
         on_cluster=on_cluster,
         max_restarts=getattr(options, "max_restarts", 0),
+        hang_after=120.0 if getattr(options, "hang_after", None) is None else options.hang_after,
         **_session_options(options),
     )
 

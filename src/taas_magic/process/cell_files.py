@@ -21,6 +21,18 @@ def cell_labels(shell: object) -> dict[str, str]:
     return {name: f"Cell In[{number}]" for name, number in (cell_numbers(shell) or {}).items()}
 
 
+def running_cell_number(shell: object) -> int:
+    """The number the notebook shows for the cell running now.
+
+    IPython files the running cell under its number just before it runs it (the latest entry of its
+    map); its ``execution_count`` is that number or, in IPython 9, already the next cell's.
+    """
+    numbers = cell_numbers(shell)
+    if numbers:
+        return list(numbers.values())[-1]
+    return int(getattr(shell, "execution_count", 0))
+
+
 def current_shell() -> object:
     """This process's IPython shell, if it has one (a kernel, or a rank forked from it), without importing IPython."""
     ipython = sys.modules.get("IPython")

@@ -103,6 +103,34 @@ def close_whole(close: Callable[[], object]) -> None:
         raise KeyboardInterrupt
 
 
+class HeldTermination:
+    """From its making until ``release``, SIGTERM in this process only records that it came.
+
+    For a rank whose cell failed on its own: it finishes saying so (its traceback is formatted and
+    sent) before the stop taas began for another rank's failure ends it. Several ranks that fail
+    alike are then shown once, labelled with all of them. SIGKILL, which follows 3 s later, still ends it.
+    """
+
+    def __init__(self) -> None:
+        self.came = False
+        self._previous = signal.getsignal(signal.SIGTERM)
+        self._held = self._previous is not None and threading.current_thread() is threading.main_thread()
+        if self._held:
+            signal.signal(signal.SIGTERM, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.came = True
+
+    def release(self) -> None:
+        """Put the handler back; a SIGTERM that came meanwhile takes effect now."""
+        if self._held:
+            self._held = False
+            signal.signal(signal.SIGTERM, self._previous)
+        if self.came:
+            self.came = False
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class HeldInterrupts:
     """From its making until ``release``, SIGINT in this process only records that it came.
 

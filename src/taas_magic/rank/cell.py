@@ -11,6 +11,7 @@ from types import CodeType
 from typing import Any
 
 from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
+from taas_magic.process.containment import HeldTermination
 from taas_magic.process.tracebacks import format_traceback
 from taas_magic.rank import progress, vitals
 from taas_magic.wire import results
@@ -64,13 +65,39 @@ def _results(names: tuple[str, ...], namespace: dict[str, Any]) -> tuple[bytes, 
 
 
 def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> tuple[int, Failed]:
+    global _held_termination
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
+    if not isinstance(error, KeyboardInterrupt) and not task.keep and not _peer_lost(error) \
+            and _held_termination is None:
+        _held_termination = HeldTermination()  # until its failure is reported: see release_termination
     flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
     # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
     record = Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell),
                     interrupted=interrupted, hint=_hint(error, task))
     return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
+
+
+# What a rank raises when another process of the run went away: a consequence, not a failure of its own.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "every producer has closed this channel",
+              "remote process exited", "communicator was aborted")
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """The error says another process of the run is gone: taas stops this rank, as it stops the others."""
+    return any(type(e).__name__ == "DistBackendError" or any(phrase in str(e).lower() for phrase in _PEER_LOST)
+               for e in _chain(error))
+
+
+def release_termination() -> None:
+    """A one-shot rank reported its failure: taas's SIGTERM, held meanwhile, may end it now."""
+    global _held_termination
+    held, _held_termination = _held_termination, None
+    if held is not None:
+        held.release()
+
+
+_held_termination: HeldTermination | None = None
 
 
 # What torch says when a CPU-only rank asks for CUDA (no driver, no device visible, a CPU-only build).

@@ -1,4 +1,5 @@
-"""In a rank: what its process holds (memory, and on CUDA its GPU's memory and load), reported about once a second.
+"""In a rank: what its process holds (memory, and on CUDA its GPU's memory and load) and what its cell
+is doing (``activity``), reported about once a second.
 
 The cell's live view shows it in the rank's row, and its summary the peak. A thread samples,
 so a rank busy in native code (a long matmul, a collective) is still seen. Sampling reads
@@ -16,18 +17,19 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from taas_magic.wire.records import RankVitals
+from taas_magic.rank import activity
+from taas_magic.wire.records import RankActivity, RankVitals
 
 INTERVAL = 1.0  # seconds between two samples
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-_send: Callable[[RankVitals], None] | None = None
+_send: Callable[[RankVitals | RankActivity], None] | None = None
 _sample: "_Sampler | None" = None
 _in_cell = threading.Event()
 
 
-def attach(send: Callable[[RankVitals], None], gpu: int | None) -> None:
+def attach(send: Callable[[RankVitals | RankActivity], None], gpu: int | None) -> None:
     """In a rank, as it starts: where its samples go, and its CUDA device index (None on CPU).
 
     Samples are taken only while a cell runs (``sampling``): a session's ranks waiting for their
@@ -66,6 +68,7 @@ def _report() -> None:
         return
     try:
         _send(_sample())
+        _send(activity.sample())
     except OSError:
         _send = None  # the report pipe is gone: the run is over
 

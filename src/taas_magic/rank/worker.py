@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
-from taas_magic.rank.cell import run_cell
+from taas_magic.rank.cell import release_termination, run_cell
 from taas_magic.process import tempfiles
 from taas_magic.rank.aliases import rebind
 from taas_magic.cell_names import code_names
@@ -166,5 +166,8 @@ def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds
             write_all(fds.results, data or b"")
         finally:
             os.close(fds.results)
-    report(fds.report, record)
+    try:
+        report(fds.report, record)
+    finally:
+        release_termination()
     return status, error

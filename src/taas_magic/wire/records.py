@@ -96,9 +96,41 @@ class RankVitals:
     gpu_utilization: int | None = None  # percent of the last sample period the GPU was busy
 
 
-Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress, RankVitals]
+@dataclass(frozen=True)
+class Collective:
+    """A collective (or point-to-point) operation a rank has entered and not left, as torch's flight recorder saw it."""
+
+    group: str  # its process group's name: "0" is the default group
+    seq: int  # its number in that group's sequence of collectives (of sends and receives, for ``p2p``)
+    op: str  # "all_reduce", "barrier", "broadcast", …
+    shapes: list[list[int]]  # of its input tensors
+    dtypes: list[str]  # of its input tensors: "Float", "Long", …
+    seconds: float  # how long the rank had been in it when sampled
+    p2p: bool = False
+
+
+@dataclass(frozen=True)
+class RankActivity:
+    """What a rank's cell is doing at ``at``, sampled by the rank itself about once a second.
+
+    The kernel reads progress from it (a collective finished, an element taken, CPU spent outside
+    collectives) and, when none comes, where each rank waits.
+    """
+
+    at: float
+    cpu: float  # CPU seconds the rank's process has spent, all its threads
+    finished: dict[str, int] = field(default_factory=dict)  # its process groups -> the last collective each finished (-1: none)
+    collectives: list[Collective] = field(default_factory=list)  # entered and not left, oldest first
+    waiting: str = ""  # the registered loader whose next element the cell waits for
+    waited: float = 0.0  # seconds it has waited for it so far
+    taken: int = 0  # elements the cell took from registered loaders
+    setup: float | None = None  # seconds in process-group setup (init_process_group), while in it
+    store: str = ""  # where it meets the others in that setup: "host:port"
+
+
+Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress, RankVitals, RankActivity]
 KINDS: dict[str, type] = {kind.__name__: kind for kind in (CellEnded, Failed, DeliveryProgress, SaveSkipped,
-                                                           SavedOnNode, RankProgress, RankVitals)}
+                                                           SavedOnNode, RankProgress, RankVitals, RankActivity)}
 
 
 def encode(record: Record) -> bytes:
@@ -112,6 +144,8 @@ def decode(line: bytes) -> Record:
         kind = KINDS[fields.pop("kind")]
         if kind is CellEnded:
             fields["delivery"] = {name: DeliverySummary(**summary) for name, summary in fields["delivery"].items()}
+        elif kind is RankActivity:
+            fields["collectives"] = [Collective(**collective) for collective in fields["collectives"]]
         record: Record = kind(**fields)
         return record
     except (ValueError, KeyError, TypeError, AttributeError):

@@ -470,7 +470,8 @@ class ForkedRanks:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = [self.ranks[r] for r in chosen]
-            if all(s.stack_text and time.monotonic() - s.stack_updated > 0.2 for s in states):
+            if all((s.stack_text and time.monotonic() - s.stack_updated > 0.2) or s.returncode is not None
+                   for s in states):  # one that exited meanwhile answers no more
                 break
             meanwhile += self.events(min(0.05, max(0.0, deadline - time.monotonic())))
         self._pending = meanwhile + self._pending

@@ -1,0 +1,105 @@
+"""In a rank: what its cell is doing, sampled with its vitals about once a second (``RankActivity``).
+
+- **Collectives** come from torch's flight recorder, which every process group of the rank feeds
+  (gloo and NCCL alike): a ring of its last collectives with their sequence number, operation,
+  tensor shapes and whether they completed. taas sizes the ring (``TORCH_FR_BUFFER_SIZE``, unless
+  the user chose) to the few dozen entries a diagnosis needs, so reading it costs little.
+- **Data**: the registered loaders' stand-ins say which one the cell waits for, and since when.
+- **Setup**: the main thread's frames say whether it is inside ``init_process_group``.
+- **CPU time** of the whole process tells a rank that computes from one that sleeps.
+
+Nothing here stops the cell, and nothing initializes CUDA or a process group.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import Any
+
+from taas_magic.delivery.standin import TAKEN, WAITING
+from taas_magic.wire.records import Collective, RankActivity
+
+_setup_since: float | None = None  # when the main thread was first seen in init_process_group
+
+
+def sample() -> RankActivity:
+    """What the cell is doing now."""
+    collectives, finished = _collectives()
+    now = time.monotonic()
+    waiting = min(WAITING.items(), key=lambda item: item[1], default=None)
+    times = os.times()
+    setup = _setup(now)
+    return RankActivity(now, times.user + times.system, finished, collectives,
+                        waiting[0] if waiting else "", now - waiting[1] if waiting else 0.0,
+                        sum(TAKEN.values()), setup, _store() if setup is not None else "")
+
+
+def _collectives() -> tuple[list[Collective], dict[str, int]]:
+    """The collectives the rank is in (oldest first), and the last one each of its process groups finished."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return [], {}
+    trace = _flight_record()
+    if trace is None:
+        return [], {}
+    finished = {str(group): int(status.get("last_completed_collective", -1))
+                for group, status in trace.get("pg_status", {}).items()}
+    now = time.time_ns()
+    inside = []
+    for entry in trace.get("entries", []):
+        if entry.get("retired") or entry.get("state") == "completed":
+            continue
+        p2p = bool(entry.get("is_p2p"))
+        inside.append(Collective(
+            group=str(entry["process_group"][0]), seq=int(entry["p2p_seq_id" if p2p else "collective_seq_id"]),
+            op=str(entry["profiling_name"]).split(":", 1)[-1], shapes=[list(s) for s in entry["input_sizes"]],
+            dtypes=[str(d) for d in entry["input_dtypes"]], seconds=max(0.0, (now - entry["time_created_ns"]) / 1e9),
+            p2p=p2p))
+    for group, seq in finished.items():
+        # gloo finishes the collectives in order: an entry at or before the last finished one is done
+        inside = [c for c in inside if c.group != group or c.p2p or c.seq > seq]
+    return inside, finished  # -1: a group the rank is in that has finished none yet
+
+
+def _flight_record() -> dict[str, Any] | None:
+    """The flight recorder's entries and per-group status, from NCCL's ring and the other backends' one."""
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    merged: dict[str, Any] = {"entries": [], "pg_status": {}}
+    for dump in ("_dump_fr_trace", "_dump_nccl_trace"):
+        reader = getattr(c10d, dump, None)
+        if reader is None:
+            continue
+        try:
+            trace = pickle.loads(reader(True, False, False))  # collectives, no stack traces, retired ones too
+        except Exception:  # no ring (size 0), or this build records nothing for the backend
+            continue
+        merged["entries"] += trace.get("entries", [])
+        merged["pg_status"].update(trace.get("pg_status", {}))
+    return merged
+
+
+def _store() -> str:
+    """The rendezvous address of ``init_method="env://"``, which taas's ranks use unless told otherwise."""
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"{address}:{port}" if address and port else ""
+
+
+def _setup(now: float) -> float | None:
+    """Seconds the main thread has been in ``init_process_group``; None when it is not in it."""
+    global _setup_since
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "init_process_group" and "torch/distributed" in frame.f_code.co_filename:
+            if _setup_since is None:
+                _setup_since = now
+            return now - _setup_since
+        frame = frame.f_back
+    _setup_since = None
+    return None
