@@ -34,10 +34,13 @@ _LIBRARIES = tuple(path for path in {sysconfig.get_paths()["stdlib"], sysconfig.
 _SETUP_FUNCTIONS = ("init_process_group", "_store_based_barrier", "rendezvous", "_env_rendezvous_handler",
                     "_new_process_group_helper")
 
-# Where taas hands a process its work: a rank's cell (run_cell, or the rank's setup before it), a forked
-# process's start in its supervisor (a producer's loop is its work, and shown). Frames below are taas's.
-WORK_STARTS = ("/taas_magic/rank/cell.py", "/taas_magic/rank/worker.py", "/taas_magic/launch/supervisor/ranks.py",
-               "/taas_magic/launch/fork/backend.py")
+# Where taas hands a process its work, by file and function (None: any function of the file): a rank's
+# cell (run_cell, or the rank's setup before it), a forked process's start in its supervisor (a
+# producer's loop is its work, and shown). Frames below are taas's. A file alone would not do: taas's
+# wrappers of the user's calls (init_process_group's) live in those files too.
+WORK_STARTS: tuple[tuple[str, str | None], ...] = (
+    ("/taas_magic/rank/cell.py", "run_cell"), ("/taas_magic/rank/worker.py", "run_rank"),
+    ("/taas_magic/launch/supervisor/ranks.py", None), ("/taas_magic/launch/fork/backend.py", None))
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Frame:
     def source(self) -> str:
         return linecache.getline(self.file, self.line).strip()
 
+    def starts_work(self) -> bool:
+        return any(self.file.endswith(file) and function in (None, self.function) for file, function in WORK_STARTS)
+
 
 @dataclass(frozen=True)
 class Thread:
@@ -81,7 +87,7 @@ def parse_stacks(dump: str) -> list[Thread]:
             continue
         frames = [Frame(match["file"], int(match["line"]), match["function"].strip())
                   for match in map(_FRAME.match, lines[1:]) if match]
-        cut = next((index for index, frame in enumerate(frames) if frame.file.endswith(WORK_STARTS)), None)
+        cut = next((index for index, frame in enumerate(frames) if frame.starts_work()), None)
         # The signal that asked for the dump may land in any thread: faulthandler's "current thread" is
         # that one, not necessarily the main one. The main thread is the one taas started the work in.
         threads.append(Thread(cut is not None, tuple(frames[:cut])))
