@@ -86,7 +86,7 @@ def test_a_row_says_computing_when_the_cpu_rose_between_two_samples():
         view.take(rank, RankActivity(1.0, 1.0, {"0": 4}))
     assert [row[2:] for row in rows(view.render(1.0))] == [[], []]  # one sample says nothing of the CPU
     view.take(0, RankActivity(2.0, 1.9, {"0": 4}))
-    view.take(1, RankActivity(2.0, 1.1, {"0": 4}))  # a tenth of a core: it sleeps, or waits on a lock
+    view.take(1, RankActivity(2.0, 1.01, {"0": 4}))  # a hundredth of a core: it sleeps, or waits on a lock
     assert [row[2:] for row in rows(view.render(2.0))] == [["computing"], []]
 
 

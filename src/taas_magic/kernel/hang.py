@@ -133,6 +133,14 @@ class Process:
         return bool(threads) and any(frame.function in _SETUP_FUNCTIONS and "/torch/distributed/" in frame.file
                                      for frame in threads[0].frames)
 
+    def in_collective_call(self) -> str:
+        """The torch.distributed collective its main thread is inside, by its stack ("" if none): a rank in
+        its first second may not have said so in a sample yet."""
+        threads = self.threads()
+        frames = threads[0].frames if threads else ()
+        return next((frame.function for frame in reversed(frames) if frame.function not in _SETUP_FUNCTIONS
+                     and frame.file.endswith("/torch/distributed/distributed_c10d.py")), "")
+
     def seconds(self, of: float | None) -> float:
         """A sampled duration, brought up to now."""
         return (of or 0.0) + self.age
@@ -160,6 +168,8 @@ def _doing(process: Process) -> tuple[str, float | None]:
     if process.in_setup():
         setup = activity.setup if activity is not None else None
         return "in process-group setup", None if setup is None else process.seconds(setup)
+    if process.in_collective_call():
+        return f"in {process.in_collective_call()}", None
     done = ", ".join(f"#{seq}" if group == "0" else f"#{seq} of group {group}"
                      for group, seq in sorted((activity.finished if activity else {}).items()) if seq > 0)
     return (f"finished {done}, in no collective" if done else "in no collective"), None

@@ -7,11 +7,12 @@ cells share these functions; where their words differ, the result's ``Policy`` s
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from typing import Mapping, TypeVar
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded, plain
-from taas_magic.kernel.hang import Hang, Process, cause, span, where_lines
+from taas_magic.kernel.hang import Hang, Process, cause, doing, span, where_lines
 from taas_magic.kernel.run_state import EndCause, Failure, Notice, Outcome, RunResult, quit_debugger
 from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
@@ -69,9 +70,10 @@ def failure(result: RunResult, others_were: str,
         lines.append(f"also failed, after {who}: " + "; ".join(others))
     if stopped:
         lines.append(f"{others_were} by taas after the failure: {names(result, stopped)}")
-        stuck = frozenset(p.key for p in result.where if p.key in stopped and _stuck(p))
+        stuck = [_as_stuck(p, who) for p in result.where if p.key in stopped and _stuck(p)]
         if stuck:
-            lines += _where(result, cell_names or {}, f"where they were when {who} failed:", stuck)
+            lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(stuck, cell_names or {},
+                                                                                      result.ranks_per_node)
     return plain(message), lines
 
 
@@ -90,15 +92,24 @@ def _alike_failures(result: RunResult, failures: list[Failure]) -> list[str]:
 
 
 def _stuck(process: Process) -> bool:
-    """In a collective, waiting for data or in process-group setup: waiting for others, maybe forever.
-
-    Not one already reporting a failure of its own (a gloo peer whose connection broke as the failed
-    rank exited): where it waited is gone, and its stack is taas formatting its traceback.
-    """
+    """In a collective, waiting for data or in process-group setup: waiting for others, maybe forever
+    (as its last sample says, or its stack, which a rank in its first second has alone)."""
     activity = process.activity
-    if " in _failure" in process.stack:
-        return False
-    return process.collective() is not None or process.in_setup() or bool(activity and activity.waiting)
+    return (process.collective() is not None or process.in_setup() or bool(activity and activity.waiting)
+            or (not _reporting(process) and bool(process.in_collective_call())))
+
+
+def _reporting(process: Process) -> bool:
+    """Its stack shows it reporting a failure of its own: where it waited is gone."""
+    return " in _failure" in process.stack
+
+
+def _as_stuck(process: Process, failed: str) -> Process:
+    """A gloo peer whose collective broke as the failed rank exited is already reporting that: its stack
+    shows taas formatting the error, so it is said where its last sample saw it, until then."""
+    if not _reporting(process):
+        return process
+    return dataclasses.replace(process, stack="", ended=f"{doing(process)}, until {failed} exited")
 
 
 def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, list[str]]:

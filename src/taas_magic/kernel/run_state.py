@@ -36,7 +36,9 @@ VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a v
 # taas sees a death a moment after it happened (its supervisor reaps it, the pump reads the event): a peer
 # that failed because of it (its channel broke) may have caught its error before that moment.
 SEEN_LATE = 0.25
-COMPUTING = 0.5  # a rank that spent this share of a core outside collectives and data waits is computing
+# A rank that spent this share of a core outside collectives and data waits is computing. A waiting rank
+# spends next to nothing; one computing on a machine shared with other work may get far less than a core.
+COMPUTING = 0.05
 
 Step = tuple[float, int]  # (seconds after the stop began, signal to send)
 
