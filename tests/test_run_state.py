@@ -458,7 +458,7 @@ def test_ranks_that_do_not_leave_an_interrupted_cell_in_5_s_end_the_session_with
                           "interrupts)")
     assert "stopped by taas after the failure: rank 0" in error.lines
     assert error.lines[-5:] == [f"{BOLD}where they were:{RESET}",
-                                "rank 0: in no collective:",
+                                "rank 0: in all_reduce:",
                                 "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
                                 "    Cell In[3], line 4 in <module>",
                                 "rank 1: failed (ValueError)"]

@@ -80,7 +80,8 @@ def parse_stacks(dump: str) -> list[Thread]:
     Other threads are kept only where they run the user's code: taas's own (the lifeline, the
     samplers) and libraries' helpers (a DataLoader's pin-memory thread) say nothing about a hang.
     """
-    threads = []
+    threads: list[Thread] = []
+    current: list[bool] = []  # faulthandler's "Current thread": the one the signal landed in
     for block in dump.strip().split("\n\n"):
         lines = block.strip().splitlines()
         if not lines or not lines[0].lstrip().startswith(("Thread", "Current thread")):
@@ -91,10 +92,19 @@ def parse_stacks(dump: str) -> list[Thread]:
         # The signal that asked for the dump may land in any thread: faulthandler's "current thread" is
         # that one, not necessarily the main one. The main thread is the one taas started the work in.
         threads.append(Thread(cut is not None, tuple(frames[:cut])))
-    if not any(thread.main for thread in threads):  # no taas frames at all: a process of another kind
-        threads = [Thread(index == 0, thread.frames) for index, thread in enumerate(threads)]
+        current.append(lines[0].lstrip().startswith("Current thread"))
+    if not any(thread.main for thread in threads):  # no taas frames: faulthandler's own guess, then
+        threads = [Thread(guess, thread.frames) for guess, thread in zip(current, threads)]
     return [thread for thread in sorted(threads, key=lambda thread: not thread.main)
             if thread.main or any(frame.user({}) for frame in thread.frames)]
+
+
+def other_threads(dump: str) -> str:
+    """A faulthandler dump without the thread taas handed the work to."""
+    blocks = [block for block in dump.strip().split("\n\n")
+              if not any(Frame(m["file"], 0, m["function"].strip()).starts_work()
+                         for m in map(_FRAME.match, block.splitlines()) if m)]
+    return "\n\n".join(block.replace("Current thread", "Thread", 1) for block in blocks)
 
 
 @dataclass(frozen=True)
@@ -348,7 +358,9 @@ def stack_lines(dump: str, cell_names: Mapping[str, str]) -> list[str]:
         if first_user:
             inner = frames[0]
             lines.append(f"    in {inner.function} ({_short(inner.file)}, line {inner.line}), called from:")
-        for frame in frames[first_user or 0:]:
+        last_user = max((index for index, frame in enumerate(frames) if frame.user(cell_names)), default=None)
+        outermost = len(frames) if last_user is None or thread.main else last_user + 1  # a thread's own start is noise
+        for frame in frames[first_user or 0:outermost]:
             lines.append(f"    {_frame_text(frame, cell_names)}")
             source = frame.source() if frame.user(cell_names) else ""
             if source:

@@ -218,7 +218,7 @@ class Session:
             label, dump = self.labels.get(key, f"rank {key}"), stacks.get(key, "")
             idle = _idle(key, dump)  # then only the threads the user started are worth showing
             processes.append(hang.Process(key, label, stack=dump) if idle is None else
-                             hang.Process(key, label, stack=_other_threads(dump), ended=idle))
+                             hang.Process(key, label, stack=hang.other_threads(dump), ended=idle))
         return hang.where_lines(processes, cell_names, self.spec.ranks_per_node if self.spec.nodes > 1 else 0)
 
     # -- its end --------------------------------------------------------------------------------
@@ -277,12 +277,6 @@ def _idle(key: Key, dump: str) -> str | None:
                     for frame in frames)
         return "idle, waiting for the next cell" if waits else None
     return "idle, waiting for the ranks" if all("/taas_magic/" in frame.file for frame in frames) else None
-
-
-def _other_threads(dump: str) -> str:
-    """A faulthandler dump without its main thread ("Current thread")."""
-    return "\n\n".join(block for block in dump.strip().split("\n\n")
-                       if not block.lstrip().startswith("Current thread"))
 
 
 def _shell() -> Any:
