@@ -421,3 +421,35 @@ def test_the_status_block_redraws_in_place_in_jupyterlab_and_ends_as_a_summary(t
         taas_cell = cell(page, 1)
         check_running_view(taas_cell, shots)
         check_summary(taas_cell, shots)
+
+
+HANG_CELL = """#pragma taas --gpus 3 --device cpu --hang-after 4 --timeout 14
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(3):
+    dist.all_reduce(torch.ones(1024))
+if dist.get_rank() != 2:
+    dist.barrier()  # rank 2 skips it
+time.sleep(60)"""
+
+
+@pytest.mark.timeout(180)
+def test_a_hang_is_diagnosed_in_the_cell_with_the_rows_saying_where_each_rank_waits(tmp_path: Path) -> None:
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    shots = screenshot_dir(tmp_path)
+    with notebook_in_browser(["%load_ext taas_magic", HANG_CELL], notebook="hang.ipynb") as (page, lab):
+        run_all_cells(page)
+        hang_cell = cell(page, 1)
+        diagnosis = hang_cell.locator(".jp-OutputArea-output", has_text="taas: no progress for")
+        diagnosis.first.wait_for(timeout=60_000)
+        time.sleep(1.5)  # a redraw of the rows after the diagnosis
+        shown = text_outputs(hang_cell)
+        assert "rank 2 has not entered barrier #4 that ranks 0-1 wait in; it is at Cell In[2], line 8" in shown, shown
+        assert "ranks 0-1: in barrier #4 for" in shown and "time.sleep(60)" in shown, shown
+        rows = hang_cell.locator(".taas-view").last.inner_text()
+        assert "in barrier #4" in rows and "behind: at #3, others wait in #4" in rows, rows
+        hang_cell.screenshot(path=str(shots / "hang-diagnosis.png"))
+        hang_cell.locator('.taas-view[data-state="summary"]').wait_for(timeout=60_000)
+        assert "--timeout 14 s elapsed" in text_outputs(hang_cell)

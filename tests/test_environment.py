@@ -129,3 +129,16 @@ def test_cpu_runs_tell_accelerate_to_use_the_cpu() -> None:
         assert env["ACCELERATE_USE_CPU"] == "true"
     for env in rank_environments(launch(device="cuda"), RUN_ID, PORT, {}).values():
         assert "ACCELERATE_USE_CPU" not in env
+
+
+@pytest.mark.parametrize("hang_after, kernel, expected", [
+    (120.0, {}, "64"),  # a small ring: what the watchdog needs, cheap to read each second
+    (120.0, {"TORCH_FR_BUFFER_SIZE": "2000"}, None),  # the user's choice stays (the ranks inherit it)
+    (120.0, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}, None),
+    (0.0, {}, None),  # no watchdog: torch's own default, as without taas
+])
+def test_the_flight_recorder_is_sized_for_the_watchdog_unless_the_user_chose(hang_after, kernel, expected) -> None:
+    import dataclasses
+    spec = dataclasses.replace(launch(2), hang_after=hang_after)
+    envs = rank_environments(spec, RUN_ID, PORT, kernel)
+    assert {env.get("TORCH_FR_BUFFER_SIZE") for env in envs.values()} == {expected}

@@ -86,6 +86,16 @@ def waiting_in_all_reduce(*keys: int) -> list[Process]:
 
 
 # -- the likely cause -----------------------------------------------------------------------------
+def test_a_collective_entered_just_now_is_named_by_its_number_and_never_taken_for_another():
+    fresh = Collective("0", 5, "", [], [], 0.0)  # read from the group's counters alone: no operation, no tensors
+    processes = waiting_in_all_reduce(0, 1) + [rank(2, activity(fresh), dump(ALL_REDUCE)), rank(3, activity(),
+                                                                                                dump(SLEEP))]
+    assert cause(processes, CELL_NAMES).startswith("rank 3 has not entered all_reduce #5 that ranks 0-2 wait in; ")
+    assert cause([rank(0, activity(fresh)), rank(1, activity())], CELL_NAMES).startswith(
+        "rank 1 has not entered collective #5 that rank 0 waits in")
+    assert doing(rank(0, activity(fresh))) == "in a collective #5"
+
+
 @pytest.mark.parametrize("missing, why", [
     (rank(3, activity(), dump(SLEEP)), "it is at Cell In[7], line 12 (time.sleep(600))"),
     (rank(3, ended="had finished the cell"), "it had finished the cell"),

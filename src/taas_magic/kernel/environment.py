@@ -75,7 +75,7 @@ def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Map
         "TAAS_DEVICE": spec.device,
         "TAAS_CONFIGURATION": spec.configuration.name if spec.configuration else "",
     }
-    if "TORCH_FR_BUFFER_SIZE" not in kernel_environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in kernel_environ:
+    if spec.hang_after and not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(kernel_environ):
         # torch's flight recorder: where each rank is in its collectives (rank.activity reads it)
         env["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
     if spec.device == "cpu":

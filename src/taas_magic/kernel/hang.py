@@ -172,7 +172,7 @@ def _doing(process: Process) -> tuple[str, float | None]:
     activity = process.activity
     collective = process.collective()
     if collective is not None:
-        return f"in {describe(collective)}", process.seconds(collective.seconds)
+        return f"in {describe(collective)}", process.seconds(collective.seconds) if collective.op else None
     if activity is not None and activity.waiting:
         return f"waiting for data from {activity.waiting}", process.seconds(activity.waited)
     if process.in_setup():
@@ -189,7 +189,7 @@ def describe(collective: Collective) -> str:
     """"all_reduce #1235 (4 MB float32)"; "send #3 (p2p)"."""
     number = f"#{collective.seq}" + (" (p2p)" if collective.p2p else "")
     group = "" if collective.group in ("0", "") else f" of group {collective.group}"
-    return f"{collective.op} {number}{group}" + (f" ({tensors(collective)})" if collective.shapes else "")
+    return f"{collective.op or 'a collective'} {number}{group}" + (f" ({tensors(collective)})" if collective.shapes else "")
 
 
 def tensors(collective: Collective) -> str:
@@ -235,15 +235,16 @@ def _collective_cause(ranks: Sequence[Process], inside: Sequence[Process], cell_
         assert collective is not None
         by_position.setdefault((collective.group, collective.seq, collective.p2p), []).append(process)
     for position, group in sorted(by_position.items()):
+        described = [p for p in group if _collective(p).op]  # one a rank entered just now is named by number alone
         ops: dict[str, list[Process]] = {}
-        for process in group:
+        for process in described:
             ops.setdefault(_collective(process).op, []).append(process)
         if len(ops) > 1:
             parts = [f"{span(p.key for p in members)} {'are' if len(members) > 1 else 'is'} in {op} #{position[1]}"
                      for op, members in sorted(ops.items(), key=lambda item: key_order(item[1][0].key))]
             return f"the ranks called different collectives: {' and '.join(parts)}"
         calls: dict[str, list[Process]] = {}
-        for process in group:
+        for process in described:
             calls.setdefault(shapes(_collective(process)), []).append(process)
         if len(calls) > 1:
             op = next(iter(ops))
@@ -252,14 +253,14 @@ def _collective_cause(ranks: Sequence[Process], inside: Sequence[Process], cell_
             return f"the ranks called {op} #{position[1]} with different tensors: {'; '.join(parts)}"
     # The collective most ranks wait in, and who is not in it.
     position, waiting = max(by_position.items(), key=lambda item: (len(item[1]), item[0][1]))
-    first = _collective(waiting[0])
+    first = max((_collective(p) for p in waiting), key=lambda c: bool(c.op))  # a described one, if any
     missing = [p for p in ranks if p not in waiting and _in_group(p, first)]
     if not missing:
         every = "every rank" if first.group in ("0", "") else f"every rank of group {first.group}"
         return (f"{every} is in {describe(first)}: the backend itself does not complete it "
                 "(a network or driver problem; NCCL_DEBUG=INFO or TORCH_CPP_LOG_LEVEL=INFO say more)")
     verb = "has" if len(missing) == 1 else "have"
-    return (f"{span(p.key for p in missing)} {verb} not entered {first.op} #{first.seq} that "
+    return (f"{span(p.key for p in missing)} {verb} not entered {first.op or 'collective'} #{first.seq} that "
             f"{span(p.key for p in waiting)} wait{'s' if len(waiting) == 1 else ''} in; "
             + _where_each(missing, cell_names, pronoun=True))
 

@@ -82,7 +82,7 @@ class CellRunner:
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
             return RankTask(code=compiled.code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                             return_names=wanted, seed=seed, keep=spec.keep, idle_limit=spec.idle_limit,
-                            debug=spec.debug, sources=sources, context=context)
+                            debug=spec.debug, track=spec.hang_after > 0, sources=sources, context=context)
 
         if spec.on_cluster:
             result = self._launch(self.link.backend(spec, catalog), spec, make_task, analysed, loaders, defaults.view)

@@ -24,6 +24,7 @@ from taas_magic.delivery.standin import TAKEN, WAITING
 from taas_magic.wire.records import Collective, RankActivity
 
 _setup_since: float | None = None  # when the main thread was first seen in init_process_group
+_last_status: dict[str, Any] | None = None  # the groups' counters at the last sample
 
 
 def sample() -> RankActivity:
@@ -39,18 +40,32 @@ def sample() -> RankActivity:
 
 
 def _collectives() -> tuple[list[Collective], dict[str, int]]:
-    """The collectives the rank is in (oldest first), and the last one each of its process groups finished."""
+    """The collectives the rank is in (oldest first), and the last one each of its process groups finished.
+
+    Each group's counters alone are cheap to read (about 10 µs); the ring's entries cost in proportion
+    to its size (0.3 ms for 64, 40 ms for torch's default of 2000). A rank that moved since the last
+    sample is read by its counters: a collective it is in is named by its number alone, which says
+    enough of one not a second old. A rank that did not move (in a collective that lasts, computing,
+    stuck) is read whole, each collective it is in with its operation, tensors and time.
+    """
+    global _last_status
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return [], {}
-    trace = _flight_record()
-    if trace is None:
+    status = _flight_record(entries=False)
+    if status is None:
         return [], {}
-    finished = {str(group): int(status.get("last_completed_collective", -1))
-                for group, status in trace.get("pg_status", {}).items()}
+    groups = status["pg_status"]
+    finished = {str(group): int(counters.get("last_completed_collective", -1)) for group, counters in groups.items()}
+    moved, _last_status = groups != _last_status, groups
+    if moved:
+        return [Collective(str(group), finished[str(group)] + 1, "", [], [], 0.0)
+                for group, counters in groups.items()
+                if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]], finished
+    trace = _flight_record(entries=True) or {"entries": []}
     now = time.time_ns()
     inside = []
-    for entry in trace.get("entries", []):
+    for entry in trace["entries"]:
         if entry.get("retired") or entry.get("state") == "completed":
             continue
         p2p = bool(entry.get("is_p2p"))
@@ -65,8 +80,9 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
     return inside, finished  # -1: a group the rank is in that has finished none yet
 
 
-def _flight_record() -> dict[str, Any] | None:
-    """The flight recorder's entries and per-group status, from NCCL's ring and the other backends' one."""
+def _flight_record(entries: bool) -> dict[str, Any] | None:
+    """The flight recorder's per-group counters and (``entries``) its ring, from NCCL's ring and the
+    other backends' one."""
     try:
         from torch._C import _distributed_c10d as c10d
     except ImportError:
@@ -77,7 +93,7 @@ def _flight_record() -> dict[str, Any] | None:
         if reader is None:
             continue
         try:
-            trace = pickle.loads(reader(True, False, False))  # collectives, no stack traces, retired ones too
+            trace = pickle.loads(reader(entries, False, False))  # no stack traces, retired entries too
         except Exception:  # no ring (size 0), or this build records nothing for the backend
             continue
         merged["entries"] += trace.get("entries", [])

@@ -26,17 +26,18 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _send: Callable[[RankVitals | RankActivity], None] | None = None
 _sample: "_Sampler | None" = None
+_track = True  # sample the cell's activity too (rank.activity), for the hang watchdog
 _in_cell = threading.Event()
 
 
-def attach(send: Callable[[RankVitals | RankActivity], None], gpu: int | None) -> None:
+def attach(send: Callable[[RankVitals | RankActivity], None], gpu: int | None, track: bool = True) -> None:
     """In a rank, as it starts: where its samples go, and its CUDA device index (None on CPU).
 
     Samples are taken only while a cell runs (``sampling``): a session's ranks waiting for their
     next cell send nothing, so nothing piles up where no one reads it.
     """
-    global _send, _sample
-    _send, _sample = send, _Sampler(gpu)
+    global _send, _sample, _track
+    _send, _sample, _track = send, _Sampler(gpu), track
     threading.Thread(target=_every_interval, name="taas-vitals", daemon=True).start()
 
 
@@ -68,7 +69,8 @@ def _report() -> None:
         return
     try:
         _send(_sample())
-        _send(activity.sample())
+        if _track:
+            _send(activity.sample())
     except OSError:
         _send = None  # the report pipe is gone: the run is over
 

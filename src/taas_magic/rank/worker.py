@@ -58,7 +58,8 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
             rebind(namespace, aliases, *pair)
     shell = shell if shipped is None else None
     progress.attach(lambda record: report(fds.report, record))
-    vitals.attach(lambda record: report(fds.report, record), int(env["LOCAL_RANK"]) if task.device == "cuda" else None)
+    vitals.attach(lambda record: report(fds.report, record), int(env["LOCAL_RANK"]) if task.device == "cuda" else None,
+                  track=task.track)
     control = session.open_control(fds)
     if control is not None:
         debugger.take_breakpoints(control)

@@ -187,3 +187,4 @@ class RankTask:
     keep: bool = False  # a session: the ranks stay, running the cells they are sent (rank/session.py)
     idle_limit: float | None = None  # a session ends after this many seconds without a cell
     debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
+    track: bool = True  # the rank samples its activity for the hang watchdog (off with --hang-after 0)
