@@ -55,6 +55,15 @@ class CellResult:
         return self
 
 
+def ranks_in(runs: str) -> set[int]:
+    """The ranks of a label's runs: "0-2,4" -> {0, 1, 2, 4}."""
+    ranks: set[int] = set()
+    for run in filter(None, runs.replace(" ", "").split(",")):
+        first, _, last = run.partition("-")
+        ranks |= set(range(int(first), int(last or first) + 1))
+    return ranks
+
+
 def each_rank(text: str) -> str:
     lines = []
     for line in text.splitlines(keepends=True):
@@ -62,10 +71,8 @@ def each_rank(text: str) -> str:
         if not found:
             lines.append(line)
             continue
-        for part in found[1].split(","):
-            first, _, last = part.partition("-")
-            for rank in range(int(first), int(last or first) + 1):
-                lines.append(f"[rank {rank}]{found[2]}{line[found.end():]}")
+        for rank in sorted(ranks_in(found[1])):
+            lines.append(f"[rank {rank}]{found[2]}{line[found.end():]}")
     return "".join(lines)
 
 

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ranks_in
 from taas_magic.kernel.hang import Process, cause, describe, doing, parse_stacks, span, where_lines
 from taas_magic.process import child
 from taas_magic.rank import cell, vitals, worker
@@ -304,11 +305,7 @@ def parse_span(text: str) -> set[int]:
     """The ranks ``span`` wrote: "rank 3", "ranks 0-2,4-7"."""
     match = re.fullmatch(r"ranks? ([0-9,-]*)", text)
     assert match, text
-    numbers: set[int] = set()
-    for part in filter(None, match[1].split(",")):
-        low, _, high = part.partition("-")
-        numbers |= set(range(int(low), int(high or low) + 1))
-    return numbers
+    return ranks_in(match[1])
 
 
 @settings(max_examples=300, deadline=None)

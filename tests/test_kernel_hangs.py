@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from conftest import ANSI
+from conftest import ANSI, ranks_in
 
 pytestmark = pytest.mark.kernel
 
@@ -56,9 +56,7 @@ def ranks_of(who: str) -> tuple[set[int], list[str]]:
         if not found:
             others.append(part)
             continue
-        for run in found[1].split(","):
-            first, _, last = run.partition("-")
-            ranks |= set(range(int(first), int(last or first) + 1))
+        ranks |= ranks_in(found[1])
     return ranks, others
 
 

@@ -103,64 +103,63 @@ def close_whole(close: Callable[[], object]) -> None:
         raise KeyboardInterrupt
 
 
-class HeldTermination:
-    """From its making until ``release``, SIGTERM in this process only records that it came.
+class _Held:
+    """From its making until ``release``, ``signum`` in this process only records that it came; what it
+    would have done is done at the release (``_resume``)."""
 
-    For a rank whose cell failed on its own: it finishes saying so (its traceback is formatted and
-    sent) before the stop taas began for another rank's failure ends it. Several ranks that fail
-    alike are then shown once, labelled with all of them. SIGKILL, which follows 3 s later, still ends it.
-    """
+    signum: signal.Signals
 
     def __init__(self) -> None:
         self.came = False
-        self._previous = signal.getsignal(signal.SIGTERM)
-        self._held = self._previous is not None and threading.current_thread() is threading.main_thread()
-        if self._held:
-            signal.signal(signal.SIGTERM, self._record)
-
-    def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.came = True
-
-    def release(self) -> None:
-        """Put the handler back; a SIGTERM that came meanwhile takes effect now."""
-        if self._held:
-            self._held = False
-            signal.signal(signal.SIGTERM, self._previous)
-        if self.came:
-            self.came = False
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
-class HeldInterrupts:
-    """From its making until ``release``, SIGINT in this process only records that it came.
-
-    For steps an interrupt must not cut, and must not be lost in. ``os.fork``: at-fork callbacks
-    (logging's, for one) run Python inside it, and an interrupt raised there is reported and
-    swallowed (the cell would run on as if never interrupted); one raised as the fork returns
-    would lose the new pid. Sending a session's cell: it must go whole or not at all. Blocking
-    the signal would not do: the kernel's other threads take it, and Python runs the handler in
-    the main thread all the same. A forked child keeps recording until it sets handlers of its own.
-    """
-
-    def __init__(self) -> None:
-        self.came = False
-        self._previous = signal.getsignal(signal.SIGINT)
+        self._previous = signal.getsignal(self.signum)
         # Not where the handler was set outside Python, or off the main thread: there it cannot be put back.
         self._held = self._previous is not None and threading.current_thread() is threading.main_thread()
         if self._held:
-            signal.signal(signal.SIGINT, self._record)
+            signal.signal(self.signum, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self.came = True
 
     def release(self) -> None:
-        """Put the handler back; an interrupt that came meanwhile is raised now."""
+        """Put the handler back; a signal that came meanwhile takes effect now."""
         if self._held:
             self._held = False
-            signal.signal(signal.SIGINT, self._previous)
+            signal.signal(self.signum, self._previous)
         if self.came:
             self.came = False
-            raise KeyboardInterrupt
+            self._resume()
+
+    def _resume(self) -> None:
+        raise NotImplementedError
+
+
+class HeldTermination(_Held):
+    """SIGTERM held, for a rank whose cell failed on its own: it finishes saying so (its traceback is
+    formatted and sent) before the stop taas began for another rank's failure ends it. Several ranks
+    that fail alike are then shown once, labelled with all of them. SIGKILL, 3 s later, still ends it.
+    """
+
+    signum = signal.SIGTERM
+
+    def _resume(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class HeldInterrupts(_Held):
+    """SIGINT held, for steps an interrupt must not cut, and must not be lost in; raised at the release.
+
+    ``os.fork``: at-fork callbacks (logging's, for one) run Python inside it, and an interrupt raised
+    there is reported and swallowed (the cell would run on as if never interrupted); one raised as
+    the fork returns would lose the new pid. Sending a session's cell: it must go whole or not at
+    all. Blocking the signal would not do: the kernel's other threads take it, and Python runs the
+    handler in the main thread all the same. A forked child keeps recording until it sets handlers
+    of its own.
+    """
+
+    signum = signal.SIGINT
+
+    def _resume(self) -> None:
+        raise KeyboardInterrupt
 
     def __enter__(self) -> "HeldInterrupts":
         return self
