@@ -52,7 +52,7 @@ dist.all_reduce(torch.ones(1))  # ranks 0 and 2 block here, waiting for rank 1
     assert "check(dist.get_rank())" in tb and "raise ValueError(f'bad value {x}')" in tb
     assert re.search(r"line 6", tb), "line numbers are the cell's own"
     assert "taas_magic" not in tb and "worker.py" not in tb
-    assert "stopped by taas after the failure: ranks 0, 2" in tb
+    assert "stopped by taas after the failure: ranks 0,2" in tb
     assert processes_of_run(run_id_of(result)) == []
     assert kernel.execute("print('still usable')").ok().stdout == "still usable\n"
 
@@ -113,7 +113,7 @@ def test_timeout_stops_late_ranks_and_shows_where_they_were_each_place_once(kern
     kernel.execute("import time\ndef wait_for_data():\n    time.sleep(60)\n").ok()
     result = kernel.execute("#pragma taas --gpus 2 --timeout 1.5\n" + RUN_ID + "wait_for_data()\n", timeout=30)
     assert result.error["ename"] == "RunTimedOut"
-    assert result.error["evalue"] == "--timeout 1.5 s elapsed: ranks 0, 1 still running, now stopped"
+    assert result.error["evalue"] == "--timeout 1.5 s elapsed: ranks 0-1 still running, now stopped"
     assert result.seconds < 8
     tb = result.traceback
     assert "where the processes were when the time ran out:\nranks 0-1: in no collective:\n" in tb, tb

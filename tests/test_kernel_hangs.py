@@ -265,7 +265,7 @@ def test_every_rank_waiting_for_a_stuck_loader_is_said_with_the_producers_line(k
     assert ranks.at == (2, "<module>", "for batch in stalling:")
     assert producer.at == (8, "__getitem__", "time.sleep(3600)"), "the dataset's own line, in the producer"
     assert result.error["ename"] == "RunTimedOut"
-    assert "ranks 0, 1; producer 0 of stalling still running" in result.error["evalue"]
+    assert "ranks 0-1; producer 0 of stalling still running" in result.error["evalue"]
     assert_usable(kernel)
 
 

@@ -77,7 +77,7 @@ def test_only_rank_0_writes_files_and_the_file_is_whole(kernel, tmp_path):
 import torch, taas
 torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank()))}}, {str(target)!r})
 """).ok()
-    assert result.stderr == (f"taas: torch.save to {str(target)!r} skipped in ranks 1, 2: only rank 0 writes files "
+    assert result.stderr == (f"taas: torch.save to {str(target)!r} skipped in ranks 1-2: only rank 0 writes files "
                              "(guard other writes with taas.is_main())\n")
     import torch
 

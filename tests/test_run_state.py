@@ -151,7 +151,7 @@ def test_the_interrupted_message_says_how_each_rank_stopped():
     error = render.error(result, {})
     assert isinstance(error, RunInterrupted)
     assert error.lines == [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped "
-                           "(0: had finished, 1: KeyboardInterrupt)"]
+                           "(rank 0: had finished; rank 1: KeyboardInterrupt)"]
 
 
 def test_the_earliest_failure_is_the_root_cause_and_a_crash_shows_its_last_stderr_lines():
@@ -415,7 +415,7 @@ def test_an_interrupted_session_cell_says_what_taas_interrupted():
         state.reported(rank, failed(1.1, "KeyboardInterrupt", interrupted=True))
     error = render.error(state.result(), {})
     assert isinstance(error, RunInterrupted)
-    assert error.lines == [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas interrupted the cell in ranks 0, 1; "
+    assert error.lines == [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas interrupted the cell in ranks 0-1; "
                            "the session goes on"]
 
 

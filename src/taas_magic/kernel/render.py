@@ -53,7 +53,7 @@ def failure(result: RunResult, others_were: str,
     alike = [f.rank for f in failures if _same_error(f, root)]  # read once, labelled with every rank it is of
     if root.details:
         if len(alike) > 1:
-            lines.append(f"{BOLD}[{names(result, alike, compact=True)}] "
+            lines.append(f"{BOLD}[{names(result, alike)}] "
                          + (f"traceback ({who} failed first):" if _is_traceback(root) else
                             f"last lines each wrote to stderr ({who}'s):") + RESET)
         else:
@@ -64,7 +64,7 @@ def failure(result: RunResult, others_were: str,
         lines.append(f"{BOLD}taas: {root.hint}{RESET}")
     others = _alike_failures(result, [f for f in failures[1:] if f.rank not in alike])
     if len(alike) > 1 and not root.details:
-        others.insert(0, f"{names(result, alike[1:], compact=True)} ({summary(root)})")
+        others.insert(0, f"{names(result, alike[1:])} ({summary(root)})")
     stopped = sorted(result.stopped - {f.rank for f in failures}, key=key_order)
     if others:
         lines.append(f"also failed, after {who}: " + "; ".join(others))
@@ -88,7 +88,7 @@ def _alike_failures(result: RunResult, failures: list[Failure]) -> list[str]:
     groups: dict[str, list[Key]] = {}
     for failure_ in failures:
         groups.setdefault(summary(failure_), []).append(failure_.rank)
-    return [f"{names(result, keys, compact=True)} ({text})" for text, keys in groups.items()]
+    return [f"{names(result, keys)} ({text})" for text, keys in groups.items()]
 
 
 def _stuck(process: Process) -> bool:
@@ -133,8 +133,11 @@ def interrupted(result: RunResult) -> list[str]:
         stopped = (f"taas interrupted the cell in {names(result, sorted(result.stopped, key=key_order))}; "
                    if result.stopped else "")
         return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: {quit}{stopped}the session goes on"]
-    how = ", ".join(f"{rank}: {_describe_stop(code, result.records.get(rank))}"
-                    for rank, code in _in_order(result.exits) if isinstance(rank, int))
+    stops: dict[str, list[int]] = {}
+    for rank, code in _in_order(result.exits):
+        if isinstance(rank, int):
+            stops.setdefault(_describe_stop(code, result.records.get(rank)), []).append(rank)
+    how = "; ".join(f"{span(ranks)}: {what}" for what, ranks in stops.items())
     return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
 
 
@@ -211,7 +214,7 @@ def notices(result: RunResult) -> list[str]:
         elif notice is Notice.SAVE_SKIPPED and result.saves_skipped:
             paths = ", ".join(repr(path) for path in sorted(result.saves_skipped))
             ranks = sorted(key for keys in result.saves_skipped.values() for key in keys if isinstance(key, int))
-            lines.append(f"taas: torch.save to {paths} skipped in {_ranks(ranks)}: only rank 0 writes files "
+            lines.append(f"taas: torch.save to {paths} skipped in {span(ranks)}: only rank 0 writes files "
                          "(guard other writes with taas.is_main())")
         elif notice is Notice.DELIVERY:
             lines += _delivery_summaries(result)
@@ -268,11 +271,11 @@ def name(result: RunResult, key: Key) -> str:
     return result.labels.get(key, f"rank {key}")
 
 
-def names(result: RunResult, keys: list[Key], compact: bool = False) -> str:
-    """"ranks 0, 2; producer 0 of train_loader" (``compact``: "ranks 0-2,4")."""
+def names(result: RunResult, keys: list[Key]) -> str:
+    """"ranks 0-2,4; producer 0 of train_loader"."""
     ranks = sorted(key for key in keys if isinstance(key, int))
     others = [name(result, key) for key in sorted(keys, key=key_order) if not isinstance(key, int)]
-    return "; ".join(([span(ranks) if compact else _ranks(ranks)] if ranks else []) + others)
+    return "; ".join(([span(ranks)] if ranks else []) + others)
 
 
 def _ended_before(result: RunResult, moment: float) -> str:
@@ -292,7 +295,7 @@ def _ended_before(result: RunResult, moment: float) -> str:
     for rank, code in _in_order(result.exits):
         if isinstance(rank, int) and code == 0 and rank not in result.records and rank not in result.stopped:
             ranks_by_end.setdefault(describe_exit(code), []).append(rank)
-    return "; ".join(f"{_ranks(ranks)} {how}" for how, ranks in ranks_by_end.items())
+    return "; ".join(f"{span(ranks)} {how}" for how, ranks in ranks_by_end.items())
 
 
 def _is_traceback(failure_: Failure) -> bool:
@@ -312,7 +315,3 @@ def _describe_stop(code: int, record: CellEnded | Failed | None) -> str:
 def _in_order(by_key: Mapping[Key, Value]) -> list[tuple[Key, Value]]:
     """The items of ``by_key``: ranks first, by number, then producers."""
     return sorted(by_key.items(), key=lambda item: key_order(item[0]))
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
