@@ -89,5 +89,7 @@ def test_cluster_notebook_trains_across_two_nodes_and_brings_the_weights_back(da
     assert "mnist_cnn_cluster.pt" in text and "copied into this notebook's folder" in text
     assert re.search(r"accuracy in the notebook: ([\d.]+)%", text)[1] == f"{accuracy(text):.2f}"
     assert (tmp_path / "mnist_cnn_cluster.pt").exists()
-    assert float(re.search(r"Test accuracy with batches from the CPU node: ([\d.]+)%", text)[1]) > 80
+    # One epoch over 2000 images: 83% here, 78% once on a loaded machine (threads sum in another order); a
+    # loader that delivered the wrong elements, or none, would leave it near 10%.
+    assert float(re.search(r"Test accuracy with batches from the CPU node: ([\d.]+)%", text)[1]) > 70
     assert re.search(r"taas: train_loader: \d+ elements delivered to 4 ranks", text), text[-2000:]

@@ -87,6 +87,14 @@ def waiting_in_all_reduce(*keys: int) -> list[Process]:
 
 
 # -- the likely cause -----------------------------------------------------------------------------
+def test_ranks_in_one_collective_are_one_group_though_one_sample_came_before_its_tensors_were_read():
+    fresh = Collective("0", 5, "", [], [], 0.0)
+    processes = [rank(0, activity(collective(seconds=10.0)), dump(ALL_REDUCE)), rank(1, activity(fresh), dump(ALL_REDUCE))]
+    assert where_lines(processes, CELL_NAMES)[0] == "ranks 0-1: in all_reduce #5 (4 KB float32) for 10 s:"
+    assert cause(processes + [rank(2, activity(), dump(SLEEP))], CELL_NAMES).startswith(
+        "rank 2 has not entered all_reduce #5 that ranks 0-1 wait in; ")
+
+
 def test_a_collective_entered_just_now_is_named_by_its_number_and_never_taken_for_another():
     fresh = Collective("0", 5, "", [], [], 0.0)  # read from the group's counters alone: no operation, no tensors
     processes = waiting_in_all_reduce(0, 1) + [rank(2, activity(fresh), dump(ALL_REDUCE)), rank(3, activity(),

@@ -18,6 +18,7 @@ and, for the watchdog, the likely cause in one line (``cause``).
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import re
 import sysconfig
@@ -120,10 +121,14 @@ class Process:
     node: int | None = None  # its node's index on a cluster
 
     def collective(self) -> Collective | None:
-        """The oldest collective it is in: the one the others wait for, or it for them."""
+        """The oldest collective it is in: the one the others wait for, or it for them. One its sample
+        names by number alone (entered just before it) is named by the call its stack shows."""
         if self.activity is None or not self.activity.collectives:
             return None
-        return self.activity.collectives[0]
+        collective = self.activity.collectives[0]
+        if not collective.op and self.in_collective_call():
+            return dataclasses.replace(collective, op=self.in_collective_call())
+        return collective
 
     def threads(self) -> list[Thread]:
         return parse_stacks(self.stack)
@@ -164,7 +169,7 @@ def doing(process: Process) -> str:
 
 
 def _doing(process: Process) -> tuple[str, float | None]:
-    """What a process does, and for how long (None: not known)."""
+    """What a process does, and for how long (None: not known); its tensors said once known."""
     if process.ended:
         return process.ended, None
     if not isinstance(process.key, int):
@@ -244,7 +249,7 @@ def _collective_cause(ranks: Sequence[Process], inside: Sequence[Process], cell_
                      for op, members in sorted(ops.items(), key=lambda item: key_order(item[1][0].key))]
             return f"the ranks called different collectives: {' and '.join(parts)}"
         calls: dict[str, list[Process]] = {}
-        for process in described:
+        for process in (p for p in described if _collective(p).shapes):
             calls.setdefault(shapes(_collective(process)), []).append(process)
         if len(calls) > 1:
             op = next(iter(ops))
@@ -334,8 +339,9 @@ def where_lines(processes: Sequence[Process], cell_names: Mapping[str, str], ran
     them has), and the stack they share."""
     lines: list[str] = []
     for stack, members in _group_by(processes, lambda p: tuple(stack_lines(p.stack, cell_names))):
-        by_doing = _group_by(members, lambda p: (_doing(p)[0], bool(p.ended)))
-        for index, ((what, ended), group) in enumerate(by_doing):
+        by_doing = _group_by(members, lambda p: (_place(p), bool(p.ended)))
+        for index, ((_, ended), group) in enumerate(by_doing):
+            what = max((_doing(p)[0] for p in group), key=len)  # with its tensors, if one sample told them
             longest = max((seconds for seconds in (_doing(p)[1] for p in group) if seconds is not None), default=None)
             what += f" for {longest:.0f} s" if longest is not None else ""
             last = index == len(by_doing) - 1
@@ -345,6 +351,15 @@ def where_lines(processes: Sequence[Process], cell_names: Mapping[str, str], ran
                 lines.append("    (no stack received)")
         lines += stack
     return lines
+
+
+def _place(process: Process) -> str:
+    """What a process does, less what one sample may tell and another not: in the same collective,
+    ranks are one group whether or not their last sample described its tensors."""
+    collective = process.collective()
+    if collective is not None and not process.ended:
+        return f"in {collective.op} #{collective.seq} of {collective.group}{' (p2p)' if collective.p2p else ''}"
+    return _doing(process)[0]
 
 
 def stack_lines(dump: str, cell_names: Mapping[str, str]) -> list[str]:
