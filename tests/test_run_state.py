@@ -15,7 +15,8 @@ import pytest
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded
 from taas_magic.kernel import render
-from taas_magic.kernel.hang import Hang, Process, stack_lines
+from taas_magic.kernel.hang import Hang, Process
+from taas_magic.kernel.stacks import stack_lines
 from taas_magic.kernel.run_state import (
     ONE_SHOT,
     SESSION,

@@ -19,94 +19,16 @@ and, for the watchdog, the likely cause in one line (``cause``).
 from __future__ import annotations
 
 import dataclasses
-import linecache
-import re
-import sysconfig
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
+from taas_magic.kernel.stacks import Frame, Thread, parse_stacks, stack_lines
 from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import Collective, RankActivity
 
 Same = TypeVar("Same", bound=Hashable)
-_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
-_LIBRARIES = tuple(path for path in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                                     sysconfig.get_paths()["platlib"]} if path)
 _SETUP_FUNCTIONS = ("init_process_group", "_store_based_barrier", "rendezvous", "_env_rendezvous_handler",
                     "_new_process_group_helper")
-
-# Where taas hands a process its work, by file and function (None: any function of the file): a rank's
-# cell (run_cell, or the rank's setup before it), a forked process's start in its supervisor (a
-# producer's loop is its work, and shown). Frames below are taas's. A file alone would not do: taas's
-# wrappers of the user's calls (init_process_group's) live in those files too.
-WORK_STARTS: tuple[tuple[str, str | None], ...] = (
-    ("/taas_magic/rank/cell.py", "run_cell"), ("/taas_magic/rank/worker.py", "run_rank"),
-    ("/taas_magic/launch/supervisor/ranks.py", None), ("/taas_magic/launch/fork/backend.py", None))
-
-
-@dataclass(frozen=True)
-class Frame:
-    file: str
-    line: int
-    function: str
-
-    def user(self, cell_names: Mapping[str, str]) -> bool:
-        """A frame of the notebook's cells or of the user's own files, not of Python, a library or taas."""
-        if self.file in cell_names:
-            return True
-        return not (self.file.startswith(_LIBRARIES) or "/site-packages/" in self.file or "/taas_magic/" in self.file
-                    or "/dist-packages/" in self.file or self.file.startswith("<"))
-
-    def where(self, cell_names: Mapping[str, str]) -> str:
-        """"Cell In[7], line 12" or "train.py, line 30"."""
-        label = cell_names.get(self.file)
-        return f"{label}, line {self.line}" if label else f"{self.file}, line {self.line}"
-
-    def source(self) -> str:
-        return linecache.getline(self.file, self.line).strip()
-
-    def starts_work(self) -> bool:
-        return any(self.file.endswith(file) and function in (None, self.function) for file, function in WORK_STARTS)
-
-
-@dataclass(frozen=True)
-class Thread:
-    main: bool  # the thread taas handed the process's work to (the cell's, or a producer's loop)
-    frames: tuple[Frame, ...]  # most recent call first, cut where taas started the process's work
-
-
-def parse_stacks(dump: str) -> list[Thread]:
-    """A faulthandler dump as threads, the main one first, each cut where taas started the work.
-
-    Other threads are kept only where they run the user's code: taas's own (the lifeline, the
-    samplers) and libraries' helpers (a DataLoader's pin-memory thread) say nothing about a hang.
-    """
-    threads: list[Thread] = []
-    current: list[bool] = []  # faulthandler's "Current thread": the one the signal landed in
-    for block in dump.strip().split("\n\n"):
-        lines = block.strip().splitlines()
-        if not lines or not lines[0].lstrip().startswith(("Thread", "Current thread")):
-            continue
-        frames = [Frame(match["file"], int(match["line"]), match["function"].strip())
-                  for match in map(_FRAME.match, lines[1:]) if match]
-        cut = next((index for index, frame in enumerate(frames) if frame.starts_work()), None)
-        # The signal that asked for the dump may land in any thread: faulthandler's "current thread" is
-        # that one, not necessarily the main one. The main thread is the one taas started the work in.
-        threads.append(Thread(cut is not None, tuple(frames[:cut])))
-        current.append(lines[0].lstrip().startswith("Current thread"))
-    if not any(thread.main for thread in threads):  # no taas frames: faulthandler's own guess, then
-        threads = [Thread(guess, thread.frames) for guess, thread in zip(current, threads)]
-    return [thread for thread in sorted(threads, key=lambda thread: not thread.main)
-            if thread.main or any(frame.user({}) for frame in thread.frames)]
-
-
-def other_threads(dump: str) -> str:
-    """A faulthandler dump without the thread taas handed the work to."""
-    blocks = [block for block in dump.strip().split("\n\n")
-              if not any(Frame(m["file"], 0, m["function"].strip()).starts_work()
-                         for m in map(_FRAME.match, block.splitlines()) if m)]
-    return "\n\n".join(block.replace("Current thread", "Thread", 1) for block in blocks)
-
 
 @dataclass(frozen=True)
 class Process:
@@ -360,45 +282,6 @@ def _place(process: Process) -> str:
     if collective is not None and not process.ended:
         return f"in {collective.op} #{collective.seq} of {collective.group}{' (p2p)' if collective.p2p else ''}"
     return _doing(process)[0]
-
-
-def stack_lines(dump: str, cell_names: Mapping[str, str]) -> list[str]:
-    """A process's stack, innermost user frame first: each user frame with its line of source, what it
-    called inside libraries summed up in one line, taas's own frames left out."""
-    lines: list[str] = []
-    for thread in parse_stacks(dump):
-        frames = [frame for frame in thread.frames if "/taas_magic/" not in frame.file]
-        first_user = next((index for index, frame in enumerate(frames) if frame.user(cell_names)), None)
-        if not thread.main:
-            lines.append("    another thread:")
-        if first_user:
-            inner = frames[0]
-            lines.append(f"    in {inner.function} ({_short(inner.file)}, line {inner.line}), called from:")
-        last_user = max((index for index, frame in enumerate(frames) if frame.user(cell_names)), default=None)
-        outermost = len(frames) if last_user is None or thread.main else last_user + 1  # a thread's own start is noise
-        for frame in frames[first_user or 0:outermost]:
-            lines.append(f"    {_frame_text(frame, cell_names)}")
-            source = frame.source() if frame.user(cell_names) else ""
-            if source:
-                lines.append(f"      {source}")
-    return lines
-
-
-def _frame_text(frame: Frame, cell_names: Mapping[str, str]) -> str:
-    label = cell_names.get(frame.file)
-    return f"{label}, line {frame.line} in {frame.function}" if label else \
-        f'File "{frame.file}", line {frame.line} in {frame.function}'
-
-
-def _short(path: str) -> str:
-    """A library file as it is imported: "torch/distributed/distributed_c10d.py"."""
-    for marker in ("/site-packages/", "/dist-packages/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    for library in _LIBRARIES:
-        if path.startswith(library):
-            return path[len(library):].lstrip("/")
-    return path
 
 
 def _who(processes: Sequence[Process], ranks_per_node: int) -> str:

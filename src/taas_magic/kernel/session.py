@@ -32,7 +32,7 @@ from taas_magic.kernel import streams
 from taas_magic.launch.backend import Cell, SessionGroup
 from taas_magic.wire.events import Exited, Key, Output, Producer
 from taas_magic.cell_names import names_reached
-from taas_magic.kernel import hang, render
+from taas_magic.kernel import hang, render, stacks
 from taas_magic.kernel.controller import STACK_SECONDS, Pump, live_output
 from taas_magic.kernel.run_state import SESSION, RunResult, RunState
 from taas_magic.delivery.service import producer_labels
@@ -212,13 +212,13 @@ class Session:
         if self.check():
             return [f"taas: the session ended: {self.ended}"]
         keys = self.group.running()
-        stacks = self.group.stacks(keys, STACK_SECONDS) if keys else {}
+        dumps = self.group.stacks(keys, STACK_SECONDS) if keys else {}
         processes = []
         for key in keys:
-            label, dump = self.labels.get(key, f"rank {key}"), stacks.get(key, "")
+            label, dump = self.labels.get(key, f"rank {key}"), dumps.get(key, "")
             idle = _idle(key, dump)  # then only the threads the user started are worth showing
             processes.append(hang.Process(key, label, stack=dump) if idle is None else
-                             hang.Process(key, label, stack=hang.other_threads(dump), ended=idle))
+                             hang.Process(key, label, stack=stacks.other_threads(dump), ended=idle))
         return hang.where_lines(processes, cell_names, self.spec.ranks_per_node if self.spec.nodes > 1 else 0)
 
     # -- its end --------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def _idle(key: Key, dump: str) -> str | None:
     """What a process does when its main thread waits in taas's own loop: a rank for the next cell
     (``rank/session.py``), a producer for the ranks (``delivery/producer.py``, building nothing); None
     when it does something else."""
-    threads = hang.parse_stacks(dump)
+    threads = stacks.parse_stacks(dump)
     if not threads or not threads[0].main or not threads[0].frames:
         return None
     frames = threads[0].frames
