@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from taas_magic.wire.events import Key
-from taas_magic.kernel.hang import describe
+from taas_magic.kernel.hang import describe, span
 from taas_magic.kernel.run_state import COMPUTING
 from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
@@ -111,18 +111,18 @@ class _LoaderRow:
         """Built, taken (per rank), skipped by ranks that stopped early, ready, waited for, finished."""
         latest = self.latest
         parts = [f"{latest.produced} produced"]
-        span = latest.at - self.first.at
-        if span > 0:
-            parts.append(f"{(latest.produced - self.first.produced) / span:,.0f}/s")
+        seconds = latest.at - self.first.at
+        if seconds > 0:
+            parts.append(f"{(latest.produced - self.first.produced) / seconds:,.0f}/s")
         parts.append(f"{sum(latest.taken)} consumed ({', '.join(map(str, latest.taken))} per rank)")
         if sum(latest.skipped):
             parts.append(f"{sum(latest.skipped)} skipped")
         parts.append(f"{latest.buffered} ready")
-        if latest.waited and span > 0:
-            parts.append(f"ranks waited {sum(latest.waited) / len(latest.waited) / span:.0%}")
-        finished = [str(rank) for rank, done in enumerate(latest.done) if done]
+        if latest.waited and seconds > 0:
+            parts.append(f"ranks waited {sum(latest.waited) / len(latest.waited) / seconds:.0%}")
+        finished = [rank for rank, done in enumerate(latest.done) if done]
         if finished and len(finished) < len(latest.done):
-            parts.append(f"rank{'s' * (len(finished) > 1)} {', '.join(finished)} finished")
+            parts.append(f"{span(finished)} finished")
         return " · ".join(parts)
 
 
