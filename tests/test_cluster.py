@@ -621,6 +621,24 @@ def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
     assert not leftovers(cluster_kernel)
 
 
+def test_a_hang_across_nodes_is_diagnosed_with_each_rank_s_node(cluster_kernel):
+    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --hang-after 3 --timeout 15") + INIT + """\
+import time
+if dist.get_rank() != 3:
+    dist.barrier()
+time.sleep(60)
+""", timeout=120)
+    shown = ANSI.sub("", r.stderr)
+    assert ("taas: no progress for 3 s: rank 3 has not entered barrier #1 that ranks 0-2 wait in; it is at Cell In["
+            in shown), shown
+    assert "ranks 0-2 (nodes 0, 1): in barrier #1 for" in shown, shown
+    assert "rank 3 (node 1): in no collective:" in shown, shown
+    assert "time.sleep(60)" in shown
+    assert r.error is not None and r.error["ename"] == "RunTimedOut"
+    assert "ranks 0-2 (nodes 0, 1): in barrier #1" in ANSI.sub("", r.traceback)
+    assert not leftovers(cluster_kernel)
+
+
 def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
     r = cluster_kernel.execute("#pragma taas --gpus 2 --device cpu --on local\nprint(os.environ['MASTER_ADDR'])").ok()
     assert r.each_rank().count("127.0.0.1") == 2
@@ -864,20 +882,3 @@ def test_taas_and_stop_say_in_one_line_that_a_session_is_over_when_the_connectio
     finally:
         k.shutdown()
 
-
-def test_a_hang_across_nodes_is_diagnosed_with_each_rank_s_node(cluster_kernel):
-    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --hang-after 3 --timeout 15") + INIT + """\
-import time
-if dist.get_rank() != 3:
-    dist.barrier()
-time.sleep(60)
-""", timeout=120)
-    shown = ANSI.sub("", r.stderr)
-    assert ("taas: no progress for 3 s: rank 3 has not entered barrier #1 that ranks 0-2 wait in; it is at Cell In["
-            in shown), shown
-    assert "ranks 0-2 (nodes 0, 1): in barrier #1 for" in shown, shown
-    assert "rank 3 (node 1): in no collective:" in shown, shown
-    assert "time.sleep(60)" in shown
-    assert r.error is not None and r.error["ename"] == "RunTimedOut"
-    assert "ranks 0-2 (nodes 0, 1): in barrier #1" in ANSI.sub("", r.traceback)
-    assert not leftovers(cluster_kernel)

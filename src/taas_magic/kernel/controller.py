@@ -147,8 +147,6 @@ class Pump:
                 self._step()
             except KeyboardInterrupt:
                 self.interrupt()
-        if not self.state.policy.keep:
-            self._take_events(0)  # the exits of the last processes, seen ended before their events were taken
 
     def interrupt(self) -> None:
         """The user interrupted the cell."""

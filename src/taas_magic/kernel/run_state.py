@@ -597,6 +597,9 @@ class RunState:
         else:
             ended = dict(ledger.exits)
             ended.update({rank: (0, self.started) for rank in self.paused})  # it failed, and waits
+            if self.finished:  # one that reported its failure and is gone, its exit not taken when the run ended
+                ended.update({key: (0, self.started) for key, record in ledger.records.items()
+                              if isinstance(record, Failed) and key not in self.running and key not in ended})
         failures = []
         for key, (code, when) in sorted(ended.items(), key=lambda item: key_order(item[0])):
             record = ledger.records.get(key)

@@ -158,7 +158,9 @@ class SupervisedRanks:
         return frozenset()  # a supervisor's ranks are on this machine
 
     def running(self) -> set[Key]:
-        return set(self.alive)
+        """The processes that have not exited, and those whose exit is received but not handed out yet
+        (taking stacks reads events ahead): what they reported before it is in ``events`` still."""
+        return set(self.alive) | {event.rank for event in self.pending if isinstance(event, Exited)}
 
     def events(self, timeout: float) -> list[Event]:
         if not self.pending and self.alive and self._readable(timeout):
@@ -226,7 +228,7 @@ class SupervisedRanks:
         """
         process = self.process
         to_the_end = containment.to_the_end
-        interrupted = to_the_end(self.alive.clear, self.channel.close)
+        interrupted = to_the_end(self.alive.clear, self.pending.clear, self.channel.close)
         if process is not None and confirmed:
             interrupted |= to_the_end(process.let_go)
         elif process is not None:
