@@ -19,6 +19,7 @@ and, for the watchdog, the likely cause in one line (``cause``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
@@ -27,6 +28,9 @@ from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import Collective, RankActivity
 
 Same = TypeVar("Same", bound=Hashable)
+# A rank that spent this share of a core outside collectives and data waits is computing. A waiting rank
+# spends next to nothing; one computing on a machine shared with other work may get far less than a core.
+COMPUTING = 0.05
 _SETUP_FUNCTIONS = ("init_process_group", "_store_based_barrier", "rendezvous", "_env_rendezvous_handler",
                     "_new_process_group_helper")
 
@@ -52,12 +56,14 @@ class Process:
             return dataclasses.replace(collective, op=self.in_collective_call())
         return collective
 
+    @functools.cached_property
     def threads(self) -> list[Thread]:
+        """Its stack, read once: the diagnosis asks it again and again."""
         return parse_stacks(self.stack)
 
     def innermost(self, cell_names: Mapping[str, str]) -> Frame | None:
         """The innermost frame of the user's code in its main thread (else its innermost frame)."""
-        threads = self.threads()
+        threads = self.threads
         if not threads or not threads[0].frames:
             return None
         frames = threads[0].frames
@@ -66,14 +72,14 @@ class Process:
     def in_setup(self) -> bool:
         if self.activity is not None and self.activity.setup is not None:
             return True
-        threads = self.threads()
+        threads = self.threads
         return bool(threads) and any(frame.function in _SETUP_FUNCTIONS and "/torch/distributed/" in frame.file
                                      for frame in threads[0].frames)
 
     def in_collective_call(self) -> str:
         """The torch.distributed collective its main thread is inside, by its stack ("" if none): a rank in
         its first second may not have said so in a sample yet."""
-        threads = self.threads()
+        threads = self.threads
         frames = threads[0].frames if threads else ()
         return next((frame.function for frame in reversed(frames) if frame.function not in _SETUP_FUNCTIONS
                      and frame.file.endswith("/torch/distributed/distributed_c10d.py")), "")
@@ -84,6 +90,13 @@ class Process:
 
 
 # -- what each process is doing ---------------------------------------------------------------------
+def computing(before: RankActivity, after: RankActivity) -> bool:
+    """Between two samples of a rank: CPU spent outside collectives, data waits and setup."""
+    waiting = after.collectives or after.waiting or after.setup is not None
+    span = after.at - before.at
+    return not waiting and span > 0 and (after.cpu - before.cpu) / span >= COMPUTING
+
+
 def doing(process: Process) -> str:
     """One phrase: "in all_reduce #1235 (4 MB float32) for 12 s", "waiting for data from train_loader for 3 s"."""
     what, seconds = _doing(process)

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from taas_magic.wire.events import Key
-from taas_magic.kernel.hang import describe, span
-from taas_magic.kernel.run_state import COMPUTING
+from taas_magic.kernel.hang import computing, describe, span
 from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
 STATES = ("starting", "running", "done", "failed", "stopped")
@@ -149,8 +148,7 @@ class RunView:
             return False
         if isinstance(record, RankActivity):
             before = row.activity
-            row.computing = (before is not None and record.at > before.at and not record.collectives
-                             and not record.waiting and (record.cpu - before.cpu) / (record.at - before.at) >= COMPUTING)
+            row.computing = before is not None and computing(before, record)
             row.activity = record
         elif isinstance(record, RankVitals):
             row.vitals = record

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Mapping, Union
 
-from taas_magic.kernel.hang import Hang, Process
+from taas_magic.kernel.hang import Hang, Process, computing
 from taas_magic.wire.events import Key, Producer, key_order
 from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankProgress, Record, SavedOnNode, SaveSkipped
 
@@ -36,9 +36,6 @@ VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a v
 # taas sees a death a moment after it happened (its supervisor reaps it, the pump reads the event): a peer
 # that failed because of it (its channel broke) may have caught its error before that moment.
 SEEN_LATE = 0.25
-# A rank that spent this share of a core outside collectives and data waits is computing. A waiting rank
-# spends next to nothing; one computing on a machine shared with other work may get far less than a core.
-COMPUTING = 0.05
 
 Step = tuple[float, int]  # (seconds after the stop began, signal to send)
 
@@ -412,9 +409,7 @@ class RunState:
         position = (sample.finished, [(c.group, c.seq) for c in sample.collectives], sample.taken)
         if position != (before.finished, [(c.group, c.seq) for c in before.collectives], before.taken):
             return True
-        waiting = sample.collectives or sample.waiting or sample.setup is not None
-        span = sample.at - before.at
-        return not waiting and span > 0 and (sample.cpu - before.cpu) / span >= COMPUTING
+        return computing(before, sample)
 
     def view(self, now: float, changed: bool) -> list[Action]:
         """Whether to redraw the live view, which ``changed`` since it was drawn: at most every
@@ -597,9 +592,6 @@ class RunState:
         else:
             ended = dict(ledger.exits)
             ended.update({rank: (0, self.started) for rank in self.paused})  # it failed, and waits
-            if self.finished:  # one that reported its failure and is gone, its exit not taken when the run ended
-                ended.update({key: (0, self.started) for key, record in ledger.records.items()
-                              if isinstance(record, Failed) and key not in self.running and key not in ended})
         failures = []
         for key, (code, when) in sorted(ended.items(), key=lambda item: key_order(item[0])):
             record = ledger.records.get(key)
