@@ -440,6 +440,11 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
         assert sorted(re.findall(r"pid \d+", r.stdout)) == sorted(re.findall(r"pid \d+", first.stdout)), \
             "the same processes on every node run the next cell"
         assert cluster_kernel.value("total") == 406.0, "the notebook's new tensor reached every node"
+        cluster_kernel.execute("%taas pull mine").ok()
+        assert cluster_kernel.value("(list(mine), mine.ranks)") == ([0, 1, 2, 3], (0, 1, 2, 3)), "from both nodes"
+        cluster_kernel.execute("offset = 'pushed'\n%taas push offset --ranks 2-3").ok()
+        r = cluster_kernel.execute("#pragma taas --from all\nseen = str(offset)", timeout=60).ok()
+        assert cluster_kernel.value("list(seen)") == ["tensor([100.])"] * 2 + ["pushed"] * 2
         r = cluster_kernel.execute("#pragma taas --ranks 3\nraise KeyError(f'on rank {mine}')", timeout=60)
         assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'" and "the session goes on" in r.traceback
         r = cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).ok()

@@ -18,7 +18,7 @@ from taas_magic.wire.task import RankTask
 
 
 def start(source: str, ranks: int = 2):
-    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1, return_names=())
+    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)} for rank in range(ranks)}
     return ForkedRanks.start("test", envs, task)
 

@@ -147,3 +147,35 @@ def test_a_session_is_sent_a_new_value_that_took_a_freed_ones_place(notebook, st
         assert f"[rank 1] now {lr} {x}" in r.each_rank(), r.stdout
     finally:
         notebook.execute("%taas stop")
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_generated_values_pushed_to_a_session_come_back_from_every_rank_when_pulled(notebook, start):
+    """``%taas push`` then ``%taas pull`` of whatever a person binds: each name comes back as a PerRank of
+    the same kind of value from each rank, or the push is refused in one line naming what cannot go."""
+    notebook.execute(f"#pragma taas --gpus 2 --start {start} --keep --return none\nstarted = True").ok()
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(st.lists(values(), min_size=1, max_size=3))
+    def round_trip(expressions: list[str]) -> None:
+        named = {f"p{index}": expression for index, expression in enumerate(expressions)}
+        bind(notebook, named)
+        kinds = {name: type_name(notebook, expression) for name, expression in named.items()}
+        pushed = notebook.execute(f"%taas push {','.join(named)}")
+        if any(unpicklable(expression) for expression in expressions):
+            assert pushed.error is not None and pushed.error["ename"] == "TaasUsageError", pushed.error
+            assert "\n" not in pushed.error["evalue"] and "the cell needs 'p" in pushed.error["evalue"]
+            return
+        pushed.ok()
+        pulled = notebook.execute(f"%taas pull {' '.join(named)}").ok()
+        assert pulled.stderr == ""
+        for name, kind in kinds.items():
+            assert notebook.value(f"(type({name}).__name__, {name}.ranks, [type(v).__name__ for v in {name}])") \
+                == ("PerRank", (0, 1), [kind, kind]), (name, named[name])
+            assert isinstance(notebook.value(f"len(repr({name}))"), int)
+
+    try:
+        round_trip()
+    finally:
+        notebook.execute("%taas stop")

@@ -22,7 +22,7 @@ import taas_magic.wire
 from taas_magic.wire import fork_server, rank_control, supervision
 from taas_magic.wire.channel import ChannelBroken, new_secret, socket_pair
 from taas_magic.wire.shipping import Shipment
-from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask, TorchSettings
+from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask, Returns, TorchSettings
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 SECTION = "## Messages between processes"
@@ -117,10 +117,11 @@ def test_each_end_takes_only_the_other_direction() -> None:
 
 def test_a_rank_takes_a_session_cell_and_its_supervisor_the_cells_end() -> None:
     with connected(rank_control.supervisor_end, rank_control.rank_end, "run-r") as (supervisor, rank):
-        cell = rank_control.SessionCell(compile("x = 1", "<cell>", "exec"), ("x",), reload=rank_control.Reload(True))
+        returns = Returns(("x",), frozenset({0, 2}), running=frozenset({0, 2}))
+        cell = rank_control.SessionCell(compile("x = 1", "<cell>", "exec"), returns, reload=rank_control.Reload(True))
         supervisor.send(cell)
         received, _ = rank.receive()
-        assert isinstance(received, rank_control.SessionCell) and received.return_names == ("x",)
+        assert isinstance(received, rank_control.SessionCell) and received.returns == returns
         assert received.reload == rank_control.Reload(True)
         rank.send(rank_control.CellEnd(b"{}", None))
         assert supervisor.receive() == (rank_control.CellEnd(b"{}", None), [])

@@ -13,8 +13,8 @@ from taas_magic.local_cluster import LocalCluster
 
 
 def test_the_taas_module_offers_what_notebooks_import() -> None:
-    assert sorted(taas.__all__) == ["device", "is_main", "local_rank", "local_world_size", "progress", "rank",
-                                    "register", "registered", "unregister", "world_size"]
+    assert sorted(taas.__all__) == ["PerRank", "device", "is_main", "local_rank", "local_world_size", "progress",
+                                    "rank", "register", "registered", "unregister", "world_size"]
     assert all(callable(getattr(taas, name)) for name in taas.__all__)
 
 
@@ -28,7 +28,8 @@ def test_the_extension_offers_its_entry_points_and_errors() -> None:
 def test_the_options_are_the_documented_ones_in_their_order() -> None:
     assert options.visible_options(TaasMagics.taas) == [
         "--gpus", "--config", "--device", "--start", "--on", "--cpus", "--units", "--order", "--prefetch",
-        "--output", "--return", "--timeout", "--hang-after", "--max-restarts", "--debug", "--keep", "--ranks", "--idle"]
+        "--output", "--return", "--from", "--timeout", "--hang-after", "--max-restarts", "--debug", "--keep",
+        "--ranks", "--idle"]
 
 
 def test_the_settings_of_config_are_the_documented_ones() -> None:

@@ -88,11 +88,11 @@ def test_a_run_whose_ranks_all_finish_is_done_and_over_once_they_exited():
     for rank in (0, 1):
         state.reported(rank, CellEnded(1.0))
         assert state.exited(rank, 0, 1.0) == [MarkEnded(rank, "done")]
-    state.result_sent(b"names")
+    state.result_sent(0, b"names")
     assert state.tick(1.0, set()) == []
     assert state.over(set()) and state.phase is Phase.OVER
     result = state.result()
-    assert (result.outcome, result.results, result.failures) == (Outcome.DONE, b"names", ())
+    assert (result.outcome, result.results, result.failures) == (Outcome.DONE, {0: b"names"}, ())
     assert render.error(result, {}) is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.outcome = Outcome.FAILED  # type: ignore[misc]

@@ -13,6 +13,10 @@ mark DataLoaders that taas cells serve from separate CPU prefetch workers.
     taas.progress(step=i, loss=loss)
 
 shows a rank's step, its rate and its metrics in the cell while the run goes on.
+
+    taas.PerRank
+
+is what a name brought back from several ranks is (``--return x --from all``, ``%taas pull x``).
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from taas_magic.per_rank import PerRank
+
 from .registry import register, registered, unregister
 
-__all__ = ["device", "is_main", "local_rank", "local_world_size", "progress", "rank", "register", "registered",
-           "unregister", "world_size"]
+__all__ = ["PerRank", "device", "is_main", "local_rank", "local_world_size", "progress", "rank", "register",
+           "registered", "unregister", "world_size"]
+
+PerRank.__module__ = __name__  # shown and pickled as taas.PerRank, where users meet it
 
 
 def rank() -> int:

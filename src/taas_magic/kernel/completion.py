@@ -11,7 +11,7 @@ from typing import Any, Callable
 from taas_magic.kernel import options
 from taas_magic.configurations import load_catalog
 
-SUBCOMMANDS = ("cluster", "stop", "debug", "stacks")  # `%taas WORD`
+SUBCOMMANDS = ("cluster", "stop", "debug", "stacks", "pull", "push")  # `%taas WORD`
 
 
 def candidates(magic: Callable[..., Any], text_until_cursor: str, line_magic: bool) -> list[str]:

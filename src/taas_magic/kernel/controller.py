@@ -180,7 +180,8 @@ class Pump:
                 self.view.take(event.rank, event.record)  # progress, delivery counters and vitals are the view's alone
             self.state.reported(event.rank, event.record, time.monotonic())
         elif isinstance(event, Result):
-            self.state.result_sent(event.data)
+            if isinstance(event.rank, int):  # always: producers send no names
+                self.state.result_sent(event.rank, event.data)
         elif isinstance(event, Exited):
             if self.state.policy.keep:
                 self.output.finish(event.rank)

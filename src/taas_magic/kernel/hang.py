@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 from taas_magic.kernel.stacks import Frame, Thread, parse_stacks, stack_lines
+from taas_magic.per_rank import span
 from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import Collective, RankActivity
 
@@ -308,19 +309,6 @@ def _who(processes: Sequence[Process], ranks_per_node: int) -> str:
         if nodes:
             parts[-1] += f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
     return "; ".join(parts + others)
-
-
-def span(keys: Iterable[Key]) -> str:
-    """"rank 3", "ranks 0-2,4-7": ranks in runs; other processes by name."""
-    numbers = sorted({key for key in keys if isinstance(key, int)})
-    runs: list[list[int]] = []
-    for number in numbers:
-        if runs and number == runs[-1][1] + 1:
-            runs[-1][1] = number
-        else:
-            runs.append([number, number])
-    text = ",".join(f"{low}" if low == high else f"{low}-{high}" for low, high in runs)
-    return ("rank " if len(numbers) == 1 else "ranks ") + text
 
 
 def _group_by(processes: Iterable[Process], identity: Callable[[Process], Same]) -> list[tuple[Same, list[Process]]]:

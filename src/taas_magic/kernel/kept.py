@@ -16,6 +16,7 @@ from taas_magic.kernel.session import Session, debug_paused
 from taas_magic.kernel.settings import count
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.launch.backend import SessionGroup
+from taas_magic.per_rank import span
 
 Value = TypeVar("Value")
 
@@ -112,8 +113,8 @@ class Kept:
                                  "(--debug in a one-shot cell keeps the first rank that fails)")
         rank = session.failed[0] if wanted is None else wanted  # the first to fail: the one the cell named
         if rank not in session.failed:
-            raise TaasUsageError(f"rank {rank}'s last cell did not fail: debug one of ranks "
-                                 f"{', '.join(map(str, sorted(session.failed)))}")
+            raise TaasUsageError(f"rank {rank}'s last cell did not fail: debug {span(session.failed)}"
+                                 f"{'' if len(session.failed) == 1 else ' (one of them)'}")
         self.in_session(lambda: session.debug(rank, streams.write_to_cell, read_line))
 
     # -- on the cluster -------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from taas_magic.wire.events import Key
-from taas_magic.kernel.hang import computing, describe, span
+from taas_magic.kernel.hang import computing, describe
+from taas_magic.per_rank import span
 from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
 STATES = ("starting", "running", "done", "failed", "stopped")

@@ -74,8 +74,9 @@ class TaasMagics(Magics):
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
 
         `--keep` starts a session: the ranks stay, and the taas cells that follow run in them
-        (`--ranks 0,2` in part of them); `%taas stacks` shows where its ranks are between cells, and
-        `%taas stop` ends it. `%taas debug [RANK]` opens pdb in a rank whose cell raised (in a session,
+        (`--ranks 0,2` in part of them); `%taas pull NAMES` brings the ranks' values into the notebook
+        (a `taas.PerRank` from several ranks), `%taas push NAMES` sends the notebook's to the ranks,
+        `%taas stacks` shows where its ranks are between cells, and `%taas stop` ends it. `%taas debug [RANK]` opens pdb in a rank whose cell raised (in a session,
         or paused by `--debug`); `breakpoint()` works in ranks.
         """
         line = cell_source.expand_variables(self.ipython, line)
@@ -91,6 +92,9 @@ class TaasMagics(Magics):
             return
         if cell is None and words[:1] == ["stacks"]:
             self._stacks_command(words[1:])
+            return
+        if cell is None and words[:1] in (["pull"], ["push"]):
+            self._transfer_command(words[0], words[1:])
             return
         args = options.parse(TaasMagics.taas, line)
         cell_source.refuse_typed_internal_options(args, self.ipython, TaasMagics.taas)
@@ -114,6 +118,17 @@ class TaasMagics(Magics):
             print("taas: no session is running (a taas cell with --keep starts one)")
             return
         print("\n".join(session.where(cell_files.cell_labels(self.ipython))))
+
+    def _transfer_command(self, command: str, words: list[str]) -> None:
+        """`%taas pull NAMES` / `%taas push NAMES`: names between the notebook and the session's ranks."""
+        names, ranks = options.transfer(command, words)
+        session = self.kept.live_session()
+        if session is None:
+            back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""
+            raise TaasUsageError(f"%taas {command}: no session is running (a taas cell with --keep starts one){back}")
+        runner = CellRunner(self.ipython, self.transformer, self.link, self.kept, self.fork_backend,
+                            self.forkserver_backend)
+        (runner.pull if command == "pull" else runner.push)(session, names, ranks, self._defaults())
 
     def _defaults(self) -> settings.Defaults:
         return settings.Defaults.of(self.device, self.output, self.start, self.view, self.hang_after, self.config)

@@ -29,6 +29,8 @@ MAX_LINE = 4096  # characters of options, after IPython expanded {expressions} a
 
 # ASCII digits only: these are what a user types, and what error messages can show back.
 _WHOLE = re.compile(r"-?[0-9]+")
+_NATURAL = re.compile(r"[0-9]+")
+ALL = "all"  # --from all: every rank
 _DECIMAL = re.compile(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 _NOT_FINITE = re.compile(r"-?(?:nan|inf|infinity)", re.IGNORECASE)  # parsed only to be refused by name
 
@@ -87,15 +89,27 @@ def names_or_none(text: str) -> tuple[str, ...]:
 
 
 def rank_list(text: str) -> tuple[int, ...]:
-    """``0`` or ``0,2``: ranks of a session, each once."""
-    words = [word.strip() for word in text.split(",")]
-    if not words or not all(_WHOLE.fullmatch(word) and not word.startswith("-") for word in words):
-        raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of ranks: use a rank number, or several "
-                                         "separated by commas (0,2)")
-    ranks = tuple(int(word) if len(word) <= 9 else 10**9 for word in words)
+    """``0``, ``0,2`` or ``0-3,6``: ranks, each once, in the order given."""
+    ranks: list[int] = []
+    for word in (word.strip() for word in text.split(",")):
+        low, dash, high = word.partition("-")
+        if not _NATURAL.fullmatch(low) or (dash and not _NATURAL.fullmatch(high)) or (dash and int(high) < int(low)):
+            raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of ranks: use a rank number, several "
+                                             "separated by commas (0,2), or a range (0-3)")
+        first, last = _rank_number(low), _rank_number(high if dash else low)
+        ranks.extend(range(first, min(last, first + 10**6) + 1))
     if len(set(ranks)) != len(ranks):
         raise argparse.ArgumentTypeError(f"{_cut(text)!r} names a rank twice: name each once")
-    return ranks
+    return tuple(ranks)
+
+
+def _rank_number(word: str) -> int:
+    return int(word) if len(word) <= 9 else 10**9  # a huge number is out of range all the same
+
+
+def ranks_or_all(text: str) -> tuple[int, ...] | str:
+    """``--from``: ``all``, or ranks as ``rank_list`` reads them."""
+    return ALL if text.strip().lower() == ALL else rank_list(text)
 
 
 def declare(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,6 +171,11 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             "none: nothing comes back.",
         ),
         magic_arguments.argument(
+            "--from", dest="return_from", type=ranks_or_all, default=None, metavar="RANKS",
+            help="the ranks the names come back from (default 0): 3, 0,2, 0-3 or all. From several ranks, each "
+            "name arrives as a taas.PerRank: x[rank] is that rank's value.",
+        ),
+        magic_arguments.argument(
             "--timeout", type=seconds, default=None, metavar="SECONDS",
             help="stop ranks still running after this many seconds and show where each one was.",
         ),
@@ -183,7 +202,7 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         ),
         magic_arguments.argument(
             "--ranks", type=rank_list, default=None, metavar="R,R",
-            help="in a session: run the cell in these ranks only (0 or 0,2); the others wait.",
+            help="in a session: run the cell in these ranks only (0, 0,2 or 0-3); the others wait.",
         ),
         magic_arguments.argument(
             "--idle", type=seconds, default=None, metavar="SECONDS",
@@ -244,3 +263,30 @@ def default_device(environ: Mapping[str, str] | None = None) -> str:
     if value not in DEVICES:
         raise TaasUsageError(f"TAAS_DEVICE={value!r} is not allowed: use {', '.join(DEVICES)}")
     return value
+
+
+def transfer(command: str, words: list[str]) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """``%taas pull NAMES [--ranks RANKS]`` (and ``push``): the names, and the ranks (None: every rank).
+    Names are separated by spaces or commas."""
+    usage = f"%taas {command} NAMES [--ranks RANKS]"
+    ranks: tuple[int, ...] | None = None
+    names: list[str] = []
+    rest = list(words)
+    while rest:
+        word = rest.pop(0)
+        if word == "--ranks" and rest and ranks is None:
+            try:
+                ranks = rank_list(rest.pop(0))
+            except argparse.ArgumentTypeError as e:
+                raise TaasUsageError(f"{usage}: --ranks {e}") from None
+        elif word.startswith("-"):
+            raise TaasUsageError(f"{usage}: {_cut(word)!r} is not allowed here; --ranks, once, with its ranks is")
+        else:
+            names.extend(name for name in word.split(",") if name)
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise TaasUsageError(f"{usage}: {_cut(bad[0])!r} is not a name")
+    if not names:
+        raise TaasUsageError(f"{usage}: name at least one name (%taas {command} model or %taas {command} x,y)")
+    return tuple(dict.fromkeys(names)), ranks
+

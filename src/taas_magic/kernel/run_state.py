@@ -230,8 +230,8 @@ class RunResult:
     policy: Policy
     outcome: Outcome
     failures: tuple[Failure, ...]  # the processes that failed on their own, the first (the root cause) first
-    results: bytes  # rank 0's pickled names
-    skipped: Mapping[str, str]  # rank 0's names that could not be sent back, and why
+    results: Mapping[int, bytes]  # each sending rank's pickled names (rank 0's unless --from said others)
+    skipped: Mapping[int, Mapping[str, str]]  # each sending rank's names that could not be sent back, and why
     records: Mapping[Key, CellEnded | Failed]  # how each process's cell ended
     exits: Mapping[Key, int]  # the exit status of each process that exited
     stopped: frozenset[Key]  # the processes taas stopped (or interrupted) before they failed on their own
@@ -281,7 +281,7 @@ class _Ledger:
     """What the processes reported and how they exited."""
 
     records: dict[Key, CellEnded | Failed] = field(default_factory=dict)
-    results: bytes = b""
+    results: dict[int, bytes] = field(default_factory=dict)
     saves_skipped: dict[str, set[Key]] = field(default_factory=dict)
     saved_on_nodes: list[SavedOnNode] = field(default_factory=list)
     exits: dict[Key, tuple[int, float]] = field(default_factory=dict)  # exit status, when taas saw it
@@ -364,8 +364,8 @@ class RunState:
                     and not record.interrupted):
                 self.paused.add(key)  # it waits for the debugger (rank.session.await_debugger)
 
-    def result_sent(self, data: bytes) -> None:
-        self.ledger.results = data
+    def result_sent(self, rank: int, data: bytes) -> None:
+        self.ledger.results[rank] = data
 
     def exited(self, key: Key, code: int, now: float, tail: Iterable[str] = ()) -> list[Action]:
         """``key``'s process is gone, with exit status ``code``; ``tail``: the last lines it wrote to stderr."""
@@ -614,10 +614,11 @@ class RunState:
             failures = [Failure(end.keys[0], when, ledger.tails.get(end.keys[0], ()), code=code)]
         outcome = (Outcome.SESSION_ENDED if end is not None else
                    _outcome(self.policy.order, self.interrupted, self.late is not None, bool(failures)))
-        first = ledger.records.get(0)
+        skipped = {key: dict(record.skipped) for key, record in ledger.records.items()
+                   if isinstance(key, int) and isinstance(record, CellEnded) and record.skipped}
         return RunResult(
-            policy=self.policy, outcome=outcome, failures=tuple(failures), results=ledger.results,
-            skipped=dict(first.skipped) if isinstance(first, CellEnded) else {}, records=dict(ledger.records),
+            policy=self.policy, outcome=outcome, failures=tuple(failures), results=dict(ledger.results),
+            skipped=skipped, records=dict(ledger.records),
             exits={key: code for key, (code, _) in ledger.exits.items()}, stopped=frozenset(self.stopped),
             quit=frozenset(self.quit), late=None if self.late is None else dict(self.late),
             interrupted=self.interrupted,

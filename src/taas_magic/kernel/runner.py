@@ -29,7 +29,7 @@ from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.kernel.run_state import RunResult
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Defaults
-from taas_magic.kernel.spec import LaunchSpec, build, resolve_start
+from taas_magic.kernel.spec import LaunchSpec, build, resolve_start, return_from
 from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
@@ -38,7 +38,8 @@ from taas_magic.process import cell_files, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
-from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask
+from taas_magic.per_rank import PerRank, span
+from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask, Returns
 
 
 class CellRunner:
@@ -76,12 +77,12 @@ class CellRunner:
         loaders = self._served_loaders(spec) if spec.keep else self._loaders(spec, analysed)
         if spec.keep and loaders:  # the ranks need each served loader whether this cell names it or not
             analysed = dataclasses.replace(analysed, reads=analysed.reads | {plan.name for plan in loaders})
-        wanted = results.wanted(analysed.binds, spec.return_names)
+        returns = Returns(results.wanted(analysed.binds, spec.return_names), frozenset(spec.return_from))
         seed = draw_base_seed()
 
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
             return RankTask(code=compiled.code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
-                            return_names=wanted, seed=seed, keep=spec.keep, idle_limit=spec.idle_limit,
+                            returns=returns, seed=seed, keep=spec.keep, idle_limit=spec.idle_limit,
                             debug=spec.debug, track=spec.hang_after > 0, sources=sources, context=context)
 
         if spec.on_cluster:
@@ -90,7 +91,7 @@ class CellRunner:
             result = self._launch(self.fork_backend, spec, make_task, analysed, loaders, defaults.view)
         else:
             result = self._launch(self.forkserver_backend, spec, make_task, analysed, loaders, defaults.view)
-        self._take_back(result, spec.return_names)
+        self._take_back(result, spec.return_names, spec.return_from)
 
     def _launch(self, backend: Backend[PlanT], spec: LaunchSpec, make_task: MakeTask, cell: Cell,
                 loaders: tuple[LoaderPlan, ...], view: bool) -> RunResult:
@@ -149,29 +150,61 @@ class CellRunner:
     def _run_in_session(self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str,
                         cell: str) -> None:
         _check_fits_session(args, session)
-        ranks = list(args.ranks) if args.ranks is not None else list(range(session.size))
-        outside = [rank for rank in ranks if rank >= session.size]
-        if outside:
-            raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))}: the session has ranks 0-{session.size - 1}")
-        spec = dataclasses.replace(session.spec, output=args.output or defaults.output, timeout=args.timeout,
-                                   return_names=args.return_names, hang_after=args.hang_after)
+        ranks = _session_ranks(args.ranks, session)
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
+        from_ranks = ((0,) if 0 in ranks else ()) if args.return_from is None else \
+            return_from(args.return_from, ranks, _cell_ranks(ranks, session))
+        spec = dataclasses.replace(session.spec, output=args.output or defaults.output, timeout=args.timeout,
+                                   return_names=args.return_names, hang_after=args.hang_after, return_from=from_ranks)
         new = self._session_loaders(analysed, session, ranks)
         session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
-        wanted = results.wanted(analysed.binds, spec.return_names) if 0 in ranks else ()
-        prepared, shipment, sent = session.prepare(analysed, compiled.code, wanted)
-        prepared = session.begin_serving(prepared, new, self.shell.user_ns)
-        session.status = self._view_display(defaults.view)  # this cell's view
+        wanted = results.wanted(analysed.binds, spec.return_names) if from_ranks else ()
+        self._in_session(session, analysed, compiled.code, ranks, spec, defaults.view, new,
+                         Returns(wanted, frozenset(from_ranks), _running(ranks, session)))
+
+    def pull(self, session: Session, names: tuple[str, ...], from_ranks: tuple[int, ...] | None,
+             defaults: Defaults) -> None:
+        """``%taas pull``: the session's values of ``names`` join the notebook, from ``from_ranks`` (every rank
+        when None). Every rank takes part: a sharded value is gathered whole by all the ranks it is
+        sharded over."""
+        ranks = list(range(session.size))
+        chosen = tuple(ranks) if from_ranks is None else return_from(from_ranks, ranks, "the session")
+        spec = dataclasses.replace(session.spec, output=defaults.output, timeout=None, return_names=names,
+                                   hang_after=defaults.hang_after, return_from=chosen)
+        self._in_session(session, _command_cell("pull", (), self.shell.user_ns), _NOTHING, ranks, spec,
+                         view=False, loaders=(), returns=Returns(names, frozenset(chosen)), notebook_cell=False)
+
+    def push(self, session: Session, names: tuple[str, ...], to_ranks: tuple[int, ...] | None,
+             defaults: Defaults) -> None:
+        """``%taas push``: the notebook's values of ``names`` become the names of the session's ranks (of
+        ``to_ranks``, every rank when None), whatever the ranks had bound to them."""
+        missing = [name for name in names if name not in self.shell.user_ns]
+        if missing:
+            raise TaasUsageError(f"%taas push {missing[0]}: the notebook has no name {missing[0]!r}")
+        ranks = _session_ranks(to_ranks, session)
+        spec = dataclasses.replace(session.spec, output=defaults.output, timeout=None, return_names=(),
+                                   hang_after=defaults.hang_after, return_from=())
+        session.resend(list(names))
+        self._in_session(session, _command_cell("push", names, self.shell.user_ns), _NOTHING, ranks, spec,
+                         view=False, loaders=(), returns=Returns(), notebook_cell=False)
+
+    def _in_session(self, session: Session, analysed: Cell, code: Any, ranks: list[int], spec: LaunchSpec,
+                    view: bool, loaders: tuple[LoaderPlan, ...], returns: Returns, notebook_cell: bool = True) -> None:
+        """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
+        False: ``%taas pull`` or ``push``)."""
+        prepared, shipment, sent = session.prepare(analysed, code, returns)
+        prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
+        session.status = self._view_display(view)  # this cell's view
         try:
             result = self.kept.in_session(lambda: session.run(
-                prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), read_line))
+                prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), read_line, notebook_cell))
             session.shipped(sent)
         finally:
             if shipment is not None:
                 shipment.close()
             streams.give_back_freed_memory()
-        self._take_back(result, spec.return_names)
+        self._take_back(result, spec.return_names, spec.return_from)
 
     # -- registered loaders ---------------------------------------------------------------------
     def _loaders(self, spec: LaunchSpec, cell: Cell) -> tuple[LoaderPlan, ...]:
@@ -210,21 +243,69 @@ class CellRunner:
         return delivery_planning.plans(session.spec, new, namespace)
 
     # -- the end of a cell ----------------------------------------------------------------------
-    def _take_back(self, result: RunResult, requested: tuple[str, ...] | None) -> None:
-        """Rank 0's names join the notebook's namespace; one line lists what could not come back
-        (names rank 0 never bound only if ``--return`` asked for them)."""
-        skipped = results.worth_saying(dict(result.skipped), requested)
-        try:
-            values, lost = results.loads(result.results)
-        except Exception as e:  # the stream itself is damaged: no name can be read
-            values, lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
+    def _take_back(self, result: RunResult, requested: tuple[str, ...] | None, from_ranks: tuple[int, ...]) -> None:
+        """The sending ranks' names join the notebook's namespace: as they are from one rank, as a
+        ``taas.PerRank`` from several. One line lists what could not come back (names a rank never bound
+        only if they were asked for by name)."""
+        taken: dict[int, dict[str, Any]] = {}
+        left: dict[tuple[str, str], list[int]] = {}  # (name, why) -> the ranks it did not come back from
+        for rank in from_ranks:
+            skipped = results.worth_saying(dict(result.skipped.get(rank, {})), requested)
+            try:
+                taken[rank], lost = results.loads(result.results.get(rank, b""))
+            except Exception as e:  # the stream itself is damaged: no name can be read
+                taken[rank], lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
+            for name, why in {**skipped, **lost}.items():
+                left.setdefault((name, why), []).append(rank)
+        values = _one_per_name(taken, several=len(from_ranks) > 1)
         self.shell.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
         if self.kept.session is not None:
             self.kept.session.took_back(values)
-        skipped.update(lost)
-        if skipped:
-            listed = "; ".join(f"{name} ({why})" for name, why in skipped.items())
-            print(f"taas: not copied back from rank 0: {listed}", file=sys.stderr)
+        if left:
+            print(f"taas: not copied back {_left_behind(left)}", file=sys.stderr)
+
+
+def _one_per_name(taken: dict[int, dict[str, Any]], several: bool) -> dict[str, Any]:
+    """Each name's value: the one rank's, or a ``PerRank`` of the ranks it came back from."""
+    if not several:
+        return next(iter(taken.values()), {})
+    names = dict.fromkeys(name for values in taken.values() for name in values)
+    return {name: PerRank({rank: values[name] for rank, values in taken.items() if name in values})
+            for name in names}
+
+
+def _left_behind(left: dict[tuple[str, str], list[int]]) -> str:
+    """"from rank 0: x (why); y (why)": what did not come back, grouped by the ranks it stayed in."""
+    by_ranks: dict[str, list[str]] = {}
+    for (name, why), ranks in left.items():
+        by_ranks.setdefault(span(ranks), []).append(f"{name} ({why})")
+    return "; ".join(f"from {ranks}: {'; '.join(names)}" for ranks, names in by_ranks.items())
+
+
+def _session_ranks(given: tuple[int, ...] | None, session: Session) -> list[int]:
+    """The session's ranks a cell (or ``%taas push``) runs in: ``--ranks``, else every rank."""
+    ranks = list(given) if given is not None else list(range(session.size))
+    outside = [rank for rank in ranks if rank >= session.size]
+    if outside:
+        raise TaasUsageError(f"--ranks {','.join(map(str, ranks))}: the session has ranks 0-{session.size - 1}")
+    return ranks
+
+
+def _cell_ranks(ranks: list[int], session: Session) -> str:
+    """The ranks a session cell runs in, as ``--from``'s error names them."""
+    return "the session" if len(ranks) == session.size else f"the cell (--ranks {','.join(map(str, ranks))})"
+
+
+def _running(ranks: list[int], session: Session) -> frozenset[int] | None:
+    return None if len(ranks) == session.size else frozenset(ranks)
+
+
+_NOTHING = compile("", "<taas>", "exec")  # the code of %taas pull and push: the names are all they do
+
+
+def _command_cell(command: str, reads: tuple[str, ...], namespace: dict[str, Any]) -> Cell:
+    """``%taas pull`` or ``push`` as a cell of the session's: no code, reading ``reads`` from the notebook."""
+    return Cell(frozenset(reads), (), namespace, f"%taas {command}", "<taas>")
 
 
 class ViewDisplay:
@@ -249,7 +330,7 @@ class ViewDisplay:
 
 
 def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
-    """A cell in a session may choose only --ranks, --return, --timeout, --hang-after and --output; an option that
+    """A cell in a session may choose only --ranks, --return, --from, --timeout, --hang-after and --output; an option that
     would make it another run (its size, device, configuration, start) is an error."""
     spec = session.spec
     same = {

@@ -36,7 +36,7 @@ from taas_magic.kernel import hang, render, stacks
 from taas_magic.kernel.controller import STACK_SECONDS, Pump, live_output
 from taas_magic.kernel.run_state import SESSION, RunResult, RunState
 from taas_magic.delivery.service import producer_labels
-from taas_magic.wire.task import LoaderPlan
+from taas_magic.wire.task import LoaderPlan, Returns
 from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.kernel.spec import LaunchSpec
@@ -100,7 +100,7 @@ class Session:
         return loader is not None and loader() is value
 
     # -- cells ----------------------------------------------------------------------------------
-    def prepare(self, analysed: Cell, code: Any, return_names: tuple[str, ...]
+    def prepare(self, analysed: Cell, code: Any, returns: Returns
                 ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
         """The cell for the ranks: its code, and the notebook's names it reads that changed; and
         the fingerprints of what it sends, for ``shipped`` once the ranks have it."""
@@ -116,7 +116,7 @@ class Session:
             shipment = shipping.pack_for_session(namespace, changed,
                                                  lambda name, value: name in self.known and self.known[name] == prints(name))
         sources = self._new_sources(code.co_filename, analysed.label)
-        cell = SessionCell(code, return_names, shipment.data if shipment else b"",
+        cell = SessionCell(code, returns, shipment.data if shipment else b"",
                            shipment.tensors_size if shipment else 0, sources)
         sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
         return cell, shipment, sent
@@ -133,8 +133,8 @@ class Session:
         self.known.update(sent)
 
     def took_back(self, values: Mapping[str, Any]) -> None:
-        """Rank 0's names joined the notebook: every rank holds its own value of each already, so
-        they are not sent back to the ranks unless the notebook changes them."""
+        """The ranks' names joined the notebook (one rank's, or a ``taas.PerRank``): every rank holds its
+        own value of each already, so they are not sent back to the ranks unless the notebook changes them."""
         for name, value in values.items():
             self.known[name] = shipping.fingerprint(value)
 
@@ -147,11 +147,15 @@ class Session:
         return sources
 
     def run(self, cell: SessionCell, shipment: shipping.Shipment | None, ranks: list[int], spec: LaunchSpec,
-            write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> RunResult:
-        """Run ``cell`` in ``ranks``; rank 0's pickled names on success, else raise what the cell shows."""
+            write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
+            notebook_cell: bool = True) -> RunResult:
+        """Run ``cell`` in ``ranks``; the sending ranks' pickled names on success, else raise what the cell
+        shows. ``notebook_cell`` False: ``%taas pull`` or ``push``, which is not counted as a cell and leaves
+        the ranks to debug as they were."""
         fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
         cell = dataclasses.replace(cell, reload=self.reloads.for_cell(_shell(), ranks))
-        return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line)
+        return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line,
+                          notebook_cell)
 
     def first_cell(self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str],
                    read_line: ReadLine) -> RunResult:
@@ -168,12 +172,15 @@ class Session:
             raise error
 
     def _cell(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
-              write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine) -> RunResult:
+              write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
+              notebook_cell: bool = True) -> RunResult:
         """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
-        self.cells += 1
-        self.failed = []
+        if notebook_cell:
+            self.cells += 1
+            self.failed = []
         result = self._watch(send, ranks, spec, write, cell_names, read_line)
-        self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
+        if notebook_cell:
+            self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
         for line in render.notices(result):
             write("stderr", line + "\n")
         error = render.error(result, cell_names)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping, NoReturn, Sequence
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
 from taas_magic.process.machine import Machine
 from taas_magic.kernel.options import default_device
+from taas_magic.per_rank import span
 
 LOOPBACK = "127.0.0.1"
 MAX_CPU_RANKS = 256  # a typo like --gpus 2000 with --device cpu must not fork-bomb the machine
@@ -32,6 +33,7 @@ class LaunchSpec:
     timeout: float | None
     threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
     return_names: tuple[str, ...] | None = None  # None: every name the cell binds; (): nothing
+    return_from: tuple[int, ...] = (0,)  # the ranks the names come back from (--from)
     start: str = "auto"  # "auto", "fork" or "forkserver"; auto is resolved when the cell runs
     order: str = "deterministic"  # how ranks take elements of registered loaders
     prefetch: int | None = None  # elements producers may prepare ahead; None: the default
@@ -88,6 +90,7 @@ def build(
         threads_per_rank=_threads_per_rank(environ, machine.cpus if not on_cluster or configuration is None
                                            else configuration.cpus, per_node),
         return_names=getattr(options, "return_names", None),
+        return_from=return_from(getattr(options, "return_from", None), range(world_size), "the run"),
         start=_start(getattr(options, "start", None) or "auto"),
         order=getattr(options, "order", "deterministic"),
         prefetch=getattr(options, "prefetch", None),
@@ -96,6 +99,19 @@ def build(
         hang_after=120.0 if getattr(options, "hang_after", None) is None else options.hang_after,
         **_session_options(options),
     )
+
+
+def return_from(given: tuple[int, ...] | str | None, ranks: Sequence[int], where: str) -> tuple[int, ...]:
+    """The ranks ``--from`` names, in order, among ``ranks`` (those that run the cell, in ``where``);
+    rank 0 when it was left out."""
+    if given is None:
+        return (0,)
+    if isinstance(given, str):  # --from all
+        return tuple(ranks)
+    outside = [rank for rank in given if rank not in ranks]
+    if outside:
+        raise TaasUsageError(f"--from {','.join(map(str, given))}: {where} has {span(ranks)}, not rank {outside[0]}")
+    return tuple(sorted(given))
 
 
 def _session_options(options: argparse.Namespace) -> dict[str, Any]:

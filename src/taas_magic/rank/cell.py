@@ -6,6 +6,7 @@ both end each cell here, so a failure or an early ``sys.exit`` reads the same in
 
 from __future__ import annotations
 
+import os
 import time
 from types import CodeType
 from typing import Any
@@ -13,18 +14,16 @@ from typing import Any
 from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
 from taas_magic.process.containment import HeldTermination
 from taas_magic.process.tracebacks import format_traceback
-from taas_magic.rank import progress, vitals
+from taas_magic.rank import progress, sharded, vitals
 from taas_magic.wire import results
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
-from taas_magic.wire.task import RankTask
+from taas_magic.wire.task import RankTask, Returns
 
 
-def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: dict[str, Any], shell: Any,
+def run_cell(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any,
              task: RankTask) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
-    """Run one cell's code: (exit status, how it ended, rank 0's pickled names, the error it raised).
-
-    ``return_names`` is None in ranks that send nothing back.
-    """
+    """Run one cell's code: (exit status, how it ended, the pickled names this rank sends back, the error
+    it raised). The names are None in a rank that sends none (``returns.ranks``)."""
     _delivery_summaries(task, namespace)  # a session cell sums up its own loops, not those of one that failed
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
@@ -40,7 +39,7 @@ def run_cell(code: CodeType, return_names: tuple[str, ...] | None, namespace: di
     except BaseException as e:
         return _failure(e, shell, task) + (None, e)
     ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
-    data, skipped = _results(return_names, namespace) if return_names is not None else (None, {})
+    data, skipped = _results(returns, namespace)
     return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
 
 
@@ -56,11 +55,22 @@ def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, 
     return {name: summary for name, summary in summaries.items() if summary is not None}
 
 
-def _results(names: tuple[str, ...], namespace: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
-    """The cell's names, pickled for the kernel; and {name: why} for those left out."""
-    present = {name: namespace[name] for name in names if name in namespace}
-    data, skipped = results.dumps(present) if present else (b"", {})
-    skipped.update({name: results.NOT_BOUND for name in names if name not in namespace})
+def _results(returns: Returns, namespace: dict[str, Any]) -> tuple[bytes | None, dict[str, str]]:
+    """The cell's names, pickled for the kernel (None in a rank that sends none); and {name: why} for
+    those left out.
+
+    Every rank looks at the names, sending or not: a sharded value among them is gathered whole by
+    all the ranks it is sharded over, while their process group is still up.
+    """
+    present = {name: namespace[name] for name in returns.names if name in namespace}
+    send = returns.sent_by(int(os.environ.get("RANK", "0")))
+    whole, skipped = sharded.gather(present, send, returns.running)
+    if not send:
+        return None, {}
+    present = {name: value for name, value in present.items() if name not in skipped}
+    data, unpicklable = results.dumps(present, whole) if present else (b"", {})
+    skipped.update(unpicklable)
+    skipped.update({name: results.NOT_BOUND for name in returns.names if name not in namespace})
     return data, skipped
 
 

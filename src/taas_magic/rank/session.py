@@ -27,7 +27,7 @@ from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.wire.records import CellEnded
-from taas_magic.wire.task import RankTask
+from taas_magic.wire.task import RankTask, Returns
 
 
 def open_control(fds: RankFds) -> RankEnd | None:
@@ -43,9 +43,8 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     ends the rank (and so the session), as it would end a script.
     """
     os.close(fds.results)  # every cell's names go back on the control channel
-    rank0 = os.environ.get("RANK") == "0"
     last_error: BaseException | None = None
-    cell = SessionCell(task.code, task.return_names)
+    cell = SessionCell(task.code, task.returns)
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     while True:
@@ -54,7 +53,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(cell.code, cell.return_names, namespace, shell, task, rank0, interrupted)
+            status, record, names, error = _run(cell.code, cell.returns, namespace, shell, task, interrupted)
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -86,8 +85,8 @@ def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
     return held
 
 
-def _run(code: CodeType, return_names: tuple[str, ...], namespace: dict[str, Any], shell: Any, task: RankTask,
-         rank0: bool, interrupted: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
+def _run(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any, task: RankTask,
+         interrupted: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
     ``interrupted``: one came while the cell's names were unpacked; its code does not start.
@@ -96,7 +95,7 @@ def _run(code: CodeType, return_names: tuple[str, ...], namespace: dict[str, Any
     try:
         if interrupted:
             raise KeyboardInterrupt
-        return run_cell(code, return_names if rank0 else None, namespace, shell, task)
+        return run_cell(code, returns, namespace, shell, task)
     except KeyboardInterrupt as e:  # outside the cell's code: before it began
         return (*stopped_before_start(e, shell, task), None, e)
     finally:

@@ -66,7 +66,7 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
     try:
         if task.keep and control is not None:
             return session.serve(task, namespace, shell, fds, control)
-        status, error = _execute(task, namespace, shell, fds, send_results=rank == 0)
+        status, error = _execute(task, namespace, shell, fds, send_results=task.returns.sent_by(rank))
         if error is not None and task.debug and control is not None:
             session.await_debugger(error, control)
         return status
@@ -159,9 +159,8 @@ def _serve_nccl_with_gloo() -> tuple[Any, Any]:
 
 def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds,
              send_results: bool) -> tuple[int, BaseException | None]:
-    """A one-shot cell: run it, then results (rank 0) and how it ended go down their pipes."""
-    status, record, data, error = run_cell(task.code, task.return_names if send_results else None, namespace,
-                                           shell, task)
+    """A one-shot cell: run it, then results (from the ranks that send them) and how it ended go down their pipes."""
+    status, record, data, error = run_cell(task.code, task.returns, namespace, shell, task)
     if send_results:
         try:
             write_all(fds.results, data or b"")

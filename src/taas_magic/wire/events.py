@@ -49,9 +49,10 @@ class Report:
 
 @dataclass(frozen=True)
 class Result:
-    """Rank 0's pickled top-level names, sent once after the cell's code succeeded."""
+    """A rank's pickled top-level names, sent once after the cell's code succeeded (rank 0's, or those of
+    the ranks ``--from`` names)."""
 
-    rank: Key  # 0: no other process sends any
+    rank: Key  # always a rank: producers send no names
     data: bytes
 
 

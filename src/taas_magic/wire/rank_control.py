@@ -18,7 +18,7 @@ from types import CodeType
 from typing import ClassVar, Union
 
 from taas_magic.wire.channel import Channel
-from taas_magic.wire.task import LoaderPlan
+from taas_magic.wire.task import LoaderPlan, Returns
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SessionCell:
 
     kind: ClassVar[str] = "cell"
     code: CodeType | None  # None: open the debugger at the last cell's error instead
-    return_names: tuple[str, ...] = ()  # what rank 0 sends back
+    returns: Returns = Returns()  # what comes back into the notebook, and from which ranks
     names: bytes = b""  # shipped names (``shipping.pack``), empty when none changed
     tensors_size: int = 0  # the tensors' memory file comes with the message, when there is one
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)  # new cells, for tracebacks

@@ -4,7 +4,10 @@ Rank 0 pickles the names one after another with one pickler, each name a pickle 
 one stream. The pickler remembers what it has written, so objects that share parts (a model and
 its optimizer) are written once and still share them in the kernel, which loads the names in
 order with one unpickler. CUDA tensors go as CPU tensors and DDP wrappers as the module they
-wrap: unpickling in the kernel must never initialize CUDA there.
+wrap: unpickling in the kernel must never initialize CUDA there. Sharded tensors (DTensors) go as
+their full tensors, which the ranks gathered at the end of the cell (``rank/sharded.py``), and
+FSDP2 or tensor-parallel modules as plain modules of their own class, without the hooks and state
+that need the job's ranks: the notebook gets a model that runs on CPU.
 
 Nothing is lost for one bad name. What rank 0 cannot pickle is left out by name, with the
 reason, whatever the pickler raised. What the kernel cannot unpickle is left out the same way,
@@ -18,7 +21,7 @@ import pickle
 import pickletools
 import struct
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Protocol
 
 from taas_magic.wire import pickler
 from taas_magic.errors import first_line, type_name
@@ -27,10 +30,31 @@ _INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index an
 NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
 
 
+class Whole(Protocol):
+    """The full values of the sharded tensors (DTensors) among the names, gathered by the ranks before
+    pickling (``rank/sharded.py``)."""
+
+    def full(self, sharded: Any) -> Any | None:
+        """The full CPU tensor of ``sharded``; None where it was not gathered."""
+
+    def sharded_parameters(self, module: Any) -> Mapping[str, Any]:
+        """{name: sharded parameter} to write in place of what ``module`` holds now (FSDP's unsharded forms)."""
+
+
 class _ResultPickler(pickler.Pickler):
-    """A cloudpickle pickler that sends tensors as CPU tensors and DDP wrappers as their module."""
+    """A cloudpickle pickler that sends tensors as CPU tensors, DDP wrappers as their module, DTensors as
+    their full tensors and FSDP2 or tensor-parallel modules as plain modules of their own class."""
+
+    def __init__(self, file: io.BytesIO, whole: Whole | None):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.whole = whole
+        self.sharded = _PlainForms.find()  # None where no DTensor can exist: the common case pays nothing more
 
     def reducer_override(self, obj: Any) -> Any:
+        if self.sharded is not None:
+            reduction = self.sharded.reduce(obj, self.whole)
+            if reduction is not None:
+                return reduction
         converted = _portable(obj)
         if converted is not obj:
             return _same, (converted,)
@@ -53,6 +77,90 @@ def _portable(obj: Any) -> Any:
     return obj
 
 
+class NotGathered(pickle.PicklingError):
+    """A DTensor that the ranks did not gather: where ``rank/sharded.py`` does not look, or pickled without it."""
+
+
+# A module's hooks, and the tables that say how each hook is called, by the hook's id.
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_HOOK_TABLES = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_PARALLEL_STATE = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")  # FSDP's marks on the modules it manages
+_COMPOSABLE_STATE = "__composable_api_state_key_"  # fully_shard's state, by torch's composable API
+
+
+class _PlainForms:
+    """How DTensors and the modules that hold them are written: as the plain tensors and modules a
+    notebook uses on CPU. The ranks' live objects are only read, never changed."""
+
+    def __init__(self, torch: Any, dtensor: type, fsdp_module: type | None):
+        self.torch, self.dtensor, self.fsdp_module = torch, dtensor, fsdp_module
+
+    @classmethod
+    def find(cls) -> _PlainForms | None:
+        import sys
+
+        tensors = sys.modules.get("torch.distributed.tensor")
+        if tensors is None:
+            return None
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        return cls(sys.modules["torch"], tensors.DTensor, getattr(fsdp, "FSDPModule", None))
+
+    def reduce(self, obj: Any, whole: Whole | None) -> Any:
+        if isinstance(obj, self.dtensor):
+            return _same, (self._full(obj, whole),)
+        if isinstance(obj, self.torch.nn.Module) and not isinstance(obj, self.torch.nn.parallel.DistributedDataParallel):
+            return self._plain_module(obj, whole.sharded_parameters(obj) if whole is not None else {})
+        return None
+
+    def _full(self, obj: Any, whole: Whole | None) -> Any:
+        full = whole.full(obj) if whole is not None else None
+        if full is None:
+            raise NotGathered("holds a sharded tensor (DTensor) that taas gathers only as a name, in a module, "
+                              "an optimizer, or a dict, list or tuple of these")
+        if isinstance(obj, self.torch.nn.Parameter):
+            return self.torch.nn.Parameter(full, requires_grad=obj.requires_grad)
+        return full.requires_grad_(obj.requires_grad) if obj.requires_grad and full.is_floating_point() else full
+
+    def _plain_module(self, module: Any, sharded: Mapping[str, Any]) -> Any:
+        """(a new ``cls`` object, its state) for a module that FSDP2 or tensor parallelism changed: of its
+        own class again, without their state and hooks, with ``sharded`` parameters in place of those FSDP
+        holds unsharded now; None for any other module."""
+        cls = type(module)
+        if self.fsdp_module is not None and isinstance(module, self.fsdp_module):
+            cls = next(base for base in cls.__mro__ if not issubclass(base, self.fsdp_module))
+        state = module.__dict__
+        dropped = {key for key in state if key in _PARALLEL_STATE or key.startswith(_COMPOSABLE_STATE)}
+        hooks = {key: [handle for handle, hook in state[key].items() if _parallel_hook(hook)]
+                 for key in _HOOKS if isinstance(state.get(key), dict)}
+        hooks = {key: handles for key, handles in hooks.items() if handles}
+        if cls is type(module) and not dropped and not hooks and not sharded:
+            return None
+        plain = {key: value for key, value in state.items() if key not in dropped}
+        if sharded:
+            plain["_parameters"] = {name: sharded.get(name, value) for name, value in state["_parameters"].items()}
+        for key, handles in hooks.items():
+            plain[key] = type(state[key])((handle, hook) for handle, hook in state[key].items() if handle not in handles)
+        gone = {handle for handles in hooks.values() for handle in handles}
+        for key in _HOOK_TABLES:
+            table = state.get(key)
+            if isinstance(table, dict) and gone & set(table):
+                plain[key] = type(table)((handle, flag) for handle, flag in table.items() if handle not in gone)
+        return _new_module, (cls,), plain
+
+
+def _parallel_hook(hook: Any) -> bool:
+    """A hook that torch.distributed put on a module (FSDP's, tensor parallelism's): it needs the job's ranks."""
+    function = getattr(hook, "func", hook)  # functools.partial
+    function = getattr(function, "__func__", function)  # a bound method
+    return str(getattr(function, "__module__", "") or "").startswith("torch.distributed.")
+
+
+def _new_module(cls: Any) -> Any:
+    """A module of ``cls``, its state still to come (pickle's BUILD calls ``Module.__setstate__``)."""
+    return cls.__new__(cls)
+
+
 def _torch() -> Any:
     import sys
 
@@ -66,31 +174,34 @@ class _Unpicklable(Exception):
         self.name, self.why = name, why
 
 
-def dumps(values: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
-    """Pickle what can be pickled; returns the pickle and {name: why} for what was left out."""
+def dumps(values: dict[str, Any], whole: Whole | None = None) -> tuple[bytes, dict[str, str]]:
+    """Pickle what can be pickled; returns the pickle and {name: why} for what was left out.
+
+    ``whole``: the full values of the sharded tensors among ``values``, gathered by the ranks
+    (``rank/sharded.py``); a DTensor not in it leaves its name out."""
     skipped = {name: why for name, value in values.items() if (why := _why_not_sendable(value))}
     kept = {name: value for name, value in values.items() if name not in skipped}
     try:
-        return _dump_each(kept), skipped
+        return _dump_each(kept, whole), skipped
     except _Unpicklable:
         pass
     for name, value in kept.items():  # one pass finds every name that fails on its own
         try:
-            _dump_each({name: value})
+            _dump_each({name: value}, whole)
         except _Unpicklable as failure:
             skipped[name] = failure.why
     while True:  # what fails only beside other names (a reducer with state) is found one at a time
         kept = {name: value for name, value in kept.items() if name not in skipped}
         try:
-            return _dump_each(kept), skipped
+            return _dump_each(kept, whole), skipped
         except _Unpicklable as failure:
             skipped[failure.name] = failure.why
 
 
-def _dump_each(values: dict[str, Any]) -> bytes:
+def _dump_each(values: dict[str, Any], whole: Whole | None) -> bytes:
     """One pickle per name in one stream, then the index: [(name, length of its pickle), ...]."""
     buffer = io.BytesIO()
-    dumper = _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    dumper = _ResultPickler(buffer, whole)
     index = []
     for name, value in values.items():
         start = buffer.tell()

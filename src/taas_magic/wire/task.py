@@ -170,13 +170,29 @@ class LoaderPlan:
 
 
 @dataclass(frozen=True)
+class Returns:
+    """The names a cell sends back into the notebook, and the ranks that send them.
+
+    Every rank that runs the cell looks at ``names``, sending or not: a sharded model among them is
+    gathered whole by all the ranks it is sharded over (``rank/sharded.py``).
+    """
+
+    names: tuple[str, ...] = ()
+    ranks: frozenset[int] = frozenset({0})  # the ranks whose values come back: rank 0 unless --from says others
+    running: frozenset[int] | None = None  # the ranks that run the cell (a session's --ranks); None: every rank
+
+    def sent_by(self, rank: int) -> bool:
+        return rank in self.ranks
+
+
+@dataclass(frozen=True)
 class RankTask:
     """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
 
     code: CodeType
     device: str  # "cuda" or "cpu"
     threads: int  # intra-op threads on CPU
-    return_names: tuple[str, ...] = ()  # what rank 0 sends back into the notebook
+    returns: Returns = Returns()  # what comes back into the notebook, and from which ranks
     # The notebook's cells by file name: (label, code), for tracebacks where the kernel's line cache
     # is not inherited: {".../ipykernel_1/2.py": ("Cell In[5]", "x = 1\n")}.
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
