@@ -73,6 +73,18 @@ def test_a_body_larger_than_a_datagram_travels_in_a_memory_file(pair):
                    if os.path.exists(f"/proc/self/fd/{fd}")), "the memory file is closed on both sides"
 
 
+def test_a_large_body_arrives_whole_when_the_system_writes_and_reads_it_in_pieces(pair, monkeypatch):
+    """``pwrite`` and ``pread`` may move fewer bytes than asked (a large buffer, a signal on the way): a
+    large session result once failed authentication that way, its body cut short."""
+    a, b = pair
+    write, read = os.pwrite, os.pread
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: write(fd, memoryview(data)[:100_000], offset))
+    monkeypatch.setattr(os, "pread", lambda fd, size, offset: read(fd, min(size, 70_000), offset))
+    big = os.urandom(40 * INLINE_LIMIT + 12345)
+    a.send(Note("big", big))
+    assert b.receive() == (Note("big", big), [])
+
+
 def test_a_peer_without_the_secret_is_refused(pair):
     a, b = pair
     end(a.sock, new_secret()).send(Note("forged"))  # the same socket, another secret

@@ -122,3 +122,18 @@ def test_pull_without_a_session_says_how_names_come_back(kernel):
     result = kernel.execute("%taas pull x")
     assert "%taas pull: no session is running (a taas cell with --keep starts one); a one-shot cell sends names " \
            "back with --return NAMES --from RANKS" in result.traceback
+
+
+def test_a_registered_loader_pulled_from_a_session_is_named_as_the_ranks_stand_in(fresh_kernel):
+    kernel = fresh_kernel
+    kernel.execute("import taas\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+                   "loader = DataLoader(TensorDataset(torch.arange(8.)), batch_size=2)\ntaas.register(loader)").ok()
+    kernel.execute("#pragma taas --gpus 2 --keep --return none\nseen = [batch[0].tolist() for batch in loader]").ok()
+    try:
+        result = kernel.execute("%taas pull loader seen").ok()
+        assert result.stderr == ("taas: not copied back from ranks 0-1: loader (a registered loader's stand-in, which "
+                                 "exists only inside the job: the notebook has the loader itself)\n")
+        assert kernel.value("(type(loader).__name__, list(seen))") == (
+            "DataLoader", [[[0.0, 1.0], [4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]]])
+    finally:
+        kernel.execute("%taas stop").ok()

@@ -28,6 +28,10 @@ TAKEN: dict[str, int] = {}  # loader name -> elements the cell took so far
 
 
 class StandIn:
+    # Why it never goes back to the notebook (``results``): it is the loader's end of this run's channels.
+    taas_only_in_the_job = ("a registered loader's stand-in, which exists only inside the job: the notebook has "
+                            "the loader itself")
+
     def __init__(self, name: str, loader: Any, rank: int, plan: StreamPlan, channel: socket.socket,
                  counters: Counters, fastest: bool, device: str, reports: bool = True):
         self._name, self._loader, self._rank, self._plan = name, loader, rank, plan

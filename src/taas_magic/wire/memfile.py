@@ -34,6 +34,29 @@ def new_file(name: str, size: int) -> int:
     return fd
 
 
+def write_bytes(fd: int, data: bytes | memoryview, offset: int = 0) -> None:
+    """All of ``data`` at ``offset``: one ``pwrite`` may write less than it was given (a large buffer, a
+    signal on the way), and what it left out must not go missing."""
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], offset + written)
+
+
+def read_bytes(fd: int, length: int, offset: int = 0) -> bytes:
+    """``length`` bytes at ``offset``, or fewer only where the file ends first; one ``pread`` may return
+    less than it was asked for."""
+    pieces = []
+    done = 0
+    while done < length:
+        piece = os.pread(fd, length - done, offset + done)
+        if not piece:
+            break
+        pieces.append(piece)
+        done += len(piece)
+    return b"".join(pieces)
+
+
 def aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 

@@ -228,6 +228,9 @@ def _only_in_the_job(value: Any) -> str | None:
     torch = _torch()
     if isinstance(value, types.ModuleType):
         return None
+    said = getattr(type(value), "taas_only_in_the_job", None)  # taas's own such objects say so themselves
+    if isinstance(said, str):
+        return said
     if torch is not None:
         if isinstance(value, torch.utils.data.dataloader._BaseDataLoaderIter):
             return "DataLoader iterator (exists only inside the job)"
