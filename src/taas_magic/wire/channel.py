@@ -3,7 +3,7 @@
 A message is one datagram, so it is sent whole or not at all: an interrupt can land before or
 after a send, never in the middle, and the two sides can never disagree about where a message
 begins. Bodies too large for one datagram travel in an anonymous memory file whose descriptor
-goes with the datagram. Every datagram carries a sequence number and a keyed BLAKE2b tag over
+goes with the datagram. Every datagram carries a sequence number and an HMAC-SHA256 tag over
 everything it says, so a process that holds the socket without knowing the channel's secret
 (a rank's stray descendant, say) cannot inject anything, and nothing is ever replayed.
 Receivers drop nothing silently: a bad tag, a stale sequence number or a message of another
