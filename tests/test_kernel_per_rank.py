@@ -137,3 +137,20 @@ def test_a_registered_loader_pulled_from_a_session_is_named_as_the_ranks_stand_i
             "DataLoader", [[[0.0, 1.0], [4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]]])
     finally:
         kernel.execute("%taas stop").ok()
+
+
+def test_large_values_pulled_from_every_rank_arrive_whole(fresh_kernel):
+    """Names larger than a message go from each rank to the kernel in a memory file, checked on arrival."""
+    kernel = fresh_kernel
+    kernel.execute("#pragma taas --gpus 3 --keep --return none\nimport taas\n"
+                   "big = torch.arange(300_000, dtype=torch.float64) * (taas.rank() + 1)\nsmall = taas.rank()").ok()
+    try:
+        for _ in range(2):
+            kernel.execute("%taas pull big small").ok()
+            assert kernel.value("[float(b.sum()) for b in big]") == [sum(range(300_000)) * (r + 1) for r in range(3)]
+            assert kernel.value("list(small)") == [0, 1, 2]
+        kept = kernel.value("[os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd') "
+                            "if os.path.exists(f'/proc/self/fd/{fd}')]")
+        assert not [name for name in kept if "taas-names" in name], "the kernel keeps no file of the names it read"
+    finally:
+        kernel.execute("%taas stop").ok()

@@ -11,6 +11,7 @@ is never lost and a late one never lands in the next cell.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -21,9 +22,9 @@ from taas_magic.process import containment
 from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger
 from taas_magic.rank.cell import run_cell, stopped_before_start
-from taas_magic.wire import records, shipping
+from taas_magic.wire import memfile, records, shipping
 from taas_magic.rank.reloading import RankReloads
-from taas_magic.wire.channel import ChannelBroken
+from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.wire.records import CellEnded
@@ -103,11 +104,21 @@ def _run(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any
 
 
 def _send(control: RankEnd, record: records.Record, names: bytes | None) -> None:
+    """The cell's end, with its names: large ones in a memory file that the supervisor hands on to the
+    kernel as it is (``events.ResultInFile``), small ones in the message."""
     flush_all()
+    message, fds = CellEnd(records.encode(record), names), []
+    if names is not None and len(names) > INLINE_LIMIT:
+        fds.append(memfile.new_file("taas-names", len(names)))
+        memfile.write_bytes(fds[0], names)
+        message = CellEnd(message.record, None, (len(names), hashlib.sha256(names).digest()))
     try:
-        control.send(CellEnd(records.encode(record), names))
+        control.send(message, fds)
     except ChannelBroken:
         pass  # the session is over: the next receive says so
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | None:

@@ -57,6 +57,19 @@ class Result:
 
 
 @dataclass(frozen=True)
+class ResultInFile:
+    """A session rank's pickled names in a memory file, handed on by descriptor from the rank through its
+    supervisor to the kernel: nobody on the way copies or checks the bytes, and the kernel checks them
+    once against ``digest`` (SHA-256), which came in the authenticated messages. The file travels with
+    the message that carries this event; the kernel's end of the run makes it a ``Result``."""
+
+    rank: Key
+    size: int
+    digest: bytes
+    fd: int = -1  # in the supervisor: the file, until the message that carries it is sent
+
+
+@dataclass(frozen=True)
 class Exited:
     """A rank or producer is gone; its output and reports have all been delivered before this event."""
 
@@ -73,3 +86,4 @@ class InputRequest:
 
 
 Event = Union[Output, Report, Result, Exited, InputRequest]
+Relayed = Union[Event, ResultInFile]  # what a run's supervisor sends its kernel: a file becomes a Result there

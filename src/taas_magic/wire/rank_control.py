@@ -68,11 +68,13 @@ class InCell:
 @dataclass(frozen=True)
 class CellEnd:
     """The rank's cell ended: how (a ``CellEnded`` or ``Failed``, as ``records.encode`` writes it on the
-    report pipe), and rank 0's pickled names (None in the other ranks)."""
+    report pipe), and its pickled names (None in a rank that sends none). Large names come instead in a
+    memory file that travels with the message: ``in_file`` is its size and SHA-256 (``events.ResultInFile``)."""
 
     kind: ClassVar[str] = "ended"
     record: bytes
     names: bytes | None
+    in_file: tuple[int, bytes] | None = None
 
 
 @dataclass(frozen=True)

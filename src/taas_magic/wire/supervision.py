@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Union
 
 from taas_magic.wire.channel import Channel
-from taas_magic.wire.events import Event, Key
+from taas_magic.wire.events import Key, Relayed
 from taas_magic.wire.rank_control import SessionCell
 
 
@@ -97,7 +97,7 @@ class Events:
     """What the run's processes did since the last ``Events``."""
 
     kind: ClassVar[str] = "events"
-    events: tuple[Event, ...]
+    events: tuple[Relayed, ...]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Closed:
 
     kind: ClassVar[str] = "closed"
     codes: dict[Key, int]
-    last: tuple[Event, ...]
+    last: tuple[Relayed, ...]
 
 
 @dataclass(frozen=True)

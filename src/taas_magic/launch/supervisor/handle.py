@@ -7,6 +7,7 @@ started it holds a ``SupervisorProcess`` to wait for and kill it, and talks to i
 
 from __future__ import annotations
 
+import hashlib
 import os
 import select
 import signal
@@ -17,8 +18,9 @@ from typing import Callable, Iterable, NoReturn
 from taas_magic.errors import RunLost, TaasRunError
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.process import containment
+from taas_magic.wire import memfile
 from taas_magic.wire.channel import ChannelBroken, assert_never
-from taas_magic.wire.events import Event, Exited, Key, key_order
+from taas_magic.wire.events import Event, Exited, Key, Relayed, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, KernelEnd,
                                          Lost, RunCell, SignalRanks, Stacks, Started, StartFailed, ToSupervisor)
@@ -263,13 +265,35 @@ class SupervisedRanks:
 
     # -- messages -----------------------------------------------------------------------------
     def _receive(self) -> FromSupervisor:
+        """The supervisor's next message, with the names a session's ranks handed on in files read in."""
         try:
             message, fds = self.channel.receive()
         except ChannelBroken as e:
             self._lose(str(e))
-        for fd in fds:
-            os.close(fd)
-        return message
+        try:
+            if isinstance(message, Events):
+                return Events(self._opened(message.events, fds))
+            if isinstance(message, Closed):
+                return Closed(message.codes, self._opened(message.last, fds))
+            return message
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _opened(self, events: tuple[Relayed, ...], fds: list[int]) -> tuple[Relayed, ...]:
+        """``events`` with each ``ResultInFile`` read from its file (the message's files, in order) and
+        checked against its digest."""
+        files = iter(fds)
+        opened: list[Relayed] = []
+        for event in events:
+            if isinstance(event, ResultInFile):
+                fd = next(files, None)
+                data = memfile.read_bytes(fd, event.size) if fd is not None else b""
+                if len(data) != event.size or hashlib.sha256(data).digest() != event.digest:
+                    self._lose(f"rank {event.rank}'s names arrived damaged")
+                event = Result(event.rank, data)
+            opened.append(event)
+        return tuple(opened)
 
     def _take(self, message: FromSupervisor) -> None:
         match message:
@@ -290,11 +314,12 @@ class SupervisedRanks:
             case _:
                 assert_never(message)
 
-    def _take_events(self, events: tuple[Event, ...]) -> None:
+    def _take_events(self, events: tuple[Relayed, ...]) -> None:
         for event in events:
+            assert not isinstance(event, ResultInFile), "_receive reads every file in"
             if isinstance(event, Exited):
                 self.alive.discard(event.rank)
-        self.pending.extend(events)
+            self.pending.append(event)
 
     def _send(self, message: ToSupervisor, fds: tuple[int, ...] = ()) -> None:
         try:

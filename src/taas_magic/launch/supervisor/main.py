@@ -24,7 +24,7 @@ import traceback
 from typing import Callable, NoReturn
 
 from taas_magic.process import containment
-from taas_magic.wire.events import Event, Key, Report, key_order
+from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
 from taas_magic.wire.channel import ChannelBroken, assert_never
 from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, Lost,
@@ -78,7 +78,7 @@ class _Supervisor:
         except Exception as e:
             self._send(StartFailed(f"{type(e).__name__}: {e}"))
             return
-        last: list[Event] = []
+        last: list[Relayed] = []
         try:
             # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
             containment.drop_sockets({self.channel.fileno()} | group.control_fds())
@@ -111,7 +111,7 @@ class _Supervisor:
             raise ChannelBroken(f"expected the word to go, got {message.kind!r}")
         return json.dumps(list(message.aliases)).encode()
 
-    def _relay(self, group: "ForkedRanks") -> list[Event]:
+    def _relay(self, group: "ForkedRanks") -> list[Relayed]:
         """Pass the ranks' events out and the kernel's requests in, until the kernel says close or
         every process of the run has exited (then the kernel need not ask: it learns at once).
 
@@ -162,7 +162,14 @@ class _Supervisor:
         return False
 
     def _send(self, message: FromSupervisor) -> None:
-        self.channel.send(message)
+        """Send ``message``, with the files of the names that ranks handed on in it (``ResultInFile``)."""
+        events = message.events if isinstance(message, Events) else message.last if isinstance(message, Closed) else ()
+        files = [event.fd for event in events if isinstance(event, ResultInFile)]
+        try:
+            self.channel.send(message, files)
+        finally:
+            for fd in files:
+                os.close(fd)
 
     def _tell_lost(self, why: str) -> None:
         try:
@@ -196,7 +203,7 @@ class _IdleClock:
         self.busy = busy  # ranks running a cell (every rank runs the first)
         self.since = time.monotonic()
 
-    def saw(self, events: list[Event]) -> None:
+    def saw(self, events: list[Relayed]) -> None:
         if self.busy:
             self.since = time.monotonic()
         for event in events:

@@ -22,7 +22,8 @@ from taas_magic.wire import channel, rank_control, records
 from taas_magic.wire.channel import assert_never
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
 from taas_magic.process import child, containment, tempfiles
-from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result, key_order
+from taas_magic.wire.events import (Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile,
+                                   key_order)
 from taas_magic.delivery.cluster import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import DataService, RankLoader
@@ -88,7 +89,7 @@ def _run(task: RankTask | ProducerTask, env: dict[str, str], fds: child.RankFds,
 class ForkedRanks:
     ranks: dict[Key, _Rank] = field(default_factory=dict)
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
-    _pending: list[Event] = field(default_factory=list)
+    _pending: list[Relayed] = field(default_factory=list)
     _closed: bool = False
     idle_limit: float | None = None  # a session's: the supervisor ends it after this long without a cell
     # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
@@ -247,7 +248,7 @@ class ForkedRanks:
     def running(self) -> set[Key]:
         return {r.rank for r in self.ranks.values() if r.returncode is None}
 
-    def events(self, timeout: float) -> list[Event]:
+    def events(self, timeout: float) -> list[Relayed]:
         if self._pending:
             timeout = 0
         for key, _ in self._selector.select(timeout):
@@ -308,6 +309,7 @@ class ForkedRanks:
         except channel.ChannelBroken:
             self._drop_control(state)  # the rank is ending: its exit says the rest
             return
+        names_file = fds.pop(0) if isinstance(message, CellEnd) and message.in_file is not None and fds else None
         for fd in fds:
             os.close(fd)
         self._drain(state)
@@ -317,10 +319,12 @@ class ForkedRanks:
                 if state.interrupt_waiting:
                     state.interrupt_waiting = False
                     self._signal(state, signal.SIGINT)
-            case CellEnd(record, results):
+            case CellEnd(record, results, in_file):
                 state.cell = "ended"
                 if results is not None:
                     self._pending.append(Result(state.rank, results))
+                elif in_file is not None and names_file is not None:  # handed on as it is: see ResultInFile
+                    self._pending.append(ResultInFile(state.rank, *in_file, fd=names_file))
                 self._pending.append(Report(state.rank, records.decode(record)))
             case Prompt(prompt):
                 self._pending.append(InputRequest(state.rank, prompt))
@@ -466,7 +470,7 @@ class ForkedRanks:
         for rank in chosen:
             self.ranks[rank].stack_text = ""
             containment.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler
-        meanwhile: list[Event] = []
+        meanwhile: list[Relayed] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = [self.ranks[r] for r in chosen]
