@@ -4,13 +4,23 @@ test_cluster.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import os
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from taas_magic.delivery.cluster import NodeDelivery, RunProgress, shares
 from taas_magic.delivery.counters import Counters
 from taas_magic.wire.events import Producer
 from taas_magic.delivery.service import LoaderPlan
-from taas_magic.delivery.transport import channel_pair, put, receive, send, take_waiting
+from taas_magic.delivery import relay
+from taas_magic.delivery.transport import channel_pair, put_file, receive, send, take_waiting_file
 
 
 def plan(name: str, producers: int) -> LoaderPlan:
@@ -63,38 +73,107 @@ def test_a_counters_memory_file_is_shared_by_whoever_maps_it():
         os.close(fd)
 
 
-def test_an_element_relayed_as_bytes_arrives_as_the_producer_sent_it():
+def test_an_element_relayed_as_its_file_arrives_as_the_producer_sent_it():
     producers_end, host_end = channel_pair()
     feeder_end, rank_end = channel_pair()
     element = (torch.arange(12, dtype=torch.float32).reshape(3, 4), {"label": torch.tensor([1, 2, 3])})
     send(producers_end, 2, 7, element)
-    header, data = take_waiting(host_end)
-    assert take_waiting(host_end) is None, "nothing else waits"
-    put(feeder_end, header, data)
+    header, fd = take_waiting_file(host_end)
+    assert take_waiting_file(host_end) is None, "nothing else waits"
+    put_file(feeder_end, header, fd)
+    os.close(fd)
     pass_number, index, received = receive(rank_end)
     assert (pass_number, index) == (2, 7)
     assert torch.equal(received[0], element[0]) and torch.equal(received[1]["label"], element[1]["label"])
     producers_end.close()
-    assert take_waiting(host_end) == (b"", b""), "every sender closed the channel"
+    assert take_waiting_file(host_end) == (b"", -1), "every sender closed the channel"
     for end in (host_end, feeder_end, rank_end):
         end.close()
 
 
-def test_a_pull_returns_what_waits_for_the_asking_node_s_ranks_and_says_when_producers_are_done():
-    share = shares("run", (plan("a", 1),), [(0, 1)], hosts=1, agents=["n0", "h0"], addresses=["a0", "a1"])[1]
-    host = NodeDelivery(share)
+class _Agent:
+    """What a rank node's feeder asks of a host's agent through Ray, without Ray."""
+
+    def __init__(self, host: NodeDelivery):
+        self.relay_address = SimpleNamespace(remote=lambda run_id: host.relay_address())
+
+
+def _nodes() -> tuple[NodeDelivery, NodeDelivery]:
+    found = shares("run", (plan("a", 1),), [(0, 1)], hosts=1, agents=["n0", "h0"], addresses=["127.0.0.2", "127.0.0.3"])
+    host = NodeDelivery(found[1])
+    rank_node = NodeDelivery(dataclasses.replace(found[0], sources=(((_Agent(host), "127.0.0.3"),),)))
+    return host, rank_node
+
+
+def test_a_host_streams_each_element_once_to_its_rank_and_leaves_nothing_open():
+    descriptors = len(os.listdir("/proc/self/fd"))
+    host, rank_node = _nodes()
     try:
-        assert len(host.loaders[0].inbox) == 2 and host.loaders[0].outbox == {}
+        assert host.relay_address() == ("127.0.0.3", host.listener.port), "the host listens on its node's address"
+        assert rank_node.relay_address() == ("", 0) and rank_node.listener is None, "a node of ranks alone listens nowhere"
         producers_ends = host.loaders[0].handed
-        send(producers_ends[1], 0, 1, torch.tensor([1]))
-        rank_node = Counters(1, 2)
-        rank_node.position[1] = 3
-        elements, ended = host.pull(0, (0, 1), rank_node.snapshot())
-        assert [(rank, len(data) > 0) for rank, _, data in elements] == [(1, True)] and not ended
-        assert host.loaders[0].counters.position[1] == 3, "the rank node's rows came with its pull"
-        host.handed_over()  # no producer holds the channels: they are over
-        assert host.pull(0, (0, 1), rank_node.snapshot()) == ([], True)
+        big = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB: more than one read of the stream
+        for index in range(3):
+            send(producers_ends[index % 2], 0, index, (big + index, index))
+        rank_ends = rank_node.loaders[0].handed
+        host.handed_over()  # no producer holds the channels now: they end after what waits
+        rank_node.start_feeding(lambda where, timeout: where)
+        got = {0: [], 1: []}
+        for rank in (0, 1):
+            rank_end = rank_ends[rank]
+            rank_end.settimeout(20)
+            while True:
+                try:
+                    _, index, (tensor, same) = receive(rank_end)
+                except EOFError:
+                    break
+                assert index == same and torch.equal(tensor, big + index)
+                got[rank].append(index)
+        assert got == {0: [0, 2], 1: [1]}, "each element once, to its rank, in order"
+        assert rank_node.failure is None
     finally:
+        rank_node.close()
+        host.close()
+    assert not [t for t in rank_node.threads + host.listener.threads if t.is_alive()], "no thread outlives the run"
+    del host, rank_node, tensor  # the counters' mappings hold a descriptor each while they exist
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == descriptors, "no socket, pipe or memory file outlives the run"
+
+
+def test_the_hosts_producers_see_the_rank_node_s_counters_and_its_end():
+    host, rank_node = _nodes()
+    try:
+        # the host keeps the producers' ends: its channels stay open, as while producers run
+        rank_node.loaders[0].counters.position[1] = 3
+        rank_node.start_feeding(lambda where, timeout: where)
+        deadline = time.monotonic() + 10
+        while host.loaders[0].counters.position[1] != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.loaders[0].counters.position[1] == 3, "the rank node's rows reached the host"
+        for rank in (0, 1):
+            rank_node.loaders[0].counters.done[rank] = 1
+        rank_node.threads[0].join(10)
+        assert not rank_node.threads[0].is_alive(), "a node whose ranks are done stops reading"
+        assert host.loaders[0].counters.done.tolist() == [1, 1], "after telling the host so"
+    finally:
+        rank_node.close()
+        host.close()
+
+
+def test_a_stream_is_refused_to_whoever_lacks_the_run_s_secret():
+    host, rank_node = _nodes()
+    try:
+        address, port = host.relay_address()
+        with pytest.raises(relay.RelayBroken, match="the stream ended after 0 of 32 bytes"):  # hung up on
+            relay.connect(address, port, b"x" * 32, 0, (0, 1))
+        stranger = socket.create_connection((address, port))
+        stranger.sendall(b"\0" * 64)
+        stranger.settimeout(5)
+        assert len(stranger.recv(64)) == 32, "only the host's nonce"
+        assert stranger.recv(64) == b"", "then the host hangs up, having sent nothing else"
+        stranger.close()
+    finally:
+        rank_node.close()
         host.close()
 
 
@@ -111,3 +190,31 @@ def test_the_kernel_s_progress_line_changes_only_when_a_merged_count_does():
     node0.position[0] = node0.taken[0] = 1
     [(_, line)] = progress.take(0, [node0.snapshot()])
     assert line.taken == [1, 0] and line.buffered == 1
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["spliced", "through a buffer"])
+def test_an_element_s_bytes_arrive_whole_in_a_file_of_their_own(splice):
+    from taas_magic.wire import memfile
+
+    data = os.urandom(3 * relay.CHUNK + 123)
+    source = memfile.new_file("element", len(data))
+    os.pwrite(source, data, 0)
+    host, node = socket.socketpair()
+    reader = relay.Reader()
+    if not splice:
+        reader.close()  # no pipe: the buffer's way
+    try:
+        sender = threading.Thread(target=lambda: (relay.send_element(host, 3, b"head", source), relay.send_last(host, 3)))
+        sender.start()
+        rank, header, fd = reader.receive(node)
+        assert (rank, header, os.pread(fd, len(data) + 1, 0)) == (3, b"head", data)
+        os.close(fd)
+        assert reader.receive(node) == (3, b"", -1), "then that rank's last"
+        sender.join()
+        host.close()
+        with pytest.raises(relay.RelayBroken, match="the stream ended after 0 of 16 bytes"):
+            reader.receive(node)
+    finally:
+        reader.close()
+        node.close()
+        os.close(source)

@@ -1,20 +1,36 @@
 """Data delivery across a cluster's nodes: producers on CPU nodes, their elements relayed to the ranks.
 
-    host node:  fork server ─ producers ──► channels, one per rank ──► agent (relays out)
-                                                                            │ Ray calls: elements as bytes
-    rank node:  agent (relays in) ──► channels, one per local rank ──► fork server's ranks (stand-ins)
+    host node:  fork server ─ producers ──► channels, one per rank ──► agent (streams out)
+                                                                            │ TCP, one stream per loader and
+                                                                            │ node of ranks (``relay.py``)
+    rank node:  agent (reads in) ──► channels, one per local rank ──► fork server's ranks (stand-ins)
 
 Producers and stand-ins are the ones of a single machine (``producer.py``, ``standin.py``): the
 same stream plan, seeding, order, ``--units``, window and errors. What differs is who holds the
-other end of each channel. On a host node the agent holds every rank's end and hands what
-arrives to whichever node pulls it; on a rank node the agent holds the producers' end of each of
-its ranks' channels and puts in what it pulled. Each element is read once from the host's
+other end of each channel. On a host node the agent holds every rank's end and streams what
+arrives to the node of that rank; on a rank node the agent holds the producers' end of each of
+its ranks' channels and puts in what the stream brings. Each element is read once from the host's
 channel and written once into the rank's, so it is still delivered exactly once.
 
+Why a stream of our own and not Ray. Elements used to travel as the answers of Ray calls (a rank
+node pulled, the host answered with what waited): each 3.2 MB batch was copied into the host's
+object store, moved by Ray's object manager into the rank node's store (gRPC, in chunks), and
+copied from there into a memory file for the rank, about 10 ms of CPU per batch on this machine
+(every process counted) and at most about 180 batches a second between two nodes, however many
+were pulled at once. Here the host hands the producer's memory file to a TCP socket (``sendfile``:
+no copy in user space) and the rank node reads the bytes into a new memory file: one copy more
+than on one machine, and no pickling, since neither agent unpickles an element. Ray carries only
+the question "where do I connect?" (``relay_address``), once per run and host.
+
+Each stream is proven at connection, both ways, with a secret the kernel makes for the run and
+sends to the agents through Ray (never to the fork server's processes): whoever lacks it can
+neither feed a rank a pickle nor read one. A host listens for the run only, on loopback when the
+only node that reads from it is itself, else on its node's address.
+
 Counters cannot be shared memory between machines, but each has one writer: every node keeps a
-full copy and copies in the rows others own (``Counters.take_rows``). A rank node's pulls carry
-its ranks' rows to the hosts, whose producers stay within the window of the slowest rank; the
-kernel merges every node's copy into the progress line.
+full copy and copies in the rows others own (``Counters.take_rows``). A rank node sends its
+copy up each stream whenever it changes, so the hosts' producers stay within the window of the
+slowest rank; the kernel merges every node's copy into the progress line.
 
 Everything here is made per run by the node's agent, except ``NodeShare`` (the kernel's word to
 each agent) and ``NodeEnds.attach`` (in the run's supervisor, forked from the fork server).
@@ -25,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import secrets
 import select
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
+from taas_magic.delivery import relay
 from taas_magic.wire import memfile
 from taas_magic.wire.events import Producer
 from taas_magic.wire.records import DeliveryProgress
@@ -41,11 +58,10 @@ from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import default_prefetch
 from taas_magic.wire.task import LoaderPlan
 from taas_magic.delivery.standin import StandIn
-from taas_magic.delivery.transport import channel_pair, put, take_waiting
+from taas_magic.delivery.transport import channel_pair, put_file, take_waiting_file
 
-PULL_WAIT_SECONDS = 0.1  # how long a host waits for an element before answering a pull with none
-PULL_BYTES = 64 * 1024**2  # the most one pull carries; more waits for the next
-PULL_CALL_SECONDS = 60.0  # a host that does not answer a pull this soon is taken for gone
+ASK_SECONDS = 60.0  # a host's agent that does not say where it streams from this soon is taken for gone
+POLL_SECONDS = 0.005  # how often a node of ranks looks at its ranks' counters when no element arrives
 
 
 @dataclass(frozen=True)
@@ -57,8 +73,10 @@ class NodeShare:
     world: int
     ranks: tuple[int, ...]  # the run's ranks on this node
     hosted: tuple[tuple[int, ...], ...]  # per loader: the producers that run on this node
-    # Per loader: (agent, address) of each node that hosts its producers, for this node to pull from.
+    # Per loader: (agent, address) of each node that hosts its producers, for this node to read from.
     sources: tuple[tuple[tuple[Any, str], ...], ...] = ()
+    secret: bytes = b""  # the run's, proven by both ends of every stream between nodes
+    listen: str = ""  # where a host accepts streams: loopback when its only reader is itself
 
     def active(self) -> bool:
         return any(self.hosted) or bool(self.ranks and self.loaders)
@@ -84,9 +102,19 @@ def shares(run_id: str, loaders: tuple[LoaderPlan, ...], ranks_by_node: list[tup
     sources = tuple(tuple((agents[node], addresses[node]) for node in range(nodes) if hosted[node][index])
                     for index in range(len(loaders)))
     every_node = list(ranks_by_node) + [()] * hosts
+    secret = secrets.token_bytes(32)
     return [NodeShare(run_id, loaders, world, every_node[node], tuple(map(tuple, hosted[node])),
-                      sources if every_node[node] else ())
+                      sources if every_node[node] else (), secret,
+                      _listen(node, hosted[node], addresses, len(ranks_by_node)))
             for node in range(nodes)]
+
+
+def _listen(node: int, hosted: list[list[int]], addresses: list[str], rank_nodes: int) -> str:
+    """Where a host accepts its readers: nowhere if it hosts nothing, on loopback if every node of
+    ranks is this one, else on the node's address (the only one the others know it by)."""
+    if not any(hosted):
+        return ""
+    return "127.0.0.1" if all(addresses[n] == addresses[node] for n in range(rank_nodes)) else addresses[node]
 
 
 # -- in the run's supervisor on a node ----------------------------------------------------------
@@ -182,24 +210,37 @@ class _Loader:
 
     counters_fd: int
     counters: Counters
-    inbox: dict[int, socket.socket] = field(default_factory=dict)  # host: every rank's end, read by pulls
+    inbox: dict[int, socket.socket] = field(default_factory=dict)  # host: every rank's end, read by streams
     outbox: dict[int, socket.socket] = field(default_factory=dict)  # rank node: producers' end of each local rank's
     handed: list[socket.socket] = field(default_factory=list)  # ends the fork server's processes get
-    ended: set[int] = field(default_factory=set)  # ranks whose channel every producer has closed (hosts)
+
+
+@dataclass
+class _Link:
+    """A node of ranks' stream from one host of a loader."""
+
+    address: str  # the host node's, for messages
+    snapshots: relay.Snapshots
+    open: set[int]  # this node's ranks the host may still send elements to
 
 
 class NodeDelivery:
-    """A node's agent's side of one run's delivery: the channels' far ends, pulls, feeding threads."""
+    """A node's agent's side of one run's delivery: the channels' far ends, the streams between nodes."""
 
     def __init__(self, share: NodeShare):
         self.share = share
         self.loaders: list[_Loader] = []
         self.stopped = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.links: list[socket.socket] = []  # a node of ranks' streams, ended by ``close``
+        self.lock = threading.Lock()
         self.failure: str | None = None
+        self.listener: relay.Listener | None = None
         try:
             for number, plan in enumerate(share.loaders):
                 self.loaders.append(self._loader(plan, bool(share.hosted[number])))
+            if share.listen:
+                self.listener = relay.Listener(share.listen, share.secret, self._serve)
         except BaseException:
             self.close()
             raise
@@ -232,7 +273,8 @@ class NodeDelivery:
             hosts = len(loader.inbox)
             producers_ends.append(place([end.fileno() for end in loader.handed[:hosts]]))
             rank_ends.append(place([end.fileno() for end in loader.handed[hosts:]]))
-        share = dataclasses.replace(self.share, sources=())  # the agents' handles stay with the agent
+        # the agents' handles and the run's secret stay with the agent
+        share = dataclasses.replace(self.share, sources=(), secret=b"")
         return NodeEnds(share, tuple(counters), tuple(producers_ends), tuple(rank_ends)), fds
 
     def handed_over(self) -> None:
@@ -245,39 +287,36 @@ class NodeDelivery:
             os.close(loader.counters_fd)
             loader.counters_fd = -1
 
-    # -- a host: elements for a rank node's pull --------------------------------------------------
-    def pull(self, number: int, ranks: tuple[int, ...], snapshot: list[int]) -> tuple[list[tuple[int, bytes, Any]], bool]:
-        """Elements waiting for ``ranks`` (a rank node's), after taking in that node's counters; and
-        whether every producer here is done with those ranks. Waits briefly when nothing is there."""
-        import numpy  # Ray's own dependency: this runs in an agent
-        loader = self.loaders[number]
-        # A node's own ranks write their rows here themselves: a pull from this node's feeder carries
-        # a copy that is already older.
-        loader.counters.take_rows(snapshot, ranks=[rank for rank in ranks if rank not in self.share.ranks])
-        deadline = time.monotonic() + PULL_WAIT_SECONDS
-        elements: list[tuple[int, bytes, Any]] = []
-        size = 0
-        while True:
-            open_ranks = [rank for rank in ranks if rank not in loader.ended]
-            for rank in open_ranks:
-                while size < PULL_BYTES and (taken := take_waiting(loader.inbox[rank])) is not None:
-                    header, data = taken
-                    if not header:
-                        loader.ended.add(rank)
-                        break
-                    # An array over the element's mapping: Ray copies it into its object store once,
-                    # and the rank node reads it there without another copy.
-                    elements.append((rank, header, numpy.frombuffer(data, dtype=numpy.uint8)))
-                    size += len(data)
-            ended = all(rank in loader.ended for rank in ranks)
-            left = deadline - time.monotonic()
-            if elements or ended or left <= 0:
-                return elements, ended
-            select.select([loader.inbox[rank] for rank in open_ranks], [], [], left)
+    # -- a host: streaming elements to a node of ranks ----------------------------------------------
+    def relay_address(self) -> tuple[str, int]:
+        """Where nodes of ranks connect for this node's producers' elements; ("", 0) when it hosts none."""
+        return (self.listener.address, self.listener.port) if self.listener is not None else ("", 0)
 
-    # -- a rank node: pulling from the hosts --------------------------------------------------------
+    def _serve(self, sock: socket.socket, number: int, ranks: tuple[int, ...]) -> None:
+        """Stream what this node's producers make for ``ranks`` (a node of ranks') as it comes, and take
+        in that node's counters as they come back, until that node has read what it needs."""
+        if number >= len(self.loaders):
+            return  # a node of this run would not ask: nothing to serve
+        loader = self.loaders[number]
+        theirs = [rank for rank in ranks if rank not in self.share.ranks]  # this node's own write theirs here
+        incoming = relay.Incoming(sock, Counters.size(loader.counters.producers, self.share.world))
+        open_ranks = [rank for rank in ranks if rank in loader.inbox]
+        while not self.stopped.is_set():
+            readable = select.select([sock, *(loader.inbox[rank] for rank in open_ranks)], [], [], 0.1)[0]
+            if sock in readable:
+                snapshot, finished = incoming.read()
+                if snapshot is not None:
+                    loader.counters.take_rows(snapshot, ranks=theirs)
+                if finished:
+                    return
+            for rank in list(open_ranks):
+                if loader.inbox[rank] in readable and not _stream_waiting(sock, loader.inbox[rank], rank):
+                    open_ranks.remove(rank)
+                    relay.send_last(sock, rank)
+
+    # -- a node of ranks: reading from the hosts ----------------------------------------------------
     def start_feeding(self, get: Callable[[Any, float], Any]) -> None:
-        """A thread per loader pulls this node's elements from the hosts (``get`` is ``ray.get``)."""
+        """A thread per loader reads this node's elements from its hosts (``get`` is ``ray.get``)."""
         if not self.share.ranks:
             return
         for number in range(len(self.loaders)):
@@ -286,55 +325,119 @@ class NodeDelivery:
             self.threads.append(thread)
 
     def _feed(self, number: int, get: Callable[[Any, float], Any]) -> None:
-        """Pull from every host of loader ``number`` and put what comes into the ranks' channels.
-
-        Each host always has the next pull in flight while this thread puts what the last one
-        brought, so the relay keeps going while the ranks read. Once every rank of this node is
-        done, the pulls in flight come back, one more round carries that news to the hosts (their
-        producers stop waiting for these ranks), and the thread ends.
-        """
+        """Connect to every host of loader ``number`` and put what comes into the ranks' channels."""
         loader = self.loaders[number]
-        waiting: dict[int, list[tuple[bytes, Any]]] = {rank: [] for rank in self.share.ranks}
-        calls = {source: self._pull(source, number) for source in self.share.sources[number]}
-        rounds_left: int | None = None  # once this node's ranks are all done
+        name = self.share.loaders[number].name
+        links: dict[socket.socket, _Link] = {}
+        waiting: dict[int, list[tuple[bytes, int]]] = {rank: [] for rank in self.share.ranks}
+        address = "?"
         try:
-            while calls and rounds_left != 0 and not self.stopped.is_set():
-                for source, call in list(calls.items()):
-                    try:
-                        elements, ended = get(call, PULL_CALL_SECONDS)
-                    except Exception as e:  # the kernel sees the host gone too, and ends the run
-                        self.failure = (f"node {source[1]}, which hosts producers of {self.share.loaders[number].name}, "
-                                        f"did not answer: {_first_line(e)}")
-                        return
-                    for rank, header, data in elements:
-                        waiting[rank].append((header, data))
-                    if ended or rounds_left == 1:
-                        del calls[source]
-                    else:
-                        calls[source] = self._pull(source, number)
-                _put_waiting(loader.outbox, waiting)
-                if rounds_left is None and all(loader.counters.is_done(rank) for rank in self.share.ranks):
-                    rounds_left = 2
-                elif rounds_left is not None:
-                    rounds_left -= 1
+            for agent, address in self.share.sources[number]:
+                sock = self._connect(agent, number, get)
+                if sock is not None:
+                    links[sock] = _Link(address, relay.Snapshots(sock), set(self.share.ranks))
+            self._relay(loader, links, waiting)
             while any(waiting.values()) and not self.stopped.wait(0.01):
                 _put_waiting(loader.outbox, waiting)
+        except _HostLost as e:
+            if not self.stopped.is_set():  # the kernel sees the host gone too, and ends the run
+                self.failure = f"node {e.address}, which hosts producers of {name}, {e.what}"
+        except Exception as e:
+            if not self.stopped.is_set():
+                self.failure = f"node {address}, which hosts producers of {name}, did not answer: {_first_line(e)}"
         finally:
+            for sock in links:
+                sock.close()
+            for elements in waiting.values():
+                for _, fd in elements:
+                    os.close(fd)
             for end in loader.outbox.values():
                 end.close()  # every producer is done: a rank waiting for more is told so (EOFError)
 
-    def _pull(self, source: tuple[Any, str], number: int) -> Any:
-        """Ask a host for this node's elements, with this node's counters as they are now."""
-        snapshot = self.loaders[number].counters.snapshot()
-        return source[0].pull.remote(self.share.run_id, number, self.share.ranks, snapshot)
+    def _connect(self, agent: Any, number: int, get: Callable[[Any, float], Any]) -> socket.socket | None:
+        """A stream from a host (its agent says where once the run has started there); None if it
+        has nothing for this node, or the run is over."""
+        while not self.stopped.is_set():
+            where = get(agent.relay_address.remote(self.share.run_id), ASK_SECONDS)
+            if where is None:  # the run has not started there yet (the agent waited a little)
+                continue
+            if not where[1]:
+                return None
+            sock = relay.connect(where[0], where[1], self.share.secret, number, self.share.ranks)
+            with self.lock:
+                self.links.append(sock)
+                if self.stopped.is_set():
+                    sock.close()
+                    return None
+            return sock
+        return None
+
+    def _relay(self, loader: _Loader, links: dict[socket.socket, _Link], waiting: dict[int, list[tuple[bytes, int]]]) -> None:
+        """Elements from the hosts into the ranks' channels, and the ranks' counters back to the hosts
+        (their producers stay within the window of the slowest rank), until every host has sent its
+        last or every rank here is done."""
+        reader = relay.Reader()
+        try:
+            self._relay_with(reader, loader, links, waiting)
+        finally:
+            reader.close()
+
+    def _relay_with(self, reader: relay.Reader, loader: _Loader, links: dict[socket.socket, _Link],
+                    waiting: dict[int, list[tuple[bytes, int]]]) -> None:
+        told: list[int] = []
+        while links and not self.stopped.is_set():
+            if all(loader.counters.is_done(rank) for rank in self.share.ranks):
+                self._say_done(loader, links)
+                return
+            snapshot = loader.counters.snapshot()
+            for link in links.values():
+                if snapshot != told:
+                    link.snapshots.offer(relay.snapshot_bytes(snapshot))
+                link.snapshots.flush()
+            told = snapshot
+            for sock in select.select(list(links), [], [], POLL_SECONDS)[0]:
+                link = links[sock]
+                rank, header, fd = _receive(link, sock, reader)
+                if fd >= 0:
+                    waiting[rank].append((header, fd))
+                    continue
+                link.open.discard(rank)
+                if not link.open:  # that host is done with this node
+                    del links[sock]
+                    sock.close()
+            _put_waiting(loader.outbox, waiting)
+
+    def _say_done(self, loader: _Loader, links: dict[socket.socket, _Link]) -> None:
+        """Every rank here is done: the hosts are told (their producers stop waiting for these ranks),
+        and what they were still sending is read to its end and thrown away."""
+        final = relay.snapshot_bytes(loader.counters.snapshot())
+        for link in links.values():
+            link.snapshots.offer(final)
+        unsent = dict(links)
+        reading = dict(links)
+        while reading and not self.stopped.is_set():
+            readable, writable, _ = select.select(list(reading), list(unsent), [], 0.1)
+            for sock in writable:
+                if unsent[sock].snapshots.flush():
+                    sock.shutdown(socket.SHUT_WR)  # the host reads the snapshot, then the end, and closes
+                    del unsent[sock]
+            for sock in readable:
+                if not _discard(sock):
+                    reading.pop(sock)
+                    unsent.pop(sock, None)
 
     def snapshots(self) -> list[list[int]]:
         return [loader.counters.snapshot() for loader in self.loaders]
 
     def close(self) -> None:
         self.stopped.set()
+        if self.listener is not None:
+            self.listener.close()
+        with self.lock:
+            for sock in self.links:
+                _shut(sock)  # a thread reading from a host wakes
         for thread in self.threads:
-            thread.join(1.0)  # a thread still waiting for a pull finds its channels closed and ends
+            thread.join(1.0)
         for loader in self.loaders:
             for end in [*loader.inbox.values(), *loader.outbox.values(), *loader.handed]:
                 end.close()
@@ -343,22 +446,77 @@ class NodeDelivery:
                 loader.counters_fd = -1
 
 
+class _HostLost(Exception):
+    def __init__(self, address: str, what: str):
+        super().__init__(what)
+        self.address, self.what = address, what
+
+
+def _receive(link: _Link, sock: socket.socket, reader: relay.Reader) -> tuple[int, bytes, int]:
+    try:
+        rank, header, fd = reader.receive(sock)
+    except (OSError, ConnectionError) as e:
+        raise _HostLost(link.address, f"closed its stream: {_first_line(e)}") from e
+    if rank not in link.open:
+        if fd >= 0:
+            os.close(fd)
+        raise _HostLost(link.address, f"sent an element for rank {rank}, which is not this node's")
+    return rank, header, fd
+
+
+def _discard(sock: socket.socket) -> bool:
+    """Read and drop what waits; whether the other end is still open."""
+    try:
+        return bool(sock.recv(relay.CHUNK, socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _stream_waiting(sock: socket.socket, channel: socket.socket, rank: int) -> bool:
+    """Send what waits on a rank's channel (a few at a time); False once every producer has closed it."""
+    for _ in range(relay.ELEMENTS_AT_ONCE):
+        taken = take_waiting_file(channel)
+        if taken is None:
+            return True
+        header, fd = taken
+        if fd < 0:
+            return False
+        try:
+            relay.send_element(sock, rank, header, fd)
+        finally:
+            os.close(fd)
+    return True
+
+
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple[bytes, Any]]]) -> None:
+def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple[bytes, int]]]) -> None:
     """Into each rank's channel, what it can take now, in order; a rank that has left takes nothing."""
     for rank, elements in waiting.items():
         while elements:
+            header, fd = elements[0]
             try:
-                put(outbox[rank], *elements[0])
+                put_file(outbox[rank], header, fd)
             except BlockingIOError:
                 break
             except OSError:  # the rank is gone
+                for _, unsent in elements:
+                    os.close(unsent)
                 elements.clear()
                 break
+            os.close(fd)
             elements.pop(0)
 
 

@@ -13,7 +13,6 @@ the processes holding it.
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import pickle
 import socket
@@ -58,7 +57,7 @@ def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> Non
     data_start = memfile.aligned(len(skeleton))
     fd = memfile.new_file("taas-element", data_start + encoder.size)
     try:
-        os.pwrite(fd, skeleton, 0)
+        memfile.write_bytes(fd, skeleton)
         for offset, tensor in encoder.tensors:
             memfile.write_tensor(fd, tensor, data_start + offset)
         socket.send_fds(sock, [_HEADER.pack(pass_number, index, len(skeleton))], [fd])
@@ -98,35 +97,28 @@ def discard_waiting(sock: socket.socket) -> int:
         count += 1
 
 
-# -- relaying between machines (a cluster node's agent): elements as bytes, never unpickled -------
-def take_waiting(sock: socket.socket) -> tuple[bytes, Any] | None:
-    """The next element waiting on a channel, as (header, its memory file mapped read-only: a
-    buffer, not a copy), without waiting; ``(b"", b"")`` once every sender has closed it; None
-    when nothing waits yet."""
+# -- relaying between machines (a cluster node's agent): elements as files, never unpickled --------
+def take_waiting_file(sock: socket.socket) -> tuple[bytes, int] | None:
+    """The next element waiting on a channel, as (header, its memory file: the caller closes it),
+    without waiting; ``(b"", -1)`` once every sender has closed the channel; None when nothing
+    waits yet."""
     try:
         header, fds = _next_message(sock, socket.MSG_DONTWAIT)
     except BlockingIOError:
         return None
-    try:
-        data: Any = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ) if header else b""
-    finally:
+    if not header:
         for fd in fds:
             os.close(fd)
-    return header, data
-
-
-def put(sock: socket.socket, header: bytes, data: Any) -> None:
-    """Send an element taken with ``take_waiting`` (its bytes, or any buffer of them) on another
-    machine into a local channel."""
-    view = memoryview(data).cast("B")
-    fd = memfile.new_file("taas-element", len(view))
-    try:
-        written = 0
-        while written < len(view):
-            written += os.pwrite(fd, view[written:], written)
-        socket.send_fds(sock, [header], [fd])
-    finally:
+        return b"", -1
+    for fd in fds[1:]:
         os.close(fd)
+    return header, fds[0]
+
+
+def put_file(sock: socket.socket, header: bytes, fd: int) -> None:
+    """Pass an element's memory file (from ``take_waiting_file`` on another machine, copied) into a
+    local channel; the caller still closes ``fd``. A full non-blocking channel raises BlockingIOError."""
+    socket.send_fds(sock, [header], [fd])
 
 
 def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:

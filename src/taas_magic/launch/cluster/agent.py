@@ -6,8 +6,10 @@ The fork server stays warm between cells, so a second cell starts without import
 If the agent dies (its node, or the kernel that owns it), the fork server sees its parent go and
 ends every process of the run.
 
-Each run works in a folder of its own on the node, removed after the run: rank 0's relative
-``torch.save`` paths land there, and the files travel back to the notebook when the run closes.
+Each run works in a folder of its own on the node, removed after the run. It starts as a copy of
+the notebook's folder (``notebook_folder.py``: Ray's package, unpacked once per node, whose
+modules the ranks import); rank 0's relative ``torch.save`` paths land there, and the files it
+wrote or changed travel back to the notebook when the run closes.
 This module imports no Ray: the kernel wraps ``NodeAgent`` with ``ray.remote`` when it connects.
 """
 
@@ -29,6 +31,7 @@ from taas_magic.wire import memfile
 from taas_magic.wire.events import Event, Key, key_order
 from taas_magic.delivery.cluster import NodeDelivery, NodeShare
 from taas_magic.errors import DeliveryLost
+from taas_magic.launch.cluster import notebook_folder
 from taas_magic.launch.forkserver.client import ForkServerBackend, ForkServerRequest
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.wire.shipping import Shipment
@@ -49,6 +52,7 @@ class NodePayload:
     data: bytes  # the shipped names' pickle
     tensors: bytes  # the shipped tensors' data
     aliases: tuple[str, ...]
+    package: str | None = None  # the notebook's folder: its Ray package's URI (None: nothing travels)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class NodeAgent:
 
         self.ray = ray
         self.address: str = ray.util.get_node_ip_address()  # this node's, as the cluster knows it
+        self.node_id: str = ray.get_runtime_context().get_node_id()
         self.backend = ForkServerBackend()
         self.backend.warm_up()  # the first cell finds torch imported
         _remove_orphaned_folders()
@@ -108,6 +113,7 @@ class NodeAgent:
         self.group: SupervisedRanks | None = None
         self.delivery: NodeDelivery | None = None  # this node's part in the run's data delivery
         self.folder: str | None = None
+        self.copies: notebook_folder.Stamps = {}  # the notebook's files as the run's folder started with them
         self.idle_seconds = idle_seconds
         self.last_used = time.monotonic()
         self.lock = threading.RLock()  # held by each call from start to end, and by the idle watch
@@ -143,8 +149,11 @@ class NodeAgent:
             self._end_run()
         envs = {rank: {**env, "TAAS_NODE_ADDRESS": self.address} for rank, env in envs.items()}
         self.folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
+        package = notebook_folder.unpacked(payload.package, self.node_id) if payload.package else None
+        if package is not None:
+            self.copies = notebook_folder.copy_into(package, self.folder)
         self.delivery = NodeDelivery(share) if share is not None and share.active() else None
-        request = self._request(payload, self.folder, self.delivery)
+        request = self._request(payload, self.folder, self.delivery, package)
         try:
             self.group = self.backend.start_node(run_id, envs, request, store)
         finally:
@@ -154,30 +163,34 @@ class NodeAgent:
             self.delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
         return sorted(self.group.running(), key=key_order)
 
-    def _request(self, payload: NodePayload, folder: str, delivery: NodeDelivery | None) -> ForkServerRequest:
-        """The fork server's request, with this node's environment, the run's folder and, when it
-        takes part in data delivery, its channels' ends."""
+    def _request(self, payload: NodePayload, folder: str, delivery: NodeDelivery | None,
+                 package: str | None) -> ForkServerRequest:
+        """The fork server's request, with this node's environment, the run's folder, the notebook's
+        modules first on ``sys.path`` (``package``) and, when it takes part in data delivery, its
+        channels' ends."""
         sent = payload.task.context
         assert sent is not None
         environ = {**os.environ, **sent.environ, "TAAS_NODE_ADDRESS": self.address}  # producers' too
-        context = KernelContext(environ, folder, list(sys.path), sent.torch_settings)
+        path = [package, *sys.path] if package is not None else list(sys.path)
+        context = KernelContext(environ, folder, path, sent.torch_settings)
         fd = None
         if payload.tensors:
             fd = memfile.new_file("taas-tensors", len(payload.tensors))
-            os.pwrite(fd, payload.tensors, 0)
+            memfile.write_bytes(fd, payload.tensors)
         shipment = Shipment(payload.data, fd, len(payload.tensors))
         ends, fds = delivery.ends() if delivery is not None else (None, [])
         task = dataclasses.replace(payload.task, context=context, delivery=ends)
         return ForkServerRequest(task, shipment, payload.aliases, tuple(fds))
 
-    def pull(self, run_id: str, number: int, ranks: tuple[int, ...], snapshot: list[int]) -> tuple[list[Any], bool]:
-        """Elements this node's producers made for another node's ``ranks`` (not a ``_call``: pulls
-        come from rank nodes' feeding threads while the kernel's calls wait for events)."""
+    def relay_address(self, run_id: str) -> tuple[str, int] | None:
+        """Where rank nodes connect for the elements this node's producers make: None while the run
+        has not started here, ("", 0) when this node serves none (not a ``_call``: asked by rank
+        nodes' feeding threads while the kernel's calls wait for events)."""
         delivery = self.delivery
         if delivery is None or delivery.share.run_id != run_id:  # not started yet, or over
             time.sleep(0.05)
-            return [], self.group is not None and delivery is None
-        return delivery.pull(number, ranks, snapshot)
+            return ("", 0) if self.group is not None and delivery is None else None
+        return delivery.relay_address()
 
     # -- the RankGroup contract, relayed ---------------------------------------------------------
     @_call
@@ -205,7 +218,7 @@ class NodeAgent:
         fd = None
         if tensors:
             fd = memfile.new_file("taas-tensors", len(tensors))
-            os.pwrite(fd, tensors, 0)
+            memfile.write_bytes(fd, tensors)
         try:
             self.group.run_cell(cell, ranks, (fd,) if fd is not None else ())
         finally:
@@ -227,7 +240,7 @@ class NodeAgent:
         try:
             if self.group is not None:
                 self.group.close()
-            return _files_in(self.folder) if collect_files and self.folder else RunFiles({}, [])
+            return _files_in(self.folder, self.copies) if collect_files and self.folder else RunFiles({}, [])
         finally:
             self._end_run()
 
@@ -235,6 +248,7 @@ class NodeAgent:
         group, self.group = self.group, None
         store, self.store = self.store, None
         folder, self.folder = self.folder, None
+        self.copies = {}
         delivery, self.delivery = self.delivery, None
         try:
             if group is not None:
@@ -283,8 +297,9 @@ class RunFiles:
     left: list[str]
 
 
-def _files_in(folder: str) -> RunFiles:
-    """Every regular file under ``folder``, up to MAX_FILES_BACK bytes in all; the rest named."""
+def _files_in(folder: str, copies: notebook_folder.Stamps) -> RunFiles:
+    """Every regular file under ``folder`` but the notebook's ``copies`` as they were, up to
+    MAX_FILES_BACK bytes in all; the rest named."""
     found = RunFiles({}, [])
     total = 0
     for root, _, names in os.walk(folder):
@@ -293,6 +308,8 @@ def _files_in(folder: str) -> RunFiles:
             if not os.path.isfile(path) or os.path.islink(path):
                 continue
             relative = os.path.relpath(path, folder)
+            if relative in copies and notebook_folder.stamp(path) == copies[relative]:
+                continue
             total += os.path.getsize(path)
             if total > MAX_FILES_BACK:
                 found.left.append(relative)

@@ -9,8 +9,9 @@
 The payload (the task and the names the cell reads, tensor data included) goes into Ray's object
 store once; each node's agent fetches it once for all its ranks. The kernel polls every node's
 agent for events in parallel; a node or agent that dies turns into a cell error naming it, and
-the other nodes' ranks are stopped. Closing a run ends every node's share, releases the nodes and
-copies rank 0's files back into the notebook's folder.
+the other nodes' ranks are stopped. The notebook's folder travels as a Ray package
+(``notebook_folder.py``); closing a run ends every node's share, releases the nodes and copies
+what rank 0 wrote back into the notebook's folder.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
 from taas_magic.wire.events import Event, Key, Report, key_order
 from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
 from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
+from taas_magic.launch.cluster import notebook_folder
 from taas_magic.configurations import Configuration
 from taas_magic.delivery.cluster import NodeShare, RunProgress, shares
 from taas_magic.launch.forkserver.client import notebook_cells, ship
-from taas_magic.errors import RunLost
+from taas_magic.errors import RunLost, TaasUsageError
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.task import KernelContext, LoaderPlan, TorchSettings
@@ -45,6 +47,7 @@ class ClusterPlan:
     payload: object  # a reference to the ``NodePayload`` in Ray's object store, fetched once by each node
     loaders: tuple[LoaderPlan, ...]  # the registered loaders whose producers the run's nodes host
     holding: Holding  # what the ranks hold of the notebook: for a session, what need not be sent again
+    folder: notebook_folder.Listing | None = None  # what of the notebook's folder travelled with the run
 
     def close(self) -> None:
         pass  # the payload stays in Ray's object store while it is referenced, then Ray frees it
@@ -69,18 +72,23 @@ class ClusterBackend:
         """The run's payload in Ray's object store: the shipped names and tensors (registered loaders
         included, for the nodes that host their producers), and the task with the kernel's torch
         settings and the variables that steer communication (not its whole environment, which is
-        the kernel's machine's)."""
+        the kernel's machine's); and the notebook's folder, as a package in Ray's GCS. A folder too
+        large to travel fails the cell first."""
+        folder = notebook_folder.listing(os.getcwd())
+        notebook_folder.check(folder)
         # Each node's agent fills in its own environment, a run folder and its sys.path.
         context = KernelContext(kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
         task = make_task(sources=notebook_cells(cell), context=context)
         cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.loaders})
         request = ship(task, cell, to="ranks on the cluster's nodes")
         try:
+            package = self.cluster.packages.package(folder, self.notify)
             payload = NodePayload(request.task, request.shipment.data,
-                                  _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases)
+                                  _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases,
+                                  package)
         finally:
             request.close()
-        return ClusterPlan(ray_module().put(payload), task.loaders, request.holding)
+        return ClusterPlan(ray_module().put(payload), task.loaders, request.holding, folder)
 
     def start(self, plan: ClusterPlan, launch: Launch) -> "ClusterRanks":
         producers = sum(loader.producers for loader in plan.loaders)
@@ -94,7 +102,7 @@ class ClusterBackend:
         node_shares = (shares(launch.run_id, plan.loaders, [tuple(sorted(node)) for node in per_node[:self.nodes]],
                               placement.hosts, agents, [node.address for node in placement.nodes])
                        if plan.loaders else None)
-        group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares)
+        group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares, plan.folder)
         try:
             group.start(launch.run_id, per_node, plan.payload)
         except BaseException:
@@ -124,7 +132,7 @@ class ClusterRanks:
     """The controller's view of a run spread over nodes (the RankGroup contract)."""
 
     def __init__(self, cluster: Cluster, placement: Placement, agents: list[Any], notify: Callable[[str], object],
-                 shares: list[NodeShare] | None = None):
+                 shares: list[NodeShare] | None = None, folder: notebook_folder.Listing | None = None):
         self.cluster = cluster
         self.placement = placement
         self.agents = agents  # in node-rank order, then the nodes that host producers alone
@@ -132,6 +140,8 @@ class ClusterRanks:
         self.shares = shares  # each node's part in data delivery, when the cell uses registered loaders
         self.progress = RunProgress(shares) if shares else None
         self.alive: list[set[Key]] = [set() for _ in agents]
+        self.folder = folder  # the notebook's folder as it travelled with the run
+        self.told = ""  # the folder's fingerprint when a session's cell last said it changed
         self.closed = False
 
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
@@ -171,11 +181,26 @@ class ClusterRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
+        self._tell_if_the_folder_changed()
         chosen = set(ranks)
         tensors = ray_module().put(_read(fds[0], cell.tensors_size) if fds else b"")
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
         self._call(live, lambda index: self.agents[index].run_cell.remote(
             cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), tensors), CALL_SECONDS)
+
+    def _tell_if_the_folder_changed(self) -> None:
+        """A session's ranks keep the notebook's files they started with: an edit since then is
+        said once, not silently ignored."""
+        if self.folder is None:
+            return
+        try:
+            now = notebook_folder.listing(os.getcwd())
+        except (OSError, TaasUsageError):  # the folder went, or cannot be read: the ranks have theirs
+            return
+        changed = now.changed_since(self.folder)
+        if changed and now.fingerprint() != self.told:
+            self.told = now.fingerprint()
+            self.notify(notebook_folder.news_of_changes(changed))
 
     def answer(self, rank: Key, line: str | None) -> None:
         live = [index for index, keys in enumerate(self.alive) if rank in keys]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Mapping
 
 from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
+from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
 
@@ -41,7 +42,7 @@ CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
 FREE_SECONDS = 30.0  # how long Ray Client's kernel waits to learn which nodes are free
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
-AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), and pulls from other nodes
+AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), and other nodes asking where to connect
 
 
 def ray_module() -> Any:
@@ -136,6 +137,7 @@ class Cluster:
         self.last_placement: Placement | None = None
         self.idle_seconds = AGENT_IDLE_SECONDS
         self.owns_connection = False
+        self.packages = Packages()  # the notebook's folder, as packages in this cluster's GCS
 
     @classmethod
     def connect(cls, address: str, idle_seconds: float = AGENT_IDLE_SECONDS) -> "Cluster":
