@@ -66,11 +66,8 @@ initial = Transformer()
 data = torch.randint(0, 32, (3, 2, 4, 9))  # steps, ranks, sequences, tokens
 """
 
-
-def test_an_fsdp2_transformer_trained_in_two_ranks_comes_back_whole_and_equals_one_trained_unsharded(kernel):
-    kernel.execute(NOTEBOOK).ok()
-    result = kernel.execute("""%%taas --gpus 2 --device cpu
-import torch.distributed as dist, taas
+# The model of NOTEBOOK, sharded per block and on the root, with its optimizer: what a rank's cell starts with.
+SHARDED = """import torch.distributed as dist, taas
 from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 model = copy.deepcopy(initial)
@@ -78,6 +75,11 @@ for block in model.layers:
     fully_shard(block)
 fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+"""
+
+def test_an_fsdp2_transformer_trained_in_two_ranks_comes_back_whole_and_equals_one_trained_unsharded(kernel):
+    kernel.execute(NOTEBOOK).ok()
+    result = kernel.execute("%%taas --gpus 2 --device cpu\n" + SHARDED + """\
 losses = [train_step(model, optimizer, data[step, taas.rank()]) for step in range(3)]
 """, timeout=60).ok()
     assert result.stderr == ""
@@ -120,15 +122,7 @@ dist.destroy_process_group()
 def test_a_session_keeps_training_its_sharded_model_after_sending_it_back_whole(kernel):
     kernel.execute(NOTEBOOK).ok()
     try:
-        kernel.execute("""%%taas --gpus 2 --device cpu --keep
-import torch.distributed as dist, taas
-from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo")
-model = copy.deepcopy(initial)
-for block in model.layers:
-    fully_shard(block)
-fully_shard(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        kernel.execute("%%taas --gpus 2 --device cpu --keep\n" + SHARDED + """\
 losses = [train_step(model, optimizer, data[0, taas.rank()])]
 """, timeout=60).ok()
         assert kernel.value("type(model).__name__") == "Transformer"
