@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test bench bench-cluster bench-sessions bench-live-view screenshots clean
+.PHONY: demo test wheel-check test-min bench bench-cluster bench-sessions bench-live-view screenshots clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ test: $(VENV)/.installed
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests
+
+# The built wheel as users install it: in a fresh environment with its declared dependencies only, its kernel
+# registered and driven through a 2-rank cell, a fork-server cell, taas.register and %unload_ext
+# (.ci/wheel_check.py; CI runs it after `make test`). Leaves nothing behind.
+wheel-check: $(VENV)/.installed
+	$(PY) .ci/wheel_check.py
+
+# The dependency floors of pyproject.toml, tried: a temporary environment with each runtime dependency at its
+# floor runs the test suite, less the tests of optional extras (.ci/test_min; TESTS=... to choose).
+test-min:
+	PYTHON=$(PYTHON) .ci/test_min
 
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'

@@ -7,13 +7,15 @@
     <single-GPU training code, made distributed with init_process_group("nccl", init_method="env://")>
 
 Loading registers the `%%taas` / `%taas` magics and the transformer for `#!`/`#pragma taas`
-headers; unloading removes exactly those.
+headers; unloading removes exactly those. ``taas_magic.__version__`` is the installed version, which
+`%taas` shows on its first line.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from taas_magic.version import VERSION as __version__  # shown first by %taas
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
 from taas_magic.kernel.pragma import PragmaTransformer
@@ -23,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
            "load_ipython_extension", "unload_ipython_extension"]
-__version__ = "0.1.0"
 
 _loaded: dict[int, tuple[Any, PragmaTransformer]] = {}
 # The unloaded magics of each shell, until the next load takes them over or the cell ends. %reload_ext

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 from taas_magic.configurations import load_catalog
+from taas_magic.errors import TaasUsageError
 
 QUIET = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -60,7 +61,10 @@ class LocalCluster:
     """
 
     def __init__(self, nodes: Mapping[str, int], cpus_per_node: int = 1, client_port: int | None = None):
-        from ray.cluster_utils import Cluster
+        try:
+            from ray.cluster_utils import Cluster
+        except ImportError:
+            raise TaasUsageError("a local cluster needs Ray: pip install 'taas-magic[ray]'") from None
 
         catalog = load_catalog()
         shapes = [catalog.get(name) for name, count in nodes.items() for _ in range(count)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
+from taas_magic.version import VERSION
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options, reloading
@@ -66,6 +67,7 @@ class Defaults:
             device = f"invalid ({e})"
         names = ", ".join(catalog.names())
         return "\n".join([
+            f"taas-magic:          {VERSION}",
             "start:               fork from this kernel; the fork server once CUDA was used here",
             f"fork server:         {fork_server.describe()}",
             "session:             " + (session.describe() if session is not None else "none (--keep starts one)"),
