@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -220,3 +221,11 @@ def test_a_notebook_off_the_cluster_sends_its_folder_through_ray_client(cluster,
               f"print('uploaded', uri, packaging.package_exists(uri))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
     assert re.search(r"uploaded gcs://_ray_pkg_[0-9a-f]+\.zip True", done.stdout), done.stdout + done.stderr[-2000:]
+
+
+def test_shipping_the_notebook_s_folder_talked_beyond_loopback_to_nobody(cluster, peers):
+    """Last in this module: packing, uploading and unpacking the notebook's folder (and Ray Client's
+    upload) reached no peer beyond loopback but the machine's name server, as in test_cluster.py."""
+    time.sleep(0.3)  # one more sample
+    assert peers.thread.is_alive()
+    assert not [peer for peer in peers.outside if not peer[2].endswith(":53")], sorted(peers.outside)
