@@ -79,7 +79,8 @@ def each_rank(text: str) -> str:
 class Kernel:
     """A real ipykernel in its own process, with the extension loaded."""
 
-    def __init__(self, extra_env: dict[str, str] | None = None):
+    def __init__(self, extra_env: dict[str, str] | None = None,
+                 imports: str = "import torch, torch.distributed, os, sys, time"):
         env = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
         self.manager = KernelManager(kernel_name="python3")
         self.manager.start_kernel(env=env)
@@ -87,16 +88,17 @@ class Kernel:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
         self.pid = self.manager.provisioner.process.pid
-        self.execute("%load_ext taas_magic\nimport torch, torch.distributed, os, sys, time").ok()
+        self.execute(f"%load_ext taas_magic\n{imports}").ok()
 
     def execute(self, code: str, timeout: float = 90, interrupt_after: float | tuple[float, ...] | None = None,
                 answers: list[str] | None = None, think: float = 0.0) -> CellResult:
-        """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds (several
-        times: a tuple); ``answers``: lines typed, in order, when the cell asks for input (Jupyter's
-        stdin requests, as a front end answers them; their prompts go to ``prompts``); ``think``: seconds
-        a person takes to type each answer."""
+        """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds after the cell
+        began (several times: a tuple); ``answers``: lines typed, in order, when the cell asks for input
+        (Jupyter's stdin requests, as a front end answers them; their prompts go to ``prompts``);
+        ``think``: seconds a person takes to type each answer."""
         result = CellResult()
         started = time.monotonic()
+        began = None  # when the kernel said it runs the cell: an interrupt before that is lost by any kernel
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
         asked: list[float] = []  # when the unanswered input request came
@@ -105,13 +107,14 @@ class Kernel:
         while True:
             if answers is not None:
                 self._answer(result, pending, asked, think)
-            wait = min(0.2, max(0.001, started + interrupts[0] - time.monotonic())) if interrupts else 0.2
+            due = began + interrupts[0] - time.monotonic() if interrupts and began is not None else 0.2
             try:
-                msg = self.client.get_iopub_msg(timeout=wait)  # an interrupt is sent on time, not on the next message
+                # an interrupt is sent on time, not on the next message
+                msg = self.client.get_iopub_msg(timeout=min(0.2, max(0.001, due)))
             except queue.Empty:
                 msg = None
             now = time.monotonic()
-            while interrupts and now - started >= interrupts[0]:
+            while interrupts and began is not None and now - began >= interrupts[0]:
                 self.manager.interrupt_kernel()
                 interrupts.pop(0)
             if now - started > timeout:
@@ -119,6 +122,8 @@ class Kernel:
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
+            if kind == "execute_input":
+                began = now
             if kind == "stream":
                 result.streams.append((content["name"], content["text"], now - started))
             elif kind == "error":

@@ -34,7 +34,7 @@ from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
-from taas_magic.process import cell_files, machine
+from taas_magic.process import cell_files, containment, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
@@ -354,8 +354,13 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
 
 
 def _import_torch_once() -> None:
-    """Ranks need torch; importing it here once lets every forked rank share it for free."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
+    """Ranks need torch; importing it here once lets every forked rank share it for free.
+
+    The import is whole or not at all: an interrupt waits for its end (a second or two, the first time).
+    Cut short, torch stays half-initialised in ``sys.modules``, and the next ``import torch`` crashes
+    the kernel (SIGSEGV) or swallows the interrupt, so the cell runs on as if none came."""
+    with containment.HeldInterrupts():
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
 
     plugins.find()  # once per kernel, and again after packages changed

@@ -30,6 +30,7 @@ from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
 from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
+from taas_magic.process import containment
 
 ENV_VAR = "TAAS_CLUSTER"
 IDLE_VAR = "TAAS_CLUSTER_IDLE"
@@ -46,9 +47,10 @@ AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), an
 
 
 def ray_module() -> Any:
-    """Ray, imported quietly: in a notebook it warns about widgets that taas does not use."""
+    """Ray, imported quietly: in a notebook it warns about widgets that taas does not use. Whole or
+    not at all, as torch is (kernel/runner.py): an interrupt waits for the import's end."""
     logging.getLogger("ray.widgets").setLevel(logging.WARNING)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), containment.HeldInterrupts():
         warnings.simplefilter("ignore")
         try:
             import ray
