@@ -16,6 +16,8 @@ import psutil
 import pytest
 from jupyter_client.manager import KernelManager
 
+pytest_plugins = ["cluster_fixtures"]  # the Ray cluster that cluster tests share
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # hides every GPU from a kernel, whatever the machine has
 

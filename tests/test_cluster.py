@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 
 import psutil
@@ -23,93 +22,8 @@ from notebook_values import KINDS, SETUP, unpicklable
 
 ray = pytest.importorskip("ray")
 
-from taas_magic.local_cluster import LocalCluster
-
-CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
 INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
-
-
-class PeerWatch:
-    """Every connection with a peer beyond loopback that any process started from this one (the
-    cluster's raylets and workers, agents, fork servers, ranks, kernels) has, sampled every 0.1 s
-    from before the cluster starts: a usage report or a cloud metadata probe would show up."""
-
-    def __init__(self) -> None:
-        self.outside: set[tuple[int, str, str]] = set()
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _watch(self) -> None:
-        me = psutil.Process()
-        while not self.stopped.wait(0.1):
-            ours = {p.pid: p for p in me.children(recursive=True)}
-            for connection in psutil.net_connections(kind="inet"):
-                if connection.pid in ours and connection.raddr and not _loopback(connection.raddr.ip):
-                    self.outside.add((connection.pid, _command(ours[connection.pid]),
-                                      f"{connection.raddr.ip}:{connection.raddr.port}"))
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-
-def _command(process: psutil.Process) -> str:
-    try:
-        return " ".join(process.cmdline())[:160]
-    except psutil.Error:
-        return "?"
-
-
-def _loopback(ip: str) -> bool:
-    return ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1") or ip.startswith("::ffff:127.")
-
-
-@pytest.fixture(scope="module")
-def peers():
-    watch = PeerWatch()
-    yield watch
-    watch.stop()
-
-
-@pytest.fixture(scope="module")
-def shared_modules(tmp_path_factory):
-    """A folder of Python modules that the nodes and the kernel import from (on $PYTHONPATH), as
-    code on a shared file system would be: the notebook's own files do not travel to the nodes."""
-    folder = tmp_path_factory.mktemp("shared_modules")
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), saved]))
-    yield folder
-    if saved is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = saved
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, peers, shared_modules):
-    config = tmp_path_factory.mktemp("cluster") / "configurations.yaml"
-    config.write_text(CONFIG)
-    saved = os.environ.get("TAAS_CONFIG")
-    os.environ["TAAS_CONFIG"] = str(config)
-    local = LocalCluster({"c1.4": 1, "t.2": 2}, client_port=_free_port())
-    try:
-        yield local, str(config)
-    finally:
-        local.shutdown()
-        if saved is None:
-            os.environ.pop("TAAS_CONFIG", None)
-        else:
-            os.environ["TAAS_CONFIG"] = saved
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.2", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -318,19 +232,21 @@ taas.register(slow)
 
 @pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
 def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
-    """Ray Client (ray://HOST:PORT): the same cells, warm agents, delivery and node list; the
-    connected kernel (cluster_kernel) stays idle meanwhile."""
+    """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel
+    uploads it without holding the package: that call would wait forever through Ray Client), warm
+    agents, delivery and node list; the connected kernel (cluster_kernel) stays idle meanwhile."""
     local, config = cluster
     pytest.importorskip("grpc")  # ray[client]
     k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
     try:
+        (tmp_path / "clientmod.py").write_text("VALUE = 3\n")  # the notebook's folder goes up through Ray Client
         k.execute(f"os.chdir({str(tmp_path)!r})").ok()
         r = k.execute(f"%taas cluster {local.client_address}", timeout=120).ok()
         assert f"connected to the Ray cluster at {local.client_address}: 3 nodes" in r.stdout
         assert re.search(r"t\.2: 2 nodes \(2 free, 0 with a warm agent\)", r.stdout), r.stdout
-        k.execute(HEADER + INIT + "x = torch.ones(1)\ndist.all_reduce(x)\ntotal = int(x.item())\n"
-                  "dist.destroy_process_group()", timeout=240).ok()
-        assert k.value("total") == 4
+        k.execute(HEADER + INIT + "import clientmod\nx = torch.ones(1) * clientmod.VALUE\ndist.all_reduce(x)\n"
+                  "total = int(x.item())\ndist.destroy_process_group()", timeout=240).ok()
+        assert k.value("total") == 12
         warm = k.execute(HEADER + "pass", timeout=60).ok()
         assert warm.seconds < 5, warm.seconds  # about 0.3 s on an idle 2-core machine
         k.execute(DATA).ok()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -26,7 +24,7 @@ ray = pytest.importorskip("ray")
 
 from taas_magic.errors import TaasUsageError  # noqa: E402
 from taas_magic.launch.cluster import notebook_folder  # noqa: E402
-from test_cluster import HEADER, cluster, leftovers, peers, shared_modules  # noqa: E402,F401  (fixtures)
+from test_cluster import HEADER, leftovers  # noqa: E402
 
 SHOW = """import mymod
 print('module', mymod.VALUE, mymod.__file__, open('data.txt').read().strip().replace(chr(10), '|'), flush=True)
@@ -208,19 +206,6 @@ def test_a_folder_of_too_many_files_is_refused_naming_where_they_are(tmp_path, m
         notebook_folder.check(notebook_folder.listing(str(tmp_path)))
     assert str(raised.value).startswith(f"the notebook's folder {tmp_path} has more than 5 files to send to the "
                                         "cluster's nodes; the most are in many/ (4 files), top0 (1 file): list")
-
-
-def test_a_notebook_off_the_cluster_sends_its_folder_through_ray_client(cluster, tmp_path):
-    """Through Ray Client the kernel uploads without holding the package (that call would wait forever)."""
-    local, _ = cluster
-    (tmp_path / "mymod.py").write_text("VALUE = 3\n")
-    script = (f"import ray\nfrom taas_magic.launch.cluster import notebook_folder as nf\n"
-              f"from ray._private.runtime_env import packaging\n"
-              f"ray.init({local.client_address!r}, logging_level='ERROR', log_to_driver=False)\n"
-              f"uri = nf.Packages().package(nf.listing({str(tmp_path)!r}), print)\n"
-              f"print('uploaded', uri, packaging.package_exists(uri))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
-    assert re.search(r"uploaded gcs://_ray_pkg_[0-9a-f]+\.zip True", done.stdout), done.stdout + done.stderr[-2000:]
 
 
 def test_shipping_the_notebook_s_folder_talked_beyond_loopback_to_nobody(cluster, peers):
