@@ -645,7 +645,10 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
         assert idle and not [p for p in idle if _alive(p)], "agents unused for TAAS_CLUSTER_IDLE seconds leave"
         k.execute(HEADER + "print('new agents', flush=True)", timeout=240).ok()
         k.client.execute(HEADER + "time.sleep(600)")
-        time.sleep(3)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(_ranks()) < 4:  # the cell's ranks are starting
+            time.sleep(0.2)
+        time.sleep(0.5)  # and have started
         agents = [p for p in _agents() if p.pid not in others]
         ranks = _ranks()
         assert len(agents) == 2 and len(ranks) >= 4, ranks
