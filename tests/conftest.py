@@ -240,6 +240,15 @@ def fresh_kernel():
     k.shutdown()
 
 
+@pytest.fixture
+def bare_kernel():
+    """A kernel that has loaded the extension and imported neither torch nor Ray: what taas imports
+    for the user, in its first cell or its first connection to a cluster, is still to come."""
+    k = Kernel(imports="import sys")
+    yield k
+    k.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_children(request):
     """After every test that used a kernel still alive, that kernel has no child processes left."""

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import Kernel, processes_of_run
+from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
 
@@ -50,37 +50,30 @@ print("OLD{n} done", flush=True)
     kernel.execute("del slow").ok()
 
 
-def test_an_interrupt_while_the_first_cell_imports_torch_stops_it_and_leaves_torch_whole():
+def test_an_interrupt_while_the_first_cell_imports_torch_stops_it_and_leaves_torch_whole(bare_kernel):
     """The first taas cell of a kernel that has not imported torch imports it, for a second or two. An
     interrupt then stops the cell once the import is whole: cut short, torch would stay half-imported,
     and the next ``import torch`` would crash the kernel or swallow the interrupt."""
-    fresh = Kernel(imports="import sys")
-    try:
-        assert fresh.value("'torch' in sys.modules") is False
-        result = fresh.execute("#pragma taas --gpus 2 --start fork\nlate_name = 1", interrupt_after=0.15, timeout=60)
-        assert result.error is not None and result.error["ename"] == "KeyboardInterrupt", result.error
-        assert fresh.value("('torch' in sys.modules, 'late_name' in globals())") == (True, False), \
-            "the interrupt came while torch was imported, and waited for the import's end"
-        assert fresh.execute("import torch\nprint(torch.ones(3).sum().item())").ok().stdout == "3.0\n"
-        assert fresh.execute("#pragma taas --gpus 2 --start fork --output rank0\nprint('next')").ok().stdout == "next\n"
-    finally:
-        fresh.shutdown()
+    assert bare_kernel.value("'torch' in sys.modules") is False
+    result = bare_kernel.execute("#pragma taas --gpus 2 --start fork\nlate_name = 1", interrupt_after=0.15, timeout=60)
+    assert result.error is not None and result.error["ename"] == "KeyboardInterrupt", result.error
+    assert bare_kernel.value("('torch' in sys.modules, 'late_name' in globals())") == (True, False), \
+        "the interrupt came while torch was imported, and waited for the import's end"
+    assert bare_kernel.execute("import torch\nprint(torch.ones(3).sum().item())").ok().stdout == "3.0\n"
+    next_cell = "#pragma taas --gpus 2 --start fork --output rank0\nprint('next')"
+    assert bare_kernel.execute(next_cell).ok().stdout == "next\n"
 
 
-def test_an_interrupt_while_taas_cluster_imports_ray_stops_it_and_leaves_ray_whole():
+def test_an_interrupt_while_taas_cluster_imports_ray_stops_it_and_leaves_ray_whole(bare_kernel):
     """`%taas cluster ADDRESS` imports Ray first (seconds): an interrupt then waits for the import's end."""
     pytest.importorskip("ray")
-    fresh = Kernel(imports="import sys")
-    try:
-        assert fresh.value("'ray' in sys.modules") is False
-        result = fresh.execute("%taas cluster 127.0.0.1:9", interrupt_after=0.2, timeout=60)
-        assert result.error is not None and result.error["ename"] == "KeyboardInterrupt", result.error
-        assert fresh.value("'ray' in sys.modules") is True, "the interrupt waited for the import's end"
-        assert fresh.execute("import ray\nprint(callable(ray.init))").ok().stdout == "True\n"
-        refused = fresh.execute("%taas cluster 127.0.0.1:9", timeout=60)
-        assert refused.error["ename"] == "TaasUsageError" and "127.0.0.1:9" in refused.error["evalue"], refused.error
-    finally:
-        fresh.shutdown()
+    assert bare_kernel.value("'ray' in sys.modules") is False
+    result = bare_kernel.execute("%taas cluster 127.0.0.1:9", interrupt_after=0.2, timeout=60)
+    assert result.error is not None and result.error["ename"] == "KeyboardInterrupt", result.error
+    assert bare_kernel.value("'ray' in sys.modules") is True, "the interrupt waited for the import's end"
+    assert bare_kernel.execute("import ray\nprint(callable(ray.init))").ok().stdout == "True\n"
+    refused = bare_kernel.execute("%taas cluster 127.0.0.1:9", timeout=60)
+    assert refused.error["ename"] == "TaasUsageError" and "127.0.0.1:9" in refused.error["evalue"], refused.error
 
 
 def test_an_interrupt_that_lands_in_fork_callbacks_or_while_ranks_start_stops_the_run_at_once(kernel):
