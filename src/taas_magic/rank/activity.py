@@ -66,9 +66,14 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
     now = time.time_ns()
     inside = []
     for entry in trace["entries"]:
-        if entry.get("retired") or entry.get("state") == "completed":
-            continue
         p2p = bool(entry.get("is_p2p"))
+        if entry.get("retired") or entry.get("state") == "completed":
+            # the group's counter can lag its last collective's entry: a rank that then stood still
+            # would be said to be one collective behind where it is
+            group = str(entry["process_group"][0])
+            if not p2p and group in finished:
+                finished[group] = max(finished[group], int(entry["collective_seq_id"]))
+            continue
         inside.append(Collective(
             group=str(entry["process_group"][0]), seq=int(entry["p2p_seq_id" if p2p else "collective_seq_id"]),
             op=str(entry["profiling_name"]).split(":", 1)[-1], shapes=[list(s) for s in entry["input_sizes"]],
