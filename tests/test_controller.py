@@ -102,7 +102,7 @@ def test_a_rank_stopped_by_taas_is_not_reported_as_a_failure():
     with pytest.raises(RankFailed) as caught:
         run(group)
     assert str(caught.value) == "rank 1 failed: killed by signal SIGSEGV"
-    assert "stopped by taas after the failure: rank 0" in caught.value.lines
+    assert "stopped after the failure: rank 0" in caught.value.lines
 
 
 def test_a_rank_that_exited_0_mid_cell_is_named_before_the_failure_it_caused():
@@ -129,7 +129,7 @@ def test_a_rank_that_finished_its_cell_or_was_stopped_by_taas_is_not_said_to_hav
     with pytest.raises(RankFailed) as caught:
         run(stopped)
     lines = "\n".join(caught.value.lines)
-    assert "before rank 1 failed" not in lines and "stopped by taas after the failure: rank 0" in lines
+    assert "before rank 1 failed" not in lines and "stopped after the failure: rank 0" in lines
 
 
 def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():

@@ -52,9 +52,37 @@ dist.all_reduce(torch.ones(1))  # ranks 0 and 2 block here, waiting for rank 1
     assert "check(dist.get_rank())" in tb and "raise ValueError(f'bad value {x}')" in tb
     assert re.search(r"line 6", tb), "line numbers are the cell's own"
     assert "taas_magic" not in tb and "worker.py" not in tb
-    assert "stopped by taas after the failure: ranks 0,2" in tb
+    assert "stopped after the failure: ranks 0,2" in tb
     assert processes_of_run(run_id_of(result)) == []
     assert kernel.execute("print('still usable')").ok().stdout == "still usable\n"
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_peers_whose_collective_a_failure_broke_read_the_same_in_every_run(kernel, world):
+    """gloo breaks the peers' all_reduce the moment rank 1 exits; whether taas sees that exit or the peers'
+    own errors first must not change a word of the report, nor a row of the view."""
+    kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
+    others = ",".join(str(rank) for rank in range(world) if rank != 1)
+    for _ in range(6):
+        result = kernel.execute(f"""#pragma taas --gpus {world}
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    check(dist.get_rank())
+dist.all_reduce(torch.ones(1))
+""", timeout=40)
+        tb = result.traceback
+        assert result.error["evalue"] == "rank 1 failed: ValueError: bad value 1", tb
+        after = tb.splitlines()[tb.splitlines().index("ValueError: bad value 1") + 1:]
+        peers = "0,2" if world == 3 else "0,2-3"
+        assert after[:3] == [f"stopped after the failure: ranks {peers}", "where they were when rank 1 failed:",
+                             f"ranks {peers}: in all_reduce:"], tb
+        assert "also failed" not in tb and "Connection" not in tb and "pair.cc" not in tb, tb
+        rows = [line.split()[:3] for line in result.displays[-1]["text/plain"].splitlines()[1:]]
+        assert rows == [["rank", str(rank), "failed" if rank == 1 else "stopped"] for rank in range(world)], rows
+        broken = kernel.value("sorted(sys.last_value.peer_errors)")
+        assert set(broken) <= {int(rank) for rank in others.split(",")}
+        assert all("Connection" in error for error in kernel.value("list(sys.last_value.peer_errors.values())"))
 
 
 def test_when_several_ranks_fail_the_first_is_shown_and_the_others_listed(kernel):

@@ -150,6 +150,34 @@ def test_an_interrupt_while_ranks_take_the_cell_in_stops_it_before_its_code(kern
         stop(kernel)
 
 
+@pytest.mark.parametrize("options, cell, late", [
+    ("--timeout 2", "if mine == 0:\n    dist.barrier()\nelse:\n    time.sleep(30)", "ranks 0-1"),
+    ("--timeout 2 --ranks 0", "dist.barrier()  # rank 1 is not in the cell", "rank 0"),
+    ("--hang-after 2 --timeout 4", "if mine == 0:\n    dist.barrier()\nelse:\n    time.sleep(30)", "ranks 0-1"),
+], ids=["both", "ranks-0", "hang-after"])
+def test_a_session_cell_that_times_out_says_so_before_the_session_ends(kernel, options, cell, late):
+    """taas, not the user, interrupted the cell: the error says the time ran out first, the rank that left
+    on taas's interrupt is not called failed, and the live view becomes the summary."""
+    first = kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute(f"#pragma taas {options}\nimport time\n{cell}", timeout=60)
+    timeout = options.split("--timeout ")[1].split()[0]
+    assert r.error["ename"] == "SessionEnded", r.traceback
+    assert r.error["evalue"].startswith(f"--timeout {timeout} s elapsed: {late} still running, interrupted by taas; "
+                                        "taas: the session ended: rank 0 did not leave the interrupted cell"), r.error
+    lines = r.traceback.splitlines()
+    assert lines[0] == f"taas: --timeout {timeout} s elapsed: {late} still running, interrupted by taas", lines
+    assert lines[1].startswith("taas: the session ended: rank 0 did not leave the interrupted cell within 5 s")
+    assert "failed" not in r.traceback and "KeyboardInterrupt" not in r.traceback, r.traceback
+    if late == "ranks 0-1":
+        assert "rank 1: was interrupted by taas" in lines, r.traceback
+    summary = r.displays[-1]["text/plain"].splitlines()
+    assert re.fullmatch(r"taas: \d ranks? on cpu · timed out after [\d.]+ s", summary[0]), summary
+    assert all(row.split()[2] == "stopped" for row in summary[1:]), summary
+    assert r.display_messages[-1][0] == "update_display_data" and "running" not in str(r.displays[-1]), r.displays[-1]
+    assert gone(pids(first).values(), 5)
+    assert "session:             none" in kernel.execute("%taas").ok().stdout
+
+
 def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_its_stack(kernel):
     first = kernel.execute(START.format(start="fork")).ok()
     r = kernel.execute("#pragma taas --ranks 0\ndist.barrier()  # rank 1 is not in the cell", interrupt_after=1.5)

@@ -60,5 +60,5 @@ def test_an_interrupt_or_a_failure_while_workers_run_leaves_no_folders(private_t
     assert "KeyboardInterrupt" in result.traceback
     result = kernel.execute("#pragma taas --gpus 2\nfor i, b in enumerate(slow):\n    if i == 5:\n"
                             "        raise ValueError('stop here')", timeout=30)
-    assert "stop here" in result.error["evalue"], "the producers are stopped by taas after the failure"
+    assert "stop here" in result.error["evalue"], "the producers are stopped after the failure"
     assert left_behind(kernel, folder) == []

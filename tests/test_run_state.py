@@ -116,7 +116,7 @@ def test_a_failure_stops_the_others_with_sigterm_then_sigkill_3_s_later():
     assert isinstance(error, RankFailed) and str(error) == "rank 1 failed: ValueError: x"
     assert error.lines == [f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}",
                            f"{BOLD}rank 1's traceback:{RESET}", "tb at 0.5",
-                           "stopped by taas after the failure: rank 0"]
+                           "stopped after the failure: rank 0"]
 
 
 def test_an_interrupt_escalates_and_another_skips_to_the_next_signal():
@@ -327,7 +327,7 @@ def test_a_failure_shows_where_the_ranks_it_stopped_were_waiting():
     state.exited(0, -signal.SIGTERM, 1.6)
     error = render.error(state.result(), {CELL: "Cell In[2]"})
     assert isinstance(error, RankFailed)
-    assert error.lines[3:] == ["stopped by taas after the failure: rank 0",
+    assert error.lines[3:] == ["stopped after the failure: rank 0",
                                f"{BOLD}where they were when rank 1 failed:{RESET}",
                                "rank 0: in all_reduce #5 (4 KB float32) for 3 s:",
                                "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
@@ -343,7 +343,7 @@ def test_a_failure_does_not_show_where_ranks_that_were_not_waiting_were():
     state.stacks_taken(asked, {0: dump((CELL, 3, "<module>"))}, 1.5, {0})
     state.exited(0, -signal.SIGTERM, 1.6)
     error = render.error(state.result(), {CELL: "Cell In[2]"})
-    assert isinstance(error, RankFailed) and error.lines[-1] == "stopped by taas after the failure: rank 0"
+    assert isinstance(error, RankFailed) and error.lines[-1] == "stopped after the failure: rank 0"
 
 
 def test_an_interrupt_shows_where_the_ranks_were():
@@ -457,7 +457,7 @@ def test_ranks_that_do_not_leave_an_interrupted_cell_in_5_s_end_the_session_with
     assert str(error) == ("rank 1 failed: ValueError: x; taas: the session ended: rank 0 did not leave the "
                           "interrupted cell within 5 s (a collective waits for its peers there, or the code ignores "
                           "interrupts)")
-    assert "stopped by taas after the failure: rank 0" in error.lines
+    assert "stopped after the failure: rank 0" in error.lines
     assert error.lines[-5:] == [f"{BOLD}where they were:{RESET}",
                                 "rank 0: in all_reduce:",
                                 "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",

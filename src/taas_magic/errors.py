@@ -49,7 +49,15 @@ class TaasRunError(RuntimeError):
 
 
 class RankFailed(TaasRunError):
-    """At least one rank failed; the first failure is the root cause shown."""
+    """At least one rank failed; the first failure is the root cause shown.
+
+    ``peer_errors``: what the ranks broken by that failure raised themselves (rank -> "Type: message"),
+    which the cell does not show: gloo's "Connection closed by peer" says nothing the root cause does not.
+    """
+
+    def __init__(self, message: str, lines: list[str], peer_errors: dict[int, str] | None = None):
+        super().__init__(message, lines)
+        self.peer_errors = dict(peer_errors or {})
 
 
 class RunTimedOut(TaasRunError):

@@ -98,8 +98,10 @@ def _attempt(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], launch: Lau
         group = backend.start(plan, launch)
         try:
             pump = Pump(group, state, output, write, read_line, cell_names, view, status)
-            pump.until_over()
-            pump.show_summary()
+            try:
+                pump.until_over()
+            finally:
+                pump.show_summary()  # whatever ended the run: no view is left saying "running"
         finally:
             if state.paused and keep_paused is not None and group.running() == state.paused:
                 keep_paused(group, min(state.paused))
@@ -153,10 +155,16 @@ class Pump:
         self._do(self.state.interrupt(time.monotonic(), self.group.running()))
 
     def show_summary(self) -> None:
-        """The live view, once the run is over: its summary."""
-        if self.view is not None and self.status is not None:
-            self.status(self.view.summary(self.state.result().seen_as.value, time.monotonic() - self.state.started),
-                        True)
+        """The live view, once the run is over, whatever ended it: its summary, each row as the result says.
+        Called in ``finally``: a failure to draw it (the front end gone) must not hide why the run ended."""
+        if self.view is None or self.status is None:
+            return
+        try:
+            result = self.state.result()
+            self.view.settle({**{f.rank: "stopped" for f in result.broken}, **{f.rank: "failed" for f in result.failures}})
+            self.status(self.view.summary(result.seen_as.value, time.monotonic() - self.state.started), True)
+        except Exception:
+            pass  # the cell's error says how the run ended; the view's last drawing stays
 
     def _step(self) -> None:
         self._take_events(POLL_SECONDS)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from taas_magic.wire.events import Key
 from taas_magic.kernel.hang import computing, describe
@@ -163,8 +163,8 @@ class RunView:
         elif isinstance(record, CellEnded):
             row.state = "done"
             return True
-        elif isinstance(record, Failed):
-            row.state = "stopped" if record.interrupted else "failed"
+        elif isinstance(record, Failed):  # one whose peer went away is stopped by that: the summary settles it
+            row.state = "stopped" if record.interrupted or record.peer_lost else "failed"
             return True
         else:
             return False
@@ -186,6 +186,15 @@ class RunView:
         if row is not None and row.state in ("starting", "running"):
             row.state = state
             self.changed = True
+
+    def settle(self, states: Mapping[Key, str]) -> None:
+        """The rows' states as the run's result judged them, whichever event came first: a rank that failed
+        on its own is failed, one broken by that failure stopped."""
+        for key, state in states.items():
+            row = self.ranks.get(key) if isinstance(key, int) else None
+            if row is not None and row.state != state:
+                row.state = state
+                self.changed = True
 
     def _take_delivery(self, record: DeliveryProgress) -> bool:
         row = self.loaders.get(record.loader)
@@ -216,7 +225,7 @@ class RunView:
     def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
         """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""
         caption = f"taas: {self.title} · {outcome} {'in' if outcome == 'done' else 'after'} {elapsed:.1f} s"
-        rows = [(f"rank {rank}", row.state, _peak_memory(row), " · ".join(
+        rows = [(f"rank {rank}", _over(row.state), _peak_memory(row), " · ".join(
             part for part in (row.throughput(), row.progress_text(live=False)) if part), str(rank))
                 for rank, row in self.ranks.items()]
         return self._bundle("summary", caption, rows, self._extra_rows())
@@ -241,6 +250,12 @@ class RunView:
     def _bundle(self, state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
                 extra: list[tuple[str, str, str, str, str]]) -> dict[str, str]:
         return {"text/plain": _text(caption, rows + extra), "text/html": _html(state, caption, rows, extra)}
+
+
+def _over(state: str) -> str:
+    """A row's state once the run is over: one that had not said how it ended was stopped with the run
+    (a session that ended, the run's processes lost)."""
+    return "stopped" if state in ("starting", "running") else state
 
 
 def _memory(row: _RankRow) -> str:

@@ -32,7 +32,7 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
         if result.policy.keep:
             lines.append(f"taas: the session goes on (%taas debug opens the debugger in "
                          f"{name(result, result.failures[0].rank)} at the error)")
-        return RankFailed(message, lines)
+        return RankFailed(message, lines, {f.rank: summary(f) for f in result.broken if isinstance(f.rank, int)})
     if result.outcome is Outcome.TIMED_OUT:
         return RunTimedOut(*timed_out(result, cell_names))
     if result.outcome is Outcome.INTERRUPTED:
@@ -66,14 +66,16 @@ def failure(result: RunResult, others_were: str,
     others = _alike_failures(result, [f for f in failures[1:] if f.rank not in alike])
     if len(alike) > 1 and not root.details:
         others.insert(0, f"{names(result, alike[1:])} ({summary(root)})")
-    stopped = sorted(result.stopped - {f.rank for f in failures}, key=key_order)
+    broken = {f.rank for f in result.broken}
+    stopped = sorted((result.stopped | broken) - {f.rank for f in failures}, key=key_order)
     if others:
         lines.append(f"also failed, after {who}: " + "; ".join(others))
     if stopped:
-        lines.append(f"{others_were} by taas after the failure: {names(result, stopped)}")
-        stuck = [_as_stuck(p, who) for p in result.where if p.key in stopped and _stuck(p)]
-        if stuck:
-            lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(stuck, cell_names or {},
+        lines.append(f"{others_were} after the failure: {names(result, stopped)}")
+        peers = [_peer_place(p, who, result.records.get(p.key)) if p.key in broken or _reporting(p) else p
+                 for p in result.where if p.key in stopped]
+        if any(_stuck(p) for p in peers):  # some waited for it: where each was says for what
+            lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(peers, cell_names or {},
                                                                                       result.ranks_per_node)
     return plain(message), lines
 
@@ -105,12 +107,19 @@ def _reporting(process: Process) -> bool:
     return " in _failure" in process.stack
 
 
-def _as_stuck(process: Process, failed: str) -> Process:
-    """A gloo peer whose collective broke as the failed rank exited is already reporting that: its stack
-    shows taas formatting the error, so it is said where its last sample saw it, until then."""
-    if not _reporting(process):
+def _peer_place(process: Process, failed: str, record: CellEnded | Failed | None) -> Process:
+    """A peer whose collective broke as the failed rank exited: where its error came (the frames its record
+    carries), else where its last sample saw it, until then. A stack taken while it was reporting that error
+    shows taas formatting it, which says nothing of where it waited."""
+    if isinstance(record, Failed) and record.stack:
+        return dataclasses.replace(process, stack=record.stack, ended="")
+    if process.stack and not _reporting(process):
         return process
-    return dataclasses.replace(process, stack="", ended=f"{doing(process)}, until {failed} exited")
+    sampled = dataclasses.replace(process, stack="", ended="")
+    activity = sampled.activity
+    if sampled.collective() is None and not (activity and (activity.waiting or activity.setup is not None)):
+        return dataclasses.replace(sampled, ended=f"its collective broke as {failed} exited")
+    return dataclasses.replace(sampled, ended=f"{doing(sampled)}, until {failed} exited")
 
 
 def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, list[str]]:
@@ -168,6 +177,10 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
     if result.failures:  # why they were interrupted: the failure comes first
         failed, failed_lines = failure(result, "stopped")  # the session ends: every rank is stopped
         return SessionEnded(f"{failed}; {message}", failed_lines + lines)
+    if result.late is not None:  # taas interrupted the cell because the time ran out: that first
+        late = sorted(result.late, key=key_order)
+        timeout = f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, interrupted by taas"
+        return SessionEnded(f"{timeout}; {message}", [f"{RED}{BOLD}taas: {timeout}{RESET}"] + lines)
     return SessionEnded(message, lines)
 
 

@@ -36,6 +36,9 @@ VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a v
 # taas sees a death a moment after it happened (its supervisor reaps it, the pump reads the event): a peer
 # that failed because of it (its channel broke) may have caught its error before that moment.
 SEEN_LATE = 0.25
+# A process whose error says a peer went away (``Failed.peer_lost``) is broken by a failure that came before it,
+# or this little after: the clocks of a cluster's nodes, and the moment taas saw a death, are this far apart.
+PEER_SLACK = 1.0
 
 Step = tuple[float, int]  # (seconds after the stop began, signal to send)
 
@@ -94,7 +97,7 @@ class Policy:
     pauses: bool  # --debug keeps the first rank that raised, paused at its error
     order: tuple[Outcome, ...]  # which outcome the cell reports when several happened, the first that did
     notices: tuple[Notice, ...]  # the notices said after the cell
-    others_were: str  # what taas did to the other ranks after a failure, as its message says it
+    others_were: str  # what became of the other ranks after a failure, as its message says it
     timeout_end: str  # how the message of --timeout ends
 
 
@@ -124,7 +127,7 @@ SESSION = Policy(
     pauses=False,
     order=(Outcome.FAILED, Outcome.TIMED_OUT, Outcome.INTERRUPTED),
     notices=(Notice.DELIVERY,),
-    others_were="interrupted",
+    others_were="interrupted by taas",
     timeout_end="now interrupted; the session goes on",
 )
 
@@ -210,6 +213,7 @@ class Failure:
     raised: tuple[str, str] | None = None  # (exception type, message)
     code: int = 0  # the exit status of a process that ended without a record
     interrupted: bool = False  # what it raised was a KeyboardInterrupt
+    peer_lost: bool = False  # what it raised says another process of the run went away
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ class RunResult:
     policy: Policy
     outcome: Outcome
     failures: tuple[Failure, ...]  # the processes that failed on their own, the first (the root cause) first
+    broken: tuple[Failure, ...]  # those whose error only says a process of ``failures`` went away: not their own
     results: Mapping[int, bytes]  # each sending rank's pickled names (rank 0's unless --from said others)
     skipped: Mapping[int, Mapping[str, str]]  # each sending rank's names that could not be sent back, and why
     records: Mapping[Key, CellEnded | Failed]  # how each process's cell ended
@@ -249,8 +254,10 @@ class RunResult:
     @property
     def seen_as(self) -> Outcome:
         """How the ranks' work ended, as the live view's summary says it: an interrupt first, then the
-        time, then a failure (a session cell reports a failure first, its view an interrupt)."""
-        return _outcome(ONE_SHOT.order, self.interrupted, self.late is not None, bool(self.failures))
+        time, then a failure (a session cell reports a failure first, its view an interrupt); a session
+        that ended for none of these says so."""
+        seen = _outcome(ONE_SHOT.order, self.interrupted, self.late is not None, bool(self.failures))
+        return Outcome.SESSION_ENDED if seen is Outcome.DONE and self.end is not None else seen
 
 
 # -- the machine ----------------------------------------------------------------------------------
@@ -285,6 +292,7 @@ class _Ledger:
     saves_skipped: dict[str, set[Key]] = field(default_factory=dict)
     saved_on_nodes: list[SavedOnNode] = field(default_factory=list)
     exits: dict[Key, tuple[int, float]] = field(default_factory=dict)  # exit status, when taas saw it
+    own_deaths: set[Key] = field(default_factory=set)  # stopped, but killed by a signal taas had not sent
     tails: dict[Key, tuple[str, ...]] = field(default_factory=dict)  # the last stderr lines of those that exited
 
 
@@ -372,6 +380,8 @@ class RunState:
         if not self.policy.keep:
             self.ledger.exits[key] = (code, now)
             self.ledger.tails[key] = tuple(tail)
+            if key in self.stopped and code < 0 and -code not in self._signals_sent():
+                self.ledger.own_deaths.add(key)  # it died before taas's signal reached it (a crash, the OOM killer)
             return [MarkEnded(key, "stopped" if key in self.stopped else "failed" if code else "done")]
         if isinstance(key, Producer):
             if code == 0:
@@ -519,6 +529,10 @@ class RunState:
             actions.append(TakeStacks(self._targets(), Why.STUCK))
         return actions
 
+    def _signals_sent(self) -> set[int]:
+        stop = self.stop
+        return set() if stop is None else {signum for _, signum in stop.steps[:stop.sent]}
+
     def _end_session(self, end: SessionEnd) -> list[Action]:
         self.end = end
         return [EndSession()]
@@ -544,6 +558,8 @@ class RunState:
         record = self.ledger.records.get(key)
         if isinstance(record, CellEnded):
             return f"exited early with {record.exited}" if record.exited else "had finished the cell"
+        if isinstance(record, Failed) and record.interrupted and key in self.stopped:
+            return "was interrupted by taas"
         if isinstance(record, Failed):
             return f"failed ({record.ename})"
         code = self.ledger.exits.get(key, (None, 0.0))[0]
@@ -586,6 +602,22 @@ class RunState:
 
     def failures(self) -> list[Failure]:
         """The processes that failed on their own, the first to fail (the root cause) first."""
+        return self._failures()[0]
+
+    def _failures(self) -> tuple[list[Failure], list[Failure]]:
+        """The processes that failed on their own, the root cause first; and those whose error only says that
+        one of them went away (gloo's "connection closed by peer" as it exited), which are not failures of their
+        own. Which of a failure and its peers' errors reached taas first does not matter: both are judged at once.
+        """
+        failures = self._all_failures()
+        own = [failure for failure in failures if not failure.peer_lost]
+        if not own:
+            return failures, []  # no process failed on its own: the broken connection is all there is to say
+        first = own[0].time
+        broken = [failure for failure in failures if failure.peer_lost and failure.time >= first - PEER_SLACK]
+        return [failure for failure in failures if failure not in broken], broken
+
+    def _all_failures(self) -> list[Failure]:
         ledger = self.ledger
         if self.policy.keep:  # a session's ranks stay: their cell ended when they said so
             ended = {key: (0, self.started) for key in ledger.records}
@@ -601,14 +633,15 @@ class RunState:
                 if (record.interrupted and key in self.stopped) or key in self.quit:
                     continue  # taas interrupted it, or the user quit its debugger
                 failures.append(Failure(key, record.time or when, tuple(record.traceback), record.where, record.hint,
-                                        (record.ename, record.evalue), interrupted=record.interrupted))
-            elif code != 0 and key not in self.stopped:
+                                        (record.ename, record.evalue), interrupted=record.interrupted,
+                                        peer_lost=record.peer_lost))
+            elif code != 0 and (key not in self.stopped or key in ledger.own_deaths):
                 failures.append(Failure(key, when - SEEN_LATE, ledger.tails.get(key, ()), code=code))
         return sorted(failures, key=lambda failure: failure.time)
 
     def result(self) -> RunResult:
         ledger, end = self.ledger, self.end
-        failures = self.failures()
+        failures, broken = self._failures()
         if end is not None and end.cause is EndCause.PRODUCER_DIED and not failures:
             code, when = ledger.exits[end.keys[0]]  # it died without a word
             failures = [Failure(end.keys[0], when, ledger.tails.get(end.keys[0], ()), code=code)]
@@ -617,7 +650,8 @@ class RunState:
         skipped = {key: dict(record.skipped) for key, record in ledger.records.items()
                    if isinstance(key, int) and isinstance(record, CellEnded) and record.skipped}
         return RunResult(
-            policy=self.policy, outcome=outcome, failures=tuple(failures), results=dict(ledger.results),
+            policy=self.policy, outcome=outcome, failures=tuple(failures), broken=tuple(broken),
+            results=dict(ledger.results),
             skipped=skipped, records=dict(ledger.records),
             exits={key: code for key, (code, _) in ledger.exits.items()}, stopped=frozenset(self.stopped),
             quit=frozenset(self.quit), late=None if self.late is None else dict(self.late),

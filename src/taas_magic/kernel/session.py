@@ -202,12 +202,12 @@ class Session:
         try:
             _send(pump, send)
             pump.until_over()
-            pump.show_summary()
         except BaseException as e:
             self._end(str(e) if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
             raise
         finally:
             out.finish()
+            pump.show_summary()  # whatever ended the cell: no view is left saying "running"
             self.last_used = time.monotonic()
         return state.result()
 

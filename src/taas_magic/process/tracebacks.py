@@ -54,3 +54,10 @@ def _standalone_formatter() -> Any:
         return AutoFormattedTB(mode="Context", color_scheme="Linux")  # type: ignore[call-arg]
 
 
+def frames_as_dump(error: BaseException) -> str:
+    """The frames ``error`` was raised through, written as faulthandler dumps a stack (innermost first):
+    where a rank was when its error came, read by the kernel as it reads a stack it asked for."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return "Current thread (most recent call first):\n" + "\n".join(
+        f'  File "{frame.filename}", line {frame.lineno} in {frame.name}' for frame in reversed(frames))
+

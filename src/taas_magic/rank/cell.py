@@ -13,7 +13,7 @@ from typing import Any
 
 from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
 from taas_magic.process.containment import HeldTermination
-from taas_magic.process.tracebacks import format_traceback
+from taas_magic.process.tracebacks import format_traceback, frames_as_dump
 from taas_magic.rank import progress, sharded, vitals
 from taas_magic.wire import results
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
@@ -77,25 +77,31 @@ def _results(returns: Returns, namespace: dict[str, Any]) -> tuple[bytes | None,
 def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> tuple[int, Failed]:
     global _held_termination
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
-    if not isinstance(error, KeyboardInterrupt) and not task.keep and not _peer_lost(error) \
-            and _held_termination is None:
-        _held_termination = HeldTermination()  # until its failure is reported: see release_termination
+    peer_lost = _peer_lost(error)
+    if not isinstance(error, KeyboardInterrupt) and not task.keep and _held_termination is None:
+        # Until its failure is reported (see release_termination): a rank broken by another's failure too,
+        # so that what it says reaches the kernel however soon taas stops the others.
+        _held_termination = HeldTermination()
     flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
     # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
     record = Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell),
-                    interrupted=interrupted, hint=_hint(error, task))
+                    interrupted=interrupted, hint=_hint(error, task), peer_lost=peer_lost,
+                    stack=frames_as_dump(error) if peer_lost else "")
     return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
 
 
 # What a rank raises when another process of the run went away: a consequence, not a failure of its own.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "every producer has closed this channel",
-              "remote process exited", "communicator was aborted")
+# gloo's transport and torch's store say the first two; NCCL the next two; a stand-in loader the last.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "failed to recv, got 0 bytes",
+              "remote process exited", "communicator was aborted", "every producer has closed this channel")
+_PEER_LOST_TYPES = ("DistBackendError", "DistNetworkError")
 
 
 def _peer_lost(error: BaseException) -> bool:
-    """The error says another process of the run is gone: taas stops this rank, as it stops the others."""
-    return any(type(e).__name__ == "DistBackendError" or any(phrase in str(e).lower() for phrase in _PEER_LOST)
+    """The error says another process of the run is gone: taas stops this rank, as it stops the others, and
+    the kernel reports it as broken by that process's failure rather than as a failure of its own."""
+    return any(type(e).__name__ in _PEER_LOST_TYPES or any(phrase in str(e).lower() for phrase in _PEER_LOST)
                for e in _chain(error))
 
 

@@ -45,6 +45,8 @@ class Failed:
     interrupted: bool = False  # a KeyboardInterrupt: taas's own, unless the cell raised it itself
     where: str = ""  # what a producer was doing: "at element 5 of pass 0 (samples …)"
     hint: str = ""  # advice for a mistake the rank recognized
+    peer_lost: bool = False  # the error says another process of the run went away (gloo's "connection closed by peer")
+    stack: str = ""  # where such a rank was (its error's frames, as faulthandler writes a stack)
 
 
 @dataclass(frozen=True)
