@@ -45,6 +45,16 @@ def test_the_view_is_one_display_drawn_then_updated_in_place_and_ends_as_the_sum
     assert 'data-state="summary"' in r.displays[-1]["text/html"]
 
 
+@pytest.mark.parametrize("cell", ["big = torch.ones(200_000_000)",  # 800 MB bound, and ended at once
+                                  "big = torch.ones(200_000_000)\ndel big"],  # held for an instant
+                         ids=["bound", "freed"])
+def test_the_summary_says_each_ranks_true_peak_even_of_a_short_cell(kernel, cell):
+    r = kernel.execute(f"#pragma taas --gpus 2 --return none\nimport torch\n{cell}", timeout=60).ok()
+    peaks = re.findall(r"^rank \d +done +peak ([\d.]+) ([MG]B)", r.displays[-1]["text/plain"], re.M)
+    assert len(peaks) == 2, r.displays[-1]["text/plain"]
+    assert all(float(size) * (1000 if unit == "GB" else 1) >= 800 for size, unit in peaks), peaks
+
+
 def test_bars_update_their_row_and_leave_one_final_line_per_rank(kernel):
     r = kernel.execute(BARS).ok()
     bar_lines = [line for line in r.stderr.splitlines() if "it/s]" in line or "%|" in line]

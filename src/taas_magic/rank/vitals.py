@@ -1,7 +1,9 @@
 """In a rank: what its process holds (memory, and on CUDA its GPU's memory and load) and what its cell
 is doing (``activity``), reported about once a second.
 
-The cell's live view shows it in the rank's row, and its summary the peak. A thread samples,
+The cell's live view shows it in the rank's row, and its summary the peak: the process's high-water
+mark as the kernel counts it (``ru_maxrss``), read once more as the cell ends, so a cell shorter than
+a sampling interval, or memory held for less than one, is not missed. A thread samples,
 so a rank busy in native code (a long matmul, a collective) is still seen. Sampling reads
 ``/proc/self/statm`` and, on CUDA, NVML through torch (``nvidia-ml-py``): neither initializes
 CUDA, so a rank that has not touched its GPU yet is not made to.
@@ -53,6 +55,7 @@ def sampling() -> Iterator[None]:
         yield
     finally:
         _in_cell.clear()
+        _report(track=False)  # the cell's last figures: its peak, even if it ended before the first interval
 
 
 def _every_interval() -> None:
@@ -63,13 +66,13 @@ def _every_interval() -> None:
             _report()
 
 
-def _report() -> None:
+def _report(track: bool = True) -> None:
     global _send
     if _send is None or _sample is None:
         return
     try:
         _send(_sample())
-        if _track:
+        if _track and track:
             _send(activity.sample())
     except OSError:
         _send = None  # the report pipe is gone: the run is over
