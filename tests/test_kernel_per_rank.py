@@ -50,6 +50,9 @@ n = taas.rank()
 
 @pytest.mark.parametrize("line, message", [
     ("--gpus 2 --from 2", "--from 2: the run has ranks 0-1, not rank 2"),
+    ("--gpus 2 --from 99999999999999999999", "--from 99999999999999999999: the run has ranks 0-1, "
+                                             "not rank 99999999999999999999"),
+    ("--gpus 2 --from 0,1-3", "--from 0,1-3: the run has ranks 0-1, not rank 2"),
     ("--gpus 2 --from 1,x", "'1,x' is not a list of ranks"),
     ("--gpus 2 --from 1,1", "'1,1' names a rank twice"),
     ("--gpus 2 --from 3-1", "'3-1' is not a list of ranks"),
@@ -103,7 +106,11 @@ def test_pull_and_push_move_names_between_the_notebook_and_a_sessions_ranks(fres
     ("%taas pull", "%taas pull NAMES [--ranks RANKS]: name at least one name"),
     ("%taas pull 1x", "'1x' is not a name"),
     ("%taas push x --ranks 9", "--ranks 9: the session has ranks 0-1"),
-    ("%taas pull x --ranks 5", "--from 5: the session has ranks 0-1, not rank 5"),
+    ("%taas pull x --ranks 5", "--ranks 5: the session has ranks 0-1, not rank 5"),
+    ("%taas pull x --ranks 0-1000000", "--ranks 0-1000000: the session has ranks 0-1, not rank 2"),
+    ("%taas push x --ranks 99999999999999999999", "--ranks 99999999999999999999: the session has ranks 0-1, "
+                                                  "not rank 99999999999999999999"),
+    ("%taas debug 5", "%taas debug 5: the session has ranks 0-1, not rank 5"),
     ("%taas pull x --upto 2", "'--upto' is not allowed here"),
     ("%taas push not_in_the_notebook", "%taas push not_in_the_notebook: the notebook has no name"),
 ])

@@ -49,6 +49,19 @@ def test_when_the_restarts_are_spent_the_cell_fails_with_the_last_failure(kernel
     assert "taas: --max-restarts 1 spent: the cell fails with the last failure" in r.stderr
 
 
+def test_with_debug_only_the_last_starts_failed_rank_is_paused_and_said(kernel):
+    r = kernel.execute("#pragma taas --gpus 2 --max-restarts 2 --debug\nimport os\n"
+                       "if os.environ['RANK'] == '1':\n"
+                       "    raise ValueError('bad start ' + os.environ['TORCHELASTIC_RESTART_COUNT'])\n", timeout=60)
+    assert r.error["evalue"] == "rank 1 failed: ValueError: bad start 2", r.error
+    assert r.stderr.count("every rank starts again") == 2, r.stderr
+    assert r.stderr.count("is paused at its error") == 1, "earlier starts' paused ranks are gone: none is promised"
+    assert len(kernel.children()) == 2, "the paused rank and its supervisor, no earlier start's"
+    debugged = kernel.execute("%taas debug 1", answers=["p os.environ['TORCHELASTIC_RESTART_COUNT']", "q"], timeout=30)
+    assert "[rank 1] '2'" in debugged.stdout, debugged.stdout
+    assert kernel.children() == [], "leaving the debugger ends the run"
+
+
 def test_an_interrupt_or_a_timeout_is_never_restarted(kernel):
     r = kernel.execute("#pragma taas --gpus 2 --max-restarts 3\nimport time\ntime.sleep(60)", timeout=60,
                        interrupt_after=2.0)

@@ -117,11 +117,23 @@ def test_pull_and_push_take_names_and_ranks(words, parsed) -> None:
 
 
 @pytest.mark.parametrize("words, message", [
-    ([], "name at least one name"), (["1x"], "'1x' is not a name"), (["x", "--ranks"], "'--ranks' is not allowed"),
-    (["x", "--ranks", "a"], "--ranks 'a' is not a list of ranks"), (["x", "-v"], "'-v' is not allowed here"),
-    (["x", "--ranks", "1", "--ranks", "2"], "'--ranks' is not allowed here"),
+    ([], "name at least one name"), (["1x"], "'1x' is not a name"),
+    (["x", "--ranks"], r"--ranks needs its ranks \(--ranks 0,2 or --ranks 0-3\)$"),
+    (["x", "--ranks", "a"], "--ranks 'a' is not a list of ranks"),
+    (["x", "-v"], "'-v' is not allowed here: the one option is --ranks RANKS$"),
+    (["x", "--from", "1"], "'--from' is not allowed here: the one option is --ranks RANKS$"),
+    (["x", "--", "y"], "'--' is not allowed here: the one option is --ranks RANKS$"),
+    (["x", "--ranks", "1", "--ranks", "2"], "--ranks is given twice: give it once$"),
 ])
 def test_bad_pull_words_are_one_line(words, message) -> None:
     with pytest.raises(TaasUsageError, match=message) as raised:
         options.transfer("pull", words)
     assert "\n" not in str(raised.value)
+
+
+def test_ranks_out_of_range_are_quoted_as_typed() -> None:
+    with pytest.raises(TaasUsageError, match="^--from 99999999999999999999: the run has ranks 0-1, not rank "
+                                             "99999999999999999999$"):
+        return_from(options.rank_list("99999999999999999999"), range(2), "the run")
+    with pytest.raises(TaasUsageError, match="^--ranks 1-3,7: the session has ranks 0-3, not rank 7$"):
+        return_from(options.rank_list(" 1-3,7"), range(4), "the session", "--ranks")

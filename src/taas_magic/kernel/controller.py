@@ -70,8 +70,9 @@ def run(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], write: Write,
     for restart in range(spec.max_restarts + 1):
         launch = environment.launch(spec, first_id if restart == 0 else new_run_id(), kernel_environ,
                                     restart=restart, elastic_id=first_id)
-        state = _attempt(spec, plan, backend, launch, write, cell_names or {}, labels,
-                         status, deadline, keep_paused, read_line)
+        # A rank paused by --debug is kept from the last start alone: an earlier one's failure starts the run again.
+        state = _attempt(spec, plan, backend, launch, write, cell_names or {}, labels, status, deadline,
+                         keep_paused if restart == spec.max_restarts else None, read_line)
         deadline = state.deadline  # later by the time a person spent at a debugger prompt
         result = state.result()
         if result.outcome is not Outcome.FAILED or restart == spec.max_restarts:

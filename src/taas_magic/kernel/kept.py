@@ -45,6 +45,7 @@ class Kept:
 
     # -- a paused rank ------------------------------------------------------------------------
     def keep_paused(self, spec: LaunchSpec, group: SessionGroup, rank: int) -> None:
+        self.let_paused_go()  # one paused rank at a time: the one the notebook was last told of
         self.paused = Paused(group, rank, spec)
         print(f"taas: rank {rank} is paused at its error: %taas debug opens the debugger there "
               "(the next taas cell, or %taas stop, lets it go)", file=sys.stderr)
@@ -100,6 +101,10 @@ class Kept:
         if len(words) > 1 or (words and not re.fullmatch(r"[0-9]{1,9}", words[0])):  # isdigit() takes "²"
             raise TaasUsageError(f"%taas debug takes a rank number, or nothing; got {' '.join(words)[:40]!r}")
         wanted = int(words[0]) if words else None
+        size = self.paused.spec.world_size if self.paused is not None else self.session.size if self.session else 0
+        if wanted is not None and size and wanted >= size:
+            where = "the paused run" if self.paused is not None else "the session"
+            raise TaasUsageError(f"%taas debug {words[0]}: {where} has {span(range(size))}, not rank {wanted}")
         if self.paused is not None:
             paused, self.paused = self.paused, None
             if wanted is not None and wanted != paused.rank:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
@@ -88,7 +88,18 @@ def names_or_none(text: str) -> tuple[str, ...]:
     return names
 
 
-def rank_list(text: str) -> tuple[int, ...]:
+class Ranks(tuple[int, ...]):
+    """Ranks from an option, with the option's value as typed: errors quote what the user wrote."""
+
+    typed: str
+
+    def __new__(cls, ranks: Iterable[int], typed: str) -> "Ranks":
+        made = super().__new__(cls, ranks)
+        made.typed = _cut(typed.strip())
+        return made
+
+
+def rank_list(text: str) -> Ranks:
     """``0``, ``0,2`` or ``0-3,6``: ranks, each once, in the order given."""
     ranks: list[int] = []
     for word in (word.strip() for word in text.split(",")):
@@ -100,14 +111,24 @@ def rank_list(text: str) -> tuple[int, ...]:
         ranks.extend(range(first, min(last, first + 10**6) + 1))
     if len(set(ranks)) != len(ranks):
         raise argparse.ArgumentTypeError(f"{_cut(text)!r} names a rank twice: name each once")
-    return tuple(ranks)
+    return Ranks(ranks, text)
 
 
 def _rank_number(word: str) -> int:
-    return int(word) if len(word) <= 9 else 10**9  # a huge number is out of range all the same
+    return int(word) if len(word) <= 100 else 10**100  # a huge number is out of range all the same
 
 
-def ranks_or_all(text: str) -> tuple[int, ...] | str:
+def ranks_as_typed(ranks: Sequence[int]) -> str:
+    """Ranks as the user typed them (``Ranks``), else written out: "0-3", "0,2"."""
+    return ranks.typed if isinstance(ranks, Ranks) else ",".join(map(str, ranks))
+
+
+def rank_text(rank: int) -> str:
+    """One rank number for a message, a huge one cut short."""
+    return _cut(str(rank))
+
+
+def ranks_or_all(text: str) -> Ranks | str:
     """``--from``: ``all``, or ranks as ``rank_list`` reads them."""
     return ALL if text.strip().lower() == ALL else rank_list(text)
 
@@ -274,13 +295,17 @@ def transfer(command: str, words: list[str]) -> tuple[tuple[str, ...], tuple[int
     rest = list(words)
     while rest:
         word = rest.pop(0)
-        if word == "--ranks" and rest and ranks is None:
+        if word == "--ranks" and ranks is not None:
+            raise TaasUsageError(f"{usage}: --ranks is given twice: give it once")
+        if word == "--ranks" and not rest:
+            raise TaasUsageError(f"{usage}: --ranks needs its ranks (--ranks 0,2 or --ranks 0-3)")
+        if word == "--ranks":
             try:
                 ranks = rank_list(rest.pop(0))
             except argparse.ArgumentTypeError as e:
                 raise TaasUsageError(f"{usage}: --ranks {e}") from None
         elif word.startswith("-"):
-            raise TaasUsageError(f"{usage}: {_cut(word)!r} is not allowed here; --ranks, once, with its ranks is")
+            raise TaasUsageError(f"{usage}: {_cut(word)!r} is not allowed here: the one option is --ranks RANKS")
         else:
             names.extend(name for name in word.split(",") if name)
     bad = [name for name in names if not name.isidentifier()]

@@ -23,6 +23,7 @@ from taas_magic.configurations import load_catalog
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import cell_source, controller, delivery_planning, environment, streams
+from taas_magic.kernel.options import rank_text, ranks_as_typed
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept, read_line
 from taas_magic.kernel.pragma import PragmaTransformer
@@ -169,7 +170,7 @@ class CellRunner:
         when None). Every rank takes part: a sharded value is gathered whole by all the ranks it is
         sharded over."""
         ranks = list(range(session.size))
-        chosen = tuple(ranks) if from_ranks is None else return_from(from_ranks, ranks, "the session")
+        chosen = tuple(ranks) if from_ranks is None else return_from(from_ranks, ranks, "the session", "--ranks")
         spec = dataclasses.replace(session.spec, output=defaults.output, timeout=None, return_names=names,
                                    hang_after=defaults.hang_after, return_from=chosen)
         self._in_session(session, _command_cell("pull", (), self.shell.user_ns), _NOTHING, ranks, spec,
@@ -287,7 +288,8 @@ def _session_ranks(given: tuple[int, ...] | None, session: Session) -> list[int]
     ranks = list(given) if given is not None else list(range(session.size))
     outside = [rank for rank in ranks if rank >= session.size]
     if outside:
-        raise TaasUsageError(f"--ranks {','.join(map(str, ranks))}: the session has ranks 0-{session.size - 1}")
+        raise TaasUsageError(f"--ranks {ranks_as_typed(given or ranks)}: the session has {span(range(session.size))}, "
+                             f"not rank {rank_text(outside[0])}")
     return ranks
 
 

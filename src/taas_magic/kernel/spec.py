@@ -13,7 +13,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
 from taas_magic.process.machine import Machine
-from taas_magic.kernel.options import default_device
+from taas_magic.kernel.options import default_device, rank_text, ranks_as_typed
 from taas_magic.per_rank import span
 
 LOOPBACK = "127.0.0.1"
@@ -101,16 +101,18 @@ def build(
     )
 
 
-def return_from(given: tuple[int, ...] | str | None, ranks: Sequence[int], where: str) -> tuple[int, ...]:
+def return_from(given: tuple[int, ...] | str | None, ranks: Sequence[int], where: str,
+                option: str = "--from") -> tuple[int, ...]:
     """The ranks ``--from`` names, in order, among ``ranks`` (those that run the cell, in ``where``);
-    rank 0 when it was left out."""
+    rank 0 when it was left out. ``option``: the option the user typed them with, as errors name it."""
     if given is None:
         return (0,)
     if isinstance(given, str):  # --from all
         return tuple(ranks)
     outside = [rank for rank in given if rank not in ranks]
     if outside:
-        raise TaasUsageError(f"--from {','.join(map(str, given))}: {where} has {span(ranks)}, not rank {outside[0]}")
+        raise TaasUsageError(f"{option} {ranks_as_typed(given)}: {where} has {span(ranks)}, "
+                             f"not rank {rank_text(outside[0])}")
     return tuple(sorted(given))
 
 
