@@ -101,6 +101,19 @@ def test_a_rank_that_has_not_reached_the_collective_the_others_wait_in_is_behind
     assert rows(view.render(3.0))[2] == ["rank 2", "running"]
 
 
+def test_a_sample_older_than_the_others_wait_never_calls_a_rank_behind():
+    """Rank 2's last sample came before the others entered #5: it may be there too; its row says nothing yet."""
+    view = RunView("3 ranks on cpu", range(3))
+    view.take(2, RankActivity(0.1, 0.1, {"0": 4}), now=10.1)
+    view.take(0, RankActivity(12.0, 1.0, {"0": 4}, [all_reduce(5, 1.9)]), now=12.0)  # in #5 since 10.1
+    view.take(1, RankActivity(12.0, 1.0, {"0": 4}, [all_reduce(5, 1.9)]), now=12.0)
+    assert rows(view.render(2.2))[2] == ["rank 2", "running"]
+    view.take(2, RankActivity(1.0, 0.1, {"0": 4}), now=10.9)  # still before the others had waited a second
+    assert rows(view.render(2.2))[2] == ["rank 2", "running"]
+    view.take(2, RankActivity(2.0, 0.1, {"0": 4}), now=12.1)  # taken while they wait: it is behind
+    assert rows(view.render(2.3))[2] == ["rank 2", "running", "behind: at #4, others wait in #5"]
+
+
 def test_the_summary_has_peaks_and_throughput():
     view = RunView("2 ranks on cpu", range(2))
     view.take(0, RankVitals(1.0, 300 * MB, 900 * MB))

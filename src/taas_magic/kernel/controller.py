@@ -186,7 +186,8 @@ class Pump:
             self.state.moved(time.monotonic())
         elif isinstance(event, Report):
             if self.view is not None:
-                self.view.take(event.rank, event.record)  # progress, delivery counters and vitals are the view's alone
+                # progress, delivery counters and vitals are the view's alone
+                self.view.take(event.rank, event.record, time.monotonic())
             self.state.reported(event.rank, event.record, time.monotonic())
         elif isinstance(event, Result):
             if isinstance(event.rank, int):  # always: producers send no names

@@ -47,19 +47,23 @@ class _RankRow:
     vitals: RankVitals | None = None
     peak_gpu_memory: int = 0
     activity: RankActivity | None = None  # its latest sample
+    seen: float = 0.0  # when that sample came
     computing: bool = False  # it spent CPU outside collectives and data waits since the sample before
 
-    def doing(self, waited_in: int | None) -> str:
+    def doing(self, waited_in: tuple[int, float] | None) -> str:
         """What the rank does, when it lasts: "in all_reduce #1235 (4 MB float32) 12 s", "waiting for data
-        3 s", "in process-group setup 5 s", "computing"; ``waited_in``: the collective others wait in."""
+        3 s", "in process-group setup 5 s", "computing"; ``waited_in``: the collective others wait in, and
+        since when."""
         activity = self.activity
         if activity is None or self.state != "running":
             return ""
         behind = ""
         finished = max(activity.finished.get("0", 0), 0)
         inside = [c.seq for c in activity.collectives if c.group == "0" and not c.p2p]
-        if waited_in is not None and waited_in not in inside and finished < waited_in:
-            behind = f"behind: at #{finished}, others wait in #{waited_in}"
+        # Behind only on a sample taken once the others had waited a while: an older one says nothing.
+        if waited_in is not None and self.seen >= waited_in[1] + LASTING and waited_in[0] not in inside \
+                and finished < waited_in[0]:
+            behind = f"behind: at #{finished}, others wait in #{waited_in[0]}"
         lasting = next((c for c in activity.collectives if c.seconds >= LASTING), None)
         if lasting is not None:
             now = f"in {describe(lasting)} {lasting.seconds:.0f} s"
@@ -136,11 +140,12 @@ class RunView:
         self.loaders: dict[str, _LoaderRow] = {}
         self.changed = True  # since it was last shown
 
-    def take(self, key: Key, record: Record) -> None:
-        """Note a record of a rank or producer."""
-        self.changed |= self._take(key, record)
+    def take(self, key: Key, record: Record, now: float | None = None) -> None:
+        """Note a record of a rank or producer that came at ``now`` (None: when the record says it was
+        taken); the rows compare samples by when they came."""
+        self.changed |= self._take(key, record, record_time(record) if now is None else now)
 
-    def _take(self, key: Key, record: Record) -> bool:
+    def _take(self, key: Key, record: Record, now: float) -> bool:
         """Note the record; True if the view changed."""
         if isinstance(record, DeliveryProgress):
             return self._take_delivery(record)
@@ -150,7 +155,7 @@ class RunView:
         if isinstance(record, RankActivity):
             before = row.activity
             row.computing = before is not None and computing(before, record)
-            row.activity = record
+            row.activity, row.seen = record, now
         elif isinstance(record, RankVitals):
             row.vitals = record
             row.peak_gpu_memory = max(row.peak_gpu_memory, record.gpu_memory or 0)
@@ -216,11 +221,16 @@ class RunView:
                 for rank, row in self.ranks.items()]
         return self._bundle("running", caption, rows, self._extra_rows())
 
-    def _waited_in(self) -> int | None:
-        """The latest collective of the default group some rank has waited in for a while."""
-        lasting = [c.seq for row in self.ranks.values() if row.activity is not None and row.state == "running"
+    def _waited_in(self) -> tuple[int, float] | None:
+        """The latest collective of the default group some rank has waited in for a while, and since when
+        the first of them has."""
+        lasting = [(c.seq, row.seen - c.seconds) for row in self.ranks.values()
+                   if row.activity is not None and row.state == "running"
                    for c in row.activity.collectives if c.group == "0" and not c.p2p and c.seconds >= LASTING]
-        return max(lasting, default=None)
+        if not lasting:
+            return None
+        latest = max(seq for seq, _ in lasting)
+        return latest, min(since for seq, since in lasting if seq == latest)
 
     def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
         """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""
@@ -250,6 +260,11 @@ class RunView:
     def _bundle(self, state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
                 extra: list[tuple[str, str, str, str, str]]) -> dict[str, str]:
         return {"text/plain": _text(caption, rows + extra), "text/html": _html(state, caption, rows, extra)}
+
+
+def record_time(record: Record) -> float:
+    """When a record says it was taken (0 for one that does not)."""
+    return float(getattr(record, "at", 0.0) or getattr(record, "time", 0.0))
 
 
 def _over(state: str) -> str:
