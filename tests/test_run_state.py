@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import re
 import signal
 import sysconfig
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded
 from taas_magic.kernel import render
@@ -117,6 +120,91 @@ def test_a_failure_stops_the_others_with_sigterm_then_sigkill_3_s_later():
     assert error.lines == [f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}",
                            f"{BOLD}rank 1's traceback:{RESET}", "tb at 0.5",
                            "stopped after the failure: rank 0"]
+
+
+REPORTING = ((cell.__file__, 80, "_failure"),) + ALL_REDUCE  # a rank formatting the error its collective raised
+
+
+def broken(when: float) -> Failed:
+    """What gloo makes a rank raise when the peer of its all_reduce exits: its record, as the rank sends it."""
+    return Failed(when, "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+                  "peer [127.0.0.1]:61100", ["gloo's traceback"], peer_lost=True, stack=dump(*ALL_REDUCE))
+
+
+def drive(state: RunState, order: list[int], world: int) -> list[str]:
+    """Rank 1 fails while the others wait for it in all_reduce #5; each of them then raises gloo's error and
+    exits. ``order`` says whose next event taas sees next (-1: the clock ticks). The cell's lines, seconds as N."""
+    for rank in range(world):
+        state.reported(rank, sample(0.2, seq=None if rank == 1 else 5, seconds=0.1), 0.2)
+    events = {rank: [("report", broken(0.6 + rank / 100) if rank != 1 else failed(0.5)), ("exit", 1)]
+              for rank in range(world)}
+    running, now = set(range(world)), 0.6
+    for who in order + sorted(range(world)) * 2:  # what the order left: in one batch, maybe with no tick at all
+        now += 0.01
+        if who == -1:
+            for action in state.tick(now, running):
+                if isinstance(action, TakeStacks):  # a rank still running is in all_reduce, or reporting already
+                    stacks = {key: dump(*(REPORTING if key in state.ledger.records else ALL_REDUCE))
+                              for key in action.keys}
+                    state.stacks_taken(action, stacks, now, running)
+            continue
+        if not events[who]:
+            continue
+        kind, what = events[who].pop(0)
+        if kind == "report":
+            state.reported(who, what, now)
+        else:
+            running.discard(who)
+            state.exited(who, what, now, ["last line"])
+    assert state.over(set())  # the pump asks this before each tick: the run may end with no tick after a failure
+    error = render.error(state.result(), {CELL: "Cell In[2]"})
+    assert isinstance(error, RankFailed)
+    return [re.sub(r"for \d+ s", "for N s", line) for line in error.lines]
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.sampled_from([3, 4]), data=st.data())
+def test_what_a_failure_reports_does_not_depend_on_which_event_came_first(world, data):
+    """gloo breaks the others' collective as rank 1 exits; their errors, rank 1's record and the exits reach
+    taas in any order, with the clock ticking (taas stopping the others) in between: the words are the same."""
+    order = data.draw(st.lists(st.sampled_from([-1, *range(world)]), max_size=4 * world))
+    lines = drive(one_shot(), order, world)
+    peers = "0,2" if world == 3 else "0,2-3"
+    assert lines[:3] == [f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}", f"{BOLD}rank 1's traceback:{RESET}",
+                         "tb at 0.5"], lines
+    assert lines[3:6] == [f"stopped after the failure: ranks {peers}",
+                          f"{BOLD}where they were when rank 1 failed:{RESET}",
+                          f"ranks {peers}: in all_reduce #5 (4 KB float32) for N s:"], lines
+    assert not any("Connection" in line or "also failed" in line for line in lines), lines
+
+
+def test_a_rank_killed_before_taas_signalled_it_is_the_root_cause_though_its_peers_errors_came_first():
+    state = one_shot()
+    state.reported(0, broken(0.6), 0.6)
+    state.exited(0, 1, 0.7)
+    asked, *_ = state.tick(0.8, {1})  # rank 0's error alone so far: the stop begins, rank 1 among those stopped
+    state.stacks_taken(asked, {}, 0.8, {1})
+    state.exited(1, -signal.SIGKILL, 0.81)  # killed from outside (the OOM killer): taas sent SIGTERM, not that
+    result = state.result()
+    assert [f.rank for f in result.failures] == [1] and [f.rank for f in result.broken] == [0]
+    error = render.error(result, {CELL: "Cell In[2]"})
+    assert str(error) == "rank 1 failed: killed by signal SIGKILL"
+    assert error.lines[1:] == ["stopped after the failure: rank 0", f"{BOLD}where they were when rank 1 failed:{RESET}",
+                               "rank 0: in all_reduce:", "    in all_reduce (torch/distributed/distributed_c10d.py, "
+                               "line 2501), called from:", "    Cell In[2], line 4 in <module>"]
+    assert error.peer_errors == {0: "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
+                                    "closed by peer [127.0.0.1]:61100"}
+
+
+def test_a_broken_connection_with_no_failure_behind_it_is_the_failure_shown():
+    """A peer that left without failing (os._exit(0)) broke the collective: the broken rank's error is all there is."""
+    state = one_shot()
+    state.exited(1, 0, 0.5)
+    state.reported(0, broken(0.6), 0.6)
+    state.exited(0, 1, 0.7)
+    error = render.error(state.result(), {})
+    assert str(error).startswith("rank 0 failed: RuntimeError: [../third_party/gloo") and not error.peer_errors
+    assert error.lines[1] == f"{BOLD}before rank 0 failed: rank 1 exited with code 0 before the cell finished{RESET}"
 
 
 def test_an_interrupt_escalates_and_another_skips_to_the_next_signal():

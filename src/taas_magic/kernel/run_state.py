@@ -658,7 +658,17 @@ class RunState:
             interrupted=self.interrupted,
             saves_skipped={path: frozenset(keys) for path, keys in ledger.saves_skipped.items()},
             saved_on_nodes=tuple(ledger.saved_on_nodes), end=end, labels=dict(self.labels), timeout=self.timeout,
-            where=self.where, ranks_per_node=self.ranks_per_node)
+            where=self._where_with(broken), ranks_per_node=self.ranks_per_node)
+
+
+    def _where_with(self, broken: list[Failure]) -> tuple[Process, ...]:
+        """Where the processes were, with every rank a failure broke: one that exited before taas took
+        stacks (or before it knew of the failure at all) is placed by its last sample and its error."""
+        missing = {failure.rank for failure in broken} - {process.key for process in self.where}
+        if not missing:
+            return self.where
+        found = [process for process in self.processes((), {}, self.clock) if process.key in missing]
+        return tuple(sorted(self.where + tuple(found), key=lambda process: key_order(process.key)))
 
 
 def _outcome(order: tuple[Outcome, ...], interrupted: bool, timed_out: bool, failed: bool) -> Outcome:
