@@ -151,6 +151,27 @@ torch.cuda.synchronize()
     assert gpu_kernel.execute("print('usable')").ok().stdout == "usable\n"
 
 
+@needs_two
+def test_an_nccl_failure_reads_the_same_every_time_and_its_waiting_peers_are_stopped_by_it(gpu_kernel):
+    """NCCL peers hang where gloo's break: either way they are stopped by the failure, never failed, and placed."""
+    others = "rank 0" if GPUS == 2 else f"ranks 0,2-{GPUS - 1}"
+    for _ in range(3):
+        r = gpu_kernel.execute(f"{ALL_GPUS}\n" + NCCL_INIT + """\
+if dist.get_rank() == 1:
+    time.sleep(1)
+    raise ValueError("bad batch")
+dist.all_reduce(t)
+torch.cuda.synchronize()
+""", timeout=180)
+        shown = ANSI.sub("", r.traceback)
+        assert r.error["evalue"] == "rank 1 failed: ValueError: bad batch", shown
+        assert f"stopped after the failure: {others}" in shown and "also failed" not in shown, shown
+        assert "where they were when rank 1 failed:" in shown and "all_reduce" in shown, shown
+        rows = [line.split()[:3] for line in r.displays[-1]["text/plain"].splitlines()[1:]]
+        assert rows == [["rank", str(rank), "failed" if rank == 1 else "stopped"] for rank in range(len(rows))], rows
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
 def test_a_single_nccl_rank_asleep_is_diagnosed_without_touching_nccl_state(gpu_kernel):
     r = gpu_kernel.execute("#pragma taas --gpus 1 --device cuda --hang-after 3 --timeout 10\n" + NCCL_INIT
                            + "time.sleep(60)\n", timeout=180)
