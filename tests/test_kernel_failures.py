@@ -85,6 +85,21 @@ dist.all_reduce(torch.ones(1))
         assert all("Connection" in error for error in kernel.value("list(sys.last_value.peer_errors.values())"))
 
 
+def test_a_restarted_runs_report_and_a_paused_rank_are_the_failures_not_the_broken_peers(kernel):
+    kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
+    cell = ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+            "if dist.get_rank() == 1:\n    check(1)\ndist.all_reduce(torch.ones(1))\n")
+    restarted = kernel.execute("#pragma taas --gpus 3 --max-restarts 1\n" + cell, timeout=60)
+    assert restarted.stderr.startswith("taas: rank 1 failed: ValueError: bad value 1: every rank starts again "
+                                       "(restart 1 of --max-restarts 1)\n"), restarted.stderr
+    assert restarted.error["evalue"] == "rank 1 failed: ValueError: bad value 1"
+    assert "stopped after the failure: ranks 0,2" in restarted.traceback and "Connection" not in restarted.traceback
+    paused = kernel.execute("#pragma taas --gpus 3 --debug\n" + cell, timeout=60)
+    assert "taas: rank 1 is paused at its error" in paused.stderr, paused.stderr
+    debugged = kernel.execute("%taas debug", answers=["p x", "q"], timeout=30)
+    assert "[rank 1] 1" in debugged.stdout, debugged.stdout
+
+
 def test_when_several_ranks_fail_the_first_is_shown_and_the_others_listed(kernel):
     result = kernel.execute("""#pragma taas --gpus 2
 import signal, time, taas

@@ -178,6 +178,22 @@ def test_a_session_cell_that_times_out_says_so_before_the_session_ends(kernel, o
     assert "session:             none" in kernel.execute("%taas").ok().stdout
 
 
+def test_a_failure_while_the_others_wait_in_a_collective_ends_the_session_saying_where_once(kernel):
+    first = kernel.execute(START.format(start="fork").replace("--gpus 2", "--gpus 3")).ok()
+    r = kernel.execute("#pragma taas\nif mine == 1:\n    raise ValueError('bad batch')\n"
+                       "dist.all_reduce(torch.ones(1))", timeout=60)
+    assert r.error["evalue"].startswith("rank 1 failed: ValueError: bad batch; taas: the session ended: ranks 0,2 "
+                                        "did not leave the interrupted cell within 5 s"), r.error
+    tb = r.traceback
+    assert tb.count("where they were") == 1 and "stopped after the failure: ranks 0,2" in tb, tb
+    assert re.search(r"where they were when rank 1 failed:\nranks 0,2: in all_reduce #1 \(4 B float32\) for \d+ s:\n"
+                     r".*\n    Cell In\[\d+\], line 4 in <module>\n      dist.all_reduce\(torch.ones\(1\)\)\n"
+                     r"taas: the session ended", tb), tb
+    rows = [line.split()[:3] for line in r.displays[-1]["text/plain"].splitlines()[1:]]
+    assert rows == [["rank", "0", "stopped"], ["rank", "1", "failed"], ["rank", "2", "stopped"]], rows
+    assert gone(pids(first).values(), 5)
+
+
 def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_its_stack(kernel):
     first = kernel.execute(START.format(start="fork")).ok()
     r = kernel.execute("#pragma taas --ranks 0\ndist.barrier()  # rank 1 is not in the cell", interrupt_after=1.5)

@@ -173,10 +173,12 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
     message, lines = _ended(f"{names(result, stuck)} did not leave the interrupted cell within "
                             f"{result.policy.leave_seconds:g} s (a collective waits for its peers there, or the code "
                             "ignores interrupts)")
+    if result.failures:  # why they were interrupted: the failure comes first, with where the others waited for it
+        failed, failed_lines = failure(result, "stopped", cell_names)  # the session ends: every rank is stopped
+        where = [] if any("where they were when" in line for line in failed_lines) else \
+            _where(result, cell_names, "where they were:")
+        return SessionEnded(f"{failed}; {message}", failed_lines + lines + where)
     lines += _where(result, cell_names, "where they were:")
-    if result.failures:  # why they were interrupted: the failure comes first
-        failed, failed_lines = failure(result, "stopped")  # the session ends: every rank is stopped
-        return SessionEnded(f"{failed}; {message}", failed_lines + lines)
     if result.late is not None:  # taas interrupted the cell because the time ran out: that first
         late = sorted(result.late, key=key_order)
         timeout = f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, interrupted by taas"

@@ -369,7 +369,7 @@ class RunState:
             if quit_debugger(record):
                 self.quit.add(key)
             elif (self.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
-                    and not record.interrupted):
+                    and not record.interrupted and not record.peer_lost):  # the debugger goes where the failure is
                 self.paused.add(key)  # it waits for the debugger (rank.session.await_debugger)
 
     def result_sent(self, rank: int, data: bytes) -> None:
