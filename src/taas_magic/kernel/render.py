@@ -32,7 +32,8 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
         if result.policy.keep:
             lines.append(f"taas: the session goes on (%taas debug opens the debugger in "
                          f"{name(result, result.failures[0].rank)} at the error)")
-        return RankFailed(message, lines, {f.rank: summary(f) for f in result.broken if isinstance(f.rank, int)})
+        broken = sorted((f.rank, summary(f)) for f in result.broken if isinstance(f.rank, int))
+        return RankFailed(message, lines, dict(broken))
     if result.outcome is Outcome.TIMED_OUT:
         return RunTimedOut(*timed_out(result, cell_names))
     if result.outcome is Outcome.INTERRUPTED:
