@@ -306,6 +306,9 @@ dist.barrier()
 """, timeout=120)
     assert r.error is not None and "rank 3 failed" in r.error["evalue"] and "bad batch on rank 3" in r.error["evalue"]
     assert "raise ValueError('bad batch on rank 3')" in r.traceback
+    # The peers on both nodes waited in the barrier: stopped by the failure, whoever saw rank 3 leave first.
+    assert "stopped after the failure: ranks 0-2" in r.traceback and "also failed" not in r.traceback, r.traceback
+    assert "Connection" not in r.traceback + r.stderr and "where they were when rank 3 failed:" in r.traceback
     assert time.monotonic() - started < 30
     cluster_kernel.execute(HEADER + "print('again')", timeout=60).ok()
     assert not leftovers(cluster_kernel)
