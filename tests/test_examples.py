@@ -84,7 +84,9 @@ def test_session_notebook_trains_in_the_same_ranks_from_cell_to_cell(tmp_path, m
 def test_cluster_notebook_trains_across_two_nodes_and_brings_the_weights_back(data, tmp_path, monkeypatch):
     pytest.importorskip("ray")
     text = execute("mnist_cluster.ipynb", data, tmp_path, monkeypatch)
-    assert accuracy(text) > 80
+    # 83% here; exactly 80.0% once in a fresh-clone run: gloo's all-reduce and torch's threads sum gradients in
+    # an order that varies between runs. Wrong or missing elements would leave it near 10%.
+    assert accuracy(text) > 75
     assert sorted(re.findall(r"rank (\d) of 4 on node (\d)", text)) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
     assert "mnist_cnn_cluster.pt" in text and "copied into this notebook's folder" in text
     assert re.search(r"accuracy in the notebook: ([\d.]+)%", text)[1] == f"{accuracy(text):.2f}"

@@ -86,7 +86,7 @@ def test_ranks_runs_a_cell_in_part_of_the_session_and_the_others_wait(kernel):
         assert "[rank 0] note None" in r.each_rank() and "[rank 1] note only here" in r.each_rank()
         assert kernel.execute("#pragma taas --ranks 0 --return none\nx = 1").ok().stdout == ""
         bad = kernel.execute("#pragma taas --ranks 0,2\nx = 1")
-        assert bad.error["evalue"] == "--ranks 0,2: the session has ranks 0-1", bad.error
+        assert bad.error["evalue"] == "--ranks 0,2: the session has ranks 0-1, not rank 2", bad.error
     finally:
         stop(kernel)
 
