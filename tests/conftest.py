@@ -90,6 +90,7 @@ class Kernel:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
         self.pid = self.manager.provisioner.process.pid
+        self.debug_events: list[dict] = []  # every debug_event seen on iopub while a cell ran
         self.execute(f"%load_ext taas_magic\n{imports}").ok()
 
     def execute(self, code: str, timeout: float = 90, interrupt_after: float | tuple[float, ...] | None = None,
@@ -121,6 +122,8 @@ class Kernel:
                 interrupts.pop(0)
             if now - started > timeout:
                 raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}")
+            if msg is not None and msg["msg_type"] == "debug_event":
+                self.debug_events.append(msg["content"])
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]

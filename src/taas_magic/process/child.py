@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, FrozenSet
 
-from taas_magic.process import containment
+from taas_magic.process import containment, kernel_debugger
 from taas_magic.wire import records
 from taas_magic.wire.records import Record
 
@@ -64,8 +64,10 @@ def settle_forked_process() -> None:
     """First steps of any process forked from the kernel or the fork server, before it does anything.
 
     The parent's whole heap came along: never let the garbage collector walk it (seconds of
-    work and copy-on-write faults when the parent's counters were near a full collection).
+    work and copy-on-write faults when the parent's counters were near a full collection); and
+    leave the kernel's debugger behind, if the notebook's was on.
     """
+    kernel_debugger.forget()
     gc.freeze()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from taas_magic.process import containment
+from taas_magic.process import containment, kernel_debugger
 
 GRPC_THREADS = {"event_engine", "lifeguard"}  # the names grpcio's own threads give themselves
 
@@ -58,7 +58,8 @@ def _count_with_nvml(visible: str | None) -> int:
         pass
     probe = "import torch; print(torch.cuda.device_count())"
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        with kernel_debugger.plain_subprocesses():
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
         return int(out.stdout.strip() or 0)
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return 0
@@ -77,7 +78,7 @@ def fork_poisoned_for_cuda() -> bool:
     if cuda_initialized_in_kernel():
         return True
     with containment.HeldInterrupts():  # the probe takes milliseconds: an interrupt waits for its end
-        pid = os.fork()
+        pid = kernel_debugger.fork()
         if pid == 0:
             try:
                 os._exit(1 if torch._C._cuda_isInBadFork() else 0)

@@ -14,7 +14,7 @@ from taas_magic.launch.rendezvous import RunStore
 from taas_magic.launch.supervisor.handle import SupervisedRanks, SupervisorProcess
 from taas_magic.launch.supervisor.main import supervise
 from taas_magic.launch.supervisor.ranks import Received, kernel_namespace
-from taas_magic.process import child, containment
+from taas_magic.process import child, containment, kernel_debugger
 from taas_magic.rank import aliases
 from taas_magic.wire import channel, supervision
 from taas_magic.wire.task import RankTask
@@ -52,7 +52,7 @@ class ForkBackend:
         secret = channel.new_secret()
         held = containment.HeldInterrupts()  # none is swallowed by the fork's callbacks or lost before the pid is bound
         try:
-            pid = os.fork()
+            pid = kernel_debugger.fork()
         except BaseException:
             containment.to_the_end(kernel_end.close, supervisor_end.close, store.close)
             held.release()

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from taas_magic.process import cell_files, containment
+from taas_magic.process import cell_files, containment, kernel_debugger
 from taas_magic.rank import aliases
 from taas_magic.wire import channel, fork_server, memfile, shipping, supervision
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask, Sources
@@ -41,11 +41,12 @@ class ForkServer:
         secret = channel.new_secret()
         self.stderr = memfile.new_file("taas-fork-server-stderr", 0)
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "taas_magic.launch.forkserver.server", str(server_end.fileno())],
-                pass_fds=[server_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
-            )
+            with kernel_debugger.plain_subprocesses():  # it does not join the notebook's debugging session
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "taas_magic.launch.forkserver.server", str(server_end.fileno())],
+                    pass_fds=[server_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
+                )
             assert self.process.stdin is not None
             self.process.stdin.write(secret)
             self.process.stdin.close()
