@@ -113,6 +113,9 @@ def test_pull_and_push_move_names_between_the_notebook_and_a_sessions_ranks(fres
     ("%taas debug 5", "%taas debug 5: the session has ranks 0-1, not rank 5"),
     ("%taas pull x --upto 2", "'--upto' is not allowed here"),
     ("%taas push not_in_the_notebook", "%taas push not_in_the_notebook: the notebook has no name"),
+    ("%taas pull __builtins__", "'__builtins__' is the kernel's own name"),
+    ("%taas pull __name__", "'__name__' is the kernel's own name"),
+    ("%taas push In", "'In' is the kernel's own name"),
 ])
 def test_bad_pull_and_push_are_one_line(kernel, line, message):
     kernel.execute("x = 1").ok()
@@ -121,6 +124,8 @@ def test_bad_pull_and_push_are_one_line(kernel, line, message):
         result = kernel.execute(line)
         assert message in result.traceback, result.traceback
         assert result.traceback.count("\n") <= 1
+        assert kernel.execute("print('builtins', __name__)").ok().stdout == "builtins __main__\n"
+        assert kernel.execute("#pragma taas\nprint('ranks', x)").ok().each_rank().count("] ranks 2") == 2
     finally:
         kernel.execute("%taas stop").ok()
 

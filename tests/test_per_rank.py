@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -129,6 +130,35 @@ def test_bad_pull_words_are_one_line(words, message) -> None:
     with pytest.raises(TaasUsageError, match=message) as raised:
         options.transfer("pull", words)
     assert "\n" not in str(raised.value)
+
+
+KERNELS_OWN = ["__builtins__", "__name__", "__doc__", "In", "Out", "get_ipython", "exit", "quit", "_", "__", "___",
+               "_i", "_ii", "_iii", "_i7", "_7", "_ih", "_oh", "_dh"]
+
+
+@pytest.mark.parametrize("name", KERNELS_OWN)
+@pytest.mark.parametrize("command", ["pull", "push"])
+def test_no_name_of_the_kernels_own_moves(command, name) -> None:
+    """`%taas pull __builtins__` once replaced the notebook's builtins: every later cell failed on `print`."""
+    with pytest.raises(TaasUsageError, match=f"'{name}' is the kernel's own name") as raised:
+        options.transfer(command, ["x", f"y,{name}"])
+    assert "\n" not in str(raised.value)
+    with pytest.raises(Exception, match=f"'{name}' is the kernel's own name"):
+        options.names_or_none(f"model,{name}")
+
+
+@given(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True))
+def test_any_other_name_moves(name) -> None:
+    """Whatever a person calls a value moves, unless Python or IPython keeps a name of that shape."""
+    own = options.kernels_own(name)
+    assert own == (name in KERNELS_OWN or (name.startswith("__") and name.endswith("__"))
+                   or bool(re.fullmatch(r"_i?\d+", name)))
+    if own:
+        with pytest.raises(TaasUsageError):
+            options.transfer("pull", [name])
+    else:
+        assert options.transfer("pull", [name]) == ((name,), None)
+        assert options.names_or_none(name) == (name,)
 
 
 def test_ranks_out_of_range_are_quoted_as_typed() -> None:

@@ -78,6 +78,26 @@ def _cut(text: str, keep: int = 40) -> str:
     return text if len(text) <= keep else text[:keep] + "..."
 
 
+# IPython's own names in the notebook's namespace: its history (In, Out, _, _i1, _1, …), exit, quit, get_ipython.
+_KERNELS_OWN = frozenset({"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_i", "_ii", "_iii",
+                          "_ih", "_oh", "_dh"})
+_HISTORY = re.compile(r"_i?[0-9]+")
+
+
+def kernels_own(name: str) -> bool:
+    """A name Python or IPython keeps in the notebook's namespace, not a value of the user's: moving it would
+    replace what every later cell relies on (``__builtins__`` holds ``print`` itself)."""
+    return name in _KERNELS_OWN or bool(_HISTORY.fullmatch(name)) or (name.startswith("__") and name.endswith("__"))
+
+
+def refuse_kernels_own(names: Iterable[str]) -> None:
+    """One line for the first name of ``names`` that is the kernel's own (``ValueError``)."""
+    own = next((name for name in names if kernels_own(name)), None)
+    if own is not None:
+        raise ValueError(f"{_cut(own)!r} is the kernel's own name, not a value of the notebook's (dunder names, In, "
+                         "Out, _, _i1, _1, exit, quit and get_ipython stay where they are)")
+
+
 def names_or_none(text: str) -> tuple[str, ...]:
     if text.strip().lower() == "none":
         return ()
@@ -85,6 +105,10 @@ def names_or_none(text: str) -> tuple[str, ...]:
     bad = [name for name in names if not name.isidentifier()]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of names: use a,b,c or none")
+    try:
+        refuse_kernels_own(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return names
 
 
@@ -311,6 +335,10 @@ def transfer(command: str, words: list[str]) -> tuple[tuple[str, ...], tuple[int
     bad = [name for name in names if not name.isidentifier()]
     if bad:
         raise TaasUsageError(f"{usage}: {_cut(bad[0])!r} is not a name")
+    try:
+        refuse_kernels_own(names)
+    except ValueError as e:
+        raise TaasUsageError(f"{usage}: {e}") from None
     if not names:
         raise TaasUsageError(f"{usage}: name at least one name (%taas {command} model or %taas {command} x,y)")
     return tuple(dict.fromkeys(names)), ranks
