@@ -162,7 +162,8 @@ class Pump:
             return
         try:
             result = self.state.result()
-            self.view.settle({**{f.rank: "stopped" for f in result.broken}, **{f.rank: "failed" for f in result.failures}})
+            broken, failed = {f.rank: "stopped" for f in result.broken}, {f.rank: "failed" for f in result.failures}
+            self.view.settle({**broken, **failed})
             self.status(self.view.summary(result.seen_as.value, time.monotonic() - self.state.started), True)
         except Exception:
             pass  # the cell's error says how the run ended; the view's last drawing stays
