@@ -21,6 +21,7 @@ from conftest import ANSI, Kernel
 from notebook_values import KINDS, SETUP, unpicklable
 
 ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
 INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"

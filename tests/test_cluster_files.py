@@ -21,6 +21,7 @@ import pytest
 from conftest import Kernel
 
 ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
 from taas_magic.errors import TaasUsageError  # noqa: E402
 from taas_magic.launch.cluster import notebook_folder  # noqa: E402

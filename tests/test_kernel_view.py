@@ -17,6 +17,8 @@ import pytest
 
 from conftest import Kernel
 
+pytestmark = pytest.mark.kernel
+
 BARS = """#pragma taas --gpus 2
 import time
 from tqdm.auto import tqdm
