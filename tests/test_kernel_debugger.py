@@ -112,6 +112,8 @@ def test_every_kind_of_taas_cell_runs_with_the_debugger_on_and_after_it_is_off(d
     assert server is not None
     server.kill()  # the extension started it as it loaded: the next one starts with the debugger on
     psutil.wait_procs([server], timeout=10)  # a zombie until the kernel reaps it, which counts as gone
+    started = kernel.execute("#pragma taas --gpus 2 --start forkserver\nprint('hi')", timeout=60).ok()
+    assert started.each_rank().count("] hi") == 2, "a fork server started under the debugger serves cells"
     every_kind_of_cell(kernel)
     assert kernel.fork_server() is not None and kernel.fork_server().pid != server.pid
     assert not debugged.events("debugpyAttach"), "a process taas started joined the kernel's debugging session"

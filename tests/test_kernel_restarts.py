@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -59,6 +60,9 @@ def test_with_debug_only_the_last_starts_failed_rank_is_paused_and_said(kernel):
     assert len(kernel.children()) == 2, "the paused rank and its supervisor, no earlier start's"
     debugged = kernel.execute("%taas debug 1", answers=["p os.environ['TORCHELASTIC_RESTART_COUNT']", "q"], timeout=30)
     assert "[rank 1] '2'" in debugged.stdout, debugged.stdout
+    deadline = time.monotonic() + 5  # leaving the debugger ends the run: its supervisor is reaped a moment later
+    while kernel.children() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert kernel.children() == [], "leaving the debugger ends the run"
 
 
