@@ -186,10 +186,10 @@ class Pump:
             self.output.feed(event.rank, event.stream, event.data)
             self.state.moved(time.monotonic())
         elif isinstance(event, Report):
+            now = time.monotonic()
             if self.view is not None:
-                # progress, delivery counters and vitals are the view's alone
-                self.view.take(event.rank, event.record, time.monotonic())
-            self.state.reported(event.rank, event.record, time.monotonic())
+                self.view.take(event.rank, event.record, now)  # progress, delivery counters and vitals are the view's alone
+            self.state.reported(event.rank, event.record, now)
         elif isinstance(event, Result):
             if isinstance(event.rank, int):  # always: producers send no names
                 self.state.result_sent(event.rank, event.data)
