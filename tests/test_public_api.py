@@ -28,7 +28,8 @@ def test_the_extension_offers_its_entry_points_and_errors() -> None:
 def test_the_options_are_the_documented_ones_in_their_order() -> None:
     assert options.visible_options(TaasMagics.taas) == [
         "--gpus", "--config", "--device", "--start", "--on", "--cpus", "--units", "--order", "--prefetch",
-        "--output", "--return", "--from", "--timeout", "--hang-after", "--max-restarts", "--debug", "--keep",
+        "--output", "--return", "--from", "--timeout", "--hang-after", "--max-restarts", "--debug", "--debug-ranks",
+        "--keep",
         "--ranks", "--idle"]
 
 

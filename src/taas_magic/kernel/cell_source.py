@@ -50,17 +50,26 @@ def compile_cell(shell: InteractiveShell, transformer: PragmaTransformer, line: 
     with transformer.disabled():
         source = shell.transform_cell(f"# %%taas {line}\n{cell}")
     number = cell_files.running_cell_number(shell)
-    filename = shell.compile.cache(source, number)
-    _show_header_as_written(filename, source, cell, raw_cell(shell))
+    raw = raw_cell(shell)
+    typed = _header_lines(raw, cell)
+    # Named after the cell as typed, as IPython names any cell: the notebook's debugger finds its breakpoints there.
+    filename = shell.compile.cache(source, number, raw_code=raw if typed else None)
+    if typed:
+        _show_header_as_written(filename, source, raw, typed)
     tree = shell.transform_ast(ast.parse(source, filename))
     code = compile(tree, filename, "exec", dont_inherit=True)
     return Compiled(code, Cell.of(tree, shell.user_ns, f"Cell In[{number}]", filename))
 
 
 def raw_cell(shell: InteractiveShell) -> str:
-    """The cell as the user typed it: IPython stores it in the history before running it."""
+    """The cell as the user typed it: IPython stores it in the history before running it, without its
+    trailing newlines; the kernel's request to run it has it whole (the notebook's debugger names the
+    cell's file after it, newlines and all)."""
     history = getattr(shell.history_manager, "input_hist_raw", None) or [""]
-    return str(history[-1])
+    stored = str(history[-1])
+    get_parent = getattr(getattr(shell, "kernel", None), "get_parent", None)
+    requested = (get_parent() or {}).get("content", {}).get("code") if callable(get_parent) else None
+    return requested if isinstance(requested, str) and requested.rstrip("\n") == stored.rstrip("\n") else stored
 
 
 def refuse_typed_internal_options(args: argparse.Namespace, shell: InteractiveShell,
@@ -75,20 +84,27 @@ def refuse_typed_internal_options(args: argparse.Namespace, shell: InteractiveSh
         raise TaasUsageError(f"unknown option {'--check' if args.check else '--alone'!r}: allowed are {allowed}")
 
 
-def _show_header_as_written(filename: str, source: str, cell: str, raw: str) -> None:
-    """Let tracebacks quote the user's `#!…` / `#pragma taas …` lines where the source has `# %%taas …`.
-
-    The transformer (pragma.py) replaced them before the magic ran; the raw cell comes from the
-    history, and is used only if its body is this cell's (not, say, an older cell when the
-    history was not kept). Only the lines tracebacks quote change, not the code that runs.
-    """
+def _header_lines(raw: str, cell: str) -> int:
+    """How many of the typed cell's first lines its header and the blank lines before it take, when ``raw``
+    is this cell as typed (0 otherwise: the history may hold another cell, when the magic was called
+    from code). The transformer (pragma.py) put one ``%%taas`` line for them, and padding for the rest."""
     lines = (raw if raw.endswith("\n") else raw + "\n").splitlines(keepends=True)
     first = next((i for i, text in enumerate(lines) if text.strip()), 0)
     header = parse_header(lines[first:], lambda name: True)
-    if header is None or header.options is None:
-        return
-    skip = first + header.line_count  # the user's blank lines and header, padding in the cell but its first
-    if lines[skip:] != cell.splitlines(keepends=True)[skip - 1 :]:
-        return
+    if header is not None and header.options is not None:
+        skip = first + header.line_count
+    elif lines[first:first + 1] and lines[first].lstrip().startswith("%%taas"):
+        skip = first + 1
+    else:
+        return 0
+    return skip if lines[skip:] == cell.splitlines(keepends=True)[skip - 1:] else 0
+
+
+def _show_header_as_written(filename: str, source: str, raw: str, skip: int) -> None:
+    """Let tracebacks quote the user's `#!…` / `#pragma taas …` lines where the source has `# %%taas …`.
+
+    Only the lines tracebacks quote change, not the code that runs.
+    """
+    lines = (raw if raw.endswith("\n") else raw + "\n").splitlines(keepends=True)
     shown = lines[:skip] + [line + "\n" for line in source.splitlines()][skip:]
     linecache.cache[filename] = (len(source), None, shown, filename)

@@ -15,7 +15,7 @@ from typing import Callable, Mapping, NoReturn
 from taas_magic.process import containment
 from taas_magic.launch.backend import Backend, Launch, PlanT, RankGroup, SessionGroup
 from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result
-from taas_magic.kernel import environment, render
+from taas_magic.kernel import environment, render, visual_debugger
 from taas_magic.kernel.live_view import RunView
 from taas_magic.kernel.run_state import (
     ONE_SHOT,
@@ -143,6 +143,7 @@ class Pump:
         self.view = view if status is not None else None
         self.status = status
         self.backlog: list[Event] = []  # events received and not taken yet
+        self.stepped_at = time.monotonic()
 
     def until_over(self) -> None:
         while not self.state.over(self.group.running()):
@@ -169,10 +170,19 @@ class Pump:
             pass  # the cell's error says how the run ended; the view's last drawing stays
 
     def _step(self) -> None:
+        self._count_debugger_time()
         self._take_events(POLL_SECONDS)
         self.output.flush_idle()
         self._do(self.state.view(time.monotonic(), self.view is not None and self.view.changed))
         self._do(self.state.tick(time.monotonic(), self.group.running()))
+
+    def _count_debugger_time(self) -> None:
+        """Time a rank spends stopped in the notebook's visual debugger is a person's, as at a pdb prompt:
+        it counts neither toward --timeout nor as a stall."""
+        now = time.monotonic()
+        if visual_debugger.ranks_stopped():
+            self.state.waited(now - self.stepped_at)
+        self.stepped_at = now
 
     def _take_events(self, timeout: float) -> None:
         if not self.backlog:

@@ -22,6 +22,7 @@ from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept
 from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.kernel.runner import CellRunner
+from taas_magic.kernel.visual_debugger import RankDebugging
 from taas_magic.launch.cluster import connection
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
@@ -61,6 +62,7 @@ class TaasMagics(Magics):
         self.forkserver_backend = ForkServerBackend()  # kept warm between cells
         self.link = ClusterLink(connection.address_from(os.environ))  # the cluster cells run on, if any
         self.kept = Kept()  # the session of `--keep`, or a rank paused by --debug, between cells
+        self.debugging = RankDebugging.of(shell)  # ranks in the notebook's visual debugger, when it has one
 
     @options.declare
     @no_var_expand  # done in the magic, only where there is something to expand (cell_source.expand_variables)
@@ -106,7 +108,7 @@ class TaasMagics(Magics):
                                                 self.link.address))
             return
         runner = CellRunner(self.ipython, self.transformer, self.link, self.kept, self.fork_backend,
-                            self.forkserver_backend)
+                            self.forkserver_backend, self.debugging)
         runner.run(args, self._defaults(), line, cell)
 
     def _stacks_command(self, words: list[str]) -> None:
@@ -127,7 +129,7 @@ class TaasMagics(Magics):
             back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""
             raise TaasUsageError(f"%taas {command}: no session is running (a taas cell with --keep starts one){back}")
         runner = CellRunner(self.ipython, self.transformer, self.link, self.kept, self.fork_backend,
-                            self.forkserver_backend)
+                            self.forkserver_backend, self.debugging)
         (runner.pull if command == "pull" else runner.push)(session, names, ranks, self._defaults())
 
     def _defaults(self) -> settings.Defaults:
@@ -138,7 +140,7 @@ class TaasMagics(Magics):
         """``%reload_ext``: what the unloaded magics ran goes on here (the session, a rank paused by
         --debug, the cluster, the fork server) with their ``%config`` settings, as if nothing happened.
         ``old`` may be of this class as it was before the module was reloaded."""
-        for name in ("fork_backend", "forkserver_backend", "link", "kept"):
+        for name in ("fork_backend", "forkserver_backend", "link", "kept", "debugging"):
             setattr(self, name, getattr(old, name))
         self.update_config(old.config)
 
@@ -146,5 +148,7 @@ class TaasMagics(Magics):
         """End all these magics run, ``why`` (a session in one line). An ended session stays, so that the
         next taas cell says it ended instead of running as a one-shot cell."""
         self.kept.close(why)
+        if self.debugging is not None:
+            self.debugging.uninstall()
         self.forkserver_backend.shutdown()
         self.link.disconnect()  # its agents and their fork servers end with it

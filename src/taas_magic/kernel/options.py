@@ -239,6 +239,11 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             "--debug", action="store_true",
             help="a rank whose cell raises stays, paused, so that %%taas debug can open the debugger at the error.",
         ),
+        magic_arguments.argument(
+            "--debug-ranks", dest="debug_ranks", type=rank_list, default=None, metavar="RANKS",
+            help="with the notebook's visual debugger on (JupyterLab's, VS Code's): the ranks that stop at its "
+            "breakpoints and at breakpoint(), each a thread named 'rank N' (default: every rank).",
+        ),
         magic_arguments.argument_group("sessions"),
         magic_arguments.argument(
             "--keep", action="store_true",

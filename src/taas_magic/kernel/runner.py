@@ -29,8 +29,9 @@ from taas_magic.kernel.kept import Kept, read_line
 from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.kernel.run_state import RunResult
 from taas_magic.kernel.session import Session
+from taas_magic.kernel.visual_debugger import RankDebugging
 from taas_magic.kernel.settings import Defaults
-from taas_magic.kernel.spec import LaunchSpec, build, resolve_start, return_from
+from taas_magic.kernel.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
 from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
@@ -40,7 +41,7 @@ from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
 from taas_magic.per_rank import PerRank, span
-from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask, Returns
+from taas_magic.wire.task import DebugLink, KernelContext, LoaderPlan, RankTask, Returns
 
 
 class CellRunner:
@@ -48,8 +49,10 @@ class CellRunner:
     what outlives a cell (a session, a paused rank) is ``kept``'s."""
 
     def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer, link: ClusterLink, kept: Kept,
-                 fork_backend: ForkBackend, forkserver_backend: ForkServerBackend):
+                 fork_backend: ForkBackend, forkserver_backend: ForkServerBackend,
+                 debugging: RankDebugging | None = None):
         self.shell = shell
+        self.debugging = debugging
         self.transformer = transformer
         self.link = link
         self.kept = kept
@@ -80,11 +83,13 @@ class CellRunner:
             analysed = dataclasses.replace(analysed, reads=analysed.reads | {plan.name for plan in loaders})
         returns = Returns(results.wanted(analysed.binds, spec.return_names), frozenset(spec.return_from))
         seed = draw_base_seed()
+        debugging = self._debug_link(spec)
 
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
             return RankTask(code=compiled.code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
                             returns=returns, seed=seed, keep=spec.keep, idle_limit=spec.idle_limit,
-                            debug=spec.debug, track=spec.hang_after > 0, sources=sources, context=context)
+                            debug=spec.debug, track=spec.hang_after > 0, sources=sources, context=context,
+                            debugging=debugging)
 
         if spec.on_cluster:
             result = self._launch(self.link.backend(spec, catalog), spec, make_task, analysed, loaders, defaults.view)
@@ -107,6 +112,21 @@ class CellRunner:
         finally:
             plan.close()  # what the plan held here (a memory file of shipped tensors)
             streams.give_back_freed_memory()
+
+    def _debug_link(self, spec: LaunchSpec) -> DebugLink | None:
+        """How the cell's ranks join the notebook's visual debugger, while a client is attached to it."""
+        attached = self.debugging is not None and self.debugging.attached()
+        if spec.debug_ranks is not None and not attached:
+            print("taas: --debug-ranks has no effect: the notebook's debugger is off (switch it on first)",
+                  file=sys.stderr)
+        if self.debugging is None or not attached:
+            return None
+        if spec.on_cluster:
+            if self.debugging.sees_breakpoints():
+                print("taas: breakpoints do not stop cluster ranks: they run without the notebook's debugger "
+                      "(run the cell with --on local to debug it)", file=sys.stderr)
+            return None
+        return self.debugging.link(None if spec.debug_ranks is None else frozenset(spec.debug_ranks))
 
     def _choose_start(self, spec: LaunchSpec) -> str:
         """Fork when it is safe, else the fork server."""
@@ -157,7 +177,8 @@ class CellRunner:
         from_ranks = ((0,) if 0 in ranks else ()) if args.return_from is None else \
             return_from(args.return_from, ranks, _cell_ranks(ranks, session))
         spec = dataclasses.replace(session.spec, output=args.output or defaults.output, timeout=args.timeout,
-                                   return_names=args.return_names, hang_after=args.hang_after, return_from=from_ranks)
+                                   return_names=args.return_names, hang_after=args.hang_after, return_from=from_ranks,
+                                   debug_ranks=debug_ranks(args.debug_ranks, range(session.size), "the session"))
         new = self._session_loaders(analysed, session, ranks)
         session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
         wanted = results.wanted(analysed.binds, spec.return_names) if from_ranks else ()
@@ -195,6 +216,8 @@ class CellRunner:
         """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
         False: ``%taas pull`` or ``push``)."""
         prepared, shipment, sent = session.prepare(analysed, code, returns)
+        if notebook_cell:
+            prepared = dataclasses.replace(prepared, debugging=self._debug_link(spec))
         prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
         session.status = self._view_display(view)  # this cell's view
         try:
@@ -332,7 +355,8 @@ class ViewDisplay:
 
 
 def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
-    """A cell in a session may choose only --ranks, --return, --from, --timeout, --hang-after and --output; an option that
+    """A cell in a session may choose only --ranks, --return, --from, --timeout, --hang-after, --output and
+    --debug-ranks; an option that
     would make it another run (its size, device, configuration, start) is an error."""
     spec = session.spec
     same = {

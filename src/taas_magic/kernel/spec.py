@@ -44,6 +44,7 @@ class LaunchSpec:
     idle_limit: float = 3600.0  # a session ends after this many seconds without a cell
     debug: bool = False  # a rank whose cell raised stays, paused, for `%taas debug`
     hang_after: float = 120.0  # seconds without progress before the cell says where each rank waits (0: never)
+    debug_ranks: tuple[int, ...] | None = None  # the ranks in the notebook's visual debugger (None: every rank)
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -97,6 +98,7 @@ def build(
         on_cluster=on_cluster,
         max_restarts=getattr(options, "max_restarts", 0),
         hang_after=120.0 if getattr(options, "hang_after", None) is None else options.hang_after,
+        debug_ranks=debug_ranks(getattr(options, "debug_ranks", None), range(world_size), "the run"),
         **_session_options(options),
     )
 
@@ -114,6 +116,11 @@ def return_from(given: tuple[int, ...] | str | None, ranks: Sequence[int], where
         raise TaasUsageError(f"{option} {ranks_as_typed(given)}: {where} has {span(ranks)}, "
                              f"not rank {rank_text(outside[0])}")
     return tuple(sorted(given))
+
+
+def debug_ranks(given: tuple[int, ...] | None, ranks: Sequence[int], where: str) -> tuple[int, ...] | None:
+    """The ranks ``--debug-ranks`` names among ``ranks`` (``where`` has them); None, every rank, when left out."""
+    return None if given is None else return_from(given, ranks, where, "--debug-ranks")
 
 
 def _session_options(options: argparse.Namespace) -> dict[str, Any]:

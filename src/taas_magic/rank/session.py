@@ -28,7 +28,7 @@ from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.wire.records import CellEnded
-from taas_magic.wire.task import RankTask, Returns
+from taas_magic.wire.task import DebugLink, RankTask, Returns
 
 
 def open_control(fds: RankFds) -> RankEnd | None:
@@ -45,7 +45,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     """
     os.close(fds.results)  # every cell's names go back on the control channel
     last_error: BaseException | None = None
-    cell = SessionCell(task.code, task.returns)
+    cell = SessionCell(task.code, task.returns, debugging=task.debugging)
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     while True:
@@ -54,7 +54,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(cell.code, cell.returns, namespace, shell, task, interrupted)
+            status, record, names, error = _run(cell.code, cell.returns, namespace, shell, task, interrupted, cell.debugging)
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -87,7 +87,7 @@ def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
 
 
 def _run(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any, task: RankTask,
-         interrupted: bool) -> tuple[int, Any, bytes | None, BaseException | None]:
+         interrupted: bool, debugging: DebugLink | None) -> tuple[int, Any, bytes | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
     ``interrupted``: one came while the cell's names were unpacked; its code does not start.
@@ -96,7 +96,7 @@ def _run(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any
     try:
         if interrupted:
             raise KeyboardInterrupt
-        return run_cell(code, returns, namespace, shell, task)
+        return run_cell(code, returns, namespace, shell, task, debugging)
     except KeyboardInterrupt as e:  # outside the cell's code: before it began
         return (*stopped_before_start(e, shell, task), None, e)
     finally:

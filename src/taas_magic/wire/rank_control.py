@@ -18,7 +18,7 @@ from types import CodeType
 from typing import ClassVar, Union
 
 from taas_magic.wire.channel import Channel
-from taas_magic.wire.task import LoaderPlan, Returns
+from taas_magic.wire.task import DebugLink, LoaderPlan, Returns
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class SessionCell:
     # ``first_loader`` among its loaders: the supervisor starts their producers.
     loaders: tuple[LoaderPlan, ...] = ()
     first_loader: int = 0
+    debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it
 
 
 @dataclass(frozen=True)

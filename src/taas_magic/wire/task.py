@@ -186,6 +186,28 @@ class Returns:
 
 
 @dataclass(frozen=True)
+class DebugLink:
+    """How a rank joins the notebook's visual debugger for a cell (``rank/visual_debugging.py``).
+
+    The kernel listens on ``port`` of the loopback address while a debugging client is attached. A
+    rank proves itself with ``secret`` and its rank (``token``) and the kernel proves itself with
+    ``secret``; the kernel then shows the rank's threads in its own debugging session.
+    """
+
+    port: int
+    secret: str
+    run: str  # which run the rank belongs to, as the kernel names it (a session, or a one-shot cell)
+    ranks: frozenset[int] | None = None  # the ranks that take part (--debug-ranks); None: every rank
+    eager: bool = False  # breakpoints are set: join as the cell starts; else at a ``breakpoint()`` only
+
+    def takes_part(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+    def token(self, rank: int) -> str:
+        return f"{self.secret}:{self.run}:{rank}"
+
+
+@dataclass(frozen=True)
 class RankTask:
     """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
 
@@ -204,3 +226,4 @@ class RankTask:
     idle_limit: float | None = None  # a session ends after this many seconds without a cell
     debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
     track: bool = True  # the rank samples its activity for the hang watchdog (off with --hang-after 0)
+    debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it

@@ -1,0 +1,489 @@
+"""A taas cell's ranks as threads of the notebook's visual debugger (JupyterLab's, VS Code's).
+
+The front end debugs the kernel over the Jupyter Debug Protocol: ``debug_request``s on the control
+channel, which ipykernel's ``Debugger.process_request`` answers, and ``debug_event``s on iopub.
+While a client is attached, ranks that are to be debugged connect their debugger engine (pydevd)
+to a loopback port of the kernel (``rank/visual_debugging.py``), where this module speaks to each
+as debugpy's adapter would: it sends the notebook's breakpoints and lets the rank run.
+
+The front end sees one session. Each rank numbers its threads, frames and variables from 1, as the
+kernel's own debugger does, so every id a rank sends is given a number of its own here, in a range
+the kernel's never reaches, and a request that names such an id goes to that rank with the rank's
+own id. A rank's main thread is ``rank N``, its other threads ``rank N: name``. Breakpoints set
+while ranks are connected reach them at once.
+
+Connections are authenticated both ways with a secret of this kernel's (pydevd's access tokens),
+and bound to the loopback address.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import secrets
+import socket
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from taas_magic.wire.task import DebugLink
+
+Message = dict[str, Any]
+
+RANK_IDS = 1 << 28  # ids given to ranks' threads, frames and variables start here: the kernel's are small counters
+ANSWER_SECONDS = 30.0  # a rank's engine answers from a thread of its own, stopped or running
+HANDSHAKE_SECONDS = 10.0
+SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within this, else another stopped rank is shown
+_ID_KEYS = {"threadId": "threads", "frameId": "frames", "srcFrameId": "frames", "variablesReference": "variables"}
+_LISTS_OF_IDS = {"threads": "threads", "stackFrames": "frames"}  # lists whose items' "id" is of that kind
+_EVENTS = ("stopped", "continued", "thread")  # what a front end needs of a rank's events (not its modules, output)
+# Where taas's own code is: stepping does not go into it, as ipykernel keeps stepping out of its own.
+_OWN_CODE = [str(Path(__file__).resolve().parents[2] / name) for name in ("taas_magic", "taas")]
+_OWN_THREADS = "taas-"  # taas's threads in a rank (its lifeline, its samplers): not the user's to debug
+_RICH = "__import__('taas_magic.rank.visual_debugging', fromlist=['rich']).rich({name})"
+
+
+_installed: "RankDebugging | None" = None  # the one installed in this kernel
+
+
+def ranks_stopped() -> bool:
+    """Whether a rank of the running cell is stopped in the notebook's visual debugger."""
+    return _installed is not None and _installed.any_stopped()
+
+
+class RankDebugging:
+    """The kernel's side of ranks in the visual debugger: the port they join on, and the requests and
+    events between them and the front end."""
+
+    def __init__(self, debugger: Any):
+        self.debugger = debugger  # ipykernel's Debugger: its session with the front end
+        self.secret = secrets.token_hex(16)
+        self.listener: socket.socket | None = None
+        self.ranks: list[_Rank] = []
+        self.ids = {kind: _Ids() for kind in ("threads", "frames", "variables")}
+        self.breakpoints: dict[str, Message] = {}  # the front end's setBreakpoints arguments, by source path
+        self.exception_breakpoints: Message = {"filters": []}
+        self.lock = threading.Lock()
+        self.original: Callable[[Message], Any] | None = None
+        self.event_numbers = itertools.count(1)
+
+    # -- in the kernel's life --------------------------------------------------------------------
+    @classmethod
+    def of(cls, shell: Any) -> "RankDebugging | None":
+        """For the kernel of ``shell``, if it has the notebook's debugger (None in a terminal IPython)."""
+        debugger = getattr(getattr(shell, "kernel", None), "debugger", None)
+        return cls(debugger) if debugger is not None and hasattr(debugger, "process_request") else None
+
+    def install(self) -> None:
+        """Stand between the front end and the kernel's debugger: requests for ranks go to them. Done
+        once a client is attached and a cell is about to run, and kept until the extension unloads."""
+        global _installed
+        if self.original is None:
+            self.original = self.debugger.process_request
+            self.debugger.process_request = self.process_request
+        _installed = self
+
+    def uninstall(self) -> None:
+        global _installed
+        if self.original is not None and self.debugger.__dict__.get("process_request") == self.process_request:
+            self.debugger.process_request = self.original
+        self.original = None
+        _installed = None if _installed is self else _installed
+        self.close()
+
+    def attached(self) -> bool:
+        """Whether a debugging client (JupyterLab's debugger, VS Code) is attached to the kernel."""
+        return bool(getattr(self.debugger, "is_started", False))
+
+    def link(self, ranks: frozenset[int] | None) -> DebugLink:
+        """How a cell's ranks join, a client being attached: at once when breakpoints are set, at a
+        ``breakpoint()`` otherwise."""
+        self.install()
+        port = self._listen()
+        eager = any(arguments.get("breakpoints") for arguments in self._breakpoints().values())
+        return DebugLink(port, self.secret, secrets.token_hex(4), ranks, eager)
+
+    def any_stopped(self) -> bool:
+        """Whether a rank is stopped in the debugger now. Cells run one at a time, so it is the running
+        cell's: its time there is a person's, as at a pdb prompt."""
+        with self.lock:
+            return any(rank.stopped for rank in self.ranks)
+
+    def sees_breakpoints(self) -> bool:
+        """A client is attached and breakpoints are set (for cells whose ranks cannot join: a cluster's)."""
+        return self.attached() and any(
+            arguments.get("breakpoints") for arguments in self._breakpoints().values())
+
+    def close(self) -> None:
+        """The client detached: stopped ranks go on, untraced; no rank joins any more."""
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            listener.close()
+        with self.lock:
+            ranks, self.ranks = self.ranks, []
+        for rank in ranks:
+            rank.send("disconnect", {"restart": False, "terminateDebuggee": False})
+            rank.close()
+        self.breakpoints.clear()
+
+    # -- requests from the front end ---------------------------------------------------------------
+    async def process_request(self, message: Message) -> Message:
+        assert self.original is not None
+        arguments = message.get("arguments") or {}
+        owner = self._owner(arguments)
+        if owner is not None:
+            answered: Message = await _in_thread(lambda: self._for_rank(owner, message))
+            return answered
+        command = message["command"]
+        if command == "disconnect":
+            self.close()
+        elif command == "setBreakpoints":
+            self.breakpoints[arguments["source"]["path"]] = arguments
+        elif command == "setExceptionBreakpoints":
+            self.exception_breakpoints = arguments
+        reply: Message = await self.original(message)
+        if command == "threads" and reply.get("success"):
+            reply["body"]["threads"] += await _in_thread(self._threads)
+        elif command in ("setBreakpoints", "setExceptionBreakpoints"):
+            for rank in self._connected():
+                rank.send(command, arguments)
+        elif command == "debugInfo" and reply.get("success"):
+            reply["body"]["stoppedThreads"] += self._stopped_threads()
+        return reply
+
+    def _owner(self, arguments: Message) -> _Rank | None:
+        for key, kind in _ID_KEYS.items():
+            number = arguments.get(key)
+            if isinstance(number, int) and number >= RANK_IDS:
+                found = self.ids[kind].inward(number)
+                return None if found is None else found[0]
+        return None
+
+    def _for_rank(self, rank: _Rank, message: Message) -> Message:
+        """A request about a rank's thread, frame or variable, answered by that rank."""
+        command, arguments = message["command"], self._inward(message.get("arguments") or {})
+        if command == "richInspectVariables":
+            return self._rich(rank, message, arguments)
+        if command == "copyToGlobals":
+            command, arguments = "setExpression", {"expression": f"globals()[{arguments['dstVariableName']!r}]",
+                                                   "value": arguments["srcVariableName"],
+                                                   "frameId": arguments["srcFrameId"]}
+        try:
+            reply = self._outward(rank, rank.request(command, arguments))
+        except (ConnectionError, TimeoutError) as e:
+            reply = {"success": False, "message": f"{rank.label}: {e}"}
+        if command == "variables" and reply.get("success"):
+            accept = getattr(self.debugger, "accept_variable", lambda name: True)
+            reply["body"]["variables"] = [v for v in reply["body"]["variables"] if accept(v["name"])]
+        return {**reply, "type": "response", "command": message["command"], "request_seq": message["seq"],
+                "seq": message["seq"]}
+
+    def _rich(self, rank: _Rank, message: Message, arguments: Message) -> Message:
+        """A variable's rich display, formatted in the rank as the notebook would format it."""
+        name = arguments.get("variableName", "")
+        data: Message = {"data": {}, "metadata": {}}
+        if name.isidentifier():
+            try:
+                reply = rank.request("evaluate", {"expression": _RICH.format(name=name),
+                                                  "frameId": arguments.get("frameId"), "context": "clipboard"})
+                if reply.get("success"):
+                    bundle, metadata = ast.literal_eval(reply["body"]["result"])
+                    data = {"data": bundle, "metadata": {kind: metadata[kind] for kind in metadata if kind in bundle}}
+            except (ConnectionError, TimeoutError, ValueError, SyntaxError):
+                pass
+        return {"type": "response", "request_seq": message["seq"], "seq": message["seq"], "success": True,
+                "command": message["command"], "body": data}
+
+    def _threads(self) -> list[Message]:
+        """Every connected rank's threads, named after the rank."""
+        threads = []
+        for rank in self._connected():
+            try:
+                reply = rank.request("threads", {}, timeout=2.0)
+            except (ConnectionError, TimeoutError):
+                continue
+            for thread in reply.get("body", {}).get("threads", []):
+                if thread["name"].startswith(_OWN_THREADS):
+                    continue
+                name = rank.label if thread["name"] == "MainThread" else f"{rank.label}: {thread['name']}"
+                threads.append({"id": self.ids["threads"].outward(rank, thread["id"]), "name": name})
+        return threads
+
+    def _stopped_threads(self) -> list[int]:
+        return [self.ids["threads"].outward(rank, thread) for rank in self._connected() for thread in rank.stopped]
+
+    def _connected(self) -> list[_Rank]:
+        with self.lock:
+            return list(self.ranks)
+
+    # -- ids ---------------------------------------------------------------------------------------
+    def _inward(self, value: Any) -> Any:
+        return _translate(value, lambda kind, number: self._local(kind, number))
+
+    def _local(self, kind: str, number: int) -> int:
+        found = self.ids[kind].inward(number) if number >= RANK_IDS else None
+        return number if found is None else found[1]
+
+    def _outward(self, rank: _Rank, value: Any) -> Any:
+        return _translate(value, lambda kind, number: self.ids[kind].outward(rank, number))
+
+    # -- ranks joining, and their events -----------------------------------------------------------
+    def _listen(self) -> int:
+        if self.listener is None:
+            listener = socket.create_server(("127.0.0.1", 0))
+            self.listener = listener
+            _start_hidden(self._accept, listener, name="taas-debugger-ranks")
+        return int(self.listener.getsockname()[1])
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return  # closed: the client detached
+            _start_hidden(self._welcome, connection, name="taas-debugger-rank")
+
+    def _welcome(self, connection: socket.socket) -> None:
+        """A rank connected: check that it is one of ours, give it the breakpoints, let it run."""
+        rank = _Rank(connection, self._event, self._gone)
+        try:
+            reply = rank.request("pydevdAuthorize", {"debugServerAccessToken": self.secret}, HANDSHAKE_SECONDS)
+            secret, run, number = str(reply.get("body", {}).get("clientAccessToken", "")).split(":")
+            if not secrets.compare_digest(secret, self.secret) or self.listener is None:
+                raise ConnectionError("not a rank of this kernel's")
+            rank.name(run, int(number))
+            rank.request("initialize", {"adapterID": "python", "clientID": "taas", "pathFormat": "path",
+                                        "linesStartAt1": True, "columnsStartAt1": True}, HANDSHAKE_SECONDS)
+            rank.request("attach", self._attach_options(), HANDSHAKE_SECONDS)
+            for arguments in self._breakpoints().values():
+                rank.request("setBreakpoints", arguments, HANDSHAKE_SECONDS)
+            rank.request("setExceptionBreakpoints", self.exception_breakpoints, HANDSHAKE_SECONDS)
+            with self.lock:
+                self.ranks.append(rank)
+            rank.request("configurationDone", {}, HANDSHAKE_SECONDS)
+        except (ConnectionError, TimeoutError, ValueError, OSError):
+            rank.close()  # a probe of the port, a stranger, or a rank that went away
+
+    def _attach_options(self) -> Message:
+        options: Message = {"justMyCode": bool(getattr(self.debugger, "just_my_code", True)),
+                            "rules": [{"path": path, "include": False} for path in _OWN_CODE]}
+        if not options["justMyCode"]:
+            options["debugOptions"] = ["DebugStdLib"]
+        return options
+
+    def _breakpoints(self) -> dict[str, Message]:
+        """The notebook's breakpoints: as the front end set them here, else as the kernel's debugger kept them."""
+        kept = getattr(self.debugger, "breakpoint_list", {}) or {}
+        known = {path: {"source": {"path": path}, "breakpoints": lines} for path, lines in kept.items()}
+        return {**known, **self.breakpoints}
+
+    def _event(self, rank: _Rank, event: Message) -> None:
+        kind, body = event.get("event"), dict(event.get("body") or {})
+        if kind not in _EVENTS:
+            return
+        if kind == "stopped":
+            rank.stopped[body["threadId"]] = body
+            self._publish("stopped", self._outward(rank, {**body, "allThreadsStopped": False}))
+        elif kind == "continued":
+            threads = list(rank.stopped) if body.get("allThreadsContinued") else [body["threadId"]]
+            self._continued(rank, threads)
+        else:
+            self._publish("thread", self._outward(rank, body))
+
+    def _continued(self, rank: _Rank, threads: list[int]) -> None:
+        """The rank's threads run again. Front ends that follow one thread at a time (JupyterLab) are shown
+        the rank that stopped last among those still stopped."""
+        for thread in threads:
+            rank.stopped.pop(thread, None)
+            self._publish("continued", {"threadId": self.ids["threads"].outward(rank, thread),
+                                        "allThreadsContinued": False})
+        if threads:
+            timer = threading.Timer(SHOW_NEXT_SECONDS, self._show_a_stopped_rank, args=(rank,))
+            setattr(timer, "is_pydev_daemon_thread", True)
+            timer.daemon = True
+            timer.start()
+
+    def _show_a_stopped_rank(self, going: _Rank) -> None:
+        """After a rank went on, and did not stop again soon (a step), show the front end a rank that is
+        still stopped, the last to stop: JupyterLab follows the thread of the last ``stopped`` event only."""
+        if going.stopped:
+            return
+        waiting = [(other, thread, body) for other in self._connected() for thread, body in other.stopped.items()]
+        if waiting:
+            other, thread, body = waiting[-1]
+            self._publish("stopped", self._outward(other, {**body, "threadId": thread, "allThreadsStopped": False}))
+
+    def _gone(self, rank: _Rank) -> None:
+        """The rank's connection ended (it exited, or was stopped): its threads leave the session."""
+        with self.lock:
+            if rank not in self.ranks:
+                return
+            self.ranks.remove(rank)
+        self._continued(rank, list(rank.stopped))
+        for thread in self.ids["threads"].of(rank):
+            self._publish("thread", {"reason": "exited", "threadId": thread})
+        for ids in self.ids.values():
+            ids.forget(rank)
+
+    def _publish(self, kind: str, body: Message) -> None:
+        self.debugger.event_callback({"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)})
+
+
+class _Rank:
+    """One rank's debugger engine, connected: requests and their answers, events as they come."""
+
+    def __init__(self, connection: socket.socket, on_event: Callable[["_Rank", Message], None],
+                 on_gone: Callable[["_Rank"], None]):
+        self.connection = connection
+        self.on_event = on_event
+        self.on_gone = on_gone
+        self.run, self.number, self.label = "", -1, "a rank"
+        self.stopped: dict[int, Message] = {}  # its stopped threads (its own ids), with their stopped events' bodies
+        self.waiting: dict[int, Future[Message]] = {}
+        self.numbers = itertools.count(1)
+        self.send_lock = threading.Lock()
+        self.joined = False
+        _start_hidden(self._read, name="taas-debugger-rank-reader")
+
+    def name(self, run: str, number: int) -> None:
+        self.run, self.number, self.label = run, number, f"rank {number}"
+        self.joined = True
+
+    def request(self, command: str, arguments: Message, timeout: float = ANSWER_SECONDS) -> Message:
+        answer = self.send(command, arguments)
+        try:
+            return answer.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no answer to {command} within {timeout:.0f} s") from None
+
+    def send(self, command: str, arguments: Message) -> Future[Message]:
+        answer: Future[Message] = Future()
+        with self.send_lock:
+            number = next(self.numbers)
+            self.waiting[number] = answer
+            body = json.dumps({"seq": number, "type": "request", "command": command, "arguments": arguments}).encode()
+            try:
+                self.connection.sendall(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError as e:
+                self.waiting.pop(number, None)
+                answer.set_exception(ConnectionError(str(e)))
+        return answer
+
+    def close(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.connection.close()
+
+    def _read(self) -> None:
+        try:
+            for message in _frames(self.connection):
+                if message.get("type") == "response":
+                    answer = self.waiting.pop(message.get("request_seq", -1), None)
+                    if answer is not None:
+                        answer.set_result(message)
+                elif message.get("type") == "event" and self.joined:
+                    self.on_event(self, message)
+        except (OSError, ValueError):
+            pass  # the connection broke off: as at its end
+        finally:
+            for answer in list(self.waiting.values()):
+                if not answer.done():
+                    answer.set_exception(ConnectionError(f"{self.label} left the debugger"))
+            self.waiting.clear()
+            if self.joined:
+                self.on_gone(self)
+
+
+class _Ids:
+    """Ids of one kind as the front end sees them, each standing for one rank's own."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count(RANK_IDS)
+        self.theirs: dict[int, tuple[_Rank, int]] = {}
+        self.ours: dict[tuple[int, int], int] = {}  # (id of the rank's connection, its id) -> ours
+        self.lock = threading.Lock()
+
+    def outward(self, rank: _Rank, number: int) -> int:
+        if number <= 0:
+            return number  # 0: no variables to expand
+        with self.lock:
+            key = (id(rank), number)
+            if key not in self.ours:
+                self.ours[key] = next(self.numbers)
+                self.theirs[self.ours[key]] = (rank, number)
+            return self.ours[key]
+
+    def inward(self, number: int) -> tuple[_Rank, int] | None:
+        with self.lock:
+            return self.theirs.get(number)
+
+    def of(self, rank: _Rank) -> list[int]:
+        with self.lock:
+            return [ours for ours, (owner, _) in self.theirs.items() if owner is rank]
+
+    def forget(self, rank: _Rank) -> None:
+        with self.lock:
+            for ours in [ours for ours, (owner, _) in self.theirs.items() if owner is rank]:
+                _, theirs = self.theirs.pop(ours)
+                self.ours.pop((id(rank), theirs), None)
+
+
+def _translate(value: Any, swap: Callable[[str, int], int], kind_of_id: str | None = None) -> Any:
+    """``value`` with each thread, frame and variable id in it swapped (``swap(kind, id)``)."""
+    if isinstance(value, list):
+        return [_translate(item, swap, kind_of_id) for item in value]
+    if not isinstance(value, dict):
+        return value
+    swapped: dict[str, Any] = {}
+    for key, item in value.items():
+        if key in _ID_KEYS and isinstance(item, int):
+            swapped[key] = swap(_ID_KEYS[key], item)
+        elif key == "id" and kind_of_id is not None and isinstance(item, int):
+            swapped[key] = swap(kind_of_id, item)
+        elif key in _LISTS_OF_IDS and isinstance(item, list):
+            swapped[key] = [_translate(entry, swap, _LISTS_OF_IDS[key]) for entry in item]
+        else:
+            swapped[key] = _translate(item, swap)
+    return swapped
+
+
+def _frames(connection: socket.socket) -> Iterator[Message]:
+    """The messages a debugger engine sends: each a ``Content-Length`` header and a JSON body."""
+    stream = connection.makefile("rb")
+    while True:
+        length = None
+        while True:
+            line = stream.readline()
+            if not line:
+                return
+            if line in (b"\r\n", b"\n"):
+                break
+            name, _, number = line.decode("ascii", "replace").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(number)
+        if length is None:
+            return
+        body = stream.read(length)
+        if len(body) < length:
+            return
+        yield json.loads(body)
+
+
+def _start_hidden(work: Callable[..., None], *args: Any, name: str) -> None:
+    """A thread of this module's: the kernel's own debugger neither traces it nor lists it (pydevd leaves
+    alone the threads it marks as its own)."""
+    thread = threading.Thread(target=work, args=args, name=name, daemon=True)
+    setattr(thread, "is_pydev_daemon_thread", True)
+    setattr(thread, "pydev_do_not_trace", True)
+    thread.start()
+
+
+async def _in_thread(work: Callable[[], Any]) -> Any:
+    """``work`` (which waits for ranks) off the kernel's control loop, which must keep serving interrupts."""
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(work)

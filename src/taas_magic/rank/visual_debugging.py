@@ -1,0 +1,93 @@
+"""A rank as threads of the notebook's visual debugger (JupyterLab's, VS Code's).
+
+While a debugging client is attached to the kernel, a cell's ``DebugLink`` says where the kernel
+listens for its ranks. A rank joins by starting the debugger's engine (pydevd, which debugpy
+carries) connected to that address: the kernel sends it the notebook's breakpoints and shows its
+threads, stops and values in its own session (``kernel/visual_debugger.py``). A rank joins as
+its cell starts when breakpoints are set, or at its first ``breakpoint()``; it stays joined for
+the rest of its life (a session's later cells too). A rank not to be debugged never imports the
+engine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Callable
+
+from taas_magic.wire.task import DebugLink
+
+_joined: tuple[int, str] | None = None  # (port, run) of the kernel this rank joined
+_pdb_hook: Callable[..., Any] | None = None  # breakpoint()'s hook before a link took it over
+
+
+def take_part(link: DebugLink | None, rank: int) -> None:
+    """At a cell's start: join the kernel's debugging session if ``link`` asks for it now; a
+    ``breakpoint()`` in the cell stops in the visual debugger while one is attached, else in pdb."""
+    global _pdb_hook
+    if _pdb_hook is None:
+        _pdb_hook = sys.breakpointhook
+    if link is None or not link.takes_part(rank):
+        sys.breakpointhook = _pdb_hook
+        return
+    sys.breakpointhook = lambda *args, **kwargs: _visual_breakpoint(link, rank, args, kwargs)
+    if link.eager:
+        _join(link, rank)
+
+
+def _visual_breakpoint(link: DebugLink, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``breakpoint()``: stop at the caller's line as a thread of the notebook's debugger."""
+    if not _join(link, rank):
+        return _pdb_hook(*args, **kwargs) if _pdb_hook is not None else None
+    import pydevd  # type: ignore[import-not-found]  # debugpy's engine, on the path once joined
+
+    pydevd.settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False,
+                    stop_at_frame=sys._getframe(2))  # the caller of breakpoint(), past this hook's lambda
+    return None
+
+
+def _join(link: DebugLink, rank: int) -> bool:
+    """Connect this rank's debugger engine to the kernel; False when the kernel no longer listens
+    (the client detached since the cell was sent)."""
+    global _joined
+    if _joined == (link.port, link.run):
+        return True
+    if _joined is not None or not _listening(link.port):
+        return False
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the rank's own environment: no warning on stderr
+    pydevd = _engine()
+    pydevd.settrace("127.0.0.1", port=link.port, suspend=False, trace_only_current_thread=False,
+                    patch_multiprocessing=False, wait_for_ready_to_run=True, notify_stdin=False,
+                    access_token=link.secret, client_access_token=link.token(rank), protocol="dap")
+    _joined = (link.port, link.run)
+    return True
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _engine() -> Any:
+    """pydevd as debugpy carries it, set up afresh: a rank forked from a kernel whose debugger was on
+    has the kernel's pydevd loaded, with the kernel's settings (``process/kernel_debugger.forget``
+    dropped its connection)."""
+    from debugpy._vendored import force_pydevd  # noqa: F401  # puts debugpy's pydevd on the path
+
+    import pydevd
+
+    pydevd.SetupHolder.setup = None
+    return pydevd
+
+
+def rich(value: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``value``'s display as the notebook shows it (its MIME bundle and metadata), for the debugger's
+    variables panel; the kernel evaluates this in the rank's frame."""
+    from IPython.core.formatters import DisplayFormatter
+
+    data, metadata = DisplayFormatter().format(value)
+    return {kind: shown for kind, shown in data.items() if isinstance(shown, str)}, metadata
