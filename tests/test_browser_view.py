@@ -1,8 +1,9 @@
 """A taas cell seen the way a user sees it: JupyterLab in headless Chromium.
 
 The kernel tests check the messages a cell sends; only a browser shows whether the front end
-turns them into one status block that redraws in place and ends as a summary. The same run
-takes the screenshots the docs use (set TAAS_SCREENSHOTS=docs/images to refresh them).
+turns them into one status block that redraws in place and ends as a summary, and whether
+JupyterLab's debugger panel shows a rank stopped at a breakpoint. The same runs take the
+screenshots the docs use (set TAAS_SCREENSHOTS=docs/images to refresh them).
 
 Needs Debian's Chromium (/usr/bin/chromium) and the Python packages jupyterlab and playwright;
 Playwright drives the system Chromium, so no browser is downloaded.
@@ -125,12 +126,14 @@ def free_port() -> int:
 
 
 def write_kernelspec(data_dir: Path) -> None:
-    """A python3 kernel spec that runs this interpreter, whatever else is installed for the user."""
+    """A python3 kernel spec that runs this interpreter, whatever else is installed for the user, with
+    the notebook's debugger."""
     spec = data_dir / "kernels" / "python3"
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (ipykernel)", "language": "python"}))
+        "display_name": "Python 3 (ipykernel)", "language": "python",
+        "metadata": {"debugger": True}}))  # as ipykernel's own spec: JupyterLab offers its debugger
 
 
 def write_lab_settings(settings_dir: Path) -> None:
@@ -453,3 +456,78 @@ def test_a_hang_is_diagnosed_in_the_cell_with_the_rows_saying_where_each_rank_wa
         hang_cell.screenshot(path=str(shots / "hang-diagnosis.png"))
         hang_cell.locator('.taas-view[data-state="summary"]').wait_for(timeout=60_000)
         assert "--timeout 14 s elapsed" in text_outputs(hang_cell)
+
+
+DEBUGGED_CELL = """#pragma taas --gpus 2 --device cpu
+import os
+rank_seen = int(os.environ['RANK'])
+scaled = rank_seen * 10
+print('rank', rank_seen, 'scaled', scaled)"""
+
+
+def switch_debugger_on(page: Page) -> None:
+    """The bug icon in the notebook's toolbar, once the kernel said it supports debugging."""
+    page.locator('.jp-DebuggerBugButton[title="Enable Debugger"]').wait_for(timeout=30_000)
+    page.locator(".jp-DebuggerBugButton").first.click()
+    page.locator('.jp-DebuggerBugButton[aria-pressed="true"]').wait_for(timeout=30_000)
+
+
+def click_gutter(cell_: Locator, line: int) -> None:
+    """A breakpoint at ``line`` of the cell: a click in the breakpoint gutter beside its number."""
+    number = cell_.locator(".cm-lineNumbers .cm-gutterElement", has_text=re.compile(rf"^{line}$")).first.bounding_box()
+    gutter = cell_.locator("div.cm-gutter.cm-breakpoint-gutter").bounding_box()
+    assert number is not None and gutter is not None
+    cell_.page.mouse.click(gutter["x"] + gutter["width"] / 2, number["y"] + number["height"] / 2)
+
+
+def shown_rank(page: Page) -> int:
+    """The rank whose frame the call stack panel shows (its top frame is named ``rank N: …``)."""
+    top = page.locator(".jp-DebuggerCallstackFrame").first
+    top.wait_for(timeout=60_000)
+    match = re.match(r"rank (\d+): <module>", top.inner_text())
+    assert match, f"the call stack shows {top.inner_text()!r}"
+    return int(match.group(1))
+
+
+def shown_rank_with_its_values(page: Page, within: float = 20) -> int:
+    """The rank the panels show, once the variables panel shows that rank's values: when both ranks stop
+    at once, JupyterLab redraws the call stack and the variables for each ``stopped`` event in turn."""
+    deadline = time.monotonic() + within
+    while True:
+        rank = shown_rank(page)
+        variables = page.locator(".jp-DebuggerVariables").first
+        variables.get_by_text("rank_seen").first.wait_for(timeout=10_000)
+        if re.search(rf"rank_seen\W+{rank}\b", variables.inner_text()):
+            return rank
+        assert time.monotonic() < deadline, f"rank {rank}'s frame, other values: {variables.inner_text()}"
+        time.sleep(0.25)
+
+
+@pytest.mark.timeout(240)
+def test_jupyterlabs_debugger_stops_a_taas_cells_ranks_at_a_gutter_breakpoint(tmp_path: Path) -> None:
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    shots = screenshot_dir(tmp_path)
+    with notebook_in_browser(["%load_ext taas_magic", DEBUGGED_CELL], notebook="debugger.ipynb") as (page, lab):
+        switch_debugger_on(page)
+        taas_cell = cell(page, 1)
+        click_gutter(taas_cell, 4)
+        run_all_cells(page)
+        seen = []
+        for _ in range(2):  # each rank stops; continuing one shows the other
+            rank = shown_rank_with_its_values(page)
+            assert "Cell [*]:4" in page.locator(".jp-DebuggerCallstackFrame").first.inner_text()
+            if not seen:
+                taas_cell.locator(f'tr.taas-row[data-rank="{rank}"][data-state="paused"]').wait_for(timeout=10_000)
+                page.screenshot(path=str(shots / "debugger-rank.png"))
+            seen.append(rank)
+            page.locator('[data-command="debugger:continue"]').first.click()
+            if len(seen) < 2:
+                page.wait_for_function(f"""() => {{
+                    const top = document.querySelector('.jp-DebuggerCallstackFrame');
+                    return top && !top.innerText.startsWith('rank {rank}:'); }}""", timeout=30_000)
+        assert sorted(seen) == [0, 1]
+        taas_cell.locator('.taas-view[data-state="summary"]').wait_for(timeout=60_000)
+        for line in ("rank 0 scaled 0", "rank 1 scaled 10"):
+            taas_cell.get_by_text(line).first.wait_for(timeout=10_000)

@@ -160,3 +160,19 @@ def test_only_a_change_asks_for_a_redraw():
     view.changed = False
     view.take(7, RankVitals(1.0, MB, MB))  # not a rank of this view (a session cell's --ranks)
     assert not view.changed
+
+
+def test_a_rank_stopped_in_the_notebooks_debugger_reads_paused_until_it_goes_on():
+    view = RunView("2 ranks on cpu", range(2))
+    for rank in range(2):
+        view.take(rank, RankVitals(1.0, 300 * MB, 310 * MB))
+    view.changed = False
+    view.in_debugger(frozenset({1}))
+    assert view.changed and [row[1] for row in rows(view.render(1.0))] == ["running", "paused"]
+    view.changed = False
+    view.in_debugger(frozenset({1}))
+    assert not view.changed, "the same ranks again: nothing to redraw"
+    view.take(1, CellEnded(2.0))
+    assert [row[1] for row in rows(view.render(2.0))] == ["running", "done"], "an ended rank is not paused"
+    view.in_debugger(frozenset())
+    assert [row[1] for row in rows(view.summary("done", 3.0))][1] == "done"

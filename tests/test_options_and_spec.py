@@ -163,6 +163,12 @@ BAD = [
                  id="cpu-configuration-explicit-cuda"),
     pytest.param("", EIGHT_GPUS, {"TAAS_DEVICE": "gpu"}, ["TAAS_DEVICE='gpu' is not allowed: use auto, cuda, cpu"],
                  id="TAAS_DEVICE-gpu"),
+    pytest.param("--gpus 2 --debug-ranks 5", EIGHT_GPUS, {}, ["--debug-ranks 5: the run has ranks 0-1, not rank 5"],
+                 id="debug-ranks-outside-the-run"),
+    pytest.param("--gpus 2 --debug-ranks", EIGHT_GPUS, {}, ["--debug-ranks", "expected one argument"],
+                 id="debug-ranks-without-value"),
+    pytest.param("--gpus 2 --debug-ranks one", EIGHT_GPUS, {}, ["--debug-ranks", "'one'"],
+                 id="debug-ranks-word"),
 ]
 
 
@@ -423,3 +429,9 @@ def test_on_local_and_on_cluster_choose_where_a_connected_or_unconnected_kernel_
 def test_a_configuration_alone_on_a_cluster_is_one_process_on_cpu_for_a_cpu_configuration() -> None:
     alone = cluster_build("--config c1.32 --alone")
     assert (alone.world_size, alone.device, alone.threads_per_rank, alone.on_cluster) == (1, "cpu", 32, True)
+
+
+def test_debug_ranks_are_every_rank_unless_given() -> None:
+    assert build("--gpus 4").debug_ranks is None
+    assert build("--gpus 4 --debug-ranks 3,1").debug_ranks == (1, 3)
+    assert build("--gpus 4 --debug-ranks 0-2").debug_ranks == (0, 1, 2)

@@ -91,7 +91,7 @@ def _header_lines(raw: str, cell: str) -> int:
     lines = (raw if raw.endswith("\n") else raw + "\n").splitlines(keepends=True)
     first = next((i for i, text in enumerate(lines) if text.strip()), 0)
     header = parse_header(lines[first:], lambda name: True)
-    if header is not None and header.options is not None:
+    if header is not None:
         skip = first + header.line_count
     elif lines[first:first + 1] and lines[first].lstrip().startswith("%%taas"):
         skip = first + 1
@@ -106,5 +106,8 @@ def _show_header_as_written(filename: str, source: str, raw: str, skip: int) -> 
     Only the lines tracebacks quote change, not the code that runs.
     """
     lines = (raw if raw.endswith("\n") else raw + "\n").splitlines(keepends=True)
+    header = parse_header(lines, lambda name: True)
+    if header is None or header.options is None:
+        return  # `%%taas …` as typed, or a lone `#!NAME`: the source's line says it as well
     shown = lines[:skip] + [line + "\n" for line in source.splitlines()][skip:]
     linecache.cache[filename] = (len(source), None, shown, filename)

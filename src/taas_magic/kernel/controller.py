@@ -178,11 +178,14 @@ class Pump:
 
     def _count_debugger_time(self) -> None:
         """Time a rank spends stopped in the notebook's visual debugger is a person's, as at a pdb prompt:
-        it counts neither toward --timeout nor as a stall."""
+        it counts neither toward --timeout nor as a stall. Its row in the live view says ``paused``."""
         now = time.monotonic()
-        if visual_debugger.ranks_stopped():
+        stopped = visual_debugger.stopped_ranks()
+        if stopped:
             self.state.waited(now - self.stepped_at)
         self.stepped_at = now
+        if self.view is not None:
+            self.view.in_debugger(stopped)
 
     def _take_events(self, timeout: float) -> None:
         if not self.backlog:

@@ -32,7 +32,8 @@ from taas_magic.per_rank import span
 from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
 STATES = ("starting", "running", "done", "failed", "stopped")
-_COLOURS = {"starting": "#888", "running": "#1f6feb", "done": "#1a7f37", "failed": "#cf222e", "stopped": "#bc4c00"}
+_COLOURS = {"starting": "#888", "running": "#1f6feb", "done": "#1a7f37", "failed": "#cf222e", "stopped": "#bc4c00",
+            "paused": "#8250df"}
 _BAR_RATE = re.compile(r"([0-9.]+)\s*([A-Za-z]*)/s\b")
 LASTING = 1.0  # seconds in a collective, or waiting for data, before the row says so
 
@@ -139,6 +140,7 @@ class RunView:
         self.ranks_per_node = ranks_per_node  # > 0 on a cluster: a row per node too
         self.loaders: dict[str, _LoaderRow] = {}
         self.changed = True  # since it was last shown
+        self.paused: frozenset[int] = frozenset()  # ranks stopped in the notebook's visual debugger now
 
     def take(self, key: Key, record: Record, now: float | None = None) -> None:
         """Note a record of a rank or producer that came at ``now`` (None: when the record says it was
@@ -211,15 +213,23 @@ class RunView:
             return False
         return True
 
+    def in_debugger(self, ranks: frozenset[int]) -> None:
+        """The ranks stopped in the notebook's visual debugger now: their rows say ``paused``."""
+        if ranks != self.paused:
+            self.paused, self.changed = ranks, True
+
     # -- what is shown ------------------------------------------------------------------------
     def render(self, elapsed: float) -> dict[str, str]:
         """The view while the run goes: a MIME bundle (text and HTML)."""
         caption = f"taas: {self.title} · running {elapsed:.1f} s"
         waited_in = self._waited_in()
-        rows = [(f"rank {rank}", row.state, _memory(row), " · ".join(
+        rows = [(f"rank {rank}", self._shown_state(rank, row), _memory(row), " · ".join(
             part for part in (row.doing(waited_in), row.progress_text(live=True)) if part), str(rank))
                 for rank, row in self.ranks.items()]
         return self._bundle("running", caption, rows, self._extra_rows())
+
+    def _shown_state(self, rank: int, row: _RankRow) -> str:
+        return "paused" if row.state == "running" and rank in self.paused else row.state
 
     def _waited_in(self) -> tuple[int, float] | None:
         """The latest collective of the default group some rank has waited in for a while, and since when

@@ -36,7 +36,7 @@ from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
-from taas_magic.process import cell_files, containment, machine
+from taas_magic.process import cell_files, containment, kernel_debugger, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
@@ -83,7 +83,7 @@ class CellRunner:
             analysed = dataclasses.replace(analysed, reads=analysed.reads | {plan.name for plan in loaders})
         returns = Returns(results.wanted(analysed.binds, spec.return_names), frozenset(spec.return_from))
         seed = draw_base_seed()
-        debugging = self._debug_link(spec)
+        debugging = self._debug_link(spec, compiled.code.co_filename)
 
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
             return RankTask(code=compiled.code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
@@ -113,7 +113,7 @@ class CellRunner:
             plan.close()  # what the plan held here (a memory file of shipped tensors)
             streams.give_back_freed_memory()
 
-    def _debug_link(self, spec: LaunchSpec) -> DebugLink | None:
+    def _debug_link(self, spec: LaunchSpec, cell_file: str) -> DebugLink | None:
         """How the cell's ranks join the notebook's visual debugger, while a client is attached to it."""
         attached = self.debugging is not None and self.debugging.attached()
         if spec.debug_ranks is not None and not attached:
@@ -126,7 +126,7 @@ class CellRunner:
                 print("taas: breakpoints do not stop cluster ranks: they run without the notebook's debugger "
                       "(run the cell with --on local to debug it)", file=sys.stderr)
             return None
-        return self.debugging.link(None if spec.debug_ranks is None else frozenset(spec.debug_ranks))
+        return self.debugging.link(None if spec.debug_ranks is None else frozenset(spec.debug_ranks), cell_file)
 
     def _choose_start(self, spec: LaunchSpec) -> str:
         """Fork when it is safe, else the fork server."""
@@ -217,7 +217,7 @@ class CellRunner:
         False: ``%taas pull`` or ``push``)."""
         prepared, shipment, sent = session.prepare(analysed, code, returns)
         if notebook_cell:
-            prepared = dataclasses.replace(prepared, debugging=self._debug_link(spec))
+            prepared = dataclasses.replace(prepared, debugging=self._debug_link(spec, code.co_filename))
         prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
         session.status = self._view_display(view)  # this cell's view
         try:
@@ -386,7 +386,10 @@ def _import_torch_once() -> None:
     Cut short, torch stays half-initialised in ``sys.modules``, and the next ``import torch`` crashes
     the kernel (SIGSEGV) or swallows the interrupt, so the cell runs on as if none came."""
     with containment.HeldInterrupts():
-        import torch  # noqa: F401
-        import torch.distributed  # noqa: F401
+        kernel_debugger.untraced(_import_torch)
+    kernel_debugger.untraced(plugins.find)  # once per kernel, and again after packages changed
 
-    plugins.find()  # once per kernel, and again after packages changed
+
+def _import_torch() -> None:
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401

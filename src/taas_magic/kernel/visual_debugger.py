@@ -24,10 +24,12 @@ import json
 import secrets
 import socket
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from taas_magic.process.kernel_debugger import hidden_thread
 from taas_magic.wire.task import DebugLink
 
 Message = dict[str, Any]
@@ -48,9 +50,9 @@ _RICH = "__import__('taas_magic.rank.visual_debugging', fromlist=['rich']).rich(
 _installed: "RankDebugging | None" = None  # the one installed in this kernel
 
 
-def ranks_stopped() -> bool:
-    """Whether a rank of the running cell is stopped in the notebook's visual debugger."""
-    return _installed is not None and _installed.any_stopped()
+def stopped_ranks() -> frozenset[int]:
+    """The ranks of the running cell stopped in the notebook's visual debugger now."""
+    return frozenset() if _installed is None else _installed.stopped_ranks()
 
 
 class RankDebugging:
@@ -68,6 +70,8 @@ class RankDebugging:
         self.lock = threading.Lock()
         self.original: Callable[[Message], Any] | None = None
         self.event_numbers = itertools.count(1)
+        self.cell_file = ""  # the file of the cell that runs now (cells run one at a time)
+        self.shown: int | None = None  # the thread of the last ``stopped`` event sent: the rank the front end shows
 
     # -- in the kernel's life --------------------------------------------------------------------
     @classmethod
@@ -97,19 +101,19 @@ class RankDebugging:
         """Whether a debugging client (JupyterLab's debugger, VS Code) is attached to the kernel."""
         return bool(getattr(self.debugger, "is_started", False))
 
-    def link(self, ranks: frozenset[int] | None) -> DebugLink:
-        """How a cell's ranks join, a client being attached: at once when breakpoints are set, at a
-        ``breakpoint()`` otherwise."""
+    def link(self, ranks: frozenset[int] | None, cell_file: str) -> DebugLink:
+        """How the ranks of the cell compiled as ``cell_file`` join, a client being attached: at once when
+        breakpoints are set, at a ``breakpoint()`` otherwise."""
         self.install()
+        self.cell_file = cell_file
         port = self._listen()
         eager = any(arguments.get("breakpoints") for arguments in self._breakpoints().values())
         return DebugLink(port, self.secret, secrets.token_hex(4), ranks, eager)
 
-    def any_stopped(self) -> bool:
-        """Whether a rank is stopped in the debugger now. Cells run one at a time, so it is the running
-        cell's: its time there is a person's, as at a pdb prompt."""
+    def stopped_ranks(self) -> frozenset[int]:
+        """The ranks stopped in the debugger now. Cells run one at a time, so they are the running cell's."""
         with self.lock:
-            return any(rank.stopped for rank in self.ranks)
+            return frozenset(rank.number for rank in self.ranks if rank.stopped)
 
     def sees_breakpoints(self) -> bool:
         """A client is attached and breakpoints are set (for cells whose ranks cannot join: a cluster's)."""
@@ -132,6 +136,8 @@ class RankDebugging:
     async def process_request(self, message: Message) -> Message:
         assert self.original is not None
         arguments = message.get("arguments") or {}
+        if message["command"] == "continue" and self._continues_the_shown_rank(arguments):
+            arguments = message["arguments"] = {**arguments, "threadId": self.shown}
         owner = self._owner(arguments)
         if owner is not None:
             answered: Message = await _in_thread(lambda: self._for_rank(owner, message))
@@ -152,6 +158,14 @@ class RankDebugging:
         elif command == "debugInfo" and reply.get("success"):
             reply["body"]["stoppedThreads"] += self._stopped_threads()
         return reply
+
+    def _continues_the_shown_rank(self, arguments: Message) -> bool:
+        """Whether a ``continue`` meant for no stopped thread of the kernel's is for the rank the front end
+        shows: JupyterLab forgets the thread it shows before it sends ``continue``, and names thread 1."""
+        thread = arguments.get("threadId")
+        kernel_stopped: set[int] = getattr(self.debugger, "stopped_threads", set())
+        return (self.shown is not None and isinstance(thread, int) and thread < RANK_IDS
+                and thread not in kernel_stopped and self.ids["threads"].inward(self.shown) is not None)
 
     def _owner(self, arguments: Message) -> _Rank | None:
         for key, kind in _ID_KEYS.items():
@@ -174,11 +188,25 @@ class RankDebugging:
             reply = self._outward(rank, rank.request(command, arguments))
         except (ConnectionError, TimeoutError) as e:
             reply = {"success": False, "message": f"{rank.label}: {e}"}
+        if command == "stackTrace" and reply.get("success"):
+            self._rank_frames(rank, reply["body"], arguments.get("startFrame", 0))
         if command == "variables" and reply.get("success"):
             accept = getattr(self.debugger, "accept_variable", lambda name: True)
             reply["body"]["variables"] = [v for v in reply["body"]["variables"] if accept(v["name"])]
         return {**reply, "type": "response", "command": message["command"], "request_seq": message["seq"],
                 "seq": message["seq"]}
+
+    def _rank_frames(self, rank: _Rank, body: Message, start: int) -> None:
+        """A rank's stack as its cell sees it: down to the cell's own frame, each frame named with the rank
+        (JupyterLab shows frames, not threads). The frames below are how the rank came to run the cell:
+        the kernel's, copied by the fork, or the fork server's."""
+        frames = body.get("stackFrames", [])
+        for index, frame in enumerate(frames):
+            frame["name"] = f"{rank.label}: {frame['name']}"
+            if frame.get("source", {}).get("path") == self.cell_file and frame["name"].endswith("<module>"):
+                del frames[index + 1:]
+                body["totalFrames"] = start + index + 1
+                return
 
     def _rich(self, rank: _Rank, message: Message, arguments: Message) -> Message:
         """A variable's rich display, formatted in the rank as the notebook would format it."""
@@ -234,7 +262,7 @@ class RankDebugging:
         if self.listener is None:
             listener = socket.create_server(("127.0.0.1", 0))
             self.listener = listener
-            _start_hidden(self._accept, listener, name="taas-debugger-ranks")
+            hidden_thread(self._accept, listener, name="taas-debugger-ranks")
         return int(self.listener.getsockname()[1])
 
     def _accept(self, listener: socket.socket) -> None:
@@ -243,7 +271,7 @@ class RankDebugging:
                 connection, _ = listener.accept()
             except OSError:
                 return  # closed: the client detached
-            _start_hidden(self._welcome, connection, name="taas-debugger-rank")
+            hidden_thread(self._welcome, connection, name="taas-debugger-rank")
 
     def _welcome(self, connection: socket.socket) -> None:
         """A rank connected: check that it is one of ours, give it the breakpoints, let it run."""
@@ -300,14 +328,12 @@ class RankDebugging:
             self._publish("continued", {"threadId": self.ids["threads"].outward(rank, thread),
                                         "allThreadsContinued": False})
         if threads:
-            timer = threading.Timer(SHOW_NEXT_SECONDS, self._show_a_stopped_rank, args=(rank,))
-            setattr(timer, "is_pydev_daemon_thread", True)
-            timer.daemon = True
-            timer.start()
+            hidden_thread(self._show_a_stopped_rank, rank, name="taas-debugger-show")
 
     def _show_a_stopped_rank(self, going: _Rank) -> None:
         """After a rank went on, and did not stop again soon (a step), show the front end a rank that is
         still stopped, the last to stop: JupyterLab follows the thread of the last ``stopped`` event only."""
+        time.sleep(SHOW_NEXT_SECONDS)
         if going.stopped:
             return
         waiting = [(other, thread, body) for other in self._connected() for thread, body in other.stopped.items()]
@@ -328,6 +354,10 @@ class RankDebugging:
             ids.forget(rank)
 
     def _publish(self, kind: str, body: Message) -> None:
+        if kind == "stopped":
+            self.shown = body["threadId"]
+        elif kind == "continued" and body["threadId"] == self.shown:
+            self.shown = None
         self.debugger.event_callback({"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)})
 
 
@@ -345,7 +375,7 @@ class _Rank:
         self.numbers = itertools.count(1)
         self.send_lock = threading.Lock()
         self.joined = False
-        _start_hidden(self._read, name="taas-debugger-rank-reader")
+        hidden_thread(self._read, name="taas-debugger-rank-reader")
 
     def name(self, run: str, number: int) -> None:
         self.run, self.number, self.label = run, number, f"rank {number}"
@@ -471,15 +501,6 @@ def _frames(connection: socket.socket) -> Iterator[Message]:
         if len(body) < length:
             return
         yield json.loads(body)
-
-
-def _start_hidden(work: Callable[..., None], *args: Any, name: str) -> None:
-    """A thread of this module's: the kernel's own debugger neither traces it nor lists it (pydevd leaves
-    alone the threads it marks as its own)."""
-    thread = threading.Thread(target=work, args=args, name=name, daemon=True)
-    setattr(thread, "is_pydev_daemon_thread", True)
-    setattr(thread, "pydev_do_not_trace", True)
-    thread.start()
 
 
 async def _in_thread(work: Callable[[], Any]) -> Any:

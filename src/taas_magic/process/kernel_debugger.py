@@ -19,7 +19,9 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 _MONKEY = "_pydev_bundle.pydev_monkey"  # debugpy's (pydevd's) patches of process creation
 _PATCHED_MODULES = ("os", "_posixsubprocess", "subprocess")  # where it keeps the originals as original_NAME
@@ -38,6 +40,36 @@ def plain_subprocesses() -> Iterator[None]:
     skip: Any = getattr(monkey, "skip_subprocess_arg_patch", None)
     with skip() if skip is not None else contextlib.nullcontext():
         yield
+
+
+def hidden_thread(work: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
+    """A thread of taas's own in the kernel, started: the kernel's debugger neither traces it nor lists
+    it among the kernel's threads (pydevd leaves alone the threads marked as its own)."""
+    thread = threading.Thread(target=work, args=args, name=name, daemon=True)
+    setattr(thread, "is_pydev_daemon_thread", True)
+    setattr(thread, "pydev_do_not_trace", True)
+    thread.start()
+    return thread
+
+
+def untraced(work: Callable[[], T]) -> T:
+    """``work()``, outside the kernel's debugger when it is on: under its trace function importing torch
+    takes minutes instead of seconds. The caller waits for it as for a call."""
+    if sys.gettrace() is None and _MONKEY not in sys.modules:
+        return work()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as e:  # handed to the caller as its own
+            outcome.append((False, e))
+
+    hidden_thread(run, name="taas-untraced").join()
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def forget() -> None:

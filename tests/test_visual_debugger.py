@@ -1,0 +1,139 @@
+"""The kernel's side of ranks in the notebook's visual debugger, without a kernel: the ids each rank's
+debugger engine numbers from 1 made distinct for the front end, a rank's stack as its cell sees it,
+JupyterLab's ``continue`` that names thread 1, and a cell's file named after the cell as typed."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from taas_magic.kernel import cell_source
+from taas_magic.kernel.visual_debugger import RANK_IDS, RankDebugging, _frames, _Rank, _translate
+
+ids = st.integers(min_value=1, max_value=10_000)
+
+
+class FakeDebugger:
+    """What the hub reads of ipykernel's Debugger."""
+
+    def __init__(self) -> None:
+        self.is_started = True
+        self.breakpoint_list: dict[str, list[dict]] = {}
+        self.stopped_threads: set[int] = set()
+        self.events: list[dict] = []
+
+    def event_callback(self, event: dict) -> None:
+        self.events.append(event)
+
+    async def process_request(self, message: dict) -> dict:
+        return {"type": "response", "request_seq": message["seq"], "success": True, "command": message["command"]}
+
+
+def a_rank(number: int) -> _Rank:
+    """A rank's connection that nothing answers (a socket pair, one end kept by the test)."""
+    ours, theirs = socket.socketpair()
+    rank = _Rank(ours, lambda rank, event: None, lambda rank: None)
+    rank.name("run", number)
+    rank.peer = theirs  # type: ignore[attr-defined]
+    return rank
+
+
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2]), ids, ids, ids), min_size=1, max_size=30))
+def test_each_ranks_ids_get_numbers_of_their_own_and_come_back_as_they_were(seen):
+    hub = RankDebugging(FakeDebugger())
+    ranks = [a_rank(number) for number in range(3)]
+    outward = {}
+    for index, thread, frame, variables in seen:
+        body = {"threadId": thread, "stackFrames": [{"id": frame, "source": {"path": "x.py"}}],
+                "variablesReference": variables, "threads": [{"id": thread, "name": "MainThread"}]}
+        shown = hub._outward(ranks[index], body)
+        assert shown["threadId"] >= RANK_IDS and shown["threads"][0]["id"] == shown["threadId"]
+        assert shown["stackFrames"][0]["id"] >= RANK_IDS and shown["variablesReference"] >= RANK_IDS
+        assert shown["stackFrames"][0]["source"] == {"path": "x.py"}
+        outward[(index, "threads", thread)] = shown["threadId"]
+        outward[(index, "frames", frame)] = shown["stackFrames"][0]["id"]
+        outward[(index, "variables", variables)] = shown["variablesReference"]
+    for kind in ("threads", "frames", "variables"):
+        numbers = [ours for (_, of_kind, _), ours in outward.items() if of_kind == kind]
+        assert len(set(numbers)) == len(numbers), f"two ranks' {kind} share a number"
+    for (index, kind, theirs), ours in outward.items():
+        assert hub.ids[kind].inward(ours) == (ranks[index], theirs)
+        key = {"threads": "threadId", "frames": "frameId", "variables": "variablesReference"}[kind]
+        assert hub._owner({key: ours}) is ranks[index]
+        assert hub._inward({key: ours}) == {key: theirs}
+
+
+def test_the_kernels_own_ids_pass_untouched_and_zero_means_no_variables():
+    hub = RankDebugging(FakeDebugger())
+    assert hub._owner({"threadId": 1, "frameId": 3}) is None
+    assert hub._inward({"threadId": 1, "frameId": 3, "variablesReference": 0}) == {
+        "threadId": 1, "frameId": 3, "variablesReference": 0}
+    assert hub._outward(a_rank(0), {"variablesReference": 0}) == {"variablesReference": 0}
+    assert _translate({"body": {"threadId": 4}}, lambda kind, number: number + 1) == {"body": {"threadId": 5}}
+
+
+def test_a_ranks_stack_ends_at_its_cells_frame_and_names_the_rank():
+    hub = RankDebugging(FakeDebugger())
+    hub.cell_file = "/tmp/ipykernel_1/22.py"
+    body = {"stackFrames": [{"id": 1, "name": "step", "source": {"path": "/tmp/ipykernel_1/5.py"}},
+                            {"id": 2, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}},
+                            {"id": 3, "name": "run_cell_magic", "source": {"path": "/ipython/interactiveshell.py"}},
+                            {"id": 4, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}}],
+            "totalFrames": 30}
+    hub._rank_frames(a_rank(3), body, start=0)
+    assert [frame["name"] for frame in body["stackFrames"]] == ["rank 3: step", "rank 3: <module>"]
+    assert body["totalFrames"] == 2
+
+
+def test_jupyterlabs_continue_of_thread_1_goes_to_the_rank_it_shows():
+    debugger = FakeDebugger()
+    hub = RankDebugging(debugger)
+    rank = a_rank(1)
+    hub._publish("stopped", hub._outward(rank, {"threadId": 1, "reason": "breakpoint"}))
+    assert hub.shown is not None and hub.shown >= RANK_IDS
+    assert hub._continues_the_shown_rank({"threadId": 1})
+    debugger.stopped_threads.add(1)
+    assert not hub._continues_the_shown_rank({"threadId": 1}), "the kernel's own stopped thread 1 is the kernel's"
+    debugger.stopped_threads.clear()
+    hub._publish("continued", {"threadId": hub.shown, "allThreadsContinued": False})
+    assert hub.shown is None and not hub._continues_the_shown_rank({"threadId": 1})
+
+
+def test_the_engines_messages_are_read_whole_across_partial_writes():
+    ours, theirs = socket.socketpair()
+    messages = [b'{"type": "event", "event": "stopped", "seq": 1}', b'{"type": "response", "request_seq": 7}']
+    wire = b"".join(b"Content-Length: %d\r\n\r\n%s" % (len(m), m) for m in messages)
+
+    def write() -> None:
+        for start in range(0, len(wire), 7):
+            theirs.sendall(wire[start:start + 7])
+        theirs.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert [m.get("seq", m.get("request_seq")) for m in _frames(ours)] == [1, 7]
+    writer.join()
+
+
+def test_a_rank_that_goes_away_fails_what_waits_for_its_answer():
+    rank = a_rank(0)
+    answer = rank.send("threads", {})
+    rank.peer.close()  # type: ignore[attr-defined]
+    try:
+        answer.result(5)
+    except ConnectionError as e:
+        assert "rank 0" in str(e)
+    else:
+        raise AssertionError("no error")
+
+
+def test_a_taas_cells_header_lines_are_counted_when_the_history_holds_it():
+    cell = "x = 1\n"  # what the magic gets: the header became its %%taas line
+    assert cell_source._header_lines("#pragma taas --gpus 2\nx = 1\n", cell) == 1
+    assert cell_source._header_lines("%%taas --gpus 2\nx = 1", cell) == 1
+    assert cell_source._header_lines("#!g2.8\nx = 1", cell) == 1
+    assert cell_source._header_lines("#pragma taas --gpus 2\ny = 2\n", cell) == 0, "another cell's text"
+    assert cell_source._header_lines("print(1)", cell) == 0
