@@ -298,6 +298,19 @@ def test_session_cells_stop_at_breakpoints_set_between_cells(attached):
         assert attached.text().count("] seen 10") == 2
         plain = kernel.execute("#pragma taas\nprint('again', r)").ok()  # no breakpoint there: the ranks run on
         assert plain.each_rank().count("] again") == 2
+        attached.start("#pragma taas\nbreakpoint()\nprint('third', r)\n")  # joined already: stops as a thread
+        for event in attached.stopped_events(2):
+            attached.request("continue", {"threadId": event["body"]["threadId"]})
+        assert attached.finish()["status"] == "ok" and attached.text().count("] third") == 2
+        attached.switch_off()
+        attached.switch_on()  # a new debugging session: the session's ranks join it
+        code = "#pragma taas\nfourth = r + 4\nprint('fourth', fourth)\n"
+        attached.dump(code, 3)
+        attached.start(code)
+        for event in attached.stopped_events(2):
+            assert attached.value(attached.top_frame(event["body"]["threadId"])["id"], "fourth") in ("4", "5")
+            attached.request("continue", {"threadId": event["body"]["threadId"]})
+        assert attached.finish()["status"] == "ok" and attached.text().count("] fourth") == 2
     finally:
         kernel.execute("%taas stop").ok()
 

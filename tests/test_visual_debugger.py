@@ -137,3 +137,48 @@ def test_a_taas_cells_header_lines_are_counted_when_the_history_holds_it():
     assert cell_source._header_lines("#!g2.8\nx = 1", cell) == 1
     assert cell_source._header_lines("#pragma taas --gpus 2\ny = 2\n", cell) == 0, "another cell's text"
     assert cell_source._header_lines("print(1)", cell) == 0
+
+
+def debug_link(capsys, spec_line: str, attached: bool, breakpoints: bool, on_cluster: bool = False):
+    """What the runner gives a cell's ranks, and what it says on stderr."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from taas_magic.kernel import options, spec
+    from taas_magic.kernel.magics import TaasMagics
+    from taas_magic.kernel.runner import CellRunner
+    from taas_magic.configurations import load_catalog
+    from taas_magic.process.machine import Machine
+
+    debugger = FakeDebugger()
+    debugger.is_started = attached
+    if breakpoints:
+        debugger.breakpoint_list = {"/tmp/ipykernel_1/2.py": [{"line": 3}]}
+    hub = RankDebugging(debugger)
+    built = spec.build(options.parse(TaasMagics.taas, spec_line), load_catalog(), Machine(cpus=8, cuda_devices=0), {})
+    built = dataclasses.replace(built, on_cluster=on_cluster)
+    try:
+        link = CellRunner._debug_link(SimpleNamespace(debugging=hub), built, "/tmp/ipykernel_1/2.py")  # type: ignore[arg-type]
+        return link, capsys.readouterr().err
+    finally:
+        hub.uninstall()
+
+
+def test_a_cell_runs_with_the_link_its_ranks_join_by_while_a_client_is_attached(capsys):
+    link, said = debug_link(capsys, "--gpus 4 --device cpu --debug-ranks 1,3", attached=True, breakpoints=True)
+    assert link is not None and link.eager and link.ranks == frozenset({1, 3}) and not said
+    assert link.takes_part(3) and not link.takes_part(0) and link.token(3).endswith(":3")
+    link, said = debug_link(capsys, "--gpus 2 --device cpu", attached=True, breakpoints=False)
+    assert link is not None and not link.eager and link.ranks is None, "no breakpoint: ranks join at breakpoint()"
+    link, said = debug_link(capsys, "--gpus 2 --device cpu", attached=False, breakpoints=True)
+    assert link is None and not said
+
+
+def test_debug_ranks_without_the_debugger_and_breakpoints_on_a_cluster_are_said_in_one_line(capsys):
+    link, said = debug_link(capsys, "--gpus 2 --device cpu --debug-ranks 1", attached=False, breakpoints=False)
+    assert link is None
+    assert said == "taas: --debug-ranks has no effect: the notebook's debugger is off (switch it on first)\n"
+    link, said = debug_link(capsys, "--gpus 2 --device cpu", attached=True, breakpoints=True, on_cluster=True)
+    assert link is None and said.startswith("taas: breakpoints do not stop cluster ranks") and said.count("\n") == 1
+    link, said = debug_link(capsys, "--gpus 2 --device cpu", attached=True, breakpoints=False, on_cluster=True)
+    assert link is None and not said, "no breakpoint set: nothing to say"

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from taas_magic.wire.task import DebugLink
 
-_joined: tuple[int, str] | None = None  # (port, run) of the kernel this rank joined
+_joined: int | None = None  # the kernel's port this rank joined on (a session's rank stays joined)
 _pdb_hook: Callable[..., Any] | None = None  # breakpoint()'s hook before a link took it over
 
 
@@ -51,16 +51,19 @@ def _join(link: DebugLink, rank: int) -> bool:
     """Connect this rank's debugger engine to the kernel; False when the kernel no longer listens
     (the client detached since the cell was sent)."""
     global _joined
-    if _joined == (link.port, link.run):
+    if _joined == link.port:
         return True
-    if _joined is not None or not _listening(link.port):
+    if not _listening(link.port):
         return False
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the rank's own environment: no warning on stderr
     pydevd = _engine()
+    if _joined is not None:
+        pydevd.stoptrace()  # the debugger was switched off and on again since: join its new session
+        pydevd.SetupHolder.setup = None
     pydevd.settrace("127.0.0.1", port=link.port, suspend=False, trace_only_current_thread=False,
                     patch_multiprocessing=False, wait_for_ready_to_run=True, notify_stdin=False,
                     access_token=link.secret, client_access_token=link.token(rank), protocol="dap")
-    _joined = (link.port, link.run)
+    _joined = link.port
     return True
 
 
