@@ -350,3 +350,45 @@ def test_switching_the_debugger_off_lets_stopped_ranks_go_on(debugged):
     debugged.switch_off()
     assert debugged.finish()["status"] == "ok"
     assert debugged.text().count("] went on") == 2
+
+
+def test_pause_step_in_and_step_out_act_on_the_rank_they_name(attached):
+    code = ("#pragma taas --gpus 2\nimport os, time\nr = int(os.environ['RANK'])\ndef inner(x):\n"
+            "    doubled = x * 2\n    return doubled\nresult = inner(r)\n"
+            "while r == 0 and not os.path.exists(f'/tmp/taas-pause-{os.getppid()}'):\n    time.sleep(0.05)\n"
+            "print('result', result)\n")
+    attached.dump(code, 7)
+    attached.start(code)
+    stopped = attached.stopped_events(2)
+    for index, event in enumerate(stopped):
+        thread = event["body"]["threadId"]
+        if index:  # the other rank, shown again once the first went on: then it is this test's to step
+            while attached.stopped_event()["body"]["threadId"] != thread:
+                pass
+        assert attached.request("stepIn", {"threadId": thread})["success"]
+        while attached.stopped_event()["body"]["threadId"] != thread:
+            pass
+        assert attached.top_frame(thread)["name"].endswith(": inner")
+        assert attached.request("stepOut", {"threadId": thread})["success"]
+        while attached.stopped_event()["body"]["threadId"] != thread:
+            pass
+        assert attached.top_frame(thread)["name"].endswith(": <module>"), [
+            (m["content"]["event"], m["content"]["body"]) for m in attached.seen if m["msg_type"] == "debug_event"
+            and m["content"]["event"] in ("stopped", "continued")]
+        attached.request("continue", {"threadId": thread})
+    time.sleep(1)  # rank 0 loops, rank 1 waits in nothing: it ends its cell
+    threads = {t["name"]: t["id"] for t in attached.request("threads")["body"]["threads"]}
+    assert attached.request("pause", {"threadId": threads["rank 0"]})["success"]
+    paused = attached.stopped_event()
+    assert paused["body"]["threadId"] == threads["rank 0"] and paused["body"]["reason"] == "pause", [
+        (m["content"]["event"], m["content"]["body"]) for m in attached.seen if m["msg_type"] == "debug_event"
+        and m["content"]["event"] in ("stopped", "continued")]
+    frame = attached.top_frame(threads["rank 0"])["id"]
+    attached.request("evaluate", {"expression": "open(f'/tmp/taas-pause-{os.getppid()}', 'w').close()",
+                                  "frameId": frame, "context": "repl"})
+    attached.request("continue", {"threadId": threads["rank 0"]})
+    try:
+        assert attached.finish()["status"] == "ok"
+    finally:
+        attached.kernel.execute("import glob, os\nfor p in glob.glob('/tmp/taas-pause-*'): os.remove(p)").ok()
+    assert attached.text().count("] result") == 2

@@ -72,6 +72,7 @@ class RankDebugging:
         self.event_numbers = itertools.count(1)
         self.cell_file = ""  # the file of the cell that runs now (cells run one at a time)
         self.shown: int | None = None  # the thread of the last ``stopped`` event sent: the rank the front end shows
+        self.stops_shown = 0  # ``stopped`` events sent so far
 
     # -- in the kernel's life --------------------------------------------------------------------
     @classmethod
@@ -328,13 +329,14 @@ class RankDebugging:
             self._publish("continued", {"threadId": self.ids["threads"].outward(rank, thread),
                                         "allThreadsContinued": False})
         if threads:
-            hidden_thread(self._show_a_stopped_rank, rank, name="taas-debugger-show")
+            hidden_thread(self._show_a_stopped_rank, rank, self.stops_shown, name="taas-debugger-show")
 
-    def _show_a_stopped_rank(self, going: _Rank) -> None:
-        """After a rank went on, and did not stop again soon (a step), show the front end a rank that is
-        still stopped, the last to stop: JupyterLab follows the thread of the last ``stopped`` event only."""
+    def _show_a_stopped_rank(self, going: _Rank, shown: int) -> None:
+        """After a rank went on, and nothing stopped since (a step stops it again at once), show the front
+        end a rank that is still stopped, the last to stop: JupyterLab follows the thread of the last
+        ``stopped`` event only. ``shown``: the ``stopped`` events sent when the rank went on."""
         time.sleep(SHOW_NEXT_SECONDS)
-        if going.stopped:
+        if going.stopped or self.stops_shown != shown:
             return
         waiting = [(other, thread, body) for other in self._connected() for thread, body in other.stopped.items()]
         if waiting:
@@ -356,6 +358,7 @@ class RankDebugging:
     def _publish(self, kind: str, body: Message) -> None:
         if kind == "stopped":
             self.shown = body["threadId"]
+            self.stops_shown += 1
         elif kind == "continued" and body["threadId"] == self.shown:
             self.shown = None
         self.debugger.event_callback({"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)})
