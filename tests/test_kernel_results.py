@@ -34,6 +34,23 @@ print("W", weights.tolist())
     assert kernel.value("optimizer.param_groups[0]['params'][0] is model.weight") is True
 
 
+@pytest.mark.parametrize("how", ["--return head", "--keep --return head"])
+def test_a_small_view_of_a_large_tensor_comes_back_as_its_elements(kernel, how):
+    """``head = big[:3]`` of 200 MB: 12 bytes come back (it was the whole storage), in a one-shot cell,
+    a session's first cell and %taas pull."""
+    try:
+        result = kernel.execute(f"#pragma taas --gpus 2 {how}\nimport torch\nbig = torch.ones(50_000_000)\n"
+                                "head = big[:3] * 0 + big[:3]\nhead = big[:3]").ok()
+        assert result.seconds < 30
+        assert kernel.value("(head.tolist(), head.untyped_storage().nbytes())") == ([1.0, 1.0, 1.0], 12)
+        if "--keep" in how:
+            kernel.execute("del head").ok()
+            kernel.execute("%taas pull head").ok()  # from every rank: a taas.PerRank
+            assert kernel.value("[head[r].untyped_storage().nbytes() for r in range(2)]") == [12, 12]
+    finally:
+        kernel.execute("%taas stop\nhead = None").ok()
+
+
 def test_return_limits_what_comes_back_and_none_turns_it_off(kernel):
     kernel.execute("#pragma taas --gpus 2 --return kept\nkept = 1\nnot_kept = 2").ok()
     assert kernel.value("('kept' in globals(), 'not_kept' in globals())") == (True, False)

@@ -149,3 +149,33 @@ def test_a_name_rank_0_never_bound_is_worth_saying_only_when_return_asked_for_it
     skipped = {"t0": results.NOT_BOUND, "lock": "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"}
     assert results.worth_saying(skipped, None) == {"lock": skipped["lock"]}
     assert results.worth_saying(skipped, ("t0", "lock")) == skipped
+
+
+def sent(**values):
+    data, skipped = results.dumps(values)
+    assert not skipped, skipped
+    return len(data), results.loads(data)[0]
+
+
+def test_a_small_view_of_a_large_tensor_comes_back_as_its_elements_not_the_storage():
+    big = torch.arange(4_000_000, dtype=torch.float32)  # 16 MB
+    size, back = sent(head=big[:3], column=big.view(2000, 2000)[:, 7])
+    assert size < 100_000, f"{size} bytes for 2003 numbers"
+    assert torch.equal(back["head"], big[:3]) and torch.equal(back["column"], big.view(2000, 2000)[:, 7])
+    assert back["column"].is_contiguous()
+
+
+def test_a_view_that_uses_most_of_its_storage_is_sent_as_it_is():
+    big = torch.zeros(2_000_000)
+    size, back = sent(most=big[:1_500_000], small=torch.arange(1000.0)[:10])
+    assert size > 6_000_000 and back["most"].shape == (1_500_000,), "three quarters of the storage: sent as it is"
+    assert torch.equal(back["small"], torch.arange(10.0)), "less than a megabyte left out: sent as it is"
+
+
+def test_a_forward_outputs_backward_hooks_are_left_out_without_a_warning(recwarn):
+    weight = torch.ones(3, requires_grad=True)
+    out = (weight * 2).detach().requires_grad_()
+    out.register_hook(lambda grad: grad)
+    size, back = sent(out=out)
+    assert torch.equal(back["out"], out.detach())
+    assert not [w for w in recwarn if "will not be serialized" in str(w.message)]

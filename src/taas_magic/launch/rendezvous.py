@@ -63,7 +63,7 @@ class RunStore:
                 for rank, env in envs.items()}
 
     def serve(self) -> None:
-        from torch._C._distributed_c10d import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public (documented), not in __all__
 
         if self._listener is None:
             raise RuntimeError("the run's store was closed before it could serve")

@@ -21,6 +21,7 @@ import pickle
 import pickletools
 import struct
 import types
+import warnings
 from typing import Any, Iterable, Mapping, Protocol
 
 from taas_magic.wire import pickler
@@ -72,9 +73,24 @@ def _portable(obj: Any) -> Any:
     if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
         return obj.module
     if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-        cpu = obj.detach().cpu()
+        cpu = obj.detach().cpu()  # the view's elements alone, not the storage it looks into
         return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else cpu
+    if type(obj) is torch.Tensor and not obj.requires_grad and _small_view_of_large_storage(obj):
+        return obj.clone()
     return obj
+
+
+def _small_view_of_large_storage(tensor: Any) -> bool:
+    """``big[:3]`` pickles as the whole storage it looks into (800 MB for 12 bytes): a view that uses less
+    than half of its storage, and leaves a megabyte or more of it out, goes as a copy of its elements."""
+    if tensor.layout != _torch().strided or tensor.is_quantized:
+        return False
+    try:
+        stored = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+        return False
+    used = tensor.numel() * tensor.element_size()
+    return bool(stored > 2 * used and stored - used >= 1 << 20)
 
 
 class NotGathered(pickle.PicklingError):
@@ -206,7 +222,11 @@ def _dump_each(values: dict[str, Any], whole: Whole | None) -> bytes:
     for name, value in values.items():
         start = buffer.tell()
         try:
-            pickler.dump(dumper, value)
+            with warnings.catch_warnings():
+                # A forward output of FSDP2 or DDP carries autograd's hooks, which the notebook's copy
+                # never needed: torch warns that they are left out, in the rank's output.
+                warnings.filterwarnings("ignore", message=r"backward hook .* will not be serialized")
+                pickler.dump(dumper, value)
         except pickler.Unpicklable as e:
             raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({e.why})") from None
         index.append((name, buffer.tell() - start))
