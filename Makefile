@@ -15,9 +15,12 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	TAAS_DEVICE=$${TAAS_DEVICE:-cpu} TAAS_GPUS=$${TAAS_GPUS:-$(GPUS)} $(PY) examples/run_demo.py
 
-# Strict type checking of src/ first (settings in pyproject.toml's [tool.mypy]), the layers between packages
+# Lint and format (pyproject.toml's [tool.ruff]; `ruff format` and `ruff check --fix` mend what they find), strict
+# type checking of src/ (settings in pyproject.toml's [tool.mypy]), the layers between packages
 # (pyproject.toml's [tool.importlinter]), then the tests.
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests

@@ -72,8 +72,9 @@ def open_kernel(src: Path) -> Kernel:
 
 def measure(kernels: list[tuple[str, Kernel]], rounds: int, progress: Progress) -> dict[str, dict[str, list[float]]]:
     """{contender: {"baseline"|"checkout": [client seconds, ...]}}, cells interleaved round by round."""
-    times: dict[str, dict[str, list[float]]] = {f"{start} {ranks} ranks": {side: [] for side, _ in kernels}
-                                                for start in STARTS for ranks in RANKS}
+    times: dict[str, dict[str, list[float]]] = {
+        f"{start} {ranks} ranks": {side: [] for side, _ in kernels} for start in STARTS for ranks in RANKS
+    }
     for round_number in range(rounds):
         # Rotated every round: the first cell after another kind of cell is a little slower, and each
         # kernel takes each place in turn.
@@ -92,15 +93,22 @@ def measure(kernels: list[tuple[str, Kernel]], rounds: int, progress: Progress) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="the git ref to compare with (a commit, a branch, a tag)")
-    parser.add_argument("--rounds", type=int, default=20, help="rounds of warm cells; each kernel runs one of each kind per round (default 20)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=20,
+        help="rounds of warm cells; each kernel runs one of each kind per round (default 20)",
+    )
     parser.add_argument("--tolerance", type=float, default=0.03, help="allowed slowdown (default 0.03: 3 %%)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="JSON output (default: %(default)s)")
     settings = parser.parse_args(argv)
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="taas-ab-") as folder:
         # Both sides from copies in the same place, so that nothing but the code differs between them.
-        sources = {"baseline": export(settings.baseline, Path(folder) / "baseline"),
-                   "checkout": copy_checkout(Path(folder) / "checkout")}
+        sources = {
+            "baseline": export(settings.baseline, Path(folder) / "baseline"),
+            "checkout": copy_checkout(Path(folder) / "checkout"),
+        }
         kernels: list[tuple[str, Kernel]] = []
         try:
             for side in SIDES:
@@ -110,28 +118,46 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for _, kernel in kernels:
                 kernel.shutdown()
-    medians = {contender: {name: statistics.median(values) for name, values in sides.items()}
-               for contender, sides in times.items()}
+    medians = {
+        contender: {name: statistics.median(values) for name, values in sides.items()}
+        for contender, sides in times.items()
+    }
     print(f"launch of a trivial gloo job, warm, client round trip; medians of {2 * settings.rounds} cells a side")
     print(f"{'contender':<22}{settings.baseline[:14]:>16}{'this checkout':>16}{'ratio':>9}")
     checks = []
     for contender, sides in medians.items():
         ratio = sides["checkout"] / sides["baseline"]
         print(f"{contender:<22}{sides['baseline']:>15.3f}s{sides['checkout']:>15.3f}s{ratio:>9.3f}")
-        checks.append((ratio <= 1 + settings.tolerance,
-                       f"{contender}: {ratio:.3f}x the baseline (allowed {1 + settings.tolerance:.2f}x)"))
+        checks.append(
+            (
+                ratio <= 1 + settings.tolerance,
+                f"{contender}: {ratio:.3f}x the baseline (allowed {1 + settings.tolerance:.2f}x)",
+            )
+        )
     print_checks(checks)
     settings.results.parent.mkdir(parents=True, exist_ok=True)
-    settings.results.write_text(json.dumps({"machine": machine_info(), "baseline": settings.baseline,
-                                            "commit": _commit(settings.baseline), "rounds": settings.rounds,
-                                            "seconds": times, "medians": medians}, indent=1) + "\n")
+    settings.results.write_text(
+        json.dumps(
+            {
+                "machine": machine_info(),
+                "baseline": settings.baseline,
+                "commit": _commit(settings.baseline),
+                "rounds": settings.rounds,
+                "seconds": times,
+                "medians": medians,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"figures: {shown(settings.results)}", file=sys.stderr)
     return 0
 
 
 def _commit(ref: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", ref], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", ref], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ usage = resource.getrusage(resource.RUSAGE_SELF)
 print("DELIVERED", batches, began, time.monotonic(), waited, ticks, busy(), usage.ru_utime + usage.ru_stime)
 """
 
-PLAIN = ("LOADER = DataLoader(slow.dataset, batch_size=32, num_workers=1,\n"
-         "                    sampler=DistributedSampler(slow.dataset, taas.world_size(), taas.rank()))\n")
+PLAIN = (
+    "LOADER = DataLoader(slow.dataset, batch_size=32, num_workers=1,\n"
+    "                    sampler=DistributedSampler(slow.dataset, taas.world_size(), taas.rank()))\n"
+)
 
 
 def make_job(body: str) -> Any:
@@ -150,9 +152,13 @@ def make_job(body: str) -> Any:
     body = body.replace('dist.init_process_group("gloo")\n', "").replace("dist.destroy_process_group()\n", "")
     # Ray Train keeps reported metrics only with a checkpoint: rank 0 writes its figure to a file
     # (every node of this cluster is this machine)
-    source = "def job(config):\n" + textwrap.indent(body, "    ") + textwrap.indent(
-        "if dist.get_rank() == 0 and 'gbps' in locals():\n"
-        "    open(config['out'], 'w').write(str(gbps))\n", "    ")
+    source = (
+        "def job(config):\n"
+        + textwrap.indent(body, "    ")
+        + textwrap.indent(
+            "if dist.get_rank() == 0 and 'gbps' in locals():\n    open(config['out'], 'w').write(str(gbps))\n", "    "
+        )
+    )
     namespace: dict[str, Any] = {}
     exec(compile(source, "<job>", "exec"), namespace)
     return namespace["job"]
@@ -166,7 +172,8 @@ def torch_trainer(body: str, storage: str) -> tuple[float, float]:
     out = os.path.join(storage, f"gbps-{time.monotonic_ns()}")
     os.makedirs(storage, exist_ok=True)
     trainer = TorchTrainer(
-        make_job(body), train_loop_config={"out": out},
+        make_job(body),
+        train_loop_config={"out": out},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=4, use_gpu=False, resources_per_worker={"CPU": 1, "taas:t.2": 0.5}),
         run_config=RunConfig(storage_path=storage, name=f"bench-{time.monotonic_ns()}"),
@@ -179,7 +186,9 @@ def torch_trainer(body: str, storage: str) -> tuple[float, float]:
 
 def taas_cell(kernel: harness.Kernel, body: str) -> tuple[float, float]:
     cell = kernel.run(CELL + body + ("print('GBPS', gbps)\n" if "gbps" in body else ""), timeout=600)
-    gbps = [float(line.split("GBPS ")[1]) for line in cell.stdout.splitlines() if "GBPS " in line and "[rank 0]" in line]
+    gbps = [
+        float(line.split("GBPS ")[1]) for line in cell.stdout.splitlines() if "GBPS " in line and "[rank 0]" in line
+    ]
     return cell.client_seconds, gbps[0] if gbps else 0.0
 
 
@@ -229,7 +238,8 @@ def delivery(kernel: harness.Kernel, repeats: int, samples: dict[str, list[float
     contenders = (
         ("taas delivery", CELL.replace("--return none", "--return none --cpus 1"), slow, 4),
         ("plain loader", CELL.replace("--return none", "--return none --cpus 0"), plain, 4),
-        ("relay, 2 nodes", CELL, instant, 4), ("one machine, 4", local, instant, 4),
+        ("relay, 2 nodes", CELL, instant, 4),
+        ("one machine, 4", local, instant, 4),
         ("relay, 1 node", CELL.replace("--gpus 4", "--gpus 2"), instant, 2),
         ("one machine, 2", local.replace("--gpus 4", "--gpus 2"), instant, 2),
     )
@@ -241,20 +251,31 @@ def delivery(kernel: harness.Kernel, repeats: int, samples: dict[str, list[float
             samples[f"{key} CPU ms/batch"].append(cpu * 1e3)
             for who, seconds in own.items():
                 samples[f"{key} {who} ms/batch"].append(seconds * 1e3)
-        progress(f"delivery round {round_number + 1}: " + ", ".join(
-            f"{key} {samples[f'{key} batches/s'][-1]:.0f}" for key, *_ in contenders))
+        progress(
+            f"delivery round {round_number + 1}: "
+            + ", ".join(f"{key} {samples[f'{key} batches/s'][-1]:.0f}" for key, *_ in contenders)
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     only = argparse.ArgumentParser(add_help=False)
     only.add_argument("--delivery", action="store_true")
     known, rest = only.parse_known_args(argv)
-    args = harness.arguments(__doc__, "fewer repetitions", harness.ROOT / "benchmarks/results/cluster.json",
-                             harness.ROOT / "docs/images/cluster.png", rest)
+    args = harness.arguments(
+        __doc__,
+        "fewer repetitions",
+        harness.ROOT / "benchmarks/results/cluster.json",
+        harness.ROOT / "docs/images/cluster.png",
+        rest,
+    )
     progress = harness.Progress()
-    repeats = {"cold": 2 if args.quick else 3, "warm": 5 if args.quick else 9,
-               "trainer": 2 if args.quick else 3, "bandwidth": 2 if args.quick else 3,
-               "delivery": 3 if args.quick else 5}
+    repeats = {
+        "cold": 2 if args.quick else 3,
+        "warm": 5 if args.quick else 9,
+        "trainer": 2 if args.quick else 3,
+        "bandwidth": 2 if args.quick else 3,
+        "delivery": 3 if args.quick else 5,
+    }
     folder = Path(tempfile.mkdtemp(prefix="taas-bench-cluster-"))
     (folder / "configurations.yaml").write_text(CONFIG)
     (folder / "notebook").mkdir()
@@ -280,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         if not known.delivery:
             kernel.run("%taas cluster release")  # the agents hold no resources, but they would compete for the cores
             with QuietStdout():
-                ray.init(address=cluster.address, _node_ip_address=cluster.addresses[0], log_to_driver=False,
-                         logging_level="ERROR")
+                ray.init(
+                    address=cluster.address,
+                    _node_ip_address=cluster.addresses[0],
+                    log_to_driver=False,
+                    logging_level="ERROR",
+                )
             try:
                 import ray.train  # noqa: F401  (the bench extras: ray[train])
             except ImportError as e:
@@ -344,8 +369,11 @@ def with_launch_figures(results: Path, samples: dict[str, list[float]], info: di
     if not results.exists():
         return samples, info
     old = json.loads(results.read_text())
-    launch = {key: values for key, values in old["samples"].items()
-              if key.startswith(("taas cold", "taas warm", "taas GB/s", "TorchTrainer"))}
+    launch = {
+        key: values
+        for key, values in old["samples"].items()
+        if key.startswith(("taas cold", "taas warm", "taas GB/s", "TorchTrainer"))
+    }
     return {**launch, **samples}, {**info, "launch machine": old["machine"].get("launch machine", old["machine"])}
 
 
@@ -361,8 +389,13 @@ def report(samples: dict[str, list[float]], args: Any, info: dict) -> None:
     ratios.update(more_ratios)
     harness.print_checks(checks + more_checks)
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps({"machine": info, "samples": samples, "medians": median, "ratios": ratios,
-                                        "command": " ".join(sys.argv)}, indent=2) + "\n")
+    args.results.write_text(
+        json.dumps(
+            {"machine": info, "samples": samples, "medians": median, "ratios": ratios, "command": " ".join(sys.argv)},
+            indent=2,
+        )
+        + "\n"
+    )
     plot(args.plot, samples, median)
     print(f"figures: {harness.shown(args.results)}, plot: {harness.shown(args.plot)}")
 
@@ -376,12 +409,19 @@ def launch_checks(median: dict[str, float]) -> tuple[dict[str, float], list[tupl
         "bandwidth": median["taas GB/s"] / median["TorchTrainer GB/s"] if median.get("TorchTrainer GB/s") else 0.0,
     }
     return ratios, [
-        (ratios["warm"] <= TARGETS["warm"], f"warm taas cell / TorchTrainer fit = {ratios['warm']:.3f}x "
-                                            f"(target <= {TARGETS['warm']}x)"),
-        (ratios["cold"] <= TARGETS["cold"], f"cold taas cell / TorchTrainer fit = {ratios['cold']:.3f}x "
-                                            f"(target <= {TARGETS['cold']}x)"),
-        (ratios["bandwidth"] >= TARGETS["bandwidth"], f"all_reduce bandwidth, taas / TorchTrainer = "
-                                                      f"{ratios['bandwidth']:.2f}x (target >= {TARGETS['bandwidth']}x)"),
+        (
+            ratios["warm"] <= TARGETS["warm"],
+            f"warm taas cell / TorchTrainer fit = {ratios['warm']:.3f}x (target <= {TARGETS['warm']}x)",
+        ),
+        (
+            ratios["cold"] <= TARGETS["cold"],
+            f"cold taas cell / TorchTrainer fit = {ratios['cold']:.3f}x (target <= {TARGETS['cold']}x)",
+        ),
+        (
+            ratios["bandwidth"] >= TARGETS["bandwidth"],
+            f"all_reduce bandwidth, taas / TorchTrainer = "
+            f"{ratios['bandwidth']:.2f}x (target >= {TARGETS['bandwidth']}x)",
+        ),
     ]
 
 
@@ -394,19 +434,31 @@ def delivery_checks(median: dict[str, float]) -> tuple[dict[str, float], list[tu
         "node GB/s": rate["relay, 1 node"] * BATCH_BYTES / 1e9,
         "node GB/s, 2 nodes": rate["relay, 2 nodes"] * BATCH_BYTES / 2 / 1e9,
     }
-    print(f"delivery from the c1.4 node / a DataLoader in each rank = {ratios['delivery']:.2f}x the batches/s; "
-          f"ranks waited {median['taas delivery wait']:.0%} against {median['plain loader wait']:.0%}")
+    print(
+        f"delivery from the c1.4 node / a DataLoader in each rank = {ratios['delivery']:.2f}x the batches/s; "
+        f"ranks waited {median['taas delivery wait']:.0%} against {median['plain loader wait']:.0%}"
+    )
     for key in RELAY_KEYS:
-        print(f"{key:<16} {rate[key]:6.0f} batches/s = {rate[key] * BATCH_BYTES / 1e9:.2f} GB/s; CPU per batch: "
-              f"{median[f'{key} CPU ms/batch']:.1f} ms (the whole machine), agents {median[f'{key} agents ms/batch']:.2f} ms, "
-              f"ranks {median[f'{key} ranks ms/batch']:.2f} ms")
-    print(f"into each node's ranks with 2 nodes: {ratios['node GB/s, 2 nodes']:.2f} GB/s; "
-          f"relay, 1 node / one machine, 2 ranks = {ratios['relay, 1 node']:.2f}x")
+        print(
+            f"{key:<16} {rate[key]:6.0f} batches/s = {rate[key] * BATCH_BYTES / 1e9:.2f} GB/s; CPU per batch: "
+            f"{median[f'{key} CPU ms/batch']:.1f} ms (the whole machine), "
+            f"agents {median[f'{key} agents ms/batch']:.2f} ms, "
+            f"ranks {median[f'{key} ranks ms/batch']:.2f} ms"
+        )
+    print(
+        f"into each node's ranks with 2 nodes: {ratios['node GB/s, 2 nodes']:.2f} GB/s; "
+        f"relay, 1 node / one machine, 2 ranks = {ratios['relay, 1 node']:.2f}x"
+    )
     return ratios, [
-        (ratios["relay"] >= TARGETS["relay"], f"relayed across nodes / one machine, 4 ranks = {ratios['relay']:.2f}x "
-                                              f"the batches/s (target >= {TARGETS['relay']}x)"),
-        (ratios["node GB/s"] >= TARGETS["node GB/s"], f"batches into one node's ranks = {ratios['node GB/s']:.2f} GB/s "
-                                                      f"(target >= {TARGETS['node GB/s']} GB/s)"),
+        (
+            ratios["relay"] >= TARGETS["relay"],
+            f"relayed across nodes / one machine, 4 ranks = {ratios['relay']:.2f}x "
+            f"the batches/s (target >= {TARGETS['relay']}x)",
+        ),
+        (
+            ratios["node GB/s"] >= TARGETS["node GB/s"],
+            f"batches into one node's ranks = {ratios['node GB/s']:.2f} GB/s (target >= {TARGETS['node GB/s']} GB/s)",
+        ),
     ]
 
 
@@ -452,8 +504,9 @@ def data_panel(data: Any, samples: dict[str, list[float]], median: dict[str, flo
     data.bar(names, [median[key] * BATCH_BYTES / 1e9 for key in keys], color=["#2a7", "#bbb", "#2a7", "#bbb"])
     for column, key in enumerate(keys):
         data.plot([column] * len(samples[key]), [v * BATCH_BYTES / 1e9 for v in samples[key]], "k.", markersize=4)
-        data.text(column, max(samples[key]) * BATCH_BYTES / 1e9 + 0.02, f"{median[key]:.0f}/s", ha="center",
-                  va="bottom")
+        data.text(
+            column, max(samples[key]) * BATCH_BYTES / 1e9 + 0.02, f"{median[key]:.0f}/s", ha="center", va="bottom"
+        )
     data.axhline(TARGETS["node GB/s"], color="#c33", linewidth=0.8, linestyle="--")
     data.set_ylabel("GB/s of 3.2 MB batches into the ranks")
     data.set_ylim(top=max(max(samples[key]) for key in keys) * BATCH_BYTES / 1e9 * 1.15)

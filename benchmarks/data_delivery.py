@@ -156,9 +156,11 @@ def source_expression(case: Case) -> str:
     """What the rank iterates: the registered loader's name (taas) or a loader built in the rank."""
     if case.contender == "taas":
         return case.data
-    return (f"_DataLoader(datasets[{case.data!r}], batch_size={BATCH}, num_workers={case.k}, "
-            f"sampler=_DistributedSampler(datasets[{case.data!r}], num_replicas=_taas.world_size(), "
-            f"rank=_taas.rank(), shuffle=True))")
+    return (
+        f"_DataLoader(datasets[{case.data!r}], batch_size={BATCH}, num_workers={case.k}, "
+        f"sampler=_DistributedSampler(datasets[{case.data!r}], num_replicas=_taas.world_size(), "
+        f"rank=_taas.rank(), shuffle=True))"
+    )
 
 
 RANK_LOOP = """\
@@ -191,8 +193,9 @@ def cell_code(case: Case) -> str:
     cpus = case.k if case.contender == "taas" else 0
     header = f"#pragma taas --gpus {case.ranks} --device cpu --cpus {cpus} --output all --return none\n"
     numel = TINY_NUMEL if case.data == "tiny" else SAMPLE_NUMEL
-    return header + RANK_LOOP.format(source=source_expression(case), head=case.head, batch=BATCH, numel=numel,
-                                     step=case.step, marker=MARKER)
+    return header + RANK_LOOP.format(
+        source=source_expression(case), head=case.head, batch=BATCH, numel=numel, step=case.step, marker=MARKER
+    )
 
 
 # -- one measurement ---------------------------------------------------------------------------
@@ -223,12 +226,15 @@ def sample_of(case: Case, cell: Cell) -> Sample:
     loops = [r["ended"] - r["began"] for r in ranks]
     after_first = [(r["waited"] - r["first"]) / max(r["ended"] - r["began"] - r["first"], 1e-9) for r in ranks]
     return Sample(
-        batches=batches, seconds=seconds, batches_per_second=batches / seconds,
+        batches=batches,
+        seconds=seconds,
+        batches_per_second=batches / seconds,
         wait_share=statistics.mean(r["waited"] / loop for r, loop in zip(ranks, loops)),
         wait_share_after_first=statistics.mean(after_first),
         first_batch=max(r["first"] for r in ranks),
         ms_per_batch=1000 * statistics.mean(loop / r["count"] for r, loop in zip(ranks, loops)),
-        cell_seconds=cell.kernel_seconds, summary=_summary_line(cell.stderr),
+        cell_seconds=cell.kernel_seconds,
+        summary=_summary_line(cell.stderr),
     )
 
 
@@ -304,21 +310,26 @@ def ideal_rate(k: int, contender: str) -> float:
 
 
 def sweep_table(samples: Samples) -> str:
-    head = (f"{'K':>2} {'':<6}{'batches/s':>10}{'/ storage':>10}{'wait':>7}{'after 1st':>10}{'1st batch':>11}"
-            f"{'cell s':>8}   {'taas / plain':>12}")
+    head = (
+        f"{'K':>2} {'':<6}{'batches/s':>10}{'/ storage':>10}{'wait':>7}{'after 1st':>10}{'1st batch':>11}"
+        f"{'cell s':>8}   {'taas / plain':>12}"
+    )
     lines = [f"sweep: {RANKS} ranks, 5 ms per sample, {BATCH} per batch, 2 ms step (medians)", head, "-" * len(head)]
     lines += [_sweep_row(samples, contender, k) for k in SWEEP for contender in ("taas", "plain")]
-    lines.append("/ storage: against K (taas) or 2K (plain) processes each reading one sample at a time, "
-                 "nothing else in the way")
+    lines.append(
+        "/ storage: against K (taas) or 2K (plain) processes each reading one sample at a time, nothing else in the way"
+    )
     return "\n".join(lines)
 
 
 def _sweep_row(samples: Samples, contender: str, k: int) -> str:
     key = f"sweep/{contender}/{k}"
     rate = median(samples, key, "batches_per_second")
-    row = (f"{k:>2} {contender:<6}{rate:>10.1f}{rate / ideal_rate(k, contender):>9.0%} "
-           f"{median(samples, key, 'wait_share'):>6.0%}{median(samples, key, 'wait_share_after_first'):>10.0%}"
-           f"{1000 * median(samples, key, 'first_batch'):>8.0f} ms{median(samples, key, 'cell_seconds'):>8.2f}")
+    row = (
+        f"{k:>2} {contender:<6}{rate:>10.1f}{rate / ideal_rate(k, contender):>9.0%} "
+        f"{median(samples, key, 'wait_share'):>6.0%}{median(samples, key, 'wait_share_after_first'):>10.0%}"
+        f"{1000 * median(samples, key, 'first_batch'):>8.0f} ms{median(samples, key, 'cell_seconds'):>8.2f}"
+    )
     if contender == "taas":
         row += f"   {rate / median(samples, f'sweep/plain/{k}', 'batches_per_second'):>11.2f}x"
     return row
@@ -328,19 +339,25 @@ def other_tables(samples: Samples) -> str:
     lines = []
     for contender in ("taas", "plain"):
         key = f"head start/{contender}/{HEAD_K}"
-        lines.append(f"head start ({HEAD_START:.0f} s, K={HEAD_K}), {contender:<5}: first batch "
-                     f"{1000 * median(samples, key, 'first_batch'):6.1f} ms")
+        lines.append(
+            f"head start ({HEAD_START:.0f} s, K={HEAD_K}), {contender:<5}: first batch "
+            f"{1000 * median(samples, key, 'first_batch'):6.1f} ms"
+        )
     for contender in ("taas", "plain"):
         key = f"outpace/{contender}/{OUTPACE_K}"
-        lines.append(f"outpace ({SLOW_STEP * 1000:.0f} ms step, K={OUTPACE_K}), {contender:<5}: "
-                     f"{median(samples, key, 'batches_per_second'):5.1f} batches/s, wait "
-                     f"{median(samples, key, 'wait_share'):.1%}, after the first batch "
-                     f"{median(samples, key, 'wait_share_after_first'):.1%}")
+        lines.append(
+            f"outpace ({SLOW_STEP * 1000:.0f} ms step, K={OUTPACE_K}), {contender:<5}: "
+            f"{median(samples, key, 'batches_per_second'):5.1f} batches/s, wait "
+            f"{median(samples, key, 'wait_share'):.1%}, after the first batch "
+            f"{median(samples, key, 'wait_share_after_first'):.1%}"
+        )
     for data, what in (("big", f"{BATCH} x 100 KB"), ("tiny", f"{BATCH} x {TINY_NUMEL} floats")):
         taas_ms = median(samples, f"transport {data}/taas/1", "ms_per_batch")
         plain_ms = median(samples, f"transport {data}/plain/1", "ms_per_batch")
-        lines.append(f"transport, instant data, 1 rank, 1 fetcher, {what:<16}: taas {taas_ms:6.2f} ms/batch, "
-                     f"plain {plain_ms:6.2f} ms/batch, {taas_ms / plain_ms:.2f}x")
+        lines.append(
+            f"transport, instant data, 1 rank, 1 fetcher, {what:<16}: taas {taas_ms:6.2f} ms/batch, "
+            f"plain {plain_ms:6.2f} ms/batch, {taas_ms / plain_ms:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -350,7 +367,8 @@ def equal_fetchers_line(samples: Samples) -> str:
     for k in SWEEP:
         if 2 * k in SWEEP:
             ratio = median(samples, f"sweep/taas/{2 * k}", "batches_per_second") / median(
-                samples, f"sweep/plain/{k}", "batches_per_second")
+                samples, f"sweep/plain/{k}", "batches_per_second"
+            )
             parts.append(f"--cpus {2 * k} / num_workers={k}: {ratio:.2f}x")
     return f"equal fetching processes (taas / plain): {', '.join(parts)}"
 
@@ -362,14 +380,21 @@ def checks(samples: Samples) -> list[tuple[bool, str]]:
     parity = {k: rate["taas", k] / rate["plain", k] for k in SWEEP}
     wait = median(samples, f"outpace/taas/{OUTPACE_K}", "wait_share_after_first")
     first = median(samples, f"head start/taas/{HEAD_K}", "first_batch")
-    scaling_text = (f"--cpus 4 >= {SCALING_TARGET}x --cpus 1: {scaling:.2f}x "
-                    f"({rate['taas', 4]:.1f} / {rate['taas', 1]:.1f} batches/s)")
-    parity_text = (f"taas >= {PARITY_TARGET}x plain DataLoader at equal K: "
-                   + ", ".join(f"K={k} {p:.2f}x" for k, p in parity.items()))
-    wait_text = (f"wait share < {WAIT_TARGET:.0%} once producers outpace the consumers "
-                 f"(K={OUTPACE_K}, {SLOW_STEP * 1000:.0f} ms step, after the first batch): {wait:.1%}")
-    first_text = (f"first batch <= {FIRST_BATCH_TARGET * 1000:.0f} ms after a {HEAD_START:.0f} s head start "
-                  f"(K={HEAD_K}): {first * 1000:.1f} ms")
+    scaling_text = (
+        f"--cpus 4 >= {SCALING_TARGET}x --cpus 1: {scaling:.2f}x "
+        f"({rate['taas', 4]:.1f} / {rate['taas', 1]:.1f} batches/s)"
+    )
+    parity_text = f"taas >= {PARITY_TARGET}x plain DataLoader at equal K: " + ", ".join(
+        f"K={k} {p:.2f}x" for k, p in parity.items()
+    )
+    wait_text = (
+        f"wait share < {WAIT_TARGET:.0%} once producers outpace the consumers "
+        f"(K={OUTPACE_K}, {SLOW_STEP * 1000:.0f} ms step, after the first batch): {wait:.1%}"
+    )
+    first_text = (
+        f"first batch <= {FIRST_BATCH_TARGET * 1000:.0f} ms after a {HEAD_START:.0f} s head start "
+        f"(K={HEAD_K}): {first * 1000:.1f} ms"
+    )
     return [
         (scaling >= SCALING_TARGET, scaling_text),
         (all(p >= PARITY_TARGET for p in parity.values()), parity_text),
@@ -379,18 +404,26 @@ def checks(samples: Samples) -> list[tuple[bool, str]]:
 
 
 # -- results -----------------------------------------------------------------------------------
-FIGURES = ("batches_per_second", "wait_share", "wait_share_after_first", "first_batch", "ms_per_batch",
-           "cell_seconds")
+FIGURES = ("batches_per_second", "wait_share", "wait_share_after_first", "first_batch", "ms_per_batch", "cell_seconds")
 
 
-def write_results(path: Path, info: dict, settings: Settings, samples: Samples, found: list[tuple[bool, str]],
-                  seconds: float) -> None:
+def write_results(
+    path: Path, info: dict, settings: Settings, samples: Samples, found: list[tuple[bool, str]], seconds: float
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "machine": info,
-        "settings": {**asdict(settings), "ranks": RANKS, "batch_size": BATCH, "sample_sleep_s": SAMPLE_SLEEP,
-                     "sample_numel": SAMPLE_NUMEL, "step_s": STEP, "slow_step_s": SLOW_STEP,
-                     "head_start_s": HEAD_START, "consumer": "time.sleep after checking each batch"},
+        "settings": {
+            **asdict(settings),
+            "ranks": RANKS,
+            "batch_size": BATCH,
+            "sample_sleep_s": SAMPLE_SLEEP,
+            "sample_numel": SAMPLE_NUMEL,
+            "step_s": STEP,
+            "slow_step_s": SLOW_STEP,
+            "head_start_s": HEAD_START,
+            "consumer": "time.sleep after checking each batch",
+        },
         "timing": "inside the ranks, time.monotonic(): first rank's iter() to last rank's end of loop",
         "medians": {key: {figure: median(samples, key, figure) for figure in FIGURES} for key in samples},
         "samples": {key: [asdict(s) for s in values] for key, values in samples.items()},
@@ -402,8 +435,10 @@ def write_results(path: Path, info: dict, settings: Settings, samples: Samples, 
 
 
 # -- plot --------------------------------------------------------------------------------------
-STYLES = {"taas": ("taas delivery, --cpus K (K producers)", "#1f77b4", "o"),
-          "plain": ("DataLoader in each rank, num_workers=K (2K workers)", "#ff7f0e", "s")}
+STYLES = {
+    "taas": ("taas delivery, --cpus K (K producers)", "#1f77b4", "o"),
+    "plain": ("DataLoader in each rank, num_workers=K (2K workers)", "#ff7f0e", "s"),
+}
 
 
 def plot(path: Path, samples: Samples, info: dict) -> None:
@@ -421,7 +456,9 @@ def plot(path: Path, samples: Samples, info: dict) -> None:
     figure.suptitle(
         f"Data delivery to {RANKS} CPU ranks: taas --cpus K against a DataLoader(num_workers=K) in each rank\n"
         f"{info['usable_cores']} cores, torch {info['torch']}, {info['date'][:10]}; medians of "
-        f"{len(next(iter(samples.values())))} repetitions", fontsize=11)
+        f"{len(next(iter(samples.values())))} repetitions",
+        fontsize=11,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
@@ -443,11 +480,18 @@ def _throughput(axes, samples: Samples) -> None:
         low = [r - min(s.batches_per_second for s in samples[key]) for r, key in zip(rates, keys)]
         high = [max(s.batches_per_second for s in samples[key]) - r for r, key in zip(rates, keys)]
         axes.errorbar(SWEEP, rates, yerr=[low, high], label=label, color=colour, marker=marker, capsize=3)
-        axes.plot(SWEEP, [ideal_rate(k, contender) for k in SWEEP], color=colour, linestyle=":", linewidth=1,
-                  label=f"storage limit: {'K' if contender == 'taas' else '2K'} readers x 1 sample per 5 ms")
+        axes.plot(
+            SWEEP,
+            [ideal_rate(k, contender) for k in SWEEP],
+            color=colour,
+            linestyle=":",
+            linewidth=1,
+            label=f"storage limit: {'K' if contender == 'taas' else '2K'} readers x 1 sample per 5 ms",
+        )
         for k, rate in zip(SWEEP, rates):
-            axes.annotate(f"{rate:.1f}", (k, rate), textcoords="offset points", xytext=(7, -9), fontsize=8,
-                          color=colour)
+            axes.annotate(
+                f"{rate:.1f}", (k, rate), textcoords="offset points", xytext=(7, -9), fontsize=8, color=colour
+            )
     _k_axis(axes)
     axes.set_ylabel("batches/s, both ranks (whiskers: min-max)")
     axes.set_title(f"Throughput: 5 ms per 100 KB sample, batches of {BATCH}, 2 ms step", fontsize=10)
@@ -459,8 +503,16 @@ def _wait_share(axes, samples: Samples) -> None:
         shares = [100 * median(samples, f"sweep/{contender}/{k}", "wait_share") for k in SWEEP]
         axes.plot(SWEEP, shares, color=colour, marker=marker, label=f"{contender}, 2 ms step")
         share = 100 * median(samples, f"outpace/{contender}/{OUTPACE_K}", "wait_share_after_first")
-        axes.scatter([OUTPACE_K], [share], color=colour, marker=marker, facecolors="none", s=70, zorder=3,
-                     label=f"{contender}, {SLOW_STEP * 1000:.0f} ms step, after the 1st batch")
+        axes.scatter(
+            [OUTPACE_K],
+            [share],
+            color=colour,
+            marker=marker,
+            facecolors="none",
+            s=70,
+            zorder=3,
+            label=f"{contender}, {SLOW_STEP * 1000:.0f} ms step, after the 1st batch",
+        )
     axes.axhline(100 * WAIT_TARGET, color="#2ca02c", linestyle="--", linewidth=1, label="target once data outpaces")
     _k_axis(axes)
     axes.set_ylim(-3, 103)
@@ -485,8 +537,12 @@ def _bars(axes, groups: list[str], values: dict[str, list[float]], unit: str) ->
 def _first_batch(axes, samples: Samples) -> None:
     keys = (f"sweep/{{}}/{HEAD_K}", f"head start/{{}}/{HEAD_K}")
     values = {c: [1000 * median(samples, key.format(c), "first_batch") for key in keys] for c in STYLES}
-    _bars(axes, [f"K={HEAD_K}, ranks iterate at once", f"K={HEAD_K}, ranks iterate after {HEAD_START:.0f} s"],
-          values, "ms")
+    _bars(
+        axes,
+        [f"K={HEAD_K}, ranks iterate at once", f"K={HEAD_K}, ranks iterate after {HEAD_START:.0f} s"],
+        values,
+        "ms",
+    )
     axes.set_ylabel("ms from iter(), slowest rank")
     axes.set_title("Time to the first batch", fontsize=10)
 

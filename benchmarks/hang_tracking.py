@@ -99,14 +99,19 @@ def cell(options: str, body: str) -> str:
 
 def loop_cell(options: str, steps: int, all_reduces: int) -> str:
     """The measured cell: both loops, one record per rank and loop."""
-    return cell(options, f"""\
+    return cell(
+        options,
+        f"""\
         timed("ddp", ddp, {steps})
         timed("bare", bare, {all_reduces})
         dist.destroy_process_group()
-        """)
+        """,
+    )
 
 
-SAMPLER_CELL = cell("", f"""\
+SAMPLER_CELL = cell(
+    "",
+    f"""\
     from taas_magic.rank import activity
     for _ in range(3000):
         bare()
@@ -123,7 +128,8 @@ SAMPLER_CELL = cell("", f"""\
                                               ring=ring())), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    """)
+    """,
+)
 
 
 def records(stdout: str) -> list[dict[str, Any]]:
@@ -157,14 +163,20 @@ def measure(rounds: int, steps: dict[str, int], progress: Progress) -> dict[str,
             order = list(VARIANTS) if round_number % 2 == 0 else list(reversed(VARIANTS))
             for variant in order:
                 kernel.wait_until_quiet()
-                found = records(kernel.run(loop_cell(VARIANTS[variant], steps["ddp"], steps["bare"]), timeout=600).stdout)
+                found = records(
+                    kernel.run(loop_cell(VARIANTS[variant], steps["ddp"], steps["bare"]), timeout=600).stdout
+                )
                 for workload in WORKLOADS:
                     loops[variant][workload].append(loop(variant, found, workload, steps[workload]))
-            progress(f"round {round_number + 1} of {rounds}: " + ", ".join(
-                f"{v} {w} {loops[v][w][-1]:.0f} µs" for v in VARIANTS for w in WORKLOADS))
+            progress(
+                f"round {round_number + 1} of {rounds}: "
+                + ", ".join(f"{v} {w} {loops[v][w][-1]:.0f} µs" for v in VARIANTS for w in WORKLOADS)
+            )
         sampled = [r for r in records(kernel.run(SAMPLER_CELL, timeout=300).stdout) if r["workload"] == "sampler"]
-        sampler = {kind: {"us": max(r["us"] for r in sampled if r["kind"] == kind), "ring": sampled[0]["ring"]}
-                   for kind in ("moved", "still")}
+        sampler = {
+            kind: {"us": max(r["us"] for r in sampled if r["kind"] == kind), "ring": sampled[0]["ring"]}
+            for kind in ("moved", "still")
+        }
     finally:
         left = kernel.shutdown()
         if left:
@@ -174,8 +186,10 @@ def measure(rounds: int, steps: dict[str, int], progress: Progress) -> dict[str,
 
 def report(measured: dict[str, Any], rounds: int, steps: dict[str, int], results: Path) -> None:
     loops = measured["loops"]
-    print(f"{RANKS} CPU ranks (gloo), one kernel, {rounds} rounds A B B A; times inside the ranks (the slower "
-          "rank), µs a step")
+    print(
+        f"{RANKS} CPU ranks (gloo), one kernel, {rounds} rounds A B B A; times inside the ranks (the slower "
+        "rank), µs a step"
+    )
     ratios: dict[str, float] = {}
     for workload in WORKLOADS:
         on, off = loops["on"][workload], loops["off"][workload]
@@ -184,19 +198,37 @@ def report(measured: dict[str, Any], rounds: int, steps: dict[str, int], results
         low, high = interval(pairs)
         print(f"{workload}: {steps[workload]} steps a cell")
         for variant, values in (("on", on), ("off", off)):
-            print(f"  tracking {variant:3}  median {statistics.median(values):7.1f}  (min {min(values):7.1f}, "
-                  f"max {max(values):7.1f})")
-        print(f"  on / off: {ratios[workload]:.3f}x, the median of the {len(pairs)} pairs' ratios "
-              f"(90% bootstrap interval {low:.3f}x to {high:.3f}x)")
+            print(
+                f"  tracking {variant:3}  median {statistics.median(values):7.1f}  (min {min(values):7.1f}, "
+                f"max {max(values):7.1f})"
+            )
+        print(
+            f"  on / off: {ratios[workload]:.3f}x, the median of the {len(pairs)} pairs' ratios "
+            f"(90% bootstrap interval {low:.3f}x to {high:.3f}x)"
+        )
     sampler = measured["sampler"]
-    print(f"activity.sample(), once a second in each rank (ring of {sampler['moved']['ring']}): "
-          f"{sampler['moved']['us']:.0f} µs after a rank moved (the counters), {sampler['still']['us']:.0f} µs "
-          f"when it did not (the whole ring): {sampler['still']['us'] / 1e6:.3%} of a core at most")
-    print_checks([(ratios[w] <= TARGET, f"{w}: tracking costs {ratios[w] - 1:+.1%} of the loop's time "
-                   f"(target <= {TARGET - 1:+.0%})") for w in WORKLOADS])
+    print(
+        f"activity.sample(), once a second in each rank (ring of {sampler['moved']['ring']}): "
+        f"{sampler['moved']['us']:.0f} µs after a rank moved (the counters), {sampler['still']['us']:.0f} µs "
+        f"when it did not (the whole ring): {sampler['still']['us'] / 1e6:.3%} of a core at most"
+    )
+    print_checks(
+        [
+            (
+                ratios[w] <= TARGET,
+                f"{w}: tracking costs {ratios[w] - 1:+.1%} of the loop's time (target <= {TARGET - 1:+.0%})",
+            )
+            for w in WORKLOADS
+        ]
+    )
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"machine": machine_info(), "ranks": RANKS, "rounds": rounds, "steps": steps,
-                                   "ratios": ratios, **measured}, indent=1) + "\n")
+    results.write_text(
+        json.dumps(
+            {"machine": machine_info(), "ranks": RANKS, "rounds": rounds, "steps": steps, "ratios": ratios, **measured},
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"results: {shown(results)}")
 
 
@@ -211,18 +243,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=16, help="rounds, each one cell of each variant (default 16)")
     parser.add_argument("--steps", type=int, default=500, help="DDP steps a cell (default 500: about 2 s here)")
-    parser.add_argument("--all-reduces", type=int, default=1500,
-                        help="bare all_reduces a cell (default 1500: about 1.5 s here)")
-    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/hang_tracking.json",
-                        help="JSON output (default: %(default)s)")
+    parser.add_argument(
+        "--all-reduces", type=int, default=1500, help="bare all_reduces a cell (default 1500: about 1.5 s here)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=ROOT / "benchmarks/results/hang_tracking.json",
+        help="JSON output (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or min(args.steps, args.all_reduces) < 10:
-        parser.error(f"--rounds must be at least 1 and --steps and --all-reduces at least 10, got "
-                     f"{args.rounds}, {args.steps} and {args.all_reduces}")
+        parser.error(
+            f"--rounds must be at least 1 and --steps and --all-reduces at least 10, got "
+            f"{args.rounds}, {args.steps} and {args.all_reduces}"
+        )
     chosen = [name for name in USER_CHOICES if name in os.environ]
     if chosen:
-        parser.error(f"{' and '.join(chosen)} is set here: the kernel would inherit it and taas would not size "
-                     "the ring; unset it to measure taas's default")
+        parser.error(
+            f"{' and '.join(chosen)} is set here: the kernel would inherit it and taas would not size "
+            "the ring; unset it to measure taas's default"
+        )
     steps = {"ddp": args.steps, "bare": args.all_reduces}
     report(measure(args.rounds, steps, Progress()), args.rounds, steps, args.results)
 

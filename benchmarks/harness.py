@@ -78,8 +78,10 @@ class Kernel:
         """Execute one cell; raise BenchError if it fails, since its figures would be meaningless."""
         cell = self.execute(code, on_stream, timeout)
         if cell.error is not None:
-            raise BenchError(f"cell failed: {cell.error}\n--- cell ---\n{code}\n--- stderr ---\n{cell.stderr}"
-                             f"\n(the kernels' own output is in {KERNEL_LOG})")
+            raise BenchError(
+                f"cell failed: {cell.error}\n--- cell ---\n{code}\n--- stderr ---\n{cell.stderr}"
+                f"\n(the kernels' own output is in {KERNEL_LOG})"
+            )
         return cell
 
     def execute(self, code: str, on_stream: Callable[[str], None] | None = None, timeout: float = 180) -> Cell:
@@ -114,8 +116,13 @@ class Kernel:
         client_seconds = time.perf_counter() - started
         while self.client.get_shell_msg(timeout=30)["parent_header"].get("msg_id") != msg_id:
             pass  # the execute_reply, so the next cell starts from a clean slate
-        return Cell((stamps["idle"] - stamps["busy"]).total_seconds(), client_seconds,
-                    "".join(streams["stdout"]), "".join(streams["stderr"]), error)
+        return Cell(
+            (stamps["idle"] - stamps["busy"]).total_seconds(),
+            client_seconds,
+            "".join(streams["stdout"]),
+            "".join(streams["stderr"]),
+            error,
+        )
 
     def check_module(self, name: str) -> None:
         """Raise BenchError unless the kernel imports ``name`` from the same file as this process.
@@ -126,8 +133,10 @@ class Kernel:
         mine = importlib.import_module(name).__file__
         theirs = self.run(f"import {name} as _module\nprint(_module.__file__)\ndel _module").stdout.strip()
         if theirs != mine:
-            raise BenchError(f"the kernel imports {name} from {theirs}, this benchmark from {mine}: "
-                             "set PYTHONPATH (or install) so both use the same sources")
+            raise BenchError(
+                f"the kernel imports {name} from {theirs}, this benchmark from {mine}: "
+                "set PYTHONPATH (or install) so both use the same sources"
+            )
 
     def fork_server(self) -> psutil.Process | None:
         for child in psutil.Process(self.pid).children():
@@ -154,15 +163,26 @@ class Kernel:
         server = self.fork_server()
         if server is None:
             raise BenchError("no fork server: was %load_ext taas_magic run?")
-        if not _wait_quiet(lambda: sum(server.cpu_times()[:2]), threshold=0.005, quiet=0.3, poll=0.05,
-                           timeout=timeout, ready=lambda: _maps_library(server.pid, "libtorch_cpu")):
+        if not _wait_quiet(
+            lambda: sum(server.cpu_times()[:2]),
+            threshold=0.005,
+            quiet=0.3,
+            poll=0.05,
+            timeout=timeout,
+            ready=lambda: _maps_library(server.pid, "libtorch_cpu"),
+        ):
             raise BenchError(f"the fork server was still busy after {timeout} s")
 
     def wait_until_quiet(self, timeout: float = 120) -> None:
         """Until the kernel and its fork server stop using CPU, so they do not compete with a measurement."""
         processes = [psutil.Process(self.pid)] + psutil.Process(self.pid).children()
-        if not _wait_quiet(lambda: sum(sum(p.cpu_times()[:2]) for p in processes if p.is_running()),
-                           threshold=0.01, quiet=0.5, poll=0.1, timeout=timeout):
+        if not _wait_quiet(
+            lambda: sum(sum(p.cpu_times()[:2]) for p in processes if p.is_running()),
+            threshold=0.01,
+            quiet=0.5,
+            poll=0.1,
+            timeout=timeout,
+        ):
             raise BenchError(f"the kernel or its fork server was still busy after {timeout} s")
 
     def shutdown(self) -> list[str]:
@@ -195,8 +215,15 @@ def _is_fork_server(process: psutil.Process) -> bool:
     return any(module in command for module in FORK_SERVER_MODULES)
 
 
-def _wait_quiet(cpu_seconds: Callable[[], float], *, threshold: float, quiet: float, poll: float, timeout: float,
-                ready: Callable[[], bool] = lambda: True) -> bool:
+def _wait_quiet(
+    cpu_seconds: Callable[[], float],
+    *,
+    threshold: float,
+    quiet: float,
+    poll: float,
+    timeout: float,
+    ready: Callable[[], bool] = lambda: True,
+) -> bool:
     """True once ``ready()`` and ``cpu_seconds()`` grew by at most ``threshold`` a poll for ``quiet`` seconds.
 
     CPU time, not wall time: a process that still imports or cleans up competes for the cores.

@@ -122,12 +122,15 @@ JOB = textwrap.dedent("""\
 """)
 
 TAAS_SETUP = "%load_ext taas_magic\nimport torch, torch.distributed, time"
-ACCELERATE_SETUP = ("import torch, torch.distributed, time\nfrom accelerate import notebook_launcher\n"
-                    "def job():\n" + textwrap.indent(JOB, "    "))
+ACCELERATE_SETUP = (
+    "import torch, torch.distributed, time\nfrom accelerate import notebook_launcher\n"
+    "def job():\n" + textwrap.indent(JOB, "    ")
+)
 # What a user would write instead of taas: torchrun's variables by hand, one os.fork() per rank,
 # the same threads per rank as taas gives (cores // ranks). It leaves nothing behind, so its
 # cells can take turns with taas cells in one kernel.
-BARE_SETUP = textwrap.dedent("""\
+BARE_SETUP = (
+    textwrap.dedent("""\
     import os, socket, traceback, torch
 
     def bare_launch(job, ranks):
@@ -154,7 +157,10 @@ BARE_SETUP = textwrap.dedent("""\
         failed = [pid for pid in children if os.waitpid(pid, 0)[1] != 0]
         if failed:
             raise RuntimeError(f"{len(failed)} of {ranks} ranks failed")
-""") + "def bare_job():\n" + textwrap.indent(JOB, "    ")
+""")
+    + "def bare_job():\n"
+    + textwrap.indent(JOB, "    ")
+)
 # A kernel as a working notebook leaves it: Lightning imported, many names and tensors bound.
 HEAVY_NAMES = 20_000
 HEAVY_SETUP = textwrap.dedent(f"""\
@@ -241,8 +247,10 @@ def bare_cell(ranks: int) -> str:
 
 def accelerate_cell(ranks: int) -> str:
     """A fresh port every time, as a careful user would pass; Accelerate's default is a fixed 29500."""
-    return (f"_t0 = time.perf_counter()\nnotebook_launcher(job, num_processes={ranks}, use_port='{fresh_port()}')\n"
-            "print('taas-bench-inside', time.perf_counter() - _t0)")
+    return (
+        f"_t0 = time.perf_counter()\nnotebook_launcher(job, num_processes={ranks}, use_port='{fresh_port()}')\n"
+        "print('taas-bench-inside', time.perf_counter() - _t0)"
+    )
 
 
 @dataclass(frozen=True)
@@ -272,13 +280,15 @@ class KernelKind:
 
 
 LIGHT = KernelKind("light", "", "", "light kernel: torch only")
-HEAVY = KernelKind("heavy", HEAVY_SETUP, " heavy",
-                   f"heavy kernel: Lightning, {HEAVY_NAMES:,} names, {HEAVY_NAMES:,} tensors")
+HEAVY = KernelKind(
+    "heavy", HEAVY_SETUP, " heavy", f"heavy kernel: Lightning, {HEAVY_NAMES:,} names, {HEAVY_NAMES:,} tensors"
+)
 KINDS = (LIGHT, HEAVY)
 # The warm kernels, kept open together: fork and bare take turns in one kernel, as the
 # comparison asks ("in the same kernel"); forkserver and Accelerate each have one of their own.
-WARM_KERNELS = tuple((kind, contenders) for kind in KINDS
-                     for contenders in ((FORK, BARE), (FORKSERVER,), (ACCELERATE,)))
+WARM_KERNELS = tuple(
+    (kind, contenders) for kind in KINDS for contenders in ((FORK, BARE), (FORKSERVER,), (ACCELERATE,))
+)
 
 _used_ports: set[int] = set()
 
@@ -349,8 +359,11 @@ class WarmKernel:
         for _ in range(MAX_KERNELS_PER_SERIES):
             self.holder = fresh_kernel(self.tally, self.setup, waits)
             self.kernel = self.holder.__enter__()
-            if all(launch(self.tally, self.kernel, contender, "", n, measured=False)
-                   for contender in self.contenders for n in RANKS):
+            if all(
+                launch(self.tally, self.kernel, contender, "", n, measured=False)
+                for contender in self.contenders
+                for n in RANKS
+            ):
                 return
             self.close()
         names = "+".join(contender.name for contender in self.contenders)
@@ -426,8 +439,9 @@ def run_torchrun(script: Path, ranks: int, timeout: float = 6 * HANG_SECONDS) ->
     command = [str(torchrun), "--standalone", f"--nproc-per-node={ranks}", str(script)]
     env = {**os.environ, **BENCH_ENV, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -443,8 +457,10 @@ def run_torchrun(script: Path, ranks: int, timeout: float = 6 * HANG_SECONDS) ->
 
 
 # -- shipping a big tensor ---------------------------------------------------------------------
-SHIP_BODY = JOB.replace("dist.barrier()", "total = float(big.sum())\n"
-                        "assert abs(total - big.numel()) < 1e-3 * big.numel(), total\ndist.barrier()")
+SHIP_BODY = JOB.replace(
+    "dist.barrier()",
+    "total = float(big.sum())\nassert abs(total - big.numel()) < 1e-3 * big.numel(), total\ndist.barrier()",
+)
 HOLD_BODY = textwrap.dedent(f"""\
     import time, torch, torch.distributed as dist
     dist.init_process_group("gloo", init_method="env://")
@@ -499,8 +515,9 @@ class MemorySample:
 
 def sample_memory(kernel: Kernel) -> MemorySample:
     server = kernel.fork_server()
-    sample = MemorySample(kernel_pss=pss(kernel.pid), kernel_rss=psutil.Process(kernel.pid).memory_info().rss,
-                          shmem=shmem())
+    sample = MemorySample(
+        kernel_pss=pss(kernel.pid), kernel_rss=psutil.Process(kernel.pid).memory_info().rss, shmem=shmem()
+    )
     if server is not None:
         sample.server_pss, sample.server_rss = pss(server.pid), server.memory_info().rss
         for rank in server.children(recursive=True):
@@ -545,8 +562,12 @@ def measure_shipping(settings: Settings, tally: Tally, progress: Callable[[str],
         held = memory_while_held(kernel, "big")
         after = sample_memory(kernel)
     progress("shipping")
-    return shipping_figures(trivial, shipped, pack, {"before_big": before_big, "with_big": with_big,
-                                                     "small_held": baseline, "big_held": held, "after": after})
+    return shipping_figures(
+        trivial,
+        shipped,
+        pack,
+        {"before_big": before_big, "with_big": with_big, "small_held": baseline, "big_held": held, "after": after},
+    )
 
 
 def kernel_pack_seconds(kernel: Kernel) -> float | None:
@@ -558,8 +579,9 @@ def kernel_pack_seconds(kernel: Kernel) -> float | None:
     return None if cell.error else inside_seconds(cell)
 
 
-def shipping_figures(trivial: list[float], shipped: list[float], pack: float | None,
-                     memory: dict[str, MemorySample]) -> dict:
+def shipping_figures(
+    trivial: list[float], shipped: list[float], pack: float | None, memory: dict[str, MemorySample]
+) -> dict:
     extra_seconds = statistics.median(shipped) - statistics.median(trivial)
     held, baseline = memory["big_held"], memory["small_held"]
     extra = held.total_pss - baseline.total_pss
@@ -604,8 +626,10 @@ ROWS = (  # (label, key, the Accelerate figure it is compared with)
 
 
 def medians(samples: Samples) -> dict[str, dict[int, float]]:
-    return {key: {ranks: statistics.median(values) for ranks, values in by_ranks.items()}
-            for key, by_ranks in samples.items()}
+    return {
+        key: {ranks: statistics.median(values) for ranks, values in by_ranks.items()}
+        for key, by_ranks in samples.items()
+    }
 
 
 def table(median: dict[str, dict[int, float]]) -> str:
@@ -633,16 +657,18 @@ def warm_key(contender: str, kind: KernelKind, client: bool = True) -> str:
 
 
 def bare_table(median: dict[str, dict[int, float]], rounds: int) -> str:
-    head = (f"{f'warm cell, client round trip (median of {rounds}), s':<48}"
-            + "".join(f"{f'{n} ranks':>10}{'/ bare':>9}{'/ accel.':>10}" for n in RANKS))
+    head = f"{f'warm cell, client round trip (median of {rounds}), s':<48}" + "".join(
+        f"{f'{n} ranks':>10}{'/ bare':>9}{'/ accel.':>10}" for n in RANKS
+    )
     lines = [head, "-" * len(head)]
     for kind in KINDS:
         lines.append(kind.label)
         bare, accelerate = median[warm_key("bare", kind)], median[warm_key("accelerate", kind)]
         for label, name in BARE_ROWS:
             values = median[warm_key(name, kind)]
-            cells = "".join(f"{values[n]:>10.3f}{values[n] / bare[n]:>8.2f}x{values[n] / accelerate[n]:>9.2f}x"
-                            for n in RANKS)
+            cells = "".join(
+                f"{values[n]:>10.3f}{values[n] / bare[n]:>8.2f}x{values[n] / accelerate[n]:>9.2f}x" for n in RANKS
+            )
             lines.append(f"  {label:<46}{cells}")
     return "\n".join(lines)
 
@@ -651,22 +677,34 @@ def bare_lines(median: dict[str, dict[int, float]]) -> list[str]:
     """taas fork's time beyond the bare launcher's, and what the heavy kernel adds to each contender."""
     lines = []
     for client, how in ((True, "client round trip"), (False, "kernel busy->idle")):
-        extra = {kind: {n: 1000 * (median[warm_key("fork", kind, client)][n] - median[warm_key("bare", kind, client)][n])
-                        for n in RANKS} for kind in KINDS}
-        lines.append(f"taas fork beyond bare ({how}): "
-                     + "; ".join(f"{kind.name} kernel " + _per_ranks(extra[kind], "{:+.1f} ms") for kind in KINDS))
-    added = {name: 1000 * (median[warm_key(name, HEAVY)][4] - median[warm_key(name, LIGHT)][4])
-             for _, name in BARE_ROWS}
-    lines.append("what the heavy kernel adds at 4 ranks (client round trip): "
-                 + ", ".join(f"{name} {ms:+.1f} ms" for name, ms in added.items()))
+        extra = {
+            kind: {
+                n: 1000 * (median[warm_key("fork", kind, client)][n] - median[warm_key("bare", kind, client)][n])
+                for n in RANKS
+            }
+            for kind in KINDS
+        }
+        lines.append(
+            f"taas fork beyond bare ({how}): "
+            + "; ".join(f"{kind.name} kernel " + _per_ranks(extra[kind], "{:+.1f} ms") for kind in KINDS)
+        )
+    added = {
+        name: 1000 * (median[warm_key(name, HEAVY)][4] - median[warm_key(name, LIGHT)][4]) for _, name in BARE_ROWS
+    }
+    lines.append(
+        "what the heavy kernel adds at 4 ranks (client round trip): "
+        + ", ".join(f"{name} {ms:+.1f} ms" for name, ms in added.items())
+    )
     return lines
 
 
 def overhead_line(median: dict[str, dict[int, float]]) -> str:
     """How much of a cell's busy->idle time is IPython's, not the launcher's: the method's blind spot."""
     shares = {n: 1000 * (median["accelerate/warm"][n] - median["accelerate/warm inside cell"][n]) for n in RANKS}
-    return ("IPython's own share of a warm Accelerate cell (busy->idle minus perf_counter around the call): "
-            + _per_ranks(shares, "{:.1f} ms"))
+    return (
+        "IPython's own share of a warm Accelerate cell (busy->idle minus perf_counter around the call): "
+        + _per_ranks(shares, "{:.1f} ms")
+    )
 
 
 def checks(median: dict[str, dict[int, float]], shipping: dict) -> list[tuple[bool, str]]:
@@ -674,24 +712,40 @@ def checks(median: dict[str, dict[int, float]], shipping: dict) -> list[tuple[bo
     found = []
     for phase in ("cold", "warm"):
         ratios = {n: median[f"fork/{phase}"][n] / median[f"accelerate/{phase}"][n] for n in RANKS}
-        found.append((all(r <= 1.5 for r in ratios.values()),
-                      f"fork <= 1.5x Accelerate's time ({phase}): " + _per_ranks(ratios, "{:.2f}x")))
+        found.append(
+            (
+                all(r <= 1.5 for r in ratios.values()),
+                f"fork <= 1.5x Accelerate's time ({phase}): " + _per_ranks(ratios, "{:.2f}x"),
+            )
+        )
     for kind in KINDS:
         ratios = {n: median[warm_key("fork", kind)][n] / median[warm_key("bare", kind)][n] for n in RANKS}
-        found.append((ratios[4] <= BARE_TARGET,
-                      f"fork <= {BARE_TARGET:g}x bare at 4 ranks, {kind.name} kernel (warm, client round trip): "
-                      + _per_ranks(ratios, "{:.2f}x")))
+        found.append(
+            (
+                ratios[4] <= BARE_TARGET,
+                f"fork <= {BARE_TARGET:g}x bare at 4 ranks, {kind.name} kernel (warm, client round trip): "
+                + _per_ranks(ratios, "{:.2f}x"),
+            )
+        )
     warm4 = median["forkserver/warm"][4]
     found.append((warm4 <= 0.5, f"warm forkserver <= 0.5 s at 4 ranks: {warm4:.3f} s"))
     speedups = {n: median["torchrun/cold"][n] / median["forkserver/warm"][n] for n in RANKS}
-    found.append((all(s >= 3 for s in speedups.values()),
-                  "warm forkserver >= 3x faster than torchrun: " + _per_ranks(speedups, "{:.1f}x")))
+    found.append(
+        (
+            all(s >= 3 for s in speedups.values()),
+            "warm forkserver >= 3x faster than torchrun: " + _per_ranks(speedups, "{:.1f}x"),
+        )
+    )
     rate = shipping["gb_per_second"]
     found.append((rate >= 1.0, f"shipping >= 1 GB/s: {rate:.2f} GB/s (512 MiB in {shipping['extra_seconds']:.3f} s)"))
     copies = shipping["memory"]["extra_copies"]
-    found.append((copies <= 1 + COPY_TOLERANCE,
-                  f"kernel + fork server + ranks hold <= one extra copy: {copies:.2f} copies "
-                  f"({shipping['memory']['extra_bytes'] / 2**20:.0f} MiB; tolerance {COPY_TOLERANCE:.0%})"))
+    found.append(
+        (
+            copies <= 1 + COPY_TOLERANCE,
+            f"kernel + fork server + ranks hold <= one extra copy: {copies:.2f} copies "
+            f"({shipping['memory']['extra_bytes'] / 2**20:.0f} MiB; tolerance {COPY_TOLERANCE:.0%})",
+        )
+    )
     return found
 
 
@@ -722,28 +776,45 @@ def shipping_lines(shipping: dict) -> list[str]:
 
 def trouble_lines(tally: Tally) -> list[str]:
     """Hung launches and surviving processes: left out of the medians, so said out loud here."""
-    hangs = [f"{name} {sum(by.values())} of {tally.launches.get(name, 0)} ("
-             + ", ".join(f"{count} at {n} ranks" for n, count in sorted(by.items())) + ")"
-             for name, by in tally.hangs.items()]
-    lines = [f"launches that hung (killed after {HANG_SECONDS:g} s, not in the medians): "
-             + ("; ".join(hangs) if hangs else "none")]
+    hangs = [
+        f"{name} {sum(by.values())} of {tally.launches.get(name, 0)} ("
+        + ", ".join(f"{count} at {n} ranks" for n, count in sorted(by.items()))
+        + ")"
+        for name, by in tally.hangs.items()
+    ]
+    lines = [
+        f"launches that hung (killed after {HANG_SECONDS:g} s, not in the medians): "
+        + ("; ".join(hangs) if hangs else "none")
+    ]
     lines.append(f"processes alive after their kernel was shut down: {len(tally.left_behind) or 'none'}")
     if tally.left_after_hang:
-        lines.append(f"processes alive 5 s after killing a kernel stuck in a launch (then killed): "
-                     f"{len(tally.left_after_hang)}")
+        lines.append(
+            f"processes alive 5 s after killing a kernel stuck in a launch (then killed): {len(tally.left_after_hang)}"
+        )
     return lines
 
 
-def write_results(path: Path, info: dict, settings: Settings, tally: Tally, shipping: dict,
-                  found: list[tuple[bool, str]], seconds: float) -> None:
+def write_results(
+    path: Path,
+    info: dict,
+    settings: Settings,
+    tally: Tally,
+    shipping: dict,
+    found: list[tuple[bool, str]],
+    seconds: float,
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "machine": info,
         "settings": {**vars(settings), "pause_seconds": PAUSE_SECONDS, "hang_seconds": HANG_SECONDS},
-        "timing": ("notebook contenders: kernel busy->idle (iopub stamps); keys ending in 'client': execute "
-                   "request to idle seen by the client; torchrun: subprocess wall time"),
-        "warm_kernels": [{"kernel": kind.name, "contenders": [contender.name for contender in contenders]}
-                         for kind, contenders in WARM_KERNELS],
+        "timing": (
+            "notebook contenders: kernel busy->idle (iopub stamps); keys ending in 'client': execute "
+            "request to idle seen by the client; torchrun: subprocess wall time"
+        ),
+        "warm_kernels": [
+            {"kernel": kind.name, "contenders": [contender.name for contender in contenders]}
+            for kind, contenders in WARM_KERNELS
+        ],
         "bare_launcher": BARE_SETUP,
         "heavy_kernel_setup": HEAVY_SETUP,
         "medians_seconds": {key: {str(n): v for n, v in by.items()} for key, by in medians(tally.samples).items()},
@@ -793,10 +864,13 @@ def plot(path: Path, samples: Samples, info: dict) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(17, 6), dpi=120, width_ratios=(1.15, 1))
     plot_contenders(left, samples)
     plot_kernels(right, samples)
-    figure.suptitle("Launching a distributed job from a notebook: taas-magic, a bare os.fork launcher, Accelerate, "
-                    f"torchrun\n{info['usable_cores']} cores, torch {info['torch']}, accelerate {info['accelerate']}, "
-                    f"{info['date'][:10]}; trivial gloo job on CPU: init_process_group, all_reduce, barrier, "
-                    "destroy_process_group", fontsize=10)
+    figure.suptitle(
+        "Launching a distributed job from a notebook: taas-magic, a bare os.fork launcher, Accelerate, "
+        f"torchrun\n{info['usable_cores']} cores, torch {info['torch']}, accelerate {info['accelerate']}, "
+        f"{info['date'][:10]}; trivial gloo job on CPU: init_process_group, all_reduce, barrier, "
+        "destroy_process_group",
+        fontsize=10,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
@@ -814,9 +888,19 @@ def plot_contenders(axes: Axes, samples: Samples) -> None:
         heights = [median[key][n] for n in RANKS]
         low = [h - min(samples[key][n]) for h, n in zip(heights, RANKS)]
         high = [max(samples[key][n]) - h for h, n in zip(heights, RANKS)]
-        axes.bar(xs, heights, width * 0.92, label=label, color="white" if hatch else colour,
-                 edgecolor=colour, hatch=hatch, linewidth=1.2, yerr=[low, high], capsize=2,
-                 error_kw={"elinewidth": 0.8, "ecolor": "#444444"})
+        axes.bar(
+            xs,
+            heights,
+            width * 0.92,
+            label=label,
+            color="white" if hatch else colour,
+            edgecolor=colour,
+            hatch=hatch,
+            linewidth=1.2,
+            yerr=[low, high],
+            capsize=2,
+            error_kw={"elinewidth": 0.8, "ecolor": "#444444"},
+        )
         for x, h, top in zip(xs, heights, high):
             axes.text(x, (h + top) * 1.1, f"{h:.2f}", ha="center", va="bottom", fontsize=7)
     axes.set_yscale("log")
@@ -825,8 +909,9 @@ def plot_contenders(axes: Axes, samples: Samples) -> None:
     axes.yaxis.set_minor_formatter(ticker.NullFormatter())
     axes.set_xticks(range(len(RANKS)), [f"{n} ranks" for n in RANKS])
     axes.set_ylabel("kernel busy->idle, s (median; whiskers min-max; log scale)")
-    axes.set_title("Light kernel (torch only); hatched: cold (first launch in a fresh kernel), solid: warm",
-                   fontsize=10)
+    axes.set_title(
+        "Light kernel (torch only); hatched: cold (first launch in a fresh kernel), solid: warm", fontsize=10
+    )
     axes.set_ylim(min(0.05, min(min(by.values()) for by in median.values()) / 2), axes.get_ylim()[1] * 4)
     axes.grid(axis="y", which="both", alpha=0.25)
     axes.legend(fontsize=8, ncol=4, loc="upper center")
@@ -843,16 +928,27 @@ def plot_kernels(axes: Axes, samples: Samples) -> None:
         heights = [median[key][n] for key, (_, n) in zip(keys, groups)]
         low = [h - min(samples[key][n]) for h, key, (_, n) in zip(heights, keys, groups)]
         high = [max(samples[key][n]) - h for h, key, (_, n) in zip(heights, keys, groups)]
-        axes.bar(xs, heights, width * 0.92, label=label, color=colour, yerr=[low, high], capsize=2,
-                 error_kw={"elinewidth": 0.8, "ecolor": "#444444"})
+        axes.bar(
+            xs,
+            heights,
+            width * 0.92,
+            label=label,
+            color=colour,
+            yerr=[low, high],
+            capsize=2,
+            error_kw={"elinewidth": 0.8, "ecolor": "#444444"},
+        )
         for x, h, top, (kind, n) in zip(xs, heights, high, groups):
             ratio = h / median[warm_key("bare", kind)][n]
             axes.text(x, h + top, f"{h:.3f}\n{ratio:.2f}x", ha="center", va="bottom", fontsize=6.5)
     axes.axvline(len(RANKS) - 0.5, color="#999999", linestyle="--", linewidth=0.8)
     axes.set_xticks(range(len(groups)), [f"{kind.name} kernel, {n} ranks" for kind, n in groups])
     axes.set_ylabel("warm cell, client round trip, s (median; whiskers min-max)")
-    axes.set_title(f"Against a bare os.fork launcher in the same kernel (target: taas fork <= {BARE_TARGET:g}x bare)\n"
-                   f"{HEAVY.label}; labels: median, ratio to bare", fontsize=10)
+    axes.set_title(
+        f"Against a bare os.fork launcher in the same kernel (target: taas fork <= {BARE_TARGET:g}x bare)\n"
+        f"{HEAVY.label}; labels: median, ratio to bare",
+        fontsize=10,
+    )
     axes.set_ylim(0, axes.get_ylim()[1] * 1.2)
     axes.grid(axis="y", alpha=0.25)
     axes.legend(fontsize=8, ncol=4, loc="upper left")
@@ -867,8 +963,11 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = load_average()
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1) / 2:
-        print(f"note: load average {load:.1f} on {os.cpu_count()} cores before starting: other work is running, "
-              "expect noisy figures", file=sys.stderr)
+        print(
+            f"note: load average {load:.1f} on {os.cpu_count()} cores before starting: other work is running, "
+            "expect noisy figures",
+            file=sys.stderr,
+        )
     measure_warm(settings, tally, progress)
     measure_cold(settings, tally, progress)
     measure_torchrun(settings, tally, progress)

@@ -15,8 +15,18 @@ import json
 import statistics
 from pathlib import Path
 
-from harness import (ROOT, BenchError, Kernel, Progress, arguments, machine_info, plot_axes, print_checks, save_plot,
-                     shown)
+from harness import (
+    ROOT,
+    BenchError,
+    Kernel,
+    Progress,
+    arguments,
+    machine_info,
+    plot_axes,
+    print_checks,
+    save_plot,
+    shown,
+)
 
 RANKS = 4
 LINES = 100_000  # in all, over the ranks
@@ -43,12 +53,14 @@ def measure(rounds: int, progress: Progress) -> dict[str, list[float]]:
             kernel.run(f"%config TaasMagics.view = {setting}")
             _check(mode, kernel.run(CELL, timeout=600).stdout)
         for round_number in range(rounds):
-            for mode, setting in (MODES.items() if round_number % 2 == 0 else reversed(MODES.items())):
+            for mode, setting in MODES.items() if round_number % 2 == 0 else reversed(MODES.items()):
                 kernel.run(f"%config TaasMagics.view = {setting}")
                 kernel.wait_until_quiet()
                 seconds[mode].append(kernel.run(CELL, timeout=600).client_seconds)
-            progress(f"round {round_number + 1} of {rounds}: " + ", ".join(
-                f"{mode} {values[-1]:.2f} s" for mode, values in seconds.items()))
+            progress(
+                f"round {round_number + 1} of {rounds}: "
+                + ", ".join(f"{mode} {values[-1]:.2f} s" for mode, values in seconds.items())
+            )
     finally:
         kernel.shutdown()
     return seconds
@@ -69,8 +81,20 @@ def report(seconds: dict[str, list[float]], results: Path, plot: Path, rounds: i
     print(f"view on / view off: {ratio:.3f}x")
     print_checks([(ratio <= TARGET, f"the live view costs {ratio - 1:+.1%} (target <= {TARGET - 1:+.0%})")])
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"machine": machine_info(), "ranks": RANKS, "lines": LINES, "rounds": rounds,
-                                   "seconds": seconds, "ratio": ratio}, indent=1) + "\n")
+    results.write_text(
+        json.dumps(
+            {
+                "machine": machine_info(),
+                "ranks": RANKS,
+                "lines": LINES,
+                "rounds": rounds,
+                "seconds": seconds,
+                "ratio": ratio,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     _plot(seconds, plot)
     print(f"results: {shown(results)}; plot: {shown(plot)}")
 
@@ -83,8 +107,13 @@ def _plot(seconds: dict[str, list[float]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__ or "", "4 rounds instead of 9", ROOT / "benchmarks/results/live_view.json",
-                     ROOT / "docs/images/live-view-cost.png", argv)
+    args = arguments(
+        __doc__ or "",
+        "4 rounds instead of 9",
+        ROOT / "benchmarks/results/live_view.json",
+        ROOT / "docs/images/live-view-cost.png",
+        argv,
+    )
     rounds = 4 if args.quick else 9
     report(measure(rounds, Progress()), args.results, args.plot, rounds)
 

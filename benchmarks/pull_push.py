@@ -47,23 +47,43 @@ def contenders(profile_dir: Path) -> list[Contender]:
     taas = Contender(
         "taas session",
         ["%load_ext taas_magic\n" + MAKE, f"#pragma taas --gpus {WORKERS} --keep --start fork --return none\n{MAKE}"],
-        {"pull small": "%taas pull step", "pull 4 MB": "%taas pull weights",
-         "push small": "%taas push lr", "push 4 MB": "%taas push payload"},
-        {"pull small": f"list(step) == [7] * {WORKERS}", "pull 4 MB": f"len(weights) == {WORKERS}",
-         "push small": "True", "push 4 MB": "True"},
-        "%taas stop")
+        {
+            "pull small": "%taas pull step",
+            "pull 4 MB": "%taas pull weights",
+            "push small": "%taas push lr",
+            "push 4 MB": "%taas push payload",
+        },
+        {
+            "pull small": f"list(step) == [7] * {WORKERS}",
+            "pull 4 MB": f"len(weights) == {WORKERS}",
+            "push small": "True",
+            "push 4 MB": "True",
+        },
+        "%taas stop",
+    )
     ipp = Contender(
         "ipyparallel",
-        [f"import ipyparallel as ipp\n{MAKE}\n"
-         f"cluster = ipp.Cluster(n={WORKERS}, controller_ip='127.0.0.1', controller_location='127.0.0.1', "
-         f"profile_dir={str(profile_dir)!r}, log_level=40)\n"
-         f"rc = cluster.start_and_connect_sync()\nrc.wait_for_engines({WORKERS}, timeout=120)\nview = rc[:]\n"
-         f"view.execute({MAKE!r}, block=True)"],
-        {"pull small": "pulled = view.pull('step', block=True)", "pull 4 MB": "pulled = view.pull('weights', block=True)",
-         "push small": "view.push({'lr': lr}, block=True)", "push 4 MB": "view.push({'payload': payload}, block=True)"},
-        {"pull small": f"pulled == [7] * {WORKERS}", "pull 4 MB": f"len(pulled) == {WORKERS}",
-         "push small": "True", "push 4 MB": "True"},
-        "cluster.stop_cluster_sync()")
+        [
+            f"import ipyparallel as ipp\n{MAKE}\n"
+            f"cluster = ipp.Cluster(n={WORKERS}, controller_ip='127.0.0.1', controller_location='127.0.0.1', "
+            f"profile_dir={str(profile_dir)!r}, log_level=40)\n"
+            f"rc = cluster.start_and_connect_sync()\nrc.wait_for_engines({WORKERS}, timeout=120)\nview = rc[:]\n"
+            f"view.execute({MAKE!r}, block=True)"
+        ],
+        {
+            "pull small": "pulled = view.pull('step', block=True)",
+            "pull 4 MB": "pulled = view.pull('weights', block=True)",
+            "push small": "view.push({'lr': lr}, block=True)",
+            "push 4 MB": "view.push({'payload': payload}, block=True)",
+        },
+        {
+            "pull small": f"pulled == [7] * {WORKERS}",
+            "pull 4 MB": f"len(pulled) == {WORKERS}",
+            "push small": "True",
+            "push 4 MB": "True",
+        },
+        "cluster.stop_cluster_sync()",
+    )
     return [taas, ipp]
 
 
@@ -108,13 +128,27 @@ def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> 
         ours, theirs = statistics.median(taas.ms[operation]), statistics.median(ipp.ms[operation])
         print(f"{operation:12} {ours:7.1f} ms {theirs:9.1f} ms {ours / theirs:19.2f}x")
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"machine": machine_info("ipyparallel"), "workers": WORKERS, "rounds": rounds,
-                                   "ms": {r.name: r.ms for r in runners}}, indent=1) + "\n")
+    results.write_text(
+        json.dumps(
+            {
+                "machine": machine_info("ipyparallel"),
+                "workers": WORKERS,
+                "rounds": rounds,
+                "ms": {r.name: r.ms for r in runners},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     figure, axes = plot_axes(7, 3.2)
     positions = range(len(OPERATIONS))
     for offset, runner in ((-0.2, taas), (0.2, ipp)):
-        axes.barh([p + offset for p in positions], [statistics.median(runner.ms[o]) for o in OPERATIONS], height=0.4,
-                  label=runner.name)
+        axes.barh(
+            [p + offset for p in positions],
+            [statistics.median(runner.ms[o]) for o in OPERATIONS],
+            height=0.4,
+            label=runner.name,
+        )
     axes.set_yticks(list(positions), list(OPERATIONS))
     axes.set_xlabel(f"cell time, ms (median, {WORKERS} workers, CPU)")
     axes.legend(loc="lower right")
@@ -123,8 +157,13 @@ def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__ or "", "10 rounds instead of 40", ROOT / "benchmarks/results/pull_push.json",
-                     ROOT / "docs/images/pull-push.png", argv)
+    args = arguments(
+        __doc__ or "",
+        "10 rounds instead of 40",
+        ROOT / "benchmarks/results/pull_push.json",
+        ROOT / "docs/images/pull-push.png",
+        argv,
+    )
     rounds = 10 if args.quick else 40
     report(measure(rounds, Progress()), args.results, args.plot, rounds)
 

@@ -23,8 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from harness import (ROOT, BenchError, Kernel, Progress, arguments, machine_info, plot_axes, print_checks, save_plot,
-                     shown)
+from harness import (
+    ROOT,
+    BenchError,
+    Kernel,
+    Progress,
+    arguments,
+    machine_info,
+    plot_axes,
+    print_checks,
+    save_plot,
+    shown,
+)
 
 RANKS = 8
 TARGET_MS = 20.0
@@ -52,17 +62,36 @@ class Contender:
 def contenders(profile_dir: Path) -> list[Contender]:
     taas_check = "import os\nprint('worker', os.environ['RANK'], os.getpid(), flush=True)"
     return [
-        Contender("taas fork", ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start fork "
-                  f"--return none\n{taas_check}"], f"#pragma taas --return none\n{BODY}",
-                  f"#pragma taas --return none\n{taas_check}", "%taas stop"),
-        Contender("taas forkserver", ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start "
-                  f"forkserver --return none\n{taas_check}"], f"#pragma taas --return none\n{BODY}",
-                  f"#pragma taas --return none\n{taas_check}", "%taas stop"),
-        Contender("ipyparallel %%px", ["import ipyparallel as ipp\n"
-                  f"cluster = ipp.Cluster(n={RANKS}, controller_ip='127.0.0.1', controller_location='127.0.0.1', "
-                  f"profile_dir={str(profile_dir)!r}, log_level=40)\n"
-                  f"rc = cluster.start_and_connect_sync(activate=True)\nrc.wait_for_engines({RANKS}, timeout=120)",
-                  PX_CHECK], f"%%px\n{BODY}", PX_CHECK, "cluster.stop_cluster_sync()"),
+        Contender(
+            "taas fork",
+            ["%load_ext taas_magic", f"#pragma taas --gpus {RANKS} --keep --start fork --return none\n{taas_check}"],
+            f"#pragma taas --return none\n{BODY}",
+            f"#pragma taas --return none\n{taas_check}",
+            "%taas stop",
+        ),
+        Contender(
+            "taas forkserver",
+            [
+                "%load_ext taas_magic",
+                f"#pragma taas --gpus {RANKS} --keep --start forkserver --return none\n{taas_check}",
+            ],
+            f"#pragma taas --return none\n{BODY}",
+            f"#pragma taas --return none\n{taas_check}",
+            "%taas stop",
+        ),
+        Contender(
+            "ipyparallel %%px",
+            [
+                "import ipyparallel as ipp\n"
+                f"cluster = ipp.Cluster(n={RANKS}, controller_ip='127.0.0.1', controller_location='127.0.0.1', "
+                f"profile_dir={str(profile_dir)!r}, log_level=40)\n"
+                f"rc = cluster.start_and_connect_sync(activate=True)\nrc.wait_for_engines({RANKS}, timeout=120)",
+                PX_CHECK,
+            ],
+            f"%%px\n{BODY}",
+            PX_CHECK,
+            "cluster.stop_cluster_sync()",
+        ),
     ]
 
 
@@ -137,33 +166,64 @@ def _stop(runner: Contender) -> None:
 
 def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> None:
     overhead = {r.name: statistics.median(r.kernel_ms) - statistics.median(r.plain_ms) for r in runners}
-    print(f"warm cell `{BODY}` in {RANKS} workers, {rounds} rounds; busy->idle as the kernel stamps it, "
-          "less the same cell run by that kernel itself")
+    print(
+        f"warm cell `{BODY}` in {RANKS} workers, {rounds} rounds; busy->idle as the kernel stamps it, "
+        "less the same cell run by that kernel itself"
+    )
     print(f"{'':20} {'cell median':>12} {'p90':>8} {'plain':>8} {'overhead':>9} {'client round trip':>18}")
     for r in runners:
         p90 = statistics.quantiles(r.kernel_ms, n=10)[-1]
-        print(f"{r.name:20} {statistics.median(r.kernel_ms):9.2f} ms {p90:5.1f} ms "
-              f"{statistics.median(r.plain_ms):5.2f} ms {overhead[r.name]:6.2f} ms "
-              f"{statistics.median(r.client_ms):15.2f} ms")
+        print(
+            f"{r.name:20} {statistics.median(r.kernel_ms):9.2f} ms {p90:5.1f} ms "
+            f"{statistics.median(r.plain_ms):5.2f} ms {overhead[r.name]:6.2f} ms "
+            f"{statistics.median(r.client_ms):15.2f} ms"
+        )
     px = overhead["ipyparallel %%px"]
     for name in ("taas fork", "taas forkserver"):
         print(f"{name} / ipyparallel %%px overhead: {overhead[name] / px:.2f}x")
-    print_checks([(overhead[name] <= TARGET_MS, f"{name}: a warm session cell costs {overhead[name]:.1f} ms over the "
-                   f"plain cell at {RANKS} ranks (target <= {TARGET_MS:g} ms)") for name in ("taas fork", "taas forkserver")])
+    print_checks(
+        [
+            (
+                overhead[name] <= TARGET_MS,
+                f"{name}: a warm session cell costs {overhead[name]:.1f} ms over the "
+                f"plain cell at {RANKS} ranks (target <= {TARGET_MS:g} ms)",
+            )
+            for name in ("taas fork", "taas forkserver")
+        ]
+    )
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({
-        "machine": machine_info("ipyparallel"), "ranks": RANKS, "rounds": rounds,
-        "contenders": {r.name: {"kernel_ms": r.kernel_ms, "client_ms": r.client_ms, "plain_ms": r.plain_ms,
-                                "overhead_ms": overhead[r.name]} for r in runners},
-    }, indent=1) + "\n")
+    results.write_text(
+        json.dumps(
+            {
+                "machine": machine_info("ipyparallel"),
+                "ranks": RANKS,
+                "rounds": rounds,
+                "contenders": {
+                    r.name: {
+                        "kernel_ms": r.kernel_ms,
+                        "client_ms": r.client_ms,
+                        "plain_ms": r.plain_ms,
+                        "overhead_ms": overhead[r.name],
+                    }
+                    for r in runners
+                },
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     _plot(runners, plot)
     print(f"results: {shown(results)}; plot: {shown(plot)}")
 
 
 def _plot(runners: list[Contender], path: Path) -> None:
     figure, axes = plot_axes(7, 3.2)
-    axes.boxplot([[ms - statistics.median(r.plain_ms) for ms in r.kernel_ms] for r in runners], orientation="horizontal", showfliers=False,
-                 tick_labels=[r.name for r in runners])
+    axes.boxplot(
+        [[ms - statistics.median(r.plain_ms) for ms in r.kernel_ms] for r in runners],
+        orientation="horizontal",
+        showfliers=False,
+        tick_labels=[r.name for r in runners],
+    )
     axes.axvline(TARGET_MS, color="tab:red", linestyle="--", linewidth=1, label=f"target {TARGET_MS:g} ms")
     axes.set_xlabel(f"warm cell time beyond the plain cell, ms ({RANKS} workers, CPU)")
     axes.legend(loc="lower right")
@@ -171,8 +231,13 @@ def _plot(runners: list[Contender], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arguments(__doc__ or "", "20 rounds instead of 100", ROOT / "benchmarks/results/sessions.json",
-                     ROOT / "docs/images/sessions.png", argv)
+    args = arguments(
+        __doc__ or "",
+        "20 rounds instead of 100",
+        ROOT / "benchmarks/results/sessions.json",
+        ROOT / "docs/images/sessions.png",
+        argv,
+    )
     rounds = 20 if args.quick else 100
     runners = measure(rounds, Progress())
     report(runners, args.results, args.plot, rounds)

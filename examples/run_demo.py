@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import nbformat
+from mnist_data import ensure_mnist, is_synthetic
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
-from mnist_data import ensure_mnist, is_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "examples" / "mnist.ipynb"
@@ -37,8 +36,10 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def prepare_data() -> None:
     """Make sure MNIST-format data is under .demo/data and say which kind it is."""
     if ensure_mnist(DATA):
-        print(f"Wrote a small synthetic MNIST-format data set to {DATA.relative_to(ROOT)} "
-              "(the real MNIST cannot be downloaded here).")
+        print(
+            f"Wrote a small synthetic MNIST-format data set to {DATA.relative_to(ROOT)} "
+            "(the real MNIST cannot be downloaded here)."
+        )
     elif is_synthetic(DATA):
         print(f"Using the synthetic MNIST-format data set written earlier in {DATA.relative_to(ROOT)}.")
     else:
@@ -72,8 +73,9 @@ def execute(nb: nbformat.NotebookNode) -> str | None:
     The kernel inherits this process's environment, which is how TAAS_* reach
     the notebook. Whatever happens, the executed notebook is saved for a look.
     """
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(WORK)}})
+    client = NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(WORK)}}
+    )
     try:
         client.execute()
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:

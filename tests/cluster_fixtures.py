@@ -51,8 +51,13 @@ class PeerWatch:
             ours = {p.pid: p for p in me.children(recursive=True)}
             for connection in psutil.net_connections(kind="inet"):
                 if connection.pid in ours and connection.raddr and not _loopback(connection.raddr.ip):
-                    self.outside.add((connection.pid, _command(ours[connection.pid]),
-                                      f"{connection.raddr.ip}:{connection.raddr.port}"))
+                    self.outside.add(
+                        (
+                            connection.pid,
+                            _command(ours[connection.pid]),
+                            f"{connection.raddr.ip}:{connection.raddr.port}",
+                        )
+                    )
 
     def stop(self) -> None:
         self.stopped.set()

@@ -74,15 +74,16 @@ def each_rank(text: str) -> str:
             lines.append(line)
             continue
         for rank in sorted(ranks_in(found[1])):
-            lines.append(f"[rank {rank}]{found[2]}{line[found.end():]}")
+            lines.append(f"[rank {rank}]{found[2]}{line[found.end() :]}")
     return "".join(lines)
 
 
 class Kernel:
     """A real ipykernel in its own process, with the extension loaded."""
 
-    def __init__(self, extra_env: dict[str, str] | None = None,
-                 imports: str = "import torch, torch.distributed, os, sys, time"):
+    def __init__(
+        self, extra_env: dict[str, str] | None = None, imports: str = "import torch, torch.distributed, os, sys, time"
+    ):
         env = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
         self.manager = KernelManager(kernel_name="python3")
         self.manager.start_kernel(env=env)
@@ -93,8 +94,14 @@ class Kernel:
         self.debug_events: list[dict] = []  # every debug_event seen on iopub while a cell ran
         self.execute(f"%load_ext taas_magic\n{imports}").ok()
 
-    def execute(self, code: str, timeout: float = 90, interrupt_after: float | tuple[float, ...] | None = None,
-                answers: list[str] | None = None, think: float = 0.0) -> CellResult:
+    def execute(
+        self,
+        code: str,
+        timeout: float = 90,
+        interrupt_after: float | tuple[float, ...] | None = None,
+        answers: list[str] | None = None,
+        think: float = 0.0,
+    ) -> CellResult:
         """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds after the cell
         began (several times: a tuple); ``answers``: lines typed, in order, when the cell asks for input
         (Jupyter's stdin requests, as a front end answers them; their prompts go to ``prompts``);
@@ -105,8 +112,13 @@ class Kernel:
         msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
         asked: list[float] = []  # when the unanswered input request came
-        interrupts = sorted(interrupt_after if isinstance(interrupt_after, tuple) else
-                            [] if interrupt_after is None else [interrupt_after])
+        interrupts = sorted(
+            interrupt_after
+            if isinstance(interrupt_after, tuple)
+            else []
+            if interrupt_after is None
+            else [interrupt_after]
+        )
         while True:
             if answers is not None:
                 self._answer(result, pending, asked, think)

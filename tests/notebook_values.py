@@ -44,33 +44,76 @@ def counting():
 '''
 
 KINDS = {
-    "none": "None", "zero": "0", "false": "False", "true": "True", "empty_str": "''", "empty_bytes": "b''",
-    "bytes": "b'\\x00\\xff'", "huge_int": "10**400", "negative_zero": "-0.0", "nan": "float('nan')",
-    "inf": "float('-inf')", "complex_nan": "complex(float('nan'), 1)", "ellipsis": "...",
-    "not_implemented": "NotImplemented", "empty_list": "[]", "empty_dict": "{}", "empty_tuple": "()",
-    "empty_set": "set()", "frozenset": "frozenset({0})", "range": "range(0)", "numpy_array": "np.arange(3)",
-    "numpy_empty": "np.array([])", "numpy_scalar": "np.float32(1.5)", "numpy_nan": "np.float64('nan')",
-    "numpy_bool": "np.bool_(False)", "tensor_0d": "torch.tensor(3.0)", "tensor_nan": "torch.tensor(float('nan'))",
-    "tensor_empty": "torch.empty(0)", "tensor_grad": "torch.zeros(2, requires_grad=True)",
-    "parameter": "torch.nn.Parameter(torch.ones(1))", "module": "torch.nn.Linear(2, 1)",
-    "mock": "MagicMock()", "anything": "Anything()", "raising": "Raising()", "bad_eq": "BadEq()",
-    "enum": "Color.RED", "dataclass": "Point(1, float('nan'))", "partial": "functools.partial(int, base=2)",
-    "namespace": "types.SimpleNamespace(a=None)", "python_module": "math", "a_class": "Point",
-    "a_type": "type(None)", "function": "lambda: None", "builtin": "len", "fraction": "fractions.Fraction(1, 3)",
-    "decimal": "decimal.Decimal('NaN')", "date": "datetime.date(2020, 1, 1)", "path": "pathlib.Path('.')",
-    "pattern": "re.compile('a+')", "deque": "collections.deque([None])", "counter": "collections.Counter()",
-    "nested": "[None, {None: None}, (float('nan'),), {0: [MagicMock()]}]", "generator": "counting()",
+    "none": "None",
+    "zero": "0",
+    "false": "False",
+    "true": "True",
+    "empty_str": "''",
+    "empty_bytes": "b''",
+    "bytes": "b'\\x00\\xff'",
+    "huge_int": "10**400",
+    "negative_zero": "-0.0",
+    "nan": "float('nan')",
+    "inf": "float('-inf')",
+    "complex_nan": "complex(float('nan'), 1)",
+    "ellipsis": "...",
+    "not_implemented": "NotImplemented",
+    "empty_list": "[]",
+    "empty_dict": "{}",
+    "empty_tuple": "()",
+    "empty_set": "set()",
+    "frozenset": "frozenset({0})",
+    "range": "range(0)",
+    "numpy_array": "np.arange(3)",
+    "numpy_empty": "np.array([])",
+    "numpy_scalar": "np.float32(1.5)",
+    "numpy_nan": "np.float64('nan')",
+    "numpy_bool": "np.bool_(False)",
+    "tensor_0d": "torch.tensor(3.0)",
+    "tensor_nan": "torch.tensor(float('nan'))",
+    "tensor_empty": "torch.empty(0)",
+    "tensor_grad": "torch.zeros(2, requires_grad=True)",
+    "parameter": "torch.nn.Parameter(torch.ones(1))",
+    "module": "torch.nn.Linear(2, 1)",
+    "mock": "MagicMock()",
+    "anything": "Anything()",
+    "raising": "Raising()",
+    "bad_eq": "BadEq()",
+    "enum": "Color.RED",
+    "dataclass": "Point(1, float('nan'))",
+    "partial": "functools.partial(int, base=2)",
+    "namespace": "types.SimpleNamespace(a=None)",
+    "python_module": "math",
+    "a_class": "Point",
+    "a_type": "type(None)",
+    "function": "lambda: None",
+    "builtin": "len",
+    "fraction": "fractions.Fraction(1, 3)",
+    "decimal": "decimal.Decimal('NaN')",
+    "date": "datetime.date(2020, 1, 1)",
+    "path": "pathlib.Path('.')",
+    "pattern": "re.compile('a+')",
+    "deque": "collections.deque([None])",
+    "counter": "collections.Counter()",
+    "nested": "[None, {None: None}, (float('nan'),), {0: [MagicMock()]}]",
+    "generator": "counting()",
 }
+
 
 def values() -> st.SearchStrategy[str]:
     """An expression for a notebook value: one of ``KINDS``, or a small container of them."""
     leaves = st.sampled_from(sorted(KINDS)).map(KINDS.__getitem__)
-    return st.recursive(leaves, lambda inner: st.one_of(
-        st.lists(inner, max_size=3).map(lambda items: "[" + ", ".join(items) + "]"),
-        st.lists(inner, max_size=3).map(lambda items: "(" + "".join(f"{item}, " for item in items) + ")"),
-        st.dictionaries(st.sampled_from(["'a'", "0", "None", "''"]), inner, max_size=3).map(
-            lambda items: "{" + ", ".join(f"{key}: {value}" for key, value in items.items()) + "}"),
-    ), max_leaves=4)
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3).map(lambda items: "[" + ", ".join(items) + "]"),
+            st.lists(inner, max_size=3).map(lambda items: "(" + "".join(f"{item}, " for item in items) + ")"),
+            st.dictionaries(st.sampled_from(["'a'", "0", "None", "''"]), inner, max_size=3).map(
+                lambda items: "{" + ", ".join(f"{key}: {value}" for key, value in items.items()) + "}"
+            ),
+        ),
+        max_leaves=4,
+    )
 
 
 def unpicklable(expression: str) -> bool:

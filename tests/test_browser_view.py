@@ -40,9 +40,17 @@ pytestmark = pytest.mark.kernel
 SRC = Path(__file__).resolve().parents[1] / "src"
 NOTEBOOK = "live_view.ipynb"
 MARKER = "TAAS_BROWSER_TEST"  # set in every process the harness starts, so leftovers can be found
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-proxy-server"]  # the server is on loopback: never route it through a proxy
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-proxy-server",
+]  # the server is on loopback: never route it through a proxy
 
 TAAS_CELL = """#pragma taas --gpus 2 --device cpu
 import time, taas
@@ -57,6 +65,7 @@ LABEL = re.compile(r"\[ranks? ([\d,\- ]+)\] ")
 
 
 # What the test needs, found or not ---------------------------------------------------------------
+
 
 def chromium_path() -> str | None:
     """Debian's Chromium: Playwright is told to use it instead of a browser of its own."""
@@ -76,6 +85,7 @@ def missing() -> str | None:
 
 
 # The JupyterLab server -----------------------------------------------------------------------------
+
 
 @dataclass
 class Lab:
@@ -130,10 +140,16 @@ def write_kernelspec(data_dir: Path) -> None:
     the notebook's debugger."""
     spec = data_dir / "kernels" / "python3"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (ipykernel)", "language": "python",
-        "metadata": {"debugger": True}}))  # as ipykernel's own spec: JupyterLab offers its debugger
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3 (ipykernel)",
+                "language": "python",
+                "metadata": {"debugger": True},
+            }
+        )
+    )  # as ipykernel's own spec: JupyterLab offers its debugger
 
 
 def write_lab_settings(settings_dir: Path) -> None:
@@ -150,26 +166,52 @@ def lab_env(home: Path, marker: str) -> dict[str, str]:
     write_kernelspec(home / "data")
     write_lab_settings(home / "settings")
     path = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_CONFIG_DIR": str(home / "config"),
-            "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-            "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "IPYTHONDIR": str(home / "ipython"),
-            "JUPYTER_PREFER_ENV_PATH": "0",  # in a venv Jupyter would look in the venv's dirs first
-            "JUPYTER_PLATFORM_DIRS": "1", "TAAS_DEVICE": "cpu", "PYTHONPATH": path, MARKER: marker}
+    return {
+        **os.environ,
+        "JUPYTER_DATA_DIR": str(home / "data"),
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+        "IPYTHONDIR": str(home / "ipython"),
+        "JUPYTER_PREFER_ENV_PATH": "0",  # in a venv Jupyter would look in the venv's dirs first
+        "JUPYTER_PLATFORM_DIRS": "1",
+        "TAAS_DEVICE": "cpu",
+        "PYTHONPATH": path,
+        MARKER: marker,
+    }
 
 
 def start_lab(home: Path, root: Path, marker: str) -> Lab:
     """Start the server in a process group of its own, so stopping it reaches everything it started."""
     port, token, log = free_port(), secrets.token_hex(16), home / "lab.log"
-    command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-               f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={root}", "--ServerApp.terminals_enabled=False",
-               "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--LabApp.extension_manager=readonly"]  # the default one asks PyPI for extensions
+    command = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--ServerApp.terminals_enabled=False",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        "--LabApp.extension_manager=readonly",
+    ]  # the default one asks PyPI for extensions
     if os.geteuid() == 0:
         command.append("--ServerApp.allow_root=True")  # CI containers run as root, which the server refuses
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                   env=lab_env(home, marker), cwd=root, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=lab_env(home, marker),
+            cwd=root,
+            start_new_session=True,
+        )
     return Lab(process, port, token, root, log)
 
 
@@ -219,13 +261,13 @@ def jupyter_lab(home: Path, root: Path, marker: str) -> Iterator[Lab]:
 
 # The notebook and the browser --------------------------------------------------------------------
 
+
 def write_notebook(path: Path, cells: list[str]) -> None:
     """A notebook naming its kernel, so JupyterLab starts it without asking."""
     import nbformat
 
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                                       "language": "python"}
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nbformat.write(notebook, path)
 
 
@@ -236,8 +278,13 @@ def chromium_page(profile: Path, marker: str) -> Iterator[Page]:
 
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
-            str(profile), executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS,
-            env={**os.environ, MARKER: marker}, viewport={"width": 1200, "height": 800})
+            str(profile),
+            executable_path=chromium_path(),
+            headless=True,
+            args=CHROMIUM_ARGS,
+            env={**os.environ, MARKER: marker},
+            viewport={"width": 1200, "height": 800},
+        )
         try:
             yield context.pages[0] if context.pages else context.new_page()
         finally:
@@ -275,8 +322,10 @@ def cell(page: Page, index: int) -> Locator:
 
 def text_outputs(cell_: Locator) -> str:
     """The cell's outputs other than the status block: its stdout, stderr and other displays."""
-    return str(cell_.evaluate("""cell => Array.from(cell.querySelectorAll('.jp-OutputArea-output'))
-        .filter(o => !o.querySelector('.taas-view')).map(o => o.innerText).join('\\n')"""))
+    return str(
+        cell_.evaluate("""cell => Array.from(cell.querySelectorAll('.jp-OutputArea-output'))
+        .filter(o => !o.querySelector('.taas-view')).map(o => o.innerText).join('\\n')""")
+    )
 
 
 def screenshot_dir(default: Path) -> Path:
@@ -287,6 +336,7 @@ def screenshot_dir(default: Path) -> Path:
 
 
 # Nothing left behind -----------------------------------------------------------------------------
+
 
 def alive(process: psutil.Process) -> bool:
     """Running and not a zombie: a zombie has exited and only waits for its parent to reap it."""
@@ -342,7 +392,9 @@ def notebook_in_browser(cells: list[str], notebook: str = NOTEBOOK) -> Iterator[
     children_before = {c.pid for c in psutil.Process().children(recursive=True)}
     try:
         with ExitStack() as stack:
-            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="taas-browser-", ignore_cleanup_errors=True)))
+            home = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="taas-browser-", ignore_cleanup_errors=True))
+            )
             root = home / "notebooks"
             root.mkdir()
             write_notebook(root / notebook, cells)
@@ -360,6 +412,7 @@ def notebook_in_browser(cells: list[str], notebook: str = NOTEBOOK) -> Iterator[
 
 
 # The test ----------------------------------------------------------------------------------------
+
 
 def view_text_changes(view: Locator, within: float = 5) -> tuple[str, str]:
     """The block's text ~1 s apart, read again until it differs: it redraws in place while ranks run."""
@@ -524,9 +577,12 @@ def test_jupyterlabs_debugger_stops_a_taas_cells_ranks_at_a_gutter_breakpoint(tm
             seen.append(rank)
             page.locator('[data-command="debugger:continue"]').first.click()
             if len(seen) < 2:
-                page.wait_for_function(f"""() => {{
+                page.wait_for_function(
+                    f"""() => {{
                     const top = document.querySelector('.jp-DebuggerCallstackFrame');
-                    return top && !top.innerText.startsWith('rank {rank}:'); }}""", timeout=30_000)
+                    return top && !top.innerText.startsWith('rank {rank}:'); }}""",
+                    timeout=30_000,
+                )
         assert sorted(seen) == [0, 1]
         taas_cell.locator('.taas-view[data-state="summary"]').wait_for(timeout=60_000)
         for line in ("rank 0 scaled 0", "rank 1 scaled 10"):

@@ -69,8 +69,11 @@ def test_a_body_larger_than_a_datagram_travels_in_a_memory_file(pair):
     a.send(Note("big", big))
     received, fds = b.receive()
     assert received == Note("big", big) and fds == []
-    assert not any("taas-message" in os.readlink(f"/proc/self/fd/{fd}") for fd in map(int, os.listdir("/proc/self/fd"))
-                   if os.path.exists(f"/proc/self/fd/{fd}")), "the memory file is closed on both sides"
+    assert not any(
+        "taas-message" in os.readlink(f"/proc/self/fd/{fd}")
+        for fd in map(int, os.listdir("/proc/self/fd"))
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    ), "the memory file is closed on both sides"
 
 
 def test_a_large_body_arrives_whole_when_the_system_writes_and_reads_it_in_pieces(pair, monkeypatch):

@@ -16,7 +16,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import ANSI, Kernel
 from notebook_values import KINDS, SETUP, unpicklable
 
@@ -43,8 +42,10 @@ def run_folders() -> list[str]:
 
 def leftovers(k: Kernel) -> str:
     """What a run may not leave: placement groups, run folders, processes of a run (seen from the kernel)."""
-    groups = k.value("[g['placement_group_id'] for g in __import__('ray').util.placement_group_table().values() "
-                     "if g['state'] != 'REMOVED']")
+    groups = k.value(
+        "[g['placement_group_id'] for g in __import__('ray').util.placement_group_table().values() "
+        "if g['state'] != 'REMOVED']"
+    )
     deadline = time.monotonic() + 3.0  # a run's supervisor is let go as it exits, not waited for
     while (processes := _ranks()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -82,7 +83,10 @@ def error_of(k: Kernel, msg_id: str, since: float) -> tuple[dict | None, float]:
 
 def test_two_nodes_reduce_together_with_torchrun_variables_and_results_come_back(cluster, cluster_kernel):
     local, _ = cluster
-    r = cluster_kernel.execute(HEADER + INIT + """\
+    r = cluster_kernel.execute(
+        HEADER
+        + INIT
+        + """\
 x = torch.ones(1) * (dist.get_rank() + 1)
 dist.all_reduce(x)
 names = ('RANK', 'LOCAL_RANK', 'GROUP_RANK', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE', 'GROUP_WORLD_SIZE', 'MASTER_ADDR')
@@ -90,7 +94,9 @@ print('env', ' '.join(os.environ[n] for n in names), 'sum', int(x.item()))
 total = int(x.item())
 torch.save({'rank': dist.get_rank()}, 'weights.pt')
 dist.destroy_process_group()
-""", timeout=240).ok()
+""",
+        timeout=240,
+    ).ok()
     rows = sorted(line.split("env ")[1] for line in r.stdout.splitlines() if "env " in line)
     assert len(rows) == 4, r.stdout
     master = rows[0].split()[6]
@@ -144,7 +150,9 @@ def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_ord
     cluster_kernel = registered
     r = cluster_kernel.execute(HEADER + COLLECT, timeout=240).ok()
     got = collected(r)
-    here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok())
+    here = collected(
+        cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok()
+    )
     assert sorted(got) == [0, 1, 2, 3], r.stdout
     for number in range(2):
         per_rank = [[i for batch in got[rank]["passes"][number] for i in batch] for rank in range(4)]
@@ -152,8 +160,9 @@ def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_ord
         union = [i for part in per_rank for i in part]
         assert sorted(set(union)) == list(range(50)), "every element of the pass is delivered"
         assert len(union) == 62 and len(union) - len(set(union)) == 12, "13 batches padded to 16"
-    assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}, \
+    assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}, (
         "the same order as on this machine"
+    )
     head = int(local.addresses[0].split(".")[-1])
     assert {node for g in got.values() for node in g["built"]} == {head}, "built on the CPU node alone"
     assert re.search(r"taas: loader: \d+ elements delivered to 4 ranks", r.stderr), r.stderr
@@ -171,31 +180,40 @@ def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hol
     local, _ = cluster
     cluster_kernel.execute("import taas_magic.kernel.cluster_link as _link\n_link.PRODUCER_NODE = 'c1.80'").ok()
     try:
-        r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2 --units 20\n" + COLLECT,
-                                   timeout=240).ok()
-        built = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2\n"
-                                       "print('BUILT', sorted({int(b[0, 1]) for b in loader}))", timeout=240).ok()
+        r = cluster_kernel.execute(
+            "#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2 --units 20\n" + COLLECT, timeout=240
+        ).ok()
+        built = cluster_kernel.execute(
+            "#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2\n"
+            "print('BUILT', sorted({int(b[0, 1]) for b in loader}))",
+            timeout=240,
+        ).ok()
     finally:
         cluster_kernel.execute("_link.PRODUCER_NODE = 'c1.4'").ok()
     got = collected(r)
     assert [[len(p) for p in got[rank]["passes"]] for rank in range(4)] == [[4, 2]] * 4, "13 units, then 7 of 20"
     assert all(g["built"] == [] for g in got.values()), "the third pass is beyond --units"
-    here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local --units 20\n" + COLLECT,
-                                            timeout=120).ok())
+    here = collected(
+        cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local --units 20\n" + COLLECT, timeout=120).ok()
+    )
     assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}
     r = built
     nodes = {node for line in r.stdout.splitlines() if "BUILT" in line for node in json.loads(line.split("BUILT ")[1])}
-    assert nodes == {int(address.split(".")[-1]) for address in local.addresses[1:]}, \
+    assert nodes == {int(address.split(".")[-1]) for address in local.addresses[1:]}, (
         "one producer on each node of the run, none on the CPU node"
+    )
     assert not leftovers(cluster_kernel)
 
 
 def test_more_producers_than_cpu_nodes_is_refused_in_one_line(registered):
     cluster_kernel = registered
-    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --cpus 2") + "print('never', len(loader))",
-                               timeout=30)
+    r = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --cpus 2") + "print('never', len(loader))", timeout=30
+    )
     assert r.error is not None and r.error["ename"] == "TaasUsageError"
-    assert "2 data producers need a node of c1.4 each, the cluster has 1: ask for fewer with --cpus" in r.error["evalue"]
+    assert (
+        "2 data producers need a node of c1.4 each, the cluster has 1: ask for fewer with --cpus" in r.error["evalue"]
+    )
     assert "never" not in r.stdout and not leftovers(cluster_kernel)
 
 
@@ -204,10 +222,13 @@ def test_a_failing_dataset_on_the_cpu_node_fails_the_cell_naming_the_loader_and_
     cluster_kernel.execute("broken = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(broken)").ok()
     r = cluster_kernel.execute(HEADER + "for batch in broken:\n    pass", timeout=120)
     assert r.error is not None, r.stdout
-    assert r.error["evalue"].startswith("producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ")
+    assert r.error["evalue"].startswith(
+        "producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): "
+    )
     assert "ValueError: sample 21 is corrupt" in r.error["evalue"] and "raise ValueError" in r.traceback
-    assert re.search(r"Cell In\[\d+\]", r.traceback), \
+    assert re.search(r"Cell In\[\d+\]", r.traceback), (
         "the dataset's cell, shipped for tracebacks, is named as IPython names it"
+    )
     assert r.seconds < 20
     assert not leftovers(cluster_kernel)
     cluster_kernel.execute("taas.unregister(broken)").ok()
@@ -245,8 +266,11 @@ def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registe
         r = k.execute(f"%taas cluster {local.client_address}", timeout=120).ok()
         assert f"connected to the Ray cluster at {local.client_address}: 3 nodes" in r.stdout
         assert re.search(r"t\.2: 2 nodes \(2 free, 0 with a warm agent\)", r.stdout), r.stdout
-        k.execute(HEADER + INIT + "import clientmod\nx = torch.ones(1) * clientmod.VALUE\ndist.all_reduce(x)\n"
-                  "total = int(x.item())\ndist.destroy_process_group()", timeout=240).ok()
+        k.execute(
+            HEADER + INIT + "import clientmod\nx = torch.ones(1) * clientmod.VALUE\ndist.all_reduce(x)\n"
+            "total = int(x.item())\ndist.destroy_process_group()",
+            timeout=240,
+        ).ok()
         assert k.value("total") == 12
         warm = k.execute(HEADER + "pass", timeout=60).ok()
         assert warm.seconds < 5, warm.seconds  # about 0.3 s on an idle 2-core machine
@@ -254,8 +278,10 @@ def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registe
         got = collected(k.execute(HEADER + COLLECT, timeout=240).ok())
         assert [len(got[rank]["passes"][0]) for rank in range(4)] == [4] * 4
         # Ray Client keeps gRPC threads in the kernel; forked ranks would get copies of them
-        local = k.execute("#pragma taas --gpus 2 --device cpu --on local\nimport os\nprint(sorted({open("
-                          "f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')}))").ok()
+        local = k.execute(
+            "#pragma taas --gpus 2 --device cpu --on local\nimport os\nprint(sorted({open("
+            "f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')}))"
+        ).ok()
         assert "gRPC runs threads in this kernel" in local.stderr
         assert "event_engine" not in local.stdout and "lifeguard" not in local.stdout, local.stdout
         k.execute("%taas cluster off").ok()
@@ -266,8 +292,11 @@ def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registe
 
 def test_the_store_port_is_open_for_the_run_only(cluster_kernel):
     # The barrier first: a rank that leaves while gloo still connects the others' mesh breaks their setup.
-    r = cluster_kernel.execute(HEADER + INIT + "print('store', os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])\n"
-                               "dist.barrier()\ndist.destroy_process_group()", timeout=120).ok()
+    r = cluster_kernel.execute(
+        HEADER + INIT + "print('store', os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])\n"
+        "dist.barrier()\ndist.destroy_process_group()",
+        timeout=120,
+    ).ok()
     address, port = r.stdout.split("store ")[1].split()[:2]
     import socket
 
@@ -278,15 +307,20 @@ def test_the_store_port_is_open_for_the_run_only(cluster_kernel):
 def test_a_node_with_other_versions_is_refused_before_anything_starts(cluster_kernel):
     """The kernel compares its own versions with each new agent's (here the kernel claims others)."""
     cluster_kernel.execute("%taas cluster release").ok()
-    cluster_kernel.execute("import taas_magic.launch.cluster.connection as _cluster\n_versions = _cluster.versions\n"
-                           "_cluster.versions = lambda: ('3.99.0', '9.9', '9.9.9')").ok()
+    cluster_kernel.execute(
+        "import taas_magic.launch.cluster.connection as _cluster\n_versions = _cluster.versions\n"
+        "_cluster.versions = lambda: ('3.99.0', '9.9', '9.9.9')"
+    ).ok()
     try:
         r = cluster_kernel.execute(HEADER + "print('never')", timeout=240)
     finally:
         cluster_kernel.execute("_cluster.versions = _versions").ok()
     assert r.error is not None and r.error["ename"] == "TaasUsageError", r.error
-    assert re.search(r"node 127\.0\.0\.\d+ runs Python 3\.\d+\.\d+, torch \S+, taas-magic \S+; this kernel runs "
-                     r"Python 3\.99\.0, torch 9\.9, taas-magic 9\.9\.9: install the same on every node", r.error["evalue"])
+    assert re.search(
+        r"node 127\.0\.0\.\d+ runs Python 3\.\d+\.\d+, torch \S+, taas-magic \S+; this kernel runs "
+        r"Python 3\.99\.0, torch 9\.9, taas-magic 9\.9\.9: install the same on every node",
+        r.error["evalue"],
+    )
     assert "never" not in r.stdout and not leftovers(cluster_kernel)
     cluster_kernel.execute(HEADER + "print('matching again')", timeout=240).ok()
 
@@ -295,17 +329,23 @@ def test_a_warm_cell_starts_in_about_a_second(cluster_kernel):
     cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
     r = cluster_kernel.execute(HEADER + "print('warm', os.environ['RANK'])", timeout=60).ok()
     assert sorted(line for line in r.stdout.splitlines() if "warm" in line) == [
-        f"[rank {rank}] warm {rank}" for rank in range(4)]
+        f"[rank {rank}] warm {rank}" for rank in range(4)
+    ]
     assert r.seconds < 5, r.seconds  # about 0.3 s on an idle 2-core machine; shared CI machines are slower
 
 
 def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_cell_runs(cluster_kernel):
     started = time.monotonic()
-    r = cluster_kernel.execute(HEADER + INIT + """\
+    r = cluster_kernel.execute(
+        HEADER
+        + INIT
+        + """\
 if dist.get_rank() == 3:
     raise ValueError('bad batch on rank 3')
 dist.barrier()
-""", timeout=120)
+""",
+        timeout=120,
+    )
     assert r.error is not None and "rank 3 failed" in r.error["evalue"] and "bad batch on rank 3" in r.error["evalue"]
     assert "raise ValueError('bad batch on rank 3')" in r.traceback
     # The peers on both nodes waited in the barrier: stopped by the failure, whoever saw rank 3 leave first.
@@ -317,16 +357,21 @@ dist.barrier()
 
 
 def test_breakpoint_and_taas_debug_on_a_node_show_the_cells_lines_around_where_the_rank_stopped(cluster_kernel):
-    r = cluster_kernel.execute(HEADER + "import os\nmine = int(os.environ['RANK'])\nx = 5\nif mine == 3:\n"
-                               "    breakpoint()\n    x = 6\ny = x", answers=["c"], timeout=120).ok()
+    r = cluster_kernel.execute(
+        HEADER + "import os\nmine = int(os.environ['RANK'])\nx = 5\nif mine == 3:\n    breakpoint()\n    x = 6\ny = x",
+        answers=["c"],
+        timeout=120,
+    ).ok()
     shown = ANSI.sub("", r.each_rank())
     for line in ("    breakpoint()", "    x = 6", "y = x"):
         assert re.search(rf"^\[rank 3\] .*\d+ {re.escape(line)}$", shown, re.M), shown
-    first = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep") + "import os\n"
-                                   "mine = int(os.environ['RANK'])", timeout=240).ok()
+    first = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep") + "import os\nmine = int(os.environ['RANK'])", timeout=240
+    ).ok()
     try:
-        r = cluster_kernel.execute("#pragma taas --ranks 3\nfactor = 7\nraise KeyError(f'on rank {mine}')\ndone = 1",
-                                   timeout=60)
+        r = cluster_kernel.execute(
+            "#pragma taas --ranks 3\nfactor = 7\nraise KeyError(f'on rank {mine}')\ndone = 1", timeout=60
+        )
         assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'", first.stdout
         shown = ANSI.sub("", cluster_kernel.execute("%taas debug", answers=["c"], timeout=60).ok().each_rank())
         for line in ("factor = 7", "raise KeyError(f'on rank {mine}')", "done = 1"):
@@ -337,29 +382,41 @@ def test_breakpoint_and_taas_debug_on_a_node_show_the_cells_lines_around_where_t
 
 
 def test_a_failed_run_starts_again_on_the_cluster_with_max_restarts(cluster_kernel):
-    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --max-restarts 1") + INIT + """\
+    r = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --max-restarts 1")
+        + INIT
+        + """\
 restart = int(os.environ['TORCHELASTIC_RESTART_COUNT'])
 if restart == 0 and dist.get_rank() == 3:
     raise RuntimeError('node 1 had a bad start')
 dist.barrier()
 started_again = restart
 dist.destroy_process_group()
-""", timeout=120).ok()
+""",
+        timeout=120,
+    ).ok()
     assert "rank 3 failed: RuntimeError: node 1 had a bad start: every rank starts again (restart 1 of" in r.stderr
     assert cluster_kernel.value("started_again") == 1
     assert not leftovers(cluster_kernel)
 
 
 def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster_kernel):
-    first = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep") + INIT
-                                   + "mine = dist.get_rank()\nprint('pid', os.getpid(), flush=True)", timeout=240).ok()
+    first = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep")
+        + INIT
+        + "mine = dist.get_rank()\nprint('pid', os.getpid(), flush=True)",
+        timeout=240,
+    ).ok()
     try:
         cluster_kernel.execute("offset = torch.tensor([100.0])").ok()
-        r = cluster_kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
-                                   "x = torch.ones(1) * mine + offset\ndist.all_reduce(x)\ntotal = x.item()",
-                                   timeout=60).ok()
-        assert sorted(re.findall(r"pid \d+", r.stdout)) == sorted(re.findall(r"pid \d+", first.stdout)), \
+        r = cluster_kernel.execute(
+            "#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+            "x = torch.ones(1) * mine + offset\ndist.all_reduce(x)\ntotal = x.item()",
+            timeout=60,
+        ).ok()
+        assert sorted(re.findall(r"pid \d+", r.stdout)) == sorted(re.findall(r"pid \d+", first.stdout)), (
             "the same processes on every node run the next cell"
+        )
         assert cluster_kernel.value("total") == 406.0, "the notebook's new tensor reached every node"
         cluster_kernel.execute("%taas pull mine").ok()
         assert cluster_kernel.value("(list(mine), mine.ranks)") == ([0, 1, 2, 3], (0, 1, 2, 3)), "from both nodes"
@@ -379,36 +436,43 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
 def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cluster, registered):
     local, _ = cluster
     cluster_kernel = registered
-    here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok())
-    cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep --cpus 1") + "import json, taas",
-                           timeout=240).ok()
+    here = collected(
+        cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok()
+    )
+    cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep --cpus 1") + "import json, taas", timeout=240
+    ).ok()
     try:
         cells = [cluster_kernel.execute("#pragma taas\n" + COLLECT, timeout=120).ok() for _ in range(2)]
         got = [collected(r) for r in cells]
         assert all(sorted(g) == [0, 1, 2, 3] and all(record["len"] == 4 for record in g.values()) for g in got)
-        assert {rank: g["passes"] for rank, g in got[0].items()} == {rank: g["passes"] for rank, g in here.items()}, \
+        assert {rank: g["passes"] for rank, g in got[0].items()} == {rank: g["passes"] for rank, g in here.items()}, (
             "the session's first passes are a one-shot cell's, in the same order"
+        )
         for number in range(2):
             union = [i for rank in range(4) for batch in got[1][rank]["passes"][number] for i in batch]
             assert sorted(set(union)) == list(range(50)) and len(union) == 62, "the next cell's passes are whole"
         head = int(local.addresses[0].split(".")[-1])
-        assert {node for g in got for record in g.values() for node in record["built"]} == {head}, \
+        assert {node for g in got for record in g.values() for node in record["built"]} == {head}, (
             "built on the CPU node alone"
+        )
         assert re.search(r"taas: loader: 48 elements delivered to 4 ranks", cells[1].stderr), cells[1].stderr
         cluster_kernel.execute("late = DataLoader(Indices(8), batch_size=2)\ntaas.register(late)").ok()
         r = cluster_kernel.execute("#pragma taas\nfor batch in late:\n    pass", timeout=60)
-        assert r.error["evalue"] == ("registered loader 'late' was registered after the session started, and on a "
-                                     "cluster a session's producers start with it: %taas stop, then start the "
-                                     "session again with --keep to have it served")
+        assert r.error["evalue"] == (
+            "registered loader 'late' was registered after the session started, and on a "
+            "cluster a session's producers start with it: %taas stop, then start the "
+            "session again with --keep to have it served"
+        )
     finally:
         cluster_kernel.execute("%taas stop").ok()
-        cluster_kernel.execute("if any(loader is globals().get('late') for loader in taas.registered()):\n"
-                               "    taas.unregister(late)").ok()
+        cluster_kernel.execute(
+            "if any(loader is globals().get('late') for loader in taas.registered()):\n    taas.unregister(late)"
+        ).ok()
     assert not leftovers(cluster_kernel)
 
 
-def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autoreload_on(cluster_kernel,
-                                                                                      shared_modules):
+def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autoreload_on(cluster_kernel, shared_modules):
     module = shared_modules / "on_nodes.py"
 
     def write(value: int) -> None:  # a time that moves on by whole seconds: cached bytecode goes by them
@@ -418,8 +482,11 @@ def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autorel
     write(1)
     cluster_kernel.execute("%load_ext autoreload\n%autoreload 2\nimport on_nodes").ok()
     try:
-        r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep")
-                                   + "held = on_nodes.f\nprint('before', held(), flush=True)", timeout=240).ok()
+        r = cluster_kernel.execute(
+            HEADER.replace("--device cpu", "--device cpu --keep")
+            + "held = on_nodes.f\nprint('before', held(), flush=True)",
+            timeout=240,
+        ).ok()
         assert r.each_rank().count("before 1") == 4, r.stdout
         write(2)
         r = cluster_kernel.execute("#pragma taas --return none\nprint('after', on_nodes.f(), held())", timeout=60).ok()
@@ -436,11 +503,11 @@ def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autorel
 
 
 def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
-    r = cluster_kernel.execute(HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60,
-                               interrupt_after=4.0)
+    r = cluster_kernel.execute(
+        HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60, interrupt_after=4.0
+    )
     assert r.error is not None and "KeyboardInterrupt" in r.traceback, r.error
-    assert "every rank stopped (ranks 0-3: KeyboardInterrupt)" \
-        in r.traceback
+    assert "every rank stopped (ranks 0-3: KeyboardInterrupt)" in r.traceback
     assert r.seconds < 4.0 + 10
     assert not leftovers(cluster_kernel)
     cluster_kernel.execute(HEADER + "print('after')", timeout=60).ok()
@@ -470,15 +537,22 @@ def test_every_kind_of_notebook_value_reaches_the_nodes_and_comes_back(cluster_k
     picklable = {name: expression for name, expression in everything.items() if not unpicklable(expression)}
     cluster_kernel.execute(SETUP + "".join(f"{name} = {expression}\n" for name, expression in everything.items())).ok()
     reads = ", ".join(picklable)
-    r = cluster_kernel.execute(HEADER + f"print('kinds', [type(v).__name__ for v in ({', '.join(everything)},)])",
-                               timeout=60)
+    r = cluster_kernel.execute(
+        HEADER + f"print('kinds', [type(v).__name__ for v in ({', '.join(everything)},)])", timeout=60
+    )
     assert r.error is not None and r.error["evalue"].startswith("the cell needs 'v_generator'"), r.error
     assert not leftovers(cluster_kernel)
     expected = cluster_kernel.value(f"[type(v).__name__ for v in ({reads},)]")
-    r = cluster_kernel.execute(HEADER + f"print('kinds', [type(v).__name__ for v in ({reads},)], flush=True)\n"
-                               + "".join(f"back_{name} = {name}\n" for name in picklable), timeout=240).ok()
+    r = cluster_kernel.execute(
+        HEADER
+        + f"print('kinds', [type(v).__name__ for v in ({reads},)], flush=True)\n"
+        + "".join(f"back_{name} = {name}\n" for name in picklable),
+        timeout=240,
+    ).ok()
     assert r.each_rank().count(f"kinds {expected!r}") == 4, r.stdout
-    assert cluster_kernel.value(f"[type(b).__name__ for b in ({', '.join('back_' + n for n in picklable)},)]") == expected
+    assert (
+        cluster_kernel.value(f"[type(b).__name__ for b in ({', '.join('back_' + n for n in picklable)},)]") == expected
+    )
     r = cluster_kernel.execute("#!c1.4\nprint('alone', type(v_none).__name__, v_nan != v_nan)", timeout=60).ok()
     assert "alone NoneType True" in r.stdout
     assert not leftovers(cluster_kernel)
@@ -497,14 +571,18 @@ def test_lightning_ddp_spans_the_nodes_without_process_group_code(cluster_kernel
     from test_kernel_lightning import REGRESSION
 
     cluster_kernel.execute(REGRESSION).ok()
-    r = cluster_kernel.execute(HEADER + """\
+    r = cluster_kernel.execute(
+        HEADER
+        + """\
 model = Regression()
 trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", max_epochs=2, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
 w = [round(v, 3) for v in model.layer.weight.detach().flatten().tolist()]
 print("RESULT", trainer.global_rank, trainer.node_rank, trainer.world_size, w)
-""", timeout=240).ok()
+""",
+        timeout=240,
+    ).ok()
     lines = sorted(line.split("RESULT ", 1)[1] for line in r.stdout.splitlines() if "RESULT" in line)
     assert [line.split()[:3] for line in lines] == [["0", "0", "4"], ["1", "0", "4"], ["2", "1", "4"], ["3", "1", "4"]]
     assert len({line.split(" ", 3)[3] for line in lines}) == 1, "DDP kept every rank's weights identical"
@@ -514,8 +592,9 @@ print("RESULT", trainer.global_rank, trainer.node_rank, trainer.world_size, w)
 def test_a_configuration_line_alone_runs_the_cell_as_one_process_on_such_a_node(cluster, cluster_kernel):
     local, _ = cluster
     cluster_kernel.execute("numbers = list(range(10))").ok()
-    r = cluster_kernel.execute("#!c1.4\nprint('on', os.environ['MASTER_ADDR'], os.environ['WORLD_SIZE'])\n"
-                               "total = sum(numbers)", timeout=240).ok()
+    r = cluster_kernel.execute(
+        "#!c1.4\nprint('on', os.environ['MASTER_ADDR'], os.environ['WORLD_SIZE'])\ntotal = sum(numbers)", timeout=240
+    ).ok()
     assert r.stdout.strip() == f"on {local.addresses[0]} 1"  # unlabelled: one process, no [rank 0]
     assert cluster_kernel.value("total") == 45
 
@@ -539,8 +618,10 @@ def test_a_run_waits_briefly_for_busy_nodes_then_says_how_many_are_free(cluster_
 
 
 def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
-    r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 4 --device cpu --timeout 3\n"
-                               "def wait_here():\n    time.sleep(600)\nwait_here()", timeout=60)
+    r = cluster_kernel.execute(
+        "#!t.2\n#pragma taas --gpus 4 --device cpu --timeout 3\ndef wait_here():\n    time.sleep(600)\nwait_here()",
+        timeout=60,
+    )
     assert r.error is not None and "--timeout 3 s elapsed: ranks 0-3 still running" in r.error["evalue"]
     assert "ranks 0-3 (nodes 0, 1): in no collective:" in r.traceback, r.traceback
     assert r.traceback.count("in wait_here") == 1, "one place, shown once for the ranks of both nodes"
@@ -548,15 +629,22 @@ def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
 
 
 def test_a_hang_across_nodes_is_diagnosed_with_each_rank_s_node(cluster_kernel):
-    r = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --hang-after 3 --timeout 15") + INIT + """\
+    r = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --hang-after 3 --timeout 15")
+        + INIT
+        + """\
 import time
 if dist.get_rank() != 3:
     dist.barrier()
 time.sleep(60)
-""", timeout=120)
+""",
+        timeout=120,
+    )
     shown = ANSI.sub("", r.stderr)
-    assert ("taas: no progress for 3 s: rank 3 has not entered barrier #1 that ranks 0-2 wait in; it is at Cell In["
-            in shown), shown
+    assert (
+        "taas: no progress for 3 s: rank 3 has not entered barrier #1 that ranks 0-2 wait in; it is at Cell In["
+        in shown
+    ), shown
     assert "ranks 0-2 (nodes 0, 1): in barrier #1 for" in shown, shown
     assert "rank 3 (node 1): in no collective:" in shown, shown
     assert "time.sleep(60)" in shown
@@ -597,8 +685,12 @@ slow = DataLoader(Slow(100000), batch_size=2)
 taas.register(slow)
 """).ok()
     try:
-        msg_id = cluster_kernel.client.execute(HEADER + "for batch in slow:\n    print('built on', int(batch[0, 1]), flush=True)")
-        assert first_match(cluster_kernel, msg_id, rf"built on {extra.split('.')[-1]}\b"), "the producer ran on the added node"
+        msg_id = cluster_kernel.client.execute(
+            HEADER + "for batch in slow:\n    print('built on', int(batch[0, 1]), flush=True)"
+        )
+        assert first_match(cluster_kernel, msg_id, rf"built on {extra.split('.')[-1]}\b"), (
+            "the producer ran on the added node"
+        )
         killed = time.monotonic()
         local.remove_node(extra)
         error, seconds = error_of(cluster_kernel, msg_id, since=killed)
@@ -634,15 +726,20 @@ def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
 def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
     local, config = cluster
     others = {p.pid for p in _agents()}  # the other kernel's
-    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo",
-                "TAAS_CLUSTER_IDLE": "3"})
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "TAAS_CLUSTER_IDLE": "3"}
+    )
     try:
-        kernel_state = "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() " \
-                       "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
+        kernel_state = (
+            "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() "
+            "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
+        )
         k.execute("import signal").ok()
         before = k.value(kernel_state)
         k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
-        assert k.value(kernel_state) == before, "connecting to Ray left the kernel's environment and handlers as they were"
+        assert k.value(kernel_state) == before, (
+            "connecting to Ray left the kernel's environment and handlers as they were"
+        )
         idle = [p for p in _agents() if p.pid not in others]
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(_alive(p) for p in idle):
@@ -669,8 +766,8 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
 
 def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
     """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
-    from taas_magic.launch.cluster.connection import Node, free_count
     from taas_magic.configurations import load_catalog
+    from taas_magic.launch.cluster.connection import Node, free_count
 
     shape = load_catalog().get("g2.8")
     free = Node("a", "127.0.0.2", {"taas:g2.8": 1, "GPU": 8}, {"taas:g2.8": 1, "GPU": 8})
@@ -688,7 +785,9 @@ def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
     k = Kernel({"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     try:
         r = k.execute("%taas cluster 127.0.0.2:6379")
-        assert r.error is not None and r.error["evalue"] == "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
+        assert (
+            r.error is not None and r.error["evalue"] == "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
+        )
         k.execute("#pragma taas --gpus 2\nprint('here')").ok()  # still usable on this machine
     finally:
         k.shutdown()
@@ -698,7 +797,9 @@ def test_an_address_where_nothing_answers_is_one_line_at_once_and_the_kernel_sta
     k = Kernel()
     try:
         r = k.execute("%taas cluster 127.0.0.9:1", timeout=30)
-        assert r.error is not None and r.error["evalue"].startswith("nothing answers at 127.0.0.9:1 (Connection refused)")
+        assert r.error is not None and r.error["evalue"].startswith(
+            "nothing answers at 127.0.0.9:1 (Connection refused)"
+        )
         assert r.seconds < 10
         assert "cluster:             none" in k.execute("%taas").ok().stdout
         k.execute("#pragma taas --gpus 2\nprint('here')").ok()
@@ -729,7 +830,9 @@ def _ranks() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter():
         try:
-            if "taas_magic.launch.forkserver.server" in " ".join(_cmdline(process)) and process.parent().name().startswith("ray::"):
+            if "taas_magic.launch.forkserver.server" in " ".join(
+                _cmdline(process)
+            ) and process.parent().name().startswith("ray::"):
                 found += [p for p in process.children(recursive=True) if _alive(p)]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
             continue
@@ -746,8 +849,11 @@ def test_nothing_of_the_cluster_talked_beyond_loopback_but_name_lookups(cluster,
     assert not [peer for peer in peers.outside if not peer[2].endswith(":53")], sorted(peers.outside)
 
 
-@pytest.mark.xfail(strict=False, reason="torch's TCPStore names each connection's peer with getnameinfo: "
-                   "a reverse lookup of 127.0.0.x, which /etc/hosts lacks, asks the machine's name server")
+@pytest.mark.xfail(
+    strict=False,
+    reason="torch's TCPStore names each connection's peer with getnameinfo: "
+    "a reverse lookup of 127.0.0.x, which /etc/hosts lacks, asks the machine's name server",
+)
 def test_no_name_lookup_left_the_machine(cluster, peers):
     assert not peers.outside, sorted(peers.outside)
 
@@ -761,16 +867,21 @@ def test_cluster_commands_leave_a_running_session_alone_or_refuse_in_one_line(cl
     cluster_kernel.execute(SESSION, timeout=240).ok()
     try:
         r = cluster_kernel.execute("%taas cluster release").ok()
-        kept = re.fullmatch(r"taas: 0 warm agents released; (\d) kept: they serve the running session "
-                            r"\(%taas stop ends it\)", r.stdout.strip())
+        kept = re.fullmatch(
+            r"taas: 0 warm agents released; (\d) kept: they serve the running session "
+            r"\(%taas stop ends it\)",
+            r.stdout.strip(),
+        )
         assert kept and int(kept[1]) >= 2, r.stdout  # its 2 nodes (and a node of its data producers, if any)
         for command in ("%taas cluster off", f"%taas cluster {local.address}"):
             r = cluster_kernel.execute(command, timeout=60)
             assert r.error is not None and r.error["evalue"] == (
-                "a session runs on the cluster (4 ranks): %taas stop first, then change the cluster"), r.error
+                "a session runs on the cluster (4 ranks): %taas stop first, then change the cluster"
+            ), r.error
         cluster_kernel.execute("%reload_ext taas_magic").ok()
-        r = cluster_kernel.execute("#pragma taas\nx = torch.ones(1) * mine\ndist.all_reduce(x)\ntotal = x.item()",
-                                   timeout=60).ok()
+        r = cluster_kernel.execute(
+            "#pragma taas\nx = torch.ones(1) * mine\ndist.all_reduce(x)\ntotal = x.item()", timeout=60
+        ).ok()
         assert cluster_kernel.value("total") == 6.0, "the session's ranks on both nodes still work together"
     finally:
         cluster_kernel.execute("%taas stop").ok()
@@ -810,4 +921,3 @@ def test_taas_and_stop_say_in_one_line_that_a_session_is_over_when_the_connectio
         assert r.stdout.startswith("taas: the session had already ended (node 127.0.0."), r.stdout
     finally:
         k.shutdown()
-

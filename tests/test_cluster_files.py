@@ -17,15 +17,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import Kernel
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.kernel, pytest.mark.cluster]
 
+from test_cluster import HEADER, leftovers  # noqa: E402
+
 from taas_magic.errors import TaasUsageError  # noqa: E402
 from taas_magic.launch.cluster import notebook_folder  # noqa: E402
-from test_cluster import HEADER, leftovers  # noqa: E402
 
 SHOW = """import mymod
 print('module', mymod.VALUE, mymod.__file__, open('data.txt').read().strip().replace(chr(10), '|'), flush=True)
@@ -70,9 +70,12 @@ def test_a_cell_imports_the_notebook_s_module_from_the_package_on_each_node_and_
     assert "copied into this notebook's folder" not in r.stderr, "the notebook's own files are not sent back"
 
     (notebook / "mymod.py").write_text("VALUE = 2\n")
-    r = kernel.execute(HEADER + SHOW + "if int(os.environ['RANK']) == 0:\n"
-                       "    open('data.txt', 'a').write('and from rank 0\\n')\n"
-                       "    open('result.txt', 'w').write('written on the node')\n", timeout=60).ok()
+    r = kernel.execute(
+        HEADER + SHOW + "if int(os.environ['RANK']) == 0:\n"
+        "    open('data.txt', 'a').write('and from rank 0\\n')\n"
+        "    open('result.txt', 'w').write('written on the node')\n",
+        timeout=60,
+    ).ok()
     second = shown(r)
     assert {value for value, _, _ in second} == {"2"}, r.stdout
     assert {path for _, path, _ in second}.isdisjoint(path for _, path, _ in first), "a new package"
@@ -83,8 +86,9 @@ def test_a_cell_imports_the_notebook_s_module_from_the_package_on_each_node_and_
     assert (notebook / "mymod.py").read_text() == "VALUE = 2\n"
 
     r = kernel.execute(HEADER + SHOW, timeout=60).ok()
-    assert {(value, text) for value, _, text in shown(r)} == {("2", "hello from the notebook|and from rank 0")}, \
+    assert {(value, text) for value, _, text in shown(r)} == {("2", "hello from the notebook|and from rank 0")}, (
         "what came back travels with the next cell"
+    )
     assert "copied into this notebook's folder" not in r.stderr
     assert not leftovers(kernel)
 
@@ -94,10 +98,13 @@ def test_a_runtime_environment_task_finds_the_package_where_the_agents_unpacked_
     from: the agents put the package where Ray itself does (and this is the way on a Ray without
     the function they call)."""
     path = shown(kernel.execute(HEADER + SHOW, timeout=240).ok())[0][1]
-    r = kernel.execute("import ray\nfrom taas_magic.launch.cluster import notebook_folder as nf\n"
-                       "uri = nf.Packages().package(nf.listing(os.getcwd()), print)\n"
-                       "node = [n['NodeID'] for n in ray.nodes() if n['Alive'] and 'taas:t.2' in n['Resources']][0]\n"
-                       "print('task', nf.unpacked_by_a_task(uri, node))", timeout=120).ok()
+    r = kernel.execute(
+        "import ray\nfrom taas_magic.launch.cluster import notebook_folder as nf\n"
+        "uri = nf.Packages().package(nf.listing(os.getcwd()), print)\n"
+        "node = [n['NodeID'] for n in ray.nodes() if n['Alive'] and 'taas:t.2' in n['Resources']][0]\n"
+        "print('task', nf.unpacked_by_a_task(uri, node))",
+        timeout=120,
+    ).ok()
     assert f"task {os.path.dirname(path)}" in r.stdout, (path, r.stdout)
 
 
@@ -105,18 +112,36 @@ def test_what_stays_behind(kernel, notebook):
     """.taasignore, else .gitignore; virtual environments, caches, notebooks and large files always."""
     (notebook / ".taasignore").write_text("secret.txt\nlogs/\n")
     (notebook / ".gitignore").write_text("gitignored.txt\n")
-    for path in ["secret.txt", "gitignored.txt", "logs/a.txt", "sub/kept.txt", ".venv/lib.py", "env/pyvenv.cfg",
-                 "__pycache__/mymod.cpython.pyc", ".ipynb_checkpoints/n.ipynb", "notes.ipynb", ".git/HEAD"]:
+    for path in [
+        "secret.txt",
+        "gitignored.txt",
+        "logs/a.txt",
+        "sub/kept.txt",
+        ".venv/lib.py",
+        "env/pyvenv.cfg",
+        "__pycache__/mymod.cpython.pyc",
+        ".ipynb_checkpoints/n.ipynb",
+        "notes.ipynb",
+        ".git/HEAD",
+    ]:
         (notebook / path).parent.mkdir(parents=True, exist_ok=True)
         (notebook / path).write_text("x")
     sparse(notebook / "big.bin", notebook_folder.FILE_LIMIT)
     listed = "import glob\nprint('found', sorted(glob.glob('**', recursive=True, include_hidden=True)))"
     r = kernel.execute("#!t.2\n#pragma taas --gpus 1 --device cpu\n" + listed, timeout=240).ok()
     assert ast.literal_eval(r.stdout.split("found ", 1)[1].strip()) == [
-        ".gitignore", ".taasignore", "data.txt", "gitignored.txt", "mymod.py", "sub", "sub/kept.txt"], r.stdout
+        ".gitignore",
+        ".taasignore",
+        "data.txt",
+        "gitignored.txt",
+        "mymod.py",
+        "sub",
+        "sub/kept.txt",
+    ], r.stdout
     assert "taas: big.bin (10.0 MiB) stays on this machine: files of 10.0 MiB or more do not travel" in r.stderr
-    assert "big.bin" not in kernel.execute("#!t.2\n#pragma taas --gpus 1 --device cpu\npass", timeout=60).stderr, \
+    assert "big.bin" not in kernel.execute("#!t.2\n#pragma taas --gpus 1 --device cpu\npass", timeout=60).stderr, (
         "said once"
+    )
 
     (notebook / ".taasignore").unlink()
     r = kernel.execute("#!t.2\n#pragma taas --gpus 1 --device cpu\n" + listed, timeout=60).ok()
@@ -134,10 +159,12 @@ def test_a_folder_too_large_fails_in_one_line_naming_its_biggest_items_before_an
     assert r.error is not None and r.error["ename"] == "TaasUsageError", r.error
     message = r.error["evalue"]
     assert "\n" not in message and "never" not in r.stdout
-    assert message == (f"the notebook's folder {notebook} has 110.0 MiB to send to the cluster's nodes, more than "
-                       "100.0 MiB; the biggest are data/ (110.0 MiB), images/ (4.9 KiB), data.txt (24 bytes): list "
-                       f"what the ranks do not need in {notebook}/.taasignore (gitignore syntax, such as data/), "
-                       "or run the notebook from a smaller folder"), message
+    assert message == (
+        f"the notebook's folder {notebook} has 110.0 MiB to send to the cluster's nodes, more than "
+        "100.0 MiB; the biggest are data/ (110.0 MiB), images/ (4.9 KiB), data.txt (24 bytes): list "
+        f"what the ranks do not need in {notebook}/.taasignore (gitignore syntax, such as data/), "
+        "or run the notebook from a smaller folder"
+    ), message
     assert r.seconds < 5 and not leftovers(kernel)
     (notebook / ".taasignore").write_text("data/\n")
     kernel.execute(HEADER + "print('fits')", timeout=60).ok()
@@ -148,11 +175,14 @@ def test_a_session_keeps_the_package_it_started_with_and_says_the_folder_changed
     try:
         assert {value for value, _, _ in shown(r)} == {"1"}
         (notebook / "mymod.py").write_text("VALUE = 2\n")
-        r = kernel.execute("#pragma taas --return none\nimport importlib\nimportlib.reload(mymod)\n" + SHOW,
-                           timeout=60).ok()
+        r = kernel.execute(
+            "#pragma taas --return none\nimport importlib\nimportlib.reload(mymod)\n" + SHOW, timeout=60
+        ).ok()
         assert {value for value, _, _ in shown(r)} == {"1"}, r.stdout
-        assert "taas: mymod.py changed in the notebook's folder since the session started; its ranks keep the " \
-               "files they started with (%taas stop, then start the session again" in r.stderr, r.stderr
+        assert (
+            "taas: mymod.py changed in the notebook's folder since the session started; its ranks keep the "
+            "files they started with (%taas stop, then start the session again" in r.stderr
+        ), r.stderr
         r = kernel.execute("#pragma taas --return none\npass", timeout=60).ok()
         assert "changed in the notebook's folder" not in r.stderr, "said once"
     finally:
@@ -164,11 +194,21 @@ def test_a_session_keeps_the_package_it_started_with_and_says_the_folder_changed
 
 # -- the listing, without a cluster ---------------------------------------------------------------
 
+
 def test_ray_packs_exactly_what_the_listing_says_even_for_names_with_pattern_characters(tmp_path):
     from ray._private.runtime_env import packaging
 
-    for path in ["m.py", "we[ird]/f*.txt", "!bang.py", "#hash.py", "sub/a?.txt", "sub/.gitignore", "sub/x.log",
-                 "skip/y.txt", "link_target.txt"]:
+    for path in [
+        "m.py",
+        "we[ird]/f*.txt",
+        "!bang.py",
+        "#hash.py",
+        "sub/a?.txt",
+        "sub/.gitignore",
+        "sub/x.log",
+        "skip/y.txt",
+        "link_target.txt",
+    ]:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(path)
     (tmp_path / "sub" / ".gitignore").write_text("*.log\n")
@@ -178,8 +218,16 @@ def test_ray_packs_exactly_what_the_listing_says_even_for_names_with_pattern_cha
     os.mkfifo(tmp_path / "fifo")
     found = notebook_folder.listing(str(tmp_path))
     assert [path for path, _, _ in found.files] == [
-        "!bang.py", "#hash.py", ".gitignore", "link.txt", "link_target.txt", "m.py", "sub/.gitignore", "sub/a?.txt",
-        "we[ird]/f*.txt"]
+        "!bang.py",
+        "#hash.py",
+        ".gitignore",
+        "link.txt",
+        "link_target.txt",
+        "m.py",
+        "sub/.gitignore",
+        "sub/a?.txt",
+        "we[ird]/f*.txt",
+    ]
     assert found.behind == ["fifo", "folder_link", "skip", "sub/x.log"]
     package = tmp_path.parent / f"{tmp_path.name}.zip"
     packaging.create_package(str(tmp_path), package, include_gitignore=False, excludes=found.excludes())
@@ -205,8 +253,10 @@ def test_a_folder_of_too_many_files_is_refused_naming_where_they_are(tmp_path, m
         (tmp_path / f"top{index}").write_text("")
     with pytest.raises(TaasUsageError) as raised:
         notebook_folder.check(notebook_folder.listing(str(tmp_path)))
-    assert str(raised.value).startswith(f"the notebook's folder {tmp_path} has more than 5 files to send to the "
-                                        "cluster's nodes; the most are in many/ (4 files), top0 (1 file): list")
+    assert str(raised.value).startswith(
+        f"the notebook's folder {tmp_path} has more than 5 files to send to the "
+        "cluster's nodes; the most are in many/ (4 files), top0 (1 file): list"
+    )
 
 
 def test_shipping_the_notebook_s_folder_talked_beyond_loopback_to_nobody(cluster, peers):

@@ -50,11 +50,14 @@ def test_membership_and_unknown_names() -> None:
 
 
 def test_user_file_adds_a_configuration_and_overrides_one_field(tmp_path) -> None:
-    path = write(tmp_path / "lab.yaml", """
+    path = write(
+        tmp_path / "lab.yaml",
+        """
 configurations:
   g2.8: {cpus: 96}
   lab.2: {gpus: 2, cpus: 24, memory_gb: 128, gpu_model: RTX 4090}
-""")
+""",
+    )
     catalog = load_catalog({ENV_VAR: path})
     assert catalog.get("g2.8") == Configuration("g2.8", gpus=8, cpus=96, memory_gb=952.0, gpu_model="NVIDIA A100")
     assert catalog.get("lab.2") == Configuration("lab.2", gpus=2, cpus=24, memory_gb=128.0, gpu_model="RTX 4090")
@@ -109,8 +112,9 @@ def test_a_directory_is_a_usage_error_naming_it(tmp_path) -> None:
         pytest.param("- g2.8\n- g1.1\n", "must be a mapping", id="top-level-list"),
         pytest.param("configurations: [g2.8]\n", "must be a mapping", id="configurations-a-list"),
         pytest.param("configurations:\n  g2.8: 8\n", "must be a mapping", id="entry-a-number"),
-        pytest.param("configurations:\n  g2.8: {gpus: many}\n", "configuration 'g2.8' has a bad field",
-                     id="field-not-a-number"),
+        pytest.param(
+            "configurations:\n  g2.8: {gpus: many}\n", "configuration 'g2.8' has a bad field", id="field-not-a-number"
+        ),
         pytest.param("max_nodes: lots\n", "max_nodes has a bad value", id="max-nodes-not-a-number"),
     ],
 )
@@ -163,6 +167,7 @@ def test_impossible_machines_are_refused(tmp_path, fields):
 
 # Bounds: whatever the file says, loading ends quickly in a catalog or a one-line usage error.
 
+
 def load_error(path) -> str:
     started = time.monotonic()
     with pytest.raises(TaasUsageError) as raised:
@@ -176,14 +181,18 @@ def load_error(path) -> str:
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        pytest.param("{gpus: 100000000000000000000, cpus: 8}",
-                     "has gpus: 100000000000000000000, cpus: 8, memory_gb: 0 in", id="gpus-1e20"),
+        pytest.param(
+            "{gpus: 100000000000000000000, cpus: 8}",
+            "has gpus: 100000000000000000000, cpus: 8, memory_gb: 0 in",
+            id="gpus-1e20",
+        ),
         pytest.param("{gpus: 65}", "has gpus: 65, cpus: 1, memory_gb: 0 in", id="gpus-65"),
         pytest.param("{cpus: 4097}", "has gpus: 0, cpus: 4097, memory_gb: 0 in", id="cpus-4097"),
         pytest.param("{gpus: 1, memory_gb: .nan}", "has gpus: 1, cpus: 1, memory_gb: nan in", id="memory-nan"),
         pytest.param("{gpus: 1, memory_gb: .inf}", "has gpus: 1, cpus: 1, memory_gb: inf in", id="memory-inf"),
-        pytest.param("{gpus: 1, memory_gb: 1000001}", "has gpus: 1, cpus: 1, memory_gb: 1000001 in",
-                     id="memory-too-large"),
+        pytest.param(
+            "{gpus: 1, memory_gb: 1000001}", "has gpus: 1, cpus: 1, memory_gb: 1000001 in", id="memory-too-large"
+        ),
     ],
 )
 def test_counts_beyond_any_node_are_refused_naming_value_and_range(tmp_path, fields: str, expected: str) -> None:
@@ -199,23 +208,45 @@ BAD_MAX_NODES = "max_nodes has a bad value"
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        pytest.param("configurations:\n  big: {gpus: .inf}\n", f"{BAD_FIELD} (gpus: inf is not a whole number)",
-                     id="gpus-inf"),
-        pytest.param("configurations:\n  big: {cpus: .nan}\n", f"{BAD_FIELD} (cpus: nan is not a whole number)",
-                     id="cpus-nan"),
-        pytest.param("configurations:\n  big: {gpus: 2.0}\n", f"{BAD_FIELD} (gpus: 2.0 is not a whole number)",
-                     id="gpus-float"),
-        pytest.param("configurations:\n  big: {memory_gb: '12'}\n", f"{BAD_FIELD} (memory_gb: '12' is not a number)",
-                     id="memory-text"),
-        pytest.param("configurations:\n  big: {gpu_model: [a, b]}\n", f"{BAD_FIELD} (gpu_model: ['a', 'b'] is not text)",
-                     id="model-list"),
-        pytest.param("configurations:\n  big: {gpus: '" + "9" * 100 + "'}\n",
-                     f"{BAD_FIELD} (gpus: '{'9' * 39}... is not a whole number)", id="long-value-cut"),
-        pytest.param("max_nodes: .inf\n", f"{BAD_MAX_NODES} (max_nodes: inf is not a whole number)", id="max-nodes-inf"),
-        pytest.param("max_nodes: .nan\n", f"{BAD_MAX_NODES} (max_nodes: nan is not a whole number)", id="max-nodes-nan"),
-        pytest.param("max_nodes: 2.5\n", f"{BAD_MAX_NODES} (max_nodes: 2.5 is not a whole number)", id="max-nodes-float"),
-        pytest.param("max_nodes: true\n", f"{BAD_MAX_NODES} (max_nodes: True is not a whole number)", id="max-nodes-bool"),
-        pytest.param("max_nodes: 1025\n", "max_nodes: 1025 in configurations.yaml (shipped), ", id="max-nodes-too-many"),
+        pytest.param(
+            "configurations:\n  big: {gpus: .inf}\n", f"{BAD_FIELD} (gpus: inf is not a whole number)", id="gpus-inf"
+        ),
+        pytest.param(
+            "configurations:\n  big: {cpus: .nan}\n", f"{BAD_FIELD} (cpus: nan is not a whole number)", id="cpus-nan"
+        ),
+        pytest.param(
+            "configurations:\n  big: {gpus: 2.0}\n", f"{BAD_FIELD} (gpus: 2.0 is not a whole number)", id="gpus-float"
+        ),
+        pytest.param(
+            "configurations:\n  big: {memory_gb: '12'}\n",
+            f"{BAD_FIELD} (memory_gb: '12' is not a number)",
+            id="memory-text",
+        ),
+        pytest.param(
+            "configurations:\n  big: {gpu_model: [a, b]}\n",
+            f"{BAD_FIELD} (gpu_model: ['a', 'b'] is not text)",
+            id="model-list",
+        ),
+        pytest.param(
+            "configurations:\n  big: {gpus: '" + "9" * 100 + "'}\n",
+            f"{BAD_FIELD} (gpus: '{'9' * 39}... is not a whole number)",
+            id="long-value-cut",
+        ),
+        pytest.param(
+            "max_nodes: .inf\n", f"{BAD_MAX_NODES} (max_nodes: inf is not a whole number)", id="max-nodes-inf"
+        ),
+        pytest.param(
+            "max_nodes: .nan\n", f"{BAD_MAX_NODES} (max_nodes: nan is not a whole number)", id="max-nodes-nan"
+        ),
+        pytest.param(
+            "max_nodes: 2.5\n", f"{BAD_MAX_NODES} (max_nodes: 2.5 is not a whole number)", id="max-nodes-float"
+        ),
+        pytest.param(
+            "max_nodes: true\n", f"{BAD_MAX_NODES} (max_nodes: True is not a whole number)", id="max-nodes-bool"
+        ),
+        pytest.param(
+            "max_nodes: 1025\n", "max_nodes: 1025 in configurations.yaml (shipped), ", id="max-nodes-too-many"
+        ),
         pytest.param("max_nodes: 0\n", "max_nodes: 0 in configurations.yaml (shipped), ", id="max-nodes-0"),
     ],
 )
@@ -229,8 +260,11 @@ def test_values_that_are_not_plain_counts_are_refused(tmp_path, text: str, expec
 
 
 def test_a_file_at_the_bounds_loads(tmp_path) -> None:
-    path = write(tmp_path / "edge.yaml", "max_nodes: 1024\nconfigurations:\n"
-                 "  edge: {gpus: 64, cpus: 4096, memory_gb: 1000000.0}\n  none: {gpus: 0, cpus: 1, memory_gb: 0}\n")
+    path = write(
+        tmp_path / "edge.yaml",
+        "max_nodes: 1024\nconfigurations:\n"
+        "  edge: {gpus: 64, cpus: 4096, memory_gb: 1000000.0}\n  none: {gpus: 0, cpus: 1, memory_gb: 0}\n",
+    )
     catalog = load_catalog({ENV_VAR: path})
     assert catalog.max_nodes == 1024
     assert catalog.get("edge") == Configuration("edge", gpus=64, cpus=4096, memory_gb=1e6)
@@ -276,10 +310,16 @@ def test_an_integer_too_long_to_convert_is_refused(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        pytest.param("configurations:\n  big: {gpus: 0x" + "f" * 5000 + "}\n",
-                     "configuration 'big' has gpus: a number of 20000 bits, cpus: 1", id="hex"),
-        pytest.param("configurations:\n  big: {cpus: " + ":".join(["59"] * 3000) + "}\n",
-                     "configuration 'big' has gpus: 0, cpus: a number of 17721 bits", id="base-60"),
+        pytest.param(
+            "configurations:\n  big: {gpus: 0x" + "f" * 5000 + "}\n",
+            "configuration 'big' has gpus: a number of 20000 bits, cpus: 1",
+            id="hex",
+        ),
+        pytest.param(
+            "configurations:\n  big: {cpus: " + ":".join(["59"] * 3000) + "}\n",
+            "configuration 'big' has gpus: 0, cpus: a number of 17721 bits",
+            id="base-60",
+        ),
         pytest.param("max_nodes: 0" + "7" * 5000 + "\n", "max_nodes: a number of 15000 bits in", id="octal"),
     ],
 )
@@ -328,8 +368,9 @@ def test_a_file_at_the_cap_is_read(tmp_path) -> None:
 def test_a_file_that_is_not_utf8_is_refused(tmp_path) -> None:
     path = tmp_path / "latin.yaml"
     path.write_bytes(b"configurations:\n  caf\xe9: {gpus: 1}\n")
-    assert load_error(path) == (f"TAAS_CONFIG={str(path)!r} does not name a readable file "
-                                "(not UTF-8 text: invalid continuation byte)")
+    assert load_error(path) == (
+        f"TAAS_CONFIG={str(path)!r} does not name a readable file (not UTF-8 text: invalid continuation byte)"
+    )
 
 
 def test_a_broken_file_is_parsed_once_while_it_is_unchanged(tmp_path, monkeypatch) -> None:
@@ -339,14 +380,18 @@ def test_a_broken_file_is_parsed_once_while_it_is_unchanged(tmp_path, monkeypatc
     path = write(tmp_path / "broken.yaml", "configurations: [\n")
     parses: list[str] = []
     real_parse = configurations._parse
-    monkeypatch.setattr(configurations, "_parse", lambda text, origin: parses.append(origin) or real_parse(text, origin))
+    monkeypatch.setattr(
+        configurations, "_parse", lambda text, origin: parses.append(origin) or real_parse(text, origin)
+    )
     first, second = load_error(path), load_error(path)
     assert first == second and "is not valid YAML" in first
     assert len([origin for origin in parses if path in origin]) == 1
 
 
 def test_odd_names_keep_the_natural_order_working(tmp_path) -> None:
-    path = write(tmp_path / "names.yaml", "configurations:\n  g.\u00b2: {gpus: 1}\n  g.\u0662: {gpus: 1}\n"
-                 "  ? g." + "1" * 5000 + "\n  : {gpus: 1}\n")  # a long explicit key
+    path = write(
+        tmp_path / "names.yaml",
+        "configurations:\n  g.\u00b2: {gpus: 1}\n  g.\u0662: {gpus: 1}\n  ? g." + "1" * 5000 + "\n  : {gpus: 1}\n",
+    )  # a long explicit key
     names = load_catalog({ENV_VAR: path}).names()
     assert "g.\u00b2" in names and "g.\u0662" in names and len(names) == len(SHIPPED) + 3

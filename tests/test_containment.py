@@ -112,10 +112,15 @@ def test_dropping_what_was_inherited_takes_the_kernels_machinery_and_leaves_what
         status = 1
         try:
             link = lambda fd: os.readlink(f"/proc/self/fd/{fd}")  # noqa: E731
-            containment.drop_inherited({other.fileno()}, also={saved_stdout.fileno()},
-                                       targets={link(output_pipe[0]), os.path.realpath(history.name)})
-            dropped = [_dead_end(fd) for fd in
-                       (*output_pipe, event.fileno(), sock.fileno(), history.fileno(), saved_stdout.fileno())]
+            containment.drop_inherited(
+                {other.fileno()},
+                also={saved_stdout.fileno()},
+                targets={link(output_pipe[0]), os.path.realpath(history.name)},
+            )
+            dropped = [
+                _dead_end(fd)
+                for fd in (*output_pipe, event.fileno(), sock.fileno(), history.fileno(), saved_stdout.fileno())
+            ]
             kept = [link(fd).startswith(("pipe:", "socket:")) for fd in (*cells_pipe, other.fileno())]
             status = 0 if all(dropped) and all(kept) and link(notes.fileno()).endswith("notes.txt") else 2
         finally:

@@ -8,16 +8,26 @@ import signal
 
 import pytest
 
-from taas_magic.kernel import controller
-from taas_magic.wire.records import CellEnded, Failed
-from taas_magic.wire.events import Exited, Output, Producer, Report
 from taas_magic.errors import RankFailed
+from taas_magic.kernel import controller
 from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.wire.events import Exited, Output, Producer, Report
+from taas_magic.wire.records import CellEnded, Failed
 
 
 def spec(world_size: int = 2, timeout: float | None = None) -> LaunchSpec:
-    return LaunchSpec(world_size=world_size, nodes=1, ranks_per_node=world_size, device="cpu", configuration=None,
-                      cpus=None, units=None, output="all", timeout=timeout, threads_per_rank=1)
+    return LaunchSpec(
+        world_size=world_size,
+        nodes=1,
+        ranks_per_node=world_size,
+        device="cpu",
+        configuration=None,
+        cpus=None,
+        units=None,
+        output="all",
+        timeout=timeout,
+        threads_per_rank=1,
+    )
 
 
 class ScriptedGroup:
@@ -76,8 +86,13 @@ def error(rank: int, when: float, name: str) -> Report:
 
 
 def test_success_streams_output_and_closes_the_group():
-    group = ScriptedGroup([[Output(0, "stdout", b"hi\n"), Output(1, "stdout", b"there\n")],
-                           [Report(0, CellEnded(0.0)), Exited(0, 0)], [Report(1, CellEnded(0.0)), Exited(1, 0)]])
+    group = ScriptedGroup(
+        [
+            [Output(0, "stdout", b"hi\n"), Output(1, "stdout", b"there\n")],
+            [Report(0, CellEnded(0.0)), Exited(0, 0)],
+            [Report(1, CellEnded(0.0)), Exited(1, 0)],
+        ]
+    )
     assert run(group) == [("stdout", "[rank 0] hi\n"), ("stdout", "[rank 1] there\n")]
     assert group.closed and group.signals == []
 
@@ -136,8 +151,7 @@ def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
     def stop(group, signum):  # its DataLoader's worker dies of the stop first: the producer reports an error
         group.batches.append([error(Producer(0, 0), 30.0, "RuntimeError"), Exited(Producer(0, 0), 1)])
 
-    group = ScriptedGroup([[Report(0, CellEnded(0.0)), Exited(0, 0), Report(1, CellEnded(0.0)), Exited(1, 0)]],
-                          stop)
+    group = ScriptedGroup([[Report(0, CellEnded(0.0)), Exited(0, 0), Report(1, CellEnded(0.0)), Exited(1, 0)]], stop)
     group.alive = {0, 1, Producer(0, 0)}
     run(group)
     assert group.signals[0] == signal.SIGTERM and group.closed

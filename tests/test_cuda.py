@@ -12,14 +12,13 @@ import math
 import re
 
 import pytest
-
 from conftest import ANSI, CellResult, Kernel
 from test_kernel_lightning import REGRESSION
+
 from taas_magic.process.machine import cuda_device_count
 
 GPUS = cuda_device_count()
-pytestmark = [pytest.mark.cuda, pytest.mark.kernel,
-              pytest.mark.skipif(GPUS < 1, reason="no CUDA device visible")]
+pytestmark = [pytest.mark.cuda, pytest.mark.kernel, pytest.mark.skipif(GPUS < 1, reason="no CUDA device visible")]
 
 ONE_AND_ALL = sorted({1, max(GPUS, 1)})
 
@@ -67,10 +66,15 @@ def cuda_used_kernel():
 
 # The kernel that never touches CUDA: ranks forked from it.
 
+
 def test_the_machine_description_counts_the_visible_gpus(gpu_kernel):
     assert f"CUDA devices:        {GPUS} visible" in gpu_kernel.execute("%taas").ok().stdout
     warning = gpu_kernel.execute("#!g2.8\nx_here = 1").ok().stderr
-    expected = "" if GPUS >= 8 else f"taas: g2.8 needs 8 GPUs, this machine has {GPUS}: running the cell in the kernel anyway\n"
+    expected = (
+        ""
+        if GPUS >= 8
+        else f"taas: g2.8 needs 8 GPUs, this machine has {GPUS}: running the cell in the kernel anyway\n"
+    )
     assert warning == expected
     result = gpu_kernel.execute(f"#pragma taas --gpus {GPUS + 1}\nprint('started')")
     assert f"--gpus {GPUS + 1} needs {GPUS + 1} CUDA devices, this machine has {GPUS}" in result.error["evalue"]
@@ -83,18 +87,19 @@ def test_each_rank_is_bound_to_its_gpu_and_nccl_all_reduce_works(gpu_kernel, gpu
     records = assert_nccl_worked(result, gpus)
     server = gpu_kernel.fork_server()
     assert all(gpu_kernel.pid in r["ancestors"] for r in records.values())
-    assert server is None or not any(server.pid in r["ancestors"] for r in records.values()), \
+    assert server is None or not any(server.pid in r["ancestors"] for r in records.values()), (
         "forked from the kernel, not started by the fork server"
+    )
     assert "fork server" not in result.stderr
 
 
 def test_the_kernel_never_initializes_cuda_itself(gpu_kernel):
     gpu_kernel.execute("#pragma taas --gpus 1\nimport torch\ny_cuda = torch.ones(2, device='cuda')").ok()
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
-    assert gpu_kernel.value("(str(y_cuda.device), y_cuda.tolist())") == ("cpu", [1.0, 1.0]), \
+    assert gpu_kernel.value("(str(y_cuda.device), y_cuda.tolist())") == ("cpu", [1.0, 1.0]), (
         "a CUDA tensor comes back as a CPU tensor"
+    )
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
-
 
 
 # The hang doctor on NCCL: its collectives are read from NCCL's own flight recorder.
@@ -110,16 +115,20 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason="NCCL puts one rank on each GPU:
 
 @needs_two
 def test_an_nccl_rank_that_skips_a_collective_is_named_with_where_it_is(gpu_kernel):
-    r = gpu_kernel.execute(f"{ALL_GPUS} --hang-after 5 --timeout 20\n" + NCCL_INIT + """\
+    r = gpu_kernel.execute(
+        f"{ALL_GPUS} --hang-after 5 --timeout 20\n"
+        + NCCL_INIT
+        + """\
 if dist.get_rank() != 1:
     dist.all_reduce(t)
     torch.cuda.synchronize()
 time.sleep(60)
-""", timeout=180)
+""",
+        timeout=180,
+    )
     shown = ANSI.sub("", r.stderr)
     others = "rank 0" if GPUS == 2 else f"ranks 0,2-{GPUS - 1}"
-    assert (f"rank 1 has not entered all_reduce #2 that {others} wait" in shown
-            and "time.sleep(60)" in shown), shown
+    assert f"rank 1 has not entered all_reduce #2 that {others} wait" in shown and "time.sleep(60)" in shown, shown
     assert "(4.1 KB float32)" in shown
     assert r.error is not None and r.error["ename"] == "RunTimedOut"
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
@@ -127,11 +136,16 @@ time.sleep(60)
 
 @needs_two
 def test_an_nccl_all_reduce_of_different_shapes_is_named_as_such(gpu_kernel):
-    r = gpu_kernel.execute(f"{ALL_GPUS} --hang-after 5 --timeout 20\n" + NCCL_INIT + """\
+    r = gpu_kernel.execute(
+        f"{ALL_GPUS} --hang-after 5 --timeout 20\n"
+        + NCCL_INIT
+        + """\
 size = 1000 if dist.get_rank() == 0 else 10
 dist.all_reduce(torch.ones(size, device="cuda"))
 torch.cuda.synchronize()
-""", timeout=180)
+""",
+        timeout=180,
+    )
     shown = ANSI.sub("", r.stderr + r.traceback)
     assert "with different tensors: rank 0 with [1000] float32" in shown, shown
     assert r.error is not None
@@ -139,12 +153,18 @@ torch.cuda.synchronize()
 
 @needs_two
 def test_an_interrupted_nccl_hang_shows_each_place_once_and_the_kernel_goes_on(gpu_kernel):
-    r = gpu_kernel.execute(f"{ALL_GPUS}\n" + NCCL_INIT + """\
+    r = gpu_kernel.execute(
+        f"{ALL_GPUS}\n"
+        + NCCL_INIT
+        + """\
 if dist.get_rank() == 0:
     time.sleep(600)
 dist.all_reduce(t)
 torch.cuda.synchronize()
-""", timeout=180, interrupt_after=15)
+""",
+        timeout=180,
+        interrupt_after=15,
+    )
     shown = ANSI.sub("", r.traceback)
     assert "where the ranks were when interrupted:" in shown, shown
     assert shown.count("time.sleep(600)") == 1
@@ -156,13 +176,18 @@ def test_an_nccl_failure_reads_the_same_every_time_and_its_waiting_peers_are_sto
     """NCCL peers hang where gloo's break: either way they are stopped by the failure, never failed, and placed."""
     others = "rank 0" if GPUS == 2 else f"ranks 0,2-{GPUS - 1}"
     for _ in range(3):
-        r = gpu_kernel.execute(f"{ALL_GPUS}\n" + NCCL_INIT + """\
+        r = gpu_kernel.execute(
+            f"{ALL_GPUS}\n"
+            + NCCL_INIT
+            + """\
 if dist.get_rank() == 1:
     time.sleep(1)
     raise ValueError("bad batch")
 dist.all_reduce(t)
 torch.cuda.synchronize()
-""", timeout=180)
+""",
+            timeout=180,
+        )
         shown = ANSI.sub("", r.traceback)
         assert r.error["evalue"] == "rank 1 failed: ValueError: bad batch", shown
         assert f"stopped after the failure: {others}" in shown and "also failed" not in shown, shown
@@ -173,11 +198,14 @@ torch.cuda.synchronize()
 
 
 def test_a_single_nccl_rank_asleep_is_diagnosed_without_touching_nccl_state(gpu_kernel):
-    r = gpu_kernel.execute("#pragma taas --gpus 1 --device cuda --hang-after 3 --timeout 10\n" + NCCL_INIT
-                           + "time.sleep(60)\n", timeout=180)
+    r = gpu_kernel.execute(
+        "#pragma taas --gpus 1 --device cuda --hang-after 3 --timeout 10\n" + NCCL_INIT + "time.sleep(60)\n",
+        timeout=180,
+    )
     shown = ANSI.sub("", r.stderr)
     assert "no progress for 3 s: no rank is in a collective: rank 0 is at Cell In[" in shown, shown
     assert "time.sleep(60)" in shown and "finished #1" in shown
+
 
 def test_registered_loader_with_pin_memory_delivers_pinned_batches(gpu_kernel):
     gpu_kernel.execute("""
@@ -186,14 +214,17 @@ from torch.utils.data import DataLoader, TensorDataset
 pinned_loader = DataLoader(TensorDataset(torch.arange(64.0).reshape(32, 2)), batch_size=4, pin_memory=True)
 taas.register(pinned_loader)
 """).ok()
-    result = gpu_kernel.execute(f"""#pragma taas --gpus {GPUS} --cpus 2
+    result = gpu_kernel.execute(
+        f"""#pragma taas --gpus {GPUS} --cpus 2
 import json, taas, torch
 seen = []
 for (x,) in pinned_loader:
     seen.append([x.is_pinned(), x.cuda(non_blocking=True).sum().item()])
 torch.cuda.synchronize()
 print("PINNED " + json.dumps({{"rank": taas.rank(), "seen": seen}}), flush=True)
-""", timeout=180).ok()
+""",
+        timeout=180,
+    ).ok()
     records = [json.loads(m) for m in re.findall(r"PINNED (\{.*\})", result.stdout)]
     assert sorted(r["rank"] for r in records) == list(range(GPUS))
     share = math.ceil(8 / GPUS)  # 8 batches, padded to a multiple of the ranks
@@ -209,7 +240,8 @@ print("PINNED " + json.dumps({{"rank": taas.rank(), "seen": seen}}), flush=True)
 
 def test_lightning_trains_on_every_gpu_with_ddp_and_the_module_comes_back(gpu_kernel):
     gpu_kernel.execute(REGRESSION).ok()
-    result = gpu_kernel.execute(f"""#pragma taas --gpus {GPUS} --return model
+    result = gpu_kernel.execute(
+        f"""#pragma taas --gpus {GPUS} --return model
 import json
 model = Regression()
 trainer = pl.Trainer(accelerator="gpu", devices={GPUS}, strategy="ddp", max_epochs=2, logger=False,
@@ -218,7 +250,9 @@ trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
 print("RESULT " + json.dumps({{"rank": trainer.global_rank, "world": trainer.world_size,
                               "root": str(trainer.strategy.root_device),
                               "weights": [round(v, 4) for v in model.layer.weight.detach().cpu().flatten().tolist()]}}))
-""", timeout=300).ok()
+""",
+        timeout=300,
+    ).ok()
     records = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", result.stdout)]
     assert sorted(r["rank"] for r in records) == list(range(GPUS)), result.stdout + result.stderr
     assert all(r["world"] == GPUS and r["root"] == f"cuda:{r['rank']}" for r in records)
@@ -241,8 +275,10 @@ def test_auto_starts_from_the_fork_server_once_the_kernel_used_cuda_and_nccl_wor
     environ = cuda_used_kernel.value("dict(os.environ)")
     result = cuda_used_kernel.execute(NCCL_CELL.format(gpus=GPUS), timeout=180).ok()
     records = assert_nccl_worked(result, GPUS)
-    assert ("taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start forkserver)\n"
-            in result.stderr)
+    assert (
+        "taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start forkserver)\n"
+        in result.stderr
+    )
     server = cuda_used_kernel.fork_server()
     assert server is not None and all(server.pid in r["ancestors"] for r in records.values())
     assert cuda_used_kernel.value(CUDA_STATE) == before
@@ -261,8 +297,9 @@ def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(cuda_used_kernel
 def test_cpu_ranks_still_run_once_the_kernel_used_cuda(cuda_used_kernel):
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu\nprint('cpu ok')").ok()
     assert result.each_rank().count("cpu ok") == 2
-    assert "the ranks start from the fork server (--start forkserver)" in result.stderr, \
+    assert "the ranks start from the fork server (--start forkserver)" in result.stderr, (
         "a kernel holding a CUDA context is not forked by default, even for CPU ranks"
+    )
     # An explicit --start fork is still allowed for CPU ranks, which never touch CUDA.
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu --start fork\nprint('forked ok')").ok()
     assert result.each_rank().count("forked ok") == 2

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from taas_magic.delivery import relay
 from taas_magic.delivery.cluster import NodeDelivery, RunProgress, shares
 from taas_magic.delivery.counters import Counters
-from taas_magic.wire.events import Producer
 from taas_magic.delivery.service import LoaderPlan
-from taas_magic.delivery import relay
 from taas_magic.delivery.transport import channel_pair, put_file, receive, send, take_waiting_file
+from taas_magic.wire.events import Producer
 
 
 def plan(name: str, producers: int) -> LoaderPlan:
@@ -29,8 +29,14 @@ def plan(name: str, producers: int) -> LoaderPlan:
 
 def test_with_cpu_nodes_every_producer_has_one_to_itself_and_rank_nodes_pull_from_them():
     loaders = (plan("a", 2), plan("b", 1))
-    found = shares("run", loaders, [(0, 1), (2, 3)], hosts=3, agents=["n0", "n1", "h0", "h1", "h2"],
-                   addresses=["a0", "a1", "a2", "a3", "a4"])
+    found = shares(
+        "run",
+        loaders,
+        [(0, 1), (2, 3)],
+        hosts=3,
+        agents=["n0", "n1", "h0", "h1", "h2"],
+        addresses=["a0", "a1", "a2", "a3", "a4"],
+    )
     assert [s.ranks for s in found] == [(0, 1), (2, 3), (), (), ()]
     assert [s.hosted for s in found] == [((), ()), ((), ()), ((0,), ()), ((1,), ()), ((), (0,))]
     assert found[0].sources == found[1].sources == ((("h0", "a2"), ("h1", "a3")), (("h2", "a4"),))
@@ -123,7 +129,9 @@ def test_a_host_streams_each_element_once_to_its_rank_and_leaves_nothing_open():
     host, rank_node = _nodes()
     try:
         assert host.relay_address() == ("127.0.0.3", host.listener.port), "the host listens on its node's address"
-        assert rank_node.relay_address() == ("", 0) and rank_node.listener is None, "a node of ranks alone listens nowhere"
+        assert rank_node.relay_address() == ("", 0) and rank_node.listener is None, (
+            "a node of ranks alone listens nowhere"
+        )
         producers_ends = host.loaders[0].handed
         big = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB: more than one read of the stream
         for index in range(3):
@@ -191,7 +199,9 @@ def test_a_stream_is_refused_to_whoever_lacks_the_run_s_secret():
 
 
 def test_the_kernel_s_progress_line_changes_only_when_a_merged_count_does():
-    found = shares("run", (plan("a", 1),), [(0,), (1,)], hosts=1, agents=["n0", "n1", "h0"], addresses=["a0", "a1", "a2"])
+    found = shares(
+        "run", (plan("a", 1),), [(0,), (1,)], hosts=1, agents=["n0", "n1", "h0"], addresses=["a0", "a1", "a2"]
+    )
     progress = RunProgress(found)
     host, node0 = Counters(1, 2), Counters(1, 2)
     host.produced[0] = 4
@@ -217,7 +227,9 @@ def test_an_element_s_bytes_arrive_whole_in_a_file_of_their_own(splice):
     if not splice:
         reader.close()  # no pipe: the buffer's way
     try:
-        sender = threading.Thread(target=lambda: (relay.send_element(host, 3, b"head", source), relay.send_last(host, 3)))
+        sender = threading.Thread(
+            target=lambda: (relay.send_element(host, 3, b"head", source), relay.send_last(host, 3))
+        )
         sender.start()
         rank, header, fd = reader.receive(node)
         assert (rank, header, os.pread(fd, len(data) + 1, 0)) == (3, b"head", data)

@@ -31,8 +31,11 @@ def test_units_cut_the_stream_and_every_element_reaches_its_places_exactly_once(
         delivered = sorted(itertools.chain(*sequences))
         assert set(delivered) == set(range(pass_.real))
         assert len(delivered) - pass_.real < world, "padding adds less than one round"
-        places = {(rank, pass_.first_round + slot): index
-                  for rank, seq in enumerate(sequences) for slot, index in enumerate(seq)}
+        places = {
+            (rank, pass_.first_round + slot): index
+            for rank, seq in enumerate(sequences)
+            for slot, index in enumerate(seq)
+        }
         sent = {place: index for index in range(pass_.real) for place in plan.destinations(pass_, index)}
         assert sent == places, "what producers send is exactly what ranks expect, round by round"
 

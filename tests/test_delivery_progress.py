@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from taas_magic.wire.events import Report
-from taas_magic.kernel.controller import Pump
-from taas_magic.kernel.run_state import ONE_SHOT, RunState
-from taas_magic.kernel.streams import RankOutput
 from taas_magic.delivery import transport
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.standin import StandIn
+from taas_magic.kernel.controller import Pump
 from taas_magic.kernel.live_view import RunView
+from taas_magic.kernel.run_state import ONE_SHOT, RunState
+from taas_magic.kernel.streams import RankOutput
+from taas_magic.wire.events import Report
 from taas_magic.wire.records import DeliveryProgress
 
 
@@ -30,13 +30,17 @@ def row(*reports: DeliveryProgress) -> str:
 def test_the_row_names_what_was_taken_skipped_buffered_and_which_ranks_finished():
     assert row(stats(20, (5, 5), buffered=10)) == "20 produced · 10 consumed (5, 5 per rank) · 10 ready"
     assert row(stats(17, (3, 3), (7, 7), 8)) == "17 produced · 6 consumed (3, 3 per rank) · 14 skipped · 8 ready"
-    assert row(stats(20, (10, 3), (0, 7), 0, (0, 1))) == \
-        "20 produced · 13 consumed (10, 3 per rank) · 7 skipped · 0 ready · rank 1 finished"
+    assert (
+        row(stats(20, (10, 3), (0, 7), 0, (0, 1)))
+        == "20 produced · 13 consumed (10, 3 per rank) · 7 skipped · 0 ready · rank 1 finished"
+    )
 
 
 def test_the_row_shows_the_rate_and_how_long_ranks_waited():
-    assert row(stats(0, at=1.0), stats(200, (100, 100), waited=(0.5, 1.5), at=3.0)) == \
-        "200 produced · 100/s · 200 consumed (100, 100 per rank) · 0 ready · ranks waited 50%"
+    assert (
+        row(stats(0, at=1.0), stats(200, (100, 100), waited=(0.5, 1.5), at=3.0))
+        == "200 produced · 100/s · 200 consumed (100, 100 per rank) · 0 ready · ranks waited 50%"
+    )
 
 
 def test_the_view_shows_the_loader_in_its_text_and_its_html():
@@ -49,11 +53,20 @@ def test_the_view_shows_the_loader_in_its_text_and_its_html():
 
 def test_an_older_report_arriving_late_does_not_replace_a_newer_one():
     view = RunView("2 ranks on cpu", range(2))
-    group = _OneBatch([Report(-1, stats(20, (10, 3), at=2.0)),
-                       Report(0, stats(12, (5, 3), at=1.0))])  # a producer's look, read before the rank's
+    group = _OneBatch(
+        [Report(-1, stats(20, (10, 3), at=2.0)), Report(0, stats(12, (5, 3), at=1.0))]
+    )  # a producer's look, read before the rank's
     write = lambda stream, text: None  # noqa: E731
-    Pump(group, RunState(ONE_SHOT, 0.0), RankOutput(write, prefix=False), write, None, {}, view,
-         lambda bundle, final: None).until_over()
+    Pump(
+        group,
+        RunState(ONE_SHOT, 0.0),
+        RankOutput(write, prefix=False),
+        write,
+        None,
+        {},
+        view,
+        lambda bundle, final: None,
+    ).until_over()
     assert view.loaders["steps"].latest.produced == 20
 
 

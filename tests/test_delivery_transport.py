@@ -20,8 +20,14 @@ def roundtrip(element):
 
 
 def test_tensors_and_structures_arrive_equal_and_writable():
-    element = {"x": torch.randn(4, 3, 8, 8), "y": torch.arange(4), "ids": ["a", "b"], "empty": torch.zeros(0, 5),
-               "view": torch.arange(20.0).reshape(4, 5)[:, 1:3], "half": torch.ones(3, dtype=torch.float16)}
+    element = {
+        "x": torch.randn(4, 3, 8, 8),
+        "y": torch.arange(4),
+        "ids": ["a", "b"],
+        "empty": torch.zeros(0, 5),
+        "view": torch.arange(20.0).reshape(4, 5)[:, 1:3],
+        "half": torch.ones(3, dtype=torch.float16),
+    }
     pass_number, index, got = roundtrip(element)
     assert (pass_number, index) == (3, 7)
     for key in ("x", "y", "empty", "view", "half"):

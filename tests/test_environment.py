@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from taas_magic.kernel import environment
 from taas_magic.configurations import load_catalog
+from taas_magic.kernel import environment
 from taas_magic.kernel.environment import TORCHRUN_VARIABLES, loopback_interface, rank_environments
 from taas_magic.kernel.spec import LaunchSpec
 
@@ -15,12 +15,20 @@ RUN_ID = "run-1234"
 PORT = 41234
 
 
-def launch(world_size: int = 4, device: str = "cpu", nodes: int = 1, configuration: str | None = None,
-           threads: int = 3) -> LaunchSpec:
+def launch(
+    world_size: int = 4, device: str = "cpu", nodes: int = 1, configuration: str | None = None, threads: int = 3
+) -> LaunchSpec:
     return LaunchSpec(
-        world_size=world_size, nodes=nodes, ranks_per_node=world_size // nodes, device=device,
+        world_size=world_size,
+        nodes=nodes,
+        ranks_per_node=world_size // nodes,
+        device=device,
         configuration=load_catalog({}).get(configuration) if configuration else None,
-        cpus=None, units=None, output="all", timeout=None, threads_per_rank=threads,
+        cpus=None,
+        units=None,
+        output="all",
+        timeout=None,
+        threads_per_rank=threads,
     )
 
 
@@ -38,10 +46,20 @@ def test_every_rank_has_every_torchrun_variable(device: str) -> None:
         assert set(TORCHRUN_VARIABLES) <= set(env)
         assert all(isinstance(value, str) for value in env.values())
         assert {name: env[name] for name in TORCHRUN_VARIABLES} == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
-            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": "4",
-            "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(PORT),
-            "TORCHELASTIC_RUN_ID": RUN_ID, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "4",
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(PORT),
+            "TORCHELASTIC_RUN_ID": RUN_ID,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
         }
 
 
@@ -131,14 +149,18 @@ def test_cpu_runs_tell_accelerate_to_use_the_cpu() -> None:
         assert "ACCELERATE_USE_CPU" not in env
 
 
-@pytest.mark.parametrize("hang_after, kernel, expected", [
-    (120.0, {}, "64"),  # a small ring: what the watchdog needs, cheap to read each second
-    (120.0, {"TORCH_FR_BUFFER_SIZE": "2000"}, None),  # the user's choice stays (the ranks inherit it)
-    (120.0, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}, None),
-    (0.0, {}, None),  # no watchdog: torch's own default, as without taas
-])
+@pytest.mark.parametrize(
+    "hang_after, kernel, expected",
+    [
+        (120.0, {}, "64"),  # a small ring: what the watchdog needs, cheap to read each second
+        (120.0, {"TORCH_FR_BUFFER_SIZE": "2000"}, None),  # the user's choice stays (the ranks inherit it)
+        (120.0, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}, None),
+        (0.0, {}, None),  # no watchdog: torch's own default, as without taas
+    ],
+)
 def test_the_flight_recorder_is_sized_for_the_watchdog_unless_the_user_chose(hang_after, kernel, expected) -> None:
     import dataclasses
+
     spec = dataclasses.replace(launch(2), hang_after=hang_after)
     envs = rank_environments(spec, RUN_ID, PORT, kernel)
     assert {env.get("TORCH_FR_BUFFER_SIZE") for env in envs.values()} == {expected}

@@ -26,12 +26,18 @@ def data(tmp_path_factory) -> Path:
 
 
 def execute(name: str, data: Path, output: Path, monkeypatch) -> str:
-    for key, value in {"TAAS_DEVICE": "cpu", "TAAS_GPUS": "2", "TAAS_EPOCHS": "1", "TAAS_DATA": str(data),
-                       "TAAS_OUTPUT": str(output)}.items():
+    for key, value in {
+        "TAAS_DEVICE": "cpu",
+        "TAAS_GPUS": "2",
+        "TAAS_EPOCHS": "1",
+        "TAAS_DATA": str(data),
+        "TAAS_OUTPUT": str(output),
+    }.items():
         monkeypatch.setenv(key, value)
     notebook = nbformat.read(EXAMPLES / name, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(output)}}
-                            ).execute()
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(output)}}
+    ).execute()
     texts = []
     for cell in notebook.cells:
         for out in cell.get("outputs", []):
@@ -67,8 +73,9 @@ def test_session_notebook_trains_in_the_same_ranks_from_cell_to_cell(tmp_path, m
     text = execute("session.ipynb", tmp_path, tmp_path, monkeypatch)
     pids = dict(re.findall(r"\[rank (\d)\] rank \d of 2 ready, pid (\d+)", text))
     assert sorted(pids) == ["0", "1"], text[-2000:]
-    assert re.search(rf"\[rank 0\] DistributedDataParallel in rank 0, pid {pids['0']}, 30 steps", text), \
+    assert re.search(rf"\[rank 0\] DistributedDataParallel in rank 0, pid {pids['0']}, 30 steps", text), (
         "--ranks 0 runs in the process that started the session, where the DDP model still is"
+    )
     after_30 = float(re.search(r"30 steps: loss on the whole data set ([\d.]+)", text)[1])
     assert re.search(r"\[rank 0\] after 30 steps: loss [\d.]+", text), text[-2000:]
     assert re.search(r"\[rank 0\] after 60 steps at lr 0.02: loss [\d.]+", text), "the changed LR reached the ranks"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import signal
 import time
@@ -11,9 +10,9 @@ import time
 import psutil
 import pytest
 
+from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.wire.events import Exited, Output, Report
 from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankVitals
-from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.wire.task import RankTask
 
 
@@ -48,12 +47,17 @@ def test_output_reports_and_exits_arrive_in_order_per_rank():
     for rank in (0, 1):
         mine = [e for e in events if e.rank == rank]
         assert isinstance(mine[-1], Exited) and mine[-1].returncode == 0
-        reports = [dataclasses.replace(e.record, time=0.0) for e in mine
-                   if isinstance(e, Report) and not isinstance(e.record, (RankVitals, RankActivity))]
+        reports = [
+            dataclasses.replace(e.record, time=0.0)
+            for e in mine
+            if isinstance(e, Report) and not isinstance(e.record, (RankVitals, RankActivity))
+        ]
         assert reports == [CellEnded(0.0)]
         vitals = [e.record for e in mine if isinstance(e, Report) and isinstance(e.record, RankVitals)]
         assert vitals and vitals[0].memory > 1_000_000, "the rank's memory, sampled as its cell starts"
-        assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stdout") == f"out {rank}\n".encode()
+        assert (
+            b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stdout") == f"out {rank}\n".encode()
+        )
         assert b"".join(e.data for e in mine if isinstance(e, Output) and e.stream == "stderr") == b"err\n"
 
 
@@ -72,7 +76,9 @@ def test_a_failure_report_carries_the_exception_and_a_timestamp():
 
 
 def test_each_rank_leads_its_own_process_group_and_signals_reach_its_children():
-    group = start("import subprocess, time\nsubprocess.Popen(['sleep', '60'])\nprint('ready', flush=True)\ntime.sleep(60)")
+    group = start(
+        "import subprocess, time\nsubprocess.Popen(['sleep', '60'])\nprint('ready', flush=True)\ntime.sleep(60)"
+    )
     try:
         wait_for(group, b"ready")
         pids = {rank: state.pid for rank, state in group.ranks.items()}
@@ -136,8 +142,10 @@ def test_a_rank_dies_with_its_parent_via_the_lifeline():
 
 
 def test_waiting_for_stacks_does_not_spin_when_a_rank_never_answers():
-    group = start("import signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\nprint('go', flush=True)\n"
-                  "time.sleep(60)", ranks=1)
+    group = start(
+        "import signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\nprint('go', flush=True)\ntime.sleep(60)",
+        ranks=1,
+    )
     try:
         wait_for(group, b"go", count=1)
         group._pending.append(Output(0, "stdout", b"unread\n"))  # an event nobody has taken yet

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import Kernel
 
 pytestmark = pytest.mark.kernel
@@ -39,8 +38,10 @@ def test_pragma_options_expand_notebook_variables(kernel):
     result = kernel.execute("#pragma taas --gpus $GPUS --output rank0\nimport taas\nprint(taas.world_size())").ok()
     assert result.stdout == "3\n"
     # From a function, its own local names expand, as IPython expands them for any magic.
-    result = kernel.execute("def launch(ranks):\n    get_ipython().run_cell_magic('taas', '--gpus $ranks --output rank0', "
-                            "'import taas\\nprint(taas.world_size())')\nlaunch(2)").ok()
+    result = kernel.execute(
+        "def launch(ranks):\n    get_ipython().run_cell_magic('taas', '--gpus $ranks --output rank0', "
+        "'import taas\\nprint(taas.world_size())')\nlaunch(2)"
+    ).ok()
     assert result.stdout == "2\n"
 
 
@@ -49,7 +50,9 @@ def test_the_cell_magic_works_without_the_pragma(kernel):
 
 
 def test_ipython_syntax_inside_a_taas_cell(kernel):
-    result = kernel.execute("#pragma taas --gpus 2 --output rank0\nx = %time 1 + 1\nfiles = !echo shell-escape\nprint(files)")
+    result = kernel.execute(
+        "#pragma taas --gpus 2 --output rank0\nx = %time 1 + 1\nfiles = !echo shell-escape\nprint(files)"
+    )
     assert "shell-escape" in result.ok().stdout
 
 
@@ -71,7 +74,10 @@ def test_a_syntax_error_is_reported_before_any_rank_starts(kernel):
         ("#pragma taas --units -1", "argument --units: -1 is out of range: use a whole number of 1 or more"),
         ("#pragma taas --frobnicate", "unknown option '--frobnicate': allowed are --gpus, --config, --device"),
         ("#!g9.9\n#pragma taas", "unknown configuration 'g9.9': known are c1.4"),
-        ("#pragma taas --device auto", "no CUDA device is visible on this machine: run the ranks on CPU with --device cpu"),
+        (
+            "#pragma taas --device auto",
+            "no CUDA device is visible on this machine: run the ranks on CPU with --device cpu",
+        ),
         ("#pragma taas --device cuda --gpus 2", "no CUDA device is visible"),
         ("#pragma taas --timeout -1", "argument --timeout: -1 is not allowed: use a number of seconds greater than 0"),
         # what a lone `#!NAME` line becomes is no option of the user's
@@ -80,9 +86,23 @@ def test_a_syntax_error_is_reported_before_any_rank_starts(kernel):
         ("%%taas --gpus 2 --alone", "unknown option '--alone': allowed are --gpus"),
         ("#pragma taas --gpus 2 --config ''", "unknown configuration '': known are c1.4"),
     ],
-    ids=["gpus-0", "gpus-nan", "gpus-12-g2.8", "gpus-16-multinode", "cpus-9", "units-neg", "unknown-option",
-         "unknown-config", "auto-without-cuda", "cuda-without-cuda", "timeout-neg", "alone", "check",
-         "alone-in-magic", "empty-config"],
+    ids=[
+        "gpus-0",
+        "gpus-nan",
+        "gpus-12-g2.8",
+        "gpus-16-multinode",
+        "cpus-9",
+        "units-neg",
+        "unknown-option",
+        "unknown-config",
+        "auto-without-cuda",
+        "cuda-without-cuda",
+        "timeout-neg",
+        "alone",
+        "check",
+        "alone-in-magic",
+        "empty-config",
+    ],
 )
 def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(no_gpu_kernel, header, expected):
     result = no_gpu_kernel.execute(header + "\nprint('started')")
@@ -96,13 +116,21 @@ def test_bad_input_is_one_line_naming_the_value_and_nothing_starts(no_gpu_kernel
 def test_data_options_without_a_registered_loader_say_they_have_no_effect(kernel):
     result = kernel.execute("#pragma taas --gpus 2 --cpus 2 --units 100\nprint('ran')").ok()
     assert result.each_rank().count("] ran\n") == 2
-    assert result.stderr == ("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
-                             "(taas.register(loader) in an earlier cell)\n")
+    assert result.stderr == (
+        "taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
+        "(taas.register(loader) in an earlier cell)\n"
+    )
 
 
 def test_line_magic_shows_the_effective_settings(no_gpu_kernel):
     text = no_gpu_kernel.execute("%taas").ok().stdout
-    for expected in ("fork", "configurations.yaml", "g2.8", "CUDA devices:        0 visible", "default --device:    cpu"):
+    for expected in (
+        "fork",
+        "configurations.yaml",
+        "g2.8",
+        "CUDA devices:        0 visible",
+        "default --device:    cpu",
+    ):
         assert expected in text
 
 
@@ -115,9 +143,13 @@ def test_help_lists_every_option(kernel):
 
 def test_unload_removes_every_registration_and_reload_registers_once(kernel):
     count = "len([t for t in get_ipython().input_transformers_cleanup if type(t).__name__ == 'PragmaTransformer'])"
-    magics = "('taas' in get_ipython().magics_manager.magics['cell'], 'taas' in get_ipython().magics_manager.magics['line'])"
-    others = ("(sum(type(c).__name__ == 'TaasMagics' for c in get_ipython().configurables), "
-              "sorted(k for k in get_ipython().strdispatchers['complete_command'].strs if 'taas' in k))")
+    magics = (
+        "('taas' in get_ipython().magics_manager.magics['cell'], 'taas' in get_ipython().magics_manager.magics['line'])"
+    )
+    others = (
+        "(sum(type(c).__name__ == 'TaasMagics' for c in get_ipython().configurables), "
+        "sorted(k for k in get_ipython().strdispatchers['complete_command'].strs if 'taas' in k))"
+    )
     assert kernel.value(count) == 1
     kernel.execute("%reload_ext taas_magic").ok()
     kernel.execute("%reload_ext taas_magic").ok()
@@ -146,6 +178,7 @@ def test_a_broken_configurations_file_is_reported_by_the_cell(tmp_path):
 
 # Bad input is a quick one-line error, never a hang or a huge run; the kernel stays usable.
 
+
 def assert_refused_in_one_line(kernel, result, expected: str) -> None:
     assert result.error is not None and result.error["ename"] in ("UsageError", "TaasUsageError")
     assert expected in result.error["evalue"]
@@ -155,11 +188,14 @@ def assert_refused_in_one_line(kernel, result, expected: str) -> None:
     assert kernel.children() == []
 
 
-@pytest.mark.parametrize("value", ["\uff12", "\u0662", "0_2", "+2"], ids=["fullwidth", "arabic-indic", "underscore", "plus"])
+@pytest.mark.parametrize(
+    "value", ["\uff12", "\u0662", "0_2", "+2"], ids=["fullwidth", "arabic-indic", "underscore", "plus"]
+)
 def test_gpus_written_other_than_in_ascii_digits_is_refused_like_a_word(kernel, value):
     result = kernel.execute(f"#pragma taas --gpus {value}\nprint('started')")
     assert_refused_in_one_line(
-        kernel, result, f"argument --gpus: {value!r} is not a whole number: use a whole number of 1 or more")
+        kernel, result, f"argument --gpus: {value!r} is not a whole number: use a whole number of 1 or more"
+    )
 
 
 def test_timeout_written_other_than_in_ascii_digits_is_refused(kernel):
@@ -214,11 +250,19 @@ def test_bad_configurations_files_are_quick_one_line_errors_and_other_cells_stil
         (tmp_path / name).write_text(text)
     cases = [
         (tmp_path / "huge.yaml", "--device cpu", "configuration 'big' has gpus: 100000000000000000000"),
-        (tmp_path / "inf.yaml", "--device cpu", "configuration 'big' has a bad field (gpus: inf is not a whole number)"),
+        (
+            tmp_path / "inf.yaml",
+            "--device cpu",
+            "configuration 'big' has a bad field (gpus: inf is not a whole number)",
+        ),
         (tmp_path / "nan.yaml", "--device cpu", "memory_gb: nan in"),
         (tmp_path / "laughs.yaml", "--device cpu", "is not valid YAML: aliases (*name) are not allowed"),
         ("/dev/zero", "--device cpu", "TAAS_CONFIG='/dev/zero' does not name a readable file (not a regular file)"),
-        (tmp_path / "wide.yaml", "--device cpu --gpus 300", "--gpus 300 is too many CPU ranks for one machine: use 1-256"),
+        (
+            tmp_path / "wide.yaml",
+            "--device cpu --gpus 300",
+            "--gpus 300 is too many CPU ranks for one machine: use 1-256",
+        ),
     ]
     k = Kernel()
     try:

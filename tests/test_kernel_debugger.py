@@ -13,15 +13,23 @@ import time
 
 import psutil
 import pytest
-
 from conftest import Kernel
 
 pytestmark = pytest.mark.kernel
 
 # What JupyterLab's debugger sends first (its arguments, as @jupyterlab/debugger's session sends them).
-INITIALIZE = {"clientID": "jupyterlab", "clientName": "JupyterLab", "adapterID": "python", "pathFormat": "path",
-              "linesStartAt1": True, "columnsStartAt1": True, "supportsVariableType": True,
-              "supportsVariablePaging": True, "supportsRunInTerminalRequest": True, "locale": "en"}
+INITIALIZE = {
+    "clientID": "jupyterlab",
+    "clientName": "JupyterLab",
+    "adapterID": "python",
+    "pathFormat": "path",
+    "linesStartAt1": True,
+    "columnsStartAt1": True,
+    "supportsVariableType": True,
+    "supportsVariablePaging": True,
+    "supportsRunInTerminalRequest": True,
+    "locale": "en",
+}
 SECONDS = 10.0  # a 2-rank cell takes well under a second here; one that joined the debugger waits for ever
 
 LOADER = """import os, torch, taas
@@ -43,8 +51,9 @@ class Debugged:
     def request(self, command: str, arguments: dict | None = None, timeout: float = 30) -> dict:
         self.seq += 1
         client = self.kernel.client
-        message = client.session.msg("debug_request", {"type": "request", "seq": self.seq, "command": command,
-                                                       "arguments": arguments or {}})
+        message = client.session.msg(
+            "debug_request", {"type": "request", "seq": self.seq, "command": command, "arguments": arguments or {}}
+        )
         client.control_channel.send(message)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -74,7 +83,11 @@ class Debugged:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(found)} stopped events of {count}; output: {self.text()!r}")
             message = self._next_iopub(deadline)
-            if message is not None and message["msg_type"] == "debug_event" and message["content"]["event"] == "stopped":
+            if (
+                message is not None
+                and message["msg_type"] == "debug_event"
+                and message["content"]["event"] == "stopped"
+            ):
                 found.append(message["content"])
         return found
 
@@ -97,8 +110,12 @@ class Debugged:
     def finish(self, timeout: float = 60) -> dict:
         """Wait for the running cell's end: its reply's content."""
         deadline = time.monotonic() + timeout
-        while not any(m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
-                      and m["parent_header"].get("msg_id") == self.cell for m in self.seen):
+        while not any(
+            m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"
+            and m["parent_header"].get("msg_id") == self.cell
+            for m in self.seen
+        ):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the cell did not end; output: {self.text()!r}")
             self._next_iopub(deadline)
@@ -108,14 +125,21 @@ class Debugged:
         return reply["content"]
 
     def text(self, stream: str = "stdout") -> str:
-        return "".join(m["content"]["text"] for m in self.seen if m["msg_type"] == "stream"
-                       and m["content"]["name"] == stream and m["parent_header"].get("msg_id") == self.cell)
+        return "".join(
+            m["content"]["text"]
+            for m in self.seen
+            if m["msg_type"] == "stream"
+            and m["content"]["name"] == stream
+            and m["parent_header"].get("msg_id") == self.cell
+        )
 
     def dump(self, code: str, *lines: int) -> str:
         """The cell dumped to its file, with breakpoints at ``lines``, as JupyterLab does before running it."""
         path = self.request("dumpCell", {"code": code})["body"]["sourcePath"]
-        placed = self.request("setBreakpoints", {"source": {"path": path}, "sourceModified": False,
-                                                 "breakpoints": [{"line": line} for line in lines]})
+        placed = self.request(
+            "setBreakpoints",
+            {"source": {"path": path}, "sourceModified": False, "breakpoints": [{"line": line} for line in lines]},
+        )
         assert all(b["verified"] for b in placed["body"]["breakpoints"]), placed
         return path
 
@@ -155,12 +179,17 @@ def every_kind_of_cell(kernel: Kernel) -> None:
     kernel.execute(LOADER).ok()
     taken = timed(kernel, "#pragma taas --gpus 2 --cpus 1\nprint('batches', len(list(loader)))").each_rank()
     assert taken.count("] batches 2") == 2, taken
-    workers = timed(kernel, "#pragma taas --gpus 2\nfrom torch.utils.data import DataLoader\n"
-                            "print('sum', sum(int(b.sum()) for b in DataLoader(list(range(6)), num_workers=1)))")
+    workers = timed(
+        kernel,
+        "#pragma taas --gpus 2\nfrom torch.utils.data import DataLoader\n"
+        "print('sum', sum(int(b.sum()) for b in DataLoader(list(range(6)), num_workers=1)))",
+    )
     assert workers.each_rank().count("] sum 15") == 2, workers.stdout
-    restarted = kernel.execute("#pragma taas --gpus 2 --max-restarts 1\nimport os\n"
-                               "assert os.environ['TORCHELASTIC_RESTART_COUNT'] == '1' or os.environ['RANK'] == '0'",
-                               timeout=60).ok()
+    restarted = kernel.execute(
+        "#pragma taas --gpus 2 --max-restarts 1\nimport os\n"
+        "assert os.environ['TORCHELASTIC_RESTART_COUNT'] == '1' or os.environ['RANK'] == '0'",
+        timeout=60,
+    ).ok()
     assert "every rank starts again" in restarted.stderr and restarted.seconds < SECONDS
 
 
@@ -186,8 +215,9 @@ def test_the_kernels_own_cells_stop_at_their_breakpoints_after_taas_cells_ran(de
         timed(debugged.kernel, "#pragma taas --gpus 2\nprint('hi')")
         code = "a = 1\nb = a + 1\nprint(b)\n"
         path = debugged.request("dumpCell", {"code": code})["body"]["sourcePath"]
-        placed = debugged.request("setBreakpoints", {"source": {"path": path}, "breakpoints": [{"line": 2}],
-                                                     "sourceModified": False})
+        placed = debugged.request(
+            "setBreakpoints", {"source": {"path": path}, "breakpoints": [{"line": 2}], "sourceModified": False}
+        )
         assert placed["body"]["breakpoints"][0]["verified"], placed
         debugged.request("configurationDone")
         message = debugged.kernel.client.execute(code)
@@ -335,8 +365,11 @@ def test_an_interrupt_while_ranks_are_stopped_ends_the_run_and_leaves_nothing(at
     attached.kernel.manager.interrupt_kernel()
     reply = attached.finish()
     assert reply["status"] == "error" and "nterrupt" in reply["ename"] + reply["evalue"], reply
-    ended = {e["body"]["threadId"] for e in attached.kernel.debug_events
-             if e.get("event") == "thread" and e["body"]["reason"] == "exited"}
+    ended = {
+        e["body"]["threadId"]
+        for e in attached.kernel.debug_events
+        if e.get("event") == "thread" and e["body"]["reason"] == "exited"
+    }
     assert {event["body"]["threadId"] for event in stopped} <= ended, "the ranks' threads left the session"
     assert attached.kernel.execute("print('next')").ok().stdout == "next\n"
 
@@ -353,10 +386,12 @@ def test_switching_the_debugger_off_lets_stopped_ranks_go_on(debugged):
 
 
 def test_pause_step_in_and_step_out_act_on_the_rank_they_name(attached):
-    code = ("#pragma taas --gpus 2\nimport os, time\nr = int(os.environ['RANK'])\ndef inner(x):\n"
-            "    doubled = x * 2\n    return doubled\nresult = inner(r)\n"
-            "while r == 0 and not os.path.exists(f'/tmp/taas-pause-{os.getppid()}'):\n    time.sleep(0.05)\n"
-            "print('result', result)\n")
+    code = (
+        "#pragma taas --gpus 2\nimport os, time\nr = int(os.environ['RANK'])\ndef inner(x):\n"
+        "    doubled = x * 2\n    return doubled\nresult = inner(r)\n"
+        "while r == 0 and not os.path.exists(f'/tmp/taas-pause-{os.getppid()}'):\n    time.sleep(0.05)\n"
+        "print('result', result)\n"
+    )
     attached.dump(code, 7)
     attached.start(code)
     stopped = attached.stopped_events(2)
@@ -373,19 +408,25 @@ def test_pause_step_in_and_step_out_act_on_the_rank_they_name(attached):
         while attached.stopped_event()["body"]["threadId"] != thread:
             pass
         assert attached.top_frame(thread)["name"].endswith(": <module>"), [
-            (m["content"]["event"], m["content"]["body"]) for m in attached.seen if m["msg_type"] == "debug_event"
-            and m["content"]["event"] in ("stopped", "continued")]
+            (m["content"]["event"], m["content"]["body"])
+            for m in attached.seen
+            if m["msg_type"] == "debug_event" and m["content"]["event"] in ("stopped", "continued")
+        ]
         attached.request("continue", {"threadId": thread})
     time.sleep(1)  # rank 0 loops, rank 1 waits in nothing: it ends its cell
     threads = {t["name"]: t["id"] for t in attached.request("threads")["body"]["threads"]}
     assert attached.request("pause", {"threadId": threads["rank 0"]})["success"]
     paused = attached.stopped_event()
     assert paused["body"]["threadId"] == threads["rank 0"] and paused["body"]["reason"] == "pause", [
-        (m["content"]["event"], m["content"]["body"]) for m in attached.seen if m["msg_type"] == "debug_event"
-        and m["content"]["event"] in ("stopped", "continued")]
+        (m["content"]["event"], m["content"]["body"])
+        for m in attached.seen
+        if m["msg_type"] == "debug_event" and m["content"]["event"] in ("stopped", "continued")
+    ]
     frame = attached.top_frame(threads["rank 0"])["id"]
-    attached.request("evaluate", {"expression": "open(f'/tmp/taas-pause-{os.getppid()}', 'w').close()",
-                                  "frameId": frame, "context": "repl"})
+    attached.request(
+        "evaluate",
+        {"expression": "open(f'/tmp/taas-pause-{os.getppid()}', 'w').close()", "frameId": frame, "context": "repl"},
+    )
     attached.request("continue", {"threadId": threads["rank 0"]})
     try:
         assert attached.finish()["status"] == "ok"

@@ -7,7 +7,6 @@ import re
 import time
 
 import pytest
-
 from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
@@ -70,8 +69,9 @@ def test_every_element_exactly_once_equal_counts_same_order_whatever_k(registere
         assert sorted(set(union)) == list(range(50)), "every element of the pass is delivered"
         assert len(union) == 54 and len(union) - len(set(union)) == 4, "13 batches padded to 14 with the first one"
     assert got[0]["passes"][0] != got[0]["passes"][1], "each pass is reshuffled"
-    assert {r: g["passes"] for r, g in got.items()} == {r: g["passes"] for r, g in again.items()}, \
+    assert {r: g["passes"] for r, g in got.items()} == {r: g["passes"] for r, g in again.items()}, (
         "the same order on every run, whatever the number of producers"
+    )
     assert "taas: loader: 28 elements delivered to 2 ranks" in result.stderr
 
 
@@ -129,14 +129,19 @@ print("MINE", sorted(mine))
 
 def test_a_failing_dataset_fails_the_cell_naming_the_loader_and_element(registered):
     registered.execute("broken = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(broken)").ok()
-    result = registered.execute("""#pragma taas --gpus 2
+    result = registered.execute(
+        """#pragma taas --gpus 2
 import os
 print("RUN", os.environ["TAAS_RUN_ID"], flush=True) if os.environ["RANK"] == "0" else None
 for batch in broken:
     pass
-""", timeout=60)
+""",
+        timeout=60,
+    )
     assert result.error is not None and result.seconds < 15
-    assert result.error["evalue"].startswith("producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ")
+    assert result.error["evalue"].startswith(
+        "producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): "
+    )
     assert "ValueError: sample 21 is corrupt" in result.error["evalue"]
     assert "raise ValueError" in result.traceback
     run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
@@ -147,17 +152,22 @@ for batch in broken:
 def test_producers_stopped_after_ranks_leave_early_print_nothing_and_leave_nothing(registered, start):
     # taas stops the producers as soon as the ranks are done: that used to interrupt their
     # DataLoader workers' shutdown, or kill the workers under them, and print it.
-    registered.execute("from torch.utils.data import TensorDataset\n"
-                       "many = DataLoader(TensorDataset(torch.arange(4000.)), batch_size=8, num_workers=2)\n"
-                       "taas.register(many)").ok()
+    registered.execute(
+        "from torch.utils.data import TensorDataset\n"
+        "many = DataLoader(TensorDataset(torch.arange(4000.)), batch_size=8, num_workers=2)\n"
+        "taas.register(many)"
+    ).ok()
     for attempt in range(4):  # a race: it showed in about one run in three
-        result = registered.execute(f"""#pragma taas --gpus 2 --start {start}
+        result = registered.execute(
+            f"""#pragma taas --gpus 2 --start {start}
 import os
 print("RUN", os.environ["TAAS_RUN_ID"], flush=True) if os.environ["RANK"] == "0" else None
 for i, (b,) in enumerate(many):
     if i == 3:
         break
-""", timeout=60).ok()
+""",
+            timeout=60,
+        ).ok()
         assert "[producer" not in result.stderr, result.stderr
         assert "taas: many: 8 elements delivered to 2 ranks" in result.stderr
         assert processes_of_run(re.search(r"RUN (taas-\w+)", result.stdout)[1]) == []
@@ -190,12 +200,16 @@ class Slow(Indices):
 slow = DataLoader(Slow(1000), batch_size=2, num_workers=1)
 taas.register(slow)
 """).ok()
-    result = registered.execute("""#pragma taas --gpus 2 --cpus 2
+    result = registered.execute(
+        """#pragma taas --gpus 2 --cpus 2
 import os
 print("RUN", os.environ["TAAS_RUN_ID"], flush=True) if os.environ["RANK"] == "0" else None
 for batch in slow:
     pass
-""", interrupt_after=3, timeout=30)
+""",
+        interrupt_after=3,
+        timeout=30,
+    )
     assert "KeyboardInterrupt" in result.traceback
     run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
     assert processes_of_run(run_id) == []
@@ -233,8 +247,9 @@ print("COUNTS", first.tolist(), whole, again)
 """).ok()
     assert "[rank 0] COUNTS [0, 1] 10 10" in result.each_rank() and "[rank 1] COUNTS [2, 3] 10 10" in result.each_rank()
     assert "taas: few: 50 elements delivered to 2 ranks" in result.stderr  # 1 + 10 + 4 + 10 per rank
-    result = registered.execute("#pragma taas --gpus 2 --timeout 30\nif taas.is_main():\n"
-                                "    print('MAIN', sum(len(b) for b in few))").ok()
+    result = registered.execute(
+        "#pragma taas --gpus 2 --timeout 30\nif taas.is_main():\n    print('MAIN', sum(len(b) for b in few))"
+    ).ok()
     assert "[rank 0] MAIN 20" in result.each_rank(), "rank 0's share; the other rank's cell ended"
     registered.execute("taas.unregister(few)").ok()
 
@@ -266,8 +281,10 @@ kept = [batch for batch in many]
 mine = [int(b) for b in kept] == list(range(taas.rank(), 2400, 2))
 print("KEPT", len(kept), before, len(os.listdir("/proc/self/fd")), int(mine))
 """).ok()
-    kept = {int(m[1]): tuple(map(int, m.groups()[1:]))
-            for m in re.finditer(r"\[rank (\d)\] KEPT (\d+) (\d+) (\d+) (\d)", result.each_rank())}
+    kept = {
+        int(m[1]): tuple(map(int, m.groups()[1:]))
+        for m in re.finditer(r"\[rank (\d)\] KEPT (\d+) (\d+) (\d+) (\d)", result.each_rank())
+    }
     assert sorted(kept) == [0, 1], result.stdout + result.stderr
     for count, before, after, mine in kept.values():
         assert count == 1200 and mine == 1
@@ -293,8 +310,10 @@ def execute_watching_progress(kernel, code: str):
         del kernel.client.get_iopub_msg
 
 
-PROGRESS = re.compile(r"steps +(\w+) +(\d+) produced · (?:[\d,]+/s · )?(\d+) consumed \((\d+), (\d+) per rank\) · "
-                      r"(?:(\d+) skipped · )?(\d+) ready(?: · ranks waited \d+%)?(?: · (.*) finished)?$")
+PROGRESS = re.compile(
+    r"steps +(\w+) +(\d+) produced · (?:[\d,]+/s · )?(\d+) consumed \((\d+), (\d+) per rank\) · "
+    r"(?:(\d+) skipped · )?(\d+) ready(?: · ranks waited \d+%)?(?: · (.*) finished)?$"
+)
 
 
 def progress(states: list[str]) -> list[tuple]:
@@ -303,17 +322,22 @@ def progress(states: list[str]) -> list[tuple]:
     rows = [line for state in states for line in state.splitlines() if line.startswith("steps")]
     found = [PROGRESS.match(row) for row in rows]
     assert found and all(found), states
-    return [(int(m[2]), int(m[3]), (int(m[4]), int(m[5])), int(m[6] or 0), int(m[7]), "done" if m[1] == "done" else m[8])
-            for m in found]
+    return [
+        (int(m[2]), int(m[3]), (int(m[4]), int(m[5])), int(m[6] or 0), int(m[7]), "done" if m[1] == "done" else m[8])
+        for m in found
+    ]
 
 
 def test_the_progress_line_follows_a_rank_that_leaves_a_pass_early_to_the_end(registered):
     registered.execute("steps = DataLoader(torch.arange(40), batch_size=2)\ntaas.register(steps)").ok()
-    result, states = execute_watching_progress(registered, """#pragma taas --gpus 2
+    result, states = execute_watching_progress(
+        registered,
+        """#pragma taas --gpus 2
 for i, batch in enumerate(steps):
     if taas.rank() == 1 and i == 2:
         break
-""")
+""",
+    )
     result.ok()
     produced, consumed, per_rank, skipped, buffered, finished = progress(states)[-1]
     assert (consumed, per_rank, skipped, buffered, finished) == (13, (10, 3), 7, 0, "done")
@@ -323,13 +347,16 @@ for i, batch in enumerate(steps):
 
 def test_the_progress_line_is_right_while_ranks_that_stopped_early_go_on_computing(registered):
     registered.execute("steps = DataLoader(torch.arange(40), batch_size=2)\ntaas.register(steps)").ok()
-    result, states = execute_watching_progress(registered, """#pragma taas --gpus 2
+    result, states = execute_watching_progress(
+        registered,
+        """#pragma taas --gpus 2
 import time
 for i, batch in enumerate(steps):
     if i == 2:
         break
 time.sleep(1.5)
-""")
+""",
+    )
     result.ok()
     seen = progress(states)
     assert all(consumed <= 6 for _, consumed, *_ in seen), "what a rank skipped is not counted as consumed"
@@ -373,7 +400,9 @@ def leftovers(pids: set[int]) -> list[str]:
 
     import psutil
 
-    alive = [f"pid {pid}" for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        f"pid {pid}" for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
     return alive + [folder for pid in pids for folder in glob.glob(f"{tempfile.gettempdir()}/pymp-taas-{pid}-*")]
 
 
@@ -383,15 +412,17 @@ def test_a_session_serves_a_registered_loader_pass_after_pass_as_a_one_shot_cell
     first = registered.execute(SESSION.format(start=start)).ok()
     run_id = re.search(r"RUN (taas-\w+)", first.stdout)[1]
     try:
-        cells = [registered.execute("#pragma taas\n" + COLLECT.replace("PASSES", str(passes))).ok()
-                 for passes in (2, 1)]
+        cells = [
+            registered.execute("#pragma taas\n" + COLLECT.replace("PASSES", str(passes))).ok() for passes in (2, 1)
+        ]
         assert "taas: loader: 28 elements delivered to 2 ranks" in cells[0].stderr
         assert "taas: loader: 14 elements delivered to 2 ranks" in cells[1].stderr, "each cell sums up its own"
         assert all(record["len"] == 7 for result in cells for record in received(result).values())
         passes = session_passes(cells)
         assert_each_pass_whole(passes, 50)
-        assert passes == {rank: record["passes"] for rank, record in one_shot.items()}, \
+        assert passes == {rank: record["passes"] for rank, record in one_shot.items()}, (
             "the session's passes are a one-shot cell's, in the same order"
+        )
         built = registered.execute("""#pragma taas
 print("BUILT", json.dumps(sorted({pid for batch in loader for pid in batch[:, 1].tolist()})))
 """).ok()
@@ -416,11 +447,13 @@ taas.register(paced)
 import json, taas
 print("PASSES " + json.dumps([[b[0, 0].item() for b in paced] for _ in range(2)]))
 """).ok()
-    expected = {int(rank): json.loads(found) for rank, found in
-                re.findall(r"\[rank (\d)\] PASSES (.*)", reference.each_rank())}
+    expected = {
+        int(rank): json.loads(found) for rank, found in re.findall(r"\[rank (\d)\] PASSES (.*)", reference.each_rank())
+    }
     registered.execute(SESSION.format(start="fork")).ok()
     try:
-        interrupted = registered.execute("""#pragma taas
+        interrupted = registered.execute(
+            """#pragma taas
 import json
 took = []
 try:
@@ -428,20 +461,31 @@ try:
         took.append(batch[0, 0].item())
 finally:
     print("TOOK " + json.dumps(took), flush=True)
-""", interrupt_after=2.0, timeout=60)
+""",
+            interrupt_after=2.0,
+            timeout=60,
+        )
         assert interrupted.error["evalue"].startswith("KeyboardInterrupt: taas interrupted the cell"), interrupted.error
-        took = {int(rank): json.loads(found) for rank, found in
-                re.findall(r"\[rank (\d)\] TOOK (.*)", interrupted.each_rank())}
+        took = {
+            int(rank): json.loads(found)
+            for rank, found in re.findall(r"\[rank (\d)\] TOOK (.*)", interrupted.each_rank())
+        }
         assert all(0 < len(took[rank]) < 150 for rank in (0, 1)), "interrupted in the middle of the pass"
-        assert all(took[rank] == expected[rank][0][:len(took[rank])] for rank in (0, 1)), "in order until then"
-        after = registered.execute("""#pragma taas
+        assert all(took[rank] == expected[rank][0][: len(took[rank])] for rank in (0, 1)), "in order until then"
+        after = registered.execute(
+            """#pragma taas
 import json
 print("NEXT " + json.dumps([b[0, 0].item() for b in paced]))
-""", timeout=60).ok()
-        following = {int(rank): json.loads(found) for rank, found in
-                     re.findall(r"\[rank (\d)\] NEXT (.*)", after.each_rank())}
+""",
+            timeout=60,
+        ).ok()
+        following = {
+            int(rank): json.loads(found) for rank, found in re.findall(r"\[rank (\d)\] NEXT (.*)", after.each_rank())
+        }
         assert following == {rank: expected[rank][1] for rank in (0, 1)}, "the next pass, whole, in its order"
-        assert "taas: paced: 300 elements delivered to 2 ranks" in after.stderr, "the cell's own, not the interrupted one's"
+        assert "taas: paced: 300 elements delivered to 2 ranks" in after.stderr, (
+            "the cell's own, not the interrupted one's"
+        )
     finally:
         registered.execute("%taas stop").ok()
         registered.execute("taas.unregister(paced)").ok()
@@ -460,7 +504,9 @@ def late_passes(result) -> dict[int, list]:
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_a_loader_registered_during_a_session_is_served_from_the_next_cell_on(registered, start):
     registered.execute("late = DataLoader(Indices(30), batch_size=3, shuffle=True)\ntaas.register(late)").ok()
-    reference = late_passes(registered.execute(LATE.replace("PASSES", "3").replace("#pragma taas", "#pragma taas --gpus 2 --cpus 2")).ok())
+    reference = late_passes(
+        registered.execute(LATE.replace("PASSES", "3").replace("#pragma taas", "#pragma taas --gpus 2 --cpus 2")).ok()
+    )
     registered.execute("taas.unregister(late)").ok()
     first = registered.execute(SESSION.format(start=start)).ok()
     run_id = re.search(r"RUN (taas-\w+)", first.stdout)[1]
@@ -477,24 +523,29 @@ class Later(Indices):
 fresh = DataLoader(Later(10), batch_size=2)
 taas.register(fresh)
 """).ok()
-        result = registered.execute("#pragma taas\nimport json\n"
-                                    "print('FRESH ' + json.dumps([b[:, 0].tolist() for b in fresh]), len(fresh))").ok()
+        result = registered.execute(
+            "#pragma taas\nimport json\nprint('FRESH ' + json.dumps([b[:, 0].tolist() for b in fresh]), len(fresh))"
+        ).ok()
         found = [json.loads(part) for part in re.findall(r"FRESH (\[.*\]) 3", result.stdout)]
-        assert sorted(i for part in found for batch in part for i in batch) == sorted(list(range(1000, 1010)) + [1000, 1001]), \
-            "a loader of a class defined during the session: 5 batches padded to 6, each element once per place"
+        assert sorted(i for part in found for batch in part for i in batch) == sorted(
+            list(range(1000, 1010)) + [1000, 1001]
+        ), "a loader of a class defined during the session: 5 batches padded to 6, each element once per place"
         part = registered.execute("#pragma taas --ranks 0\nprint(len(loader))")
         assert part.error["evalue"].startswith("--ranks 0: the cell uses 'loader', which producers serve to every rank")
         registered.execute("late = DataLoader(Indices(12), batch_size=3)\ntaas.register(late)").ok()
         rebound = late_passes(registered.execute(LATE.replace("PASSES", "2")).ok())
-        assert rebound == {0: [[[0, 1, 2], [6, 7, 8]]] * 2, 1: [[[3, 4, 5], [9, 10, 11]]] * 2}, \
+        assert rebound == {0: [[[0, 1, 2], [6, 7, 8]]] * 2, 1: [[[3, 4, 5], [9, 10, 11]]] * 2}, (
             "a name rebound to another registered loader is served as that loader"
+        )
         _, got_loader = run(registered, "", passes=1)
         assert all(record["len"] == 7 for record in got_loader.values()), "the session goes on, serving its loaders"
     finally:
         registered.execute("%taas stop").ok()
-        registered.execute("for name in ('late', 'fresh'):\n"
-                           "    if any(loader is globals().get(name) for loader in taas.registered()):\n"
-                           "        taas.unregister(globals()[name])").ok()
+        registered.execute(
+            "for name in ('late', 'fresh'):\n"
+            "    if any(loader is globals().get(name) for loader in taas.registered()):\n"
+            "        taas.unregister(globals()[name])"
+        ).ok()
     assert processes_of_run(run_id) == []
 
 
@@ -505,7 +556,8 @@ def test_a_failing_dataset_in_a_session_fails_the_cell_naming_the_element_and_en
         run_id = re.search(r"RUN (taas-\w+)", first.stdout)[1]
         result = registered.execute("#pragma taas\nfor batch in unsound:\n    pass", timeout=60)
         assert result.error["evalue"].startswith(
-            "producer 1 of unsound failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ValueError: sample 21")
+            "producer 1 of unsound failed at element 5 of pass 0 (samples [20, 21, 22, 23]): ValueError: sample 21"
+        )
         assert result.error["evalue"].endswith("; the session ended"), result.error["evalue"]
         assert "raise ValueError" in result.traceback and result.seconds < 15
         assert processes_of_run(run_id) == []
@@ -518,11 +570,14 @@ def test_a_failing_dataset_in_a_session_fails_the_cell_naming_the_element_and_en
 def test_units_in_a_session_end_its_stream_across_cells_and_the_session_goes_on(registered):
     registered.execute(SESSION.format(start="fork").replace("--cpus 2", "--cpus 2 --units 20")).ok()
     try:
-        cells = [registered.execute("#pragma taas\n" + COLLECT.replace("PASSES", str(passes))).ok()
-                 for passes in (1, 2)]
+        cells = [
+            registered.execute("#pragma taas\n" + COLLECT.replace("PASSES", str(passes))).ok() for passes in (1, 2)
+        ]
         sizes = {rank: [len(p) for p in passes] for rank, passes in session_passes(cells).items()}
         assert sizes == {0: [7, 4, 0], 1: [7, 4, 0]}, "13 batches, then 7 more (padded to 8), then nothing"
-        assert registered.execute("#pragma taas\nprint('still', len(loader))").ok(), "producers that finished end nothing"
+        assert registered.execute("#pragma taas\nprint('still', len(loader))").ok(), (
+            "producers that finished end nothing"
+        )
     finally:
         registered.execute("%taas stop").ok()
 
@@ -530,8 +585,10 @@ def test_units_in_a_session_end_its_stream_across_cells_and_the_session_goes_on(
 def test_a_kernel_restart_ends_a_sessions_producers(fresh_kernel):
     fresh_kernel.execute(SETUP).ok()
     fresh_kernel.execute(SESSION.format(start="fork")).ok()
-    built = fresh_kernel.execute("#pragma taas\nimport json\n"
-                                 "print('BUILT', os.getpid(), json.dumps(sorted({pid for b in loader for pid in b[:, 1].tolist()})))").ok()
+    built = fresh_kernel.execute(
+        "#pragma taas\nimport json\n"
+        "print('BUILT', os.getpid(), json.dumps(sorted({pid for b in loader for pid in b[:, 1].tolist()})))"
+    ).ok()
     found = re.findall(r"BUILT (\d+) (\[.*\])", built.stdout)
     ranks, builders = {int(pid) for pid, _ in found}, {pid for _, pids in found for pid in json.loads(pids)}
     assert len(builders) == 2 and not builders & ranks, "the session's producers built the elements"

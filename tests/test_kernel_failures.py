@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
@@ -37,13 +36,18 @@ def run_id_of(result) -> str:
 
 def test_a_raising_rank_fails_the_cell_with_its_own_traceback_while_others_wait(kernel):
     kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
-    result = kernel.execute("""#pragma taas --gpus 3
-""" + RUN_ID + """import torch, torch.distributed as dist
+    result = kernel.execute(
+        """#pragma taas --gpus 3
+"""
+        + RUN_ID
+        + """import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     check(dist.get_rank())
 dist.all_reduce(torch.ones(1))  # ranks 0 and 2 block here, waiting for rank 1
-""", timeout=30)
+""",
+        timeout=30,
+    )
     assert result.error is not None
     assert result.seconds < 10
     assert result.error["ename"] == "RankFailed"
@@ -64,19 +68,25 @@ def test_peers_whose_collective_a_failure_broke_read_the_same_in_every_run(kerne
     kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
     others = ",".join(str(rank) for rank in range(world) if rank != 1)
     for _ in range(6):
-        result = kernel.execute(f"""#pragma taas --gpus {world}
+        result = kernel.execute(
+            f"""#pragma taas --gpus {world}
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     check(dist.get_rank())
 dist.all_reduce(torch.ones(1))
-""", timeout=40)
+""",
+            timeout=40,
+        )
         tb = result.traceback
         assert result.error["evalue"] == "rank 1 failed: ValueError: bad value 1", tb
-        after = tb.splitlines()[tb.splitlines().index("ValueError: bad value 1") + 1:]
+        after = tb.splitlines()[tb.splitlines().index("ValueError: bad value 1") + 1 :]
         peers = "0,2" if world == 3 else "0,2-3"
-        assert after[:3] == [f"stopped after the failure: ranks {peers}", "where they were when rank 1 failed:",
-                             f"ranks {peers}: in all_reduce:"], tb
+        assert after[:3] == [
+            f"stopped after the failure: ranks {peers}",
+            "where they were when rank 1 failed:",
+            f"ranks {peers}: in all_reduce:",
+        ], tb
         assert "also failed" not in tb and "Connection" not in tb + result.stderr and "pair.cc" not in tb, tb
         rows = [line.split()[:3] for line in result.displays[-1]["text/plain"].splitlines()[1:]]
         assert rows == [["rank", str(rank), "failed" if rank == 1 else "stopped"] for rank in range(world)], rows
@@ -87,11 +97,14 @@ dist.all_reduce(torch.ones(1))
 
 def test_a_restarted_runs_report_and_a_paused_rank_are_the_failures_not_the_broken_peers(kernel):
     kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
-    cell = ("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-            "if dist.get_rank() == 1:\n    check(1)\ndist.all_reduce(torch.ones(1))\n")
+    cell = (
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n    check(1)\ndist.all_reduce(torch.ones(1))\n"
+    )
     restarted = kernel.execute("#pragma taas --gpus 3 --max-restarts 1\n" + cell, timeout=60)
-    assert restarted.stderr.startswith("taas: rank 1 failed: ValueError: bad value 1: every rank starts again "
-                                       "(restart 1 of --max-restarts 1)\n"), restarted.stderr
+    assert restarted.stderr.startswith(
+        "taas: rank 1 failed: ValueError: bad value 1: every rank starts again (restart 1 of --max-restarts 1)\n"
+    ), restarted.stderr
     assert restarted.error["evalue"] == "rank 1 failed: ValueError: bad value 1"
     assert "stopped after the failure: ranks 0,2" in restarted.traceback and "Connection" not in restarted.traceback
     paused = kernel.execute("#pragma taas --gpus 3 --debug\n" + cell, timeout=60)
@@ -133,13 +146,16 @@ def test_the_same_error_in_every_rank_is_read_once_labelled_with_its_ranks(kerne
     ids=["os._exit", "SIGKILL", "segfault"],
 )
 def test_a_rank_that_dies_is_reported_with_its_exit_code_or_signal(kernel, death, expected):
-    result = kernel.execute(f"""#pragma taas --gpus 2
+    result = kernel.execute(
+        f"""#pragma taas --gpus 2
 import os, signal, sys, taas, time
 if taas.rank() == 1:
     print("last words", file=sys.stderr)
     {death}
 time.sleep(30)
-""", timeout=30)
+""",
+        timeout=30,
+    )
     assert result.error["evalue"] == expected
     assert result.seconds < 10
     assert "[rank 1] last words" in result.each_rank("stderr")
@@ -161,20 +177,30 @@ def test_timeout_stops_late_ranks_and_shows_where_they_were_each_place_once(kern
     tb = result.traceback
     assert "where the processes were when the time ran out:\nranks 0-1: in no collective:\n" in tb, tb
     assert tb.count("time.sleep(60)") == 1, "one place, shown once for both ranks"
-    assert re.search(r"Cell In\[\d+\], line 3 in wait_for_data\n +time.sleep\(60\)\n +Cell In\[\d+\], line 3 in <module>"
-                     r"\n +wait_for_data\(\)", tb), "innermost frame first, each with its line"
+    assert re.search(
+        r"Cell In\[\d+\], line 3 in wait_for_data\n +time.sleep\(60\)\n +Cell In\[\d+\], line 3 in <module>"
+        r"\n +wait_for_data\(\)",
+        tb,
+    ), "innermost frame first, each with its line"
     assert "worker.py" not in tb and "taas-lifeline" not in tb, "only the user's frames"
     assert processes_of_run(run_id_of(result)) == []
 
 
 def test_interrupt_reaches_every_rank_and_their_workers_and_the_next_cell_runs(kernel):
-    result = kernel.execute("""#pragma taas --gpus 2
-""" + RUN_ID + SLOW_WORKERS + """import taas
+    result = kernel.execute(
+        """#pragma taas --gpus 2
+"""
+        + RUN_ID
+        + SLOW_WORKERS
+        + """import taas
 try:
     time.sleep(100)
 finally:
     print("cleanup ran in rank", taas.rank(), flush=True)
-""", interrupt_after=3, timeout=30)
+""",
+        interrupt_after=3,
+        timeout=30,
+    )
     assert result.error is not None and result.error["ename"] in ("KeyboardInterrupt", "RunInterrupted")
     assert "KeyboardInterrupt" in result.traceback
     assert "[rank 0] cleanup ran in rank 0" in result.each_rank()
@@ -185,12 +211,18 @@ finally:
 
 
 def test_interrupt_escalates_to_sigkill_for_ranks_that_ignore_signals(kernel):
-    result = kernel.execute("""#pragma taas --gpus 2
-""" + RUN_ID + """import signal, time
+    result = kernel.execute(
+        """#pragma taas --gpus 2
+"""
+        + RUN_ID
+        + """import signal, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 time.sleep(100)
-""", interrupt_after=2, timeout=30)
+""",
+        interrupt_after=2,
+        timeout=30,
+    )
     assert result.error is not None
     assert 7 < result.seconds < 12, "SIGTERM after 3 s, SIGKILL after 6 s"
     assert "SIGKILL" in result.traceback
@@ -216,7 +248,9 @@ time.sleep(100)
 
 
 def test_ranks_and_their_children_die_within_3_s_of_the_kernel(fresh_kernel):
-    fresh_kernel.client.execute("#pragma taas --gpus 2\n" + SLOW_WORKERS + "print('started', flush=True)\ntime.sleep(100)")
+    fresh_kernel.client.execute(
+        "#pragma taas --gpus 2\n" + SLOW_WORKERS + "print('started', flush=True)\ntime.sleep(100)"
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(fresh_kernel.children()) < 6:
         time.sleep(0.1)
@@ -236,8 +270,9 @@ def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     kernel = Kernel({"TMPDIR": str(private)})  # everything the kernel, taas and the ranks make goes here
     try:
-        kernel.execute("#pragma taas --gpus 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
-                       "dist.barrier()").ok()
+        kernel.execute(
+            "#pragma taas --gpus 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()"
+        ).ok()
         kernel.execute("#pragma taas --gpus 2\nraise ValueError('x')")
         kernel.execute("#pragma taas --gpus 2 --timeout 0.5\nimport time; time.sleep(9)")
         kernel.execute("#pragma taas --gpus 2 --start forkserver\nimport torch\nx = torch.ones(4)").ok()
@@ -252,51 +287,63 @@ def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):
 
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_a_rank_that_left_early_with_sys_exit_0_is_named_when_its_peer_then_fails(kernel, start):
-    result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+    result = kernel.execute(
+        f"""#pragma taas --gpus 2 --start {start}
 import sys, time, torch, taas, torch.distributed as dist
 dist.init_process_group("gloo")
 if taas.rank() == 1:
     sys.exit(0)
 time.sleep(0.5)
 dist.all_reduce(torch.ones(1))  # rank 1 is gone: this fails
-""", timeout=30)
+""",
+        timeout=30,
+    )
     assert result.error["evalue"].startswith("rank 0 failed: ")
     assert "before rank 0 failed: rank 1 exited early with sys.exit(0)" in result.traceback
 
 
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_a_rank_that_left_with_os_exit_0_is_named_when_a_peer_then_fails(kernel, start):
-    result = kernel.execute(f"""#pragma taas --gpus 3 --start {start}
+    result = kernel.execute(
+        f"""#pragma taas --gpus 3 --start {start}
 import os, time, torch, taas, torch.distributed as dist
 dist.init_process_group("gloo")
 if taas.rank() == 2:
     os._exit(0)  # no exception, no word to taas: status 0
 time.sleep(0.5)
 dist.all_reduce(torch.ones(1))  # rank 2 is gone: this fails
-""", timeout=30)
+""",
+        timeout=30,
+    )
     assert result.error["evalue"].startswith(("rank 0 failed: ", "rank 1 failed: "))
     assert re.search(r"before rank [01] failed: rank 2 exited with code 0 before the cell finished", result.traceback)
 
 
 def test_a_rank_that_left_early_is_named_when_the_others_time_out(kernel):
-    result = kernel.execute("""#pragma taas --gpus 2 --timeout 2
+    result = kernel.execute(
+        """#pragma taas --gpus 2 --timeout 2
 import sys, time, taas
 if taas.rank() == 1:
     sys.exit()
 time.sleep(30)  # waiting for rank 1, which will never come
-""", timeout=30)
+""",
+        timeout=30,
+    )
     assert result.error["ename"] == "RunTimedOut"
     assert "before the time ran out: rank 1 exited early with sys.exit()" in result.traceback
 
 
 def test_a_keyboard_interrupt_raised_by_the_cell_is_a_failure_with_its_traceback(kernel):
-    result = kernel.execute("""#pragma taas --gpus 2
+    result = kernel.execute(
+        """#pragma taas --gpus 2
 import taas
 def give_up():
     raise KeyboardInterrupt("no more")
 if taas.rank() == 1:
     give_up()
-""", timeout=30)
+""",
+        timeout=30,
+    )
     assert result.error["evalue"] == "rank 1 failed: KeyboardInterrupt: no more"
     assert "rank 1's traceback:" in result.traceback
     assert 'raise KeyboardInterrupt("no more")' in result.traceback and "give_up()" in result.traceback
@@ -305,8 +352,7 @@ if taas.rank() == 1:
 def test_error_values_carry_no_colour_codes(kernel):
     failed = kernel.execute("#pragma taas --gpus 1\nraise ValueError('\\x1b[31mred\\x1b[0m alert')")
     assert failed.error["evalue"] == "rank 0 failed: ValueError: red alert"
-    interrupted = kernel.execute("#pragma taas --gpus 2\nimport time\ntime.sleep(30)", interrupt_after=1.5,
-                                 timeout=30)
+    interrupted = kernel.execute("#pragma taas --gpus 2\nimport time\ntime.sleep(30)", interrupt_after=1.5, timeout=30)
     assert interrupted.error["ename"] == "RunInterrupted"
     assert "\x1b" not in interrupted.error["evalue"]
     assert interrupted.error["evalue"].startswith("KeyboardInterrupt: taas run interrupted; every rank stopped")
@@ -320,10 +366,12 @@ def test_tracebacks_quote_the_cell_header_as_written(kernel, start):
     tb = result.traceback
     assert re.search(r"1 #!g2\.8\n +2 #pragma taas --gpus 2 --start " + start + r"\n-+> 3 raise ValueError", tb), tb
     assert "%%taas" not in tb
-    below_blanks = kernel.execute(f"\n\n#!g2.8\n#pragma taas --gpus 2 --start {start}\nraise ValueError('low')\n",
-                                  timeout=30).traceback  # blank lines above a header are allowed
-    assert re.search(r"3 #!g2\.8\n +4 #pragma taas --gpus 2 --start " + start + r"\n-+> 5 raise ValueError",
-                     below_blanks), below_blanks
+    below_blanks = kernel.execute(
+        f"\n\n#!g2.8\n#pragma taas --gpus 2 --start {start}\nraise ValueError('low')\n", timeout=30
+    ).traceback  # blank lines above a header are allowed
+    assert re.search(
+        r"3 #!g2\.8\n +4 #pragma taas --gpus 2 --start " + start + r"\n-+> 5 raise ValueError", below_blanks
+    ), below_blanks
     assert "%%taas" not in below_blanks
 
 
@@ -331,8 +379,7 @@ def test_tracebacks_quote_the_cell_header_as_written(kernel, start):
 def test_cuda_on_a_cpu_run_fails_with_a_hint_to_use_taas_device(kernel, call):
     result = kernel.execute(f"#pragma taas --gpus 1 --device cpu\nimport torch\nx = {call}\n", timeout=30)
     assert result.error["ename"] == "RankFailed"
-    assert "this run is on CPU (--device cpu), so CUDA is not available in its ranks: taas.device()" \
-        in result.traceback
+    assert "this run is on CPU (--device cpu), so CUDA is not available in its ranks: taas.device()" in result.traceback
     other = kernel.execute("#pragma taas --gpus 1 --device cpu\nraise RuntimeError('not about CUDA')")
     assert "taas.device()" not in other.traceback
 

@@ -9,7 +9,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
@@ -71,7 +70,10 @@ def test_a_needed_name_that_cannot_be_shipped_fails_before_anything_starts(defin
     assert "create it inside the cell" in result.error["evalue"]
     assert "started" not in result.stdout
     # The same lock, not needed by the cell, is ignored.
-    assert defined.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint(square(3))").ok().stdout == "9\n"
+    assert (
+        defined.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint(square(3))").ok().stdout
+        == "9\n"
+    )
 
 
 def test_auto_picks_the_fork_server_when_the_kernel_reports_cuda_initialized(defined):
@@ -79,7 +81,9 @@ def test_auto_picks_the_fork_server_when_the_kernel_reports_cuda_initialized(def
     try:
         result = defined.execute(GRANDPARENT).ok()
         assert "the ranks start from the fork server (--start forkserver)" in result.stderr
-        assert int(result.stdout) == defined.fork_server().pid, "ranks come from the run's supervisor, forked by the server"
+        assert int(result.stdout) == defined.fork_server().pid, (
+            "ranks come from the run's supervisor, forked by the server"
+        )
     finally:
         defined.execute("torch.cuda.is_initialized = _real").ok()
     result = defined.execute(GRANDPARENT).ok()
@@ -101,7 +105,8 @@ def test_the_fork_server_survives_many_cells_without_leaking(defined):
         time.sleep(0.01)  # the last run's supervisor said the run was over and may still be exiting
     assert server.children() == [], "each run's supervisor is reaped as soon as it ends"
     assert server.num_fds() <= fds, f"{server.num_fds()} descriptors, {fds} after the first cell: " + ", ".join(
-        f"{fd}->{os.readlink(f'/proc/{server.pid}/fd/{fd}')}" for fd in os.listdir(f"/proc/{server.pid}/fd"))
+        f"{fd}->{os.readlink(f'/proc/{server.pid}/fd/{fd}')}" for fd in os.listdir(f"/proc/{server.pid}/fd")
+    )
     assert server.memory_info().rss < memory + 64 * 2**20, (memory, server.memory_info().rss)
     maps = open(f"/proc/{server.pid}/maps").read()
     assert maps.count("taas-tensors") <= 1, "the shipped tensors of past runs are unmapped"
@@ -121,14 +126,18 @@ print("AFTER", big[0].item())
 
 
 def test_interrupt_and_failure_work_through_the_fork_server(defined):
-    result = defined.execute("""#pragma taas --gpus 2 --start forkserver
+    result = defined.execute(
+        """#pragma taas --gpus 2 --start forkserver
 import os, time, taas
 print("RUN", os.environ["TAAS_RUN_ID"], flush=True)
 try:
     time.sleep(60)
 finally:
     print("cleanup", taas.rank(), flush=True)
-""", interrupt_after=2.5, timeout=30)
+""",
+        interrupt_after=2.5,
+        timeout=30,
+    )
     assert "KeyboardInterrupt" in result.traceback
     assert "[rank 0] cleanup 0" in result.each_rank() and "[rank 1] cleanup 1" in result.each_rank()
     run_id = re.search(r"RUN (taas-\w+)", result.stdout)[1]
@@ -141,18 +150,27 @@ finally:
 def test_breakpoint_from_the_fork_server_shows_the_lines_around_it_as_a_forked_rank_does(defined):
     """ipykernel makes IPython's debugger ``pdb.Pdb`` in the kernel, and forked ranks inherit it; a rank
     the fork server starts has plain pdb, which showed only the ``->`` line."""
-    r = defined.execute("#pragma taas --gpus 2 --start forkserver\nimport os\nx = 5\nif os.environ['RANK'] == '1':\n"
-                        "    breakpoint()\n    x = 6\ny = x", answers=["c"]).ok()
+    r = defined.execute(
+        "#pragma taas --gpus 2 --start forkserver\nimport os\nx = 5\nif os.environ['RANK'] == '1':\n"
+        "    breakpoint()\n    x = 6\ny = x",
+        answers=["c"],
+    ).ok()
     assert r.prompts == ["[rank 1] (Pdb) "]
-    assert re.search(r"^\[rank 1\] > .*\(6\)<module>\(\)\n"
-                     r"\[rank 1\]       3 x = 5\n\[rank 1\]       4 if os.environ\['RANK'\] == '1':\n"
-                     r"\[rank 1\]       5     breakpoint\(\)\n\[rank 1\] ----> 6     x = 6\n"
-                     r"\[rank 1\]       7 y = x$", r.stdout, re.M), r.stdout
+    assert re.search(
+        r"^\[rank 1\] > .*\(6\)<module>\(\)\n"
+        r"\[rank 1\]       3 x = 5\n\[rank 1\]       4 if os.environ\['RANK'\] == '1':\n"
+        r"\[rank 1\]       5     breakpoint\(\)\n\[rank 1\] ----> 6     x = 6\n"
+        r"\[rank 1\]       7 y = x$",
+        r.stdout,
+        re.M,
+    ), r.stdout
 
 
 def test_only_rank_0_writes_from_the_fork_server_too(defined, tmp_path):
     target = tmp_path / "w.pt"
-    result = defined.execute(f"#pragma taas --gpus 2 --start forkserver\nimport taas\ntorch.save(taas.rank(), {str(target)!r})").ok()
+    result = defined.execute(
+        f"#pragma taas --gpus 2 --start forkserver\nimport taas\ntorch.save(taas.rank(), {str(target)!r})"
+    ).ok()
     assert "skipped in rank 1" in result.stderr
     import torch
 
@@ -174,7 +192,9 @@ def test_unload_stops_the_fork_server_and_kernel_death_takes_it_along(fresh_kern
     server.wait(10)
     assert fresh_kernel.fork_server() is None
     fresh_kernel.execute("%load_ext taas_magic").ok()
-    fresh_kernel.client.execute("#pragma taas --gpus 2 --start forkserver\nimport time\nprint('up', flush=True)\ntime.sleep(60)")
+    fresh_kernel.client.execute(
+        "#pragma taas --gpus 2 --start forkserver\nimport time\nprint('up', flush=True)\ntime.sleep(60)"
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(fresh_kernel.children()) < 3:
         time.sleep(0.1)

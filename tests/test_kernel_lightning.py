@@ -28,7 +28,8 @@ Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 
 def test_lightning_trainer_runs_ddp_across_the_ranks_without_process_group_code(kernel):
     kernel.execute(REGRESSION).ok()
-    result = kernel.execute("""#pragma taas --gpus 2
+    result = kernel.execute(
+        """#pragma taas --gpus 2
 import torch.distributed as dist
 model = Regression()
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=3, logger=False,
@@ -37,7 +38,9 @@ trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
 w = model.layer.weight.detach().flatten()
 print("RESULT", trainer.global_rank, trainer.world_size, type(trainer.strategy.cluster_environment).__name__,
       dist.get_world_size(), [round(v, 3) for v in w.tolist()])
-""", timeout=180).ok()
+""",
+        timeout=180,
+    ).ok()
     lines = [line.split("RESULT ", 1)[1] for line in result.stdout.splitlines() if "RESULT" in line]
     assert len(lines) == 2, result.stdout + result.stderr
     ranks = sorted(line.split()[0] for line in lines)

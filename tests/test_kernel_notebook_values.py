@@ -10,10 +10,9 @@ the strategy are in ``notebook_values.py``; the cluster's version is in test_clu
 from __future__ import annotations
 
 import pytest
+from conftest import Kernel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import Kernel
 from notebook_values import KINDS, SETUP, unpicklable, values
 
 pytestmark = pytest.mark.kernel
@@ -31,16 +30,18 @@ def notebook():
 
 def bind(kernel: Kernel, expressions: dict[str, str]) -> None:
     """Bind the notebook's names, and forget what earlier cells brought back."""
-    kernel.execute("for _name in [n for n in globals() if n.startswith(('back_', 'made_'))]:\n"
-                   "    del globals()[_name]\n"
-                   + "".join(f"{name} = {expression}\n" for name, expression in expressions.items())).ok()
+    kernel.execute(
+        "for _name in [n for n in globals() if n.startswith(('back_', 'made_'))]:\n"
+        "    del globals()[_name]\n" + "".join(f"{name} = {expression}\n" for name, expression in expressions.items())
+    ).ok()
 
 
 def cell_reading(expressions: dict[str, str]) -> str:
     """A cell that reads each name, binds it again (``back_``) and makes the same kind of value (``made_``)."""
     names = ", ".join(expressions)
-    return (f"print('kinds', [type(v).__name__ for v in ({names},)], flush=True)\n"
-            + "".join(f"back_{name} = {name}\nmade_{name} = {expression}\n" for name, expression in expressions.items()))
+    return f"print('kinds', [type(v).__name__ for v in ({names},)], flush=True)\n" + "".join(
+        f"back_{name} = {name}\nmade_{name} = {expression}\n" for name, expression in expressions.items()
+    )
 
 
 def check_cell(kernel: Kernel, header: str, expressions: dict[str, str], may_refuse: bool) -> None:
@@ -102,8 +103,13 @@ def test_generated_notebook_values_run_or_are_refused_in_one_line_naming_them(no
     header = "#pragma taas" if session else f"#pragma taas --gpus 2 {mode}"
     may_refuse = session or "forkserver" in mode
 
-    @settings(max_examples=20, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @settings(
+        max_examples=20,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
     @given(st.lists(values(), min_size=1, max_size=3))
     def cell_with(expressions: list[str]) -> None:
         named = {f"v{index}": expression for index, expression in enumerate(expressions)}
@@ -140,8 +146,9 @@ def test_a_session_is_sent_a_new_value_that_took_a_freed_ones_place(notebook, st
     notebook.execute(REBIND_IN_PLACE + "lr = float('0.25')\npoint = Point(0, 2.0)").ok()
     notebook.execute(f"#pragma taas --gpus 2 --keep --start {start}\nprint('was', lr, point.x, flush=True)").ok()
     try:
-        assert notebook.value("(rebind_in_place('lr', lambda i: i + 0.5), rebind_in_place('point', lambda i: Point(i, 2.0)))") \
-            == (True, True), "the test must reuse the freed objects' addresses to mean anything"
+        assert notebook.value(
+            "(rebind_in_place('lr', lambda i: i + 0.5), rebind_in_place('point', lambda i: Point(i, 2.0)))"
+        ) == (True, True), "the test must reuse the freed objects' addresses to mean anything"
         lr, x = notebook.value("(lr, point.x)")
         r = notebook.execute("#pragma taas\nprint('now', lr, point.x, flush=True)").ok()
         assert f"[rank 1] now {lr} {x}" in r.each_rank(), r.stdout
@@ -155,8 +162,13 @@ def test_generated_values_pushed_to_a_session_come_back_from_every_rank_when_pul
     the same kind of value from each rank, or the push is refused in one line naming what cannot go."""
     notebook.execute(f"#pragma taas --gpus 2 --start {start} --keep --return none\nstarted = True").ok()
 
-    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @settings(
+        max_examples=12,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
     @given(st.lists(values(), min_size=1, max_size=3))
     def round_trip(expressions: list[str]) -> None:
         named = {f"p{index}": expression for index, expression in enumerate(expressions)}
@@ -171,8 +183,11 @@ def test_generated_values_pushed_to_a_session_come_back_from_every_rank_when_pul
         pulled = notebook.execute(f"%taas pull {' '.join(named)}").ok()
         assert pulled.stderr == ""
         for name, kind in kinds.items():
-            assert notebook.value(f"(type({name}).__name__, {name}.ranks, [type(v).__name__ for v in {name}])") \
-                == ("PerRank", (0, 1), [kind, kind]), (name, named[name])
+            assert notebook.value(f"(type({name}).__name__, {name}.ranks, [type(v).__name__ for v in {name}])") == (
+                "PerRank",
+                (0, 1),
+                [kind, kind],
+            ), (name, named[name])
             assert isinstance(notebook.value(f"len(repr({name}))"), int)
 
     try:

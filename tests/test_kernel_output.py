@@ -49,22 +49,29 @@ def test_50_mb_of_output_through_the_live_view_leaves_the_kernel_less_than_30_mb
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_tqdm_auto_in_a_rank_draws_a_text_bar_without_a_widgets_warning(kernel, start):
     kernel.execute("import tqdm.auto").ok()  # the kernel chose its bar already, with a warning of its own
-    r = kernel.execute(f"#pragma taas --gpus 2 --start {start}\nfrom tqdm.auto import tqdm\n"
-                       "for i in tqdm(range(3)):\n    pass").ok()
+    r = kernel.execute(
+        f"#pragma taas --gpus 2 --start {start}\nfrom tqdm.auto import tqdm\nfor i in tqdm(range(3)):\n    pass"
+    ).ok()
     assert "IProgress" not in r.stderr and "TqdmWarning" not in r.stderr, r.stderr
     assert "[rank 0] 100%|" in r.each_rank("stderr") and "[rank 1] 100%|" in r.each_rank("stderr")
 
 
 def test_taas_progress_shows_each_ranks_step_rate_and_metrics_in_place(kernel):
-    r = kernel.execute("#pragma taas --gpus 2\nimport taas, time, torch\nfor step in range(40):\n"
-                       "    taas.progress(step=step, loss=torch.tensor(1.0 / (step + 1)))\n    time.sleep(0.03)").ok()
+    r = kernel.execute(
+        "#pragma taas --gpus 2\nimport taas, time, torch\nfor step in range(40):\n"
+        "    taas.progress(step=step, loss=torch.tensor(1.0 / (step + 1)))\n    time.sleep(0.03)"
+    ).ok()
     shown = [d["text/plain"] for d in r.displays]
     assert len(shown) >= 2, "drawn while the run goes on, then updated in place"
     summary = shown[-1].splitlines()
     assert summary[0].startswith("taas: 2 ranks on cpu · done in "), shown
     for rank, line in enumerate(summary[1:]):
-        assert re.fullmatch(rf"rank {rank} +done +peak [\d.]+ [KMG]B +[\d.,]+ steps/s · step 39, loss 0.025", line), shown
-    assert any(re.search(r"rank 0 +running +[\d.]+ [KMG]B +step \d+, [\d.]+ steps/s, loss [\d.]+$", text, re.M)
-               for text in shown), shown
+        assert re.fullmatch(rf"rank {rank} +done +peak [\d.]+ [KMG]B +[\d.,]+ steps/s · step 39, loss 0.025", line), (
+            shown
+        )
+    assert any(
+        re.search(r"rank 0 +running +[\d.]+ [KMG]B +step \d+, [\d.]+ steps/s, loss [\d.]+$", text, re.M)
+        for text in shown
+    ), shown
     assert r.stdout == "" and r.stderr == "", "the view is not output"
     assert kernel.execute("import taas\ntaas.progress(step=1, loss=0.5)").ok().displays == [], "in the kernel: nothing"

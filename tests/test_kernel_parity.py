@@ -60,7 +60,8 @@ def test_a_cell_that_seeds_itself_gets_what_it_asked_for_in_every_rank(kernel, s
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_exit_and_quit_end_a_rank_like_sys_exit(kernel, start):
     # `%time` makes the cell use IPython syntax: a spawned rank then has an IPython shell of its own.
-    result = kernel.execute(f"""#pragma taas --gpus 3 --start {start}
+    result = kernel.execute(
+        f"""#pragma taas --gpus 3 --start {start}
 import taas
 %time pass
 if taas.rank() == 1:
@@ -68,11 +69,15 @@ if taas.rank() == 1:
 if taas.rank() == 2:
     quit()
 print("went on", taas.rank())
-""", timeout=30).ok()
+""",
+        timeout=30,
+    ).ok()
     assert "[rank 0] went on 0" in result.each_rank()
     assert "went on 1" not in result.stdout and "went on 2" not in result.stdout
-    failed = kernel.execute(f"#pragma taas --gpus 2 --start {start}\nimport taas\n%time pass\n"
-                            "exit(3 if taas.rank() == 1 else 0)\n", timeout=30)
+    failed = kernel.execute(
+        f"#pragma taas --gpus 2 --start {start}\nimport taas\n%time pass\nexit(3 if taas.rank() == 1 else 0)\n",
+        timeout=30,
+    )
     assert failed.error["evalue"] == "rank 1 failed: SystemExit: the cell called sys.exit(3)"
     assert "exit(3 if taas.rank() == 1 else 0)" in failed.traceback and "worker.py" not in failed.traceback
 
@@ -121,12 +126,15 @@ torch.set_printoptions(profile="default")
 
 def test_accelerate_sees_the_distributed_cpu_run(kernel):
     pytest.importorskip("accelerate")
-    result = kernel.execute("""#pragma taas --gpus 2
+    result = kernel.execute(
+        """#pragma taas --gpus 2
 from accelerate import Accelerator
 accelerator = Accelerator()
 print("ACCELERATE", accelerator.num_processes, accelerator.process_index, accelerator.distributed_type.name,
       accelerator.device.type)
-""", timeout=60).ok()
+""",
+        timeout=60,
+    ).ok()
     for rank in (0, 1):
         assert f"[rank {rank}] ACCELERATE 2 {rank} MULTI_CPU cpu" in result.stdout, result.stdout
 

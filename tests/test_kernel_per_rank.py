@@ -48,15 +48,20 @@ n = taas.rank()
     assert kernel.value("(lock.ranks, lock[0], list(n))") == ((0,), "free", [0, 1])
 
 
-@pytest.mark.parametrize("line, message", [
-    ("--gpus 2 --from 2", "--from 2: the run has ranks 0-1, not rank 2"),
-    ("--gpus 2 --from 99999999999999999999", "--from 99999999999999999999: the run has ranks 0-1, "
-                                             "not rank 99999999999999999999"),
-    ("--gpus 2 --from 0,1-3", "--from 0,1-3: the run has ranks 0-1, not rank 2"),
-    ("--gpus 2 --from 1,x", "'1,x' is not a list of ranks"),
-    ("--gpus 2 --from 1,1", "'1,1' names a rank twice"),
-    ("--gpus 2 --from 3-1", "'3-1' is not a list of ranks"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--gpus 2 --from 2", "--from 2: the run has ranks 0-1, not rank 2"),
+        (
+            "--gpus 2 --from 99999999999999999999",
+            "--from 99999999999999999999: the run has ranks 0-1, not rank 99999999999999999999",
+        ),
+        ("--gpus 2 --from 0,1-3", "--from 0,1-3: the run has ranks 0-1, not rank 2"),
+        ("--gpus 2 --from 1,x", "'1,x' is not a list of ranks"),
+        ("--gpus 2 --from 1,1", "'1,1' names a rank twice"),
+        ("--gpus 2 --from 3-1", "'3-1' is not a list of ranks"),
+    ],
+)
 def test_bad_from_is_one_line_before_anything_starts(kernel, line, message):
     result = kernel.execute(f"%%taas {line}\nprint('ran')")
     assert message in result.traceback or message in result.stderr
@@ -72,8 +77,10 @@ def test_pull_and_push_move_names_between_the_notebook_and_a_sessions_ranks(fres
     kernel.execute("%taas pull step --ranks 2").ok()
     assert kernel.value("step") == 20, "from one rank a value comes as it is"
     result = kernel.execute("%taas pull only_in_1,missing --ranks 0-1").ok()
-    assert result.stderr == ("taas: not copied back from rank 0: only_in_1 (not bound when the cell ended); "
-                             "from ranks 0-1: missing (not bound when the cell ended)\n")
+    assert result.stderr == (
+        "taas: not copied back from rank 0: only_in_1 (not bound when the cell ended); "
+        "from ranks 0-1: missing (not bound when the cell ended)\n"
+    )
 
     kernel.execute("step = 'from the notebook'\n%taas push step --ranks 1").ok()
     result = kernel.execute("#pragma taas --return none\nprint(taas.rank(), step)").ok()
@@ -102,21 +109,26 @@ def test_pull_and_push_move_names_between_the_notebook_and_a_sessions_ranks(fres
     kernel.execute("%taas stop").ok()
 
 
-@pytest.mark.parametrize("line, message", [
-    ("%taas pull", "%taas pull NAMES [--ranks RANKS]: name at least one name"),
-    ("%taas pull 1x", "'1x' is not a name"),
-    ("%taas push x --ranks 9", "--ranks 9: the session has ranks 0-1"),
-    ("%taas pull x --ranks 5", "--ranks 5: the session has ranks 0-1, not rank 5"),
-    ("%taas pull x --ranks 0-1000000", "--ranks 0-1000000: the session has ranks 0-1, not rank 2"),
-    ("%taas push x --ranks 99999999999999999999", "--ranks 99999999999999999999: the session has ranks 0-1, "
-                                                  "not rank 99999999999999999999"),
-    ("%taas debug 5", "%taas debug 5: the session has ranks 0-1, not rank 5"),
-    ("%taas pull x --upto 2", "'--upto' is not allowed here"),
-    ("%taas push not_in_the_notebook", "%taas push not_in_the_notebook: the notebook has no name"),
-    ("%taas pull __builtins__", "'__builtins__' is the kernel's own name"),
-    ("%taas pull __name__", "'__name__' is the kernel's own name"),
-    ("%taas push In", "'In' is the kernel's own name"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("%taas pull", "%taas pull NAMES [--ranks RANKS]: name at least one name"),
+        ("%taas pull 1x", "'1x' is not a name"),
+        ("%taas push x --ranks 9", "--ranks 9: the session has ranks 0-1"),
+        ("%taas pull x --ranks 5", "--ranks 5: the session has ranks 0-1, not rank 5"),
+        ("%taas pull x --ranks 0-1000000", "--ranks 0-1000000: the session has ranks 0-1, not rank 2"),
+        (
+            "%taas push x --ranks 99999999999999999999",
+            "--ranks 99999999999999999999: the session has ranks 0-1, not rank 99999999999999999999",
+        ),
+        ("%taas debug 5", "%taas debug 5: the session has ranks 0-1, not rank 5"),
+        ("%taas pull x --upto 2", "'--upto' is not allowed here"),
+        ("%taas push not_in_the_notebook", "%taas push not_in_the_notebook: the notebook has no name"),
+        ("%taas pull __builtins__", "'__builtins__' is the kernel's own name"),
+        ("%taas pull __name__", "'__name__' is the kernel's own name"),
+        ("%taas push In", "'In' is the kernel's own name"),
+    ],
+)
 def test_bad_pull_and_push_are_one_line(kernel, line, message):
     kernel.execute("x = 1").ok()
     result = kernel.execute("#pragma taas --gpus 2 --keep --return none\nx = 2").ok()
@@ -132,21 +144,29 @@ def test_bad_pull_and_push_are_one_line(kernel, line, message):
 
 def test_pull_without_a_session_says_how_names_come_back(kernel):
     result = kernel.execute("%taas pull x")
-    assert "%taas pull: no session is running (a taas cell with --keep starts one); a one-shot cell sends names " \
-           "back with --return NAMES --from RANKS" in result.traceback
+    assert (
+        "%taas pull: no session is running (a taas cell with --keep starts one); a one-shot cell sends names "
+        "back with --return NAMES --from RANKS" in result.traceback
+    )
 
 
 def test_a_registered_loader_pulled_from_a_session_is_named_as_the_ranks_stand_in(fresh_kernel):
     kernel = fresh_kernel
-    kernel.execute("import taas\nfrom torch.utils.data import DataLoader, TensorDataset\n"
-                   "loader = DataLoader(TensorDataset(torch.arange(8.)), batch_size=2)\ntaas.register(loader)").ok()
+    kernel.execute(
+        "import taas\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "loader = DataLoader(TensorDataset(torch.arange(8.)), batch_size=2)\ntaas.register(loader)"
+    ).ok()
     kernel.execute("#pragma taas --gpus 2 --keep --return none\nseen = [batch[0].tolist() for batch in loader]").ok()
     try:
         result = kernel.execute("%taas pull loader seen").ok()
-        assert result.stderr == ("taas: not copied back from ranks 0-1: loader (a registered loader's stand-in, which "
-                                 "exists only inside the job: the notebook has the loader itself)\n")
+        assert result.stderr == (
+            "taas: not copied back from ranks 0-1: loader (a registered loader's stand-in, which "
+            "exists only inside the job: the notebook has the loader itself)\n"
+        )
         assert kernel.value("(type(loader).__name__, list(seen))") == (
-            "DataLoader", [[[0.0, 1.0], [4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]]])
+            "DataLoader",
+            [[[0.0, 1.0], [4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]]],
+        )
     finally:
         kernel.execute("%taas stop").ok()
 
@@ -154,15 +174,19 @@ def test_a_registered_loader_pulled_from_a_session_is_named_as_the_ranks_stand_i
 def test_large_values_pulled_from_every_rank_arrive_whole(fresh_kernel):
     """Names larger than a message go from each rank to the kernel in a memory file, checked on arrival."""
     kernel = fresh_kernel
-    kernel.execute("#pragma taas --gpus 3 --keep --return none\nimport taas\n"
-                   "big = torch.arange(300_000, dtype=torch.float64) * (taas.rank() + 1)\nsmall = taas.rank()").ok()
+    kernel.execute(
+        "#pragma taas --gpus 3 --keep --return none\nimport taas\n"
+        "big = torch.arange(300_000, dtype=torch.float64) * (taas.rank() + 1)\nsmall = taas.rank()"
+    ).ok()
     try:
         for _ in range(2):
             kernel.execute("%taas pull big small").ok()
             assert kernel.value("[float(b.sum()) for b in big]") == [sum(range(300_000)) * (r + 1) for r in range(3)]
             assert kernel.value("list(small)") == [0, 1, 2]
-        kept = kernel.value("[os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd') "
-                            "if os.path.exists(f'/proc/self/fd/{fd}')]")
+        kept = kernel.value(
+            "[os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd') "
+            "if os.path.exists(f'/proc/self/fd/{fd}')]"
+        )
         assert not [name for name in kept if "taas-names" in name], "the kernel keeps no file of the names it read"
     finally:
         kernel.execute("%taas stop").ok()

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import Kernel
 
 pytestmark = pytest.mark.kernel
@@ -34,8 +33,10 @@ def start_session(kernel: Kernel, folder: Path, name: str, start: str, autoreloa
     session whose ranks hold the module, a function from it and an instance of its class."""
     write_module(folder, name, 1)
     kernel.execute(f"sys.path.insert(0, {str(folder)!r})\n{autoreload}\nimport {name}").ok()
-    r = kernel.execute(f"#pragma taas --gpus 2 --keep --start {start}\n"
-                       f"held, box = {name}.f, {name}.Box()\nprint('before', {name}.f(), held(), box.get())").ok()
+    r = kernel.execute(
+        f"#pragma taas --gpus 2 --keep --start {start}\n"
+        f"held, box = {name}.f, {name}.Box()\nprint('before', {name}.f(), held(), box.get())"
+    ).ok()
     assert "[rank 1] before 1 1 1" in r.each_rank(), r.stdout
 
 
@@ -70,8 +71,9 @@ def test_with_autoreload_on_the_ranks_run_the_edited_module_as_the_notebook_does
     name = f"edited_{start}"
     start_session(kernel, tmp_path, name, start, "%autoreload 2")
     try:
-        assert modules_line(kernel) == ("reloaded in the session's ranks before each cell when changed "
-                                        "(%autoreload 2 is on)")
+        assert modules_line(kernel) == (
+            "reloaded in the session's ranks before each cell when changed (%autoreload 2 is on)"
+        )
         shown = after_edit(kernel, tmp_path, name)
         assert kernel.value(f"{name}.f()") == 2, "the notebook runs the new code"
         for rank in (0, 1):
@@ -98,8 +100,10 @@ def test_aimported_modules_alone_are_reloaded_with_autoreload_explicit(kernel, t
     write_module(tmp_path, "other", 1)
     start_session(kernel, tmp_path, "named", "fork", "%autoreload explicit\n%aimport named\nimport other")
     try:
-        assert modules_line(kernel) == ("reloaded in the session's ranks before each cell when changed "
-                                        "(%autoreload 1 is on: the modules named with %aimport)")
+        assert modules_line(kernel) == (
+            "reloaded in the session's ranks before each cell when changed "
+            "(%autoreload 1 is on: the modules named with %aimport)"
+        )
         write_module(tmp_path, "other", 2)
         shown = after_edit(kernel, tmp_path, "named")
         assert "[rank 1] after 2 2 2" in shown, shown
@@ -127,8 +131,10 @@ def test_a_module_only_the_ranks_imported_is_reloaded_with_autoreload_on(kernel,
     write_module(tmp_path, "ranks_only", 1)
     kernel.execute(f"sys.path.insert(0, {str(tmp_path)!r})\n%autoreload 2").ok()
     try:
-        kernel.execute("#pragma taas --gpus 2 --keep --start forkserver --return none\n"
-                       "import ranks_only\nprint('before', ranks_only.f())").ok()
+        kernel.execute(
+            "#pragma taas --gpus 2 --keep --start forkserver --return none\n"
+            "import ranks_only\nprint('before', ranks_only.f())"
+        ).ok()
         assert kernel.value("'ranks_only' in sys.modules") is False
         write_module(tmp_path, "ranks_only", 2)
         r = kernel.execute("#pragma taas --return none\nprint('after', ranks_only.f())").ok()

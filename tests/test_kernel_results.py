@@ -25,7 +25,9 @@ weights = model.module.weight.detach().clone()
 print("W", weights.tolist())
 """).ok()
     assert result.stderr == ""
-    rank0_weights = [line for line in result.each_rank().splitlines() if line.startswith("[rank 0] W")][0].split(" W ")[1]
+    rank0_weights = [line for line in result.each_rank().splitlines() if line.startswith("[rank 0] W")][0].split(" W ")[
+        1
+    ]
     assert kernel.value("type(model).__name__") == "Linear", "DDP comes back as the module it wraps"
     assert kernel.value("history") == [0, 1.5]
     assert kernel.value("(double(4), Box.size)") == (8, 7)
@@ -39,8 +41,10 @@ def test_a_small_view_of_a_large_tensor_comes_back_as_its_elements(kernel, how):
     """``head = big[:3]`` of 200 MB: 12 bytes come back (it was the whole storage), in a one-shot cell,
     a session's first cell and %taas pull."""
     try:
-        result = kernel.execute(f"#pragma taas --gpus 2 {how}\nimport torch\nbig = torch.ones(50_000_000)\n"
-                                "head = big[:3] * 0 + big[:3]\nhead = big[:3]").ok()
+        result = kernel.execute(
+            f"#pragma taas --gpus 2 {how}\nimport torch\nbig = torch.ones(50_000_000)\n"
+            "head = big[:3] * 0 + big[:3]\nhead = big[:3]"
+        ).ok()
         assert result.seconds < 30
         assert kernel.value("(head.tolist(), head.untyped_storage().nbytes())") == ([1.0, 1.0, 1.0], 12)
         if "--keep" in how:
@@ -94,8 +98,10 @@ def test_only_rank_0_writes_files_and_the_file_is_whole(kernel, tmp_path):
 import torch, taas
 torch.save({{"rank": taas.rank(), "data": torch.full((256, 256), float(taas.rank()))}}, {str(target)!r})
 """).ok()
-    assert result.stderr == (f"taas: torch.save to {str(target)!r} skipped in ranks 1-2: only rank 0 writes files "
-                             "(guard other writes with taas.is_main())\n")
+    assert result.stderr == (
+        f"taas: torch.save to {str(target)!r} skipped in ranks 1-2: only rank 0 writes files "
+        "(guard other writes with taas.is_main())\n"
+    )
     import torch
 
     saved = torch.load(target)
@@ -176,17 +182,19 @@ def test_every_name_that_cannot_come_back_is_named_in_one_line_and_the_others_co
     result = kernel.execute(f"#pragma taas --gpus 2 --start {start}\n" + BAD_AND_GOOD.format(folder=str(tmp_path))).ok()
     notices = result.stderr.splitlines()
     assert len(notices) == 1 and notices[0].startswith("taas: not copied back from rank 0: "), result.stderr
-    parts = [part.partition(" (") for part in notices[0].removeprefix("taas: not copied back from rank 0: ").split("; ")]
+    parts = [
+        part.partition(" (") for part in notices[0].removeprefix("taas: not copied back from rank 0: ").split("; ")
+    ]
     reasons = {name: why.removesuffix(")") for name, _, why in parts}
     assert reasons == {
         "lock": "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)",
         "generator": "generator cannot be pickled (TypeError: cannot pickle 'generator' object)",
         "log": "TextIOWrapper cannot be pickled (PicklingError: Cannot pickle files that are not opened for "
-               "reading: w)",
+        "reading: w)",
         "sock": "socket cannot be pickled (TypeError: cannot pickle 'socket' object)",
         "refuses": "RefusesWithSystemExit cannot be pickled (SystemExit: not today)",
         "endless": "Endless cannot be pickled (PicklingError: Could not pickle object as excessively deep recursion "
-                   "required.)",
+        "required.)",
         "rank_only": "could not be unpickled in the kernel (RuntimeError: only a rank can rebuild this)",
         "holder": "shares objects with rank_only, which could not be unpickled in the kernel",
         "named": "could not be unpickled in the kernel (ModuleNotFoundError: No module named 'only_in_ranks')",

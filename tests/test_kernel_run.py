@@ -6,20 +6,33 @@ import json
 import re
 
 import pytest
-
 from conftest import port_is_free, processes_of_run
 
 pytestmark = pytest.mark.kernel
 
-TORCHRUN = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-            "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"]
+TORCHRUN = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+]
 
-ENV_CELL = """#!g2.8
+ENV_CELL = (
+    """#!g2.8
 #pragma taas --gpus 3
 import json, os, taas
 print("ENV " + json.dumps({k: os.environ.get(k) for k in %r}
       | {"taas": [taas.rank(), taas.local_rank(), taas.world_size(), taas.is_main(), str(taas.device())]}))
-""" % TORCHRUN
+"""
+    % TORCHRUN
+)
 
 
 def rank_envs(result) -> dict[int, dict]:
@@ -52,8 +65,9 @@ def test_every_rank_gets_the_torchrun_environment_and_the_kernel_keeps_its_own(k
 
 
 def test_taas_module_outside_a_cell_answers_as_rank_0_of_1(kernel):
-    assert kernel.value("(taas.rank(), taas.world_size(), taas.is_main(), str(taas.device()))"
-                        .replace("taas.", "__import__('taas').")) == (0, 1, True, "cpu")
+    assert kernel.value(
+        "(taas.rank(), taas.world_size(), taas.is_main(), str(taas.device()))".replace("taas.", "__import__('taas').")
+    ) == (0, 1, True, "cpu")
 
 
 def test_the_notebook_namespace_is_usable_in_the_ranks(kernel):
@@ -110,8 +124,11 @@ print("to stderr", file=sys.stderr)
 sys.stdout.write("no newline at the end")
 """).ok()
     for rank in (0, 1):
-        mine = [line[len(f"[rank {rank}] "):] for line in result.each_rank().splitlines()
-                if line.startswith(f"[rank {rank}] ")]
+        mine = [
+            line[len(f"[rank {rank}] ") :]
+            for line in result.each_rank().splitlines()
+            if line.startswith(f"[rank {rank}] ")
+        ]
         assert mine[:3000] == [f"line {i}" for i in range(3000)]
         assert mine[3000:] == ["written to fd 1 by C-level code", "from a child process", "no newline at the end"]
         assert f"[rank {rank}] to stderr" in result.each_rank("stderr").splitlines()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import NO_GPU, Kernel
 
 pytestmark = pytest.mark.kernel
@@ -22,7 +21,9 @@ def test_configured_defaults_apply_to_cells_that_leave_the_option_out(kernel):
         assert "default --output:    rank0 (rank 0's output alone) (from %config TaasMagics.output)" in shown
         kernel.execute("import threading\nlock = threading.Lock()").ok()
         r = kernel.execute("#pragma taas --gpus 2\nprint(lock)")
-        assert "cannot be sent to ranks started with --start forkserver" in r.error["evalue"], "started from the fork server"
+        assert "cannot be sent to ranks started with --start forkserver" in r.error["evalue"], (
+            "started from the fork server"
+        )
     finally:
         kernel.execute('%config TaasMagics.output = "all"\n%config TaasMagics.start = "auto"').ok()
 
@@ -36,8 +37,10 @@ def test_a_configured_device_wins_over_the_environment_and_a_bad_one_is_one_line
         k.execute("#pragma taas --gpus 2\nimport taas\nplace = str(taas.device())").ok()
         assert k.value("place") == "cpu"
         r = k.execute('%config TaasMagics.device = "gpu"')  # IPython logs a refused setting in one line
-        assert "The 'device' trait of a TaasMagics instance expected any of ['auto', 'cuda', 'cpu'] or None, " \
-               "not the str 'gpu'." in r.stderr
+        assert (
+            "The 'device' trait of a TaasMagics instance expected any of ['auto', 'cuda', 'cpu'] or None, "
+            "not the str 'gpu'." in r.stderr
+        )
         assert "default --device:    cpu (from %config TaasMagics.device)" in k.execute("%taas").ok().stdout
     finally:
         k.shutdown()
@@ -56,8 +59,10 @@ def test_settings_name_only_what_the_user_configured_and_what_using_cuda_changed
         assert "(from %config TaasMagics.view)" in k.execute("%taas").ok().stdout
         k.execute("torch.cuda.is_available()").ok()
         shown = k.execute("%taas").ok().stdout
-        assert "CUDA devices:        0 visible (CUDA was used in this kernel: GPU cells start from the fork " \
-               "server; CPU cells still fork)" in shown
+        assert (
+            "CUDA devices:        0 visible (CUDA was used in this kernel: GPU cells start from the fork "
+            "server; CPU cells still fork)" in shown
+        )
         result = k.execute(GRANDPARENT).ok()
         assert int(result.stdout) == k.pid and result.stderr == "", "a CPU cell is still forked from the kernel"
     finally:

@@ -11,7 +11,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import processes_of_run
 
 pytestmark = pytest.mark.kernel
@@ -23,7 +22,9 @@ def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
     deadline = time.monotonic() + seconds
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        ]
         time.sleep(0.05)
     return alive
 
@@ -34,13 +35,17 @@ def test_an_interrupt_at_any_moment_leaves_nothing_for_the_next_cell(kernel, sta
     # Unpickling `slow` takes a while in the fork server: interrupts land while the ranks are being started.
     kernel.execute("slow = [str(i) for i in range(1_500_000)]").ok()
     for n, delay in enumerate((0.02, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)):
-        old = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+        old = kernel.execute(
+            f"""#pragma taas --gpus 2 --start {start}
 import os, time
 print("OLD{n}", os.environ["TAAS_RUN_ID"], len(slow), flush=True)
 time.sleep(1.5)
 old_name_{n} = 1
 print("OLD{n} done", flush=True)
-""", interrupt_after=delay, timeout=60)
+""",
+            interrupt_after=delay,
+            timeout=60,
+        )
         run_ids = re.findall(r"OLD\d (taas-\w+)", old.stdout)
         new = kernel.execute(f"#pragma taas --gpus 2 --start {start} --output rank0\nprint('NEW{n}')").ok()
         assert new.stdout == f"NEW{n}\n", f"after an interrupt at {delay} s: {new.stdout!r}"
@@ -57,8 +62,9 @@ def test_an_interrupt_while_the_first_cell_imports_torch_stops_it_and_leaves_tor
     assert bare_kernel.value("'torch' in sys.modules") is False
     result = bare_kernel.execute("#pragma taas --gpus 2 --start fork\nlate_name = 1", interrupt_after=0.15, timeout=60)
     assert result.error is not None and result.error["ename"] == "KeyboardInterrupt", result.error
-    assert bare_kernel.value("('torch' in sys.modules, 'late_name' in globals())") == (True, False), \
+    assert bare_kernel.value("('torch' in sys.modules, 'late_name' in globals())") == (True, False), (
         "the interrupt came while torch was imported, and waited for the import's end"
+    )
     assert bare_kernel.execute("import torch\nprint(torch.ones(3).sum().item())").ok().stdout == "3.0\n"
     next_cell = "#pragma taas --gpus 2 --start fork --output rank0\nprint('next')"
     assert bare_kernel.execute(next_cell).ok().stdout == "next\n"
@@ -80,15 +86,20 @@ def test_an_interrupt_that_lands_in_fork_callbacks_or_while_ranks_start_stops_th
     """At-fork callbacks (logging registers some) run Python inside os.fork: an interrupt raised
     there is swallowed, in the kernel (the cell then ran on to its end) or in a starting rank
     (which ignored it until the SIGTERM step). Here the callbacks sleep, so interrupts land in them."""
-    kernel.execute("import os, time\nSLOW_FORK = None\nos.register_at_fork("
-                   "after_in_parent=lambda: time.sleep(1) if SLOW_FORK == 'parent' else None, "
-                   "after_in_child=lambda: time.sleep(1) if SLOW_FORK == 'child' else None)").ok()
+    kernel.execute(
+        "import os, time\nSLOW_FORK = None\nos.register_at_fork("
+        "after_in_parent=lambda: time.sleep(1) if SLOW_FORK == 'parent' else None, "
+        "after_in_child=lambda: time.sleep(1) if SLOW_FORK == 'child' else None)"
+    ).ok()
     # parent: the kernel's fork of the supervisor; child: the supervisor's forks of the ranks, 1 s after it
     for where, delay in (("parent", 0.5), ("child", 1.6)):
         kernel.execute(f"SLOW_FORK = {where!r}").ok()
         try:
-            result = kernel.execute("#pragma taas --gpus 2 --start fork\nimport time\ntime.sleep(8)\nlate_name = 1",
-                                    interrupt_after=delay, timeout=30)
+            result = kernel.execute(
+                "#pragma taas --gpus 2 --start fork\nimport time\ntime.sleep(8)\nlate_name = 1",
+                interrupt_after=delay,
+                timeout=30,
+            )
         finally:
             kernel.execute("SLOW_FORK = None").ok()
         assert result.error is not None and "Interrupt" in result.error["ename"], (where, result.stdout, result.stderr)
@@ -134,12 +145,16 @@ def test_a_second_interrupt_while_the_first_is_handled_leaves_no_zombie_descript
 
 @pytest.mark.parametrize("start", STARTS)
 def test_an_interrupt_while_ranks_print_heavily_leaves_the_start_method_working(kernel, start):
-    kernel.execute(f"""#pragma taas --gpus 2 --start {start}
+    kernel.execute(
+        f"""#pragma taas --gpus 2 --start {start}
 import sys
 line = "x" * 5000
 while True:
     print(line)
-""", interrupt_after=1.5, timeout=60)
+""",
+        interrupt_after=1.5,
+        timeout=60,
+    )
     for n in range(3):
         result = kernel.execute(f"#pragma taas --gpus 2 --start {start} --output rank0\nprint('fine {n}')").ok()
         assert result.stdout == f"fine {n}\n"
@@ -176,7 +191,10 @@ time.sleep(60)
     assert time.monotonic() - killed < 10
     assert error is not None and "fork server" in error["evalue"] and "SIGKILL" in error["evalue"], error
     assert wait_gone(family) == []
-    assert fresh_kernel.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint('next')").ok().stdout == "next\n"
+    assert (
+        fresh_kernel.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint('next')").ok().stdout
+        == "next\n"
+    )
 
 
 # -- 2. nothing a rank starts outlives its run ---------------------------------------------------------
@@ -197,16 +215,24 @@ print("ESCAPED", " ".join(map(str, pids)), flush=True)
 
 
 @pytest.mark.parametrize("start", STARTS)
-@pytest.mark.parametrize("options, ending, interrupt", [
-    ("", "", None),
-    ("--timeout 2", "time.sleep(60)", None),
-    ("", "time.sleep(60)", 2.5),
-    ("", "time.sleep(0.5)  # both ranks have escaped before either fails\nraise ValueError('after escaping')", None),
-    ("", "time.sleep(0.5)\nos.kill(os.getpid(), 9)", None),
-])
+@pytest.mark.parametrize(
+    "options, ending, interrupt",
+    [
+        ("", "", None),
+        ("--timeout 2", "time.sleep(60)", None),
+        ("", "time.sleep(60)", 2.5),
+        (
+            "",
+            "time.sleep(0.5)  # both ranks have escaped before either fails\nraise ValueError('after escaping')",
+            None,
+        ),
+        ("", "time.sleep(0.5)\nos.kill(os.getpid(), 9)", None),
+    ],
+)
 def test_no_escaped_process_outlives_its_run(kernel, start, options, ending, interrupt):
-    result = kernel.execute(ESCAPE.format(start=start, options=options, ending=ending), interrupt_after=interrupt,
-                            timeout=60)
+    result = kernel.execute(
+        ESCAPE.format(start=start, options=options, ending=ending), interrupt_after=interrupt, timeout=60
+    )
     escaped = [int(pid) for line in re.findall(r"ESCAPED ([\d ]+)", result.stdout) for pid in line.split()]
     assert len(escaped) == 4, result.stdout
     assert wait_gone(escaped) == [], "each run's processes are gone within 10 s of its end"
@@ -274,8 +300,10 @@ if os.fork() == 0:  # a daemon that never execs
     os._exit(0)
 print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_end, 4096).decode())
 """).ok()
-    seen = {int(rank): (json.loads(mine), int(port), json.loads(daemon))
-            for rank, mine, port, daemon in re.findall(r"\[rank (\d)\] SOCKETS (\{.*?\}) (\d+) (\{.*\})", result.stdout)}
+    seen = {
+        int(rank): (json.loads(mine), int(port), json.loads(daemon))
+        for rank, mine, port, daemon in re.findall(r"\[rank (\d)\] SOCKETS (\{.*?\}) (\d+) (\{.*\})", result.stdout)
+    }
     assert sorted(seen) == [0, 1], result.stdout
     for rank, (mine, port, daemon) in seen.items():
         for found in (mine, daemon):
@@ -284,8 +312,9 @@ print("SOCKETS", json.dumps(sockets()), os.environ["MASTER_PORT"], os.read(read_
             assert all(port in end for end in found["ends"]), "the run's store is the only network socket"
     for rank in (0, 1):
         mine = seen[rank][0]
-        assert mine["count"] == 1 and mine["peers"] == [mine["parent"]], \
+        assert mine["count"] == 1 and mine["peers"] == [mine["parent"]], (
             "before it joins the process group, a rank holds one socket: its channel with its supervisor"
+        )
 
 
 DESCRIPTORS = """
@@ -307,19 +336,33 @@ def test_ranks_hold_none_of_the_kernels_machinery_but_keep_what_the_notebook_ope
     database and saved stdout/stderr. Kept, in forked ranks: a file, a pipe and a multiprocessing
     queue that an earlier cell made."""
     notes = tmp_path / "notes.txt"
-    kernel.execute(DESCRIPTORS + f"import multiprocessing\nnotes = open({str(notes)!r}, 'w')\n"
-                   "read_end, write_end = os.pipe()\nqueue = multiprocessing.Queue()\n"
-                   "memory = os.memfd_create('cells')\nos.write(memory, b'data')\nKERNEL = descriptors()").ok()
-    kernel_fds = {int(fd): target for fd, target in json.loads(kernel.value("__import__('json').dumps(KERNEL)")).items()}
+    kernel.execute(
+        DESCRIPTORS + f"import multiprocessing\nnotes = open({str(notes)!r}, 'w')\n"
+        "read_end, write_end = os.pipe()\nqueue = multiprocessing.Queue()\n"
+        "memory = os.memfd_create('cells')\nos.write(memory, b'data')\nKERNEL = descriptors()"
+    ).ok()
+    kernel_fds = {
+        int(fd): target for fd, target in json.loads(kernel.value("__import__('json').dumps(KERNEL)")).items()
+    }
     history = {target for target in kernel_fds.values() if target.endswith("history.sqlite")}
-    originals = set(kernel.value("[KERNEL[fd] for fd in (getattr(s, '_original_stdstream_copy', None) "
-                                 "for s in (__import__('sys').stdout, __import__('sys').stderr)) if fd is not None]"))
+    originals = set(
+        kernel.value(
+            "[KERNEL[fd] for fd in (getattr(s, '_original_stdstream_copy', None) "
+            "for s in (__import__('sys').stdout, __import__('sys').stderr)) if fd is not None]"
+        )
+    )
     output_pipes = {kernel_fds[fd] for fd in (1, 2) if kernel_fds[fd].startswith("pipe:")}
     machinery = {target for target in kernel_fds.values() if target.startswith(("socket:", "/memfd:"))}
     assert history and machinery
-    uses_them = ("notes.write('rank'); notes.flush()\nos.write(write_end, b'pipe ')\n"
-                 "queue.put(int(os.environ['RANK'])); queue.close(); queue.join_thread()\n"
-                 "try:\n    os.pread(memory, 4, 0)\nexcept OSError as e:\n    print('MEMORY', e.errno)") if start == "fork" else ""
+    uses_them = (
+        (
+            "notes.write('rank'); notes.flush()\nos.write(write_end, b'pipe ')\n"
+            "queue.put(int(os.environ['RANK'])); queue.close(); queue.join_thread()\n"
+            "try:\n    os.pread(memory, 4, 0)\nexcept OSError as e:\n    print('MEMORY', e.errno)"
+        )
+        if start == "fork"
+        else ""
+    )
     result = kernel.execute(f"""#pragma taas --gpus 2 --start {start}
 import json, os
 print("FDS", json.dumps(descriptors()))
@@ -339,7 +382,9 @@ print("FDS", json.dumps(descriptors()))
         assert notes.read_text() == "rankrank", "a file the notebook opened is still the ranks' to use"
         assert kernel.value("os.read(read_end, 100)") == b"pipe pipe "
         assert sorted(kernel.value("[queue.get(timeout=10) for _ in range(2)]")) == [0, 1]
-        assert result.each_rank().count(f"MEMORY {errno.EBADF}") == 2, "a dropped descriptor fails loudly, never reads as empty"
+        assert result.each_rank().count(f"MEMORY {errno.EBADF}") == 2, (
+            "a dropped descriptor fails loudly, never reads as empty"
+        )
     kernel.execute("os.close(read_end); os.close(write_end); os.close(memory); queue.close()").ok()
 
 
@@ -358,12 +403,24 @@ print("LISTENING", os.environ["MASTER_PORT"], json.dumps(found))
 dist.barrier()
 dist.destroy_process_group()
 """).ok()
-    found = [(int(port), json.loads(data)) for port, data in re.findall(r"\[rank \d\] LISTENING (\d+) (.*)", result.stdout)]
+    found = [
+        (int(port), json.loads(data)) for port, data in re.findall(r"\[rank \d\] LISTENING (\d+) (.*)", result.stdout)
+    ]
     assert len(found) == 2
     for port, (rank, supervisor, kernel_side) in found:
-        assert {ip for ip, _ in rank + supervisor + kernel_side} <= {"127.0.0.1", "::1"}, (rank, supervisor, kernel_side)
+        assert {ip for ip, _ in rank + supervisor + kernel_side} <= {"127.0.0.1", "::1"}, (
+            rank,
+            supervisor,
+            kernel_side,
+        )
         assert supervisor == [], "the supervisor listens on nothing"
         assert ["127.0.0.1", port] in kernel_side, "the kernel serves the run's store on loopback"
-    after = kernel.execute("import psutil\nprint(sorted({c.laddr.port for c in psutil.Process().net_connections('inet') "
-                           "if c.status == 'LISTEN'}))").ok().stdout
+    after = (
+        kernel.execute(
+            "import psutil\nprint(sorted({c.laddr.port for c in psutil.Process().net_connections('inet') "
+            "if c.status == 'LISTEN'}))"
+        )
+        .ok()
+        .stdout
+    )
     assert str(found[0][0]) not in after, "the store's port is closed with the run"

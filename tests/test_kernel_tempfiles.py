@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import Kernel
 
 pytestmark = pytest.mark.kernel
@@ -49,8 +48,10 @@ def test_registered_loaders_with_workers_leave_no_folders(private_tmp, start):
 
 def test_workers_a_rank_leaves_running_leave_no_folders(private_tmp):
     kernel, folder = private_tmp
-    kernel.execute("#pragma taas --gpus 2 --cpus 0\nbatches = iter(DataLoader(torch.arange(64), batch_size=4, "
-                   "num_workers=2, persistent_workers=True))\nfirst = next(batches)").ok()
+    kernel.execute(
+        "#pragma taas --gpus 2 --cpus 0\nbatches = iter(DataLoader(torch.arange(64), batch_size=4, "
+        "num_workers=2, persistent_workers=True))\nfirst = next(batches)"
+    ).ok()
     assert left_behind(kernel, folder) == []
 
 
@@ -58,7 +59,9 @@ def test_an_interrupt_or_a_failure_while_workers_run_leaves_no_folders(private_t
     kernel, folder = private_tmp
     result = kernel.execute("#pragma taas --gpus 2\nfor b in slow:\n    pass", interrupt_after=2.5, timeout=30)
     assert "KeyboardInterrupt" in result.traceback
-    result = kernel.execute("#pragma taas --gpus 2\nfor i, b in enumerate(slow):\n    if i == 5:\n"
-                            "        raise ValueError('stop here')", timeout=30)
+    result = kernel.execute(
+        "#pragma taas --gpus 2\nfor i, b in enumerate(slow):\n    if i == 5:\n        raise ValueError('stop here')",
+        timeout=30,
+    )
     assert "stop here" in result.error["evalue"], "the producers are stopped after the failure"
     assert left_behind(kernel, folder) == []

@@ -42,8 +42,13 @@ def test_no_private_name_is_imported_from_another_module() -> None:
                     if our_module(alias.name):
                         imported_modules.add(alias.asname or alias.name)
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and isinstance(node.value, ast.Name) and node.value.id in imported_modules):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in imported_modules
+            ):
                 crossings.append(f"{name} reads {node.value.id}.{node.attr}")
     assert crossings == []
 
@@ -57,9 +62,13 @@ def test_every_package_says_what_runs_it() -> None:
 
 def test_the_layout_is_the_one_the_docs_draw() -> None:
     architecture = (SRC.parent / "docs" / "architecture.md").read_text()
-    packages = sorted(name for name, _ in modules()
-                      if name.count(".") == 1 and name.startswith("taas_magic.")
-                      and (SRC / name.replace(".", "/") / "__init__.py").exists())
+    packages = sorted(
+        name
+        for name, _ in modules()
+        if name.count(".") == 1
+        and name.startswith("taas_magic.")
+        and (SRC / name.replace(".", "/") / "__init__.py").exists()
+    )
     assert packages, "no subpackages found"
     for package in packages:
         assert f"{package.split('.')[1]}/" in architecture, f"docs/architecture.md does not show {package}"

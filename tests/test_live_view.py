@@ -34,8 +34,14 @@ def test_a_row_shows_memory_the_bar_and_taas_progress():
     view.bar(0, "45%|####5     | 45/100 [00:01<00:01, 40.12it/s]")
     view.take(0, RankProgress(1.0, 40, {"loss": 0.5}))
     view.take(0, RankProgress(2.0, 60, {"loss": 0.25}))
-    assert rows(view.render(2.0)) == [["rank 0", "running", "312 MB · GPU 12.1 GB 87%",
-                                       "step 60, 20.0 steps/s, loss 0.25 · 45%|####5     | 45/100 [00:01<00:01, 40.12it/s]"]]
+    assert rows(view.render(2.0)) == [
+        [
+            "rank 0",
+            "running",
+            "312 MB · GPU 12.1 GB 87%",
+            "step 60, 20.0 steps/s, loss 0.25 · 45%|####5     | 45/100 [00:01<00:01, 40.12it/s]",
+        ]
+    ]
 
 
 def test_a_row_wider_than_the_cell_loses_no_number():
@@ -61,9 +67,11 @@ def test_a_row_says_a_collective_that_lasts_and_nothing_for_a_short_one():
     view.take(1, RankActivity(1.0, 0.5, {"0": 4}, [all_reduce(5, 0.2)]))
     view.take(2, RankActivity(1.0, 0.5, {"0": 4}, [all_reduce(5, 3.0)]))
     view.take(2, RankProgress(1.0, 40))
-    assert rows(view.render(1.0)) == [["rank 0", "running", "in all_reduce #5 (4 KB float32) 3 s"],
-                                      ["rank 1", "running"],
-                                      ["rank 2", "running", "in all_reduce #5 (4 KB float32) 3 s · step 40"]]
+    assert rows(view.render(1.0)) == [
+        ["rank 0", "running", "in all_reduce #5 (4 KB float32) 3 s"],
+        ["rank 1", "running"],
+        ["rank 2", "running", "in all_reduce #5 (4 KB float32) 3 s · step 40"],
+    ]
     for rank in range(3):
         view.take(rank, CellEnded(2.0))
     assert "all_reduce" not in view.render(2.0)["text/plain"]  # a rank that is done does nothing
@@ -75,9 +83,11 @@ def test_a_row_says_a_wait_for_data_that_lasts_and_process_group_setup():
     view.take(0, RankActivity(1.0, 0.5, waiting="train_loader", waited=2.0))
     view.take(1, RankActivity(1.0, 0.5, waiting="train_loader", waited=0.2))
     view.take(2, RankActivity(1.0, 0.5, setup=5.0, store="10.0.0.1:29400"))
-    assert rows(view.render(1.0)) == [["rank 0", "running", "waiting for data 2 s"],
-                                      ["rank 1", "running"],
-                                      ["rank 2", "running", "in process-group setup 5 s"]]
+    assert rows(view.render(1.0)) == [
+        ["rank 0", "running", "waiting for data 2 s"],
+        ["rank 1", "running"],
+        ["rank 2", "running", "in process-group setup 5 s"],
+    ]
 
 
 def test_a_row_says_computing_when_the_cpu_rose_between_two_samples():
@@ -125,8 +135,10 @@ def test_the_summary_has_peaks_and_throughput():
         view.take(rank, CellEnded(12.0))
     summary = view.summary("done", 12.3)
     assert summary["text/plain"].splitlines()[0] == "taas: 2 ranks on cpu · done in 12.3 s"
-    assert rows(summary) == [["rank 0", "done", "peak 900 MB", "10.0 steps/s · step 100"],
-                             ["rank 1", "done", "peak 250 MB", "9.87 it/s · 100%|##########| 100/100 [00:10<00:00, 9.87it/s]"]]
+    assert rows(summary) == [
+        ["rank 0", "done", "peak 900 MB", "10.0 steps/s · step 100"],
+        ["rank 1", "done", "peak 250 MB", "9.87 it/s · 100%|##########| 100/100 [00:10<00:00, 9.87it/s]"],
+    ]
     assert 'data-state="summary"' in summary["text/html"]
     assert view.summary("failed", 3.0)["text/plain"].startswith("taas: 2 ranks on cpu · failed after 3.0 s")
 

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-from taas_magic.kernel import options, spec
 from taas_magic.configurations import load_catalog
-from taas_magic.process.machine import Machine
+from taas_magic.kernel import options, spec
 from taas_magic.kernel.magics import TaasMagics
+from taas_magic.process.machine import Machine
 
 CATALOG = load_catalog({})
 EIGHT_GPUS = Machine(cpus=16, cuda_devices=8)
@@ -30,56 +30,147 @@ def build(line: str, machine: Machine = EIGHT_GPUS, environ: dict[str, str] | No
 DEFAULTS = dict(cpus=None, units=None, output="all", timeout=None, configuration=None)
 
 GOOD = [
-    pytest.param("", EIGHT_GPUS, {}, dict(world_size=1, ranks_per_node=1, device="cuda", threads_per_rank=16),
-                 id="defaults"),
-    pytest.param("--gpus 4", EIGHT_GPUS, {}, dict(world_size=4, ranks_per_node=4, device="cuda", threads_per_rank=4),
-                 id="gpus"),
-    pytest.param("--gpus 8", EIGHT_GPUS, {}, dict(world_size=8, ranks_per_node=8, device="cuda", threads_per_rank=2),
-                 id="all-gpus"),
-    pytest.param("--config g2.8", EIGHT_GPUS, {},
-                 dict(world_size=8, ranks_per_node=8, device="cuda", threads_per_rank=2, configuration="g2.8"),
-                 id="configuration-sets-gpus"),
-    pytest.param("--config g2.8 --gpus 2", EIGHT_GPUS, {},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, configuration="g2.8"),
-                 id="configuration-with-fewer-gpus"),
-    pytest.param("--config g1.4 --gpus 3", EIGHT_GPUS, {},
-                 dict(world_size=3, ranks_per_node=3, device="cuda", threads_per_rank=5, configuration="g1.4"),
-                 id="part-of-a-node"),
-    pytest.param("--gpus 3 --device cpu", NO_GPU, {},
-                 dict(world_size=3, ranks_per_node=3, device="cpu", threads_per_rank=2), id="cpu-ranks"),
-    pytest.param("--gpus 32 --device cpu", Machine(cpus=4, cuda_devices=0), {},
-                 dict(world_size=32, ranks_per_node=32, device="cpu", threads_per_rank=1),
-                 id="more-ranks-than-cores-get-one-thread"),
-    pytest.param("--gpus 256 --device cpu", NO_GPU, {},
-                 dict(world_size=256, ranks_per_node=256, device="cpu", threads_per_rank=1), id="most-cpu-ranks"),
-    pytest.param("--config c1.4 --device cpu", NO_GPU, {},
-                 dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8, configuration="c1.4"),
-                 id="cpu-configuration"),
-    pytest.param("--config c1.8 --device cpu --gpus 8", NO_GPU, {},
-                 dict(world_size=8, ranks_per_node=8, device="cpu", threads_per_rank=1, configuration="c1.8"),
-                 id="cpu-configuration-full-node"),
-    pytest.param("--gpus 2 --output rank0 --timeout 2.5 --cpus 0 --units 100", EIGHT_GPUS, {},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, output="rank0",
-                      timeout=2.5, cpus=0, units=100), id="every-option"),
-    pytest.param("--gpus=2 --timeout=1e-3 --cpus=8", EIGHT_GPUS, {},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, timeout=0.001, cpus=8),
-                 id="equals-form"),
-    pytest.param("", NO_GPU, {"TAAS_DEVICE": "cpu"},
-                 dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8), id="TAAS_DEVICE-cpu"),
-    pytest.param("", NO_GPU, {"TAAS_DEVICE": " CPU "},
-                 dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8), id="TAAS_DEVICE-spaced-upper"),
-    pytest.param("--device cuda --gpus 2", EIGHT_GPUS, {"TAAS_DEVICE": "cpu"},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
-                 id="option-beats-TAAS_DEVICE"),
-    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "3"},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=3), id="OMP_NUM_THREADS-kept"),
-    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "0"},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8), id="OMP_NUM_THREADS-zero"),
-    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "many"},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8), id="OMP_NUM_THREADS-word"),
-    pytest.param("--gpus 2", EIGHT_GPUS, {"OMP_NUM_THREADS": "\u00b2"},
-                 dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
-                 id="OMP_NUM_THREADS-superscript"),
+    pytest.param(
+        "", EIGHT_GPUS, {}, dict(world_size=1, ranks_per_node=1, device="cuda", threads_per_rank=16), id="defaults"
+    ),
+    pytest.param(
+        "--gpus 4", EIGHT_GPUS, {}, dict(world_size=4, ranks_per_node=4, device="cuda", threads_per_rank=4), id="gpus"
+    ),
+    pytest.param(
+        "--gpus 8",
+        EIGHT_GPUS,
+        {},
+        dict(world_size=8, ranks_per_node=8, device="cuda", threads_per_rank=2),
+        id="all-gpus",
+    ),
+    pytest.param(
+        "--config g2.8",
+        EIGHT_GPUS,
+        {},
+        dict(world_size=8, ranks_per_node=8, device="cuda", threads_per_rank=2, configuration="g2.8"),
+        id="configuration-sets-gpus",
+    ),
+    pytest.param(
+        "--config g2.8 --gpus 2",
+        EIGHT_GPUS,
+        {},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, configuration="g2.8"),
+        id="configuration-with-fewer-gpus",
+    ),
+    pytest.param(
+        "--config g1.4 --gpus 3",
+        EIGHT_GPUS,
+        {},
+        dict(world_size=3, ranks_per_node=3, device="cuda", threads_per_rank=5, configuration="g1.4"),
+        id="part-of-a-node",
+    ),
+    pytest.param(
+        "--gpus 3 --device cpu",
+        NO_GPU,
+        {},
+        dict(world_size=3, ranks_per_node=3, device="cpu", threads_per_rank=2),
+        id="cpu-ranks",
+    ),
+    pytest.param(
+        "--gpus 32 --device cpu",
+        Machine(cpus=4, cuda_devices=0),
+        {},
+        dict(world_size=32, ranks_per_node=32, device="cpu", threads_per_rank=1),
+        id="more-ranks-than-cores-get-one-thread",
+    ),
+    pytest.param(
+        "--gpus 256 --device cpu",
+        NO_GPU,
+        {},
+        dict(world_size=256, ranks_per_node=256, device="cpu", threads_per_rank=1),
+        id="most-cpu-ranks",
+    ),
+    pytest.param(
+        "--config c1.4 --device cpu",
+        NO_GPU,
+        {},
+        dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8, configuration="c1.4"),
+        id="cpu-configuration",
+    ),
+    pytest.param(
+        "--config c1.8 --device cpu --gpus 8",
+        NO_GPU,
+        {},
+        dict(world_size=8, ranks_per_node=8, device="cpu", threads_per_rank=1, configuration="c1.8"),
+        id="cpu-configuration-full-node",
+    ),
+    pytest.param(
+        "--gpus 2 --output rank0 --timeout 2.5 --cpus 0 --units 100",
+        EIGHT_GPUS,
+        {},
+        dict(
+            world_size=2,
+            ranks_per_node=2,
+            device="cuda",
+            threads_per_rank=8,
+            output="rank0",
+            timeout=2.5,
+            cpus=0,
+            units=100,
+        ),
+        id="every-option",
+    ),
+    pytest.param(
+        "--gpus=2 --timeout=1e-3 --cpus=8",
+        EIGHT_GPUS,
+        {},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8, timeout=0.001, cpus=8),
+        id="equals-form",
+    ),
+    pytest.param(
+        "",
+        NO_GPU,
+        {"TAAS_DEVICE": "cpu"},
+        dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8),
+        id="TAAS_DEVICE-cpu",
+    ),
+    pytest.param(
+        "",
+        NO_GPU,
+        {"TAAS_DEVICE": " CPU "},
+        dict(world_size=1, ranks_per_node=1, device="cpu", threads_per_rank=8),
+        id="TAAS_DEVICE-spaced-upper",
+    ),
+    pytest.param(
+        "--device cuda --gpus 2",
+        EIGHT_GPUS,
+        {"TAAS_DEVICE": "cpu"},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
+        id="option-beats-TAAS_DEVICE",
+    ),
+    pytest.param(
+        "--gpus 2",
+        EIGHT_GPUS,
+        {"OMP_NUM_THREADS": "3"},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=3),
+        id="OMP_NUM_THREADS-kept",
+    ),
+    pytest.param(
+        "--gpus 2",
+        EIGHT_GPUS,
+        {"OMP_NUM_THREADS": "0"},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
+        id="OMP_NUM_THREADS-zero",
+    ),
+    pytest.param(
+        "--gpus 2",
+        EIGHT_GPUS,
+        {"OMP_NUM_THREADS": "many"},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
+        id="OMP_NUM_THREADS-word",
+    ),
+    pytest.param(
+        "--gpus 2",
+        EIGHT_GPUS,
+        {"OMP_NUM_THREADS": "\u00b2"},
+        dict(world_size=2, ranks_per_node=2, device="cuda", threads_per_rank=8),
+        id="OMP_NUM_THREADS-superscript",
+    ),
 ]
 
 
@@ -106,13 +197,28 @@ def test_spec_flags_and_immutability() -> None:
 
 def test_spec_checks_its_own_arithmetic() -> None:
     with pytest.raises(ValueError, match="world_size 3 != 1 nodes x 2"):
-        spec.LaunchSpec(world_size=3, nodes=1, ranks_per_node=2, device="cpu", configuration=None, cpus=None,
-                        units=None, output="all", timeout=None, threads_per_rank=1)
+        spec.LaunchSpec(
+            world_size=3,
+            nodes=1,
+            ranks_per_node=2,
+            device="cpu",
+            configuration=None,
+            cpus=None,
+            units=None,
+            output="all",
+            timeout=None,
+            threads_per_rank=1,
+        )
 
 
 BAD = [
-    pytest.param("--foo", EIGHT_GPUS, {}, ["'--foo'", "--gpus", "--cpus", "--units", "--config", "--device",
-                                           "--output", "--timeout"], id="unknown-option"),
+    pytest.param(
+        "--foo",
+        EIGHT_GPUS,
+        {},
+        ["'--foo'", "--gpus", "--cpus", "--units", "--config", "--device", "--output", "--timeout"],
+        id="unknown-option",
+    ),
     pytest.param("junk", EIGHT_GPUS, {}, ["'junk'", "--gpus"], id="positional-junk"),
     pytest.param("--gpus 2 junk", EIGHT_GPUS, {}, ["'junk'", "--gpus"], id="junk-after-options"),
     pytest.param("--gpus 0", EIGHT_GPUS, {}, ["0 is out of range", "1 or more"], id="gpus-0"),
@@ -120,17 +226,37 @@ BAD = [
     pytest.param("--gpus x", EIGHT_GPUS, {}, ["'x' is not a whole number", "1 or more"], id="gpus-word"),
     pytest.param("--gpus 2.5", EIGHT_GPUS, {}, ["'2.5' is not a whole number", "1 or more"], id="gpus-fraction"),
     pytest.param("--gpus", EIGHT_GPUS, {}, ["--gpus", "expected one argument"], id="gpus-without-value"),
-    pytest.param("--gpus 12 --config g2.8", EIGHT_GPUS, {},
-                 ["--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"], id="gpus-12-on-g2.8"),
-    pytest.param("--gpus 16 --config g2.8", EIGHT_GPUS, {},
-                 ["--gpus 16 needs 2 nodes of g2.8", "multi-node runs need a cluster", "this machine is one node",
-                  "--gpus 1-8"], id="gpus-16-needs-a-cluster"),
-    pytest.param("--gpus 32 --config g2.8", EIGHT_GPUS, {}, ["--gpus 32 needs 4 nodes", "cluster"],
-                 id="gpus-32-needs-a-cluster"),
-    pytest.param("--gpus 64 --config g2.8", EIGHT_GPUS, {}, ["--gpus 64 does not fit", "1-8, 16 or 32"],
-                 id="gpus-64-more-than-max-nodes"),
-    pytest.param("--gpus 9 --config c1.8 --device cpu", NO_GPU, {},
-                 ["--gpus 9 does not fit c1.8 (8 vCPUs per node): use 1-8, 16 or 32"], id="cpu-configuration-too-big"),
+    pytest.param(
+        "--gpus 12 --config g2.8",
+        EIGHT_GPUS,
+        {},
+        ["--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"],
+        id="gpus-12-on-g2.8",
+    ),
+    pytest.param(
+        "--gpus 16 --config g2.8",
+        EIGHT_GPUS,
+        {},
+        ["--gpus 16 needs 2 nodes of g2.8", "multi-node runs need a cluster", "this machine is one node", "--gpus 1-8"],
+        id="gpus-16-needs-a-cluster",
+    ),
+    pytest.param(
+        "--gpus 32 --config g2.8", EIGHT_GPUS, {}, ["--gpus 32 needs 4 nodes", "cluster"], id="gpus-32-needs-a-cluster"
+    ),
+    pytest.param(
+        "--gpus 64 --config g2.8",
+        EIGHT_GPUS,
+        {},
+        ["--gpus 64 does not fit", "1-8, 16 or 32"],
+        id="gpus-64-more-than-max-nodes",
+    ),
+    pytest.param(
+        "--gpus 9 --config c1.8 --device cpu",
+        NO_GPU,
+        {},
+        ["--gpus 9 does not fit c1.8 (8 vCPUs per node): use 1-8, 16 or 32"],
+        id="cpu-configuration-too-big",
+    ),
     pytest.param("--gpus 257 --device cpu", NO_GPU, {}, ["--gpus 257", "1-256"], id="too-many-cpu-ranks"),
     pytest.param("--cpus 9", EIGHT_GPUS, {}, ["9 is out of range", "0-8"], id="cpus-9"),
     pytest.param("--cpus -1", EIGHT_GPUS, {}, ["-1 is out of range", "0-8"], id="cpus-negative"),
@@ -139,36 +265,81 @@ BAD = [
     pytest.param("--timeout 0", EIGHT_GPUS, {}, ["0 is not allowed", "greater than 0"], id="timeout-0"),
     pytest.param("--timeout nan", EIGHT_GPUS, {}, ["nan is not allowed", "greater than 0"], id="timeout-nan"),
     pytest.param("--timeout inf", EIGHT_GPUS, {}, ["inf is not allowed", "greater than 0"], id="timeout-inf"),
-    pytest.param("--timeout abc", EIGHT_GPUS, {}, ["'abc' is not a number of seconds", "greater than 0"],
-                 id="timeout-word"),
-    pytest.param("--config g9.9", EIGHT_GPUS, {},
-                 ["unknown configuration 'g9.9': known are c1.4, c1.8, c1.32, c1.80, g1.1, g1.2, g1.4, g2.1, g2.2, "
-                  "g2.4, g2.8"], id="unknown-configuration"),
+    pytest.param(
+        "--timeout abc", EIGHT_GPUS, {}, ["'abc' is not a number of seconds", "greater than 0"], id="timeout-word"
+    ),
+    pytest.param(
+        "--config g9.9",
+        EIGHT_GPUS,
+        {},
+        ["unknown configuration 'g9.9': known are c1.4, c1.8, c1.32, c1.80, g1.1, g1.2, g1.4, g2.1, g2.2, g2.4, g2.8"],
+        id="unknown-configuration",
+    ),
     pytest.param("--device gpu", EIGHT_GPUS, {}, ["'gpu'", "auto", "cuda", "cpu"], id="device-gpu"),
     pytest.param("--output none", EIGHT_GPUS, {}, ["'none'", "all", "rank0"], id="output-none"),
-    pytest.param("--gpus 'unclosed", EIGHT_GPUS, {}, ["cannot split the options", "No closing quotation"],
-                 id="unclosed-quote"),
-    pytest.param("", NO_GPU, {}, ["no CUDA device is visible", "--device cpu", "TAAS_DEVICE=cpu"],
-                 id="auto-without-cuda"),
-    pytest.param("--device cuda", NO_GPU, {}, ["no CUDA device is visible", "--device cpu", "TAAS_DEVICE=cpu"],
-                 id="cuda-without-cuda"),
-    pytest.param("--gpus 4 --device cuda", Machine(cpus=8, cuda_devices=2), {},
-                 ["--gpus 4 needs 4 CUDA devices, this machine has 2: use --gpus 1-2, or --device cpu"],
-                 id="more-gpus-than-devices"),
-    pytest.param("--config g2.8", Machine(cpus=8, cuda_devices=2), {}, ["--gpus 8 needs 8 CUDA devices"],
-                 id="configuration-larger-than-machine"),
-    pytest.param("--config c1.4", EIGHT_GPUS, {},
-                 ["c1.4 has no GPUs: run its ranks on CPU with --device cpu"], id="cpu-configuration-on-cuda"),
-    pytest.param("--config c1.4 --device cuda", EIGHT_GPUS, {}, ["c1.4 has no GPUs", "--device cpu"],
-                 id="cpu-configuration-explicit-cuda"),
-    pytest.param("", EIGHT_GPUS, {"TAAS_DEVICE": "gpu"}, ["TAAS_DEVICE='gpu' is not allowed: use auto, cuda, cpu"],
-                 id="TAAS_DEVICE-gpu"),
-    pytest.param("--gpus 2 --debug-ranks 5", EIGHT_GPUS, {}, ["--debug-ranks 5: the run has ranks 0-1, not rank 5"],
-                 id="debug-ranks-outside-the-run"),
-    pytest.param("--gpus 2 --debug-ranks", EIGHT_GPUS, {}, ["--debug-ranks", "expected one argument"],
-                 id="debug-ranks-without-value"),
-    pytest.param("--gpus 2 --debug-ranks one", EIGHT_GPUS, {}, ["--debug-ranks", "'one'"],
-                 id="debug-ranks-word"),
+    pytest.param(
+        "--gpus 'unclosed", EIGHT_GPUS, {}, ["cannot split the options", "No closing quotation"], id="unclosed-quote"
+    ),
+    pytest.param(
+        "", NO_GPU, {}, ["no CUDA device is visible", "--device cpu", "TAAS_DEVICE=cpu"], id="auto-without-cuda"
+    ),
+    pytest.param(
+        "--device cuda",
+        NO_GPU,
+        {},
+        ["no CUDA device is visible", "--device cpu", "TAAS_DEVICE=cpu"],
+        id="cuda-without-cuda",
+    ),
+    pytest.param(
+        "--gpus 4 --device cuda",
+        Machine(cpus=8, cuda_devices=2),
+        {},
+        ["--gpus 4 needs 4 CUDA devices, this machine has 2: use --gpus 1-2, or --device cpu"],
+        id="more-gpus-than-devices",
+    ),
+    pytest.param(
+        "--config g2.8",
+        Machine(cpus=8, cuda_devices=2),
+        {},
+        ["--gpus 8 needs 8 CUDA devices"],
+        id="configuration-larger-than-machine",
+    ),
+    pytest.param(
+        "--config c1.4",
+        EIGHT_GPUS,
+        {},
+        ["c1.4 has no GPUs: run its ranks on CPU with --device cpu"],
+        id="cpu-configuration-on-cuda",
+    ),
+    pytest.param(
+        "--config c1.4 --device cuda",
+        EIGHT_GPUS,
+        {},
+        ["c1.4 has no GPUs", "--device cpu"],
+        id="cpu-configuration-explicit-cuda",
+    ),
+    pytest.param(
+        "",
+        EIGHT_GPUS,
+        {"TAAS_DEVICE": "gpu"},
+        ["TAAS_DEVICE='gpu' is not allowed: use auto, cuda, cpu"],
+        id="TAAS_DEVICE-gpu",
+    ),
+    pytest.param(
+        "--gpus 2 --debug-ranks 5",
+        EIGHT_GPUS,
+        {},
+        ["--debug-ranks 5: the run has ranks 0-1, not rank 5"],
+        id="debug-ranks-outside-the-run",
+    ),
+    pytest.param(
+        "--gpus 2 --debug-ranks",
+        EIGHT_GPUS,
+        {},
+        ["--debug-ranks", "expected one argument"],
+        id="debug-ranks-without-value",
+    ),
+    pytest.param("--gpus 2 --debug-ranks one", EIGHT_GPUS, {}, ["--debug-ranks", "'one'"], id="debug-ranks-word"),
 ]
 
 
@@ -201,13 +372,32 @@ def test_max_nodes_from_the_catalog_limits_the_suggestions(tmp_path) -> None:
 
 # Property: whatever the line, the machine and the environment, the outcome is a spec or a UsageError.
 
-OPTION_NAMES = ["--gpus", "--cpus", "--units", "--config", "--device", "--output", "--timeout", "--check",
-                "--gp", "--c", "--foo", "-g", "-", "--", "-h"]
+OPTION_NAMES = [
+    "--gpus",
+    "--cpus",
+    "--units",
+    "--config",
+    "--device",
+    "--output",
+    "--timeout",
+    "--check",
+    "--gp",
+    "--c",
+    "--foo",
+    "-g",
+    "-",
+    "--",
+    "-h",
+]
 VALUES = st.one_of(
     st.integers(-10, 3000).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
-    st.sampled_from(CATALOG.names() + list(options.DEVICES) + list(options.OUTPUTS)
-                    + ["", "''", "nan", "-inf", "1e400", "'", '"', "\\", "{GPUS}", "$x", "\u00b2", "\u0663", "1_0"]),
+    st.sampled_from(
+        CATALOG.names()
+        + list(options.DEVICES)
+        + list(options.OUTPUTS)
+        + ["", "''", "nan", "-inf", "1e400", "'", '"', "\\", "{GPUS}", "$x", "\u00b2", "\u0663", "1_0"]
+    ),
     st.text(max_size=6),
 )
 TOKENS = st.one_of(
@@ -279,13 +469,15 @@ def test_abbreviated_options_are_not_guessed():
 
 # Numbers are plain ASCII digits: int() and float() also take other scripts, "_" and "+".
 
+
 @pytest.mark.parametrize("value", ["\uff12", "\u0662", "0_2", "+2", " 2", "2 ", "2.0", "0x2", "²", "1e1", ""])
 @pytest.mark.parametrize("option", ["--gpus", "--units", "--prefetch", "--cpus"])
 def test_whole_numbers_are_plain_ascii_digits(option: str, value: str) -> None:
     with pytest.raises(UsageError) as raised:
         options.parse(TaasMagics.taas, f"{option}={value!r}")  # quoted: spaces and all reach the converter
     assert str(raised.value) == f"argument {option}: {value!r} is not a whole number: use " + (
-        "0-8 (0 turns data delivery off)" if option == "--cpus" else "a whole number of 1 or more")
+        "0-8 (0 turns data delivery off)" if option == "--cpus" else "a whole number of 1 or more"
+    )
 
 
 def test_whole_numbers_in_plain_digits_are_accepted() -> None:
@@ -307,12 +499,14 @@ def test_a_count_with_too_many_digits_is_out_of_range() -> None:
 def test_seconds_are_plain_ascii_decimals(value: str) -> None:
     with pytest.raises(UsageError) as raised:
         options.parse(TaasMagics.taas, f"--timeout={value!r}")
-    assert str(raised.value) == (f"argument --timeout: {value!r} is not a number of seconds: "
-                                 "use a number of seconds greater than 0")
+    assert str(raised.value) == (
+        f"argument --timeout: {value!r} is not a number of seconds: use a number of seconds greater than 0"
+    )
 
 
-@pytest.mark.parametrize(("value", "expected"), [("10", 10.0), ("1.5", 1.5), (".5", 0.5), ("5.", 5.0),
-                                                 ("2e-3", 0.002), ("1E2", 100.0)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("10", 10.0), ("1.5", 1.5), (".5", 0.5), ("5.", 5.0), ("2e-3", 0.002), ("1E2", 100.0)]
+)
 def test_seconds_in_plain_decimals_are_accepted(value: str, expected: float) -> None:
     assert options.parse(TaasMagics.taas, f"--timeout {value}").timeout == expected
 
@@ -329,8 +523,10 @@ def test_a_huge_option_line_is_refused_before_it_is_split() -> None:
     with pytest.raises(UsageError) as raised:
         options.parse(TaasMagics.taas, line)
     assert time.monotonic() - started < 0.5
-    assert str(raised.value) == (f"the options are {len(line)} characters long ('--gpus 2 a a a a a a a a a a a a a a a "
-                                 f"a...'): use at most {options.MAX_LINE}")
+    assert str(raised.value) == (
+        f"the options are {len(line)} characters long ('--gpus 2 a a a a a a a a a a a a a a a "
+        f"a...'): use at most {options.MAX_LINE}"
+    )
 
 
 def test_an_option_line_of_the_largest_length_is_parsed() -> None:
@@ -370,8 +566,10 @@ def test_one_gpu_configuration_says_use_1() -> None:
     assert str(raised.value) == "--gpus 3 does not fit g1.1 (1 GPU per node): use 1, 2 or 4"
     with pytest.raises(UsageError) as raised:
         build("--gpus 2 --config g2.1")
-    assert str(raised.value) == ("--gpus 2 needs 2 nodes of g2.1: multi-node runs need a cluster (%taas cluster "
-                                 "ADDRESS), and this machine is one node: use --gpus 1")
+    assert str(raised.value) == (
+        "--gpus 2 needs 2 nodes of g2.1: multi-node runs need a cluster (%taas cluster "
+        "ADDRESS), and this machine is one node: use --gpus 1"
+    )
 
 
 def test_one_vcpu_configuration_says_use_1(tmp_path) -> None:
@@ -395,24 +593,34 @@ def cluster_build(line: str, catalog=CATALOG):
     return spec.build(options.parse(TaasMagics.taas, line), catalog, NO_GPU, {}, connected=True)
 
 
-@pytest.mark.parametrize(("line", "nodes", "per_node", "threads"), [
-    ("--config g2.8 --gpus 16", 2, 8, 28),
-    ("--config g2.8 --gpus 32", 4, 8, 28),
-    ("--config g2.8 --gpus 8", 1, 8, 28),
-    ("--config g2.8 --gpus 2", 1, 2, 112),
-    ("--config g2.8", 1, 8, 28),
-])
+@pytest.mark.parametrize(
+    ("line", "nodes", "per_node", "threads"),
+    [
+        ("--config g2.8 --gpus 16", 2, 8, 28),
+        ("--config g2.8 --gpus 32", 4, 8, 28),
+        ("--config g2.8 --gpus 8", 1, 8, 28),
+        ("--config g2.8 --gpus 2", 1, 2, 112),
+        ("--config g2.8", 1, 8, 28),
+    ],
+)
 def test_a_connected_kernel_spreads_a_run_over_whole_nodes(line: str, nodes: int, per_node: int, threads: int) -> None:
     built = cluster_build(line)
-    assert (built.on_cluster, built.nodes, built.ranks_per_node, built.threads_per_rank) == (True, nodes, per_node,
-                                                                                             threads)
+    assert (built.on_cluster, built.nodes, built.ranks_per_node, built.threads_per_rank) == (
+        True,
+        nodes,
+        per_node,
+        threads,
+    )
 
 
-@pytest.mark.parametrize(("line", "fragment"), [
-    ("--config g2.8 --gpus 12", "--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"),
-    ("--config g2.8 --gpus 64", "--gpus 64 does not fit g2.8"),
-    ("--gpus 2", "a run on the cluster needs a configuration"),
-])
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        ("--config g2.8 --gpus 12", "--gpus 12 does not fit g2.8 (8 GPUs per node): use 1-8, 16 or 32"),
+        ("--config g2.8 --gpus 64", "--gpus 64 does not fit g2.8"),
+        ("--gpus 2", "a run on the cluster needs a configuration"),
+    ],
+)
 def test_cluster_runs_that_fit_no_whole_number_of_nodes_are_refused(line: str, fragment: str) -> None:
     with pytest.raises(UsageError, match=re.escape(fragment)):
         cluster_build(line)

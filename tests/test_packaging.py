@@ -20,8 +20,8 @@ import pytest
 from traitlets.config import Config
 
 import taas_magic
-from taas_magic.version import VERSION
 from taas_magic.kernel.settings import Defaults
+from taas_magic.version import VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -78,8 +78,11 @@ def test_every_file_the_packages_read_is_package_data() -> None:
     listed = PYPROJECT["tool"]["setuptools"]["package-data"]
     for package in ("taas_magic", "taas"):
         here = ROOT / "src" / package
-        data = {str(p.relative_to(here)) for p in here.rglob("*")
-                if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts}
+        data = {
+            str(p.relative_to(here))
+            for p in here.rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+        }
         assert data == set(listed[package]), f"src/{package}: data files {sorted(data)}, package-data {listed[package]}"
 
 
@@ -87,8 +90,10 @@ def test_the_optional_extras_say_what_they_add() -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
     assert [r.split(">=")[0] for r in extras["ray"]] == ["ray"]
     assert [r.split(">=")[0] for r in extras["lightning"]] == ["pytorch-lightning"]
-    assert not any(r.split(">=")[0].split("[")[0] in ("ray", "pytorch-lightning", "torchvision", "tqdm")
-                   for r in PYPROJECT["project"]["dependencies"]), "an optional package became required"
+    assert not any(
+        r.split(">=")[0].split("[")[0] in ("ray", "pytorch-lightning", "torchvision", "tqdm")
+        for r in PYPROJECT["project"]["dependencies"]
+    ), "an optional package became required"
 
 
 # Imports every module of both packages with the optional packages made unimportable, as in an

@@ -8,14 +8,16 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from notebook_values import SETUP
+from notebook_values import values as notebook_values
 
 import taas
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options
 from taas_magic.kernel.spec import return_from
 from taas_magic.per_rank import PerRank, span
-from notebook_values import SETUP, values as notebook_values
 
 
 def test_it_reads_like_the_list_of_the_ranks_values_indexed_by_rank() -> None:
@@ -86,8 +88,9 @@ def test_span_and_rank_lists_read_each_other(ranks) -> None:
     assert options.rank_list(text) == tuple(sorted(ranks))
 
 
-@pytest.mark.parametrize("text, ranks", [("0", (0,)), ("0,2", (0, 2)), ("0-3", (0, 1, 2, 3)), ("4,0-1", (4, 0, 1)),
-                                         (" 1 , 2 ", (1, 2))])
+@pytest.mark.parametrize(
+    "text, ranks", [("0", (0,)), ("0,2", (0, 2)), ("0-3", (0, 1, 2, 3)), ("4,0-1", (4, 0, 1)), (" 1 , 2 ", (1, 2))]
+)
 def test_rank_lists_take_numbers_commas_and_ranges(text, ranks) -> None:
     assert options.rank_list(text) == ranks
 
@@ -107,33 +110,59 @@ def test_from_is_all_or_ranks_of_the_run() -> None:
         return_from((4,), range(4), "the run")
 
 
-@pytest.mark.parametrize("words, parsed", [
-    (["x"], (("x",), None)),
-    (["x,y", "z", "x"], (("x", "y", "z"), None)),
-    (["x", "--ranks", "0-1"], (("x",), (0, 1))),
-    (["--ranks", "2", "x"], (("x",), (2,))),
-])
+@pytest.mark.parametrize(
+    "words, parsed",
+    [
+        (["x"], (("x",), None)),
+        (["x,y", "z", "x"], (("x", "y", "z"), None)),
+        (["x", "--ranks", "0-1"], (("x",), (0, 1))),
+        (["--ranks", "2", "x"], (("x",), (2,))),
+    ],
+)
 def test_pull_and_push_take_names_and_ranks(words, parsed) -> None:
     assert options.transfer("pull", words) == parsed
 
 
-@pytest.mark.parametrize("words, message", [
-    ([], "name at least one name"), (["1x"], "'1x' is not a name"),
-    (["x", "--ranks"], r"--ranks needs its ranks \(--ranks 0,2 or --ranks 0-3\)$"),
-    (["x", "--ranks", "a"], "--ranks 'a' is not a list of ranks"),
-    (["x", "-v"], "'-v' is not allowed here: the one option is --ranks RANKS$"),
-    (["x", "--from", "1"], "'--from' is not allowed here: the one option is --ranks RANKS$"),
-    (["x", "--", "y"], "'--' is not allowed here: the one option is --ranks RANKS$"),
-    (["x", "--ranks", "1", "--ranks", "2"], "--ranks is given twice: give it once$"),
-])
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        ([], "name at least one name"),
+        (["1x"], "'1x' is not a name"),
+        (["x", "--ranks"], r"--ranks needs its ranks \(--ranks 0,2 or --ranks 0-3\)$"),
+        (["x", "--ranks", "a"], "--ranks 'a' is not a list of ranks"),
+        (["x", "-v"], "'-v' is not allowed here: the one option is --ranks RANKS$"),
+        (["x", "--from", "1"], "'--from' is not allowed here: the one option is --ranks RANKS$"),
+        (["x", "--", "y"], "'--' is not allowed here: the one option is --ranks RANKS$"),
+        (["x", "--ranks", "1", "--ranks", "2"], "--ranks is given twice: give it once$"),
+    ],
+)
 def test_bad_pull_words_are_one_line(words, message) -> None:
     with pytest.raises(TaasUsageError, match=message) as raised:
         options.transfer("pull", words)
     assert "\n" not in str(raised.value)
 
 
-KERNELS_OWN = ["__builtins__", "__name__", "__doc__", "In", "Out", "get_ipython", "exit", "quit", "_", "__", "___",
-               "_i", "_ii", "_iii", "_i7", "_7", "_ih", "_oh", "_dh"]
+KERNELS_OWN = [
+    "__builtins__",
+    "__name__",
+    "__doc__",
+    "In",
+    "Out",
+    "get_ipython",
+    "exit",
+    "quit",
+    "_",
+    "__",
+    "___",
+    "_i",
+    "_ii",
+    "_iii",
+    "_i7",
+    "_7",
+    "_ih",
+    "_oh",
+    "_dh",
+]
 
 
 @pytest.mark.parametrize("name", KERNELS_OWN)
@@ -151,8 +180,9 @@ def test_no_name_of_the_kernels_own_moves(command, name) -> None:
 def test_any_other_name_moves(name) -> None:
     """Whatever a person calls a value moves, unless Python or IPython keeps a name of that shape."""
     own = options.kernels_own(name)
-    assert own == (name in KERNELS_OWN or (name.startswith("__") and name.endswith("__"))
-                   or bool(re.fullmatch(r"_i?\d+", name)))
+    assert own == (
+        name in KERNELS_OWN or (name.startswith("__") and name.endswith("__")) or bool(re.fullmatch(r"_i?\d+", name))
+    )
     if own:
         with pytest.raises(TaasUsageError):
             options.transfer("pull", [name])
@@ -162,8 +192,9 @@ def test_any_other_name_moves(name) -> None:
 
 
 def test_ranks_out_of_range_are_quoted_as_typed() -> None:
-    with pytest.raises(TaasUsageError, match="^--from 99999999999999999999: the run has ranks 0-1, not rank "
-                                             "99999999999999999999$"):
+    with pytest.raises(
+        TaasUsageError, match="^--from 99999999999999999999: the run has ranks 0-1, not rank 99999999999999999999$"
+    ):
         return_from(options.rank_list("99999999999999999999"), range(2), "the run")
     with pytest.raises(TaasUsageError, match="^--ranks 1-3,7: the session has ranks 0-3, not rank 7$"):
         return_from(options.rank_list(" 1-3,7"), range(4), "the session", "--ranks")

@@ -32,8 +32,14 @@ CHECK = textwrap.dedent("""
 
 
 def run(code: str, **env: str) -> str:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": SRC, **env}).stdout
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": SRC, **env},
+    ).stdout
 
 
 def test_torchs_look_up_of_backend_plugins_is_answered_from_the_kernels_and_others_are_not():

@@ -51,9 +51,7 @@ BECOMES_CELL_MAGIC = [
     pytest.param("#pragma taas --gpus 2\nx = 1\ny = 2\n", "%%taas --gpus 2\nx = 1\ny = 2\n", id="pragma-alone"),
     pytest.param("#pragma taas\nx = 1\n", "%%taas\nx = 1\n", id="pragma-without-options"),
     pytest.param("#!g1.1\n#pragma taas\nx = 1\n", "%%taas --config g1.1\n\nx = 1\n", id="shebang-and-bare-pragma"),
-    pytest.param(
-        "\n   \n#pragma taas --gpus 2\nx = 1\n", "%%taas --gpus 2\n\n\nx = 1\n", id="leading-blank-lines"
-    ),
+    pytest.param("\n   \n#pragma taas --gpus 2\nx = 1\n", "%%taas --gpus 2\n\n\nx = 1\n", id="leading-blank-lines"),
     pytest.param(
         "\n#!g2.8\n#pragma taas --gpus 4\nx = 1\n",
         "%%taas --config g2.8 --gpus 4\n\n\nx = 1\n",
@@ -70,7 +68,9 @@ BECOMES_CELL_MAGIC = [
         id="crlf",
     ),
     pytest.param("#  pragma   taas   --gpus 2   \nx = 1\n", "%%taas --gpus 2\nx = 1\n", id="extra-spaces"),
-    pytest.param("#!  g2.8  \n#pragma\ttaas\t--gpus 2\nx\n", "%%taas --config g2.8 --gpus 2\n\nx\n", id="spaces-and-tabs"),
+    pytest.param(
+        "#!  g2.8  \n#pragma\ttaas\t--gpus 2\nx\n", "%%taas --config g2.8 --gpus 2\n\nx\n", id="spaces-and-tabs"
+    ),
     pytest.param("#pragma taas --gpus 2", "%%taas --gpus 2\n", id="pragma-only-no-newline"),
     # An unknown name next to a pragma is still ours: %%taas reports it with the known names.
     pytest.param("#!g9.9\n#pragma taas\nx\n", "%%taas --config g9.9\n\nx\n", id="unknown-configuration-with-pragma"),
@@ -140,7 +140,10 @@ def test_parse_header_reports_where_the_header_is(
     header = parse_header(lines_of(cell), is_configuration)
     assert header is not None
     assert (header.first_line, header.line_count, header.configuration, header.options) == (
-        first_line, line_count, configuration, options,
+        first_line,
+        line_count,
+        configuration,
+        options,
     )
 
 
@@ -262,7 +265,7 @@ def test_ipython_completeness_check_does_not_call_the_transformer(shell) -> None
 
 IN_A_STRING = [
     pytest.param('doc = """\n#pragma taas --gpus 2\n"""\n', id="triple-double-quotes"),
-    pytest.param("doc = \'\'\'\n#pragma taas --gpus 2\n\'\'\'\n", id="triple-single-quotes"),
+    pytest.param("doc = '''\n#pragma taas --gpus 2\n'''\n", id="triple-single-quotes"),
     pytest.param('doc = f"""{1 + 1}\n#pragma taas --gpus 2\n"""\n', id="f-string"),
     pytest.param('doc = rb"""\n#pragma taas\n"""\n', id="raw-bytes"),
     pytest.param("s = 'abc\\\n#pragma taas'\n", id="backslash-continued-string"),
@@ -284,7 +287,6 @@ def test_a_pragma_inside_a_multi_line_string_is_text(cell: str) -> None:
 def test_a_pragma_inside_a_string_of_a_taas_cell_is_text() -> None:
     cell = lines_of('#pragma taas --gpus 2\ndoc = """\n#pragma taas --gpus 4\n"""\n')
     assert PragmaTransformer(is_configuration)(cell) == ["%%taas --gpus 2\n"] + cell[1:]
-
 
 
 @pytest.mark.parametrize(
@@ -339,11 +341,40 @@ def test_pragma_options_are_the_rest_of_the_line_stripped() -> None:
 
 # Property: whatever the cell, the transformer returns lines or names a real misplaced pragma comment.
 
-FRAGMENTS = st.sampled_from([
-    "#pragma taas --gpus 2", "#pragma taas", "#!g2.8", "#!/usr/bin/env python", "x = 1", '"""', "\'\'\'", "'",
-    '"', "doc = \"\"\"", "(", ")", "[", "]", "    ", "\t", "\\", "!echo it's", "%time x", "%%bash", "x?",
-    "if x:", "def f():", "#", "f'{", "}'", "", " ", "$x", "\r",
-])
+FRAGMENTS = st.sampled_from(
+    [
+        "#pragma taas --gpus 2",
+        "#pragma taas",
+        "#!g2.8",
+        "#!/usr/bin/env python",
+        "x = 1",
+        '"""',
+        "'''",
+        "'",
+        '"',
+        'doc = """',
+        "(",
+        ")",
+        "[",
+        "]",
+        "    ",
+        "\t",
+        "\\",
+        "!echo it's",
+        "%time x",
+        "%%bash",
+        "x?",
+        "if x:",
+        "def f():",
+        "#",
+        "f'{",
+        "}'",
+        "",
+        " ",
+        "$x",
+        "\r",
+    ]
+)
 CELLS = st.lists(st.lists(FRAGMENTS, max_size=4).map("".join), max_size=8).map("\n".join)
 
 
@@ -362,10 +393,13 @@ def test_any_cell_gives_lines_or_names_a_real_pragma_comment(cell: str) -> None:
     assert lines == before, "the input was changed in place"
 
 
-@pytest.mark.parametrize(("cell", "expected"), [
-    ("#!c1.32\nx = 1\n", "%%taas --config c1.32 --alone\nx = 1\n"),
-    ("\n\n#!g2.8\nprint(1)\n", "%%taas --config g2.8 --alone\n\n\nprint(1)\n"),
-])
+@pytest.mark.parametrize(
+    ("cell", "expected"),
+    [
+        ("#!c1.32\nx = 1\n", "%%taas --config c1.32 --alone\nx = 1\n"),
+        ("\n\n#!g2.8\nprint(1)\n", "%%taas --config g2.8 --alone\n\n\nprint(1)\n"),
+    ],
+)
 def test_configuration_line_alone_runs_on_a_node_while_a_cluster_is_connected(cell: str, expected: str) -> None:
     before = lines_of(cell)
     after = transform(before, is_configuration, on_cluster=True)

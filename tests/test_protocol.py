@@ -30,8 +30,10 @@ SECTION = "## Messages between processes"
 
 def protocol_modules() -> list[ModuleType]:
     """Every module of ``wire/`` that declares a conversation: found, not listed, so a new one counts."""
-    modules = [importlib.import_module(f"taas_magic.wire.{info.name}")
-               for info in pkgutil.iter_modules(taas_magic.wire.__path__)]
+    modules = [
+        importlib.import_module(f"taas_magic.wire.{info.name}")
+        for info in pkgutil.iter_modules(taas_magic.wire.__path__)
+    ]
     return [module for module in modules if hasattr(module, "DIRECTIONS")]
 
 
@@ -63,7 +65,10 @@ def documented() -> set[tuple[str, str, str]]:
 
 def test_the_docs_table_lists_exactly_the_messages_of_the_protocol_modules() -> None:
     assert {module.__name__ for module in protocol_modules()} >= {
-        "taas_magic.wire.supervision", "taas_magic.wire.fork_server", "taas_magic.wire.rank_control"}
+        "taas_magic.wire.supervision",
+        "taas_magic.wire.fork_server",
+        "taas_magic.wire.rank_control",
+    }
     code, docs = declared(), documented()
     assert not code - docs, f"messages missing from docs/architecture.md's table: {sorted(code - docs)}"
     assert not docs - code, f"rows of docs/architecture.md's table that no protocol declares: {sorted(docs - code)}"
@@ -129,8 +134,9 @@ def test_a_rank_takes_a_session_cell_and_its_supervisor_the_cells_end() -> None:
 
 def test_the_fork_server_takes_run_requests_and_the_kernel_takes_nothing() -> None:
     with connected(fork_server.kernel_end, fork_server.server_end) as (kernel, server):
-        request = fork_server.StartRun("run-s", new_secret(), {}, RankTask(compile("", "<cell>", "exec"), "cpu", 1),
-                                       Shipment(b"", None, 0))
+        request = fork_server.StartRun(
+            "run-s", new_secret(), {}, RankTask(compile("", "<cell>", "exec"), "cpu", 1), Shipment(b"", None, 0)
+        )
         server.send(request)  # a request, sent the wrong way
         with pytest.raises(ChannelBroken, match="unexpected message 'run'"):
             kernel.receive()

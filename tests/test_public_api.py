@@ -13,24 +13,58 @@ from taas_magic.local_cluster import LocalCluster
 
 
 def test_the_taas_module_offers_what_notebooks_import() -> None:
-    assert sorted(taas.__all__) == ["PerRank", "device", "is_main", "local_rank", "local_world_size", "progress",
-                                    "rank", "register", "registered", "unregister", "world_size"]
+    assert sorted(taas.__all__) == [
+        "PerRank",
+        "device",
+        "is_main",
+        "local_rank",
+        "local_world_size",
+        "progress",
+        "rank",
+        "register",
+        "registered",
+        "unregister",
+        "world_size",
+    ]
     assert all(callable(getattr(taas, name)) for name in taas.__all__)
 
 
 def test_the_extension_offers_its_entry_points_and_errors() -> None:
-    assert sorted(taas_magic.__all__) == ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
-                                          "load_ipython_extension", "unload_ipython_extension"]
+    assert sorted(taas_magic.__all__) == [
+        "RankFailed",
+        "RunTimedOut",
+        "TaasRunError",
+        "TaasUsageError",
+        "load_ipython_extension",
+        "unload_ipython_extension",
+    ]
     assert issubclass(taas_magic.RankFailed, taas_magic.TaasRunError)
     assert issubclass(taas_magic.RunTimedOut, taas_magic.TaasRunError)
 
 
 def test_the_options_are_the_documented_ones_in_their_order() -> None:
     assert options.visible_options(TaasMagics.taas) == [
-        "--gpus", "--config", "--device", "--start", "--on", "--cpus", "--units", "--order", "--prefetch",
-        "--output", "--return", "--from", "--timeout", "--hang-after", "--max-restarts", "--debug", "--debug-ranks",
+        "--gpus",
+        "--config",
+        "--device",
+        "--start",
+        "--on",
+        "--cpus",
+        "--units",
+        "--order",
+        "--prefetch",
+        "--output",
+        "--return",
+        "--from",
+        "--timeout",
+        "--hang-after",
+        "--max-restarts",
+        "--debug",
+        "--debug-ranks",
         "--keep",
-        "--ranks", "--idle"]
+        "--ranks",
+        "--idle",
+    ]
 
 
 def test_the_settings_of_config_are_the_documented_ones() -> None:

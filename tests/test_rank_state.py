@@ -63,10 +63,16 @@ def in_a_child(work: Callable[[], object]) -> object:
 
 
 def settings_now() -> list:
-    return [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.get_default_dtype(),
-            torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32]
+    return [
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.get_default_dtype(),
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    ]
 
 
 def changed() -> None:
@@ -84,6 +90,7 @@ def tf32_flag() -> None:
 @pytest.mark.parametrize("change", [changed, tf32_flag])
 def test_torch_settings_read_in_one_process_hold_in_another(change: Callable[[], None]) -> None:
     """Read in the kernel, applied in a spawned rank: the rank reads back what the kernel would."""
+
     def capture() -> tuple[TorchSettings, list]:
         change()
         return TorchSettings.of_this_process(), settings_now()

@@ -41,8 +41,18 @@ def test_the_registry_does_not_keep_a_deleted_loader_alive():
     assert taas.registered() == []
 
 
-@given(st.one_of(st.none(), st.integers(), st.floats(allow_nan=True), st.text(), st.booleans(),
-                 st.builds(MagicMock), st.builds(object), st.lists(st.none())))
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.floats(allow_nan=True),
+        st.text(),
+        st.booleans(),
+        st.builds(MagicMock),
+        st.builds(object),
+        st.lists(st.none()),
+    )
+)
 def test_no_value_but_a_registered_loader_is_registered(value):
     """The registry is looked up by identity: a lookup that misses must not match the value
     (None matched the miss, and every cell that read a name bound to None failed)."""

@@ -44,12 +44,15 @@ def test_without_the_extension_or_with_it_off_the_ranks_keep_their_modules():
     assert KernelReloads(shell).for_cell(shell, [0, 1]) is None and mode(shell) == "autoreload is off"
 
 
-@pytest.mark.parametrize("spelling, every, new_objects, said", [
-    ("2", True, False, "%autoreload 2 is on"),
-    ("all", True, False, "%autoreload 2 is on"),
-    ("3", True, True, "%autoreload 3 is on"),
-    ("explicit", False, False, "%autoreload 1 is on: the modules named with %aimport"),
-])
+@pytest.mark.parametrize(
+    "spelling, every, new_objects, said",
+    [
+        ("2", True, False, "%autoreload 2 is on"),
+        ("all", True, False, "%autoreload 2 is on"),
+        ("3", True, True, "%autoreload 3 is on"),
+        ("explicit", False, False, "%autoreload 1 is on: the modules named with %aimport"),
+    ],
+)
 def test_the_kernel_sends_its_autoreload_mode_with_each_cell(spelling, every, new_objects, said):
     magics = AutoreloadMagics(shell=None)
     magics._reloader.mark_module_reloadable("chosen")  # %aimport chosen

@@ -72,19 +72,25 @@ class NameRaises(metaclass=_NameRaisesMeta):
         raise TypeError("no pickling")
 
 
-@pytest.mark.parametrize("value, why", [
-    (RaisesOnReduce(ValueError("bad value")), "RaisesOnReduce cannot be pickled (ValueError: bad value)"),
-    (RaisesOnReduce(SystemExit(3)), "RaisesOnReduce cannot be pickled (SystemExit: 3)"),
-    (RaisesOnReduce(GeneratorExit()), "RaisesOnReduce cannot be pickled (GeneratorExit)"),
-    (RaisesOnReduce(MemoryError()), "RaisesOnReduce cannot be pickled (MemoryError)"),
-    (RaisesOnReduce(UnprintableError()), "RaisesOnReduce cannot be pickled (UnprintableError)"),
-    (RaisesOnGetstate(), "RaisesOnGetstate cannot be pickled (LookupError: no state today)"),
-    (Endless(), "Endless cannot be pickled (PicklingError: Could not pickle object as excessively deep recursion "
-                "required.)"),
-    (numbers(), "generator cannot be pickled (TypeError: cannot pickle 'generator' object)"),
-    (threading.Lock(), "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"),
-    (NameRaises(), "NameRaises cannot be pickled (TypeError: no pickling)"),
-])
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (RaisesOnReduce(ValueError("bad value")), "RaisesOnReduce cannot be pickled (ValueError: bad value)"),
+        (RaisesOnReduce(SystemExit(3)), "RaisesOnReduce cannot be pickled (SystemExit: 3)"),
+        (RaisesOnReduce(GeneratorExit()), "RaisesOnReduce cannot be pickled (GeneratorExit)"),
+        (RaisesOnReduce(MemoryError()), "RaisesOnReduce cannot be pickled (MemoryError)"),
+        (RaisesOnReduce(UnprintableError()), "RaisesOnReduce cannot be pickled (UnprintableError)"),
+        (RaisesOnGetstate(), "RaisesOnGetstate cannot be pickled (LookupError: no state today)"),
+        (
+            Endless(),
+            "Endless cannot be pickled (PicklingError: Could not pickle object as excessively deep recursion "
+            "required.)",
+        ),
+        (numbers(), "generator cannot be pickled (TypeError: cannot pickle 'generator' object)"),
+        (threading.Lock(), "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"),
+        (NameRaises(), "NameRaises cannot be pickled (TypeError: no pickling)"),
+    ],
+)
 def test_any_value_that_cannot_be_pickled_is_named_with_why_and_the_others_come_back(value, why):
     back, left_out = round_trip({"before": [1, 2], "bad": value, "after": "kept"})
     assert back == {"before": [1, 2], "after": "kept"}
@@ -102,10 +108,15 @@ def test_open_files_and_sockets_are_named_and_the_others_come_back(tmp_path):
 def test_a_name_that_cannot_be_unpickled_is_left_out_alone_and_what_shares_with_it_too():
     shared = [1, 2]
     broken = UnpicklesNowhere()
-    back, left_out = round_trip({
-        "first": {"shared": shared}, "bad": {"broken": broken}, "holder": [broken, "x"],
-        "later": [shared, 3], "plain": 7,
-    })
+    back, left_out = round_trip(
+        {
+            "first": {"shared": shared},
+            "bad": {"broken": broken},
+            "holder": [broken, "x"],
+            "later": [shared, 3],
+            "plain": 7,
+        }
+    )
     assert left_out == {
         "bad": "could not be unpickled in the kernel (ValueError: not in this process)",
         "holder": "shares objects with bad, which could not be unpickled in the kernel",
@@ -139,14 +150,21 @@ def test_nothing_to_send_and_everything_left_out():
 
 def test_names_that_only_reuse_strings_or_globals_of_a_failed_name_still_come_back():
     broken = UnpicklesNowhere()
-    back, left_out = round_trip({"bad": {"not in this process": broken, "key": refuse_here},
-                                 "reuses": {"not in this process": 1, "key": refuse_here}})
+    back, left_out = round_trip(
+        {
+            "bad": {"not in this process": broken, "key": refuse_here},
+            "reuses": {"not in this process": 1, "key": refuse_here},
+        }
+    )
     assert list(left_out) == ["bad"]
     assert back == {"reuses": {"not in this process": 1, "key": refuse_here}}
 
 
 def test_a_name_rank_0_never_bound_is_worth_saying_only_when_return_asked_for_it():
-    skipped = {"t0": results.NOT_BOUND, "lock": "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)"}
+    skipped = {
+        "t0": results.NOT_BOUND,
+        "lock": "lock cannot be pickled (TypeError: cannot pickle '_thread.lock' object)",
+    }
     assert results.worth_saying(skipped, None) == {"lock": skipped["lock"]}
     assert results.worth_saying(skipped, ("t0", "lock")) == skipped
 

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded
 from taas_magic.kernel import render
 from taas_magic.kernel.hang import Hang, Process
-from taas_magic.kernel.stacks import stack_lines
 from taas_magic.kernel.run_state import (
     ONE_SHOT,
     SESSION,
@@ -38,6 +37,7 @@ from taas_magic.kernel.run_state import (
     TakeStacks,
     Why,
 )
+from taas_magic.kernel.stacks import stack_lines
 from taas_magic.rank import cell
 from taas_magic.wire.events import Producer
 from taas_magic.wire.records import (
@@ -64,13 +64,23 @@ def failed(when: float, name: str = "ValueError", interrupted: bool = False) -> 
 
 def dump(*frames: tuple[str, int, str]) -> str:
     """A rank's faulthandler dump: the cell's thread, its frames down to where taas ran the cell."""
-    return "Current thread 0x00007f0000000001 (most recent call first):\n" + "".join(
-        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames) + \
-        f'  File "{cell.__file__}", line 40 in run_cell\n'
+    return (
+        "Current thread 0x00007f0000000001 (most recent call first):\n"
+        + "".join(f'  File "{file}", line {line} in {function}\n' for file, line, function in frames)
+        + f'  File "{cell.__file__}", line 40 in run_cell\n'
+    )
 
 
-def sample(at: float, cpu: float = 0.0, finished: int = 4, seq: int | None = None, seconds: float = 1.0,
-           taken: int = 0, waiting: str = "", setup: float | None = None) -> RankActivity:
+def sample(
+    at: float,
+    cpu: float = 0.0,
+    finished: int = 4,
+    seq: int | None = None,
+    seconds: float = 1.0,
+    taken: int = 0,
+    waiting: str = "",
+    setup: float | None = None,
+) -> RankActivity:
     """A rank's activity at ``at``: in all_reduce ``seq`` (for ``seconds``) if given, after ``finished``."""
     collectives = [] if seq is None else [Collective("0", seq, "all_reduce", [[1000]], ["Float"], seconds)]
     return RankActivity(at, cpu, {"0": finished}, collectives, waiting, 0.0, taken, setup)
@@ -117,9 +127,12 @@ def test_a_failure_stops_the_others_with_sigterm_then_sigkill_3_s_later():
     assert result.outcome is Outcome.FAILED and [f.rank for f in result.failures] == [1]
     error = render.error(result, {})
     assert isinstance(error, RankFailed) and str(error) == "rank 1 failed: ValueError: x"
-    assert error.lines == [f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}",
-                           f"{BOLD}rank 1's traceback:{RESET}", "tb at 0.5",
-                           "stopped after the failure: rank 0"]
+    assert error.lines == [
+        f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}",
+        f"{BOLD}rank 1's traceback:{RESET}",
+        "tb at 0.5",
+        "stopped after the failure: rank 0",
+    ]
 
 
 REPORTING = ((cell.__file__, 80, "_failure"),) + ALL_REDUCE  # a rank formatting the error its collective raised
@@ -127,8 +140,14 @@ REPORTING = ((cell.__file__, 80, "_failure"),) + ALL_REDUCE  # a rank formatting
 
 def broken(when: float) -> Failed:
     """What gloo makes a rank raise when the peer of its all_reduce exits: its record, as the rank sends it."""
-    return Failed(when, "RuntimeError", "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
-                  "peer [127.0.0.1]:61100", ["gloo's traceback"], peer_lost=True, stack=dump(*ALL_REDUCE))
+    return Failed(
+        when,
+        "RuntimeError",
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:61100",
+        ["gloo's traceback"],
+        peer_lost=True,
+        stack=dump(*ALL_REDUCE),
+    )
 
 
 def drive(state: RunState, order: list[int], world: int) -> list[str]:
@@ -136,16 +155,18 @@ def drive(state: RunState, order: list[int], world: int) -> list[str]:
     exits. ``order`` says whose next event taas sees next (-1: the clock ticks). The cell's lines, seconds as N."""
     for rank in range(world):
         state.reported(rank, sample(0.2, seq=None if rank == 1 else 5, seconds=0.1), 0.2)
-    events = {rank: [("report", broken(0.6 + rank / 100) if rank != 1 else failed(0.5)), ("exit", 1)]
-              for rank in range(world)}
+    events = {
+        rank: [("report", broken(0.6 + rank / 100) if rank != 1 else failed(0.5)), ("exit", 1)] for rank in range(world)
+    }
     running, now = set(range(world)), 0.6
     for who in order + sorted(range(world)) * 2:  # what the order left: in one batch, maybe with no tick at all
         now += 0.01
         if who == -1:
             for action in state.tick(now, running):
                 if isinstance(action, TakeStacks):  # a rank still running is in all_reduce, or reporting already
-                    stacks = {key: dump(*(REPORTING if key in state.ledger.records else ALL_REDUCE))
-                              for key in action.keys}
+                    stacks = {
+                        key: dump(*(REPORTING if key in state.ledger.records else ALL_REDUCE)) for key in action.keys
+                    }
                     state.stacks_taken(action, stacks, now, running)
             continue
         if not events[who]:
@@ -170,11 +191,16 @@ def test_what_a_failure_reports_does_not_depend_on_which_event_came_first(world,
     order = data.draw(st.lists(st.sampled_from([-1, *range(world)]), max_size=4 * world))
     lines = drive(one_shot(), order, world)
     peers = "0,2" if world == 3 else "0,2-3"
-    assert lines[:3] == [f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}", f"{BOLD}rank 1's traceback:{RESET}",
-                         "tb at 0.5"], lines
-    assert lines[3:6] == [f"stopped after the failure: ranks {peers}",
-                          f"{BOLD}where they were when rank 1 failed:{RESET}",
-                          f"ranks {peers}: in all_reduce #5 (4 KB float32) for N s:"], lines
+    assert lines[:3] == [
+        f"{RED}{BOLD}taas: rank 1 failed: ValueError: x{RESET}",
+        f"{BOLD}rank 1's traceback:{RESET}",
+        "tb at 0.5",
+    ], lines
+    assert lines[3:6] == [
+        f"stopped after the failure: ranks {peers}",
+        f"{BOLD}where they were when rank 1 failed:{RESET}",
+        f"ranks {peers}: in all_reduce #5 (4 KB float32) for N s:",
+    ], lines
     assert not any("Connection" in line or "also failed" in line for line in lines), lines
 
 
@@ -189,11 +215,17 @@ def test_a_rank_killed_before_taas_signalled_it_is_the_root_cause_though_its_pee
     assert [f.rank for f in result.failures] == [1] and [f.rank for f in result.broken] == [0]
     error = render.error(result, {CELL: "Cell In[2]"})
     assert str(error) == "rank 1 failed: killed by signal SIGKILL"
-    assert error.lines[1:] == ["stopped after the failure: rank 0", f"{BOLD}where they were when rank 1 failed:{RESET}",
-                               "rank 0: in all_reduce:", "    in all_reduce (torch/distributed/distributed_c10d.py, "
-                               "line 2501), called from:", "    Cell In[2], line 4 in <module>"]
-    assert error.peer_errors == {0: "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
-                                    "closed by peer [127.0.0.1]:61100"}
+    assert error.lines[1:] == [
+        "stopped after the failure: rank 0",
+        f"{BOLD}where they were when rank 1 failed:{RESET}",
+        "rank 0: in all_reduce:",
+        "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+        "    Cell In[2], line 4 in <module>",
+    ]
+    assert error.peer_errors == {
+        0: "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
+        "closed by peer [127.0.0.1]:61100"
+    }
 
 
 def test_a_broken_connection_with_no_failure_behind_it_is_the_failure_shown():
@@ -239,8 +271,10 @@ def test_the_interrupted_message_says_how_each_rank_stopped():
     assert result.failures == ()  # taas interrupted it: no failure
     error = render.error(result, {})
     assert isinstance(error, RunInterrupted)
-    assert error.lines == [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped "
-                           "(rank 0: had finished; rank 1: KeyboardInterrupt)"]
+    assert error.lines == [
+        f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped "
+        "(rank 0: had finished; rank 1: KeyboardInterrupt)"
+    ]
 
 
 def test_the_earliest_failure_is_the_root_cause_and_a_crash_shows_its_last_stderr_lines():
@@ -255,11 +289,14 @@ def test_the_earliest_failure_is_the_root_cause_and_a_crash_shows_its_last_stder
     assert [f.rank for f in result.failures] == [Producer(0, 0), 1, 0]
     message, lines = render.failure(result, "stopped")
     assert message == "producer 0 of train_loader failed: OSError: x"
-    assert lines[-1] == ("also failed, after producer 0 of train_loader: rank 1 (RuntimeError: x); "
-                         "rank 0 (killed by signal SIGSEGV)")
+    assert lines[-1] == (
+        "also failed, after producer 0 of train_loader: rank 1 (RuntimeError: x); rank 0 (killed by signal SIGSEGV)"
+    )
     crash = dataclasses.replace(result, failures=result.failures[2:])
-    assert render.failure(crash, "stopped")[1][1:3] == [f"{BOLD}last lines rank 0 wrote to stderr:{RESET}",
-                                                        "Segmentation fault"]
+    assert render.failure(crash, "stopped")[1][1:3] == [
+        f"{BOLD}last lines rank 0 wrote to stderr:{RESET}",
+        "Segmentation fault",
+    ]
 
 
 def test_producers_left_alone_are_retired_and_never_fail_the_cell():
@@ -289,13 +326,15 @@ def test_a_timeout_takes_the_late_ranks_stacks_and_stops_them(monkeypatch: pytes
     error = render.error(result, {CELL: "Cell In[2]"})
     assert isinstance(error, RunTimedOut)
     assert str(error) == "--timeout 10 s elapsed: rank 1 still running, now stopped"
-    assert error.lines == [f"{RED}{BOLD}taas: --timeout 10 s elapsed: rank 1 still running, now stopped{RESET}",
-                           f"{BOLD}before the time ran out: rank 0 had finished the cell{RESET}",
-                           f"{BOLD}where the processes were when the time ran out:{RESET}",
-                           "rank 0: had finished the cell",
-                           "rank 1: in no collective:",
-                           "    Cell In[2], line 3 in <module>",
-                           "      time.sleep(600)"]
+    assert error.lines == [
+        f"{RED}{BOLD}taas: --timeout 10 s elapsed: rank 1 still running, now stopped{RESET}",
+        f"{BOLD}before the time ran out: rank 0 had finished the cell{RESET}",
+        f"{BOLD}where the processes were when the time ran out:{RESET}",
+        "rank 0: had finished the cell",
+        "rank 1: in no collective:",
+        "    Cell In[2], line 3 in <module>",
+        "      time.sleep(600)",
+    ]
 
 
 def test_late_ranks_at_the_same_place_are_shown_once_and_one_that_sent_no_stack_says_so():
@@ -306,11 +345,13 @@ def test_late_ranks_at_the_same_place_are_shown_once_and_one_that_sent_no_stack_
     state.stacks_taken(asked[0], {0: dump((CELL, 3, "<module>")), 2: dump((CELL, 3, "<module>"))}, 10.5, ranks)
     error = render.error(state.result(), {CELL: "Cell In[2]"})
     assert isinstance(error, RunTimedOut)
-    assert error.lines[1:] == [f"{BOLD}where the processes were when the time ran out:{RESET}",
-                               "ranks 0,2: in no collective:",
-                               "    Cell In[2], line 3 in <module>",
-                               "rank 1: in no collective",
-                               "    (no stack received)"]
+    assert error.lines[1:] == [
+        f"{BOLD}where the processes were when the time ran out:{RESET}",
+        "ranks 0,2: in no collective:",
+        "    Cell In[2], line 3 in <module>",
+        "rank 1: in no collective",
+        "    (no stack received)",
+    ]
 
 
 def test_a_rank_that_ended_its_cell_while_its_stack_was_taken_is_not_late():
@@ -388,7 +429,8 @@ def test_one_shot_notices_say_saves_on_nodes_skipped_saves_and_deliveries():
         "taas: torch.save to 'model.pt' skipped in rank 1: only rank 0 writes files (guard other writes with "
         "taas.is_main())",
         "taas: train_loader: 100 elements delivered to 1 rank, 50 elements/s, ranks waited for data 25% of the "
-        "time (first element after 10 ms)"]
+        "time (first element after 10 ms)",
+    ]
     session_cell = session()
     session_cell.reported(1, SaveSkipped("model.pt"))
     session_cell.reported(0, CellEnded(1.0, delivery=delivery))
@@ -399,8 +441,10 @@ def test_a_restart_is_announced_with_the_one_line_failure():
     state = one_shot()
     state.reported(1, failed(0.5))
     state.exited(1, 1, 0.5)
-    assert render.restarting(state.result(), 1, 2) == \
-        "taas: rank 1 failed: ValueError: x: every rank starts again (restart 1 of --max-restarts 2)\n"
+    assert (
+        render.restarting(state.result(), 1, 2)
+        == "taas: rank 1 failed: ValueError: x: every rank starts again (restart 1 of --max-restarts 2)\n"
+    )
 
 
 # -- where the processes were when taas stopped them ---------------------------------------------
@@ -415,11 +459,13 @@ def test_a_failure_shows_where_the_ranks_it_stopped_were_waiting():
     state.exited(0, -signal.SIGTERM, 1.6)
     error = render.error(state.result(), {CELL: "Cell In[2]"})
     assert isinstance(error, RankFailed)
-    assert error.lines[3:] == ["stopped after the failure: rank 0",
-                               f"{BOLD}where they were when rank 1 failed:{RESET}",
-                               "rank 0: in all_reduce #5 (4 KB float32) for 3 s:",
-                               "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
-                               "    Cell In[2], line 4 in <module>"]
+    assert error.lines[3:] == [
+        "stopped after the failure: rank 0",
+        f"{BOLD}where they were when rank 1 failed:{RESET}",
+        "rank 0: in all_reduce #5 (4 KB float32) for 3 s:",
+        "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+        "    Cell In[2], line 4 in <module>",
+    ]
 
 
 def test_a_failure_does_not_show_where_ranks_that_were_not_waiting_were():
@@ -447,10 +493,12 @@ def test_an_interrupt_shows_where_the_ranks_were():
         state.exited(rank, 1, 1.2)
     error = render.error(state.result(), {CELL: "Cell In[2]"})
     assert isinstance(error, RunInterrupted)
-    assert error.lines[1:] == [f"{BOLD}where the ranks were when interrupted:{RESET}",
-                               "ranks 0-1: in all_reduce #5 (4 KB float32) for 1 s:",
-                               "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
-                               "    Cell In[2], line 4 in <module>"]
+    assert error.lines[1:] == [
+        f"{BOLD}where the ranks were when interrupted:{RESET}",
+        "ranks 0-1: in all_reduce #5 (4 KB float32) for 1 s:",
+        "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+        "    Cell In[2], line 4 in <module>",
+    ]
 
 
 # -- session cells --------------------------------------------------------------------------------
@@ -473,8 +521,10 @@ def test_a_failure_in_a_session_interrupts_the_ranks_still_in_the_cell_once():
     assert result.outcome is Outcome.FAILED
     error = render.error(result, {})
     assert isinstance(error, RankFailed)
-    assert error.lines[-2:] == ["interrupted by taas after the failure: rank 0",
-                                "taas: the session goes on (%taas debug opens the debugger in rank 1 at the error)"]
+    assert error.lines[-2:] == [
+        "interrupted by taas after the failure: rank 0",
+        "taas: the session goes on (%taas debug opens the debugger in rank 1 at the error)",
+    ]
 
 
 def test_a_session_reports_a_failure_before_an_interrupt_and_its_view_the_interrupt():
@@ -504,8 +554,9 @@ def test_an_interrupted_session_cell_says_what_taas_interrupted():
         state.reported(rank, failed(1.1, "KeyboardInterrupt", interrupted=True))
     error = render.error(state.result(), {})
     assert isinstance(error, RunInterrupted)
-    assert error.lines == [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas interrupted the cell in ranks 0-1; "
-                           "the session goes on"]
+    assert error.lines == [
+        f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas interrupted the cell in ranks 0-1; the session goes on"
+    ]
 
 
 def test_a_session_timeout_interrupts_the_late_ranks_and_the_session_goes_on():
@@ -542,16 +593,20 @@ def test_ranks_that_do_not_leave_an_interrupted_cell_in_5_s_end_the_session_with
     assert asked == [TakeStacks((0,), Why.STUCK)]
     assert state.stacks_taken(asked[0], {0: dump(*ALL_REDUCE)}, 8.0, BOTH) == [EndSession()]
     error = render.session_ended(state.result(), {CELL: "Cell In[3]"})
-    assert str(error) == ("rank 1 failed: ValueError: x; taas: the session ended: rank 0 did not leave the "
-                          "interrupted cell within 5 s (a collective waits for its peers there, or the code ignores "
-                          "interrupts)")
-    assert error.lines[3:] == ["stopped after the failure: rank 0",  # where it waited for the failure, once
-                               f"{BOLD}where they were when rank 1 failed:{RESET}",
-                               "rank 0: in all_reduce:",
-                               "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
-                               "    Cell In[3], line 4 in <module>",
-                               f"{RED}{BOLD}taas: the session ended: rank 0 did not leave the interrupted cell within "
-                               f"5 s (a collective waits for its peers there, or the code ignores interrupts){RESET}"]
+    assert str(error) == (
+        "rank 1 failed: ValueError: x; taas: the session ended: rank 0 did not leave the "
+        "interrupted cell within 5 s (a collective waits for its peers there, or the code ignores "
+        "interrupts)"
+    )
+    assert error.lines[3:] == [
+        "stopped after the failure: rank 0",  # where it waited for the failure, once
+        f"{BOLD}where they were when rank 1 failed:{RESET}",
+        "rank 0: in all_reduce:",
+        "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
+        "    Cell In[3], line 4 in <module>",
+        f"{RED}{BOLD}taas: the session ended: rank 0 did not leave the interrupted cell within "
+        f"5 s (a collective waits for its peers there, or the code ignores interrupts){RESET}",
+    ]
 
 
 def test_a_rank_that_exits_ends_the_session_with_its_last_words():
@@ -567,7 +622,8 @@ def test_a_rank_that_exits_ends_the_session_with_its_last_words():
     exiting.exited(0, 0, 1.1, ["ignored"])
     assert render.session_ended(exiting.result(), {}).lines == [
         f"{RED}{BOLD}taas: the session ended: rank 0 ended the session with sys.exit(0): its process group cannot "
-        f"continue{RESET}"]
+        f"continue{RESET}"
+    ]
 
 
 def test_a_producer_that_dies_ends_the_session_one_that_finished_does_not():
@@ -579,14 +635,17 @@ def test_a_producer_that_dies_ends_the_session_one_that_finished_does_not():
     assert result.end is not None and result.end.cause is EndCause.PRODUCER_DIED
     error = render.session_ended(result, {})
     assert str(error) == "producer 1 of train_loader failed: killed by signal SIGSEGV; the session ended"
-    assert error.lines[-1] == (f"{RED}{BOLD}taas: the session ended: producer 1 of train_loader cannot serve its "
-                               f"loader any more{RESET}")
+    assert error.lines[-1] == (
+        f"{RED}{BOLD}taas: the session ended: producer 1 of train_loader cannot serve its loader any more{RESET}"
+    )
 
 
 def test_a_cell_sent_to_an_ended_session_says_why_it_ended():
     error = render.session_over("rank 1 exited between cells")
-    assert (str(error), error.lines) == ("the session ended: rank 1 exited between cells",
-                                         ["taas: the session ended: rank 1 exited between cells"])
+    assert (str(error), error.lines) == (
+        "the session ended: rank 1 exited between cells",
+        ["taas: the session ended: rank 1 exited between cells"],
+    )
     assert render.exited_between_cells("rank 1", -signal.SIGKILL) == "rank 1 killed by signal SIGKILL between cells"
 
 
@@ -595,17 +654,22 @@ def test_a_stack_shown_after_a_timeout_stops_where_taas_handed_the_process_its_w
     from taas_magic.launch.supervisor import ranks
     from taas_magic.rank import cell, worker
 
-    rank_dump = (f'Thread 0x1 (most recent call first):\n'
-                 f'  File "/tmp/ipykernel_1/3.py", line 2 in <module>\n'
-                 f'  File "{cell.__file__}", line 40 in run_cell\n'
-                 f'  File "{worker.__file__}", line 60 in run_rank\n')
+    rank_dump = (
+        f"Thread 0x1 (most recent call first):\n"
+        f'  File "/tmp/ipykernel_1/3.py", line 2 in <module>\n'
+        f'  File "{cell.__file__}", line 40 in run_cell\n'
+        f'  File "{worker.__file__}", line 60 in run_rank\n'
+    )
     assert stack_lines(rank_dump, {"/tmp/ipykernel_1/3.py": "Cell In[3]"}) == ["    Cell In[3], line 2 in <module>"]
-    producer_dump = (f'Thread 0x2 (most recent call first):\n'
-                     f'  File "/data/loader.py", line 9 in __getitem__\n'
-                     f'  File "{producer.__file__}", line 150 in run\n'
-                     f'  File "{ranks.__file__}", line 80 in _run\n')
-    assert stack_lines(producer_dump, {}) == ['    File "/data/loader.py", line 9 in __getitem__'], \
+    producer_dump = (
+        f"Thread 0x2 (most recent call first):\n"
+        f'  File "/data/loader.py", line 9 in __getitem__\n'
+        f'  File "{producer.__file__}", line 150 in run\n'
+        f'  File "{ranks.__file__}", line 80 in _run\n'
+    )
+    assert stack_lines(producer_dump, {}) == ['    File "/data/loader.py", line 9 in __getitem__'], (
         "taas's own frames left out"
+    )
 
 
 # -- the watchdog -------------------------------------------------------------------------------------
@@ -624,9 +688,15 @@ def test_the_watchdog_speaks_once_per_stall_after_hang_after_and_the_run_goes_on
     assert state.tick(9.9, BOTH) == []
     asked = state.tick(10.0, BOTH)
     assert asked == [TakeStacks((0, 1), Why.HANG)]
-    assert state.stacks_taken(asked[0], {0: dump(*ALL_REDUCE)}, 10.0, BOTH) == [ShowHang(Hang(
-        10.0, (Process(0, "rank 0", sample(0.0, seq=5, seconds=1.0), 10.0, dump(*ALL_REDUCE)), Process(1, "rank 1")),
-        10.0))]
+    assert state.stacks_taken(asked[0], {0: dump(*ALL_REDUCE)}, 10.0, BOTH) == [
+        ShowHang(
+            Hang(
+                10.0,
+                (Process(0, "rank 0", sample(0.0, seq=5, seconds=1.0), 10.0, dump(*ALL_REDUCE)), Process(1, "rank 1")),
+                10.0,
+            )
+        )
+    ]
     assert state.tick(10.1, BOTH) == [] and state.tick(1000.0, BOTH) == []  # once per stall
     assert state.phase is Phase.RUNNING and state.stop is None
 
@@ -646,16 +716,21 @@ def test_the_hang_message_says_the_cause_where_each_rank_is_and_that_the_run_goe
         "    in all_reduce (torch/distributed/distributed_c10d.py, line 2501), called from:",
         "    Cell In[2], line 4 in <module>",
         f"{BOLD}taas: the run goes on: wait, or interrupt the cell to stop it (said after --hang-after 10 s without "
-        f"progress; --hang-after 0 turns this off){RESET}"]
+        f"progress; --hang-after 0 turns this off){RESET}",
+    ]
 
 
-@pytest.mark.parametrize("progress", [
-    lambda state: state.moved(15.0),  # a rank wrote output
-    lambda state: state.reported(1, RankProgress(15.0, 3), 15.0),
-    lambda state: state.reported(0, sample(15.0, finished=5), 15.0),  # left the collective: it finished
-    lambda state: state.reported(1, sample(15.0, taken=1), 15.0),  # took an element
-    lambda state: state.reported(1, sample(15.0, cpu=7.5), 15.0),  # half a core for 15 s: computing
-], ids=["output", "taas.progress", "collective finished", "element taken", "computing"])
+@pytest.mark.parametrize(
+    "progress",
+    [
+        lambda state: state.moved(15.0),  # a rank wrote output
+        lambda state: state.reported(1, RankProgress(15.0, 3), 15.0),
+        lambda state: state.reported(0, sample(15.0, finished=5), 15.0),  # left the collective: it finished
+        lambda state: state.reported(1, sample(15.0, taken=1), 15.0),  # took an element
+        lambda state: state.reported(1, sample(15.0, cpu=7.5), 15.0),  # half a core for 15 s: computing
+    ],
+    ids=["output", "taas.progress", "collective finished", "element taken", "computing"],
+)
 def test_progress_rearms_the_watchdog(progress):
     state = one_shot(hang_after=10.0)
     state.reported(0, sample(0.0, seq=5), 0.0)
@@ -666,13 +741,17 @@ def test_progress_rearms_the_watchdog(progress):
     stall(state, 25.0)
 
 
-@pytest.mark.parametrize("still", [
-    sample(5.0, seq=5, seconds=6.0),  # in the same collective, no CPU
-    sample(5.0, cpu=5.0, seq=5, seconds=6.0),  # spinning in it
-    sample(5.0, cpu=5.0, seq=5, seconds=6.0, waiting="train_loader"),
-    sample(5.0, cpu=5.0, seq=5, seconds=6.0, setup=6.0),
-    sample(5.0, cpu=0.1, seq=None),  # outside collectives, 2% of a core: a sleep with a timer, not work
-], ids=["no cpu", "cpu in a collective", "cpu waiting for data", "cpu in setup", "little cpu"])
+@pytest.mark.parametrize(
+    "still",
+    [
+        sample(5.0, seq=5, seconds=6.0),  # in the same collective, no CPU
+        sample(5.0, cpu=5.0, seq=5, seconds=6.0),  # spinning in it
+        sample(5.0, cpu=5.0, seq=5, seconds=6.0, waiting="train_loader"),
+        sample(5.0, cpu=5.0, seq=5, seconds=6.0, setup=6.0),
+        sample(5.0, cpu=0.1, seq=None),  # outside collectives, 2% of a core: a sleep with a timer, not work
+    ],
+    ids=["no cpu", "cpu in a collective", "cpu waiting for data", "cpu in setup", "little cpu"],
+)
 def test_a_rank_that_only_waits_is_no_progress(still):
     state = one_shot(hang_after=10.0)
     state.reported(0, dataclasses.replace(still, at=0.0, cpu=0.0), 0.0)
@@ -719,4 +798,7 @@ def test_a_session_cell_watches_its_own_ranks_and_the_producers():
     state.reported(0, CellEnded(12.0), 12.0)  # its cell ended: progress, and no more its stall
     hang = stall(state, 22.0, running, watched=(1, producer))
     assert [(p.key, p.label, p.ended) for p in hang.processes] == [
-        (0, "rank 0", "had finished the cell"), (1, "rank 1", ""), (producer, "producer 0 of train_loader", "")]
+        (0, "rank 0", "had finished the cell"),
+        (1, "rank 1", ""),
+        (producer, "producer 0 of train_loader", ""),
+    ]

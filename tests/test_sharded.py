@@ -20,13 +20,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
+from notebook_values import SETUP, unpicklable, values
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from notebook_values import SETUP, unpicklable, values
 from taas_magic.rank import sharded
 from taas_magic.wire import results
 
@@ -68,8 +68,11 @@ def fresh() -> Net:
 
 
 def hooks(module: nn.Module) -> int:
-    return sum(len(getattr(m, key)) for m in module.modules()
-               for key in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"))
+    return sum(
+        len(getattr(m, key))
+        for m in module.modules()
+        for key in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    )
 
 
 # -- running ranks ------------------------------------------------------------------------------
@@ -80,8 +83,9 @@ def free_port() -> int:
 
 
 def _rank(scenario: Callable[[int, int], dict], rank: int, world: int, port: int, answers: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo")
@@ -148,15 +152,26 @@ def fsdp_cell(rank: int, world: int) -> dict:
     weight = model.layers[0][0].weight
     local_before = {name: p.to_local().clone() for name, p in model.named_parameters()}
     classes, hooks_before = [type(m) for m in model.modules()], hooks(model)
-    values = {"model": model, "optimizer": optimizer, "weight": weight, "state": model.state_dict(),
-              "bare": weight.detach(), "plain": torch.arange(3)}
+    values = {
+        "model": model,
+        "optimizer": optimizer,
+        "weight": weight,
+        "state": model.state_dict(),
+        "bare": weight.detach(),
+        "plain": torch.arange(3),
+    }
     answer = end_of_cell(values, rank)
     # The live objects are as they were: still sharded, with FSDP's hooks, and they still train.
     answer["unchanged"] = (
-        [type(m) for m in model.modules()] == classes and hooks(model) == hooks_before
-        and all(isinstance(p, DTensor) and torch.equal(p.to_local(), local_before[name])
-                for name, p in model.named_parameters())
-        and isinstance(model, FSDPModule) and isinstance(optimizer.state[weight]["exp_avg"], DTensor))
+        [type(m) for m in model.modules()] == classes
+        and hooks(model) == hooks_before
+        and all(
+            isinstance(p, DTensor) and torch.equal(p.to_local(), local_before[name])
+            for name, p in model.named_parameters()
+        )
+        and isinstance(model, FSDPModule)
+        and isinstance(optimizer.state[weight]["exp_avg"], DTensor)
+    )
     train(model, optimizer, [rank], steps=1)
     answer["trains"] = not torch.equal(weight.to_local(), local_before["layers.0.0.weight"])
     return answer
@@ -277,10 +292,14 @@ def disagreeing_cell(rank: int, world: int) -> dict:
 def test_ranks_that_disagree_on_a_sharded_tensor_leave_out_that_name_only():
     rank0, rank1 = run_ranks(disagreeing_cell)
     assert set(rank0["whys"]) == {"differs"} and set(rank1["whys"]) == {"differs", "only_here"}
-    assert rank1["whys"]["only_here"] == ("its ranks disagree on only_here: [4] float32 (Shard(dim=0),) over ranks 0-1 "
-                                          "in rank 1, no such sharded tensor in rank 0")
-    assert rank0["whys"]["differs"] == ("its ranks disagree on differs: [4, 3] float32 (Shard(dim=0),) over ranks 0-1 "
-                                        "in rank 0, [4, 4] float32 (Shard(dim=0),) over ranks 0-1 in rank 1")
+    assert rank1["whys"]["only_here"] == (
+        "its ranks disagree on only_here: [4] float32 (Shard(dim=0),) over ranks 0-1 "
+        "in rank 1, no such sharded tensor in rank 0"
+    )
+    assert rank0["whys"]["differs"] == (
+        "its ranks disagree on differs: [4, 3] float32 (Shard(dim=0),) over ranks 0-1 "
+        "in rank 0, [4, 4] float32 (Shard(dim=0),) over ranks 0-1 in rank 1"
+    )
     back, _ = results.loads(rank0["data"])
     assert torch.equal(back["agrees"], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
     assert back["only_here"] == 7
@@ -320,8 +339,7 @@ def test_a_cell_in_part_of_the_ranks_gathers_what_is_sharded_over_them_only():
     rank0, rank1, rank2, _ = run_ranks(part_of_four_cell, world=4)
     full = torch.arange(32.0).reshape(4, 8)
     # The cell ran in ranks 0-1 only, as a session's cell can: "both" is sharded beyond them, "pair" is not.
-    assert rank0["whys"] == rank1["whys"] == {
-        "both": "sharded over ranks 0-3, and this cell runs in ranks 0-1 only"}
+    assert rank0["whys"] == rank1["whys"] == {"both": "sharded over ranks 0-3, and this cell runs in ranks 0-1 only"}
     back, _ = results.loads(rank0["data"])
     assert set(back) == {"pair"} and torch.equal(back["pair"], full)
     assert rank2 == {}
@@ -330,9 +348,11 @@ def test_a_cell_in_part_of_the_ranks_gathers_what_is_sharded_over_them_only():
 def all_four_cell(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
     full = torch.arange(32.0).reshape(4, 8)
-    values = {"both": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
-              "mixed": distribute_tensor(full, mesh, [Replicate(), Shard(1)]),
-              "pair": distribute_tensor(full + 10 * (rank // 2), mesh["inner"], [Shard(0)])}
+    values = {
+        "both": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
+        "mixed": distribute_tensor(full, mesh, [Replicate(), Shard(1)]),
+        "pair": distribute_tensor(full + 10 * (rank // 2), mesh["inner"], [Shard(0)]),
+    }
     return end_of_cell(values, rank)
 
 

@@ -14,8 +14,12 @@ from taas_magic.wire import shipping
 
 
 def test_names_and_tensors_arrive_with_the_tensors_data_in_one_memory_file() -> None:
-    namespace = {"__name__": "__main__", "weights": torch.arange(6.0).reshape(2, 3),
-                 "bias": torch.nn.Parameter(torch.ones(4)), "scale": 3}
+    namespace = {
+        "__name__": "__main__",
+        "weights": torch.arange(6.0).reshape(2, 3),
+        "bias": torch.nn.Parameter(torch.ones(4)),
+        "scale": 3,
+    }
     shipment = shipping.pack(namespace, ["weights", "bias", "scale"])
     try:
         assert shipment.tensors_fd is not None and shipment.tensors_size >= 10 * 4
@@ -73,13 +77,22 @@ class _PicklesOnce:
         return (_PicklesOnce, ())
 
 
-@pytest.mark.parametrize("value, fragment", [
-    (_ExitsOnReduce(), "the cell needs 'x' (a test_shipping._ExitsOnReduce), which cannot be sent to ranks started "
-                       "with --start forkserver (SystemExit: 3): create it inside the cell"),
-    (_RaisesUnprintable(), "(_Unprintable): create it inside the cell"),
-    (_PicklesOnce(), "the names the cell needs cannot be sent to ranks started with --start forkserver together "
-                     "(ValueError: second time), though each can alone"),
-])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        (
+            _ExitsOnReduce(),
+            "the cell needs 'x' (a test_shipping._ExitsOnReduce), which cannot be sent to ranks started "
+            "with --start forkserver (SystemExit: 3): create it inside the cell",
+        ),
+        (_RaisesUnprintable(), "(_Unprintable): create it inside the cell"),
+        (
+            _PicklesOnce(),
+            "the names the cell needs cannot be sent to ranks started with --start forkserver together "
+            "(ValueError: second time), though each can alone",
+        ),
+    ],
+)
 def test_whatever_pickling_a_name_raises_is_one_line(value, fragment) -> None:
     from taas_magic.errors import TaasUsageError
 
@@ -102,12 +115,26 @@ class _Anything:
 
 
 _plain_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.complex_numbers(allow_nan=True),
-              st.text(max_size=5000), st.binary(max_size=5000), st.just(Ellipsis), st.just(NotImplemented),
-              st.builds(_BadEq), st.builds(_Anything), st.builds(MagicMock), st.just(torch.tensor(float("nan")))),
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner),
-                            st.dictionaries(st.text(max_size=3), inner, max_size=3)),
-    max_leaves=6)
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=True),
+        st.complex_numbers(allow_nan=True),
+        st.text(max_size=5000),
+        st.binary(max_size=5000),
+        st.just(Ellipsis),
+        st.just(NotImplemented),
+        st.builds(_BadEq),
+        st.builds(_Anything),
+        st.builds(MagicMock),
+        st.just(torch.tensor(float("nan"))),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner, inner), st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 @given(_plain_values)
@@ -123,8 +150,11 @@ def test_a_number_or_string_is_fingerprinted_by_value(value) -> None:
     assert shipping.fingerprint([copy]) != shipping.fingerprint([value]), "a new container is a new value"
 
 
-@pytest.mark.parametrize("make", [lambda i: _Anything(), lambda i: torch.zeros(1), lambda i: float(str(i) + ".5")],
-                         ids=["object", "tensor", "float"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda i: _Anything(), lambda i: torch.zeros(1), lambda i: float(str(i) + ".5")],
+    ids=["object", "tensor", "float"],
+)
 def test_a_new_object_in_a_freed_ones_place_has_another_fingerprint(make) -> None:
     old = make(0)
     address, known = id(old), shipping.fingerprint(old)

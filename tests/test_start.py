@@ -31,8 +31,11 @@ def test_resolve_start(requested, device, unsafe, can_fork, expected):
 
 @pytest.mark.parametrize(
     "requested, expected",
-    [("auto", ("forkserver", "gRPC runs threads in this kernel")), ("fork", ("fork", "")),
-     ("forkserver", ("forkserver", ""))],
+    [
+        ("auto", ("forkserver", "gRPC runs threads in this kernel")),
+        ("fork", ("fork", "")),
+        ("forkserver", ("forkserver", "")),
+    ],
 )
 def test_while_grpc_runs_threads_auto_starts_from_the_fork_server(requested, expected):
     start, notice = resolve_start(requested, "cpu", False, True, grpc_threads=True)
@@ -48,15 +51,19 @@ def test_fork_is_refused_where_it_cannot_work(can_fork, message):
 
 def test_a_live_grpc_channel_is_seen_and_a_closed_one_is_not():
     """A channel starts grpcio's threads; they go when it closes (a fork is then clean again)."""
-    probe = ("import grpc, time\nfrom taas_magic.process.machine import grpc_threads_in_kernel as g\n"
-             "channel = grpc.insecure_channel('127.0.0.1:9')\nopen_ = g()\nchannel.close()\ntime.sleep(0.5)\n"
-             "print(open_, g())")
+    probe = (
+        "import grpc, time\nfrom taas_magic.process.machine import grpc_threads_in_kernel as g\n"
+        "channel = grpc.insecure_channel('127.0.0.1:9')\nopen_ = g()\nchannel.close()\ntime.sleep(0.5)\n"
+        "print(open_, g())"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "False"], out.stderr
 
 
 def test_asking_torch_whether_cuda_is_available_makes_forks_unable_to_use_it():
-    probe = ("import torch\nfrom taas_magic.process.machine import fork_poisoned_for_cuda as p\n"
-             "before = p()\ntorch.cuda.is_available()\nprint(before, p(), torch.cuda.is_initialized())")
+    probe = (
+        "import torch\nfrom taas_magic.process.machine import fork_poisoned_for_cuda as p\n"
+        "before = p()\ntorch.cuda.is_available()\nprint(before, p(), torch.cuda.is_initialized())"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True", "False"], out.stderr

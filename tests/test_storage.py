@@ -244,6 +244,7 @@ def test_a_link_that_loops_and_a_path_to_a_folder_fail_as_in_plain_torch_save(tm
 
 def test_a_file_that_may_not_be_replaced_is_written_into(tmp_path, monkeypatch):
     """An append-only or immutable file refuses the rename over it: plain torch.save takes over."""
+
     def refused(fd, path):
         raise PermissionError(1, "Operation not permitted", path)
 

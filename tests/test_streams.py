@@ -43,9 +43,7 @@ def test_each_line_gets_its_rank_prefix(cell: Cell) -> None:
     output.feed(0, "stdout", b"alpha\nbeta\n", now=T0)
     output.feed(1, "stdout", b"gamma\n", now=T0)
     output.feed(2, "stdout", b"delta\n\nepsilon\n", now=T0)
-    assert cell.text() == (
-        "[rank 0] alpha\n[rank 0] beta\n[rank 1] gamma\n[rank 2] delta\n\n[rank 2] epsilon\n"
-    )
+    assert cell.text() == ("[rank 0] alpha\n[rank 0] beta\n[rank 1] gamma\n[rank 2] delta\n\n[rank 2] epsilon\n")
 
 
 def test_no_prefix_when_prefix_is_off(cell: Cell) -> None:
@@ -192,7 +190,7 @@ def test_stderr_is_kept_apart_from_stdout(cell: Cell) -> None:
 def test_tail_keeps_whole_stderr_lines_across_feeds(cell: Cell) -> None:
     output = RankOutput(cell, prefix=True)
     output.feed(0, "stderr", b"Traceback (most rec", now=T0)
-    output.feed(0, "stderr", b"ent call last):\n  File \"<cell>\", line 3\n\nValueError: bo", now=T0)
+    output.feed(0, "stderr", b'ent call last):\n  File "<cell>", line 3\n\nValueError: bo', now=T0)
     assert output.tail(0) == ["Traceback (most recent call last):", '  File "<cell>", line 3', "ValueError: bo"]
     output.feed(0, "stderr", b"om\r", now=T0)
     output.feed(0, "stderr", b"\n", now=T0)

@@ -17,14 +17,14 @@ import psutil
 import pytest
 import torch.distributed  # noqa: F401  (as in a kernel: ranks start with torch imported)
 
-from taas_magic.process import containment
-from taas_magic.wire.events import Exited, Output, Producer
-from taas_magic.wire.channel import new_secret, socket_pair
-from taas_magic.wire.supervision import Close, Closed, Events, Lost, Started, StartFailed, kernel_end, supervisor_end
+from taas_magic.errors import RunLost
 from taas_magic.launch.backend import Launch
 from taas_magic.launch.fork.backend import ForkBackend, ForkPlan
-from taas_magic.errors import RunLost
 from taas_magic.launch.supervisor.handle import SupervisedRanks
+from taas_magic.process import containment
+from taas_magic.wire.channel import new_secret, socket_pair
+from taas_magic.wire.events import Exited, Output, Producer
+from taas_magic.wire.supervision import Close, Closed, Events, Lost, Started, StartFailed, kernel_end, supervisor_end
 from taas_magic.wire.task import RankTask
 
 PRODUCER = Producer(0, 0)  # a data producer of the run
@@ -85,12 +85,15 @@ def test_a_failed_start_is_a_run_error_naming_the_reason(ends):
         group.wait_started(5)
 
 
-@pytest.mark.parametrize("message, expected", [
-    (Lost("the process that started the run's supervisor died"), "supervisor died"),
-    (Closed({0: 0}, (Exited(0, 0),)), "ended the run on its own"),
-    (Started(1, (0, 1)), "unexpected message 'started'"),
-    (Close(), "unexpected message 'close'"),  # a request, on the way back: not a message the kernel takes
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (Lost("the process that started the run's supervisor died"), "supervisor died"),
+        (Closed({0: 0}, (Exited(0, 0),)), "ended the run on its own"),
+        (Started(1, (0, 1)), "unexpected message 'started'"),
+        (Close(), "unexpected message 'close'"),  # a request, on the way back: not a message the kernel takes
+    ],
+)
 def test_a_run_the_supervisor_ended_or_garbled_is_lost_and_closed(ends, message, expected):
     group, supervisor = ends
     supervisor.send(Started(group.stand_in_pid, (0, 1)))
@@ -163,8 +166,9 @@ def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
 
 
 def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():
-    task = RankTask(code=compile("import time\nprint('up', flush=True)\ntime.sleep(60)", "<cell>", "exec"),
-                    device="cpu", threads=1)
+    task = RankTask(
+        code=compile("import time\nprint('up', flush=True)\ntime.sleep(60)", "<cell>", "exec"), device="cpu", threads=1
+    )
     group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(2)))
     try:
         ranks = psutil.Process(group.process.pid).children()

@@ -54,8 +54,13 @@ def test_folders_of_a_process_and_its_killed_workers_go_with_it(tmp_path, monkey
         os.kill(worker.pid, signal.SIGKILL)
         worker.join()
         tempfiles.remove_multiprocessing_folders()
-        return {"pid": os.getpid(), "own": own, "workers": workers, "before": before,
-                "after": sorted(os.listdir(tmp_path))}
+        return {
+            "pid": os.getpid(),
+            "own": own,
+            "workers": workers,
+            "before": before,
+            "after": sorted(os.listdir(tmp_path)),
+        }
 
     seen = _in_a_child(rank)
     prefix = f"pymp-taas-{seen['pid']}-"

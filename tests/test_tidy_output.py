@@ -238,7 +238,7 @@ def test_a_bar_drawn_below_another_moves_the_cursor_and_leaves_no_lines():
         cell = Cell()
         output = tidy(cell, ranks=1)
         for start in range(0, len(data), size):
-            output.feed(0, "stderr", data[start:start + size], now=T0)
+            output.feed(0, "stderr", data[start : start + size], now=T0)
         output.finish()
         lines = cell.text("stderr").splitlines()
         assert len(lines) == 2 and lines[0].startswith("[rank 0] 100%|##########| 3/3"), (size, lines)

@@ -47,8 +47,12 @@ def test_each_ranks_ids_get_numbers_of_their_own_and_come_back_as_they_were(seen
     ranks = [a_rank(number) for number in range(3)]
     outward = {}
     for index, thread, frame, variables in seen:
-        body = {"threadId": thread, "stackFrames": [{"id": frame, "source": {"path": "x.py"}}],
-                "variablesReference": variables, "threads": [{"id": thread, "name": "MainThread"}]}
+        body = {
+            "threadId": thread,
+            "stackFrames": [{"id": frame, "source": {"path": "x.py"}}],
+            "variablesReference": variables,
+            "threads": [{"id": thread, "name": "MainThread"}],
+        }
         shown = hub._outward(ranks[index], body)
         assert shown["threadId"] >= RANK_IDS and shown["threads"][0]["id"] == shown["threadId"]
         assert shown["stackFrames"][0]["id"] >= RANK_IDS and shown["variablesReference"] >= RANK_IDS
@@ -70,7 +74,10 @@ def test_the_kernels_own_ids_pass_untouched_and_zero_means_no_variables():
     hub = RankDebugging(FakeDebugger())
     assert hub._owner({"threadId": 1, "frameId": 3}) is None
     assert hub._inward({"threadId": 1, "frameId": 3, "variablesReference": 0}) == {
-        "threadId": 1, "frameId": 3, "variablesReference": 0}
+        "threadId": 1,
+        "frameId": 3,
+        "variablesReference": 0,
+    }
     assert hub._outward(a_rank(0), {"variablesReference": 0}) == {"variablesReference": 0}
     assert _translate({"body": {"threadId": 4}}, lambda kind, number: number + 1) == {"body": {"threadId": 5}}
 
@@ -78,11 +85,15 @@ def test_the_kernels_own_ids_pass_untouched_and_zero_means_no_variables():
 def test_a_ranks_stack_ends_at_its_cells_frame_and_names_the_rank():
     hub = RankDebugging(FakeDebugger())
     hub.cell_file = "/tmp/ipykernel_1/22.py"
-    body = {"stackFrames": [{"id": 1, "name": "step", "source": {"path": "/tmp/ipykernel_1/5.py"}},
-                            {"id": 2, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}},
-                            {"id": 3, "name": "run_cell_magic", "source": {"path": "/ipython/interactiveshell.py"}},
-                            {"id": 4, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}}],
-            "totalFrames": 30}
+    body = {
+        "stackFrames": [
+            {"id": 1, "name": "step", "source": {"path": "/tmp/ipykernel_1/5.py"}},
+            {"id": 2, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}},
+            {"id": 3, "name": "run_cell_magic", "source": {"path": "/ipython/interactiveshell.py"}},
+            {"id": 4, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}},
+        ],
+        "totalFrames": 30,
+    }
     hub._rank_frames(a_rank(3), body, start=0)
     assert [frame["name"] for frame in body["stackFrames"]] == ["rank 3: step", "rank 3: <module>"]
     assert body["totalFrames"] == 2
@@ -109,7 +120,7 @@ def test_the_engines_messages_are_read_whole_across_partial_writes():
 
     def write() -> None:
         for start in range(0, len(wire), 7):
-            theirs.sendall(wire[start:start + 7])
+            theirs.sendall(wire[start : start + 7])
         theirs.close()
 
     writer = threading.Thread(target=write)
@@ -144,10 +155,10 @@ def debug_link(capsys, spec_line: str, attached: bool, breakpoints: bool, on_clu
     import dataclasses
     from types import SimpleNamespace
 
+    from taas_magic.configurations import load_catalog
     from taas_magic.kernel import options, spec
     from taas_magic.kernel.magics import TaasMagics
     from taas_magic.kernel.runner import CellRunner
-    from taas_magic.configurations import load_catalog
     from taas_magic.process.machine import Machine
 
     debugger = FakeDebugger()

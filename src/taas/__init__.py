@@ -28,8 +28,19 @@ from taas_magic.per_rank import PerRank
 
 from .registry import register, registered, unregister
 
-__all__ = ["PerRank", "device", "is_main", "local_rank", "local_world_size", "progress", "rank", "register",
-           "registered", "unregister", "world_size"]
+__all__ = [
+    "PerRank",
+    "device",
+    "is_main",
+    "local_rank",
+    "local_world_size",
+    "progress",
+    "rank",
+    "register",
+    "registered",
+    "unregister",
+    "world_size",
+]
 
 PerRank.__module__ = __name__  # shown and pickled as taas.PerRank, where users meet it
 

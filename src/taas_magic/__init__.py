@@ -15,16 +15,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from taas_magic.version import VERSION as __version__  # shown first by %taas
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
 from taas_magic.kernel.pragma import PragmaTransformer
+from taas_magic.version import VERSION as __version__  # noqa: F401  # the package's version, shown first by %taas
 
 if TYPE_CHECKING:
     from taas_magic.kernel.magics import TaasMagics
 
-__all__ = ["RankFailed", "RunTimedOut", "TaasRunError", "TaasUsageError",
-           "load_ipython_extension", "unload_ipython_extension"]
+__all__ = [
+    "RankFailed",
+    "RunTimedOut",
+    "TaasRunError",
+    "TaasUsageError",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
 
 _loaded: dict[int, tuple[Any, PragmaTransformer]] = {}
 # The unloaded magics of each shell, until the next load takes them over or the cell ends. %reload_ext
@@ -93,4 +99,5 @@ def _park(ipython: Any, magics: "TaasMagics") -> None:
             return  # taken over by a load
         # Its ended session stays parked: the next load's first taas cell says so, and does not run.
         magics.close("taas_magic was unloaded (%unload_ext)")
+
     ipython.events.register("post_run_cell", end_unless_taken)

@@ -12,8 +12,11 @@ def names_read(tree: ast.AST) -> set[str]:
     """Every name the cell loads (or declares global): candidates to take from the notebook."""
     read = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store)}
     # `total += x` reads `total` before it binds it
-    read |= {node.target.id for node in ast.walk(tree)
-             if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)}
+    read |= {
+        node.target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
+    }
     return read | {name for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
 
 

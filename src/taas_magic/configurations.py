@@ -178,8 +178,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _build(raw: dict[str, Any], sources: tuple[str, ...]) -> Catalog:
     where = ", ".join(sources)
-    configurations = {str(name): _configuration(str(name), fields or {}, where)
-                      for name, fields in raw["configurations"].items()}
+    configurations = {
+        str(name): _configuration(str(name), fields or {}, where) for name, fields in raw["configurations"].items()
+    }
     try:
         max_nodes = _whole(raw, "max_nodes", 4)
     except ValueError as e:

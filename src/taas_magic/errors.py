@@ -6,8 +6,10 @@
       ├── RankFailed                         a rank raised, exited non-zero or died by a signal:
       │                                      "rank 1 failed: <Type>: <message>", its traceback below
       ├── RunTimedOut                        "--timeout 30 s elapsed: rank 1 still running, now stopped", and its stack
-      ├── RunLost                            "taas lost the run's processes (<why>); every process of the run was stopped"
-      ├── ForkServerDied                     "the taas fork server stopped unexpectedly (<why>); the next cell starts a new one"
+      ├── RunLost                            "taas lost the run's processes (<why>); every process of the run
+      │                                      was stopped"
+      ├── ForkServerDied                     "the taas fork server stopped unexpectedly (<why>); the next cell
+      │                                      starts a new one"
       ├── DeliveryLost                       "data delivery to the ranks of this node failed (<why>); every process ..."
       └── SessionEnded                       "the session ended: <why>", and what became of the cell
     RunInterrupted (a KeyboardInterrupt)     the cell was interrupted and every rank stopped:

@@ -89,7 +89,9 @@ class LocalCluster:
 
     def _node_args(self, shape: Any, cpus: int) -> dict[str, Any]:
         return {
-            "num_cpus": max(cpus, 1), "num_gpus": shape.gpus, "include_dashboard": False,
+            "num_cpus": max(cpus, 1),
+            "num_gpus": shape.gpus,
+            "include_dashboard": False,
             "node_ip_address": self._args_address(len(self.addresses)),
             "resources": {f"taas:{shape.name}": 1},
         }

@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 def span(keys: Iterable[Hashable]) -> str:
-    """"rank 3", "ranks 0-2,4-7": the ranks among ``keys`` (others are left out), in runs."""
+    """ "rank 3", "ranks 0-2,4-7": the ranks among ``keys`` (others are left out), in runs."""
     numbers = sorted({key for key in keys if isinstance(key, int)})
     runs: list[list[int]] = []
     for number in numbers:
@@ -103,8 +103,13 @@ def _equal(a: object, b: object) -> bool:
         return True
     torch = sys.modules.get("torch")  # a tensor in hand means torch is imported
     if torch is not None and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
-            and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
     try:
         return bool(a == b)
     except Exception:  # arrays (ambiguous truth), objects whose == raises

@@ -49,16 +49,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from taas_magic.delivery import relay
-from taas_magic.wire import memfile
-from taas_magic.wire.events import Producer
-from taas_magic.wire.records import DeliveryProgress
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import default_prefetch
-from taas_magic.wire.task import LoaderPlan
 from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair, put_file, take_waiting_file
+from taas_magic.wire import memfile
+from taas_magic.wire.events import Producer
+from taas_magic.wire.records import DeliveryProgress
+from taas_magic.wire.task import LoaderPlan
 
 ASK_SECONDS = 60.0  # a host's agent that does not say where it streams from this soon is taken for gone
 POLL_SECONDS = 0.005  # how often a node of ranks looks at its ranks' counters when no element arrives
@@ -82,8 +82,14 @@ class NodeShare:
         return any(self.hosted) or bool(self.ranks and self.loaders)
 
 
-def shares(run_id: str, loaders: tuple[LoaderPlan, ...], ranks_by_node: list[tuple[int, ...]],
-           hosts: int, agents: list[Any], addresses: list[str]) -> list[NodeShare]:
+def shares(
+    run_id: str,
+    loaders: tuple[LoaderPlan, ...],
+    ranks_by_node: list[tuple[int, ...]],
+    hosts: int,
+    agents: list[Any],
+    addresses: list[str],
+) -> list[NodeShare]:
     """Each node's share: the run's nodes with ranks first, then ``hosts`` nodes for producers alone
     (``agents`` and ``addresses`` in that order).
 
@@ -99,14 +105,25 @@ def shares(run_id: str, loaders: tuple[LoaderPlan, ...], ranks_by_node: list[tup
             node = len(ranks_by_node) + number if hosts else number % len(ranks_by_node)
             hosted[node][index].append(producer)
             number += 1
-    sources = tuple(tuple((agents[node], addresses[node]) for node in range(nodes) if hosted[node][index])
-                    for index in range(len(loaders)))
+    sources = tuple(
+        tuple((agents[node], addresses[node]) for node in range(nodes) if hosted[node][index])
+        for index in range(len(loaders))
+    )
     every_node = list(ranks_by_node) + [()] * hosts
     secret = secrets.token_bytes(32)
-    return [NodeShare(run_id, loaders, world, every_node[node], tuple(map(tuple, hosted[node])),
-                      sources if every_node[node] else (), secret,
-                      _listen(node, hosted[node], addresses, len(ranks_by_node)))
-            for node in range(nodes)]
+    return [
+        NodeShare(
+            run_id,
+            loaders,
+            world,
+            every_node[node],
+            tuple(map(tuple, hosted[node])),
+            sources if every_node[node] else (),
+            secret,
+            _listen(node, hosted[node], addresses, len(ranks_by_node)),
+        )
+        for node in range(nodes)
+    ]
 
 
 def _listen(node: int, hosted: list[list[int]], addresses: list[str], rank_nodes: int) -> str:
@@ -148,8 +165,9 @@ class AttachedDelivery:
             self.counters.append(Counters(plan.producers, share.world, fds[position]))
             os.close(fds[position])  # the mapping stays, and forked processes inherit it
         self.producers_ends = [[socket.socket(fileno=fds[p]) for p in positions] for positions in ends.producers_ends]
-        self.rank_ends = [dict(zip(share.ranks, (socket.socket(fileno=fds[p]) for p in positions)))
-                          for positions in ends.rank_ends]
+        self.rank_ends = [
+            dict(zip(share.ranks, (socket.socket(fileno=fds[p]) for p in positions))) for positions in ends.rank_ends
+        ]
 
     def producers(self) -> list[tuple[Producer, ProducerTask]]:
         tasks = []
@@ -157,9 +175,15 @@ class AttachedDelivery:
             prefetch = plan.prefetch or default_prefetch(self.share.world, plan.producers, loader.num_workers)
             for index in self.share.hosted[number]:
                 task = ProducerTask(
-                    name=plan.name, loader=loader, plan=StreamPlan(len(loader), self.share.world, plan.units),
-                    index=index, count=plan.producers, window=max(1, math.ceil(prefetch / self.share.world)),
-                    channels=self.producers_ends[number], counters=self.counters[number], seed=plan.seed,
+                    name=plan.name,
+                    loader=loader,
+                    plan=StreamPlan(len(loader), self.share.world, plan.units),
+                    index=index,
+                    count=plan.producers,
+                    window=max(1, math.ceil(prefetch / self.share.world)),
+                    channels=self.producers_ends[number],
+                    counters=self.counters[number],
+                    seed=plan.seed,
                     reports_stats=False,  # the kernel makes the progress line from every node's counters
                     on_demand=plan.on_demand,
                 )
@@ -173,8 +197,10 @@ class AttachedDelivery:
         return {ends[rank].fileno() for ends in self.rank_ends}
 
     def rank_loaders(self) -> tuple["FedLoader", ...]:
-        return tuple(FedLoader(plan, self.share.world, ends, counters)
-                     for plan, ends, counters in zip(self.share.loaders, self.rank_ends, self.counters))
+        return tuple(
+            FedLoader(plan, self.share.world, ends, counters)
+            for plan, ends, counters in zip(self.share.loaders, self.rank_ends, self.counters)
+        )
 
     def close(self) -> None:
         for ends in self.producers_ends:
@@ -199,8 +225,17 @@ class FedLoader:
         return self.plan.name
 
     def stand_in(self, rank: int, loader: Any, device: str) -> StandIn:
-        return StandIn(self.name, loader, rank, StreamPlan(len(loader), self.world, self.plan.units),
-                       self.ends[rank], self.counters, self.plan.fastest, device, reports=False)
+        return StandIn(
+            self.name,
+            loader,
+            rank,
+            StreamPlan(len(loader), self.world, self.plan.units),
+            self.ends[rank],
+            self.counters,
+            self.plan.fastest,
+            device,
+            reports=False,
+        )
 
 
 # -- in a node's agent --------------------------------------------------------------------------
@@ -372,7 +407,9 @@ class NodeDelivery:
             return sock
         return None
 
-    def _relay(self, loader: _Loader, links: dict[socket.socket, _Link], waiting: dict[int, list[tuple[bytes, int]]]) -> None:
+    def _relay(
+        self, loader: _Loader, links: dict[socket.socket, _Link], waiting: dict[int, list[tuple[bytes, int]]]
+    ) -> None:
         """Elements from the hosts into the ranks' channels, and the ranks' counters back to the hosts
         (their producers stay within the window of the slowest rank), until every host has sent its
         last or every rank here is done."""
@@ -382,8 +419,13 @@ class NodeDelivery:
         finally:
             reader.close()
 
-    def _relay_with(self, reader: relay.Reader, loader: _Loader, links: dict[socket.socket, _Link],
-                    waiting: dict[int, list[tuple[bytes, int]]]) -> None:
+    def _relay_with(
+        self,
+        reader: relay.Reader,
+        loader: _Loader,
+        links: dict[socket.socket, _Link],
+        waiting: dict[int, list[tuple[bytes, int]]],
+    ) -> None:
         told: list[int] = []
         while links and not self.stopped.is_set():
             if all(loader.counters.is_done(rank) for rank in self.share.ranks):

@@ -94,6 +94,13 @@ class Counters:
         ranks = range(self.ranks)
         sent = [sum(self._sent[p * self.ranks + r] for p in range(self.producers)) for r in ranks]
         buffered = sum(max(0, sent[r] - self.taken[r] - self.dropped[r]) for r in ranks if not self.done[r])
-        return DeliveryProgress(name, time.monotonic(), int(sum(self.produced)), self.taken.tolist(),
-                                [int(self.position[r] - self.taken[r]) for r in ranks], int(buffered),
-                                self.done.tolist(), [microseconds / 1e6 for microseconds in self.waited.tolist()])
+        return DeliveryProgress(
+            name,
+            time.monotonic(),
+            int(sum(self.produced)),
+            self.taken.tolist(),
+            [int(self.position[r] - self.taken[r]) for r in ranks],
+            int(buffered),
+            self.done.tolist(),
+            [microseconds / 1e6 for microseconds in self.waited.tolist()],
+        )

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Generator, Iterator
 
-from taas_magic.process import child, tempfiles, tracebacks
-from taas_magic.wire.records import Failed
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import Pass, StreamPlan
 from taas_magic.delivery.transport import send
+from taas_magic.process import child, tempfiles, tracebacks
+from taas_magic.wire.records import Failed
 
 STATS_SECONDS = 0.5
 DEMAND_SECONDS = 0.01  # how often an idle session producer looks whether a rank began iterating
@@ -173,8 +173,11 @@ class ProducerTask:
         batched = loader.batch_sampler is not None
         mine = _Keys(self, keys, batched)
         options = dict(
-            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=False,
-            worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=False,
+            worker_init_fn=loader.worker_init_fn,
+            timeout=loader.timeout,
             multiprocessing_context=loader.multiprocessing_context,
         )
         if loader.num_workers:
@@ -270,9 +273,14 @@ class ProducerTask:
             pass_, index, indices = pending[0]
             where = f" at element {index} of pass {pass_.number} (samples {_short(indices)})"
         interrupted = isinstance(error, KeyboardInterrupt)
-        return Failed(time.monotonic(), type(error).__name__, str(error),
-                      [] if interrupted else tracebacks.format_traceback(_past_taas(error), shell),
-                      interrupted=interrupted, where=where.strip())
+        return Failed(
+            time.monotonic(),
+            type(error).__name__,
+            str(error),
+            [] if interrupted else tracebacks.format_traceback(_past_taas(error), shell),
+            interrupted=interrupted,
+            where=where.strip(),
+        )
 
 
 def _shut_down_workers(elements: Iterator[Any]) -> None:

@@ -282,6 +282,6 @@ class Incoming:
         whole = len(self.data) // self.size * self.size
         if not whole:
             return None, False
-        newest = bytes(self.data[whole - self.size:whole])
+        newest = bytes(self.data[whole - self.size : whole])
         del self.data[:whole]
         return list(struct.unpack(f"!{self.size // 8}q", newest)), False

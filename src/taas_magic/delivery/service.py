@@ -14,20 +14,23 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from taas_magic.wire import memfile
-from taas_magic.wire.events import Key, Producer
-from taas_magic.wire.task import LoaderPlan
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair
+from taas_magic.wire import memfile
+from taas_magic.wire.events import Key, Producer
+from taas_magic.wire.task import LoaderPlan
 
 
 def producer_labels(plans: tuple[LoaderPlan, ...], first: int = 0) -> dict[Key, str]:
     """``first``: the number of the first of ``plans`` among the run's loaders (a session adds loaders)."""
-    return {Producer(first + n, j): f"producer {j} of {plan.name}" for n, plan in enumerate(plans)
-            for j in range(plan.producers)}
+    return {
+        Producer(first + n, j): f"producer {j} of {plan.name}"
+        for n, plan in enumerate(plans)
+        for j in range(plan.producers)
+    }
 
 
 def default_prefetch(world: int, producers: int, num_workers: int) -> int:
@@ -63,8 +66,16 @@ class RankLoader:
 
     def stand_in(self, rank: int, loader: Any, device: str) -> StandIn:
         runtime = self.runtime
-        return StandIn(self.name, loader, rank, runtime.stream, runtime.channels[rank][1], runtime.counters,
-                       runtime.plan.fastest, device)
+        return StandIn(
+            self.name,
+            loader,
+            rank,
+            runtime.stream,
+            runtime.channels[rank][1],
+            runtime.counters,
+            runtime.plan.fastest,
+            device,
+        )
 
 
 class DataService:
@@ -72,8 +83,9 @@ class DataService:
     while its ranks run (``late``): their counters are then in memory files the ranks map, and the
     ranks get their ends with the cell (``late_ends``)."""
 
-    def __init__(self, plans: tuple[LoaderPlan, ...], namespace: dict[str, Any], world: int, first: int = 0,
-                 late: bool = False):
+    def __init__(
+        self, plans: tuple[LoaderPlan, ...], namespace: dict[str, Any], world: int, first: int = 0, late: bool = False
+    ):
         self.first = first
         self.runtimes = [self._runtime(plan, namespace[plan.name], world, late) for plan in plans]
 
@@ -82,10 +94,14 @@ class DataService:
         prefetch = plan.prefetch or default_prefetch(world, plan.producers, loader.num_workers)
         fd = memfile.new_file("taas-counters", Counters.size(plan.producers, world)) if late else None
         return _LoaderRuntime(
-            plan=plan, loader=loader, stream=StreamPlan(len(loader), world, plan.units),
+            plan=plan,
+            loader=loader,
+            stream=StreamPlan(len(loader), world, plan.units),
             channels=[channel_pair() for _ in range(world)],
             counters=Counters(plan.producers, world, -1 if fd is None else fd),
-            window=max(1, math.ceil(prefetch / world)), seed=plan.seed, counters_fd=fd,
+            window=max(1, math.ceil(prefetch / world)),
+            seed=plan.seed,
+            counters_fd=fd,
         )
 
     def producers(self) -> list[tuple[Producer, ProducerTask]]:
@@ -93,10 +109,17 @@ class DataService:
         for number, runtime in enumerate(self.runtimes):
             for index in range(runtime.plan.producers):
                 task = ProducerTask(
-                    name=runtime.plan.name, loader=runtime.loader, plan=runtime.stream, index=index,
-                    count=runtime.plan.producers, window=runtime.window,
-                    channels=[ends[0] for ends in runtime.channels], counters=runtime.counters,
-                    seed=runtime.seed, reports_stats=index == 0, on_demand=runtime.plan.on_demand,
+                    name=runtime.plan.name,
+                    loader=runtime.loader,
+                    plan=runtime.stream,
+                    index=index,
+                    count=runtime.plan.producers,
+                    window=runtime.window,
+                    channels=[ends[0] for ends in runtime.channels],
+                    counters=runtime.counters,
+                    seed=runtime.seed,
+                    reports_stats=index == 0,
+                    on_demand=runtime.plan.on_demand,
                 )
                 tasks.append((Producer(self.first + number, index), task))
         return tasks
@@ -115,8 +138,9 @@ class DataService:
     def late_ends(self, rank: int) -> tuple[int, ...]:
         """For a rank that runs already: its end of each loader's channel, then each loader's counters file
         (``late_stand_ins`` takes them in that order)."""
-        return tuple(runtime.channels[rank][1].fileno() for runtime in self.runtimes) + \
-            tuple(runtime.counters_fd for runtime in self.runtimes if runtime.counters_fd is not None)
+        return tuple(runtime.channels[rank][1].fileno() for runtime in self.runtimes) + tuple(
+            runtime.counters_fd for runtime in self.runtimes if runtime.counters_fd is not None
+        )
 
     def close(self) -> None:
         """This process's copies of the channels; the producers and ranks keep theirs."""
@@ -129,8 +153,9 @@ class DataService:
                 runtime.counters_fd = None
 
 
-def late_stand_ins(plans: tuple[LoaderPlan, ...], fds: list[int], namespace: dict[str, Any], rank: int,
-                   world: int, device: str) -> None:
+def late_stand_ins(
+    plans: tuple[LoaderPlan, ...], fds: list[int], namespace: dict[str, Any], rank: int, world: int, device: str
+) -> None:
     """In a session's rank: stand-ins for loaders the session began to serve with this cell, over the ends
     ``DataService.late_ends`` sent (the descriptors are this rank's to keep or close)."""
     count = len(plans)
@@ -138,5 +163,13 @@ def late_stand_ins(plans: tuple[LoaderPlan, ...], fds: list[int], namespace: dic
         loader = namespace[plan.name]
         counters = Counters(plan.producers, world, counters_fd)
         os.close(counters_fd)  # the mapping stays
-        namespace[plan.name] = StandIn(plan.name, loader, rank, StreamPlan(len(loader), world, plan.units),
-                                       socket.socket(fileno=channel_fd), counters, plan.fastest, device)
+        namespace[plan.name] = StandIn(
+            plan.name,
+            loader,
+            rank,
+            StreamPlan(len(loader), world, plan.units),
+            socket.socket(fileno=channel_fd),
+            counters,
+            plan.fastest,
+            device,
+        )

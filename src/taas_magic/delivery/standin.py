@@ -16,11 +16,11 @@ import time
 import weakref
 from typing import Any, Callable, Iterator
 
-from taas_magic.process.containment import HeldInterrupts
-from taas_magic.wire.records import DeliveryProgress, DeliverySummary
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.transport import discard_waiting, receive, receive_if_waiting
+from taas_magic.process.containment import HeldInterrupts
+from taas_magic.wire.records import DeliveryProgress, DeliverySummary
 
 # What this rank's cell is doing with its loaders, read by its activity sampler (``rank.activity``):
 WAITING: dict[str, float] = {}  # loader name -> time.monotonic() when the cell began waiting for its element
@@ -29,11 +29,22 @@ TAKEN: dict[str, int] = {}  # loader name -> elements the cell took so far
 
 class StandIn:
     # Why it never goes back to the notebook (``results``): it is the loader's end of this run's channels.
-    taas_only_in_the_job = ("a registered loader's stand-in, which exists only inside the job: the notebook has "
-                            "the loader itself")
+    taas_only_in_the_job = (
+        "a registered loader's stand-in, which exists only inside the job: the notebook has the loader itself"
+    )
 
-    def __init__(self, name: str, loader: Any, rank: int, plan: StreamPlan, channel: socket.socket,
-                 counters: Counters, fastest: bool, device: str, reports: bool = True):
+    def __init__(
+        self,
+        name: str,
+        loader: Any,
+        rank: int,
+        plan: StreamPlan,
+        channel: socket.socket,
+        counters: Counters,
+        fastest: bool,
+        device: str,
+        reports: bool = True,
+    ):
         self._name, self._loader, self._rank, self._plan = name, loader, rank, plan
         self._channel, self._counters, self._fastest = channel, counters, fastest
         self._reports = reports  # on a cluster the kernel makes the progress line from every node's counters
@@ -136,7 +147,7 @@ class StandIn:
         if self._started is None:
             self._started = time.monotonic()
         while True:
-            for key in ([(pass_number, index)] if index is not None else list(self._early)):
+            for key in [(pass_number, index)] if index is not None else list(self._early):
                 if key in self._early and key[0] == pass_number and wanted[key[1]] > 0:
                     wanted[key[1]] -= 1
                     element = self._early[key].pop()
@@ -190,8 +201,9 @@ class StandIn:
             return None
         span = (self._last or 0.0) - self._started
         taken, waited = self._summarized
-        summary = DeliverySummary(self._delivered - taken, self._waited - waited, self._first_wait or 0.0,
-                                  max(span, 0.0))
+        summary = DeliverySummary(
+            self._delivered - taken, self._waited - waited, self._first_wait or 0.0, max(span, 0.0)
+        )
         self._summarized = (self._delivered, self._waited)
         self._started = self._last = self._first_wait = None
         return summary

@@ -124,8 +124,12 @@ def put_file(sock: socket.socket, header: bytes, fd: int) -> None:
 def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
     """One datagram and the descriptors it carries (recvmsg itself: recv_fds ignores flags before 3.12)."""
     header, ancillary, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_LEN(_FD.size), flags)
-    fds = [fd for level, kind, data in ancillary if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-           for (fd,) in _FD.iter_unpack(data[: len(data) - len(data) % _FD.size])]
+    fds = [
+        fd
+        for level, kind, data in ancillary
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for (fd,) in _FD.iter_unpack(data[: len(data) - len(data) % _FD.size])
+    ]
     return header, fds
 
 

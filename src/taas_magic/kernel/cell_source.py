@@ -41,7 +41,9 @@ def expand_variables(shell: InteractiveShell, line: str) -> str:
     """
     if "$" not in line and "{" not in line:
         return line
-    return str(shell.var_expand(line, depth=3))  # the names seen where the magic was called (called from the magic itself)
+    return str(
+        shell.var_expand(line, depth=3)
+    )  # the names seen where the magic was called (called from the magic itself)
 
 
 def compile_cell(shell: InteractiveShell, transformer: PragmaTransformer, line: str, cell: str) -> Compiled:
@@ -72,8 +74,7 @@ def raw_cell(shell: InteractiveShell) -> str:
     return requested if isinstance(requested, str) and requested.rstrip("\n") == stored.rstrip("\n") else stored
 
 
-def refuse_typed_internal_options(args: argparse.Namespace, shell: InteractiveShell,
-                                  magic: Callable[..., Any]) -> None:
+def refuse_typed_internal_options(args: argparse.Namespace, shell: InteractiveShell, magic: Callable[..., Any]) -> None:
     """``--check`` and ``--alone`` are what a lone ``#!NAME`` line becomes; typed by hand, in a
     ``#pragma taas`` line or a ``%%taas`` call, they are unknown options like any other."""
     if not (args.check or args.alone):
@@ -93,11 +94,11 @@ def _header_lines(raw: str, cell: str) -> int:
     header = parse_header(lines[first:], lambda name: True)
     if header is not None:
         skip = first + header.line_count
-    elif lines[first:first + 1] and lines[first].lstrip().startswith("%%taas"):
+    elif lines[first : first + 1] and lines[first].lstrip().startswith("%%taas"):
         skip = first + 1
     else:
         return 0
-    return skip if lines[skip:] == cell.splitlines(keepends=True)[skip - 1:] else 0
+    return skip if lines[skip:] == cell.splitlines(keepends=True)[skip - 1 :] else 0
 
 
 def _show_header_as_written(filename: str, source: str, raw: str, skip: int) -> None:

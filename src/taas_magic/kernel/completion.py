@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from taas_magic.kernel import options
 from taas_magic.configurations import load_catalog
+from taas_magic.kernel import options
 
 SUBCOMMANDS = ("cluster", "stop", "debug", "stacks", "pull", "push")  # `%taas WORD`
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping, NoReturn
 
-from taas_magic.process import containment
-from taas_magic.launch.backend import Backend, Launch, PlanT, RankGroup, SessionGroup
-from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result
 from taas_magic.kernel import environment, render, visual_debugger
 from taas_magic.kernel.live_view import RunView
 from taas_magic.kernel.run_state import (
@@ -33,10 +30,13 @@ from taas_magic.kernel.run_state import (
     TakeStacks,
     Why,
 )
-from taas_magic.launch.rendezvous import new_run_id
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.kernel.streams import RankOutput
 from taas_magic.kernel.tidy_output import TidyRankOutput
+from taas_magic.launch.backend import Backend, Launch, PlanT, RankGroup, SessionGroup
+from taas_magic.launch.rendezvous import new_run_id
+from taas_magic.process import containment
+from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result
 
 POLL_SECONDS = 0.05
 STACK_SECONDS = 2.0
@@ -45,11 +45,18 @@ Write = Callable[[str, str], object]  # (stream, text): where the ranks' output 
 Status = Callable[[dict[str, str], bool], object]  # shows the live view: (MIME bundle, final)
 
 
-def run(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], write: Write,
-        kernel_environ: Mapping[str, str], cell_names: Mapping[str, str] | None = None,
-        labels: Mapping[Key, str] | None = None, status: Status | None = None,
-        keep_paused: Callable[[SessionGroup, int], None] | None = None,
-        read_line: Callable[[str], str] | None = None) -> RunResult:
+def run(
+    spec: LaunchSpec,
+    plan: PlanT,
+    backend: Backend[PlanT],
+    write: Write,
+    kernel_environ: Mapping[str, str],
+    cell_names: Mapping[str, str] | None = None,
+    labels: Mapping[Key, str] | None = None,
+    status: Status | None = None,
+    keep_paused: Callable[[SessionGroup, int], None] | None = None,
+    read_line: Callable[[str], str] | None = None,
+) -> RunResult:
     """Run ``plan`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
 
     ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
@@ -68,11 +75,23 @@ def run(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], write: Write,
     deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
     first_id = new_run_id()
     for restart in range(spec.max_restarts + 1):
-        launch = environment.launch(spec, first_id if restart == 0 else new_run_id(), kernel_environ,
-                                    restart=restart, elastic_id=first_id)
+        launch = environment.launch(
+            spec, first_id if restart == 0 else new_run_id(), kernel_environ, restart=restart, elastic_id=first_id
+        )
         # A rank paused by --debug is kept from the last start alone: an earlier one's failure starts the run again.
-        state = _attempt(spec, plan, backend, launch, write, cell_names or {}, labels, status, deadline,
-                         keep_paused if restart == spec.max_restarts else None, read_line)
+        state = _attempt(
+            spec,
+            plan,
+            backend,
+            launch,
+            write,
+            cell_names or {},
+            labels,
+            status,
+            deadline,
+            keep_paused if restart == spec.max_restarts else None,
+            read_line,
+        )
         deadline = state.deadline  # later by the time a person spent at a debugger prompt
         result = state.result()
         if result.outcome is not Outcome.FAILED or restart == spec.max_restarts:
@@ -86,15 +105,31 @@ def run(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], write: Write,
     return result
 
 
-def _attempt(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], launch: Launch, write: Write,
-             cell_names: Mapping[str, str], labels: dict[Key, str], status: Status | None, deadline: float | None,
-             keep_paused: Callable[[SessionGroup, int], None] | None,
-             read_line: Callable[[str], str] | None) -> RunState:
+def _attempt(
+    spec: LaunchSpec,
+    plan: PlanT,
+    backend: Backend[PlanT],
+    launch: Launch,
+    write: Write,
+    cell_names: Mapping[str, str],
+    labels: dict[Key, str],
+    status: Status | None,
+    deadline: float | None,
+    keep_paused: Callable[[SessionGroup, int], None] | None,
+    read_line: Callable[[str], str] | None,
+) -> RunState:
     """One start of the run, pumped to its end; its state says how it went."""
     output, view = live_output(spec, write, list(range(spec.world_size)), status, labels)
-    state = RunState(ONE_SHOT, time.monotonic(), deadline=deadline, debug=spec.debug, timeout=spec.timeout,
-                     labels=labels, hang_after=spec.hang_after,
-                     ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0)
+    state = RunState(
+        ONE_SHOT,
+        time.monotonic(),
+        deadline=deadline,
+        debug=spec.debug,
+        timeout=spec.timeout,
+        labels=labels,
+        hang_after=spec.hang_after,
+        ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
+    )
     try:
         group = backend.start(plan, launch)
         try:
@@ -115,14 +150,18 @@ def _attempt(spec: LaunchSpec, plan: PlanT, backend: Backend[PlanT], launch: Lau
     return state
 
 
-def live_output(spec: LaunchSpec, write: Write, ranks: list[int], status: Status | None,
-                labels: Mapping[Key, str] | None = None) -> tuple[RankOutput, RunView | None]:
+def live_output(
+    spec: LaunchSpec, write: Write, ranks: list[int], status: Status | None, labels: Mapping[Key, str] | None = None
+) -> tuple[RankOutput, RunView | None]:
     """Where the ranks' output goes: with a live view (``status``), tidied, bars into the view's rows."""
     shown = None if spec.output == "all" else {0}
     if status is None:
         return RankOutput(write, prefix=spec.show_rank_prefix, shown=shown, labels=labels), None
-    view = RunView(f"{len(ranks)} rank{'s' * (len(ranks) != 1)} on {spec.device}", ranks,
-                   spec.ranks_per_node if spec.nodes > 1 else 0)
+    view = RunView(
+        f"{len(ranks)} rank{'s' * (len(ranks) != 1)} on {spec.device}",
+        ranks,
+        spec.ranks_per_node if spec.nodes > 1 else 0,
+    )
     return TidyRankOutput(write, spec.show_rank_prefix, len(ranks), view.bar, shown, labels), view
 
 
@@ -131,9 +170,17 @@ class Pump:
     the live view and the user, until the run is over. One-shot cells and session cells alike: the
     state's policy makes the difference."""
 
-    def __init__(self, group: RankGroup, state: RunState, output: RankOutput, write: Write,
-                 read_line: Callable[[str], str] | None, cell_names: Mapping[str, str],
-                 view: RunView | None = None, status: Status | None = None):
+    def __init__(
+        self,
+        group: RankGroup,
+        state: RunState,
+        output: RankOutput,
+        write: Write,
+        read_line: Callable[[str], str] | None,
+        cell_names: Mapping[str, str],
+        view: RunView | None = None,
+        status: Status | None = None,
+    ):
         self.group = group
         self.state = state
         self.output = output
@@ -201,7 +248,9 @@ class Pump:
         elif isinstance(event, Report):
             now = time.monotonic()
             if self.view is not None:
-                self.view.take(event.rank, event.record, now)  # progress, delivery counters and vitals are the view's alone
+                self.view.take(
+                    event.rank, event.record, now
+                )  # progress, delivery counters and vitals are the view's alone
             self.state.reported(event.rank, event.record, now)
         elif isinstance(event, Result):
             if isinstance(event.rank, int):  # always: producers send no names

@@ -32,8 +32,18 @@ def plans(spec: LaunchSpec, names: list[str], namespace: dict[str, Any]) -> tupl
         return ()
     for name in names:
         _check_servable(name, namespace[name], producers)
-    return tuple(LoaderPlan(name, producers, spec.units, spec.prefetch, spec.order == "fastest",
-                            _seed(namespace[name]), on_demand=spec.keep) for name in names)
+    return tuple(
+        LoaderPlan(
+            name,
+            producers,
+            spec.units,
+            spec.prefetch,
+            spec.order == "fastest",
+            _seed(namespace[name]),
+            on_demand=spec.keep,
+        )
+        for name in names
+    )
 
 
 def _seed(loader: Any) -> int:

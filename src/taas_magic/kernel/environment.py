@@ -14,9 +14,20 @@ from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.launch.backend import Launch
 
 TORCHRUN_VARIABLES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
 )
 
 
@@ -24,8 +35,13 @@ FLIGHT_RECORDER_ENTRIES = "64"  # enough for a diagnosis; reading the ring each 
 
 
 def rank_environments(
-    spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], node_rank: int | None = None,
-    restart: int = 0, elastic_id: str | None = None,
+    spec: LaunchSpec,
+    run_id: str,
+    master_port: int,
+    kernel_environ: Mapping[str, str],
+    node_rank: int | None = None,
+    restart: int = 0,
+    elastic_id: str | None = None,
 ) -> dict[int, dict[str, str]]:
     """The variables each rank of node ``node_rank`` (of every node by default) adds to the environment
     it starts in: the kernel's, or its node's. ``restart`` counts the runs started again after a
@@ -49,15 +65,17 @@ def rank_environments(
     return envs
 
 
-def launch(spec: LaunchSpec, run_id: str, kernel_environ: Mapping[str, str], restart: int = 0,
-           elastic_id: str | None = None) -> Launch:
+def launch(
+    spec: LaunchSpec, run_id: str, kernel_environ: Mapping[str, str], restart: int = 0, elastic_id: str | None = None
+) -> Launch:
     """One start of ``spec``'s ranks as run ``run_id``: every rank's environment, its MASTER_PORT left
     for the backend to open (on a socket it holds for the run alone)."""
     return Launch(run_id, rank_environments(spec, run_id, 0, kernel_environ, restart=restart, elastic_id=elastic_id))
 
 
-def _shared(spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], restart: int,
-            elastic_id: str) -> dict[str, str]:
+def _shared(
+    spec: LaunchSpec, run_id: str, master_port: int, kernel_environ: Mapping[str, str], restart: int, elastic_id: str
+) -> dict[str, str]:
     env = {
         "WORLD_SIZE": str(spec.world_size),
         "LOCAL_WORLD_SIZE": str(spec.ranks_per_node),

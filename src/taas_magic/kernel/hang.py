@@ -32,8 +32,14 @@ Same = TypeVar("Same", bound=Hashable)
 # A rank that spent this share of a core outside collectives and data waits is computing. A waiting rank
 # spends next to nothing; one computing on a machine shared with other work may get far less than a core.
 COMPUTING = 0.05
-_SETUP_FUNCTIONS = ("init_process_group", "_store_based_barrier", "rendezvous", "_env_rendezvous_handler",
-                    "_new_process_group_helper")
+_SETUP_FUNCTIONS = (
+    "init_process_group",
+    "_store_based_barrier",
+    "rendezvous",
+    "_env_rendezvous_handler",
+    "_new_process_group_helper",
+)
+
 
 @dataclass(frozen=True)
 class Process:
@@ -74,16 +80,24 @@ class Process:
         if self.activity is not None and self.activity.setup is not None:
             return True
         threads = self.threads
-        return bool(threads) and any(frame.function in _SETUP_FUNCTIONS and "/torch/distributed/" in frame.file
-                                     for frame in threads[0].frames)
+        return bool(threads) and any(
+            frame.function in _SETUP_FUNCTIONS and "/torch/distributed/" in frame.file for frame in threads[0].frames
+        )
 
     def in_collective_call(self) -> str:
         """The torch.distributed collective its main thread is inside, by its stack ("" if none): a rank in
         its first second may not have said so in a sample yet."""
         threads = self.threads
         frames = threads[0].frames if threads else ()
-        return next((frame.function for frame in reversed(frames) if frame.function not in _SETUP_FUNCTIONS
-                     and frame.file.endswith("/torch/distributed/distributed_c10d.py")), "")
+        return next(
+            (
+                frame.function
+                for frame in reversed(frames)
+                if frame.function not in _SETUP_FUNCTIONS
+                and frame.file.endswith("/torch/distributed/distributed_c10d.py")
+            ),
+            "",
+        )
 
     def seconds(self, of: float | None) -> float:
         """A sampled duration, brought up to now."""
@@ -121,16 +135,21 @@ def _doing(process: Process) -> tuple[str, float | None]:
         return "in process-group setup", None if setup is None else process.seconds(setup)
     if process.in_collective_call():
         return f"in {process.in_collective_call()}", None
-    done = ", ".join(f"#{seq}" if group == "0" else f"#{seq} of group {group}"
-                     for group, seq in sorted((activity.finished if activity else {}).items()) if seq > 0)
+    done = ", ".join(
+        f"#{seq}" if group == "0" else f"#{seq} of group {group}"
+        for group, seq in sorted((activity.finished if activity else {}).items())
+        if seq > 0
+    )
     return (f"finished {done}, in no collective" if done else "in no collective"), None
 
 
 def describe(collective: Collective) -> str:
-    """"all_reduce #1235 (4 MB float32)"; "send #3 (p2p)"."""
+    """ "all_reduce #1235 (4 MB float32)"; "send #3 (p2p)"."""
     number = f"#{collective.seq}" + (" (p2p)" if collective.p2p else "")
     group = "" if collective.group in ("0", "") else f" of group {collective.group}"
-    return f"{collective.op or 'a collective'} {number}{group}" + (f" ({tensors(collective)})" if collective.shapes else "")
+    return f"{collective.op or 'a collective'} {number}{group}" + (
+        f" ({tensors(collective)})" if collective.shapes else ""
+    )
 
 
 def tensors(collective: Collective) -> str:
@@ -143,8 +162,10 @@ def tensors(collective: Collective) -> str:
 
 
 def shapes(collective: Collective) -> str:
-    return ", ".join(f"[{', '.join(map(str, shape))}] {_dtype_name(dtype)}"
-                     for shape, dtype in zip(collective.shapes, collective.dtypes))
+    return ", ".join(
+        f"[{', '.join(map(str, shape))}] {_dtype_name(dtype)}"
+        for shape, dtype in zip(collective.shapes, collective.dtypes)
+    )
 
 
 # -- the likely cause ---------------------------------------------------------------------------------
@@ -163,10 +184,15 @@ def cause(processes: Sequence[Process], cell_names: Mapping[str, str]) -> str:
     waiting = [p for p in running if p.activity is not None and p.activity.waiting]
     if waiting and len(waiting) == len(running):
         loaders = sorted({p.activity.waiting for p in waiting if p.activity is not None})
-        return (f"every rank waits for data from {', '.join(loaders)}: {'its' if len(loaders) == 1 else 'their'} "
-                f"producers sent nothing for {min(p.seconds(p.activity.waited if p.activity else 0) for p in waiting):.0f} s")
-    return (f"no rank is in a collective: {_where_each(running, cell_names)}; they wait in the code itself, "
-            "on a sleep, a lock or a queue")
+        return (
+            f"every rank waits for data from {', '.join(loaders)}: {'its' if len(loaders) == 1 else 'their'} "
+            f"producers sent nothing for "
+            f"{min(p.seconds(p.activity.waited if p.activity else 0) for p in waiting):.0f} s"
+        )
+    return (
+        f"no rank is in a collective: {_where_each(running, cell_names)}; they wait in the code itself, "
+        "on a sleep, a lock or a queue"
+    )
 
 
 def _collective_cause(ranks: Sequence[Process], inside: Sequence[Process], cell_names: Mapping[str, str]) -> str:
@@ -181,16 +207,20 @@ def _collective_cause(ranks: Sequence[Process], inside: Sequence[Process], cell_
         for process in described:
             ops.setdefault(_collective(process).op, []).append(process)
         if len(ops) > 1:
-            parts = [f"{span(p.key for p in members)} {'are' if len(members) > 1 else 'is'} in {op} #{position[1]}"
-                     for op, members in sorted(ops.items(), key=lambda item: key_order(item[1][0].key))]
+            parts = [
+                f"{span(p.key for p in members)} {'are' if len(members) > 1 else 'is'} in {op} #{position[1]}"
+                for op, members in sorted(ops.items(), key=lambda item: key_order(item[1][0].key))
+            ]
             return f"the ranks called different collectives: {' and '.join(parts)}"
         calls: dict[str, list[Process]] = {}
         for process in (p for p in described if _collective(p).shapes):
             calls.setdefault(shapes(_collective(process)), []).append(process)
         if len(calls) > 1:
             op = next(iter(ops))
-            parts = [f"{span(p.key for p in members)} with {call}"
-                     for call, members in sorted(calls.items(), key=lambda item: key_order(item[1][0].key))]
+            parts = [
+                f"{span(p.key for p in members)} with {call}"
+                for call, members in sorted(calls.items(), key=lambda item: key_order(item[1][0].key))
+            ]
             return f"the ranks called {op} #{position[1]} with different tensors: {'; '.join(parts)}"
     # The collective most ranks wait in, and who is not in it.
     position, waiting = max(by_position.items(), key=lambda item: (len(item[1]), item[0][1]))
@@ -198,12 +228,16 @@ def _collective_cause(ranks: Sequence[Process], inside: Sequence[Process], cell_
     missing = [p for p in ranks if p not in waiting and _in_group(p, first)]
     if not missing:
         every = "every rank" if first.group in ("0", "") else f"every rank of group {first.group}"
-        return (f"{every} is in {describe(first)}: the backend itself does not complete it "
-                "(a network or driver problem; NCCL_DEBUG=INFO or TORCH_CPP_LOG_LEVEL=INFO say more)")
+        return (
+            f"{every} is in {describe(first)}: the backend itself does not complete it "
+            "(a network or driver problem; NCCL_DEBUG=INFO or TORCH_CPP_LOG_LEVEL=INFO say more)"
+        )
     verb = "has" if len(missing) == 1 else "have"
-    return (f"{span(p.key for p in missing)} {verb} not entered {first.op or 'collective'} #{first.seq} that "
-            f"{span(p.key for p in waiting)} wait{'s' if len(waiting) == 1 else ''} in; "
-            + _where_each(missing, cell_names, pronoun=True))
+    return (
+        f"{span(p.key for p in missing)} {verb} not entered {first.op or 'collective'} #{first.seq} that "
+        f"{span(p.key for p in waiting)} wait{'s' if len(waiting) == 1 else ''} in; "
+        + _where_each(missing, cell_names, pronoun=True)
+    )
 
 
 def _setup_cause(ranks: Sequence[Process], setup: Sequence[Process], cell_names: Mapping[str, str]) -> str:
@@ -211,15 +245,20 @@ def _setup_cause(ranks: Sequence[Process], setup: Sequence[Process], cell_names:
     at = f" at the store {store}" if store else ""
     missing = [p for p in ranks if p not in setup]
     if not missing:
-        return (f"every rank waits in process-group setup{at} and all of them joined it: the backend cannot "
-                "connect its ranks (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME choose the network)")
-    return (f"{span(p.key for p in setup)} wait{'s' if len(setup) == 1 else ''} in process-group setup{at} for "
-            f"{span(p.key for p in missing)}, which {'has' if len(missing) == 1 else 'have'} not joined: "
-            + _where_each(missing, cell_names, pronoun=True))
+        return (
+            f"every rank waits in process-group setup{at} and all of them joined it: the backend cannot "
+            "connect its ranks (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME choose the network)"
+        )
+    return (
+        f"{span(p.key for p in setup)} wait{'s' if len(setup) == 1 else ''} in process-group setup{at} for "
+        f"{span(p.key for p in missing)}, which {'has' if len(missing) == 1 else 'have'} not joined: "
+        + _where_each(missing, cell_names, pronoun=True)
+    )
 
 
 def _elsewhere(process: Process, cell_names: Mapping[str, str]) -> str:
-    """What a rank does that is not where the others wait, said of one rank: "is at Cell In[7], line 12 (time.sleep(600))"."""
+    """What a rank does that is not where the others wait, said of one rank:
+    "is at Cell In[7], line 12 (time.sleep(600))"."""
     if process.ended:
         return process.ended
     collective = process.collective()
@@ -259,8 +298,9 @@ def _in_group(process: Process, collective: Collective) -> bool:
     if collective.group in ("0", ""):
         return True
     activity = process.activity
-    return activity is not None and (collective.group in activity.finished or any(
-        c.group == collective.group for c in activity.collectives))
+    return activity is not None and (
+        collective.group in activity.finished or any(c.group == collective.group for c in activity.collectives)
+    )
 
 
 def _collective(process: Process) -> Collective:
@@ -281,8 +321,9 @@ def where_lines(processes: Sequence[Process], cell_names: Mapping[str, str], ran
             longest = max((seconds for seconds in (_doing(p)[1] for p in group) if seconds is not None), default=None)
             what += f" for {longest:.0f} s" if longest is not None else ""
             last = index == len(by_doing) - 1
-            lines.append(f"{_who(group, ranks_per_node)}" + (f": {what}" if what else "")
-                         + (":" if last and stack else ""))
+            lines.append(
+                f"{_who(group, ranks_per_node)}" + (f": {what}" if what else "") + (":" if last and stack else "")
+            )
             if not stack and not ended:
                 lines.append("    (no stack received)")
         lines += stack
@@ -304,8 +345,13 @@ def _who(processes: Sequence[Process], ranks_per_node: int) -> str:
     parts = []
     if ranks:
         parts.append(span(p.key for p in ranks))
-        nodes = sorted({p.node if p.node is not None else int(p.key) // ranks_per_node
-                        for p in ranks if ranks_per_node and isinstance(p.key, int)})
+        nodes = sorted(
+            {
+                p.node if p.node is not None else int(p.key) // ranks_per_node
+                for p in ranks
+                if ranks_per_node and isinstance(p.key, int)
+            }
+        )
         if nodes:
             parts[-1] += f" (node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))})"
     return "; ".join(parts + others)
@@ -320,11 +366,36 @@ def _group_by(processes: Iterable[Process], identity: Callable[[Process], Same])
 
 
 # -- sizes ---------------------------------------------------------------------------------------------
-_DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-                "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
-_DTYPE_NAMES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
-                "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool",
-                "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
+_DTYPE_BYTES = {
+    "Float": 4,
+    "Double": 8,
+    "Half": 2,
+    "BFloat16": 2,
+    "Long": 8,
+    "Int": 4,
+    "Short": 2,
+    "Char": 1,
+    "Byte": 1,
+    "Bool": 1,
+    "ComplexFloat": 8,
+    "ComplexDouble": 16,
+    "Float8_e4m3fn": 1,
+    "Float8_e5m2": 1,
+}
+_DTYPE_NAMES = {
+    "Float": "float32",
+    "Double": "float64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Long": "int64",
+    "Int": "int32",
+    "Short": "int16",
+    "Char": "int8",
+    "Byte": "uint8",
+    "Bool": "bool",
+    "ComplexFloat": "complex64",
+    "ComplexDouble": "complex128",
+}
 
 
 def _dtype_name(dtype: str) -> str:

@@ -9,7 +9,6 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from taas_magic.process import containment
 from taas_magic.errors import SessionEnded, TaasUsageError
 from taas_magic.kernel import streams
 from taas_magic.kernel.session import Session, debug_paused
@@ -17,6 +16,7 @@ from taas_magic.kernel.settings import count
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.launch.backend import SessionGroup
 from taas_magic.per_rank import span
+from taas_magic.process import containment
 
 Value = TypeVar("Value")
 
@@ -47,8 +47,11 @@ class Kept:
     def keep_paused(self, spec: LaunchSpec, group: SessionGroup, rank: int) -> None:
         self.let_paused_go()  # one paused rank at a time: the one the notebook was last told of
         self.paused = Paused(group, rank, spec)
-        print(f"taas: rank {rank} is paused at its error: %taas debug opens the debugger there "
-              "(the next taas cell, or %taas stop, lets it go)", file=sys.stderr)
+        print(
+            f"taas: rank {rank} is paused at its error: %taas debug opens the debugger there "
+            "(the next taas cell, or %taas stop, lets it go)",
+            file=sys.stderr,
+        )
 
     def let_paused_go(self) -> bool:
         """End the paused rank's run, if there is one; whether there was."""
@@ -65,9 +68,13 @@ class Kept:
         forgotten, and the cell fails saying so."""
         if self.session is not None and self.session.check():
             ended, self.session = self.session.ended, None
-            raise SessionEnded(f"the session ended: {ended}", [
-                f"taas: the session ended: {ended}. This cell did not run: run it again to run it as a one-shot "
-                "cell, or start another session with --keep"])
+            raise SessionEnded(
+                f"the session ended: {ended}",
+                [
+                    f"taas: the session ended: {ended}. This cell did not run: run it again to run it as a one-shot "
+                    "cell, or start another session with --keep"
+                ],
+            )
         return self.session
 
     def in_session(self, run: Callable[[], Value]) -> Value:
@@ -89,8 +96,11 @@ class Kept:
             size = self.session.size
             self.session.stop()
             self.session = None
-            print(f"taas: the session had already ended ({ended})" if ended else
-                  f"taas: session stopped; its {size} rank{'s' * (size != 1)} are gone")
+            print(
+                f"taas: the session had already ended ({ended})"
+                if ended
+                else f"taas: session stopped; its {size} rank{'s' * (size != 1)} are gone"
+            )
         elif stopped:
             print("taas: the paused rank is gone")
         else:
@@ -114,23 +124,31 @@ class Kept:
             return
         session = self.session
         if session is None or session.ended or not session.failed:
-            raise TaasUsageError("nothing to debug: no rank's cell failed in a session, and no rank is paused "
-                                 "(--debug in a one-shot cell keeps the first rank that fails)")
+            raise TaasUsageError(
+                "nothing to debug: no rank's cell failed in a session, and no rank is paused "
+                "(--debug in a one-shot cell keeps the first rank that fails)"
+            )
         rank = session.failed[0] if wanted is None else wanted  # the first to fail: the one the cell named
         if rank not in session.failed:
-            raise TaasUsageError(f"rank {rank}'s last cell did not fail: debug {span(session.failed)}"
-                                 f"{'' if len(session.failed) == 1 else ' (one of them)'}")
+            raise TaasUsageError(
+                f"rank {rank}'s last cell did not fail: debug {span(session.failed)}"
+                f"{'' if len(session.failed) == 1 else ' (one of them)'}"
+            )
         self.in_session(lambda: session.debug(rank, streams.write_to_cell, read_line))
 
     # -- on the cluster -------------------------------------------------------------------------
     def refuse_leaving_the_cluster(self) -> None:
         """Leaving the cluster ends its agents, and with them the ranks of a session or a paused rank there."""
         if self.session is not None and self.session.start == "cluster" and not self.session.check():
-            raise TaasUsageError(f"a session runs on the cluster ({count(self.session.size, 'rank')}): "
-                                 "%taas stop first, then change the cluster")
+            raise TaasUsageError(
+                f"a session runs on the cluster ({count(self.session.size, 'rank')}): "
+                "%taas stop first, then change the cluster"
+            )
         if self.paused is not None and self.paused.spec.on_cluster:
-            raise TaasUsageError(f"rank {self.paused.rank} is paused on the cluster (--debug): %taas debug or "
-                                 "%taas stop first, then change the cluster")
+            raise TaasUsageError(
+                f"rank {self.paused.rank} is paused on the cluster (--debug): %taas debug or "
+                "%taas stop first, then change the cluster"
+            )
 
     def cluster_nodes_in_use(self) -> tuple[set[str], str]:
         """The ids of the cluster nodes the session or the paused rank holds, and what holds them."""
@@ -148,6 +166,8 @@ class Kept:
             print(f"taas: {why}: the paused rank is gone", file=sys.stderr)
         if self.session is not None and not self.session.check():
             self.session.stop(why)
-            print(f"taas: {why}: the session ended; its {count(self.session.size, 'rank')} "
-                  f"{'are' if self.session.size != 1 else 'is'} gone", file=sys.stderr)
-
+            print(
+                f"taas: {why}: the session ended; its {count(self.session.size, 'rank')} "
+                f"{'are' if self.session.size != 1 else 'is'} gone",
+                file=sys.stderr,
+            )

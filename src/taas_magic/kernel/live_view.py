@@ -26,14 +26,20 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from taas_magic.wire.events import Key
 from taas_magic.kernel.hang import computing, describe
 from taas_magic.per_rank import span
+from taas_magic.wire.events import Key
 from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
 STATES = ("starting", "running", "done", "failed", "stopped")
-_COLOURS = {"starting": "#888", "running": "#1f6feb", "done": "#1a7f37", "failed": "#cf222e", "stopped": "#bc4c00",
-            "paused": "#8250df"}
+_COLOURS = {
+    "starting": "#888",
+    "running": "#1f6feb",
+    "done": "#1a7f37",
+    "failed": "#cf222e",
+    "stopped": "#bc4c00",
+    "paused": "#8250df",
+}
 _BAR_RATE = re.compile(r"([0-9.]+)\s*([A-Za-z]*)/s\b")
 LASTING = 1.0  # seconds in a collective, or waiting for data, before the row says so
 
@@ -62,8 +68,12 @@ class _RankRow:
         finished = max(activity.finished.get("0", 0), 0)
         inside = [c.seq for c in activity.collectives if c.group == "0" and not c.p2p]
         # Behind only on a sample taken once the others had waited a while: an older one says nothing.
-        if waited_in is not None and self.seen >= waited_in[1] + LASTING and waited_in[0] not in inside \
-                and finished < waited_in[0]:
+        if (
+            waited_in is not None
+            and self.seen >= waited_in[1] + LASTING
+            and waited_in[0] not in inside
+            and finished < waited_in[0]
+        ):
             behind = f"behind: at #{finished}, others wait in #{waited_in[0]}"
         lasting = next((c for c in activity.collectives if c.seconds >= LASTING), None)
         if lasting is not None:
@@ -162,8 +172,12 @@ class RunView:
             row.vitals = record
             row.peak_gpu_memory = max(row.peak_gpu_memory, record.gpu_memory or 0)
         elif isinstance(record, RankProgress):
-            if row.progress is not None and row.progress.step is not None and record.step is not None \
-                    and record.at > row.progress.at:
+            if (
+                row.progress is not None
+                and row.progress.step is not None
+                and record.step is not None
+                and record.at > row.progress.at
+            ):
                 row.rate = (record.step - row.progress.step) / (record.at - row.progress.at)
             row.first_progress = row.first_progress or record
             row.progress = record
@@ -223,9 +237,16 @@ class RunView:
         """The view while the run goes: a MIME bundle (text and HTML)."""
         caption = f"taas: {self.title} · running {elapsed:.1f} s"
         waited_in = self._waited_in()
-        rows = [(f"rank {rank}", self._shown_state(rank, row), _memory(row), " · ".join(
-            part for part in (row.doing(waited_in), row.progress_text(live=True)) if part), str(rank))
-                for rank, row in self.ranks.items()]
+        rows = [
+            (
+                f"rank {rank}",
+                self._shown_state(rank, row),
+                _memory(row),
+                " · ".join(part for part in (row.doing(waited_in), row.progress_text(live=True)) if part),
+                str(rank),
+            )
+            for rank, row in self.ranks.items()
+        ]
         return self._bundle("running", caption, rows, self._extra_rows())
 
     def _shown_state(self, rank: int, row: _RankRow) -> str:
@@ -234,9 +255,13 @@ class RunView:
     def _waited_in(self) -> tuple[int, float] | None:
         """The latest collective of the default group some rank has waited in for a while, and since when
         the first of them has."""
-        lasting = [(c.seq, row.seen - c.seconds) for row in self.ranks.values()
-                   if row.activity is not None and row.state == "running"
-                   for c in row.activity.collectives if c.group == "0" and not c.p2p and c.seconds >= LASTING]
+        lasting = [
+            (c.seq, row.seen - c.seconds)
+            for row in self.ranks.values()
+            if row.activity is not None and row.state == "running"
+            for c in row.activity.collectives
+            if c.group == "0" and not c.p2p and c.seconds >= LASTING
+        ]
         if not lasting:
             return None
         latest = max(seq for seq, _ in lasting)
@@ -245,9 +270,16 @@ class RunView:
     def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
         """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""
         caption = f"taas: {self.title} · {outcome} {'in' if outcome == 'done' else 'after'} {elapsed:.1f} s"
-        rows = [(f"rank {rank}", _over(row.state), _peak_memory(row), " · ".join(
-            part for part in (row.throughput(), row.progress_text(live=False)) if part), str(rank))
-                for rank, row in self.ranks.items()]
+        rows = [
+            (
+                f"rank {rank}",
+                _over(row.state),
+                _peak_memory(row),
+                " · ".join(part for part in (row.throughput(), row.progress_text(live=False)) if part),
+                str(rank),
+            )
+            for rank, row in self.ranks.items()
+        ]
         return self._bundle("summary", caption, rows, self._extra_rows())
 
     def _extra_rows(self) -> list[tuple[str, str, str, str, str]]:
@@ -267,8 +299,13 @@ class RunView:
             extra.append((name, state, "", loader.text(), f"loader-{name}"))
         return extra
 
-    def _bundle(self, state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
-                extra: list[tuple[str, str, str, str, str]]) -> dict[str, str]:
+    def _bundle(
+        self,
+        state: str,
+        caption: str,
+        rows: list[tuple[str, str, str, str, str]],
+        extra: list[tuple[str, str, str, str, str]],
+    ) -> dict[str, str]:
         return {"text/plain": _text(caption, rows + extra), "text/html": _html(state, caption, rows, extra)}
 
 
@@ -319,22 +356,30 @@ def _text(caption: str, rows: list[tuple[str, str, str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _html(state: str, caption: str, rows: list[tuple[str, str, str, str, str]],
-          extra: list[tuple[str, str, str, str, str]]) -> str:
+def _html(
+    state: str, caption: str, rows: list[tuple[str, str, str, str, str]], extra: list[tuple[str, str, str, str, str]]
+) -> str:
     cell = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"'
     # A row wider than the cell wraps rather than losing its end at the cell's edge.
-    wraps = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:pre-wrap;overflow-wrap:anywhere"'
+    wraps = (
+        'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:pre-wrap;overflow-wrap:anywhere"'
+    )
     body = []
     for kind, group in (("taas-row", rows), ("taas-extra", extra)):
         for name, row_state, memory, progress, key in group:
             colour = _COLOURS.get(row_state, "inherit")
             attribute = f'data-rank="{key}"' if kind == "taas-row" else f'data-key="{html.escape(key)}"'
-            body.append(f'<tr class="{kind}" {attribute} data-state="{html.escape(row_state)}">'
-                        f"<td {cell}>{html.escape(name)}</td>"
-                        f'<td {cell}><span style="color:{colour}">{html.escape(row_state)}</span></td>'
-                        f"<td {cell}>{html.escape(memory)}</td>"
-                        f"<td {wraps}>{html.escape(progress)}</td></tr>")
-    return (f'<table class="taas-view" data-state="{state}" style="border-collapse:collapse;'
-            f'font-family:var(--jp-code-font-family,monospace);font-size:12px;margin:2px 0">'
-            f'<caption style="text-align:left;font-weight:bold;padding-bottom:2px">{html.escape(caption)}</caption>'
-            + "".join(body) + "</table>")
+            body.append(
+                f'<tr class="{kind}" {attribute} data-state="{html.escape(row_state)}">'
+                f"<td {cell}>{html.escape(name)}</td>"
+                f'<td {cell}><span style="color:{colour}">{html.escape(row_state)}</span></td>'
+                f"<td {cell}>{html.escape(memory)}</td>"
+                f"<td {wraps}>{html.escape(progress)}</td></tr>"
+            )
+    return (
+        f'<table class="taas-view" data-state="{state}" style="border-collapse:collapse;'
+        f'font-family:var(--jp-code-font-family,monospace);font-size:12px;margin:2px 0">'
+        f'<caption style="text-align:left;font-weight:bold;padding-bottom:2px">{html.escape(caption)}</caption>'
+        + "".join(body)
+        + "</table>"
+    )

@@ -37,21 +37,36 @@ class TaasMagics(Magics):
     `c.TaasMagics.device = "cpu"` in ipython_config.py. An option in the cell wins over them.
     """
 
-    device = Enum(options.DEVICES, default_value=None, allow_none=True, config=True,
-                  help="The default --device (None: $TAAS_DEVICE, else auto).")
+    device = Enum(
+        options.DEVICES,
+        default_value=None,
+        allow_none=True,
+        config=True,
+        help="The default --device (None: $TAAS_DEVICE, else auto).",
+    )
     output = Enum(options.OUTPUTS, default_value="all", config=True, help="The default --output.")
     start = Enum(options.STARTS, default_value="auto", config=True, help="The default --start.")
-    view = Bool(True, config=True, help="The live view of a run (a row per rank, bars in place, identical lines "
-                                        "of several ranks once); False: the ranks' output as they write it.")
-    hang_after = Float(120.0, config=True, help="The default --hang-after: seconds without progress after which a "
-                                                "run says where each rank waits and why (0: never).")
+    view = Bool(
+        True,
+        config=True,
+        help="The live view of a run (a row per rank, bars in place, identical lines "
+        "of several ranks once); False: the ranks' output as they write it.",
+    )
+    hang_after = Float(
+        120.0,
+        config=True,
+        help="The default --hang-after: seconds without progress after which a "
+        "run says where each rank waits and why (0: never).",
+    )
 
     @validate("hang_after")
     def _valid_hang_after(self, proposal: Any) -> float:
         value = float(proposal["value"])
         if not 0 <= value < float("inf"):
-            raise TraitError(f"TaasMagics.hang_after = {value!r} is not allowed: use a number of seconds greater "
-                             "than 0, or 0 to turn the watchdog off")
+            raise TraitError(
+                f"TaasMagics.hang_after = {value!r} is not allowed: use a number of seconds greater "
+                "than 0, or 0 to turn the watchdog off"
+            )
         return value
 
     def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer):
@@ -78,8 +93,9 @@ class TaasMagics(Magics):
         `--keep` starts a session: the ranks stay, and the taas cells that follow run in them
         (`--ranks 0,2` in part of them); `%taas pull NAMES` brings the ranks' values into the notebook
         (a `taas.PerRank` from several ranks), `%taas push NAMES` sends the notebook's to the ranks,
-        `%taas stacks` shows where its ranks are between cells, and `%taas stop` ends it. `%taas debug [RANK]` opens pdb in a rank whose cell raised (in a session,
-        or paused by `--debug`); `breakpoint()` works in ranks.
+        `%taas stacks` shows where its ranks are between cells, and `%taas stop` ends it.
+        `%taas debug [RANK]` opens pdb in a rank whose cell raised (in a session, or paused by `--debug`);
+        `breakpoint()` works in ranks, and with the notebook's visual debugger on they stop at its breakpoints.
         """
         line = cell_source.expand_variables(self.ipython, line)
         words = line.split()
@@ -104,11 +120,21 @@ class TaasMagics(Magics):
             if args.check:
                 settings.check_configuration(args.check)
             else:
-                print(self._defaults().describe(self.forkserver_backend, self.kept.session, self.ipython,
-                                                self.link.address))
+                print(
+                    self._defaults().describe(
+                        self.forkserver_backend, self.kept.session, self.ipython, self.link.address
+                    )
+                )
             return
-        runner = CellRunner(self.ipython, self.transformer, self.link, self.kept, self.fork_backend,
-                            self.forkserver_backend, self.debugging)
+        runner = CellRunner(
+            self.ipython,
+            self.transformer,
+            self.link,
+            self.kept,
+            self.fork_backend,
+            self.forkserver_backend,
+            self.debugging,
+        )
         runner.run(args, self._defaults(), line, cell)
 
     def _stacks_command(self, words: list[str]) -> None:
@@ -128,8 +154,15 @@ class TaasMagics(Magics):
         if session is None:
             back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""
             raise TaasUsageError(f"%taas {command}: no session is running (a taas cell with --keep starts one){back}")
-        runner = CellRunner(self.ipython, self.transformer, self.link, self.kept, self.fork_backend,
-                            self.forkserver_backend, self.debugging)
+        runner = CellRunner(
+            self.ipython,
+            self.transformer,
+            self.link,
+            self.kept,
+            self.fork_backend,
+            self.forkserver_backend,
+            self.debugging,
+        )
         (runner.pull if command == "pull" else runner.push)(session, names, ranks, self._defaults())
 
     def _defaults(self) -> settings.Defaults:

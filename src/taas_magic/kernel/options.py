@@ -70,7 +70,8 @@ def seconds_or_off(text: str) -> float:
         return seconds(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"{_cut(text)!r} is not allowed: use a number of seconds greater than 0, or 0 to turn it off") from None
+            f"{_cut(text)!r} is not allowed: use a number of seconds greater than 0, or 0 to turn it off"
+        ) from None
 
 
 def _cut(text: str, keep: int = 40) -> str:
@@ -79,8 +80,9 @@ def _cut(text: str, keep: int = 40) -> str:
 
 
 # IPython's own names in the notebook's namespace: its history (In, Out, _, _i1, _1, …), exit, quit, get_ipython.
-_KERNELS_OWN = frozenset({"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_i", "_ii", "_iii",
-                          "_ih", "_oh", "_dh"})
+_KERNELS_OWN = frozenset(
+    {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_i", "_ii", "_iii", "_ih", "_oh", "_dh"}
+)
 _HISTORY = re.compile(r"_i?[0-9]+")
 
 
@@ -94,8 +96,10 @@ def refuse_kernels_own(names: Iterable[str]) -> None:
     """One line for the first name of ``names`` that is the kernel's own (``ValueError``)."""
     own = next((name for name in names if kernels_own(name)), None)
     if own is not None:
-        raise ValueError(f"{_cut(own)!r} is the kernel's own name, not a value of the notebook's (dunder names, In, "
-                         "Out, _, _i1, _1, exit, quit and get_ipython stay where they are)")
+        raise ValueError(
+            f"{_cut(own)!r} is the kernel's own name, not a value of the notebook's (dunder names, In, "
+            "Out, _, _i1, _1, exit, quit and get_ipython stay where they are)"
+        )
 
 
 def names_or_none(text: str) -> tuple[str, ...]:
@@ -129,8 +133,10 @@ def rank_list(text: str) -> Ranks:
     for word in (word.strip() for word in text.split(",")):
         low, dash, high = word.partition("-")
         if not _NATURAL.fullmatch(low) or (dash and not _NATURAL.fullmatch(high)) or (dash and int(high) < int(low)):
-            raise argparse.ArgumentTypeError(f"{_cut(text)!r} is not a list of ranks: use a rank number, several "
-                                             "separated by commas (0,2), or a range (0-3)")
+            raise argparse.ArgumentTypeError(
+                f"{_cut(text)!r} is not a list of ranks: use a rank number, several "
+                "separated by commas (0,2), or a range (0-3)"
+            )
         first, last = _rank_number(low), _rank_number(high if dash else low)
         ranks.extend(range(first, min(last, first + 10**6) + 1))
     if len(set(ranks)) != len(ranks):
@@ -163,99 +169,154 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
         magic_arguments.magic_arguments(),
         magic_arguments.argument_group("ranks and devices"),
         magic_arguments.argument(
-            "--gpus", type=whole_number(1), default=None, metavar="N",
+            "--gpus",
+            type=whole_number(1),
+            default=None,
+            metavar="N",
             help="number of ranks, one per GPU (default: the configuration's GPUs per node, else 1). "
             "More than one node's worth (g2.8: 16, 32) runs on the connected cluster.",
         ),
         magic_arguments.argument(
-            "--config", default=None, metavar="NAME",
+            "--config",
+            default=None,
+            metavar="NAME",
             help="machine configuration (g2.8, g1.4, c1.4, ...); `#!NAME` on the first line means the same.",
         ),
         magic_arguments.argument(
-            "--device", choices=DEVICES, default=None,
+            "--device",
+            choices=DEVICES,
+            default=None,
             help="where ranks compute (default: $TAAS_DEVICE, else auto = CUDA, with an error where there is none).",
         ),
         magic_arguments.argument(
-            "--start", choices=STARTS + OLD_STARTS, default=None,
+            "--start",
+            choices=STARTS + OLD_STARTS,
+            default=None,
             help="fork: ranks are forked from the kernel (fastest, shares its memory); forkserver: from a fork "
             "server that never touched CUDA, with what the cell needs shipped by value (spawn: the same, its "
             "earlier name); auto: fork unless CUDA was used in the kernel.",
         ),
         magic_arguments.argument(
-            "--on", choices=PLACES, default=None,
+            "--on",
+            choices=PLACES,
+            default=None,
             help="cluster: the ranks run on the connected Ray cluster (the default once connected, with "
             "%%taas cluster ADDRESS or $TAAS_CLUSTER); local: on this machine, connected or not.",
         ),
         magic_arguments.argument_group("data delivery (registered DataLoaders)"),
         magic_arguments.argument(
-            "--cpus", type=whole_number(0, MAX_CPUS, " (0 turns data delivery off)"), default=None, metavar="K",
+            "--cpus",
+            type=whole_number(0, MAX_CPUS, " (0 turns data delivery off)"),
+            default=None,
+            metavar="K",
             help=f"CPU prefetch workers per registered DataLoader, 0-{MAX_CPUS}.",
         ),
         magic_arguments.argument(
-            "--units", type=whole_number(1), default=None, metavar="U",
+            "--units",
+            type=whole_number(1),
+            default=None,
+            metavar="U",
             help="elements to take from registered DataLoaders in total (default: as many as the ranks ask for).",
         ),
         magic_arguments.argument(
-            "--order", choices=ORDERS, default="deterministic",
+            "--order",
+            choices=ORDERS,
+            default="deterministic",
             help="deterministic: every rank gets the same elements in the same order on every run; "
             "fastest: a rank takes whichever of its elements is ready first.",
         ),
         magic_arguments.argument(
-            "--prefetch", type=whole_number(1), default=None, metavar="N",
+            "--prefetch",
+            type=whole_number(1),
+            default=None,
+            metavar="N",
             help="elements a registered loader's producers may prepare ahead of the slowest rank "
             "(default: enough to keep every producer busy).",
         ),
         magic_arguments.argument_group("output and results"),
         magic_arguments.argument(
-            "--output", choices=OUTPUTS, default=None,
+            "--output",
+            choices=OUTPUTS,
+            default=None,
             help="all: every rank's output, each line prefixed with its rank; rank0: rank 0's alone, unprefixed.",
         ),
         magic_arguments.argument(
-            "--return", dest="return_names", type=names_or_none, default=None, metavar="NAMES",
+            "--return",
+            dest="return_names",
+            type=names_or_none,
+            default=None,
+            metavar="NAMES",
             help="names rank 0 sends back into the notebook (default: every name the cell binds at top level); "
             "none: nothing comes back.",
         ),
         magic_arguments.argument(
-            "--from", dest="return_from", type=ranks_or_all, default=None, metavar="RANKS",
+            "--from",
+            dest="return_from",
+            type=ranks_or_all,
+            default=None,
+            metavar="RANKS",
             help="the ranks the names come back from (default 0): 3, 0,2, 0-3 or all. From several ranks, each "
             "name arrives as a taas.PerRank: x[rank] is that rank's value.",
         ),
         magic_arguments.argument(
-            "--timeout", type=seconds, default=None, metavar="SECONDS",
+            "--timeout",
+            type=seconds,
+            default=None,
+            metavar="SECONDS",
             help="stop ranks still running after this many seconds and show where each one was.",
         ),
         magic_arguments.argument(
-            "--hang-after", dest="hang_after", type=seconds_or_off, default=None, metavar="SECONDS",
+            "--hang-after",
+            dest="hang_after",
+            type=seconds_or_off,
+            default=None,
+            metavar="SECONDS",
             help="when no rank made progress for this many seconds, say which rank waits where and why, and let "
             "the run go on (default 120; 0: never).",
         ),
         magic_arguments.argument_group("failures"),
         magic_arguments.argument(
-            "--max-restarts", dest="max_restarts", type=whole_number(0, MAX_RESTARTS), default=0, metavar="N",
+            "--max-restarts",
+            dest="max_restarts",
+            type=whole_number(0, MAX_RESTARTS),
+            default=0,
+            metavar="N",
             help="when a rank fails, stop every rank and start the run again, up to N times, as torchrun's "
             "elastic agent does (TORCHELASTIC_RESTART_COUNT counts them); the cell fails with the last failure.",
         ),
         magic_arguments.argument(
-            "--debug", action="store_true",
+            "--debug",
+            action="store_true",
             help="a rank whose cell raises stays, paused, so that %%taas debug can open the debugger at the error.",
         ),
         magic_arguments.argument(
-            "--debug-ranks", dest="debug_ranks", type=rank_list, default=None, metavar="RANKS",
+            "--debug-ranks",
+            dest="debug_ranks",
+            type=rank_list,
+            default=None,
+            metavar="RANKS",
             help="with the notebook's visual debugger on (JupyterLab's, VS Code's): the ranks that stop at its "
             "breakpoints and at breakpoint(), each a thread named 'rank N' (default: every rank).",
         ),
         magic_arguments.argument_group("sessions"),
         magic_arguments.argument(
-            "--keep", action="store_true",
+            "--keep",
+            action="store_true",
             help="start a session: the ranks stay alive after the cell, and the taas cells that follow run in "
             "them, with their names, process group and models (%%taas stop ends it).",
         ),
         magic_arguments.argument(
-            "--ranks", type=rank_list, default=None, metavar="R,R",
+            "--ranks",
+            type=rank_list,
+            default=None,
+            metavar="R,R",
             help="in a session: run the cell in these ranks only (0, 0,2 or 0-3); the others wait.",
         ),
         magic_arguments.argument(
-            "--idle", type=seconds, default=None, metavar="SECONDS",
+            "--idle",
+            type=seconds,
+            default=None,
+            metavar="SECONDS",
             help="with --keep: end the session after this many seconds without a cell (default 3600).",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
@@ -272,9 +333,7 @@ def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
     parser: argparse.ArgumentParser = getattr(magic, "parser")  # attached by @magic_arguments
     parser.allow_abbrev = False  # `--gp 2` is a typo to report, not a guess to make
     if len(line) > MAX_LINE:  # splitting a huge line (a {name} holding megabytes) takes too long
-        raise TaasUsageError(
-            f"the options are {len(line)} characters long ({_cut(line)!r}): use at most {MAX_LINE}"
-        )
+        raise TaasUsageError(f"the options are {len(line)} characters long ({_cut(line)!r}): use at most {MAX_LINE}")
     try:
         argv = arg_split(line, posix=True, strict=True)  # posix: quotes group words and are removed
     except ValueError as e:
@@ -303,8 +362,11 @@ def offered_values(magic: Callable[..., Any], option: str) -> list[str] | None:
 def visible_options(magic: Callable[..., Any]) -> list[str]:
     """The options a user may give, in the order `%%taas?` lists them."""
     parser: argparse.ArgumentParser = getattr(magic, "parser")
-    return [action.option_strings[0] for action in parser._actions
-            if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"]
+    return [
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"
+    ]
 
 
 def default_device(environ: Mapping[str, str] | None = None) -> str:
@@ -347,4 +409,3 @@ def transfer(command: str, words: list[str]) -> tuple[tuple[str, ...], tuple[int
     if not names:
         raise TaasUsageError(f"{usage}: name at least one name (%taas {command} model or %taas {command} x,y)")
     return tuple(dict.fromkeys(names)), ranks
-

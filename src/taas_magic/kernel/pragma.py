@@ -23,8 +23,25 @@ from typing import Callable, Iterator
 from taas_magic.errors import TaasUsageError
 
 _SHEBANG = re.compile(r"#!\s*(?P<name>\S+)\s*")
-TEXT_MAGICS = {"writefile", "file", "bash", "sh", "script", "perl", "ruby", "python", "python2", "python3", "pypy",
-               "html", "javascript", "js", "latex", "markdown", "svg"}
+TEXT_MAGICS = {
+    "writefile",
+    "file",
+    "bash",
+    "sh",
+    "script",
+    "perl",
+    "ruby",
+    "python",
+    "python2",
+    "python3",
+    "pypy",
+    "html",
+    "javascript",
+    "js",
+    "latex",
+    "markdown",
+    "svg",
+}
 _PRAGMA = re.compile(r"#\s*pragma\s+taas(?!\S)")  # a prefix: the options are the rest of the line
 
 
@@ -54,9 +71,7 @@ def transform(lines: list[str], is_configuration: Callable[[str], bool], on_clus
         check = f"%taas --check {header.configuration}\n"
         return lines[: header.first_line] + [check] + rest
     magic = " ".join(
-        part
-        for part in ("%%taas", header.configuration and f"--config {header.configuration}", header.options)
-        if part
+        part for part in ("%%taas", header.configuration and f"--config {header.configuration}", header.options) if part
     )
     # Blank lines stand in for the leading blanks and the second header line: line k of the
     # cell stays line k of what runs.
@@ -118,7 +133,7 @@ def _pragma_options(line: str) -> str | None:
     """The options of a `#pragma taas` line ("" for none), or None for any other line."""
     text = line.rstrip("\r\n")
     found = _PRAGMA.match(text)
-    return None if found is None else text[found.end():].strip()
+    return None if found is None else text[found.end() :].strip()
 
 
 def _comment_lines(lines: list[str]) -> set[int]:

@@ -1,5 +1,6 @@
 """Autoreload for a session's ranks, in the kernel: what the kernel's ``%autoreload`` reloaded since each
-rank's last cell, sent with the next one as a ``Reload`` (``wire/rank_control.py``; ``rank/reloading.py`` reloads it there).
+rank's last cell, sent with the next one as a ``Reload`` (``wire/rank_control.py``; ``rank/reloading.py``
+reloads it there).
 """
 
 from __future__ import annotations
@@ -61,12 +62,17 @@ class KernelReloads:
         # difference from the last one's is no reload.
         same = reloader is not None and reloader is last_reloader
         self.cells += 1
-        self.reloaded.update({name: self.cells for name, when in self.marks.items()
-                              if same and last.get(name, when) != when})
+        self.reloaded.update(
+            {name: self.cells for name, when in self.marks.items() if same and last.get(name, when) != when}
+        )
         since = min((self.told.get(rank, 0) for rank in ranks), default=self.cells)
         moved = {name for name, cell in self.reloaded.items() if cell > since}
         self.told.update(dict.fromkeys(ranks, self.cells))
         if reloader is None or not reloader.enabled:
             return Reload(False, tuple(sorted(moved))) if moved else None
-        return Reload(bool(reloader.check_all), tuple(sorted(set(reloader.modules) | moved)),
-                      tuple(sorted(reloader.skip_modules)), bool(reloader.autoload_obj))
+        return Reload(
+            bool(reloader.check_all),
+            tuple(sorted(set(reloader.modules) | moved)),
+            tuple(sorted(reloader.skip_modules)),
+            bool(reloader.autoload_obj),
+        )

@@ -13,8 +13,8 @@ from typing import Mapping, TypeVar
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded, plain
 from taas_magic.kernel.hang import Hang, Process, cause, doing, where_lines
-from taas_magic.per_rank import span
 from taas_magic.kernel.run_state import EndCause, Failure, Notice, Outcome, RunResult, quit_debugger
+from taas_magic.per_rank import span
 from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
 
@@ -30,19 +30,22 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
     if result.outcome is Outcome.FAILED:
         message, lines = failure(result, result.policy.others_were, cell_names)
         if result.policy.keep:
-            lines.append(f"taas: the session goes on (%taas debug opens the debugger in "
-                         f"{name(result, result.failures[0].rank)} at the error)")
+            lines.append(
+                f"taas: the session goes on (%taas debug opens the debugger in "
+                f"{name(result, result.failures[0].rank)} at the error)"
+            )
         broken = sorted((f.rank, summary(f)) for f in result.broken if isinstance(f.rank, int))
         return RankFailed(message, lines, dict(broken))
     if result.outcome is Outcome.TIMED_OUT:
         return RunTimedOut(*timed_out(result, cell_names))
     if result.outcome is Outcome.INTERRUPTED:
-        return RunInterrupted(interrupted(result) + _where(result, cell_names, "where the ranks were when interrupted:"))
+        return RunInterrupted(
+            interrupted(result) + _where(result, cell_names, "where the ranks were when interrupted:")
+        )
     return session_ended(result, cell_names)
 
 
-def failure(result: RunResult, others_were: str,
-            cell_names: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
+def failure(result: RunResult, others_were: str, cell_names: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
     """The root cause, in one line and in full; what else failed after it, and what taas did to the others."""
     failures = result.failures
     root = failures[0]
@@ -55,12 +58,21 @@ def failure(result: RunResult, others_were: str,
     alike = [f.rank for f in failures if _same_error(f, root)]  # read once, labelled with every rank it is of
     if root.details:
         if len(alike) > 1:
-            lines.append(f"{BOLD}[{names(result, alike)}] "
-                         + (f"traceback ({who} failed first):" if _is_traceback(root) else
-                            f"last lines each wrote to stderr ({who}'s):") + RESET)
+            lines.append(
+                f"{BOLD}[{names(result, alike)}] "
+                + (
+                    f"traceback ({who} failed first):"
+                    if _is_traceback(root)
+                    else f"last lines each wrote to stderr ({who}'s):"
+                )
+                + RESET
+            )
         else:
-            lines.append(f"{BOLD}{who}'s traceback:{RESET}" if _is_traceback(root) else
-                         f"{BOLD}last lines {who} wrote to stderr:{RESET}")
+            lines.append(
+                f"{BOLD}{who}'s traceback:{RESET}"
+                if _is_traceback(root)
+                else f"{BOLD}last lines {who} wrote to stderr:{RESET}"
+            )
         lines += root.details
     if root.hint:
         lines.append(f"{BOLD}taas: {root.hint}{RESET}")
@@ -73,18 +85,27 @@ def failure(result: RunResult, others_were: str,
         lines.append(f"also failed, after {who}: " + "; ".join(others))
     if stopped:
         lines.append(f"{others_were} after the failure: {names(result, stopped)}")
-        peers = [_peer_place(p, who, result.records.get(p.key)) if p.key in broken or _reporting(p) else p
-                 for p in result.where if p.key in stopped]
+        peers = [
+            _peer_place(p, who, result.records.get(p.key)) if p.key in broken or _reporting(p) else p
+            for p in result.where
+            if p.key in stopped
+        ]
         if any(_stuck(p) for p in peers):  # some waited for it: where each was says for what
-            lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(peers, cell_names or {},
-                                                                                      result.ranks_per_node)
+            lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(
+                peers, cell_names or {}, result.ranks_per_node
+            )
     return plain(message), lines
 
 
 def _same_error(one: Failure, other: Failure) -> bool:
     """The same failure in two processes: the same error, raised at the same lines (or the same death)."""
-    return (one.raised, one.code, one.details, one.where, one.hint) == (other.raised, other.code, other.details,
-                                                                      other.where, other.hint)
+    return (one.raised, one.code, one.details, one.where, one.hint) == (
+        other.raised,
+        other.code,
+        other.details,
+        other.where,
+        other.hint,
+    )
 
 
 def _alike_failures(result: RunResult, failures: list[Failure]) -> list[str]:
@@ -99,8 +120,12 @@ def _stuck(process: Process) -> bool:
     """In a collective, waiting for data or in process-group setup: waiting for others, maybe forever
     (as its last sample says, or its stack, which a rank in its first second has alone)."""
     activity = process.activity
-    return (process.collective() is not None or process.in_setup() or bool(activity and activity.waiting)
-            or (not _reporting(process) and bool(process.in_collective_call())))
+    return (
+        process.collective() is not None
+        or process.in_setup()
+        or bool(activity and activity.waiting)
+        or (not _reporting(process) and bool(process.in_collective_call()))
+    )
 
 
 def _reporting(process: Process) -> bool:
@@ -127,8 +152,9 @@ def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, li
     """``--timeout`` elapsed: which processes were still at work, and where each was."""
     stacks = result.late or {}
     late = sorted(stacks, key=key_order)
-    message = (f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, "
-               f"{result.policy.timeout_end}")
+    message = (
+        f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, {result.policy.timeout_end}"
+    )
     lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
     ended = _ended_before(result, float("inf"))
     if ended:
@@ -141,8 +167,11 @@ def interrupted(result: RunResult) -> list[str]:
     """The cell was interrupted: how each rank stopped (one-shot), or what taas interrupted (a session)."""
     if result.policy.keep:
         quit = f"the debugger was quit in {names(result, sorted(result.quit, key=key_order))}; " if result.quit else ""
-        stopped = (f"taas interrupted the cell in {names(result, sorted(result.stopped, key=key_order))}; "
-                   if result.stopped else "")
+        stopped = (
+            f"taas interrupted the cell in {names(result, sorted(result.stopped, key=key_order))}; "
+            if result.stopped
+            else ""
+        )
         return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: {quit}{stopped}the session goes on"]
     stops: dict[str, list[int]] = {}
     for rank, code in _in_order(result.exits):
@@ -167,17 +196,27 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
         return SessionEnded(*_ended(f"{why}: its process group cannot continue", list(end.tail)))
     if end.cause is EndCause.PRODUCER_DIED:
         message, lines = failure(result, result.policy.others_were)
-        return SessionEnded(f"{message}; the session ended",
-                            lines + [f"{RED}{BOLD}taas: the session ended: {name(result, end.keys[0])} cannot serve "
-                                     f"its loader any more{RESET}"])
+        return SessionEnded(
+            f"{message}; the session ended",
+            lines
+            + [
+                f"{RED}{BOLD}taas: the session ended: {name(result, end.keys[0])} cannot serve "
+                f"its loader any more{RESET}"
+            ],
+        )
     stuck = list(end.keys)
-    message, lines = _ended(f"{names(result, stuck)} did not leave the interrupted cell within "
-                            f"{result.policy.leave_seconds:g} s (a collective waits for its peers there, or the code "
-                            "ignores interrupts)")
+    message, lines = _ended(
+        f"{names(result, stuck)} did not leave the interrupted cell within "
+        f"{result.policy.leave_seconds:g} s (a collective waits for its peers there, or the code "
+        "ignores interrupts)"
+    )
     if result.failures:  # why they were interrupted: the failure comes first, with where the others waited for it
         failed, failed_lines = failure(result, "stopped", cell_names)  # the session ends: every rank is stopped
-        where = [] if any("where they were when" in line for line in failed_lines) else \
-            _where(result, cell_names, "where they were:")
+        where = (
+            []
+            if any("where they were when" in line for line in failed_lines)
+            else _where(result, cell_names, "where they were:")
+        )
         return SessionEnded(f"{failed}; {message}", failed_lines + lines + where)
     lines += _where(result, cell_names, "where they were:")
     if result.late is not None:  # taas interrupted the cell because the time ran out: that first
@@ -190,13 +229,19 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
 def hang(found: Hang, cell_names: Mapping[str, str]) -> list[str]:
     """The watchdog's diagnosis: how long nothing moved, the likely cause, and where each process is."""
     first = f"taas: no progress for {found.stalled:.0f} s: {cause(found.processes, cell_names)}"
-    return ([f"{RED}{BOLD}{first}{RESET}"] + where_lines(found.processes, cell_names, found.ranks_per_node)
-            + [f"{BOLD}taas: the run goes on: wait, or interrupt the cell to stop it (said after --hang-after "
-               f"{found.after:g} s without progress; --hang-after 0 turns this off){RESET}"])
+    return (
+        [f"{RED}{BOLD}{first}{RESET}"]
+        + where_lines(found.processes, cell_names, found.ranks_per_node)
+        + [
+            f"{BOLD}taas: the run goes on: wait, or interrupt the cell to stop it (said after --hang-after "
+            f"{found.after:g} s without progress; --hang-after 0 turns this off){RESET}"
+        ]
+    )
 
 
-def _where(result: RunResult, cell_names: Mapping[str, str], title: str,
-           only: frozenset[Key] | None = None) -> list[str]:
+def _where(
+    result: RunResult, cell_names: Mapping[str, str], title: str, only: frozenset[Key] | None = None
+) -> list[str]:
     """Where the processes were when taas took their stacks, each place once (nothing if it took none)."""
     processes = [p for p in result.where if only is None or p.key in only]
     if not any(p.stack for p in processes):
@@ -225,14 +270,18 @@ def notices(result: RunResult) -> list[str]:
     lines = []
     for notice in result.policy.notices:
         if notice is Notice.SAVED_ON_NODE:
-            lines += [f"taas: rank 0 saved {record.path} on node {record.node}: a file saved under an absolute path "
-                      "stays on its node (save under a relative path to have it copied here)"
-                      for record in result.saved_on_nodes]
+            lines += [
+                f"taas: rank 0 saved {record.path} on node {record.node}: a file saved under an absolute path "
+                "stays on its node (save under a relative path to have it copied here)"
+                for record in result.saved_on_nodes
+            ]
         elif notice is Notice.SAVE_SKIPPED and result.saves_skipped:
             paths = ", ".join(repr(path) for path in sorted(result.saves_skipped))
             ranks = sorted(key for keys in result.saves_skipped.values() for key in keys if isinstance(key, int))
-            lines.append(f"taas: torch.save to {paths} skipped in {span(ranks)}: only rank 0 writes files "
-                         "(guard other writes with taas.is_main())")
+            lines.append(
+                f"taas: torch.save to {paths} skipped in {span(ranks)}: only rank 0 writes files "
+                "(guard other writes with taas.is_main())"
+            )
         elif notice is Notice.DELIVERY:
             lines += _delivery_summaries(result)
     return lines
@@ -252,14 +301,18 @@ def _delivery_summaries(result: RunResult) -> list[str]:
         first = max(s.first_wait for s in summaries)
         rate = f"{taken / span:,.0f} elements/s" if span > 0 else "—"
         ranks = f"{len(summaries)} rank{'s' if len(summaries) != 1 else ''}"
-        lines.append(f"taas: {loader}: {taken} elements delivered to {ranks}, {rate}, "
-                     f"ranks waited for data {share:.0%} of the time (first element after {first * 1000:.0f} ms)")
+        lines.append(
+            f"taas: {loader}: {taken} elements delivered to {ranks}, {rate}, "
+            f"ranks waited for data {share:.0%} of the time (first element after {first * 1000:.0f} ms)"
+        )
     return lines
 
 
 def restarting(result: RunResult, restart: int, max_restarts: int) -> str:
-    return (f"taas: {failure(result, result.policy.others_were)[0]}: every rank starts again (restart {restart} of "
-            f"--max-restarts {max_restarts})\n")
+    return (
+        f"taas: {failure(result, result.policy.others_were)[0]}: every rank starts again (restart {restart} of "
+        f"--max-restarts {max_restarts})\n"
+    )
 
 
 def restarts_spent(max_restarts: int) -> str:
@@ -289,7 +342,7 @@ def name(result: RunResult, key: Key) -> str:
 
 
 def names(result: RunResult, keys: list[Key]) -> str:
-    """"ranks 0-2,4; producer 0 of train_loader"."""
+    """ "ranks 0-2,4; producer 0 of train_loader"."""
     ranks = sorted(key for key in keys if isinstance(key, int))
     others = [name(result, key) for key in sorted(keys, key=key_order) if not isinstance(key, int)]
     return "; ".join(([span(ranks)] if ranks else []) + others)

@@ -303,9 +303,20 @@ class RunState:
     while a person is at a debugger's prompt: see ``waited``); ``debug`` is ``--debug``.
     """
 
-    def __init__(self, policy: Policy, now: float, *, ranks: Iterable[int] = (), deadline: float | None = None,
-                 debug: bool = False, timeout: float | None = None, labels: Mapping[Key, str] | None = None,
-                 hang_after: float | None = None, ranks_per_node: int = 0, world: int = 0):
+    def __init__(
+        self,
+        policy: Policy,
+        now: float,
+        *,
+        ranks: Iterable[int] = (),
+        deadline: float | None = None,
+        debug: bool = False,
+        timeout: float | None = None,
+        labels: Mapping[Key, str] | None = None,
+        hang_after: float | None = None,
+        ranks_per_node: int = 0,
+        world: int = 0,
+    ):
         self.policy = policy
         self.started = now
         self.ranks = frozenset(ranks)
@@ -368,8 +379,14 @@ class RunState:
             ledger.records[key] = record
             if quit_debugger(record):
                 self.quit.add(key)
-            elif (self.debug and not self.paused and isinstance(key, int) and isinstance(record, Failed)
-                    and not record.interrupted and not record.peer_lost):  # the debugger goes where the failure is
+            elif (
+                self.debug
+                and not self.paused
+                and isinstance(key, int)
+                and isinstance(record, Failed)
+                and not record.interrupted
+                and not record.peer_lost
+            ):  # the debugger goes where the failure is
                 self.paused.add(key)  # it waits for the debugger (rank.session.await_debugger)
 
     def result_sent(self, rank: int, data: bytes) -> None:
@@ -458,8 +475,9 @@ class RunState:
         self.clock = now
         return self._interrupt(now) + (self._due(now) if self.policy.interrupt_at_once else [])
 
-    def stacks_taken(self, asked: TakeStacks, stacks: Mapping[Key, str], now: float,
-                     running: Iterable[Key]) -> list[Action]:
+    def stacks_taken(
+        self, asked: TakeStacks, stacks: Mapping[Key, str], now: float, running: Iterable[Key]
+    ) -> list[Action]:
         """The stacks ``asked`` for: the processes still late are stopped; ranks stuck in the cell end the
         session; a stall is shown; a stop goes on, knowing where the processes were."""
         self.running = frozenset(running)
@@ -467,8 +485,16 @@ class RunState:
         if asked.why is Why.HANG:
             if self.stop is not None:
                 return []  # the run is being stopped meanwhile: it does not go on
-            return [ShowHang(Hang(now - self.moved_at, self.processes(asked.keys, stacks, now), self.hang_after or 0.0,
-                                  self.ranks_per_node))]
+            return [
+                ShowHang(
+                    Hang(
+                        now - self.moved_at,
+                        self.processes(asked.keys, stacks, now),
+                        self.hang_after or 0.0,
+                        self.ranks_per_node,
+                    )
+                )
+            ]
         if asked.why is Why.STOP:
             self.where = self.processes(asked.keys, stacks, now)
             return []
@@ -516,8 +542,9 @@ class RunState:
 
     def _begin(self, cause: StopCause, now: float) -> None:
         self.stopped |= set(self._targets())
-        self.stop = _Stop(cause, self.policy.on_interrupt if cause is StopCause.INTERRUPT else self.policy.on_failure,
-                          now)
+        self.stop = _Stop(
+            cause, self.policy.on_interrupt if cause is StopCause.INTERRUPT else self.policy.on_failure, now
+        )
 
     def _due(self, now: float) -> list[Action]:
         """The signals due by ``now``; the stacks of ranks that did not leave an interrupted cell in time."""
@@ -531,7 +558,7 @@ class RunState:
 
     def _signals_sent(self) -> set[int]:
         stop = self.stop
-        return set() if stop is None else {signum for _, signum in stop.steps[:stop.sent]}
+        return set() if stop is None else {signum for _, signum in stop.steps[: stop.sent]}
 
     def _end_session(self, end: SessionEnd) -> list[Action]:
         self.end = end
@@ -541,15 +568,29 @@ class RunState:
     def processes(self, keys: Iterable[Key], stacks: Mapping[Key, str], now: float) -> tuple[Process, ...]:
         """``keys`` with their stacks and latest activity, and the ranks that already left, with how."""
         keys = set(keys)
-        known = (keys | set(self.activity) | set(self.ledger.records) | set(self.ledger.exits) | set(self.ranks)
-                 | set(range(self.world)))
+        known = (
+            keys
+            | set(self.activity)
+            | set(self.ledger.records)
+            | set(self.ledger.exits)
+            | set(self.ranks)
+            | set(range(self.world))
+        )
         processes = []
         for key in sorted(known, key=key_order):
             if key not in keys and not isinstance(key, int):
                 continue
             activity, came = self.activity.get(key, (None, now))
-            processes.append(Process(key, self.labels.get(key, f"rank {key}"), activity, max(0.0, now - came),
-                                     stacks.get(key, ""), "" if key in keys else self._how_left(key)))
+            processes.append(
+                Process(
+                    key,
+                    self.labels.get(key, f"rank {key}"),
+                    activity,
+                    max(0.0, now - came),
+                    stacks.get(key, ""),
+                    "" if key in keys else self._how_left(key),
+                )
+            )
         return tuple(processes)
 
     def _how_left(self, key: Key) -> str:
@@ -589,8 +630,9 @@ class RunState:
 
     def _producer_failed(self) -> bool:
         """A producer reported its failure: its exit, which ends the session, follows."""
-        return any(isinstance(key, Producer) and isinstance(record, Failed)
-                   for key, record in self.ledger.records.items())
+        return any(
+            isinstance(key, Producer) and isinstance(record, Failed) for key, record in self.ledger.records.items()
+        )
 
     def _failing(self) -> bool:
         """A process failed on its own: the others are stopped."""
@@ -632,9 +674,18 @@ class RunState:
             if isinstance(record, Failed):
                 if (record.interrupted and key in self.stopped) or key in self.quit:
                     continue  # taas interrupted it, or the user quit its debugger
-                failures.append(Failure(key, record.time or when, tuple(record.traceback), record.where, record.hint,
-                                        (record.ename, record.evalue), interrupted=record.interrupted,
-                                        peer_lost=record.peer_lost))
+                failures.append(
+                    Failure(
+                        key,
+                        record.time or when,
+                        tuple(record.traceback),
+                        record.where,
+                        record.hint,
+                        (record.ename, record.evalue),
+                        interrupted=record.interrupted,
+                        peer_lost=record.peer_lost,
+                    )
+                )
             elif code != 0 and (key not in self.stopped or key in ledger.own_deaths):
                 failures.append(Failure(key, when - SEEN_LATE, ledger.tails.get(key, ()), code=code))
         return sorted(failures, key=lambda failure: failure.time)
@@ -645,21 +696,37 @@ class RunState:
         if end is not None and end.cause is EndCause.PRODUCER_DIED and not failures:
             code, when = ledger.exits[end.keys[0]]  # it died without a word
             failures = [Failure(end.keys[0], when, ledger.tails.get(end.keys[0], ()), code=code)]
-        outcome = (Outcome.SESSION_ENDED if end is not None else
-                   _outcome(self.policy.order, self.interrupted, self.late is not None, bool(failures)))
-        skipped = {key: dict(record.skipped) for key, record in ledger.records.items()
-                   if isinstance(key, int) and isinstance(record, CellEnded) and record.skipped}
+        outcome = (
+            Outcome.SESSION_ENDED
+            if end is not None
+            else _outcome(self.policy.order, self.interrupted, self.late is not None, bool(failures))
+        )
+        skipped = {
+            key: dict(record.skipped)
+            for key, record in ledger.records.items()
+            if isinstance(key, int) and isinstance(record, CellEnded) and record.skipped
+        }
         return RunResult(
-            policy=self.policy, outcome=outcome, failures=tuple(failures), broken=tuple(broken),
+            policy=self.policy,
+            outcome=outcome,
+            failures=tuple(failures),
+            broken=tuple(broken),
             results=dict(ledger.results),
-            skipped=skipped, records=dict(ledger.records),
-            exits={key: code for key, (code, _) in ledger.exits.items()}, stopped=frozenset(self.stopped),
-            quit=frozenset(self.quit), late=None if self.late is None else dict(self.late),
+            skipped=skipped,
+            records=dict(ledger.records),
+            exits={key: code for key, (code, _) in ledger.exits.items()},
+            stopped=frozenset(self.stopped),
+            quit=frozenset(self.quit),
+            late=None if self.late is None else dict(self.late),
             interrupted=self.interrupted,
             saves_skipped={path: frozenset(keys) for path, keys in ledger.saves_skipped.items()},
-            saved_on_nodes=tuple(ledger.saved_on_nodes), end=end, labels=dict(self.labels), timeout=self.timeout,
-            where=self._where_with(broken), ranks_per_node=self.ranks_per_node)
-
+            saved_on_nodes=tuple(ledger.saved_on_nodes),
+            end=end,
+            labels=dict(self.labels),
+            timeout=self.timeout,
+            where=self._where_with(broken),
+            ranks_per_node=self.ranks_per_node,
+        )
 
     def _where_with(self, broken: list[Failure]) -> tuple[Process, ...]:
         """Where the processes were, with every rank a failure broke: one that exited before taas took

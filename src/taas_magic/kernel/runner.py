@@ -23,24 +23,24 @@ from taas_magic.configurations import load_catalog
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import cell_source, controller, delivery_planning, environment, streams
-from taas_magic.kernel.options import rank_text, ranks_as_typed
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept, read_line
+from taas_magic.kernel.options import rank_text, ranks_as_typed
 from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.kernel.run_state import RunResult
 from taas_magic.kernel.session import Session
-from taas_magic.kernel.visual_debugger import RankDebugging
 from taas_magic.kernel.settings import Defaults
 from taas_magic.kernel.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
+from taas_magic.kernel.visual_debugger import RankDebugging
 from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
+from taas_magic.per_rank import PerRank, span
 from taas_magic.process import cell_files, containment, kernel_debugger, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
-from taas_magic.per_rank import PerRank, span
 from taas_magic.wire.task import DebugLink, KernelContext, LoaderPlan, RankTask, Returns
 
 
@@ -48,9 +48,16 @@ class CellRunner:
     """Runs taas cells in ``shell``: forked from it, from the fork server, or on the cluster of ``link``;
     what outlives a cell (a session, a paused rank) is ``kept``'s."""
 
-    def __init__(self, shell: InteractiveShell, transformer: PragmaTransformer, link: ClusterLink, kept: Kept,
-                 fork_backend: ForkBackend, forkserver_backend: ForkServerBackend,
-                 debugging: RankDebugging | None = None):
+    def __init__(
+        self,
+        shell: InteractiveShell,
+        transformer: PragmaTransformer,
+        link: ClusterLink,
+        kept: Kept,
+        fork_backend: ForkBackend,
+        forkserver_backend: ForkServerBackend,
+        debugging: RankDebugging | None = None,
+    ):
         self.shell = shell
         self.debugging = debugging
         self.transformer = transformer
@@ -67,14 +74,19 @@ class CellRunner:
             self._run_in_session(session, args, defaults, line, cell)
             return
         if args.keep and session is not None:
-            raise TaasUsageError(f"a session is running ({session.size} ranks): %taas stop first, "
-                                 "or leave out --keep to run the cell in it")
+            raise TaasUsageError(
+                f"a session is running ({session.size} ranks): %taas stop first, "
+                "or leave out --keep to run the cell in it"
+            )
         if args.ranks is not None:
-            raise TaasUsageError(f"--ranks {','.join(map(str, args.ranks))} runs a cell in part of a session, "
-                                 "and none is running: start one with --keep")
+            raise TaasUsageError(
+                f"--ranks {','.join(map(str, args.ranks))} runs a cell in part of a session, "
+                "and none is running: start one with --keep"
+            )
         catalog = load_catalog()
-        spec = build(defaults.fill_in(args), catalog, machine.detect(), os.environ,
-                     connected=self.link.address is not None)
+        spec = build(
+            defaults.fill_in(args), catalog, machine.detect(), os.environ, connected=self.link.address is not None
+        )
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
         _import_torch_once()
@@ -86,10 +98,21 @@ class CellRunner:
         debugging = self._debug_link(spec, compiled.code.co_filename)
 
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
-            return RankTask(code=compiled.code, device=spec.device, threads=spec.threads_per_rank, loaders=loaders,
-                            returns=returns, seed=seed, keep=spec.keep, idle_limit=spec.idle_limit,
-                            debug=spec.debug, track=spec.hang_after > 0, sources=sources, context=context,
-                            debugging=debugging)
+            return RankTask(
+                code=compiled.code,
+                device=spec.device,
+                threads=spec.threads_per_rank,
+                loaders=loaders,
+                returns=returns,
+                seed=seed,
+                keep=spec.keep,
+                idle_limit=spec.idle_limit,
+                debug=spec.debug,
+                track=spec.hang_after > 0,
+                sources=sources,
+                context=context,
+                debugging=debugging,
+            )
 
         if spec.on_cluster:
             result = self._launch(self.link.backend(spec, catalog), spec, make_task, analysed, loaders, defaults.view)
@@ -99,16 +122,32 @@ class CellRunner:
             result = self._launch(self.forkserver_backend, spec, make_task, analysed, loaders, defaults.view)
         self._take_back(result, spec.return_names, spec.return_from)
 
-    def _launch(self, backend: Backend[PlanT], spec: LaunchSpec, make_task: MakeTask, cell: Cell,
-                loaders: tuple[LoaderPlan, ...], view: bool) -> RunResult:
+    def _launch(
+        self,
+        backend: Backend[PlanT],
+        spec: LaunchSpec,
+        make_task: MakeTask,
+        cell: Cell,
+        loaders: tuple[LoaderPlan, ...],
+        view: bool,
+    ) -> RunResult:
         """Prepare ``backend``'s plan and run it: a one-shot run, or a session's first cell."""
         plan = backend.prepare(make_task, cell)
         try:
             if spec.keep:
                 return self._start_session(spec, backend, plan, loaders, view)
-            return controller.run(spec, plan, backend, streams.write_to_cell, os.environ, self._cell_names(),
-                                  labels=producer_labels(loaders), status=self._view_display(view),
-                                  keep_paused=functools.partial(self.kept.keep_paused, spec), read_line=read_line)
+            return controller.run(
+                spec,
+                plan,
+                backend,
+                streams.write_to_cell,
+                os.environ,
+                self._cell_names(),
+                labels=producer_labels(loaders),
+                status=self._view_display(view),
+                keep_paused=functools.partial(self.kept.keep_paused, spec),
+                read_line=read_line,
+            )
         finally:
             plan.close()  # what the plan held here (a memory file of shipped tensors)
             streams.give_back_freed_memory()
@@ -117,14 +156,19 @@ class CellRunner:
         """How the cell's ranks join the notebook's visual debugger, while a client is attached to it."""
         attached = self.debugging is not None and self.debugging.attached()
         if spec.debug_ranks is not None and not attached:
-            print("taas: --debug-ranks has no effect: the notebook's debugger is off (switch it on first)",
-                  file=sys.stderr)
+            print(
+                "taas: --debug-ranks has no effect: the notebook's debugger is off (switch it on first)",
+                file=sys.stderr,
+            )
         if self.debugging is None or not attached:
             return None
         if spec.on_cluster:
             if self.debugging.sees_breakpoints():
-                print("taas: breakpoints do not stop cluster ranks: they run without the notebook's debugger "
-                      "(run the cell with --on local to debug it)", file=sys.stderr)
+                print(
+                    "taas: breakpoints do not stop cluster ranks: they run without the notebook's debugger "
+                    "(run the cell with --on local to debug it)",
+                    file=sys.stderr,
+                )
             return None
         return self.debugging.link(None if spec.debug_ranks is None else frozenset(spec.debug_ranks), cell_file)
 
@@ -133,9 +177,11 @@ class CellRunner:
         can_fork = hasattr(os, "fork")
         # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
         unsafe = machine.cuda_initialized_in_kernel() or (
-            spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda())
-        start, notice = resolve_start(spec.start, spec.device, unsafe, can_fork,
-                                      grpc_threads=can_fork and machine.grpc_threads_in_kernel())
+            spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda()
+        )
+        start, notice = resolve_start(
+            spec.start, spec.device, unsafe, can_fork, grpc_threads=can_fork and machine.grpc_threads_in_kernel()
+        )
         if notice:
             print(notice, file=sys.stderr)
         return start
@@ -148,8 +194,9 @@ class CellRunner:
         return ViewDisplay(live=getattr(self.shell, "kernel", None) is not None).show if view else None
 
     # -- sessions -------------------------------------------------------------------------------
-    def _start_session(self, spec: LaunchSpec, backend: Backend[PlanT], plan: PlanT,
-                       loaders: tuple[LoaderPlan, ...], view: bool) -> RunResult:
+    def _start_session(
+        self, spec: LaunchSpec, backend: Backend[PlanT], plan: PlanT, loaders: tuple[LoaderPlan, ...], view: bool
+    ) -> RunResult:
         """Start the ranks of a session, and the producers of ``loaders``; they run this cell first, and stay."""
         launch = environment.launch(spec, new_run_id(), os.environ)
         namespace = self.shell.user_ns
@@ -158,61 +205,123 @@ class CellRunner:
             known = {name: shipping.fingerprint(namespace[name]) for name in holding.names if name in namespace}
             sources = set(holding.sources)
         else:
-            known = {name: shipping.fingerprint(value) for name, value in namespace.items()
-                     if not name.startswith("_")}  # forked: the ranks have every name as it is now
+            known = {
+                name: shipping.fingerprint(value) for name, value in namespace.items() if not name.startswith("_")
+            }  # forked: the ranks have every name as it is now
             sources = set(self._cell_names())
         group = backend.start(plan, launch)
         session = self.kept.session = Session(group, spec, backend.name, known, sources)
         session.serve(loaders, namespace)
         session.status = self._view_display(view)
-        return self.kept.in_session(lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(),
-                                                               read_line))
+        return self.kept.in_session(
+            lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(), read_line)
+        )
 
-    def _run_in_session(self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str,
-                        cell: str) -> None:
+    def _run_in_session(
+        self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str, cell: str
+    ) -> None:
         _check_fits_session(args, session)
         ranks = _session_ranks(args.ranks, session)
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
-        from_ranks = ((0,) if 0 in ranks else ()) if args.return_from is None else \
-            return_from(args.return_from, ranks, _cell_ranks(ranks, session))
-        spec = dataclasses.replace(session.spec, output=args.output or defaults.output, timeout=args.timeout,
-                                   return_names=args.return_names, hang_after=args.hang_after, return_from=from_ranks,
-                                   debug_ranks=debug_ranks(args.debug_ranks, range(session.size), "the session"))
+        from_ranks = (
+            ((0,) if 0 in ranks else ())
+            if args.return_from is None
+            else return_from(args.return_from, ranks, _cell_ranks(ranks, session))
+        )
+        spec = dataclasses.replace(
+            session.spec,
+            output=args.output or defaults.output,
+            timeout=args.timeout,
+            return_names=args.return_names,
+            hang_after=args.hang_after,
+            return_from=from_ranks,
+            debug_ranks=debug_ranks(args.debug_ranks, range(session.size), "the session"),
+        )
         new = self._session_loaders(analysed, session, ranks)
         session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
         wanted = results.wanted(analysed.binds, spec.return_names) if from_ranks else ()
-        self._in_session(session, analysed, compiled.code, ranks, spec, defaults.view, new,
-                         Returns(wanted, frozenset(from_ranks), _running(ranks, session)))
+        self._in_session(
+            session,
+            analysed,
+            compiled.code,
+            ranks,
+            spec,
+            defaults.view,
+            new,
+            Returns(wanted, frozenset(from_ranks), _running(ranks, session)),
+        )
 
-    def pull(self, session: Session, names: tuple[str, ...], from_ranks: tuple[int, ...] | None,
-             defaults: Defaults) -> None:
+    def pull(
+        self, session: Session, names: tuple[str, ...], from_ranks: tuple[int, ...] | None, defaults: Defaults
+    ) -> None:
         """``%taas pull``: the session's values of ``names`` join the notebook, from ``from_ranks`` (every rank
         when None). Every rank takes part: a sharded value is gathered whole by all the ranks it is
         sharded over."""
         ranks = list(range(session.size))
         chosen = tuple(ranks) if from_ranks is None else return_from(from_ranks, ranks, "the session", "--ranks")
-        spec = dataclasses.replace(session.spec, output=defaults.output, timeout=None, return_names=names,
-                                   hang_after=defaults.hang_after, return_from=chosen)
-        self._in_session(session, _command_cell("pull", (), self.shell.user_ns), _NOTHING, ranks, spec,
-                         view=False, loaders=(), returns=Returns(names, frozenset(chosen)), notebook_cell=False)
+        spec = dataclasses.replace(
+            session.spec,
+            output=defaults.output,
+            timeout=None,
+            return_names=names,
+            hang_after=defaults.hang_after,
+            return_from=chosen,
+        )
+        self._in_session(
+            session,
+            _command_cell("pull", (), self.shell.user_ns),
+            _NOTHING,
+            ranks,
+            spec,
+            view=False,
+            loaders=(),
+            returns=Returns(names, frozenset(chosen)),
+            notebook_cell=False,
+        )
 
-    def push(self, session: Session, names: tuple[str, ...], to_ranks: tuple[int, ...] | None,
-             defaults: Defaults) -> None:
+    def push(
+        self, session: Session, names: tuple[str, ...], to_ranks: tuple[int, ...] | None, defaults: Defaults
+    ) -> None:
         """``%taas push``: the notebook's values of ``names`` become the names of the session's ranks (of
         ``to_ranks``, every rank when None), whatever the ranks had bound to them."""
         missing = [name for name in names if name not in self.shell.user_ns]
         if missing:
             raise TaasUsageError(f"%taas push {missing[0]}: the notebook has no name {missing[0]!r}")
         ranks = _session_ranks(to_ranks, session)
-        spec = dataclasses.replace(session.spec, output=defaults.output, timeout=None, return_names=(),
-                                   hang_after=defaults.hang_after, return_from=())
+        spec = dataclasses.replace(
+            session.spec,
+            output=defaults.output,
+            timeout=None,
+            return_names=(),
+            hang_after=defaults.hang_after,
+            return_from=(),
+        )
         session.resend(list(names))
-        self._in_session(session, _command_cell("push", names, self.shell.user_ns), _NOTHING, ranks, spec,
-                         view=False, loaders=(), returns=Returns(), notebook_cell=False)
+        self._in_session(
+            session,
+            _command_cell("push", names, self.shell.user_ns),
+            _NOTHING,
+            ranks,
+            spec,
+            view=False,
+            loaders=(),
+            returns=Returns(),
+            notebook_cell=False,
+        )
 
-    def _in_session(self, session: Session, analysed: Cell, code: Any, ranks: list[int], spec: LaunchSpec,
-                    view: bool, loaders: tuple[LoaderPlan, ...], returns: Returns, notebook_cell: bool = True) -> None:
+    def _in_session(
+        self,
+        session: Session,
+        analysed: Cell,
+        code: Any,
+        ranks: list[int],
+        spec: LaunchSpec,
+        view: bool,
+        loaders: tuple[LoaderPlan, ...],
+        returns: Returns,
+        notebook_cell: bool = True,
+    ) -> None:
         """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
         False: ``%taas pull`` or ``push``)."""
         prepared, shipment, sent = session.prepare(analysed, code, returns)
@@ -221,8 +330,11 @@ class CellRunner:
         prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
         session.status = self._view_display(view)  # this cell's view
         try:
-            result = self.kept.in_session(lambda: session.run(
-                prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), read_line, notebook_cell))
+            result = self.kept.in_session(
+                lambda: session.run(
+                    prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), read_line, notebook_cell
+                )
+            )
             session.shipped(sent)
         finally:
             if shipment is not None:
@@ -235,8 +347,11 @@ class CellRunner:
         """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
         names = delivery_planning.loaders_used(cell.reads, self.shell.user_ns)
         if spec.data_options_given and not names:
-            print("taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
-                  "(taas.register(loader) in an earlier cell)", file=sys.stderr)
+            print(
+                "taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
+                "(taas.register(loader) in an earlier cell)",
+                file=sys.stderr,
+            )
         return delivery_planning.plans(spec, names, self.shell.user_ns)
 
     def _served_loaders(self, spec: LaunchSpec) -> tuple[LoaderPlan, ...]:
@@ -244,8 +359,11 @@ class CellRunner:
         the session and serve whichever of its cells iterate the loader."""
         names = delivery_planning.registered_names(self.shell.user_ns)
         if spec.data_options_given and not names:
-            print("taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
-                  "DataLoader (taas.register(loader) before the cell that starts the session)", file=sys.stderr)
+            print(
+                "taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
+                "DataLoader (taas.register(loader) before the cell that starts the session)",
+                file=sys.stderr,
+            )
         return delivery_planning.plans(spec, names, self.shell.user_ns)
 
     def _session_loaders(self, cell: Cell, session: Session, ranks: list[int]) -> tuple[LoaderPlan, ...]:
@@ -257,13 +375,17 @@ class CellRunner:
         namespace = self.shell.user_ns
         names = delivery_planning.loaders_used(cell.reads, namespace)
         if names and len(ranks) < session.size:
-            raise TaasUsageError(f"--ranks {','.join(map(str, ranks))}: the cell uses {names[0]!r}, which producers "
-                                 "serve to every rank of the session: run it in every rank (leave out --ranks)")
+            raise TaasUsageError(
+                f"--ranks {','.join(map(str, ranks))}: the cell uses {names[0]!r}, which producers "
+                "serve to every rank of the session: run it in every rank (leave out --ranks)"
+            )
         new = [name for name in names if not session.serves(name, namespace[name])]
         if new and session.start == "cluster":
-            raise TaasUsageError(f"registered loader {new[0]!r} was registered after the session started, and on a "
-                                 "cluster a session's producers start with it: %taas stop, then start the session "
-                                 "again with --keep to have it served")
+            raise TaasUsageError(
+                f"registered loader {new[0]!r} was registered after the session started, and on a "
+                "cluster a session's producers start with it: %taas stop, then start the session "
+                "again with --keep to have it served"
+            )
         return delivery_planning.plans(session.spec, new, namespace)
 
     # -- the end of a cell ----------------------------------------------------------------------
@@ -294,12 +416,11 @@ def _one_per_name(taken: dict[int, dict[str, Any]], several: bool) -> dict[str, 
     if not several:
         return next(iter(taken.values()), {})
     names = dict.fromkeys(name for values in taken.values() for name in values)
-    return {name: PerRank({rank: values[name] for rank, values in taken.items() if name in values})
-            for name in names}
+    return {name: PerRank({rank: values[name] for rank, values in taken.items() if name in values}) for name in names}
 
 
 def _left_behind(left: dict[tuple[str, str], list[int]]) -> str:
-    """"from rank 0: x (why); y (why)": what did not come back, grouped by the ranks it stayed in."""
+    """ "from rank 0: x (why); y (why)": what did not come back, grouped by the ranks it stayed in."""
     by_ranks: dict[str, list[str]] = {}
     for (name, why), ranks in left.items():
         by_ranks.setdefault(span(ranks), []).append(f"{name} ({why})")
@@ -311,8 +432,10 @@ def _session_ranks(given: tuple[int, ...] | None, session: Session) -> list[int]
     ranks = list(given) if given is not None else list(range(session.size))
     outside = [rank for rank in ranks if rank >= session.size]
     if outside:
-        raise TaasUsageError(f"--ranks {ranks_as_typed(given or ranks)}: the session has {span(range(session.size))}, "
-                             f"not rank {rank_text(outside[0])}")
+        raise TaasUsageError(
+            f"--ranks {ranks_as_typed(given or ranks)}: the session has {span(range(session.size))}, "
+            f"not rank {rank_text(outside[0])}"
+        )
     return ranks
 
 
@@ -366,17 +489,27 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
         "--start": args.start in (None, "auto", session.start, "spawn" if session.start == "forkserver" else ""),
         "--on": args.on in (None, "cluster" if session.start == "cluster" else "local"),
     }
-    one_shot = {"--cpus": args.cpus is not None, "--units": args.units is not None,
-                "--prefetch": args.prefetch is not None, "--order": args.order != "deterministic",
-                "--max-restarts": args.max_restarts != 0, "--debug": args.debug, "--idle": args.idle is not None}
+    one_shot = {
+        "--cpus": args.cpus is not None,
+        "--units": args.units is not None,
+        "--prefetch": args.prefetch is not None,
+        "--order": args.order != "deterministic",
+        "--max-restarts": args.max_restarts != 0,
+        "--debug": args.debug,
+        "--idle": args.idle is not None,
+    }
     changed = [name for name, ok in same.items() if not ok]
     if changed:
-        raise TaasUsageError(f"{', '.join(changed)} would change the running session ({session.size} ranks on "
-                             f"{spec.device}): %taas stop first, then start another with --keep")
+        raise TaasUsageError(
+            f"{', '.join(changed)} would change the running session ({session.size} ranks on "
+            f"{spec.device}): %taas stop first, then start another with --keep"
+        )
     others = [name for name, given in one_shot.items() if given]
     if others:
-        raise TaasUsageError(f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
-                             "--return, --timeout, --hang-after and --output (%taas stop ends the session)")
+        raise TaasUsageError(
+            f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
+            "--return, --timeout, --hang-after and --output (%taas stop ends the session)"
+        )
 
 
 def _import_torch_once() -> None:

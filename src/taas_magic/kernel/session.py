@@ -25,22 +25,20 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from taas_magic.process import cell_files, containment
-from taas_magic.kernel import reloading
-from taas_magic.wire import shipping
-from taas_magic.kernel import streams
-from taas_magic.launch.backend import Cell, SessionGroup
-from taas_magic.wire.events import Exited, Key, Output, Producer
 from taas_magic.cell_names import names_reached
-from taas_magic.kernel import hang, render, stacks
+from taas_magic.delivery.service import producer_labels
+from taas_magic.errors import SessionEnded, TaasRunError
+from taas_magic.kernel import hang, reloading, render, stacks, streams
 from taas_magic.kernel.controller import STACK_SECONDS, Pump, live_output
 from taas_magic.kernel.run_state import SESSION, RunResult, RunState
-from taas_magic.delivery.service import producer_labels
-from taas_magic.wire.task import LoaderPlan, Returns
-from taas_magic.errors import SessionEnded, TaasRunError
-from taas_magic.wire.rank_control import SessionCell
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.kernel.streams import RankOutput
+from taas_magic.launch.backend import Cell, SessionGroup
+from taas_magic.process import cell_files, containment
+from taas_magic.wire import shipping
+from taas_magic.wire.events import Exited, Key, Output, Producer
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.task import LoaderPlan, Returns
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
 
@@ -81,8 +79,9 @@ class Session:
         self.labels.update(producer_labels(plans, first))
         return first
 
-    def begin_serving(self, cell: SessionCell, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]
-                      ) -> SessionCell:
+    def begin_serving(
+        self, cell: SessionCell, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]
+    ) -> SessionCell:
         """``cell`` with the loaders registered since the session started that it uses: the supervisor
         starts their producers as it passes the cell on, and the ranks make their stand-ins."""
         if not plans:
@@ -100,8 +99,9 @@ class Session:
         return loader is not None and loader() is value
 
     # -- cells ----------------------------------------------------------------------------------
-    def prepare(self, analysed: Cell, code: Any, returns: Returns
-                ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
+    def prepare(
+        self, analysed: Cell, code: Any, returns: Returns
+    ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
         """The cell for the ranks: its code, and the notebook's names it reads that changed; and
         the fingerprints of what it sends, for ``shipped`` once the ranks have it."""
         namespace = analysed.namespace
@@ -113,11 +113,13 @@ class Session:
         changed = [name for name in needed if self.known.get(name) != prints(name)]
         shipment = None
         if changed:
-            shipment = shipping.pack_for_session(namespace, changed,
-                                                 lambda name, value: name in self.known and self.known[name] == prints(name))
+            shipment = shipping.pack_for_session(
+                namespace, changed, lambda name, value: name in self.known and self.known[name] == prints(name)
+            )
         sources = self._new_sources(code.co_filename, analysed.label)
-        cell = SessionCell(code, returns, shipment.data if shipment else b"",
-                           shipment.tensors_size if shipment else 0, sources)
+        cell = SessionCell(
+            code, returns, shipment.data if shipment else b"", shipment.tensors_size if shipment else 0, sources
+        )
         sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
         return cell, shipment, sent
 
@@ -141,39 +143,58 @@ class Session:
     def _new_sources(self, filename: str, label: str) -> dict[str, tuple[str, str]]:
         files = cell_files.cell_labels(_shell())
         files[filename] = label
-        sources = {name: (files[name], "".join(linecache.getlines(name))) for name in files
-                   if name not in self.sources_sent}
+        sources = {
+            name: (files[name], "".join(linecache.getlines(name))) for name in files if name not in self.sources_sent
+        }
         self.sources_sent.update(sources)
         return sources
 
-    def run(self, cell: SessionCell, shipment: shipping.Shipment | None, ranks: list[int], spec: LaunchSpec,
-            write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
-            notebook_cell: bool = True) -> RunResult:
+    def run(
+        self,
+        cell: SessionCell,
+        shipment: shipping.Shipment | None,
+        ranks: list[int],
+        spec: LaunchSpec,
+        write: Callable[[str, str], object],
+        cell_names: Mapping[str, str],
+        read_line: ReadLine,
+        notebook_cell: bool = True,
+    ) -> RunResult:
         """Run ``cell`` in ``ranks``; the sending ranks' pickled names on success, else raise what the cell
         shows. ``notebook_cell`` False: ``%taas pull`` or ``push``, which is not counted as a cell and leaves
         the ranks to debug as they were."""
         fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
         cell = dataclasses.replace(cell, reload=self.reloads.for_cell(_shell(), ranks))
-        return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line,
-                          notebook_cell)
+        return self._cell(
+            lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line, notebook_cell
+        )
 
-    def first_cell(self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str],
-                   read_line: ReadLine) -> RunResult:
+    def first_cell(
+        self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine
+    ) -> RunResult:
         """The cell that started the session, which every rank runs as it starts."""
         return self._cell(lambda: None, list(range(self.size)), spec, write, cell_names, read_line)
 
     def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
         """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook."""
         spec = dataclasses.replace(self.spec, output="all", timeout=None)
-        result = self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], spec, write, {},
-                             read_line)
+        result = self._watch(
+            lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], spec, write, {}, read_line
+        )
         error = render.error(result, {})
         if error is not None:
             raise error
 
-    def _cell(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
-              write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine,
-              notebook_cell: bool = True) -> RunResult:
+    def _cell(
+        self,
+        send: Callable[[], None],
+        ranks: list[int],
+        spec: LaunchSpec,
+        write: Callable[[str, str], object],
+        cell_names: Mapping[str, str],
+        read_line: ReadLine,
+        notebook_cell: bool = True,
+    ) -> RunResult:
         """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
         if notebook_cell:
             self.cells += 1
@@ -188,16 +209,30 @@ class Session:
             raise error
         return result
 
-    def _watch(self, send: Callable[[], None], ranks: list[int], spec: LaunchSpec,
-               write: Callable[[str, str], object], cell_names: Mapping[str, str],
-               read_line: ReadLine) -> RunResult:
+    def _watch(
+        self,
+        send: Callable[[], None],
+        ranks: list[int],
+        spec: LaunchSpec,
+        write: Callable[[str, str], object],
+        cell_names: Mapping[str, str],
+        read_line: ReadLine,
+    ) -> RunResult:
         """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
             raise render.session_over(self.ended)
         out, view = live_output(spec, write, ranks, self.status, self.labels)
-        state = RunState(SESSION, time.monotonic(), ranks=ranks, timeout=spec.timeout, labels=self.labels,
-                         hang_after=spec.hang_after, ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
-                         world=self.size, deadline=None if spec.timeout is None else time.monotonic() + spec.timeout)
+        state = RunState(
+            SESSION,
+            time.monotonic(),
+            ranks=ranks,
+            timeout=spec.timeout,
+            labels=self.labels,
+            hang_after=spec.hang_after,
+            ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
+            world=self.size,
+            deadline=None if spec.timeout is None else time.monotonic() + spec.timeout,
+        )
         pump = Pump(self.group, state, out, write, read_line, cell_names, view, self.status)
         try:
             _send(pump, send)
@@ -224,8 +259,11 @@ class Session:
         for key in keys:
             label, dump = self.labels.get(key, f"rank {key}"), dumps.get(key, "")
             idle = _idle(key, dump)  # then only the threads the user started are worth showing
-            processes.append(hang.Process(key, label, stack=dump) if idle is None else
-                             hang.Process(key, label, stack=stacks.other_threads(dump), ended=idle))
+            processes.append(
+                hang.Process(key, label, stack=dump)
+                if idle is None
+                else hang.Process(key, label, stack=stacks.other_threads(dump), ended=idle)
+            )
         return hang.where_lines(processes, cell_names, self.spec.ranks_per_node if self.spec.nodes > 1 else 0)
 
     # -- its end --------------------------------------------------------------------------------
@@ -266,9 +304,11 @@ class Session:
         idle = time.monotonic() - self.last_used
         configuration = f", configuration {self.spec.configuration.name}" if self.spec.configuration else ""
         where = "on the cluster" if self.start == "cluster" else f"started by {self.start}"
-        return (f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
-                f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
-                f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)")
+        return (
+            f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
+            f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
+            f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)"
+        )
 
 
 def _idle(key: Key, dump: str) -> str | None:
@@ -280,8 +320,9 @@ def _idle(key: Key, dump: str) -> str | None:
         return None
     frames = threads[0].frames
     if isinstance(key, int):
-        waits = any(frame.file.endswith("/taas_magic/rank/session.py") and frame.function == "_next_cell"
-                    for frame in frames)
+        waits = any(
+            frame.file.endswith("/taas_magic/rank/session.py") and frame.function == "_next_cell" for frame in frames
+        )
         return "idle, waiting for the next cell" if waits else None
     return "idle, waiting for the ranks" if all("/taas_magic/" in frame.file for frame in frames) else None
 
@@ -325,8 +366,9 @@ def _send(pump: Pump, send: Callable[[], None]) -> None:
         pump.interrupt()
 
 
-def debug_paused(group: SessionGroup, rank: int, spec: LaunchSpec, write: Callable[[str, str], object],
-                 read_line: ReadLine) -> None:
+def debug_paused(
+    group: SessionGroup, rank: int, spec: LaunchSpec, write: Callable[[str, str], object], read_line: ReadLine
+) -> None:
     """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
     its error; the run is over once the user leaves it."""
     spec = dataclasses.replace(spec, output="all", timeout=None)  # every line of the debugger, for as long as it takes

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from taas_magic.version import VERSION
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options, reloading
 from taas_magic.kernel.session import Session
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.process import machine
+from taas_magic.version import VERSION
 
 CONFIGURABLE = ("device", "output", "start", "view", "hang_after")  # the TaasMagics traits a user may set
 
@@ -34,12 +34,19 @@ class Defaults:
     configured: frozenset[str]  # the names set with %config or in ipython_config.py
 
     @classmethod
-    def of(cls, device: str | None, output: str, start: str, view: bool, hang_after: float,
-           config: Config) -> "Defaults":
+    def of(
+        cls, device: str | None, output: str, start: str, view: bool, hang_after: float, config: Config
+    ) -> "Defaults":
         # The configuration says what the user set, not ``trait_has_value``: that turns true once the
         # built-in default is read.
-        return cls(device, output, start, view, hang_after,
-                   frozenset(name for name in CONFIGURABLE if f"TaasMagics.{name}" in config))
+        return cls(
+            device,
+            output,
+            start,
+            view,
+            hang_after,
+            frozenset(name for name in CONFIGURABLE if f"TaasMagics.{name}" in config),
+        )
 
     def fill_in(self, args: argparse.Namespace) -> argparse.Namespace:
         """The options the cell left out, from these defaults: an option in the cell wins, then the
@@ -56,8 +63,13 @@ class Defaults:
         """Where a default came from, when the user configured it."""
         return f" (from %config TaasMagics.{name})" if name in self.configured else ""
 
-    def describe(self, fork_server: ForkServerBackend, session: Session | None, shell: InteractiveShell,
-                 cluster_address: str | None) -> str:
+    def describe(
+        self,
+        fork_server: ForkServerBackend,
+        session: Session | None,
+        shell: InteractiveShell,
+        cluster_address: str | None,
+    ) -> str:
         """`%taas` alone: how cells start, what runs, and each default with where it came from."""
         catalog = load_catalog()
         found = machine.detect()
@@ -66,34 +78,52 @@ class Defaults:
         except TaasUsageError as e:
             device = f"invalid ({e})"
         names = ", ".join(catalog.names())
-        return "\n".join([
-            f"taas-magic:          {VERSION}",
-            "start:               fork from this kernel; the fork server once CUDA was used here",
-            f"fork server:         {fork_server.describe()}",
-            "session:             " + (session.describe() if session is not None else "none (--keep starts one)"),
-            f"session modules:     {reloading.describe(shell)}",
-            "cluster:             " + (f"{cluster_address} (cells run there; --on local runs one here)"
-                                       if cluster_address else "none (%taas cluster ADDRESS connects one)"),
-            f"configurations:      {'; '.join(catalog.sources)}",
-            f"                     {names}",
-            f"CUDA devices:        {found.cuda_devices} visible" + _cuda_used_here(),
-            f"CPU cores:           {found.cpus}",
-            f"default --device:    {self.device} (from %config TaasMagics.device)" if self.device
-            else f"default --device:    {device} (from TAAS_DEVICE)" if os.environ.get("TAAS_DEVICE")
-            else f"default --device:    {device}",
-            "default --gpus:      the configuration's GPUs per node, else 1",
-            "default --output:    " + ("all (each line labelled with its rank)" if self.output == "all"
-                                       else "rank0 (rank 0's output alone)") + self._from_config("output"),
-            "live view:           " + ("on (a row per rank; bars in their row; identical lines of several ranks once)"
-                                       if self.view else "off (the ranks' output as they write it)")
-            + self._from_config("view"),
-            "default --timeout:   none",
-            "default --hang-after: " + (f"{self.hang_after:g} s" if self.hang_after else "0 (no watchdog)")
-            + self._from_config("hang_after"),
-            f"default --start:     {self.start}" + self._from_config("start"),
-            "default --return:    every name the cell binds at top level (rank 0's values)",
-            "default --cpus:      1 producer per registered loader the cell uses (0: no data delivery)",
-        ])
+        return "\n".join(
+            [
+                f"taas-magic:          {VERSION}",
+                "start:               fork from this kernel; the fork server once CUDA was used here",
+                f"fork server:         {fork_server.describe()}",
+                "session:             " + (session.describe() if session is not None else "none (--keep starts one)"),
+                f"session modules:     {reloading.describe(shell)}",
+                "cluster:             "
+                + (
+                    f"{cluster_address} (cells run there; --on local runs one here)"
+                    if cluster_address
+                    else "none (%taas cluster ADDRESS connects one)"
+                ),
+                f"configurations:      {'; '.join(catalog.sources)}",
+                f"                     {names}",
+                f"CUDA devices:        {found.cuda_devices} visible" + _cuda_used_here(),
+                f"CPU cores:           {found.cpus}",
+                f"default --device:    {self.device} (from %config TaasMagics.device)"
+                if self.device
+                else f"default --device:    {device} (from TAAS_DEVICE)"
+                if os.environ.get("TAAS_DEVICE")
+                else f"default --device:    {device}",
+                "default --gpus:      the configuration's GPUs per node, else 1",
+                "default --output:    "
+                + (
+                    "all (each line labelled with its rank)"
+                    if self.output == "all"
+                    else "rank0 (rank 0's output alone)"
+                )
+                + self._from_config("output"),
+                "live view:           "
+                + (
+                    "on (a row per rank; bars in their row; identical lines of several ranks once)"
+                    if self.view
+                    else "off (the ranks' output as they write it)"
+                )
+                + self._from_config("view"),
+                "default --timeout:   none",
+                "default --hang-after: "
+                + (f"{self.hang_after:g} s" if self.hang_after else "0 (no watchdog)")
+                + self._from_config("hang_after"),
+                f"default --start:     {self.start}" + self._from_config("start"),
+                "default --return:    every name the cell binds at top level (rank 0's values)",
+                "default --cpus:      1 producer per registered loader the cell uses (0: no data delivery)",
+            ]
+        )
 
 
 def check_configuration(name: str) -> None:
@@ -101,11 +131,17 @@ def check_configuration(name: str) -> None:
     configuration = load_catalog().get(name)
     found = machine.detect()
     if configuration.gpus and found.cuda_devices < configuration.gpus:
-        print(f"taas: {name} needs {count(configuration.gpus, 'GPU')}, this machine has {found.cuda_devices}: "
-              "running the cell in the kernel anyway", file=sys.stderr)
+        print(
+            f"taas: {name} needs {count(configuration.gpus, 'GPU')}, this machine has {found.cuda_devices}: "
+            "running the cell in the kernel anyway",
+            file=sys.stderr,
+        )
     elif not configuration.gpus and found.cpus < configuration.cpus:
-        print(f"taas: {name} needs {count(configuration.cpus, 'vCPU')}, this machine has {found.cpus}: "
-              "running the cell in the kernel anyway", file=sys.stderr)
+        print(
+            f"taas: {name} needs {count(configuration.cpus, 'vCPU')}, this machine has {found.cpus}: "
+            "running the cell in the kernel anyway",
+            file=sys.stderr,
+        )
 
 
 def count(number: int, unit: str) -> str:

@@ -12,9 +12,9 @@ from typing import Any, Mapping, NoReturn, Sequence
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
-from taas_magic.process.machine import Machine
 from taas_magic.kernel.options import default_device, rank_text, ranks_as_typed
 from taas_magic.per_rank import span
+from taas_magic.process.machine import Machine
 
 LOOPBACK = "127.0.0.1"
 MAX_CPU_RANKS = 256  # a typo like --gpus 2000 with --device cpu must not fork-bomb the machine
@@ -56,12 +56,19 @@ class LaunchSpec:
 
     @property
     def data_options_given(self) -> bool:
-        return (self.cpus is not None or self.units is not None or self.prefetch is not None
-                or self.order != "deterministic")
+        return (
+            self.cpus is not None
+            or self.units is not None
+            or self.prefetch is not None
+            or self.order != "deterministic"
+        )
 
 
 def build(
-    options: argparse.Namespace, catalog: Catalog, machine: Machine, environ: Mapping[str, str],
+    options: argparse.Namespace,
+    catalog: Catalog,
+    machine: Machine,
+    environ: Mapping[str, str],
     connected: bool = False,
 ) -> LaunchSpec:
     """``connected``: a Ray cluster is connected, so runs go there unless ``--on local``."""
@@ -88,8 +95,9 @@ def build(
         units=options.units,
         output=options.output or "all",
         timeout=options.timeout,
-        threads_per_rank=_threads_per_rank(environ, machine.cpus if not on_cluster or configuration is None
-                                           else configuration.cpus, per_node),
+        threads_per_rank=_threads_per_rank(
+            environ, machine.cpus if not on_cluster or configuration is None else configuration.cpus, per_node
+        ),
         return_names=getattr(options, "return_names", None),
         return_from=return_from(getattr(options, "return_from", None), range(world_size), "the run"),
         start=_start(getattr(options, "start", None) or "auto"),
@@ -103,8 +111,9 @@ def build(
     )
 
 
-def return_from(given: tuple[int, ...] | str | None, ranks: Sequence[int], where: str,
-                option: str = "--from") -> tuple[int, ...]:
+def return_from(
+    given: tuple[int, ...] | str | None, ranks: Sequence[int], where: str, option: str = "--from"
+) -> tuple[int, ...]:
     """The ranks ``--from`` names, in order, among ``ranks`` (those that run the cell, in ``where``);
     rank 0 when it was left out. ``option``: the option the user typed them with, as errors name it."""
     if given is None:
@@ -113,8 +122,9 @@ def return_from(given: tuple[int, ...] | str | None, ranks: Sequence[int], where
         return tuple(ranks)
     outside = [rank for rank in given if rank not in ranks]
     if outside:
-        raise TaasUsageError(f"{option} {ranks_as_typed(given)}: {where} has {span(ranks)}, "
-                             f"not rank {rank_text(outside[0])}")
+        raise TaasUsageError(
+            f"{option} {ranks_as_typed(given)}: {where} has {span(ranks)}, not rank {rank_text(outside[0])}"
+        )
     return tuple(sorted(given))
 
 
@@ -124,12 +134,17 @@ def debug_ranks(given: tuple[int, ...] | None, ranks: Sequence[int], where: str)
 
 
 def _session_options(options: argparse.Namespace) -> dict[str, Any]:
-    keep, idle, debug = getattr(options, "keep", False), getattr(options, "idle", None), getattr(options, "debug", False)
+    keep, idle, debug = (
+        getattr(options, "keep", False),
+        getattr(options, "idle", None),
+        getattr(options, "debug", False),
+    )
     if idle is not None and not keep:
         raise TaasUsageError(f"--idle {idle:g} applies to a session: add --keep")
     if keep and debug:
-        raise TaasUsageError("--debug applies to one-shot cells: a session keeps a failing rank's error for "
-                             "%taas debug anyway")
+        raise TaasUsageError(
+            "--debug applies to one-shot cells: a session keeps a failing rank's error for %taas debug anyway"
+        )
     if keep and getattr(options, "max_restarts", 0):
         raise TaasUsageError("--max-restarts applies to one-shot cells, not to a session (--keep)")
     return {"keep": keep, "idle_limit": 3600.0 if idle is None else idle, "debug": debug}
@@ -144,12 +159,16 @@ def _on_cluster(requested: str | None, connected: bool) -> bool:
 def _cluster_ranks_per_node(world_size: int, configuration: Configuration | None, max_nodes: int) -> int:
     """Ranks on each node of a cluster run: a whole number of nodes of the configuration."""
     if configuration is None:
-        raise TaasUsageError("a run on the cluster needs a configuration: start the cell with #!NAME "
-                             "(for example #!g2.8), add --config NAME, or run it here with --on local")
+        raise TaasUsageError(
+            "a run on the cluster needs a configuration: start the cell with #!NAME "
+            "(for example #!g2.8), add --config NAME, or run it here with --on local"
+        )
     per_node = configuration.gpus or configuration.cpus
     if min(world_size, per_node) > MAX_CPU_RANKS:
-        raise TaasUsageError(f"--gpus {world_size} is too many ranks for one node of {configuration.name}: "
-                             f"at most {MAX_CPU_RANKS} per node")
+        raise TaasUsageError(
+            f"--gpus {world_size} is too many ranks for one node of {configuration.name}: "
+            f"at most {MAX_CPU_RANKS} per node"
+        )
     if world_size <= per_node:
         return world_size
     _check_whole_nodes(world_size, configuration, per_node, max_nodes)
@@ -233,8 +252,9 @@ def _threads_per_rank(environ: Mapping[str, str], cpus: int, ranks_per_node: int
     return max(1, cpus // ranks_per_node)
 
 
-def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool,
-                  grpc_threads: bool = False) -> tuple[str, str]:
+def resolve_start(
+    requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool, grpc_threads: bool = False
+) -> tuple[str, str]:
     """The start method a run uses, and a one-line notice when ``auto`` did not pick fork.
 
     Forking is the fast path; it is refused for GPU ranks once the kernel has touched CUDA,
@@ -247,7 +267,8 @@ def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_f
         if device == "cuda" and fork_unsafe_for_cuda:
             raise TaasUsageError(
                 "--start fork: CUDA was already used in this kernel (an earlier cell initialized it or asked "
-                "torch.cuda.is_available()), and forked ranks cannot use CUDA after that: use --start forkserver (or auto)"
+                "torch.cuda.is_available()), and forked ranks cannot use CUDA after that: "
+                "use --start forkserver (or auto)"
             )
         return "fork", ""
     if _start(requested) == "forkserver":
@@ -255,9 +276,12 @@ def resolve_start(requested: str, device: str, fork_unsafe_for_cuda: bool, can_f
     if not can_fork:
         return "forkserver", "taas: this platform cannot fork the kernel, so the ranks start from the fork server"
     if fork_unsafe_for_cuda:
-        return "forkserver", ("taas: CUDA was already used in this kernel, so the ranks start from the fork server "
-                              "(--start forkserver)")
+        return "forkserver", (
+            "taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start forkserver)"
+        )
     if grpc_threads:
-        return "forkserver", ("taas: gRPC runs threads in this kernel (Ray Client, say), which a fork would copy into "
-                              "every rank, so the ranks start from the fork server (--start forkserver)")
+        return "forkserver", (
+            "taas: gRPC runs threads in this kernel (Ray Client, say), which a fork would copy into "
+            "every rank, so the ranks start from the fork server (--start forkserver)"
+        )
     return "fork", ""

@@ -13,16 +13,22 @@ from dataclasses import dataclass
 from typing import Mapping
 
 FRAME_LINE = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
-LIBRARIES = tuple(path for path in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                                     sysconfig.get_paths()["platlib"]} if path)
+LIBRARIES = tuple(
+    path
+    for path in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    if path
+)
 
 # Where taas hands a process its work, by file and function (None: any function of the file): a rank's
 # cell (run_cell, or the rank's setup before it), a forked process's start in its supervisor (a
 # producer's loop is its work, and shown). Frames below are taas's. A file alone would not do: taas's
 # wrappers of the user's calls (init_process_group's) live in those files too.
 WORK_STARTS: tuple[tuple[str, str | None], ...] = (
-    ("/taas_magic/rank/cell.py", "run_cell"), ("/taas_magic/rank/worker.py", "run_rank"),
-    ("/taas_magic/launch/supervisor/ranks.py", None), ("/taas_magic/launch/fork/backend.py", None))
+    ("/taas_magic/rank/cell.py", "run_cell"),
+    ("/taas_magic/rank/worker.py", "run_rank"),
+    ("/taas_magic/launch/supervisor/ranks.py", None),
+    ("/taas_magic/launch/fork/backend.py", None),
+)
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,16 @@ class Frame:
         """A frame of the notebook's cells or of the user's own files, not of Python, a library or taas."""
         if self.file in cell_names:
             return True
-        return not (self.file.startswith(LIBRARIES) or "/site-packages/" in self.file or "/taas_magic/" in self.file
-                    or "/dist-packages/" in self.file or self.file.startswith("<"))
+        return not (
+            self.file.startswith(LIBRARIES)
+            or "/site-packages/" in self.file
+            or "/taas_magic/" in self.file
+            or "/dist-packages/" in self.file
+            or self.file.startswith("<")
+        )
 
     def where(self, cell_names: Mapping[str, str]) -> str:
-        """"Cell In[7], line 12" or "train.py, line 30"."""
+        """ "Cell In[7], line 12" or "train.py, line 30"."""
         label = cell_names.get(self.file)
         return f"{label}, line {self.line}" if label else f"{self.file}, line {self.line}"
 
@@ -68,8 +79,11 @@ def parse_stacks(dump: str) -> list[Thread]:
         lines = block.strip().splitlines()
         if not lines or not lines[0].lstrip().startswith(("Thread", "Current thread")):
             continue
-        frames = [Frame(match["file"], int(match["line"]), match["function"].strip())
-                  for match in map(FRAME_LINE.match, lines[1:]) if match]
+        frames = [
+            Frame(match["file"], int(match["line"]), match["function"].strip())
+            for match in map(FRAME_LINE.match, lines[1:])
+            if match
+        ]
         cut = next((index for index, frame in enumerate(frames) if frame.starts_work()), None)
         # The signal that asked for the dump may land in any thread: faulthandler's "current thread" is
         # that one, not necessarily the main one. The main thread is the one taas started the work in.
@@ -77,15 +91,24 @@ def parse_stacks(dump: str) -> list[Thread]:
         current.append(lines[0].lstrip().startswith("Current thread"))
     if not any(thread.main for thread in threads):  # no taas frames: faulthandler's own guess, then
         threads = [Thread(guess, thread.frames) for guess, thread in zip(current, threads)]
-    return [thread for thread in sorted(threads, key=lambda thread: not thread.main)
-            if thread.main or any(frame.user({}) for frame in thread.frames)]
+    return [
+        thread
+        for thread in sorted(threads, key=lambda thread: not thread.main)
+        if thread.main or any(frame.user({}) for frame in thread.frames)
+    ]
 
 
 def other_threads(dump: str) -> str:
     """A faulthandler dump without the thread taas handed the work to."""
-    blocks = [block for block in dump.strip().split("\n\n")
-              if not any(Frame(m["file"], 0, m["function"].strip()).starts_work()
-                         for m in map(FRAME_LINE.match, block.splitlines()) if m)]
+    blocks = [
+        block
+        for block in dump.strip().split("\n\n")
+        if not any(
+            Frame(m["file"], 0, m["function"].strip()).starts_work()
+            for m in map(FRAME_LINE.match, block.splitlines())
+            if m
+        )
+    ]
     return "\n\n".join(block.replace("Current thread", "Thread", 1) for block in blocks)
 
 
@@ -103,7 +126,7 @@ def stack_lines(dump: str, cell_names: Mapping[str, str]) -> list[str]:
             lines.append(f"    in {inner.function} ({_short(inner.file)}, line {inner.line}), called from:")
         last_user = max((index for index, frame in enumerate(frames) if frame.user(cell_names)), default=None)
         outermost = len(frames) if last_user is None or thread.main else last_user + 1  # a thread's own start is noise
-        for frame in frames[first_user or 0:outermost]:
+        for frame in frames[first_user or 0 : outermost]:
             lines.append(f"    {_frame_text(frame, cell_names)}")
             source = frame.source() if frame.user(cell_names) else ""
             if source:
@@ -113,8 +136,11 @@ def stack_lines(dump: str, cell_names: Mapping[str, str]) -> list[str]:
 
 def _frame_text(frame: Frame, cell_names: Mapping[str, str]) -> str:
     label = cell_names.get(frame.file)
-    return f"{label}, line {frame.line} in {frame.function}" if label else \
-        f'File "{frame.file}", line {frame.line} in {frame.function}'
+    return (
+        f"{label}, line {frame.line} in {frame.function}"
+        if label
+        else f'File "{frame.file}", line {frame.line} in {frame.function}'
+    )
 
 
 def _short(path: str) -> str:
@@ -124,5 +150,5 @@ def _short(path: str) -> str:
             return path.split(marker, 1)[1]
     for library in LIBRARIES:
         if path.startswith(library):
-            return path[len(library):].lstrip("/")
+            return path[len(library) :].lstrip("/")
     return path

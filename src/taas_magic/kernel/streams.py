@@ -63,8 +63,13 @@ class _Target:
 class RankOutput:
     """Feeds ranks' output into ``write(stream, text)``; shows the ranks in ``shown`` (all by default)."""
 
-    def __init__(self, write: Callable[[str, str], object], prefix: bool, shown: Iterable[Key] | None = None,
-                 labels: Mapping[Key, str] | None = None):
+    def __init__(
+        self,
+        write: Callable[[str, str], object],
+        prefix: bool,
+        shown: Iterable[Key] | None = None,
+        labels: Mapping[Key, str] | None = None,
+    ):
         self._targets = {name: _Target(functools.partial(write, name)) for name in ("stdout", "stderr")}
         self._prefix = prefix
         self._shown = None if shown is None else set(shown)

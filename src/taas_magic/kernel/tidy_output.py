@@ -22,9 +22,9 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Mapping
 
-from taas_magic.wire.events import Key
-from taas_magic.process.containment import to_the_end
 from taas_magic.kernel.streams import PARTIAL_LINE_DELAY, PARTIAL_LINE_MAX, RankOutput, StreamSource
+from taas_magic.process.containment import to_the_end
+from taas_magic.wire.events import Key
 
 COLLAPSE_WINDOW = 0.25  # seconds a complete line waits for other ranks to print the same
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -203,9 +203,15 @@ class _Collapser:
 class TidyRankOutput(RankOutput):
     """``RankOutput`` with bars sent to ``bar(rank, text)`` and identical lines of ``expected`` ranks collapsed."""
 
-    def __init__(self, write: Callable[[str, str], object], prefix: bool, expected: int,
-                 bar: Callable[[Key, str], object], shown: Iterable[Key] | None = None,
-                 labels: Mapping[Key, str] | None = None):
+    def __init__(
+        self,
+        write: Callable[[str, str], object],
+        prefix: bool,
+        expected: int,
+        bar: Callable[[Key, str], object],
+        shown: Iterable[Key] | None = None,
+        labels: Mapping[Key, str] | None = None,
+    ):
         super().__init__(write, prefix, shown, labels)
         self._bar = bar
         self._collapsers = {name: _Collapser(expected) for name in ("stdout", "stderr")}
@@ -307,6 +313,7 @@ class TidyRankOutput(RankOutput):
 
     def _lower_bars(self, rank: Key, source: StreamSource) -> None:
         """Bars drawn below the current line go to the rank's row; the cursor's trips to them leave no lines."""
+
         def drawn(match: re.Match[str]) -> str:
             drawing = _last_drawing(match[1])
             if drawing is not None:
@@ -322,8 +329,9 @@ class TidyRankOutput(RankOutput):
         if drawing is None:
             return
         self._show_bar(rank, drawing)
-        source.pending = (held + line_break + "\r" + drawing
-                          + ("\r" if unfinished.endswith("\r") else ""))  # the next drawing starts over it
+        source.pending = (
+            held + line_break + "\r" + drawing + ("\r" if unfinished.endswith("\r") else "")
+        )  # the next drawing starts over it
 
     def _show_bar(self, rank: Key, drawing: str) -> None:
         text = _ANSI.sub("", drawing).strip()

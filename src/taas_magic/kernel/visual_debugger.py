@@ -118,8 +118,7 @@ class RankDebugging:
 
     def sees_breakpoints(self) -> bool:
         """A client is attached and breakpoints are set (for cells whose ranks cannot join: a cluster's)."""
-        return self.attached() and any(
-            arguments.get("breakpoints") for arguments in self._breakpoints().values())
+        return self.attached() and any(arguments.get("breakpoints") for arguments in self._breakpoints().values())
 
     def close(self) -> None:
         """The client detached: stopped ranks go on, untraced; no rank joins any more."""
@@ -165,8 +164,13 @@ class RankDebugging:
         shows: JupyterLab forgets the thread it shows before it sends ``continue``, and names thread 1."""
         thread = arguments.get("threadId")
         kernel_stopped: set[int] = getattr(self.debugger, "stopped_threads", set())
-        return (self.shown is not None and isinstance(thread, int) and thread < RANK_IDS
-                and thread not in kernel_stopped and self.ids["threads"].inward(self.shown) is not None)
+        return (
+            self.shown is not None
+            and isinstance(thread, int)
+            and thread < RANK_IDS
+            and thread not in kernel_stopped
+            and self.ids["threads"].inward(self.shown) is not None
+        )
 
     def _owner(self, arguments: Message) -> _Rank | None:
         for key, kind in _ID_KEYS.items():
@@ -182,9 +186,14 @@ class RankDebugging:
         if command == "richInspectVariables":
             return self._rich(rank, message, arguments)
         if command == "copyToGlobals":
-            command, arguments = "setExpression", {"expression": f"globals()[{arguments['dstVariableName']!r}]",
-                                                   "value": arguments["srcVariableName"],
-                                                   "frameId": arguments["srcFrameId"]}
+            command, arguments = (
+                "setExpression",
+                {
+                    "expression": f"globals()[{arguments['dstVariableName']!r}]",
+                    "value": arguments["srcVariableName"],
+                    "frameId": arguments["srcFrameId"],
+                },
+            )
         try:
             reply = self._outward(rank, rank.request(command, arguments))
         except (ConnectionError, TimeoutError) as e:
@@ -194,8 +203,13 @@ class RankDebugging:
         if command == "variables" and reply.get("success"):
             accept = getattr(self.debugger, "accept_variable", lambda name: True)
             reply["body"]["variables"] = [v for v in reply["body"]["variables"] if accept(v["name"])]
-        return {**reply, "type": "response", "command": message["command"], "request_seq": message["seq"],
-                "seq": message["seq"]}
+        return {
+            **reply,
+            "type": "response",
+            "command": message["command"],
+            "request_seq": message["seq"],
+            "seq": message["seq"],
+        }
 
     def _rank_frames(self, rank: _Rank, body: Message, start: int) -> None:
         """A rank's stack as its cell sees it: down to the cell's own frame, each frame named with the rank
@@ -205,7 +219,7 @@ class RankDebugging:
         for index, frame in enumerate(frames):
             frame["name"] = f"{rank.label}: {frame['name']}"
             if frame.get("source", {}).get("path") == self.cell_file and frame["name"].endswith("<module>"):
-                del frames[index + 1:]
+                del frames[index + 1 :]
                 body["totalFrames"] = start + index + 1
                 return
 
@@ -215,15 +229,27 @@ class RankDebugging:
         data: Message = {"data": {}, "metadata": {}}
         if name.isidentifier():
             try:
-                reply = rank.request("evaluate", {"expression": _RICH.format(name=name),
-                                                  "frameId": arguments.get("frameId"), "context": "clipboard"})
+                reply = rank.request(
+                    "evaluate",
+                    {
+                        "expression": _RICH.format(name=name),
+                        "frameId": arguments.get("frameId"),
+                        "context": "clipboard",
+                    },
+                )
                 if reply.get("success"):
                     bundle, metadata = ast.literal_eval(reply["body"]["result"])
                     data = {"data": bundle, "metadata": {kind: metadata[kind] for kind in metadata if kind in bundle}}
             except (ConnectionError, TimeoutError, ValueError, SyntaxError):
                 pass
-        return {"type": "response", "request_seq": message["seq"], "seq": message["seq"], "success": True,
-                "command": message["command"], "body": data}
+        return {
+            "type": "response",
+            "request_seq": message["seq"],
+            "seq": message["seq"],
+            "success": True,
+            "command": message["command"],
+            "body": data,
+        }
 
     def _threads(self) -> list[Message]:
         """Every connected rank's threads, named after the rank."""
@@ -283,8 +309,17 @@ class RankDebugging:
             if not secrets.compare_digest(secret, self.secret) or self.listener is None:
                 raise ConnectionError("not a rank of this kernel's")
             rank.name(run, int(number))
-            rank.request("initialize", {"adapterID": "python", "clientID": "taas", "pathFormat": "path",
-                                        "linesStartAt1": True, "columnsStartAt1": True}, HANDSHAKE_SECONDS)
+            rank.request(
+                "initialize",
+                {
+                    "adapterID": "python",
+                    "clientID": "taas",
+                    "pathFormat": "path",
+                    "linesStartAt1": True,
+                    "columnsStartAt1": True,
+                },
+                HANDSHAKE_SECONDS,
+            )
             rank.request("attach", self._attach_options(), HANDSHAKE_SECONDS)
             for arguments in self._breakpoints().values():
                 rank.request("setBreakpoints", arguments, HANDSHAKE_SECONDS)
@@ -296,8 +331,10 @@ class RankDebugging:
             rank.close()  # a probe of the port, a stranger, or a rank that went away
 
     def _attach_options(self) -> Message:
-        options: Message = {"justMyCode": bool(getattr(self.debugger, "just_my_code", True)),
-                            "rules": [{"path": path, "include": False} for path in _OWN_CODE]}
+        options: Message = {
+            "justMyCode": bool(getattr(self.debugger, "just_my_code", True)),
+            "rules": [{"path": path, "include": False} for path in _OWN_CODE],
+        }
         if not options["justMyCode"]:
             options["debugOptions"] = ["DebugStdLib"]
         return options
@@ -326,8 +363,9 @@ class RankDebugging:
         the rank that stopped last among those still stopped."""
         for thread in threads:
             rank.stopped.pop(thread, None)
-            self._publish("continued", {"threadId": self.ids["threads"].outward(rank, thread),
-                                        "allThreadsContinued": False})
+            self._publish(
+                "continued", {"threadId": self.ids["threads"].outward(rank, thread), "allThreadsContinued": False}
+            )
         if threads:
             hidden_thread(self._show_a_stopped_rank, rank, self.stops_shown, name="taas-debugger-show")
 
@@ -367,8 +405,12 @@ class RankDebugging:
 class _Rank:
     """One rank's debugger engine, connected: requests and their answers, events as they come."""
 
-    def __init__(self, connection: socket.socket, on_event: Callable[["_Rank", Message], None],
-                 on_gone: Callable[["_Rank"], None]):
+    def __init__(
+        self,
+        connection: socket.socket,
+        on_event: Callable[["_Rank", Message], None],
+        on_gone: Callable[["_Rank"], None],
+    ):
         self.connection = connection
         self.on_event = on_event
         self.on_gone = on_gone

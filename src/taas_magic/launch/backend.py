@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, TypeVar
 
 from taas_magic.cell_names import names_read, top_level_bindings
-from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.events import Event, Key
+from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.task import KernelContext, RankTask
 
 Sources = dict[str, tuple[str, str]]  # the notebook's cells by file name: (label, code), for tracebacks

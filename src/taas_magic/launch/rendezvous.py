@@ -59,8 +59,10 @@ class RunStore:
 
     def environments(self, envs: dict[int, dict[str, str]]) -> dict[int, dict[str, str]]:
         """The ranks' environments, pointed at this store."""
-        return {rank: {**env, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-                for rank, env in envs.items()}
+        return {
+            rank: {**env, "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            for rank, env in envs.items()
+        }
 
     def serve(self) -> None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public (documented), not in __all__
@@ -70,8 +72,16 @@ class RunStore:
         fd = self._listener.detach()  # the store owns it from here, and closes it when it ends
         self._listener = None
         # torch's classic server: the libuv one leaves a pipe of its own open in the kernel for good
-        self._server = TCPStore(self.host, self.port, self.world_size, is_master=True, wait_for_workers=False,
-                                master_listen_fd=fd, timeout=STORE_TIMEOUT, use_libuv=False)
+        self._server = TCPStore(
+            self.host,
+            self.port,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            timeout=STORE_TIMEOUT,
+            use_libuv=False,
+        )
 
     def close(self) -> None:
         """Stop serving and close the port: the store's server thread ends with its last reference."""

@@ -280,7 +280,8 @@ def find_interactive_flags() -> None:
         return
     _modules_seen = len(sys.modules)
     _interactive_flags = tuple(
-        name for name, module in list(sys.modules.items())
+        name
+        for name, module in list(sys.modules.items())
         if name.partition(".")[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", False)
     )
 

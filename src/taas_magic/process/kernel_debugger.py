@@ -95,7 +95,7 @@ def _restore_originals(module: Any) -> None:
     if module is None:
         return
     for attribute in [name for name in vars(module) if name.startswith("original_")]:
-        setattr(module, attribute[len("original_"):], getattr(module, attribute))
+        setattr(module, attribute[len("original_") :], getattr(module, attribute))
         delattr(module, attribute)
 
 

@@ -59,5 +59,5 @@ def frames_as_dump(error: BaseException) -> str:
     where a rank was when its error came, read by the kernel as it reads a stack it asked for."""
     frames = traceback.extract_tb(error.__traceback__)
     return "Current thread (most recent call first):\n" + "\n".join(
-        f'  File "{frame.filename}", line {frame.lineno} in {frame.name}' for frame in reversed(frames))
-
+        f'  File "{frame.filename}", line {frame.lineno} in {frame.name}' for frame in reversed(frames)
+    )

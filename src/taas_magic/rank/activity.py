@@ -34,9 +34,17 @@ def sample() -> RankActivity:
     waiting = min(WAITING.items(), key=lambda item: item[1], default=None)
     times = os.times()
     setup = _setup(now)
-    return RankActivity(now, times.user + times.system, finished, collectives,
-                        waiting[0] if waiting else "", now - waiting[1] if waiting else 0.0,
-                        sum(TAKEN.values()), setup, _store() if setup is not None else "")
+    return RankActivity(
+        now,
+        times.user + times.system,
+        finished,
+        collectives,
+        waiting[0] if waiting else "",
+        now - waiting[1] if waiting else 0.0,
+        sum(TAKEN.values()),
+        setup,
+        _store() if setup is not None else "",
+    )
 
 
 def _collectives() -> tuple[list[Collective], dict[str, int]]:
@@ -59,9 +67,11 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
     finished = {str(group): int(counters.get("last_completed_collective", -1)) for group, counters in groups.items()}
     moved, _last_status = groups != _last_status, groups
     if moved:
-        return [Collective(str(group), finished[str(group)] + 1, "", [], [], 0.0)
-                for group, counters in groups.items()
-                if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]], finished
+        return [
+            Collective(str(group), finished[str(group)] + 1, "", [], [], 0.0)
+            for group, counters in groups.items()
+            if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]
+        ], finished
     trace = _flight_record(entries=True) or {"entries": []}
     now = time.time_ns()
     inside = []
@@ -74,11 +84,17 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
             if not p2p and group in finished:
                 finished[group] = max(finished[group], int(entry["collective_seq_id"]))
             continue
-        inside.append(Collective(
-            group=str(entry["process_group"][0]), seq=int(entry["p2p_seq_id" if p2p else "collective_seq_id"]),
-            op=str(entry["profiling_name"]).split(":", 1)[-1], shapes=[list(s) for s in entry["input_sizes"]],
-            dtypes=[str(d) for d in entry["input_dtypes"]], seconds=max(0.0, (now - entry["time_created_ns"]) / 1e9),
-            p2p=p2p))
+        inside.append(
+            Collective(
+                group=str(entry["process_group"][0]),
+                seq=int(entry["p2p_seq_id" if p2p else "collective_seq_id"]),
+                op=str(entry["profiling_name"]).split(":", 1)[-1],
+                shapes=[list(s) for s in entry["input_sizes"]],
+                dtypes=[str(d) for d in entry["input_dtypes"]],
+                seconds=max(0.0, (now - entry["time_created_ns"]) / 1e9),
+                p2p=p2p,
+            )
+        )
     for group, seq in finished.items():
         # gloo finishes the collectives in order: an entry at or before the last finished one is done
         inside = [c for c in inside if c.group != group or c.p2p or c.seq > seq]

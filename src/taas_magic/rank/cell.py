@@ -20,8 +20,9 @@ from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
 from taas_magic.wire.task import DebugLink, RankTask, Returns
 
 
-def run_cell(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any, task: RankTask,
-             debugging: DebugLink | None) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
+def run_cell(
+    code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any, task: RankTask, debugging: DebugLink | None
+) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
     """Run one cell's code: (exit status, how it ended, the pickled names this rank sends back, the error
     it raised). The names are None in a rank that sends none (``returns.ranks``). ``debugging``: how
     the rank joins the notebook's visual debugger, while one is attached."""
@@ -52,8 +53,11 @@ def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -
 
 def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
     """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting."""
-    summaries = {plan.name: namespace[plan.name].summary() for plan in task.loaders
-                 if hasattr(namespace.get(plan.name), "summary")}
+    summaries = {
+        plan.name: namespace[plan.name].summary()
+        for plan in task.loaders
+        if hasattr(namespace.get(plan.name), "summary")
+    }
     return {name: summary for name, summary in summaries.items() if summary is not None}
 
 
@@ -87,24 +91,39 @@ def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | No
     flush_all()
     interrupted = isinstance(error, KeyboardInterrupt)
     # An interrupt taas sent is not shown; one the cell raised itself is a failure like any other.
-    record = Failed(when, type(error).__name__, summary or str(error), format_traceback(error, shell),
-                    interrupted=interrupted, hint=_hint(error, task), peer_lost=peer_lost,
-                    stack=frames_as_dump(error) if peer_lost else "")
+    record = Failed(
+        when,
+        type(error).__name__,
+        summary or str(error),
+        format_traceback(error, shell),
+        interrupted=interrupted,
+        hint=_hint(error, task),
+        peer_lost=peer_lost,
+        stack=frames_as_dump(error) if peer_lost else "",
+    )
     return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
 
 
 # What a rank raises when another process of the run went away: a consequence, not a failure of its own.
 # gloo's transport and torch's store say the first two; NCCL the next two; a stand-in loader the last.
-_PEER_LOST = ("connection closed by peer", "connection reset by peer", "failed to recv, got 0 bytes",
-              "remote process exited", "communicator was aborted", "every producer has closed this channel")
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "failed to recv, got 0 bytes",
+    "remote process exited",
+    "communicator was aborted",
+    "every producer has closed this channel",
+)
 _PEER_LOST_TYPES = ("DistBackendError", "DistNetworkError")
 
 
 def _peer_lost(error: BaseException) -> bool:
     """The error says another process of the run is gone: taas stops this rank, as it stops the others, and
     the kernel reports it as broken by that process's failure rather than as a failure of its own."""
-    return any(type(e).__name__ in _PEER_LOST_TYPES or any(phrase in str(e).lower() for phrase in _PEER_LOST)
-               for e in _chain(error))
+    return any(
+        type(e).__name__ in _PEER_LOST_TYPES or any(phrase in str(e).lower() for phrase in _PEER_LOST)
+        for e in _chain(error)
+    )
 
 
 def release_termination() -> None:
@@ -119,15 +138,22 @@ _held_termination: HeldTermination | None = None
 
 
 # What torch says when a CPU-only rank asks for CUDA (no driver, no device visible, a CPU-only build).
-_NO_CUDA = ("found no nvidia driver", "no cuda gpus are available", "torch not compiled with cuda enabled",
-            "no cuda-capable device is detected", "cuda driver initialization failed")
+_NO_CUDA = (
+    "found no nvidia driver",
+    "no cuda gpus are available",
+    "torch not compiled with cuda enabled",
+    "no cuda-capable device is detected",
+    "cuda driver initialization failed",
+)
 
 
 def _hint(error: BaseException, task: RankTask) -> str:
     """One line of advice for mistakes taas can recognize; empty otherwise."""
     if task.device == "cpu" and any(phrase in str(e).lower() for e in _chain(error) for phrase in _NO_CUDA):
-        return ("this run is on CPU (--device cpu), so CUDA is not available in its ranks: "
-                "taas.device() gives each rank its device on CPU and CUDA runs alike")
+        return (
+            "this run is on CPU (--device cpu), so CUDA is not available in its ranks: "
+            "taas.device() gives each rank its device on CPU and CUDA runs alike"
+        )
     return ""
 
 

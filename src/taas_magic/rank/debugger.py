@@ -16,9 +16,9 @@ import sys
 from types import FrameType
 from typing import Any
 
+from taas_magic.process.child import flush_all
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.rank_control import Line, Prompt, RankEnd
-from taas_magic.process.child import flush_all
 
 
 class _KernelInput:
@@ -88,8 +88,11 @@ def _debugger(control: RankEnd) -> pdb.Pdb:
     debugger_class = pdb.Pdb if pdb.Pdb.__module__ != "pdb" else _ListingPdb  # IPython's lists the lines itself
     # nosigint: after `c`, pdb would take SIGINT for itself (to break in again), and an interrupt or --timeout
     # from the kernel would no longer stop the cell.
-    debugger = _left_by_interrupts(debugger_class)(stdin=_KernelInput(control, f"[rank {rank}] (Pdb) "), stdout=sys.stdout,  # type: ignore[arg-type]
-                              nosigint=True)
+    debugger = _left_by_interrupts(debugger_class)(
+        stdin=_KernelInput(control, f"[rank {rank}] (Pdb) "),  # type: ignore[arg-type]  # a file to pdb: readline
+        stdout=sys.stdout,
+        nosigint=True,
+    )
     debugger.prompt = ""  # the kernel shows the prompt with its input box
     return debugger
 

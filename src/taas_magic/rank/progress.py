@@ -30,8 +30,9 @@ def note(step: int | None, metrics: dict[str, Any]) -> None:
     if _send is None:
         return
     now = time.monotonic()
-    record = RankProgress(now, None if step is None else int(step),
-                          {name: float(value) for name, value in metrics.items()})
+    record = RankProgress(
+        now, None if step is None else int(step), {name: float(value) for name, value in metrics.items()}
+    )
     if now - _last_sent >= INTERVAL:
         _send(record)
         _last_sent, _unsent = now, None

@@ -19,14 +19,14 @@ from types import CodeType
 from typing import Any
 
 from taas_magic.process import containment
+from taas_magic.process.child import RankFds, flush_all
 from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger
 from taas_magic.rank.cell import run_cell, stopped_before_start
-from taas_magic.wire import memfile, records, shipping
 from taas_magic.rank.reloading import RankReloads
+from taas_magic.wire import memfile, records, shipping
 from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
-from taas_magic.process.child import RankFds, flush_all
 from taas_magic.wire.records import CellEnded
 from taas_magic.wire.task import DebugLink, RankTask, Returns
 
@@ -54,7 +54,9 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(cell.code, cell.returns, namespace, shell, task, interrupted, cell.debugging)
+            status, record, names, error = _run(
+                cell.code, cell.returns, namespace, shell, task, interrupted, cell.debugging
+            )
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -86,8 +88,15 @@ def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
     return held
 
 
-def _run(code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any, task: RankTask,
-         interrupted: bool, debugging: DebugLink | None) -> tuple[int, Any, bytes | None, BaseException | None]:
+def _run(
+    code: CodeType,
+    returns: Returns,
+    namespace: dict[str, Any],
+    shell: Any,
+    task: RankTask,
+    interrupted: bool,
+    debugging: DebugLink | None,
+) -> tuple[int, Any, bytes | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
     ``interrupted``: one came while the cell's names were unpacked; its code does not start.
@@ -134,8 +143,9 @@ def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | 
     return cell, (fds[0] if ends else None), fds[ends:]
 
 
-def _stand_in_for_new_loaders(task: RankTask, cell: SessionCell, ends: list[int],
-                              namespace: dict[str, Any]) -> RankTask:
+def _stand_in_for_new_loaders(
+    task: RankTask, cell: SessionCell, ends: list[int], namespace: dict[str, Any]
+) -> RankTask:
     """Loaders registered since the session started: their names become stand-ins from this cell on,
     and the task names them, so each cell sums them up as it does the others."""
     import dataclasses

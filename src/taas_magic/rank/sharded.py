@@ -34,8 +34,10 @@ _DTENSOR_MODULE = "torch.distributed.tensor"
 _DEPTH = 4  # how deep dicts, lists and tuples are looked into
 _ITEMS = 10_000  # longer containers are not looked into: a list of a million numbers holds no model
 
-DESTROYED = ("sharded, and its process group was destroyed before the cell ended: keep the process group "
-             "up to the end of the cell (no destroy_process_group()) and taas gathers it whole then")
+DESTROYED = (
+    "sharded, and its process group was destroyed before the cell ended: keep the process group "
+    "up to the end of the cell (no destroy_process_group()) and taas gathers it whole then"
+)
 
 
 class Whole:
@@ -83,7 +85,9 @@ class _Sharded:
         return f"{list(self.shape)} {self.dtype.removeprefix('torch.')} {self.placements} over {span(self.mesh)}"
 
 
-def gather(values: Mapping[str, Any], send: bool, running: frozenset[int] | None) -> tuple[Whole | None, dict[str, str]]:
+def gather(
+    values: Mapping[str, Any], send: bool, running: frozenset[int] | None
+) -> tuple[Whole | None, dict[str, str]]:
     """Gather the sharded tensors among ``values`` (collective: every rank that runs the cell calls it
     with the same names); {name: why} for those that cannot come back whole."""
     if _DTENSOR_MODULE not in sys.modules:
@@ -104,14 +108,21 @@ def gather(values: Mapping[str, Any], send: bool, running: frozenset[int] | None
         every: list[Any] = [None] * len(ranks)
         dist.all_gather_object(every, mine, group=group)
     except Exception as e:  # a rank went away, or the group is unusable: nothing is gathered
-        absent = (f"sharded, and not every rank running the cell took part in gathering it (one holds nothing "
-                  f"sharded under the cell's names, or left): {_short(first_line(e))}")
+        absent = (
+            f"sharded, and not every rank running the cell took part in gathering it (one holds nothing "
+            f"sharded under the cell's names, or left): {_short(first_line(e))}"
+        )
         return None, {name: absent for name, ids in needs.items() if ids}
     theirs = dict(zip(ranks, every))
-    problems = {id(tensor): why for (_, _, tensor), described in zip(found, mine)
-                if (why := _why_not(described, theirs, running, dist.get_rank()))}
+    problems = {
+        id(tensor): why
+        for (_, _, tensor), described in zip(found, mine)
+        if (why := _why_not(described, theirs, running, dist.get_rank()))
+    }
     order = _order(theirs)
-    plan = sorted((item for item in zip(found, mine) if id(item[0][2]) not in problems), key=lambda item: order[item[1]])
+    plan = sorted(
+        (item for item in zip(found, mine) if id(item[0][2]) not in problems), key=lambda item: order[item[1]]
+    )
     whole = Whole(resting)
     for (_, _, tensor), described in plan:
         try:
@@ -123,8 +134,11 @@ def gather(values: Mapping[str, Any], send: bool, running: frozenset[int] | None
         if send:
             whole.add(tensor, full)
         del full  # a rank that does not send holds one full tensor at a time
-    whys = {name: next(problems[i] for i in ids if i in problems)
-            for name, ids in needs.items() if any(i in problems for i in ids)}
+    whys = {
+        name: next(problems[i] for i in ids if i in problems)
+        for name, ids in needs.items()
+        if any(i in problems for i in ids)
+    }
     return (whole if send else None), whys
 
 
@@ -132,8 +146,9 @@ def _short(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _find(values: Mapping[str, Any], dtensor: type) -> tuple[list[tuple[str, str, Any]], dict[str, list[int]],
-                                                               dict[int, tuple[Any, dict[str, Any]]]]:
+def _find(
+    values: Mapping[str, Any], dtensor: type
+) -> tuple[list[tuple[str, str, Any]], dict[str, list[int]], dict[int, tuple[Any, dict[str, Any]]]]:
     """The DTensors among ``values``, each once, in the order the names and their parts come: (name,
     path, tensor); the ids of the DTensors each name holds; and the parameters FSDP keeps sharded
     while their modules hold them unsharded, by module (``Whole.sharded_parameters``)."""
@@ -156,8 +171,9 @@ def _find(values: Mapping[str, Any], dtensor: type) -> tuple[list[tuple[str, str
     return found, needs, resting
 
 
-def _walk(value: Any, path: str, dtensor: type, depth: int, seen: set[int],
-          resting: dict[int, tuple[Any, dict[str, Any]]]) -> Iterator[tuple[str, Any]]:
+def _walk(
+    value: Any, path: str, dtensor: type, depth: int, seen: set[int], resting: dict[int, tuple[Any, dict[str, Any]]]
+) -> Iterator[tuple[str, Any]]:
     if isinstance(value, dtensor):
         yield path, value
         return
@@ -220,8 +236,16 @@ def _describe(name: str, path: str, tensor: Any) -> _Sharded:
         up = True
     except Exception:  # its groups were destroyed (or never made in this rank)
         up = False
-    return _Sharded(name, path, tuple(tensor.shape), str(tensor.dtype), tuple(mesh.mesh.flatten().tolist()),
-                    tuple(mesh.mesh.shape), str(tuple(tensor.placements)), up)
+    return _Sharded(
+        name,
+        path,
+        tuple(tensor.shape),
+        str(tensor.dtype),
+        tuple(mesh.mesh.flatten().tolist()),
+        tuple(mesh.mesh.shape),
+        str(tuple(tensor.placements)),
+        up,
+    )
 
 
 _exchange_groups: dict[tuple[int, frozenset[int]], Any] = {}  # (the default group's id, running ranks) -> group
@@ -240,22 +264,28 @@ def _exchange_group(dist: Any, running: frozenset[int] | None) -> tuple[Any, lis
     return group, sorted(running)
 
 
-def _why_not(described: _Sharded, theirs: dict[int, list[_Sharded]], running: frozenset[int] | None,
-             me: int) -> str | None:
+def _why_not(
+    described: _Sharded, theirs: dict[int, list[_Sharded]], running: frozenset[int] | None, me: int
+) -> str | None:
     """Why this rank's sharded tensor cannot be gathered; every rank of its mesh comes to the same answer."""
     if not described.up:
         return DESTROYED
     outside = [rank for rank in described.mesh if rank not in theirs]
     if outside:
-        return (f"sharded over {span(described.mesh)}, and {span(outside)} do not run this cell" if running is None
-                else f"sharded over {span(described.mesh)}, and this cell runs in {span(running)} only")
+        return (
+            f"sharded over {span(described.mesh)}, and {span(outside)} do not run this cell"
+            if running is None
+            else f"sharded over {span(described.mesh)}, and this cell runs in {span(running)} only"
+        )
     for rank in described.mesh:
         if described not in theirs[rank]:
             other = next((d for d in theirs[rank] if (d.name, d.path) == (described.name, described.path)), None)
             if other is not None and not other.up:
                 return DESTROYED
-            return (f"its ranks disagree on {described.path}: {described.looks()} in rank {me}, "
-                    f"{other.looks() if other else 'no such sharded tensor'} in rank {rank}")
+            return (
+                f"its ranks disagree on {described.path}: {described.looks()} in rank {me}, "
+                f"{other.looks() if other else 'no such sharded tensor'} in rank {rank}"
+            )
     return None
 
 

@@ -43,6 +43,7 @@ def rank_seeds(base: int, rank: int) -> RankSeeds:
     producing the same stream; a hash spreads neighbouring bases and ranks far apart. Pure: the
     same in forked and spawned ranks, on any machine.
     """
+
     def derive(library: str, bits: int) -> int:
         digest = hashlib.blake2b(f"taas:{base}:{rank}:{library}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") >> (64 - bits)
@@ -79,8 +80,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.name = name
         self.then = then
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)

@@ -104,8 +104,12 @@ def _replaceable(path: str, target: str, existing: os.stat_result | None) -> boo
         return False
     if existing is None:
         return True
-    return (stat.S_ISREG(existing.st_mode) and existing.st_nlink == 1 and os.access(target, os.W_OK)
-            and _may_give(existing.st_uid, existing.st_gid))
+    return (
+        stat.S_ISREG(existing.st_mode)
+        and existing.st_nlink == 1
+        and os.access(target, os.W_OK)
+        and _may_give(existing.st_uid, existing.st_gid)
+    )
 
 
 def _may_give(uid: int, gid: int) -> bool:
@@ -167,8 +171,9 @@ def _link_into_place(fd: int, path: str) -> None:
         os.close(links)
 
 
-def _save_through_named_file(save: Callable[..., Any], obj: Any, path: str, existing: os.stat_result | None,
-                             *args: Any, **kwargs: Any) -> Any:
+def _save_through_named_file(
+    save: Callable[..., Any], obj: Any, path: str, existing: os.stat_result | None, *args: Any, **kwargs: Any
+) -> Any:
     """Save to a temporary name beside ``path``, give it the ``existing`` file's owner and mode,
     and rename it over ``path``."""
     temporary = _temporary_name(path)

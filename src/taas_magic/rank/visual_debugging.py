@@ -42,8 +42,9 @@ def _visual_breakpoint(link: DebugLink, rank: int, args: tuple[Any, ...], kwargs
         return _pdb_hook(*args, **kwargs) if _pdb_hook is not None else None
     import pydevd  # type: ignore[import-not-found]  # debugpy's engine, on the path once joined
 
-    pydevd.settrace(suspend=True, trace_only_current_thread=True, patch_multiprocessing=False,
-                    stop_at_frame=sys._getframe(2))  # the caller of breakpoint(), past this hook's lambda
+    pydevd.settrace(
+        suspend=True, trace_only_current_thread=True, patch_multiprocessing=False, stop_at_frame=sys._getframe(2)
+    )  # the caller of breakpoint(), past this hook's lambda
     return None
 
 
@@ -60,9 +61,18 @@ def _join(link: DebugLink, rank: int) -> bool:
     if _joined is not None:
         pydevd.stoptrace()  # the debugger was switched off and on again since: join its new session
         pydevd.SetupHolder.setup = None
-    pydevd.settrace("127.0.0.1", port=link.port, suspend=False, trace_only_current_thread=False,
-                    patch_multiprocessing=False, wait_for_ready_to_run=True, notify_stdin=False,
-                    access_token=link.secret, client_access_token=link.token(rank), protocol="dap")
+    pydevd.settrace(
+        "127.0.0.1",
+        port=link.port,
+        suspend=False,
+        trace_only_current_thread=False,
+        patch_multiprocessing=False,
+        wait_for_ready_to_run=True,
+        notify_stdin=False,
+        access_token=link.secret,
+        client_access_token=link.token(rank),
+        protocol="dap",
+    )
     _joined = link.port
     return True
 
@@ -79,9 +89,8 @@ def _engine() -> Any:
     """pydevd as debugpy carries it, set up afresh: a rank forked from a kernel whose debugger was on
     has the kernel's pydevd loaded, with the kernel's settings (``process/kernel_debugger.forget``
     dropped its connection)."""
-    from debugpy._vendored import force_pydevd  # noqa: F401  # puts debugpy's pydevd on the path
-
     import pydevd
+    from debugpy._vendored import force_pydevd  # noqa: F401  # puts debugpy's pydevd on the path
 
     pydevd.SetupHolder.setup = None
     return pydevd

@@ -11,11 +11,10 @@ import os
 import sys
 from typing import Any
 
-from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
-from taas_magic.rank.cell import release_termination, run_cell
-from taas_magic.process import tempfiles
-from taas_magic.rank.aliases import rebind
 from taas_magic.cell_names import code_names
+from taas_magic.delivery.cluster import FedLoader
+from taas_magic.delivery.service import RankLoader
+from taas_magic.process import tempfiles
 from taas_magic.process.child import (
     RankFds,
     become_child,
@@ -26,14 +25,20 @@ from taas_magic.process.child import (
     wait_at_gate,
     write_all,
 )
+from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
+from taas_magic.rank.aliases import rebind
+from taas_magic.rank.cell import release_termination, run_cell
 from taas_magic.rank.state import seed_rank
-from taas_magic.delivery.cluster import FedLoader
-from taas_magic.delivery.service import RankLoader
 from taas_magic.wire.task import RankTask
 
 
-def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
-             stand_ins: tuple[RankLoader | FedLoader, ...] = (), shipped: dict[str, Any] | None = None) -> int:
+def run_rank(
+    task: RankTask,
+    env: dict[str, str],
+    fds: RankFds,
+    stand_ins: tuple[RankLoader | FedLoader, ...] = (),
+    shipped: dict[str, Any] | None = None,
+) -> int:
     """Become a rank and run the cell; returns the exit status for ``os._exit``.
 
     ``stand_ins``: what builds the stand-in of each registered loader the cell uses, in the rank.
@@ -46,8 +51,10 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
         task.context.torch_settings.apply()  # forked ranks inherited them
     plugins.use()
     rank = int(env["RANK"])
-    replaced = [_bind_device(task, int(env["LOCAL_RANK"])),
-                storage.guard_torch_save(rank, lambda record: report(fds.report, record), env.get("TAAS_NODE_ADDRESS"))]
+    replaced = [
+        _bind_device(task, int(env["LOCAL_RANK"])),
+        storage.guard_torch_save(rank, lambda record: report(fds.report, record), env.get("TAAS_NODE_ADDRESS")),
+    ]
     for loader in stand_ins:
         namespace[loader.name] = loader.stand_in(rank, namespace[loader.name], task.device)
     if task.seed is not None:
@@ -58,8 +65,11 @@ def run_rank(task: RankTask, env: dict[str, str], fds: RankFds,
             rebind(namespace, aliases, *pair)
     shell = shell if shipped is None else None
     progress.attach(lambda record: report(fds.report, record))
-    vitals.attach(lambda record: report(fds.report, record), int(env["LOCAL_RANK"]) if task.device == "cuda" else None,
-                  track=task.track)
+    vitals.attach(
+        lambda record: report(fds.report, record),
+        int(env["LOCAL_RANK"]) if task.device == "cuda" else None,
+        track=task.track,
+    )
     control = session.open_control(fds)
     if control is not None:
         debugger.take_breakpoints(control)
@@ -157,8 +167,9 @@ def _serve_nccl_with_gloo() -> tuple[Any, Any]:
     return original, init_process_group
 
 
-def _execute(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds,
-             send_results: bool) -> tuple[int, BaseException | None]:
+def _execute(
+    task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool
+) -> tuple[int, BaseException | None]:
     """A one-shot cell: run it, then results (from the ranks that send them) and how it ended go down their pipes."""
     status, record, data, error = run_cell(task.code, task.returns, namespace, shell, task, task.debugging)
     if send_results:

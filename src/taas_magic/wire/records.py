@@ -121,7 +121,9 @@ class RankActivity:
 
     at: float
     cpu: float  # CPU seconds the rank's process has spent, all its threads
-    finished: dict[str, int] = field(default_factory=dict)  # its process groups -> the last collective each finished (-1: none)
+    finished: dict[str, int] = field(
+        default_factory=dict
+    )  # its process groups -> the last collective each finished (-1: none)
     collectives: list[Collective] = field(default_factory=list)  # entered and not left, oldest first
     waiting: str = ""  # the registered loader whose next element the cell waits for
     waited: float = 0.0  # seconds it has waited for it so far
@@ -131,8 +133,10 @@ class RankActivity:
 
 
 Record = Union[CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress, RankVitals, RankActivity]
-KINDS: dict[str, type] = {kind.__name__: kind for kind in (CellEnded, Failed, DeliveryProgress, SaveSkipped,
-                                                           SavedOnNode, RankProgress, RankVitals, RankActivity)}
+KINDS: dict[str, type] = {
+    kind.__name__: kind
+    for kind in (CellEnded, Failed, DeliveryProgress, SaveSkipped, SavedOnNode, RankProgress, RankVitals, RankActivity)
+}
 
 
 def encode(record: Record) -> bytes:

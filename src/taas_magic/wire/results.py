@@ -24,8 +24,8 @@ import types
 import warnings
 from typing import Any, Iterable, Mapping, Protocol
 
-from taas_magic.wire import pickler
 from taas_magic.errors import first_line, type_name
+from taas_magic.wire import pickler
 
 _INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index and this length
 NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
@@ -98,8 +98,16 @@ class NotGathered(pickle.PicklingError):
 
 
 # A module's hooks, and the tables that say how each hook is called, by the hook's id.
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
-          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 _HOOK_TABLES = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 _PARALLEL_STATE = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")  # FSDP's marks on the modules it manages
 _COMPOSABLE_STATE = "__composable_api_state_key_"  # fully_shard's state, by torch's composable API
@@ -125,15 +133,19 @@ class _PlainForms:
     def reduce(self, obj: Any, whole: Whole | None) -> Any:
         if isinstance(obj, self.dtensor):
             return _same, (self._full(obj, whole),)
-        if isinstance(obj, self.torch.nn.Module) and not isinstance(obj, self.torch.nn.parallel.DistributedDataParallel):
+        if isinstance(obj, self.torch.nn.Module) and not isinstance(
+            obj, self.torch.nn.parallel.DistributedDataParallel
+        ):
             return self._plain_module(obj, whole.sharded_parameters(obj) if whole is not None else {})
         return None
 
     def _full(self, obj: Any, whole: Whole | None) -> Any:
         full = whole.full(obj) if whole is not None else None
         if full is None:
-            raise NotGathered("holds a sharded tensor (DTensor) that taas gathers only as a name, in a module, "
-                              "an optimizer, or a dict, list or tuple of these")
+            raise NotGathered(
+                "holds a sharded tensor (DTensor) that taas gathers only as a name, in a module, "
+                "an optimizer, or a dict, list or tuple of these"
+            )
         if isinstance(obj, self.torch.nn.Parameter):
             return self.torch.nn.Parameter(full, requires_grad=obj.requires_grad)
         return full.requires_grad_(obj.requires_grad) if obj.requires_grad and full.is_floating_point() else full
@@ -147,8 +159,11 @@ class _PlainForms:
             cls = next(base for base in cls.__mro__ if not issubclass(base, self.fsdp_module))
         state = module.__dict__
         dropped = {key for key in state if key in _PARALLEL_STATE or key.startswith(_COMPOSABLE_STATE)}
-        hooks = {key: [handle for handle, hook in state[key].items() if _parallel_hook(hook)]
-                 for key in _HOOKS if isinstance(state.get(key), dict)}
+        hooks = {
+            key: [handle for handle, hook in state[key].items() if _parallel_hook(hook)]
+            for key in _HOOKS
+            if isinstance(state.get(key), dict)
+        }
         hooks = {key: handles for key, handles in hooks.items() if handles}
         if cls is type(module) and not dropped and not hooks and not sharded:
             return None
@@ -156,7 +171,9 @@ class _PlainForms:
         if sharded:
             plain["_parameters"] = {name: sharded.get(name, value) for name, value in state["_parameters"].items()}
         for key, handles in hooks.items():
-            plain[key] = type(state[key])((handle, hook) for handle, hook in state[key].items() if handle not in handles)
+            plain[key] = type(state[key])(
+                (handle, hook) for handle, hook in state[key].items() if handle not in handles
+            )
         gone = {handle for handles in hooks.values() for handle in handles}
         for key in _HOOK_TABLES:
             table = state.get(key)

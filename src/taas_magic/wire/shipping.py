@@ -23,8 +23,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
-from taas_magic.wire import memfile, pickler
 from taas_magic.errors import TaasUsageError
+from taas_magic.wire import memfile, pickler
 
 ANCHOR = "__taas_globals_anchor__"
 
@@ -72,8 +72,9 @@ class _ShippingPickler(pickler.Pickler):
     ranks' names, and what did not change is not sent again.
     """
 
-    def __init__(self, file: io.BytesIO, namespace: dict[str, Any] | None = None,
-                 held: Callable[[str, Any], bool] | None = None):
+    def __init__(
+        self, file: io.BytesIO, namespace: dict[str, Any] | None = None, held: Callable[[str, Any], bool] | None = None
+    ):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[Any] = []
         self.size = 0
@@ -131,8 +132,14 @@ class _ShippingPickler(pickler.Pickler):
             offset = memfile.aligned(self.size)
             self.tensors.append((offset, obj))
             self.size = offset + nbytes
-            ref = _TensorRef(offset, nbytes, memfile.dtype_name(obj), tuple(obj.shape),
-                             obj.requires_grad, isinstance(obj, torch.nn.Parameter))
+            ref = _TensorRef(
+                offset,
+                nbytes,
+                memfile.dtype_name(obj),
+                tuple(obj.shape),
+                obj.requires_grad,
+                isinstance(obj, torch.nn.Parameter),
+            )
             return _rebuild_tensor, (ref,)
         return super().reducer_override(obj)
 
@@ -147,8 +154,9 @@ class _Held:
     name: str
 
 
-def pack(namespace: dict[str, Any], names: list[str], to: str = "ranks started with --start forkserver",
-         track: bool = False) -> Shipment:
+def pack(
+    namespace: dict[str, Any], names: list[str], to: str = "ranks started with --start forkserver", track: bool = False
+) -> Shipment:
     """Pickle ``names`` from ``namespace`` for the ranks; raises TaasUsageError naming what cannot go.
 
     ``track``: find every notebook name whose value went (for a session: ``Shipment.sent``).
@@ -162,8 +170,13 @@ def pack_for_session(namespace: dict[str, Any], names: list[str], held: Callable
     return _pack(namespace, names, "a session's ranks", namespace, held)
 
 
-def _pack(namespace: dict[str, Any], names: list[str], to: str, tracked: dict[str, Any] | None,
-          held: Callable[[str, Any], bool] | None) -> Shipment:
+def _pack(
+    namespace: dict[str, Any],
+    names: list[str],
+    to: str,
+    tracked: dict[str, Any] | None,
+    held: Callable[[str, Any], bool] | None,
+) -> Shipment:
     for name in names:
         _check_shippable(name, namespace[name], to)
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
@@ -200,8 +213,10 @@ def _dump_all(dumper: "_ShippingPickler", names: dict[str, Any], to: str) -> Non
     try:
         pickler.dump(dumper, names)
     except pickler.Unpicklable as e:
-        raise TaasUsageError(f"the names the cell needs cannot be sent to {to} together ({e.why}), "
-                             "though each can alone: create them inside the cell") from None
+        raise TaasUsageError(
+            f"the names the cell needs cannot be sent to {to} together ({e.why}), "
+            "though each can alone: create them inside the cell"
+        ) from None
 
 
 def _write_tensors(tensors: list[tuple[int, Any]], size: int) -> int:
@@ -275,8 +290,10 @@ class _SessionUnpickler(pickle.Unpickler):
             try:
                 return self.namespace[pid[1]]
             except KeyError:
-                raise pickle.UnpicklingError(f"{pid[1]!r} was deleted in the ranks: bind it again in the notebook "
-                                             "(the ranks are sent what changed there)") from None
+                raise pickle.UnpicklingError(
+                    f"{pid[1]!r} was deleted in the ranks: bind it again in the notebook "
+                    "(the ranks are sent what changed there)"
+                ) from None
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
@@ -373,8 +390,9 @@ def _atom_key(value: Any) -> Any:
     if isinstance(value, complex):
         return (value.real.hex(), value.imag.hex())
     if isinstance(value, (str, bytes)) and len(value) > _DIGEST_FROM:
-        return hashlib.blake2b(value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value,
-                               digest_size=16).digest()
+        return hashlib.blake2b(
+            value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value, digest_size=16
+        ).digest()
     return value
 
 

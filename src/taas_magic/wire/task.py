@@ -67,8 +67,10 @@ class TorchSettings:
             tf32=_read_all(torch, _TF32_FLAGS),
             matmul_precision=_read(torch, "get_float32_matmul_precision", call=True),
             flags=_read_all(torch, _FLAGS),
-            deterministic=(torch.are_deterministic_algorithms_enabled(),
-                           torch.is_deterministic_algorithms_warn_only_enabled()),
+            deterministic=(
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
             default_dtype=torch.get_default_dtype(),
             grad_enabled=torch.is_grad_enabled(),
             anomaly=(torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
@@ -83,8 +85,10 @@ class TorchSettings:
             torch.set_float32_matmul_precision(self.matmul_precision)
         _write_all(torch, self.flags)
         enabled, warn_only = self.deterministic
-        if (enabled, warn_only) != (torch.are_deterministic_algorithms_enabled(),
-                                    torch.is_deterministic_algorithms_warn_only_enabled()):
+        if (enabled, warn_only) != (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ):
             # only when the notebook changed it: this call also sets up torch's compiler caches
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
         if self.default_dtype != torch.get_default_dtype():

@@ -27,16 +27,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar, cast
 
-from taas_magic.wire import memfile
-from taas_magic.wire.events import Event, Key, key_order
 from taas_magic.delivery.cluster import NodeDelivery, NodeShare
 from taas_magic.errors import DeliveryLost
 from taas_magic.launch.cluster import notebook_folder
 from taas_magic.launch.forkserver.client import ForkServerBackend, ForkServerRequest
 from taas_magic.launch.rendezvous import RunStore
-from taas_magic.wire.shipping import Shipment
 from taas_magic.launch.supervisor.handle import SupervisedRanks
+from taas_magic.wire import memfile
+from taas_magic.wire.events import Event, Key, key_order
 from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.shipping import Shipment
 from taas_magic.wire.task import KernelContext, RankTask
 
 FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
@@ -68,8 +68,9 @@ class NodeInfo:
 
 def versions() -> tuple[str, str, str]:
     """Python, torch and taas versions: a cell compiled by one Python runs only under the same one."""
-    import torch
     from importlib.metadata import version
+
+    import torch
 
     return platform.python_version(), str(torch.__version__), version("taas-magic")
 
@@ -140,8 +141,9 @@ class NodeAgent:
         return self.store.port
 
     @_call
-    def start(self, run_id: str, envs: dict[int, dict[str, str]], payload: NodePayload,
-              share: NodeShare | None) -> list[Key]:
+    def start(
+        self, run_id: str, envs: dict[int, dict[str, str]], payload: NodePayload, share: NodeShare | None
+    ) -> list[Key]:
         """Start this node's share of a run: its ranks, and the producers it hosts (``share``); the
         processes' keys once they run."""
         store, self.store = self.store, None
@@ -163,8 +165,9 @@ class NodeAgent:
             self.delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
         return sorted(self.group.running(), key=key_order)
 
-    def _request(self, payload: NodePayload, folder: str, delivery: NodeDelivery | None,
-                 package: str | None) -> ForkServerRequest:
+    def _request(
+        self, payload: NodePayload, folder: str, delivery: NodeDelivery | None, package: str | None
+    ) -> ForkServerRequest:
         """The fork server's request, with this node's environment, the run's folder, the notebook's
         modules first on ``sys.path`` (``package``) and, when it takes part in data delivery, its
         channels' ends."""
@@ -274,7 +277,7 @@ def _remove_orphaned_folders() -> None:
     """Run folders of agents that died (killed with their worker, so they could not clean up)."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        owner = name[len(FOLDER_PREFIX):].split("-")[0]
+        owner = name[len(FOLDER_PREFIX) :].split("-")[0]
         if name.startswith(FOLDER_PREFIX) and owner.isdecimal() and not _alive(int(owner)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
@@ -317,4 +320,3 @@ def _files_in(folder: str, copies: notebook_folder.Stamps) -> RunFiles:
             with open(path, "rb") as file:
                 found.files[relative] = file.read()
     return found
-

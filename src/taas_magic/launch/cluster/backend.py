@@ -22,17 +22,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from taas_magic.process import containment
-from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
-from taas_magic.wire.events import Event, Key, Report, key_order
-from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
-from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
-from taas_magic.launch.cluster import notebook_folder
 from taas_magic.configurations import Configuration
 from taas_magic.delivery.cluster import NodeShare, RunProgress, shares
-from taas_magic.launch.forkserver.client import notebook_cells, ship
 from taas_magic.errors import RunLost, TaasUsageError
+from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
+from taas_magic.launch.cluster import notebook_folder
+from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
+from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
+from taas_magic.launch.forkserver.client import notebook_cells, ship
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
+from taas_magic.process import containment
+from taas_magic.wire.events import Event, Key, Report, key_order
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.task import KernelContext, LoaderPlan, TorchSettings
 
@@ -60,8 +60,14 @@ class ClusterBackend:
 
     name = "cluster"
 
-    def __init__(self, cluster: Cluster, configuration: Configuration, nodes: int, notify: Callable[[str], object],
-                 producer_node: Configuration | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        configuration: Configuration,
+        nodes: int,
+        notify: Callable[[str], object],
+        producer_node: Configuration | None = None,
+    ):
         self.cluster = cluster
         self.configuration = configuration
         self.nodes = nodes
@@ -83,9 +89,13 @@ class ClusterBackend:
         request = ship(task, cell, to="ranks on the cluster's nodes")
         try:
             package = self.cluster.packages.package(folder, self.notify)
-            payload = NodePayload(request.task, request.shipment.data,
-                                  _read(request.shipment.tensors_fd, request.shipment.tensors_size), request.aliases,
-                                  package)
+            payload = NodePayload(
+                request.task,
+                request.shipment.data,
+                _read(request.shipment.tensors_fd, request.shipment.tensors_size),
+                request.aliases,
+                package,
+            )
         finally:
             request.close()
         return ClusterPlan(ray_module().put(payload), task.loaders, request.holding, folder)
@@ -99,9 +109,18 @@ class ClusterBackend:
             placement.release()
             raise
         per_node = _on_nodes(launch.envs, placement.nodes)
-        node_shares = (shares(launch.run_id, plan.loaders, [tuple(sorted(node)) for node in per_node[:self.nodes]],
-                              placement.hosts, agents, [node.address for node in placement.nodes])
-                       if plan.loaders else None)
+        node_shares = (
+            shares(
+                launch.run_id,
+                plan.loaders,
+                [tuple(sorted(node)) for node in per_node[: self.nodes]],
+                placement.hosts,
+                agents,
+                [node.address for node in placement.nodes],
+            )
+            if plan.loaders
+            else None
+        )
         group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares, plan.folder)
         try:
             group.start(launch.run_id, per_node, plan.payload)
@@ -131,8 +150,15 @@ def _read(fd: int | None, size: int) -> bytes:
 class ClusterRanks:
     """The controller's view of a run spread over nodes (the RankGroup contract)."""
 
-    def __init__(self, cluster: Cluster, placement: Placement, agents: list[Any], notify: Callable[[str], object],
-                 shares: list[NodeShare] | None = None, folder: notebook_folder.Listing | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        placement: Placement,
+        agents: list[Any],
+        notify: Callable[[str], object],
+        shares: list[NodeShare] | None = None,
+        folder: notebook_folder.Listing | None = None,
+    ):
         self.cluster = cluster
         self.placement = placement
         self.agents = agents  # in node-rank order, then the nodes that host producers alone
@@ -147,10 +173,17 @@ class ClusterRanks:
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
         """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
         port = self._call([0], lambda index: self.agents[index].open_store.remote(envs[0]), CALL_SECONDS)[0]
-        envs = [{rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-                 for rank, env in node.items()} for node in envs]
-        refs = [agent.start.remote(run_id, envs[index], payload, self.shares[index] if self.shares else None)
-                for index, agent in enumerate(self.agents)]
+        envs = [
+            {
+                rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                for rank, env in node.items()
+            }
+            for node in envs
+        ]
+        refs = [
+            agent.start.remote(run_id, envs[index], payload, self.shares[index] if self.shares else None)
+            for index, agent in enumerate(self.agents)
+        ]
         for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
             self.alive[index] = set(keys)
 
@@ -175,8 +208,13 @@ class ClusterRanks:
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         chosen = None if ranks is None else set(ranks)
         live = [index for index, keys in enumerate(self.alive) if keys and (chosen is None or keys & chosen)]
-        self._call(live, lambda index: self.agents[index].signal.remote(
-            signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)), CALL_SECONDS)
+        self._call(
+            live,
+            lambda index: self.agents[index].signal.remote(
+                signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)
+            ),
+            CALL_SECONDS,
+        )
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
@@ -185,8 +223,13 @@ class ClusterRanks:
         chosen = set(ranks)
         tensors = ray_module().put(_read(fds[0], cell.tensors_size) if fds else b"")
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
-        self._call(live, lambda index: self.agents[index].run_cell.remote(
-            cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), tensors), CALL_SECONDS)
+        self._call(
+            live,
+            lambda index: self.agents[index].run_cell.remote(
+                cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), tensors
+            ),
+            CALL_SECONDS,
+        )
 
     def _tell_if_the_folder_changed(self) -> None:
         """A session's ranks keep the notebook's files they started with: an edit since then is
@@ -210,8 +253,11 @@ class ClusterRanks:
         chosen = set(ranks)
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
         stacks: dict[Key, str] = {}
-        asked = self._call(live, lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index], key=key_order),
-                                                                                  timeout), timeout + CALL_SECONDS)
+        asked = self._call(
+            live,
+            lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index], key=key_order), timeout),
+            timeout + CALL_SECONDS,
+        )
         for answer in asked:
             stacks.update(answer)
         return stacks
@@ -258,12 +304,16 @@ class ClusterRanks:
                 file.write(data)
         node = self.placement.nodes[0].address
         if found.files:
-            self.notify(f"taas: rank 0 wrote {', '.join(sorted(found.files))} on node {node}: "
-                        "copied into this notebook's folder")
+            self.notify(
+                f"taas: rank 0 wrote {', '.join(sorted(found.files))} on node {node}: "
+                "copied into this notebook's folder"
+            )
         if found.left:
-            self.notify(f"taas: rank 0 also wrote {', '.join(sorted(found.left))} on node {node}: more than "
-                        f"{MAX_FILES_BACK // 1024**3} GB in all, so not copied here; they were removed with the "
-                        "run's folder (save large files under an absolute path on storage you can reach)")
+            self.notify(
+                f"taas: rank 0 also wrote {', '.join(sorted(found.left))} on node {node}: more than "
+                f"{MAX_FILES_BACK // 1024**3} GB in all, so not copied here; they were removed with the "
+                "run's folder (save large files under an absolute path on storage you can reach)"
+            )
 
     # -- calls to the agents ------------------------------------------------------------------
     def _call(self, indexes: list[int], request: Callable[[int], Any], timeout: float) -> list[Any]:

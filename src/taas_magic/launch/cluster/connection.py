@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Mapping
 
-from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
-from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
+from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
+from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.process import containment
 
 ENV_VAR = "TAAS_CLUSTER"
@@ -70,7 +70,7 @@ class Node:
 
     @property
     def labels(self) -> list[str]:
-        return sorted(key[len(LABEL):] for key in self.resources if key.startswith(LABEL))
+        return sorted(key[len(LABEL) :] for key in self.resources if key.startswith(LABEL))
 
     def fits(self, configuration: Configuration) -> bool:
         if self.labels:
@@ -124,8 +124,9 @@ class Placement:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             available = _available_by_node(ray, max(deadline - time.monotonic(), 0.01))
-            if available is not None and all(_holds(available.get(node.node_id, {}), bundle)
-                                             for node, bundle in zip(self.nodes, self.bundles)):
+            if available is not None and all(
+                _holds(available.get(node.node_id, {}), bundle) for node, bundle in zip(self.nodes, self.bundles)
+            ):
                 return
             time.sleep(0.01)
 
@@ -152,12 +153,18 @@ class Cluster:
             host = _check_answers(address)
             kwargs: dict[str, Any] = {}
             if host is not None and _is_loopback(host):  # the notebook runs on that node: Ray must not look for
-                kwargs["_node_ip_address"] = host        # another address of this machine
+                kwargs["_node_ip_address"] = host  # another address of this machine
             try:
                 with warnings.catch_warnings(), _kernel_kept_as_it_was():
                     warnings.simplefilter("ignore")
-                    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
-                             include_dashboard=False, **kwargs)
+                    ray.init(
+                        address=address,
+                        namespace=NAMESPACE,
+                        log_to_driver=False,
+                        logging_level="ERROR",
+                        include_dashboard=False,
+                        **kwargs,
+                    )
             except Exception as e:
                 raise TaasUsageError(f"could not connect to the Ray cluster at {address!r}: {_first_line(e)}") from None
             cluster.owns_connection = True
@@ -167,9 +174,16 @@ class Cluster:
     def nodes(self) -> list[Node]:
         ray = ray_module()
         available = _available_by_node(ray)
-        return [Node(info["NodeID"], info["NodeManagerAddress"], dict(info["Resources"]),
-                     None if available is None else available.get(info["NodeID"], {}))
-                for info in ray.nodes() if info.get("Alive")]
+        return [
+            Node(
+                info["NodeID"],
+                info["NodeManagerAddress"],
+                dict(info["Resources"]),
+                None if available is None else available.get(info["NodeID"], {}),
+            )
+            for info in ray.nodes()
+            if info.get("Alive")
+        ]
 
     def _settle(self) -> None:
         """Until the nodes of a run released a moment ago show free again."""
@@ -189,17 +203,21 @@ class Cluster:
                 free = free_count(matching, configuration)
                 warm = sum(node.node_id in self.agents for node in matching)
                 free_text = "free unknown" if free is None else f"{free} free"
-                lines.append(f"  {name}: {len(matching)} node{'s' * (len(matching) != 1)} ({free_text}, "
-                             f"{warm} with a warm agent): " + ", ".join(node.address for node in matching))
+                lines.append(
+                    f"  {name}: {len(matching)} node{'s' * (len(matching) != 1)} ({free_text}, "
+                    f"{warm} with a warm agent): " + ", ".join(node.address for node in matching)
+                )
         unmatched = [node for node in nodes if not any(node.fits(catalog.get(n)) for n in catalog.names())]
         if unmatched:
-            lines.append("  matching no configuration: " + ", ".join(
-                f"{node.address} ({_shape(node)})" for node in unmatched))
+            lines.append(
+                "  matching no configuration: " + ", ".join(f"{node.address} ({_shape(node)})" for node in unmatched)
+            )
         return "\n".join(lines)
 
     # -- a run's nodes ----------------------------------------------------------------------------
-    def place(self, configuration: Configuration, count: int, producers: int = 0,
-              producer_node: Configuration | None = None) -> Placement:
+    def place(
+        self, configuration: Configuration, count: int, producers: int = 0, producer_node: Configuration | None = None
+    ) -> Placement:
         """Hold ``count`` whole nodes of ``configuration`` for one run, and one ``producer_node`` node for
         each of its ``producers`` when the cluster has such nodes (else producers share the run's
         nodes), or say in one line why not."""
@@ -212,7 +230,8 @@ class Cluster:
             raise TaasUsageError(
                 f"{count} nodes of {configuration.name} needed, the cluster has {len(matching)}"
                 + (f" ({', '.join(node.address for node in matching)})" if matching else "")
-                + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks")
+                + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks"
+            )
         hosts = _producer_nodes(nodes, configuration, producer_node, producers) if producer_node else []
         self._settle()
         bundles = [bundle_for(configuration, matching[0])] * count
@@ -224,14 +243,18 @@ class Cluster:
             ray.util.remove_placement_group(group)
             free = free_count([node for node in self.nodes() if node.fits(configuration)], configuration)
             message = f"{count} nodes of {configuration.name} needed, " + (
-                f"{free} of the cluster's {len(matching)} are free now" if free is not None
-                else f"the cluster did not say which of its {len(matching)} are free")
+                f"{free} of the cluster's {len(matching)} are free now"
+                if free is not None
+                else f"the cluster did not say which of its {len(matching)} are free"
+            )
             if hosts:
                 assert producer_node is not None
                 ids = {node.node_id for node in hosts}
                 idle = free_count([node for node in self.nodes() if node.node_id in ids], producer_node)
-                message += (f"; {producers} of {producer_node.name} for data producers, "
-                            f"{'?' if idle is None else idle} of {len(hosts)} free")
+                message += (
+                    f"; {producers} of {producer_node.name} for data producers, "
+                    f"{'?' if idle is None else idle} of {len(hosts)} free"
+                )
             raise TaasUsageError(message + " (the others run other work): try again later")
         by_id = {node.node_id: node for node in nodes}
         bundle_nodes = placement_group_table(group)["bundles_to_node_id"]
@@ -263,7 +286,8 @@ class Cluster:
             raise TaasUsageError(
                 f"node {mismatched.address} runs Python {mismatched.python}, torch {mismatched.torch}, taas-magic "
                 f"{mismatched.taas}; this kernel runs Python {ours[0]}, torch {ours[1]}, taas-magic {ours[2]}: "
-                "install the same on every node")
+                "install the same on every node"
+            )
         return [self.agents[node.node_id] for node in nodes]
 
     def _forget_dead(self, node_ids: list[str]) -> None:
@@ -281,8 +305,11 @@ class Cluster:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = ray.remote(NodeAgent).options(
-            num_cpus=0, max_concurrency=AGENT_THREADS, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+            num_cpus=0,
+            max_concurrency=AGENT_THREADS,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        )
         return actor.remote(self.idle_seconds)
 
     def forget(self, node_id: str) -> None:
@@ -316,8 +343,11 @@ class Cluster:
 def _kernel_kept_as_it_was() -> Iterator[None]:
     """Undo what connecting to Ray does to the process: it sets a SIGTERM handler (that shuts Ray
     down and exits) and PYTHONBREAKPOINT (its remote debugger); the kernel keeps its own."""
-    handlers = {signum: signal.getsignal(signum) for signum in signal.valid_signals()
-                if signum not in (signal.SIGKILL, signal.SIGSTOP)}
+    handlers = {
+        signum: signal.getsignal(signum)
+        for signum in signal.valid_signals()
+        if signum not in (signal.SIGKILL, signal.SIGSTOP)
+    }
     environ = dict(os.environ)
     try:
         yield
@@ -381,20 +411,24 @@ def _check_answers(address: str) -> str | None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
     except OSError as e:
-        raise TaasUsageError(f"nothing answers at {address} ({e.strerror or e}): is Ray's head running there? "
-                             "(ray start --head prints the address to use)") from None
+        raise TaasUsageError(
+            f"nothing answers at {address} ({e.strerror or e}): is Ray's head running there? "
+            "(ray start --head prints the address to use)"
+        ) from None
     return None if address.startswith("ray://") else host.strip("[]")
 
 
-def _producer_nodes(nodes: list[Node], configuration: Configuration, producer_node: Configuration,
-                    producers: int) -> list[Node]:
+def _producer_nodes(
+    nodes: list[Node], configuration: Configuration, producer_node: Configuration, producers: int
+) -> list[Node]:
     """The cluster's nodes for data producers (none: producers share the run's nodes); one line if
     there are some, but fewer than the run's producers."""
     hosts = [node for node in nodes if node.fits(producer_node) and not node.fits(configuration)]
     if hosts and len(hosts) < producers:
         raise TaasUsageError(
             f"{producers} data producers need a node of {producer_node.name} each, the cluster has {len(hosts)}: "
-            "ask for fewer with --cpus (per registered loader), or add such nodes")
+            "ask for fewer with --cpus (per registered loader), or add such nodes"
+        )
     return hosts if producers else []
 
 
@@ -423,6 +457,8 @@ def kernel_variables(environ: Mapping[str, str]) -> dict[str, str]:
     """The kernel's variables that ranks on other machines get too: those that steer torch's
     communication and taas; the rest of the kernel's environment is the kernel's alone."""
     prefixes = ("NCCL_", "GLOO_", "TORCH_", "TAAS_", "CUBLAS_", "PYTHONHASHSEED", "CUDA_LAUNCH_BLOCKING")
-    return {name: value for name, value in environ.items()
-            if name.startswith(prefixes) and name not in (ENV_VAR, IDLE_VAR, "TAAS_CONFIG")}
-
+    return {
+        name: value
+        for name, value in environ.items()
+        if name.startswith(prefixes) and name not in (ENV_VAR, IDLE_VAR, "TAAS_CONFIG")
+    }

@@ -82,8 +82,10 @@ def listing(folder: str) -> Listing:
         own_rules = _rules(folder, IGNORE_FILE)
         _walk(found, "", [("", own_rules)] if own_rules else [], use_gitignore=own_rules is None)
     except OSError as e:
-        raise TaasUsageError(f"the notebook's folder {folder} cannot be read to send it to the cluster's nodes "
-                             f"({e.strerror or e}): run the notebook from a folder you can read") from None
+        raise TaasUsageError(
+            f"the notebook's folder {folder} cannot be read to send it to the cluster's nodes "
+            f"({e.strerror or e}): run the notebook from a folder you can read"
+        ) from None
     found.files.sort()
     return found
 
@@ -150,18 +152,24 @@ def _ray(name: str) -> Any:
 
 def check(found: Listing) -> None:
     """One line, before anything starts, when the folder is too large to travel."""
-    how = (f"list what the ranks do not need in {os.path.join(found.folder, IGNORE_FILE)} (gitignore syntax, "
-           "such as data/), or run the notebook from a smaller folder")
+    how = (
+        f"list what the ranks do not need in {os.path.join(found.folder, IGNORE_FILE)} (gitignore syntax, "
+        "such as data/), or run the notebook from a smaller folder"
+    )
     if found.cut_short:
         counts = _by_top_item(found, lambda size: 1)
         items = ", ".join(f"{name} ({count} file{'s' * (count != 1)})" for name, count in counts)
-        raise TaasUsageError(f"the notebook's folder {found.folder} has more than {FILES_LIMIT} files to send to the "
-                             f"cluster's nodes; the most are in {items}: {how}")
+        raise TaasUsageError(
+            f"the notebook's folder {found.folder} has more than {FILES_LIMIT} files to send to the "
+            f"cluster's nodes; the most are in {items}: {how}"
+        )
     if found.size > FOLDER_LIMIT:
         sizes = _by_top_item(found, lambda size: size)
         items = ", ".join(f"{name} ({_size(size)})" for name, size in sizes)
-        raise TaasUsageError(f"the notebook's folder {found.folder} has {_size(found.size)} to send to the cluster's "
-                             f"nodes, more than {_size(FOLDER_LIMIT)}; the biggest are {items}: {how}")
+        raise TaasUsageError(
+            f"the notebook's folder {found.folder} has {_size(found.size)} to send to the cluster's "
+            f"nodes, more than {_size(FOLDER_LIMIT)}; the biggest are {items}: {how}"
+        )
 
 
 def _by_top_item(found: Listing, weight: Callable[[int], int]) -> list[tuple[str, int]]:
@@ -191,15 +199,19 @@ def news_of_big_files(found: Listing) -> str:
         return ""
     names = ", ".join(f"{path} ({_size(size)})" for path, size in found.too_big[:SHOWN])
     more = f" and {len(found.too_big) - SHOWN} more" if len(found.too_big) > SHOWN else ""
-    return (f"taas: {names}{more} stay{'s' * (len(found.too_big) == 1)} on this machine: files of "
-            f"{_size(FILE_LIMIT)} or more do not travel to the cluster's nodes (keep them on storage the nodes share)")
+    return (
+        f"taas: {names}{more} stay{'s' * (len(found.too_big) == 1)} on this machine: files of "
+        f"{_size(FILE_LIMIT)} or more do not travel to the cluster's nodes (keep them on storage the nodes share)"
+    )
 
 
 def news_of_changes(paths: list[str]) -> str:
     """The line that says a session's ranks did not get the notebook's changed files."""
     names = ", ".join(paths[:SHOWN]) + (f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else "")
-    return (f"taas: {names} changed in the notebook's folder since the session started; its ranks keep the files "
-            "they started with (%taas stop, then start the session again to send the new ones)")
+    return (
+        f"taas: {names} changed in the notebook's folder since the session started; its ranks keep the files "
+        "they started with (%taas stop, then start the session again to send the new ones)"
+    )
 
 
 class Packages:
@@ -230,8 +242,9 @@ class Packages:
         if self.last is not None and self.last[0] == fingerprint:
             uri = self.last[1]
         else:
-            uri = packaging.get_uri_for_directory(found.folder, excludes=excludes,
-                                                  **_without_gitignore(packaging.get_uri_for_directory))
+            uri = packaging.get_uri_for_directory(
+                found.folder, excludes=excludes, **_without_gitignore(packaging.get_uri_for_directory)
+            )
         if not _ray("ray.util.client").ray.is_connected():
             packaging.pin_runtime_env_uri(uri)
         if not packaging.package_exists(uri):
@@ -255,6 +268,7 @@ def _without_gitignore(function: Callable[..., Any]) -> dict[str, Any]:
 
 
 # -- on a node (the agent) ------------------------------------------------------------------------
+
 
 def unpacked(uri: str, node_id: str) -> str:
     """The package's folder on this node, fetched and unpacked by Ray once per node.
@@ -282,7 +296,8 @@ def unpacked_by_a_task(uri: str, node_id: str) -> str:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0)(working_directory).options(
-        runtime_env={"working_dir": uri}, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        runtime_env={"working_dir": uri}, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    )
     return str(ray.get(task.remote()))
 
 

@@ -6,7 +6,6 @@ notebook's namespace for free.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from taas_magic.launch.backend import Cell, Launch, MakeTask
@@ -66,8 +65,12 @@ class ForkBackend:
         try:  # an interrupt from here on must not leave the supervisor unreaped or the store open
             supervisor_end.close()
             held.release()  # one that came during the fork is raised here
-            group = SupervisedRanks(supervision.kernel_end(kernel_end, secret, run_id), SupervisorProcess(pid, is_child=True),
-                                    envs, store=store)
+            group = SupervisedRanks(
+                supervision.kernel_end(kernel_end, secret, run_id),
+                SupervisorProcess(pid, is_child=True),
+                envs,
+                store=store,
+            )
         except BaseException:
             containment.end_child(pid)
             containment.to_the_end(supervisor_end.close, kernel_end.close, store.close)

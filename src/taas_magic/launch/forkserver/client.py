@@ -18,14 +18,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from taas_magic.errors import ForkServerDied, RunLost
+from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask, Sources
+from taas_magic.launch.rendezvous import RunStore
+from taas_magic.launch.supervisor.handle import CLOSE_SECONDS, SupervisedRanks
 from taas_magic.process import cell_files, containment, kernel_debugger
 from taas_magic.rank import aliases
 from taas_magic.wire import channel, fork_server, memfile, shipping, supervision
-from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask, Sources
-from taas_magic.launch.rendezvous import RunStore
 from taas_magic.wire.shipping import Shipment
-from taas_magic.errors import ForkServerDied, RunLost
-from taas_magic.launch.supervisor.handle import CLOSE_SECONDS, SupervisedRanks
 from taas_magic.wire.task import KernelContext, RankTask
 
 READY_SECONDS = 120.0  # a cold start imports torch; on a busy machine that can take a while
@@ -44,8 +44,11 @@ class ForkServer:
             with kernel_debugger.plain_subprocesses():  # it does not join the notebook's debugging session
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "taas_magic.launch.forkserver.server", str(server_end.fileno())],
-                    pass_fds=[server_end.fileno()], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                    stderr=self.stderr, start_new_session=True,  # the kernel's interrupts are not its own
+                    pass_fds=[server_end.fileno()],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=self.stderr,
+                    start_new_session=True,  # the kernel's interrupts are not its own
                 )
             assert self.process.stdin is not None
             self.process.stdin.write(secret)
@@ -105,7 +108,9 @@ class ForkServerRequest:
     task: RankTask
     shipment: Shipment
     aliases: tuple[str, ...] = ()  # shipped names bound to the functions ranks replace
-    delivery_fds: tuple[int, ...] = ()  # on a cluster node: the data delivery ends (``task.delivery`` says which is which)
+    delivery_fds: tuple[
+        int, ...
+    ] = ()  # on a cluster node: the data delivery ends (``task.delivery`` says which is which)
 
     @property
     def holding(self) -> Holding:
@@ -177,8 +182,9 @@ class ForkServerBackend:
             self.shutdown()
         return self.start_node(launch.run_id, launch.envs, plan, RunStore(launch.envs))
 
-    def start_node(self, run_id: str, envs: dict[int, dict[str, str]], request: ForkServerRequest,
-                   store: RunStore | None) -> SupervisedRanks:
+    def start_node(
+        self, run_id: str, envs: dict[int, dict[str, str]], request: ForkServerRequest, store: RunStore | None
+    ) -> SupervisedRanks:
         """Start this machine's share of a run: ``store`` is the run's TCPStore when it is served
         here (its port goes into the ranks' environments), None when another machine serves it.
         A cluster node that only hosts producers has no ranks (``envs`` is empty)."""
@@ -190,7 +196,9 @@ class ForkServerBackend:
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         shipment = dataclasses.replace(request.shipment, tensors_fd=None)
-        fds = [supervisor_end.fileno()] + ([request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else [])
+        fds = [supervisor_end.fileno()] + (
+            [request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else []
+        )
         fds += request.delivery_fds
         try:
             server.control.send(fork_server.StartRun(run_id, secret, envs, request.task, shipment), fds=fds)
@@ -207,7 +215,9 @@ class ForkServerBackend:
         def lost(detail: str) -> str:
             return f"{detail}; {server.describe_death()}" if not server.alive() else detail
 
-        group = SupervisedRanks(supervision.kernel_end(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store)
+        group = SupervisedRanks(
+            supervision.kernel_end(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store
+        )
         try:
             group.go(request.aliases)
         except BaseException:

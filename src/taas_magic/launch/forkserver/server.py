@@ -23,14 +23,14 @@ import socket
 import sys
 
 from taas_magic.delivery.cluster import NodeEnds
+from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
+from taas_magic.launch.supervisor.ranks import Received
 from taas_magic.process import child, containment, tracebacks
 from taas_magic.rank import plugins
 from taas_magic.wire import fork_server, shipping, supervision
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.fork_server import ServerEnd, StartRun
 from taas_magic.wire.task import RankTask
-from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
-from taas_magic.launch.supervisor.ranks import Received
 
 SECRET_SIZE = 32
 

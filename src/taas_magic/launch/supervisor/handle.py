@@ -7,11 +7,11 @@ started it holds a ``SupervisorProcess`` to wait for and kill it, and talks to i
 
 from __future__ import annotations
 
+import _thread
 import hashlib
 import os
 import select
 import signal
-import _thread
 import time
 from typing import Callable, Iterable, NoReturn
 
@@ -22,8 +22,23 @@ from taas_magic.wire import memfile
 from taas_magic.wire.channel import ChannelBroken, assert_never
 from taas_magic.wire.events import Event, Exited, Key, Relayed, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import SessionCell
-from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, KernelEnd,
-                                         Lost, RunCell, SignalRanks, Stacks, Started, StartFailed, ToSupervisor)
+from taas_magic.wire.supervision import (
+    AnswerLine,
+    AskStacks,
+    Close,
+    Closed,
+    Events,
+    FromSupervisor,
+    Go,
+    KernelEnd,
+    Lost,
+    RunCell,
+    SignalRanks,
+    Stacks,
+    Started,
+    StartFailed,
+    ToSupervisor,
+)
 
 CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
 
@@ -49,7 +64,8 @@ class SupervisorProcess:
             return False
 
     def wait(self, timeout: float) -> bool:
-        """Until the process is gone (and reaped, if it is the kernel's child); False if still there after ``timeout``."""
+        """Until the process is gone (and reaped, if it is the kernel's child); False if still there after
+        ``timeout``."""
         if self.pidfd is not None:
             if not select.select([self.pidfd], [], [], timeout)[0]:
                 return False
@@ -100,8 +116,14 @@ class SupervisedRanks:
     ``on_lost`` adds what the backend knows to a lost run's message (a fork server's last words).
     """
 
-    def __init__(self, channel: KernelEnd, process: SupervisorProcess | None, ranks: Iterable[Key],
-                 on_lost: Callable[[str], str] | None = None, store: RunStore | None = None):
+    def __init__(
+        self,
+        channel: KernelEnd,
+        process: SupervisorProcess | None,
+        ranks: Iterable[Key],
+        on_lost: Callable[[str], str] | None = None,
+        store: RunStore | None = None,
+    ):
         self.channel = channel
         self.process = process
         self.store = store  # the run's TCPStore, served from the kernel until the run is closed

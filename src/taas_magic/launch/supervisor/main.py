@@ -23,22 +23,35 @@ import time
 import traceback
 from typing import Callable, NoReturn
 
-from taas_magic.process import containment
-from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
-from taas_magic.wire.channel import ChannelBroken, assert_never
-from taas_magic.wire.records import CellEnded, Failed
-from taas_magic.wire.supervision import (AnswerLine, AskStacks, Close, Closed, Events, FromSupervisor, Go, Lost,
-                                         RunCell, SignalRanks, Stacks, Started, StartFailed, SupervisorEnd,
-                                         ToSupervisor)
 from taas_magic.launch.supervisor.ranks import ForkedRanks, Received
+from taas_magic.process import containment
+from taas_magic.wire.channel import ChannelBroken, assert_never
+from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
+from taas_magic.wire.records import CellEnded, Failed
+from taas_magic.wire.supervision import (
+    AnswerLine,
+    AskStacks,
+    Close,
+    Closed,
+    Events,
+    FromSupervisor,
+    Go,
+    Lost,
+    RunCell,
+    SignalRanks,
+    Stacks,
+    Started,
+    StartFailed,
+    SupervisorEnd,
+    ToSupervisor,
+)
 
 PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
 STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the run
 
 
 # -- in the supervisor process -------------------------------------------------------------------
-def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]],
-              make_task: Callable[[], Received]) -> NoReturn:
+def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task: Callable[[], Received]) -> NoReturn:
     """The whole life of a supervisor, from just after its fork to ``os._exit``.
 
     ``make_task`` gives the ranks' task: at hand after a fork from the kernel, unpacked from
@@ -67,12 +80,17 @@ class _Supervisor:
         self.channel = channel
         self.parent = parent
 
-    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received]
-              ) -> None:
+    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received]) -> None:
         try:
             received = make_task()
-            group = ForkedRanks.start(self.channel.run_id, envs, received.task, note=self._await_go,
-                                      attached=received.attached, shipped=received.shipped)
+            group = ForkedRanks.start(
+                self.channel.run_id,
+                envs,
+                received.task,
+                note=self._await_go,
+                attached=received.attached,
+                shipped=received.shipped,
+            )
         except ChannelBroken:
             return  # the kernel gave up on the run before it started: everything forked is ended
         except Exception as e:

@@ -16,17 +16,16 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable, Literal
 
-from taas_magic.rank import worker
-from taas_magic.wire.task import RankTask
-from taas_magic.wire import channel, rank_control, records
-from taas_magic.wire.channel import assert_never
-from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
-from taas_magic.process import child, containment, tempfiles
-from taas_magic.wire.events import (Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile,
-                                   key_order)
 from taas_magic.delivery.cluster import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import DataService, RankLoader
+from taas_magic.process import child, containment, tempfiles
+from taas_magic.rank import worker
+from taas_magic.wire import channel, rank_control, records
+from taas_magic.wire.channel import assert_never
+from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
+from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
+from taas_magic.wire.task import RankTask
 
 READ_SIZE = 1 << 16
 NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
@@ -73,8 +72,13 @@ def _producer_env(run_id: str) -> dict[str, str]:
     return {"TAAS_RUN_ID": run_id, "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
-def _run(task: RankTask | ProducerTask, env: dict[str, str], fds: child.RankFds,
-         stand_ins: tuple[RankLoader | FedLoader, ...], shipped: dict[str, Any] | None) -> int:
+def _run(
+    task: RankTask | ProducerTask,
+    env: dict[str, str],
+    fds: child.RankFds,
+    stand_ins: tuple[RankLoader | FedLoader, ...],
+    shipped: dict[str, Any] | None,
+) -> int:
     """In a forked process: what it is there for; returns its exit status."""
     match task:
         case RankTask():
@@ -109,8 +113,15 @@ class ForkedRanks:
         self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
 
     @classmethod
-    def start(cls, run_id: str, envs: dict[int, dict[str, str]], task: RankTask, note: Callable[[], bytes] = lambda: b"",
-              attached: AttachedDelivery | None = None, shipped: dict[str, Any] | None = None) -> "ForkedRanks":
+    def start(
+        cls,
+        run_id: str,
+        envs: dict[int, dict[str, str]],
+        task: RankTask,
+        note: Callable[[], bytes] = lambda: b"",
+        attached: AttachedDelivery | None = None,
+        shipped: dict[str, Any] | None = None,
+    ) -> "ForkedRanks":
         """Fork the producers of registered loaders first (they start filling buffers), then the ranks.
 
         Every process keeps only the sockets it needs: its own delivery channels, and a rank its
@@ -136,8 +147,13 @@ class ForkedRanks:
             if task.keep and envs and attached is None:  # not a cluster node's
                 group.later_loaders = (group.names, len(envs), run_id)
             for rank, env in sorted(envs.items()):
-                group.fork(rank, env, task, sockets=service.rank_sockets(rank) if service is not None else (),
-                           stand_ins=stand_ins)
+                group.fork(
+                    rank,
+                    env,
+                    task,
+                    sockets=service.rank_sockets(rank) if service is not None else (),
+                    stand_ins=stand_ins,
+                )
             opening = note()
         except BaseException:
             group.close()
@@ -169,8 +185,14 @@ class ForkedRanks:
         self._gates = []
 
     # -- starting ---------------------------------------------------------------------------
-    def fork(self, rank: Key, env: dict[str, str], task: RankTask | ProducerTask, sockets: Collection[int] = (),
-             stand_ins: tuple[RankLoader | FedLoader, ...] = ()) -> None:
+    def fork(
+        self,
+        rank: Key,
+        env: dict[str, str],
+        task: RankTask | ProducerTask,
+        sockets: Collection[int] = (),
+        stand_ins: tuple[RankLoader | FedLoader, ...] = (),
+    ) -> None:
         """Fork one process that runs ``task``: a rank (``worker.run_rank``, its loaders' ``stand_ins``),
         or a data producer."""
         pipes: dict[str, tuple[int, int]] = {}
@@ -195,10 +217,16 @@ class ForkedRanks:
                 if ends is not None:
                     ends[0].close()
                 fds = child.RankFds(
-                    stdout=pipes["stdout"][1], stderr=pipes["stderr"][1], report=pipes["report"][1],
-                    stack=pipes["stack"][1], results=pipes["results"][1], lifeline=self._lifeline_read,
-                    sockets=frozenset(sockets), gate=gate_read,
-                    control=ends[1].detach() if ends is not None else None, control_secret=self._control_secret,
+                    stdout=pipes["stdout"][1],
+                    stderr=pipes["stderr"][1],
+                    report=pipes["report"][1],
+                    stack=pipes["stack"][1],
+                    results=pipes["results"][1],
+                    lifeline=self._lifeline_read,
+                    sockets=frozenset(sockets),
+                    gate=gate_read,
+                    control=ends[1].detach() if ends is not None else None,
+                    control_secret=self._control_secret,
                 )
                 status = _run(task, env, fds, stand_ins, self.shipped)
             except KeyboardInterrupt:
@@ -474,8 +502,9 @@ class ForkedRanks:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             states = [self.ranks[r] for r in chosen]
-            if all((s.stack_text and time.monotonic() - s.stack_updated > 0.2) or s.returncode is not None
-                   for s in states):  # one that exited meanwhile answers no more
+            if all(
+                (s.stack_text and time.monotonic() - s.stack_updated > 0.2) or s.returncode is not None for s in states
+            ):  # one that exited meanwhile answers no more
                 break
             meanwhile += self.events(min(0.05, max(0.0, deadline - time.monotonic())))
         self._pending = meanwhile + self._pending
