@@ -23,12 +23,12 @@ from taas_magic.kernel.run_state import (
     ONE_SHOT,
     SESSION,
     Answer,
+    AskLine,
     EndCause,
     EndSession,
     MarkEnded,
     Outcome,
     Phase,
-    Prompt,
     RunState,
     ShowHang,
     ShowView,
@@ -371,7 +371,7 @@ def test_a_rank_that_ended_its_cell_while_its_stack_was_taken_is_not_late():
 
 def test_a_debugger_prompt_is_shown_and_its_time_does_not_count_toward_the_timeout():
     state = one_shot(deadline=10.0)
-    assert state.input_requested(0, "(Pdb) ") == [Prompt(0, "(Pdb) ")]
+    assert state.input_requested(0, "(Pdb) ") == [AskLine(0, "(Pdb) ")]
     state.waited(30.0)
     assert state.deadline == 40.0 and state.tick(39.0, BOTH) == []
 
@@ -379,7 +379,7 @@ def test_a_debugger_prompt_is_shown_and_its_time_does_not_count_toward_the_timeo
 def test_a_prompt_while_stopping_is_answered_quit_and_its_rank_counts_as_stopped():
     state = one_shot()
     state.reported(1, failed(0.5))
-    assert state.input_requested(0, "(Pdb) ") == [Prompt(0, "(Pdb) ")]  # a one-shot rank failed once it exited
+    assert state.input_requested(0, "(Pdb) ") == [AskLine(0, "(Pdb) ")]  # a one-shot rank failed once it exited
     state.exited(1, 1, 0.6)
     assert state.input_requested(0, "(Pdb) ") == [Answer(0, "quit")]
     assert 0 in state.stopped

@@ -55,6 +55,7 @@ from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import default_prefetch
 from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair, put_file, take_waiting_file
+from taas_magic.errors import first_line
 from taas_magic.wire import memfile
 from taas_magic.wire.events import Producer
 from taas_magic.wire.records import DeliveryProgress
@@ -379,7 +380,7 @@ class NodeDelivery:
                 self.failure = f"node {e.address}, which hosts producers of {name}, {e.what}"
         except Exception as e:
             if not self.stopped.is_set():
-                self.failure = f"node {address}, which hosts producers of {name}, did not answer: {_first_line(e)}"
+                self.failure = f"node {address}, which hosts producers of {name}, did not answer: {first_line(e)}"
         finally:
             for sock in links:
                 sock.close()
@@ -498,7 +499,7 @@ def _receive(link: _Link, sock: socket.socket, reader: relay.Reader) -> tuple[in
     try:
         rank, header, fd = reader.receive(sock)
     except (OSError, ConnectionError) as e:
-        raise _HostLost(link.address, f"closed its stream: {_first_line(e)}") from e
+        raise _HostLost(link.address, f"closed its stream: {first_line(e)}") from e
     if rank not in link.open:
         if fd >= 0:
             os.close(fd)
@@ -537,11 +538,6 @@ def _stream_waiting(sock: socket.socket, channel: socket.socket, rank: int) -> b
         finally:
             os.close(fd)
     return True
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple[bytes, int]]]) -> None:

@@ -35,7 +35,7 @@ from taas_magic.wire.records import Failed
 
 STATS_SECONDS = 0.5
 DEMAND_SECONDS = 0.01  # how often an idle session producer looks whether a rank began iterating
-Key = tuple[Pass, int, Any]  # (pass, element index, the sample indices it is built from)
+ElementKey = tuple[Pass, int, Any]  # (pass, element index, the sample indices it is built from)
 
 
 class _Stop:
@@ -141,7 +141,7 @@ class ProducerTask:
 
     # -- producing --------------------------------------------------------------------------
     def _produce(self) -> None:
-        self.pending: collections.deque[Key] = collections.deque()  # keys handed to the fetcher, oldest first
+        self.pending: collections.deque[ElementKey] = collections.deque()  # keys handed to the fetcher, oldest first
         keys = self.pending
         fetched = self._fetch(keys)
         try:
@@ -165,7 +165,7 @@ class ProducerTask:
         """Whether any rank element ``index`` of ``pass_`` is for still reads that pass."""
         return any(self.counters.wants(rank, pass_.number) for rank, _ in self.plan.destinations(pass_, index))
 
-    def _fetch(self, keys: collections.deque[Key]) -> Generator[Any, None, None]:
+    def _fetch(self, keys: collections.deque[ElementKey]) -> Generator[Any, None, None]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
         from torch.utils.data import DataLoader
 
@@ -305,7 +305,7 @@ def _past_taas(error: BaseException) -> BaseException:
 class _Keys:
     """The sampler the producer's own DataLoader iterates: this producer's elements, keyed."""
 
-    def __init__(self, producer: ProducerTask, keys: collections.deque[Key], batched: bool):
+    def __init__(self, producer: ProducerTask, keys: collections.deque[ElementKey], batched: bool):
         self.producer = producer
         self.keys = keys
         self.batched = batched

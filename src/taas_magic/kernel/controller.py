@@ -10,7 +10,7 @@ error of our own — passes through ``RankGroup.close``, so no process, pipe or 
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, NoReturn
+from typing import Callable, Mapping, assert_never
 
 from taas_magic.kernel import environment, render, visual_debugger
 from taas_magic.kernel.live_view import RunView
@@ -18,10 +18,10 @@ from taas_magic.kernel.run_state import (
     ONE_SHOT,
     Action,
     Answer,
+    AskLine,
     EndSession,
     MarkEnded,
     Outcome,
-    Prompt,
     RunResult,
     RunState,
     ShowHang,
@@ -33,7 +33,7 @@ from taas_magic.kernel.run_state import (
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.kernel.streams import RankOutput
 from taas_magic.kernel.tidy_output import TidyRankOutput
-from taas_magic.launch.backend import Backend, Launch, PlanT, RankGroup, SessionGroup
+from taas_magic.launch.backend import Backend, Launch, PlanT, SessionGroup
 from taas_magic.launch.rendezvous import new_run_id
 from taas_magic.process import containment
 from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result
@@ -172,7 +172,7 @@ class Pump:
 
     def __init__(
         self,
-        group: RankGroup,
+        group: SessionGroup,
         state: RunState,
         output: RankOutput,
         write: Write,
@@ -263,10 +263,9 @@ class Pump:
             self._do(self.state.exited(event.rank, event.returncode, time.monotonic(), self.output.tail(event.rank)))
         elif isinstance(event, InputRequest):
             self.output.finish(event.rank)  # what it printed, whole, before its prompt
-            if getattr(self.group, "answer", None) is not None:
-                self._do(self.state.input_requested(event.rank, event.prompt))
+            self._do(self.state.input_requested(event.rank, event.prompt))
         else:
-            _unreachable(event)
+            assert_never(event)
 
     def _do(self, actions: list[Action]) -> None:
         for action in actions:
@@ -284,7 +283,7 @@ class Pump:
                 if self.view is not None and self.status is not None:
                     self.view.changed = False
                     self.status(self.view.render(action.elapsed), False)
-            elif isinstance(action, Prompt):
+            elif isinstance(action, AskLine):
                 self._answer(action.key, self._ask(action.prompt))
             elif isinstance(action, Answer):
                 self._answer(action.key, action.line)
@@ -294,7 +293,7 @@ class Pump:
             elif isinstance(action, EndSession):
                 raise render.session_ended(self.state.result(), self.cell_names)
             else:
-                _unreachable(action)
+                assert_never(action)
 
     def _ask(self, prompt: str) -> str:
         """A line for a rank's debugger; "quit" on an interrupt, "continue" where none can be typed.
@@ -315,11 +314,4 @@ class Pump:
             self.state.waited(time.monotonic() - asked)
 
     def _answer(self, key: Key, line: str) -> None:
-        answer: Callable[[Key, str], object] | None = getattr(self.group, "answer", None)
-        if answer is not None:
-            answer(key, line)
-
-
-def _unreachable(value: NoReturn) -> NoReturn:
-    """mypy checks that every kind was handled: a new one it reaches here names itself."""
-    raise AssertionError(f"not handled: {value!r}")
+        self.group.answer(key, line)

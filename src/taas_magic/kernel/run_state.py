@@ -169,7 +169,7 @@ class ShowView:
 
 
 @dataclass(frozen=True)
-class Prompt:
+class AskLine:
     """Ask the user for a line for ``key``'s debugger; tell ``waited`` how long it took."""
 
     key: Key
@@ -197,7 +197,7 @@ class EndSession:
     """The session cannot go on: the cell ends with ``render.session_ended(result())``."""
 
 
-Action = Union[Signal, TakeStacks, ShowHang, ShowView, Prompt, Answer, MarkEnded, EndSession]
+Action = Union[Signal, TakeStacks, ShowHang, ShowView, AskLine, Answer, MarkEnded, EndSession]
 
 
 # -- what the machine hands back -----------------------------------------------------------------
@@ -413,7 +413,7 @@ class RunState:
         if self._stopping():
             self.stopped.add(key)
             return [Answer(key, "quit")]
-        return [Prompt(key, prompt)]
+        return [AskLine(key, prompt)]
 
     def waited(self, seconds: float) -> None:
         """A person spent ``seconds`` at a prompt: they do not count toward --timeout, nor as a stall."""

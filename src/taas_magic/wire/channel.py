@@ -25,7 +25,7 @@ import secrets
 import select
 import socket
 import struct
-from typing import Generic, NoReturn, TypeVar, get_args
+from typing import Generic, TypeVar, get_args
 
 from taas_magic.wire import memfile, pickler
 
@@ -41,12 +41,6 @@ class ChannelBroken(ConnectionError):
 
 Sends = TypeVar("Sends")
 Receives = TypeVar("Receives")
-
-
-def assert_never(value: NoReturn) -> NoReturn:
-    """``typing.assert_never`` (Python 3.11) on 3.10: in the default branch of a ``match`` on a
-    message's class, mypy names the message a dispatch forgot."""
-    raise AssertionError(f"unexpected message: {value!r}")
 
 
 def new_secret() -> bytes:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 from taas_magic.configurations import Configuration
 from taas_magic.delivery.cluster import NodeShare, RunProgress, shares
-from taas_magic.errors import RunLost, TaasUsageError
+from taas_magic.errors import RunLost, TaasUsageError, first_line
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
 from taas_magic.launch.cluster import notebook_folder
 from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
@@ -323,7 +323,7 @@ class ClusterRanks:
                 refs.append(request(index))
             except Exception as e:  # Ray could not even send it: the agent's actor, or the connection, is gone
                 self.cluster.forget(self.placement.nodes[index].node_id)
-                self._lose(index, f"its agent cannot be reached ({_first_line(e)})", None)
+                self._lose(index, f"its agent cannot be reached ({first_line(e)})", None)
         return self._wait(indexes, refs, timeout)
 
     def _wait(self, indexes: list[int], refs: list[Any], timeout: float) -> list[Any]:
@@ -339,7 +339,7 @@ class ClusterRanks:
                 cause = e.cause if isinstance(e.cause, Exception) else e
                 self._lose(index, f"{type(cause).__name__}: {cause}", cause)
             except RayActorError as e:
-                self._lose(index, f"its agent died ({_first_line(e)})", None)
+                self._lose(index, f"its agent died ({first_line(e)})", None)
             except GetTimeoutError:
                 self._lose(index, f"its agent did not answer within {timeout:g} s", None)
         return answers
@@ -363,8 +363,3 @@ def _sent(call: Callable[[], Any]) -> Any:
         return call()
     except Exception:
         return None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

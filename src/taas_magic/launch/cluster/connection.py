@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Mapping
 
 from taas_magic.configurations import Catalog, Configuration
-from taas_magic.errors import TaasUsageError
+from taas_magic.errors import TaasUsageError, first_line
 from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
 from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.process import containment
@@ -166,7 +166,7 @@ class Cluster:
                         **kwargs,
                     )
             except Exception as e:
-                raise TaasUsageError(f"could not connect to the Ray cluster at {address!r}: {_first_line(e)}") from None
+                raise TaasUsageError(f"could not connect to the Ray cluster at {address!r}: {first_line(e)}") from None
             cluster.owns_connection = True
         return cluster
 
@@ -446,11 +446,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def kernel_variables(environ: Mapping[str, str]) -> dict[str, str]:

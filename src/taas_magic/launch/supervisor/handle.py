@@ -13,13 +13,13 @@ import os
 import select
 import signal
 import time
-from typing import Callable, Iterable, NoReturn
+from typing import Callable, Iterable, NoReturn, assert_never
 
 from taas_magic.errors import RunLost, TaasRunError
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.process import containment
 from taas_magic.wire import memfile
-from taas_magic.wire.channel import ChannelBroken, assert_never
+from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Event, Exited, Key, Relayed, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.supervision import (

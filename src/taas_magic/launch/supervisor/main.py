@@ -21,11 +21,11 @@ import os
 import signal
 import time
 import traceback
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, assert_never
 
 from taas_magic.launch.supervisor.ranks import ForkedRanks, Received
 from taas_magic.process import containment
-from taas_magic.wire.channel import ChannelBroken, assert_never
+from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
 from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.supervision import (

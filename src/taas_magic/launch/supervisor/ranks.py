@@ -14,7 +14,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Literal
+from typing import Any, Callable, Collection, Iterable, Literal, assert_never
 
 from taas_magic.delivery.cluster import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
@@ -22,7 +22,6 @@ from taas_magic.delivery.service import DataService, RankLoader
 from taas_magic.process import child, containment, tempfiles
 from taas_magic.rank import worker
 from taas_magic.wire import channel, rank_control, records
-from taas_magic.wire.channel import assert_never
 from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
 from taas_magic.wire.task import RankTask
