@@ -13,12 +13,15 @@ headers; unloading removes exactly those. ``taas_magic.__version__`` is the inst
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
 from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.version import VERSION as __version__  # noqa: F401  # the package's version, shown first by %taas
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless TAAS_LOG asks (process/logs.py)
 
 if TYPE_CHECKING:
     from taas_magic.kernel.magics import TaasMagics

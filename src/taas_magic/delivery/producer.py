@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import random
 import signal
 import socket
@@ -36,6 +37,8 @@ from taas_magic.wire.records import Failed
 STATS_SECONDS = 0.5
 DEMAND_SECONDS = 0.01  # how often an idle session producer looks whether a rank began iterating
 ElementKey = tuple[Pass, int, Any]  # (pass, element index, the sample indices it is built from)
+
+log = logging.getLogger(__name__)
 
 
 class _Stop:
@@ -120,14 +123,17 @@ class ProducerTask:
         if self.reports_stats:
             self._report_progress(fds, reports)
         try:
+            log.info("producer of %s: starting", self.name)
             self._wait_for_demand()
             self._produce()
+            log.info("producer of %s: produced its elements", self.name)
             self._wait_for_the_ranks()
             with self.stop.held():  # leaving anyway: a stop now would only garble the last report
                 if self.reports_stats:  # the last counters, whenever the thread last looked
                     with reports:
                         child.report(fds.report, self.counters.stats(self.name))
         except BaseException as error:
+            log.info("producer of %s: ended by %s", self.name, type(error).__name__)
             with self.stop.held():
                 child.flush_all()
                 with reports:

@@ -9,6 +9,7 @@ error of our own — passes through ``RankGroup.close``, so no process, pipe or 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Mapping, assert_never
 
@@ -35,7 +36,7 @@ from taas_magic.kernel.streams import RankOutput
 from taas_magic.kernel.tidy_output import TidyRankOutput
 from taas_magic.launch.backend import Backend, Launch, PlanT, SessionGroup
 from taas_magic.launch.rendezvous import new_run_id
-from taas_magic.process import containment
+from taas_magic.process import containment, logs
 from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Report, Result
 
 POLL_SECONDS = 0.05
@@ -43,6 +44,8 @@ STACK_SECONDS = 2.0
 
 Write = Callable[[str, str], object]  # (stream, text): where the ranks' output and taas's notices go
 Status = Callable[[dict[str, str], bool], object]  # shows the live view: (MIME bundle, final)
+
+log = logging.getLogger(__name__)
 
 
 def run(
@@ -74,31 +77,42 @@ def run(
     labels = dict(labels or {})
     deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
     first_id = new_run_id()
-    for restart in range(spec.max_restarts + 1):
-        launch = environment.launch(
-            spec, first_id if restart == 0 else new_run_id(), kernel_environ, restart=restart, elastic_id=first_id
-        )
-        # A rank paused by --debug is kept from the last start alone: an earlier one's failure starts the run again.
-        state = _attempt(
-            spec,
-            plan,
-            backend,
-            launch,
-            write,
-            cell_names or {},
-            labels,
-            status,
-            deadline,
-            keep_paused if restart == spec.max_restarts else None,
-            read_line,
-        )
-        deadline = state.deadline  # later by the time a person spent at a debugger prompt
-        result = state.result()
-        if result.outcome is not Outcome.FAILED or restart == spec.max_restarts:
-            break
-        write("stderr", render.restarting(result, restart + 1, spec.max_restarts))
-    if spec.max_restarts and result.outcome is Outcome.FAILED:
-        write("stderr", render.restarts_spent(spec.max_restarts))
+    with logs.kernel_side(spec.log, first_id) as log_file:
+        log.info("run %s: %d ranks on %s, %s", first_id, spec.world_size, spec.device, backend.name)
+        try:
+            for restart in range(spec.max_restarts + 1):
+                launch = environment.launch(
+                    spec,
+                    first_id if restart == 0 else new_run_id(),
+                    kernel_environ,
+                    restart=restart,
+                    elastic_id=first_id,
+                )
+                # A rank paused by --debug is kept from the last start alone: an earlier one's failure
+                # starts the run again.
+                state = _attempt(
+                    spec,
+                    plan,
+                    backend,
+                    launch,
+                    write,
+                    cell_names or {},
+                    labels,
+                    status,
+                    deadline,
+                    keep_paused if restart == spec.max_restarts else None,
+                    read_line,
+                )
+                deadline = state.deadline  # later by the time a person spent at a debugger prompt
+                result = state.result()
+                if result.outcome is not Outcome.FAILED or restart == spec.max_restarts:
+                    break
+                write("stderr", render.restarting(result, restart + 1, spec.max_restarts))
+            if spec.max_restarts and result.outcome is Outcome.FAILED:
+                write("stderr", render.restarts_spent(spec.max_restarts))
+        finally:
+            if log_file is not None:
+                write("stderr", f"taas: TAAS_LOG={spec.log}: this run's log is {log_file}\n")
     error = render.error(result, cell_names or {})
     if error is not None:
         raise error

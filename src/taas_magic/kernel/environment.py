@@ -12,6 +12,7 @@ from typing import Mapping
 
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.launch.backend import Launch
+from taas_magic.process import logs
 
 TORCHRUN_VARIABLES = (
     "RANK",
@@ -92,6 +93,7 @@ def _shared(
         "TAAS_RUN_ID": run_id,
         "TAAS_DEVICE": spec.device,
         "TAAS_CONFIGURATION": spec.configuration.name if spec.configuration else "",
+        **logs.variables(spec.log, elastic_id),  # one log for the cell, its restarts too
     }
     if spec.hang_after and not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(kernel_environ):
         # torch's flight recorder: where each rank is in its collectives (rank.activity reads it)

@@ -37,7 +37,7 @@ from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
 from taas_magic.per_rank import PerRank, span
-from taas_magic.process import cell_files, containment, kernel_debugger, machine
+from taas_magic.process import cell_files, containment, kernel_debugger, logs, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
@@ -199,6 +199,8 @@ class CellRunner:
     ) -> RunResult:
         """Start the ranks of a session, and the producers of ``loaders``; they run this cell first, and stay."""
         launch = environment.launch(spec, new_run_id(), os.environ)
+        if spec.log is not None:
+            print(f"taas: TAAS_LOG={spec.log}: this session's log is {logs.run_file(launch.run_id)}", file=sys.stderr)
         namespace = self.shell.user_ns
         holding = plan.holding
         if holding is not None:

@@ -14,6 +14,7 @@ from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.options import default_device, rank_text, ranks_as_typed
 from taas_magic.per_rank import span
+from taas_magic.process import logs
 from taas_magic.process.machine import Machine
 
 LOOPBACK = "127.0.0.1"
@@ -45,6 +46,7 @@ class LaunchSpec:
     debug: bool = False  # a rank whose cell raised stays, paused, for `%taas debug`
     hang_after: float = 120.0  # seconds without progress before the cell says where each rank waits (0: never)
     debug_ranks: tuple[int, ...] | None = None  # the ranks in the notebook's visual debugger (None: every rank)
+    log: str | None = None  # TAAS_LOG: the run's processes log at this level to a file of the run's (process/logs.py)
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -107,6 +109,7 @@ def build(
         max_restarts=getattr(options, "max_restarts", 0),
         hang_after=120.0 if getattr(options, "hang_after", None) is None else options.hang_after,
         debug_ranks=debug_ranks(getattr(options, "debug_ranks", None), range(world_size), "the run"),
+        log=log_level(environ),
         **_session_options(options),
     )
 
@@ -126,6 +129,14 @@ def return_from(
             f"{option} {ranks_as_typed(given)}: {where} has {span(ranks)}, not rank {rank_text(outside[0])}"
         )
     return tuple(sorted(given))
+
+
+def log_level(environ: Mapping[str, str]) -> str | None:
+    """``TAAS_LOG``: debug, info or warning; None (no log) when it is unset or empty."""
+    value = environ.get(logs.LEVEL_VARIABLE, "").strip().lower()
+    if value and value not in logs.LEVELS:
+        raise TaasUsageError(f"TAAS_LOG={value!r} is not allowed: use {', '.join(logs.LEVELS)}, or leave it unset")
+    return value or None
 
 
 def debug_ranks(given: tuple[int, ...] | None, ranks: Sequence[int], where: str) -> tuple[int, ...] | None:

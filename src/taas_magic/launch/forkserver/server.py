@@ -16,6 +16,7 @@ everything it started, when its channel closes or its parent dies.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import select
 import signal
@@ -25,12 +26,14 @@ import sys
 from taas_magic.delivery.cluster import NodeEnds
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 from taas_magic.launch.supervisor.ranks import Received
-from taas_magic.process import child, containment, tracebacks
+from taas_magic.process import child, containment, logs, tracebacks
 from taas_magic.rank import plugins
 from taas_magic.wire import fork_server, shipping, supervision
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.fork_server import ServerEnd, StartRun
 from taas_magic.wire.task import RankTask
+
+log = logging.getLogger(__name__)
 
 SECRET_SIZE = 32
 
@@ -76,6 +79,7 @@ def _read_secret() -> bytes:
 
 def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> int:
     run_id, secret, envs, task, shipment = request.run_id, request.secret, request.envs, request.task, request.shipment
+    logs.follow(next(iter(envs.values()), {}))  # this run's log, if it keeps one
     try:
         pid = os.fork()
         if pid == 0:  # the run's supervisor: never returns into the server's loop
@@ -86,6 +90,7 @@ def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> i
             except BaseException:
                 os._exit(1)
             supervise(run_channel, envs, lambda: _unpack(task, shipment, fds[1:]))
+        log.debug("run %s: supervisor %d forked for ranks %s", run_id, pid, sorted(envs))
         return pid
     finally:
         for fd in fds:

@@ -17,6 +17,7 @@ What the two say to each other is ``wire/supervision.py``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -24,7 +25,7 @@ import traceback
 from typing import Callable, NoReturn, assert_never
 
 from taas_magic.launch.supervisor.ranks import ForkedRanks, Received
-from taas_magic.process import containment
+from taas_magic.process import containment, logs
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
 from taas_magic.wire.records import CellEnded, Failed
@@ -46,6 +47,8 @@ from taas_magic.wire.supervision import (
     ToSupervisor,
 )
 
+log = logging.getLogger(__name__)
+
 PARENT_CHECK_SECONDS = 0.25  # how soon a supervisor notices that its parent died
 STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the run
 
@@ -60,6 +63,8 @@ def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task
     """
     status = 1
     try:
+        logs.follow(next(iter(envs.values()), {}))
+        log.info("supervisor of run %s: ranks %s", next(iter(envs.values()), {}).get("TAAS_RUN_ID"), sorted(envs))
         os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # held, not lost, in a rank until it can take one
@@ -67,6 +72,7 @@ def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task
         _Supervisor(channel, os.getppid()).serve(envs, make_task)
         status = 0
     except BaseException:
+        log.exception("the supervisor failed")
         traceback.print_exc()
     finally:
         try:
@@ -92,10 +98,14 @@ class _Supervisor:
                 shipped=received.shipped,
             )
         except ChannelBroken:
+            log.info("the kernel gave up on the run before it started")
             return  # the kernel gave up on the run before it started: everything forked is ended
         except Exception as e:
+            log.exception("the run could not start")
             self._send(StartFailed(f"{type(e).__name__}: {e}"))
             return
+        if log.isEnabledFor(logging.INFO):
+            log.info("started: %s", {key: state.pid for key, state in group.ranks.items()})
         last: list[Relayed] = []
         try:
             # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
@@ -104,15 +114,19 @@ class _Supervisor:
             self._send(Started(os.getpid(), tuple(sorted(group.ranks, key=key_order))))
             last = self._relay(group)
         except ChannelBroken:
+            log.info("the kernel closed the channel")
             pass  # the kernel gave up on the run, or is gone: end it
         except _Orphaned:
+            log.warning("the process that started this supervisor died")
             self._tell_lost("the process that started the run's supervisor died")
         except _Idle as idle:
+            log.info("idle for %g s: the session ends", idle.args[0])
             self._tell_lost(f"the session was idle for {idle.args[0]:g} s, its limit (--idle)")
         finally:
             group.close()
         containment.end_all_children(STOP_SECONDS)
         codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
+        log.info("closed; exit statuses %s", codes)
         try:
             self._send(Closed(codes, tuple(last)))
         except ChannelBroken:
@@ -159,10 +173,12 @@ class _Supervisor:
 
     def _serve(self, group: "ForkedRanks", message: ToSupervisor, fds: tuple[int, ...], idle: "_IdleClock") -> bool:
         """One request of the kernel's; True when it asks to close the run."""
+        log.debug("the kernel asks: %s", message.kind)
         match message:
             case Close():
                 return True
             case SignalRanks(signum, ranks):
+                log.info("signal %d to %s", signum, "every process" if ranks is None else sorted(ranks, key=key_order))
                 group.signal(signum, ranks)
             case AskStacks(ranks, timeout):
                 stacks = group.stacks(ranks, timeout)

@@ -8,6 +8,7 @@ dies with its supervisor) and is a subreaper of its own; ``close`` kills and rea
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import selectors
 import signal
@@ -28,6 +29,8 @@ from taas_magic.wire.task import RankTask
 
 READ_SIZE = 1 << 16
 NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -443,6 +446,7 @@ class ForkedRanks:
         for name, fd in list(state.fds.items()):
             while name in state.fds and self._read(state, name, fd):
                 pass
+        log.info("%s exited: %s", state.rank, state.returncode)
         self._pending.append(Exited(state.rank, state.returncode))
 
     @staticmethod
