@@ -321,7 +321,7 @@ class Pump:
             return self.read_line(prompt)
         except KeyboardInterrupt:
             return "quit"  # the rank's breakpoint raises BdbQuit: the run then stops as on an interrupt
-        except Exception:  # the front end takes no input (a script, a test): the rank goes on
+        except (EOFError, NotImplementedError, OSError):  # no input here (nbclient, a closed terminal): go on
             self.write("stderr", "taas: no input can be read here: the debugger continues\n")
             return "continue"
         finally:
