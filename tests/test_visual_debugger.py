@@ -193,3 +193,35 @@ def test_debug_ranks_without_the_debugger_and_breakpoints_on_a_cluster_are_said_
     assert link is None and said.startswith("taas: breakpoints do not stop cluster ranks") and said.count("\n") == 1
     link, said = debug_link(capsys, "--gpus 2 --device cpu", attached=True, breakpoints=False, on_cluster=True)
     assert link is None and not said, "no breakpoint set: nothing to say"
+
+
+def test_a_rank_the_kernel_hangs_up_on_runs_on_without_the_debugger():
+    """A rank connects while the client detaches (the kernel closes the connection before the
+    breakpoints): it must not wait for ever in the debugger's engine."""
+    import subprocess
+    import sys
+    import textwrap
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def hang_up() -> None:
+        for _ in range(2):  # the rank's check that the port listens, then its engine
+            connection, _ = listener.accept()
+            connection.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    rank = textwrap.dedent(f"""
+        import time
+        from taas_magic.rank import visual_debugging
+        from taas_magic.wire.task import DebugLink
+        began = time.monotonic()
+        joined = visual_debugging._join(DebugLink({port}, "secret", "run", eager=True), 0)
+        print(joined, round(time.monotonic() - began))
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True, timeout=60)
+    finally:
+        listener.close()
+    assert done.stdout.split()[0] == "False", done.stdout + done.stderr
+    assert int(done.stdout.split()[1]) < 10

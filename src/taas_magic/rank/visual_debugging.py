@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from typing import Any, Callable
 
 from taas_magic.wire.task import DebugLink
 
+JOIN_SECONDS = 30.0  # the kernel answers a rank in well under a second; this much is a kernel that is gone
 _joined: int | None = None  # the kernel's port this rank joined on (a session's rank stays joined)
 _pdb_hook: Callable[..., Any] | None = None  # breakpoint()'s hook before a link took it over
 
@@ -67,14 +69,28 @@ def _join(link: DebugLink, rank: int) -> bool:
         suspend=False,
         trace_only_current_thread=False,
         patch_multiprocessing=False,
-        wait_for_ready_to_run=True,
+        wait_for_ready_to_run=False,  # waited for below: pydevd's own wait never ends if the kernel hangs up
         notify_stdin=False,
         access_token=link.secret,
         client_access_token=link.token(rank),
         protocol="dap",
     )
+    if not _ready(pydevd.get_global_debugger()):
+        pydevd.stoptrace()  # the kernel refused the rank or went away before giving it the breakpoints
+        return False
     _joined = link.port
     return True
+
+
+def _ready(engine: Any) -> bool:
+    """Wait until the kernel gave the engine the notebook's breakpoints (``configurationDone``); False if
+    the connection ended first or nothing came within ``JOIN_SECONDS``."""
+    deadline = time.monotonic() + JOIN_SECONDS
+    while engine is not None and not engine.is_attached():  # set by configurationDone
+        if engine.pydb_disposed or time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return engine is not None
 
 
 def _listening(port: int) -> bool:
@@ -89,8 +105,10 @@ def _engine() -> Any:
     """pydevd as debugpy carries it, set up afresh: a rank forked from a kernel whose debugger was on
     has the kernel's pydevd loaded, with the kernel's settings (``process/kernel_debugger.forget``
     dropped its connection)."""
+    import importlib
+
+    importlib.import_module("debugpy._vendored.force_pydevd")  # first: it puts debugpy's pydevd on the path
     import pydevd
-    from debugpy._vendored import force_pydevd  # noqa: F401  # puts debugpy's pydevd on the path
 
     pydevd.SetupHolder.setup = None
     return pydevd
