@@ -33,7 +33,7 @@ from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.fork_server import ServerEnd, StartRun
 from taas_magic.wire.task import RankTask
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("taas_magic.launch.forkserver.server")  # by name: the server runs as __main__
 
 SECRET_SIZE = 32
 
