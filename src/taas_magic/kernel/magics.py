@@ -126,16 +126,7 @@ class TaasMagics(Magics):
                     )
                 )
             return
-        runner = CellRunner(
-            self.ipython,
-            self.transformer,
-            self.link,
-            self.kept,
-            self.fork_backend,
-            self.forkserver_backend,
-            self.debugging,
-        )
-        runner.run(args, self._defaults(), line, cell)
+        self._runner().run(args, self._defaults(), line, cell)
 
     def _stacks_command(self, words: list[str]) -> None:
         """`%taas stacks`: where each process of the session is, between its cells."""
@@ -154,7 +145,11 @@ class TaasMagics(Magics):
         if session is None:
             back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""
             raise TaasUsageError(f"%taas {command}: no session is running (a taas cell with --keep starts one){back}")
-        runner = CellRunner(
+        runner = self._runner()
+        (runner.pull if command == "pull" else runner.push)(session, names, ranks, self._defaults())
+
+    def _runner(self) -> CellRunner:
+        return CellRunner(
             self.ipython,
             self.transformer,
             self.link,
@@ -163,7 +158,6 @@ class TaasMagics(Magics):
             self.forkserver_backend,
             self.debugging,
         )
-        (runner.pull if command == "pull" else runner.push)(session, names, ranks, self._defaults())
 
     def _defaults(self) -> settings.Defaults:
         return settings.Defaults.of(self.device, self.output, self.start, self.view, self.hang_after, self.config)

@@ -63,8 +63,9 @@ def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task
     """
     status = 1
     try:
-        logs.follow(next(iter(envs.values()), {}))
-        log.info("supervisor of run %s: ranks %s", next(iter(envs.values()), {}).get("TAAS_RUN_ID"), sorted(envs))
+        env = next(iter(envs.values()), {})  # what every rank's environment says of the run
+        logs.follow(env)
+        log.info("supervisor of run %s: ranks %s", env.get("TAAS_RUN_ID"), sorted(envs))
         os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # held, not lost, in a rank until it can take one
