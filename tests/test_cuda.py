@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
+import psutil
 import pytest
 from conftest import ANSI, CellResult, Kernel
 from test_kernel_lightning import REGRESSION
@@ -303,3 +305,112 @@ def test_cpu_ranks_still_run_once_the_kernel_used_cuda(cuda_used_kernel):
     # An explicit --start fork is still allowed for CPU ranks, which never touch CUDA.
     result = cuda_used_kernel.execute("#pragma taas --gpus 2 --device cpu --start fork\nprint('forked ok')").ok()
     assert result.each_rank().count("forked ok") == 2
+
+
+# Sessions, the live view, restarts and sharded models on CUDA: what the CPU tests check with gloo, with NCCL.
+
+SESSION_START = """#pragma taas --gpus {gpus} --device cuda --keep --start {start}
+import os, torch, torch.distributed as dist
+dist.init_process_group("nccl", init_method="env://")
+w = torch.full((1024,), float(dist.get_rank() + 1), device="cuda")
+pid = os.getpid()
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_session_keeps_its_nccl_group_and_cuda_tensors_from_cell_to_cell(gpu_kernel, start):
+    gpu_kernel.execute(SESSION_START.format(gpus=GPUS, start=start), timeout=180).ok()
+    try:
+        first_pid = gpu_kernel.value("pid")
+        r = gpu_kernel.execute(
+            "#pragma taas\ndist.all_reduce(w)\ntorch.cuda.synchronize()\n"
+            "total, same = w[0].item(), os.getpid() == pid\nprint('device', w.device, flush=True)",
+            timeout=120,
+        ).ok()
+        assert gpu_kernel.value("(total, same, pid)") == (GPUS * (GPUS + 1) / 2, True, first_pid)
+        shown = r.each_rank() if GPUS > 1 else f"[rank 0] {r.stdout}"  # one rank's lines carry no label
+        assert all(f"[rank {rank}] device cuda:{rank}" in shown for rank in range(GPUS)), r.stdout
+        assert gpu_kernel.value("(str(w.device), w.shape[0], w[0].item())") == ("cpu", 1024, GPUS * (GPUS + 1) / 2), (
+            "rank 0's CUDA tensor comes back as a CPU tensor after each cell"
+        )
+        gpu_kernel.execute("%taas pull w --ranks 0").ok()
+        assert gpu_kernel.value("(str(w.device), w[0].item())") == ("cpu", GPUS * (GPUS + 1) / 2)
+        r = gpu_kernel.execute("#pragma taas\nimport time\ntime.sleep(60)", timeout=120, interrupt_after=3)
+        assert r.error is not None
+        again = gpu_kernel.execute(
+            "#pragma taas\ndist.all_reduce(w)\ntorch.cuda.synchronize()\nafter_interrupt = w[0].item()", timeout=120
+        ).ok()
+        assert again.error is None and gpu_kernel.value("after_interrupt") == (GPUS * (GPUS + 1) / 2) * GPUS, (
+            "the session and its NCCL group survive an interrupted cell"
+        )
+        assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+    finally:
+        gpu_kernel.execute("%taas stop").ok()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(first_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(first_pid), "the session's ranks end with it"
+
+
+def test_the_live_view_shows_each_ranks_gpu_memory_while_it_runs_and_its_peak_at_the_end(gpu_kernel):
+    r = gpu_kernel.execute(
+        f"#pragma taas --gpus {GPUS} --device cuda --return none\n"
+        "import time, torch\n"
+        "big = torch.empty(2 * 1024**3, dtype=torch.uint8, device='cuda')\n"
+        "big.fill_(1)\ntorch.cuda.synchronize()\ntime.sleep(4)\n",
+        timeout=180,
+    ).ok()
+    running = [d["text/plain"] for d in r.displays if "· running" in d["text/plain"].splitlines()[0]]
+    gpu_rows = [m for view in running for m in re.findall(r"^rank \d +running .*· GPU ([\d.]+) GB", view, re.M)]
+    assert gpu_rows and max(float(size) for size in gpu_rows) >= 2, running[-3:]
+    summary = r.displays[-1]["text/plain"]
+    peaks = re.findall(r"^rank \d +done +peak [\d.]+ [KMG]B · GPU ([\d.]+) GB", summary, re.M)
+    assert len(peaks) == GPUS and all(float(size) >= 2 for size in peaks), summary
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
+def test_a_restarted_nccl_run_starts_a_new_process_group_and_succeeds(gpu_kernel):
+    r = gpu_kernel.execute(
+        f"#pragma taas --gpus {GPUS} --device cuda --max-restarts 1\n"
+        "import os, torch, torch.distributed as dist\n"
+        "restart = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "dist.init_process_group('nccl', init_method='env://')\n"
+        "t = torch.ones(1, device='cuda')\ndist.all_reduce(t)\ntorch.cuda.synchronize()\n"
+        "if restart == 0 and dist.get_rank() == 0:\n"
+        "    raise RuntimeError('first start fails')\n"
+        "restarted_sum = (restart, t.item())\n"
+        "dist.destroy_process_group()\n",
+        timeout=240,
+    ).ok()
+    assert "taas: rank 0 failed: RuntimeError: first start fails: every rank starts again (restart 1 of " in r.stderr
+    assert gpu_kernel.value("restarted_sum") == (1, float(GPUS))
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
+def test_an_fsdp2_model_trained_on_gpus_comes_back_whole_on_the_cpu(gpu_kernel):
+    from test_kernel_sharded import NOTEBOOK
+
+    gpu_kernel.execute(NOTEBOOK).ok()
+    r = gpu_kernel.execute(
+        f"%%taas --gpus {GPUS} --device cuda\n"
+        """import copy, torch, torch.distributed as dist, taas
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("nccl", init_method="env://")
+torch.set_default_device("cuda")
+model = copy.deepcopy(initial).cuda()
+for block in model.layers:
+    fully_shard(block)
+fully_shard(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+losses = [train_step(model, optimizer, data[step, taas.rank()].cuda()) for step in range(3)]
+torch.set_default_device("cpu")
+""",
+        timeout=240,
+    ).ok()
+    assert "Traceback" not in r.stderr, r.stderr
+    assert gpu_kernel.value("[c.__name__ for c in type(model).__mro__]") == ["Transformer", "Module", "object"]
+    assert gpu_kernel.value("{(type(p).__name__, str(p.device)) for p in model.parameters()}") == {("Parameter", "cpu")}
+    assert gpu_kernel.value("all(torch.isfinite(p).all().item() for p in model.parameters())") is True
+    assert gpu_kernel.value("not torch.equal(model.head.weight, initial.head.weight)") is True, "it trained"
+    gpu_kernel.execute("train_step(model, optimizer, data[0, 0])").ok()  # it goes on training here, on the CPU
+    assert gpu_kernel.value("torch.cuda.is_initialized()") is False
