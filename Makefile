@@ -17,22 +17,28 @@ demo: $(VENV)/.installed
 
 # Lint and format (pyproject.toml's [tool.ruff]; `ruff format` and `ruff check --fix` mend what they find), strict
 # type checking of src/ (settings in pyproject.toml's [tool.mypy]), the layers between packages
-# (pyproject.toml's [tool.importlinter]), then the tests.
-test: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
-	$(PY) -m mypy
-	$(VENV)/bin/lint-imports
-	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider tests
+# (pyproject.toml's [tool.importlinter]).
+CHECKS = $(VENV)/bin/ruff check src tests benchmarks examples \
+	&& $(VENV)/bin/ruff format --check src tests benchmarks examples \
+	&& $(PY) -m mypy \
+	&& $(VENV)/bin/lint-imports
+PYTEST := TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider
+E2E_WORKERS ?= 3
 
-# What to run after each edit: lint, format, types, layers, and the tests that start no kernel and no cluster
-# (pure functions, the state machine, the protocol, real supervisors and forks): about a minute and a half here.
+# The checks, then the tiers (docs/architecture.md#the-tests): unit and integration on two workers, the
+# end-to-end tiers on E2E_WORKERS (each module in one worker, the cluster tier's modules together), then the
+# tests whose assertions are about time, with nothing beside them.
+test: $(VENV)/.installed
+	$(CHECKS)
+	$(PYTEST) -n 2 tests/unit tests/integration
+	$(PYTEST) -n $(E2E_WORKERS) --dist loadgroup -m "not timing" tests/e2e
+	$(PYTEST) -m timing tests/e2e
+
+# What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,
+# the state machine, the protocol, real supervisors and forks) on two workers: under a minute here.
 test-fast: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
-	$(PY) -m mypy
-	$(VENV)/bin/lint-imports
-	TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider -m "not kernel and not cluster" tests
+	$(CHECKS)
+	$(PYTEST) -n 2 tests/unit tests/integration
 
 # The built wheel as users install it: in a fresh environment with its declared dependencies only, its kernel
 # registered and driven through a 2-rank cell, a fork-server cell, taas.register and %unload_ext
@@ -61,9 +67,9 @@ bench-sessions: $(VENV)/.installed-bench
 bench-live-view: $(VENV)/.installed-bench
 	$(PY) benchmarks/live_view.py
 
-# The live view's screenshots in docs/images, taken in JupyterLab by tests/test_browser_view.py (needs Debian's chromium).
+# The live view's screenshots in docs/images, taken in JupyterLab by tests/e2e/browser (needs Debian's chromium).
 screenshots: $(VENV)/.installed
-	TAAS_DEVICE=cpu TAAS_SCREENSHOTS=docs/images $(PY) -m pytest -q -p no:cacheprovider tests/test_browser_view.py
+	TAAS_DEVICE=cpu TAAS_SCREENSHOTS=docs/images $(PY) -m pytest -q -p no:cacheprovider tests/e2e/browser/test_browser_view.py
 
 clean:
 	rm -rf $(VENV) .demo build src/*.egg-info .mypy_cache

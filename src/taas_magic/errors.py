@@ -107,7 +107,15 @@ class DeliveryLost(TaasRunError):
 
 
 class SessionEnded(TaasRunError):
-    """The session is over (a rank died, or did not leave an interrupted cell): nothing of it is left."""
+    """The session is over (a rank died, or did not leave an interrupted cell): nothing of it is left.
+
+    ``why``: the reason alone ("rank 1 killed by signal SIGKILL: its process group cannot continue"), as
+    ``%taas`` and a later cell say it after "the session ended: ".
+    """
+
+    def __init__(self, message: str, lines: list[str], why: str = ""):
+        super().__init__(message, lines)
+        self.why = why or message
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -185,7 +185,8 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
     """The session cannot go on: why, and what became of the cell."""
     end = result.end
     if end is None or end.cause is EndCause.INTERRUPTED_TWICE:
-        return SessionEnded(*_ended("interrupted twice while its ranks were leaving the cell"))
+        why = "interrupted twice while its ranks were leaving the cell"
+        return SessionEnded(*_ended(why), why=why)
     if end.cause is EndCause.RANK_EXITED:
         rank = end.keys[0]
         record = result.records.get(rank)
@@ -193,23 +194,21 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
             why = f"rank {rank} ended the session with {record.exited}"
         else:
             why = f"rank {rank} {describe_exit(end.code) if end.code else 'exited'}"
-        return SessionEnded(*_ended(f"{why}: its process group cannot continue", list(end.tail)))
+        why = f"{why}: its process group cannot continue"
+        return SessionEnded(*_ended(why, list(end.tail)), why=why)
     if end.cause is EndCause.PRODUCER_DIED:
         message, lines = failure(result, result.policy.others_were)
+        why = f"{name(result, end.keys[0])} cannot serve its loader any more"
         return SessionEnded(
-            f"{message}; the session ended",
-            lines
-            + [
-                f"{RED}{BOLD}taas: the session ended: {name(result, end.keys[0])} cannot serve "
-                f"its loader any more{RESET}"
-            ],
+            f"{message}; the session ended", lines + [f"{RED}{BOLD}taas: the session ended: {why}{RESET}"], why=why
         )
     stuck = list(end.keys)
-    message, lines = _ended(
+    why = (
         f"{names(result, stuck)} did not leave the interrupted cell within "
         f"{result.policy.leave_seconds:g} s (a collective waits for its peers there, or the code "
         "ignores interrupts)"
     )
+    message, lines = _ended(why)
     if result.failures:  # why they were interrupted: the failure comes first, with where the others waited for it
         failed, failed_lines = failure(result, "stopped", cell_names)  # the session ends: every rank is stopped
         where = (
@@ -217,13 +216,13 @@ def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEn
             if any("where they were when" in line for line in failed_lines)
             else _where(result, cell_names, "where they were:")
         )
-        return SessionEnded(f"{failed}; {message}", failed_lines + lines + where)
+        return SessionEnded(f"{failed}; {message}", failed_lines + lines + where, why=why)
     lines += _where(result, cell_names, "where they were:")
     if result.late is not None:  # taas interrupted the cell because the time ran out: that first
         late = sorted(result.late, key=key_order)
         timeout = f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, interrupted by taas"
-        return SessionEnded(f"{timeout}; {message}", [f"{RED}{BOLD}taas: {timeout}{RESET}"] + lines)
-    return SessionEnded(message, lines)
+        return SessionEnded(f"{timeout}; {message}", [f"{RED}{BOLD}taas: {timeout}{RESET}"] + lines, why=why)
+    return SessionEnded(message, lines, why=why)
 
 
 def hang(found: Hang, cell_names: Mapping[str, str]) -> list[str]:
@@ -251,11 +250,11 @@ def _where(
 
 def session_over(why: str) -> SessionEnded:
     """A cell sent to a session that ended before it."""
-    return SessionEnded(f"the session ended: {why}", [f"taas: the session ended: {why}"])
+    return SessionEnded(f"the session ended: {why}", [f"taas: the session ended: {why}"], why=why)
 
 
 def exited_between_cells(who: str, code: int) -> str:
-    return f"{who} {describe_exit(code) if code else 'exited'} between cells"
+    return f"{who} {exit_status(code) if code else 'exited'} between cells"
 
 
 def _ended(why: str, details: list[str] | None = None) -> tuple[str, list[str]]:
@@ -328,13 +327,19 @@ def summary(failure_: Failure) -> str:
 
 
 def describe_exit(code: int) -> str:
+    """How a process left during a cell."""
+    return exit_status(code) if code < 0 else f"{exit_status(code)} before the cell finished"
+
+
+def exit_status(code: int) -> str:
+    """How a process left, whenever it did: "killed by signal SIGKILL", "exited with code 3"."""
     if code < 0:
         try:
             signame = signal.Signals(-code).name
         except ValueError:
             signame = f"signal {-code}"
         return f"killed by signal {signame}"
-    return f"exited with code {code} before the cell finished"
+    return f"exited with code {code}"
 
 
 def name(result: RunResult, key: Key) -> str:

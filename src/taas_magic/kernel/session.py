@@ -238,7 +238,7 @@ class Session:
             _send(pump, send)
             pump.until_over()
         except BaseException as e:
-            self._end(str(e) if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
+            self._end(e.why if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
             raise
         finally:
             out.finish()

@@ -38,7 +38,7 @@ class StartRun:
 ToForkServer = StartRun
 FromForkServer = NoReturn  # the server answers nothing: a run's news comes on the run's own channel
 
-# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (tests/test_protocol.py).
+# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (test_protocol.py).
 DIRECTIONS = (("kernel or agent", "fork server", ToForkServer),)
 
 KernelEnd = Channel[ToForkServer, FromForkServer]

@@ -89,7 +89,7 @@ class Prompt:
 ToRank = Union[SessionCell, Line]
 FromRank = Union[InCell, CellEnd, Prompt]
 
-# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (tests/test_protocol.py).
+# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (test_protocol.py).
 DIRECTIONS = (("supervisor", "rank", ToRank), ("rank", "supervisor", FromRank))
 
 SupervisorEnd = Channel[ToRank, FromRank]

@@ -128,7 +128,7 @@ class Lost:
 ToSupervisor = Union[Go, SignalRanks, AskStacks, RunCell, AnswerLine, Close]
 FromSupervisor = Union[Started, StartFailed, Events, Stacks, Closed, Lost]
 
-# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (tests/test_protocol.py).
+# Who sends what to whom: docs/architecture.md's table of messages lists exactly these (test_protocol.py).
 DIRECTIONS = (("kernel or agent", "supervisor", ToSupervisor), ("supervisor", "kernel or agent", FromSupervisor))
 
 KernelEnd = Channel[ToSupervisor, FromSupervisor]

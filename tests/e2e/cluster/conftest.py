@@ -1,0 +1,139 @@
+"""The end-to-end cluster tier: the real Ray cluster its tests share, and the watch on what its
+processes talk to. One cluster serves modules that run one after another: starting one
+takes about 20 s on this machine, and a module's fixtures are handed to the next module when it uses
+them too (``_handed_on``), then stopped after the last.
+
+A CPU head node (c1.4) and two t.2 nodes, each raylet on its own loopback address, logical GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from support.tiers import marks_for
+
+CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
+
+pytest_collection_modifyitems = marks_for(__file__, "e2e", "cluster", "kernel", group="cluster")
+
+_next: pytest.Item | None = None  # the test that runs after the one being torn down
+_kept: dict[str, object] = {}  # what a module hands on to the next, by fixture name
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _next
+    _next = nextitem  # before the fixtures of item's module are finalised
+    yield
+
+
+def _handed_on(name: str) -> bool:
+    """Whether the next test, in another module, uses fixture ``name`` (itself or through another)."""
+    return _next is not None and name in getattr(_next, "fixturenames", ())
+
+
+class PeerWatch:
+    """Every connection with a peer beyond loopback that any process started from this one (the
+    cluster's raylets and workers, agents, fork servers, ranks, kernels) has, sampled every 0.1 s
+    from before the cluster starts: a usage report or a cloud metadata probe would show up."""
+
+    def __init__(self) -> None:
+        self.outside: set[tuple[int, str, str]] = set()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        me = psutil.Process()
+        while not self.stopped.wait(0.1):
+            ours = {p.pid: p for p in me.children(recursive=True)}
+            for connection in psutil.net_connections(kind="inet"):
+                if connection.pid in ours and connection.raddr and not _loopback(connection.raddr.ip):
+                    self.outside.add(
+                        (
+                            connection.pid,
+                            _command(ours[connection.pid]),
+                            f"{connection.raddr.ip}:{connection.raddr.port}",
+                        )
+                    )
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def _command(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())[:160]
+    except psutil.Error:
+        return "?"
+
+
+def _loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1") or ip.startswith("::ffff:127.")
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[PeerWatch]:
+    watch = _kept.pop("peers", None) or PeerWatch()
+    assert isinstance(watch, PeerWatch)
+    yield watch
+    if _handed_on("peers"):
+        _kept["peers"] = watch
+    else:
+        watch.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A folder of Python modules that the nodes and the kernel import from (on $PYTHONPATH), as
+    code on a shared file system would be: the notebook's own files do not travel to the nodes."""
+    if "shared_modules" in _kept:
+        folder, saved = _kept.pop("shared_modules")  # type: ignore[misc]
+    else:
+        folder, saved = tmp_path_factory.mktemp("shared_modules"), os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), saved]))
+    yield folder
+    if _handed_on("shared_modules"):
+        _kept["shared_modules"] = (folder, saved)
+    elif saved is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_modules: object) -> Iterator[tuple]:
+    """``(LocalCluster, path of its configurations file)``, the file also in $TAAS_CONFIG."""
+    if "cluster" in _kept:
+        local, config, saved = _kept.pop("cluster")  # type: ignore[misc]
+    else:
+        from taas_magic.local_cluster import LocalCluster
+
+        config = tmp_path_factory.mktemp("cluster") / "configurations.yaml"
+        config.write_text(CONFIG)
+        saved = os.environ.get("TAAS_CONFIG")
+        os.environ["TAAS_CONFIG"] = str(config)
+        local = LocalCluster({"c1.4": 1, "t.2": 2}, client_port=_free_port())
+    try:
+        yield local, str(config)
+    finally:
+        if _handed_on("cluster"):
+            _kept["cluster"] = (local, config, saved)
+        else:
+            local.shutdown()
+            if saved is None:
+                os.environ.pop("TAAS_CONFIG", None)
+            else:
+                os.environ["TAAS_CONFIG"] = saved
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.2", 0))
+        return probe.getsockname()[1]

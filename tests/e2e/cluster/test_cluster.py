@@ -1,0 +1,873 @@
+"""Cluster runs on a real Ray cluster on this machine: a CPU head node (c1.4) and t.2 nodes, each
+raylet on its own loopback address, logical GPUs, ranks on CPU over gloo.
+
+The kernel connects through TAAS_CLUSTER as a user's would. Every test checks what a user
+sees, and that a run leaves nothing behind on any node: no placement group, no run folder, no
+process of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from support.cluster import HEADER, alive, leftovers, node_agents, rank_processes
+from support.kernel import ANSI, Kernel
+from support.notebook_values import KINDS, SETUP, unpicklable
+
+ray = pytest.importorskip("ray")
+
+INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+
+
+@pytest.fixture(scope="module")
+def cluster_kernel(cluster, tmp_path_factory):
+    local, config = cluster
+    folder = tmp_path_factory.mktemp("notebook")
+    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k.execute(f"os.chdir({str(folder)!r})").ok()
+    yield k
+    k.shutdown()
+
+
+def first_match(k: Kernel, msg_id: str, pattern: str, timeout: float = 120) -> re.Match | None:
+    """The first match of ``pattern`` in what the running cell ``msg_id`` prints, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = k.client.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
+        match = re.search(pattern, text)
+        if match:
+            return match
+    return None
+
+
+def error_of(k: Kernel, msg_id: str, since: float) -> tuple[dict | None, float]:
+    """The error the running cell ``msg_id`` ends with (None if it succeeds), and when: seconds after ``since``."""
+    error, seconds = None, 0.0
+    while True:
+        msg = k.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            error, seconds = msg["content"], time.monotonic() - since
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return error, seconds
+
+
+def test_two_nodes_reduce_together_with_torchrun_variables_and_results_come_back(cluster, cluster_kernel):
+    local, _ = cluster
+    r = cluster_kernel.execute(
+        HEADER
+        + INIT
+        + """\
+x = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(x)
+names = ('RANK', 'LOCAL_RANK', 'GROUP_RANK', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE', 'GROUP_WORLD_SIZE', 'MASTER_ADDR')
+print('env', ' '.join(os.environ[n] for n in names), 'sum', int(x.item()))
+total = int(x.item())
+torch.save({'rank': dist.get_rank()}, 'weights.pt')
+dist.destroy_process_group()
+""",
+        timeout=240,
+    ).ok()
+    rows = sorted(line.split("env ")[1] for line in r.stdout.splitlines() if "env " in line)
+    assert len(rows) == 4, r.stdout
+    master = rows[0].split()[6]
+    assert master in local.addresses[1:] and master != "127.0.0.1"
+    assert rows == [f"{rank} {rank % 2} {rank // 2} 2 4 2 {master} sum 10" for rank in range(4)]
+    assert "copied into this notebook's folder" in r.stderr and "weights.pt" in r.stderr
+    assert cluster_kernel.value("total") == 10
+    assert cluster_kernel.value("torch.load('weights.pt')") == {"rank": 0}
+    assert not leftovers(cluster_kernel)
+
+
+DATA = """
+import json, os, torch, taas
+from torch.utils.data import DataLoader, Dataset
+class Indices(Dataset):
+    # element i is (i, the last part of the address of the node that built it)
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.tensor([i, int(os.environ.get('TAAS_NODE_ADDRESS', '0.0.0.0').split('.')[-1])])
+torch.manual_seed(0)
+loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
+taas.register(loader)
+"""
+COLLECT = """seen = [[b[:, 0].tolist() for b in loader] for epoch in range(2)]
+built = sorted({node for b in loader for node in b[:, 1].tolist()})
+print("GOT " + json.dumps({"rank": taas.rank(), "len": len(loader), "passes": seen, "built": built}))
+"""
+
+
+@pytest.fixture(scope="module")
+def registered(cluster_kernel):
+    cluster_kernel.execute(DATA).ok()
+    return cluster_kernel
+
+
+def collected(result) -> dict[int, dict]:
+    found = {}
+    for match in re.finditer(r"GOT (\{.*\})", result.stdout):
+        record = json.loads(match[1])
+        found[record["rank"]] = record
+    return found
+
+
+def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_order_as_here(cluster, registered):
+    local, _ = cluster
+    cluster_kernel = registered
+    r = cluster_kernel.execute(HEADER + COLLECT, timeout=240).ok()
+    got = collected(r)
+    here = collected(
+        cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok()
+    )
+    assert sorted(got) == [0, 1, 2, 3], r.stdout
+    for number in range(2):
+        per_rank = [[i for batch in got[rank]["passes"][number] for i in batch] for rank in range(4)]
+        assert [len(got[rank]["passes"][number]) for rank in range(4)] == [4] * 4 == [got[0]["len"]] * 4
+        union = [i for part in per_rank for i in part]
+        assert sorted(set(union)) == list(range(50)), "every element of the pass is delivered"
+        assert len(union) == 62 and len(union) - len(set(union)) == 12, "13 batches padded to 16"
+    assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}, (
+        "the same order as on this machine"
+    )
+    head = int(local.addresses[0].split(".")[-1])
+    assert {node for g in got.values() for node in g["built"]} == {head}, "built on the CPU node alone"
+    assert re.search(r"taas: loader: \d+ elements delivered to 4 ranks", r.stderr), r.stderr
+    views = [d["text/plain"] for d in r.displays]
+    assert views and views[-1].startswith("taas: 4 ranks on cpu · done in "), views
+    assert any(line.startswith("loader ") and " produced · " in line for line in views[-1].splitlines()), views
+    assert any(line.startswith("node 1 ") and "2 done" in line for line in views[-1].splitlines()), views
+    assert not leftovers(cluster_kernel)
+
+
+def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hold(cluster, registered):
+    """Producers on the nodes of the ranks when the cluster has no node for them: here, by naming a
+    configuration for producer nodes that the cluster lacks (c1.80)."""
+    cluster_kernel = registered
+    local, _ = cluster
+    cluster_kernel.execute("import taas_magic.kernel.cluster_link as _link\n_link.PRODUCER_NODE = 'c1.80'").ok()
+    try:
+        r = cluster_kernel.execute(
+            "#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2 --units 20\n" + COLLECT, timeout=240
+        ).ok()
+        built = cluster_kernel.execute(
+            "#!t.2\n#pragma taas --gpus 4 --device cpu --cpus 2\n"
+            "print('BUILT', sorted({int(b[0, 1]) for b in loader}))",
+            timeout=240,
+        ).ok()
+    finally:
+        cluster_kernel.execute("_link.PRODUCER_NODE = 'c1.4'").ok()
+    got = collected(r)
+    assert [[len(p) for p in got[rank]["passes"]] for rank in range(4)] == [[4, 2]] * 4, "13 units, then 7 of 20"
+    assert all(g["built"] == [] for g in got.values()), "the third pass is beyond --units"
+    here = collected(
+        cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local --units 20\n" + COLLECT, timeout=120).ok()
+    )
+    assert {rank: g["passes"] for rank, g in got.items()} == {rank: g["passes"] for rank, g in here.items()}
+    r = built
+    nodes = {node for line in r.stdout.splitlines() if "BUILT" in line for node in json.loads(line.split("BUILT ")[1])}
+    assert nodes == {int(address.split(".")[-1]) for address in local.addresses[1:]}, (
+        "one producer on each node of the run, none on the CPU node"
+    )
+    assert not leftovers(cluster_kernel)
+
+
+def test_more_producers_than_cpu_nodes_is_refused_in_one_line(registered):
+    cluster_kernel = registered
+    r = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --cpus 2") + "print('never', len(loader))", timeout=30
+    )
+    assert r.error is not None and r.error["ename"] == "TaasUsageError"
+    assert (
+        "2 data producers need a node of c1.4 each, the cluster has 1: ask for fewer with --cpus" in r.error["evalue"]
+    )
+    assert "never" not in r.stdout and not leftovers(cluster_kernel)
+
+
+def test_a_failing_dataset_on_the_cpu_node_fails_the_cell_naming_the_loader_and_element(registered):
+    cluster_kernel = registered
+    cluster_kernel.execute("broken = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(broken)").ok()
+    r = cluster_kernel.execute(HEADER + "for batch in broken:\n    pass", timeout=120)
+    assert r.error is not None, r.stdout
+    assert r.error["evalue"].startswith(
+        "producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): "
+    )
+    assert "ValueError: sample 21 is corrupt" in r.error["evalue"] and "raise ValueError" in r.traceback
+    assert re.search(r"Cell In\[\d+\]", r.traceback), (
+        "the dataset's cell, shipped for tracebacks, is named as IPython names it"
+    )
+    assert r.seconds < 20
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute("taas.unregister(broken)").ok()
+
+
+def test_an_interrupt_stops_ranks_and_producers_on_every_node(registered):
+    cluster_kernel = registered
+    cluster_kernel.execute("""
+import time
+class Slow(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.5)
+        return super().__getitem__(i)
+slow = DataLoader(Slow(1000), batch_size=2)
+taas.register(slow)
+""").ok()
+    r = cluster_kernel.execute(HEADER + "for batch in slow:\n    pass", timeout=60, interrupt_after=5)
+    assert r.error is not None and "KeyboardInterrupt" in r.traceback, r.error
+    assert r.seconds < 5 + 10
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute("taas.unregister(slow)").ok()
+
+
+@pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
+def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
+    """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel
+    uploads it without holding the package: that call would wait forever through Ray Client), warm
+    agents, delivery and node list; the connected kernel (cluster_kernel) stays idle meanwhile."""
+    local, config = cluster
+    pytest.importorskip("grpc")  # ray[client]
+    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        (tmp_path / "clientmod.py").write_text("VALUE = 3\n")  # the notebook's folder goes up through Ray Client
+        k.execute(f"os.chdir({str(tmp_path)!r})").ok()
+        r = k.execute(f"%taas cluster {local.client_address}", timeout=120).ok()
+        assert f"connected to the Ray cluster at {local.client_address}: 3 nodes" in r.stdout
+        assert re.search(r"t\.2: 2 nodes \(2 free, 0 with a warm agent\)", r.stdout), r.stdout
+        k.execute(
+            HEADER + INIT + "import clientmod\nx = torch.ones(1) * clientmod.VALUE\ndist.all_reduce(x)\n"
+            "total = int(x.item())\ndist.destroy_process_group()",
+            timeout=240,
+        ).ok()
+        assert k.value("total") == 12
+        warm = k.execute(HEADER + "pass", timeout=60).ok()
+        assert warm.seconds < 5, warm.seconds  # about 0.3 s on an idle 2-core machine
+        k.execute(DATA).ok()
+        got = collected(k.execute(HEADER + COLLECT, timeout=240).ok())
+        assert [len(got[rank]["passes"][0]) for rank in range(4)] == [4] * 4
+        # Ray Client keeps gRPC threads in the kernel; forked ranks would get copies of them
+        local = k.execute(
+            "#pragma taas --gpus 2 --device cpu --on local\nimport os\nprint(sorted({open("
+            "f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')}))"
+        ).ok()
+        assert "gRPC runs threads in this kernel" in local.stderr
+        assert "event_engine" not in local.stdout and "lifeguard" not in local.stdout, local.stdout
+        k.execute("%taas cluster off").ok()
+    finally:
+        k.shutdown()
+    assert not leftovers(registered)
+
+
+def test_the_store_port_is_open_for_the_run_only(cluster_kernel):
+    # The barrier first: a rank that leaves while gloo still connects the others' mesh breaks their setup.
+    r = cluster_kernel.execute(
+        HEADER + INIT + "print('store', os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'])\n"
+        "dist.barrier()\ndist.destroy_process_group()",
+        timeout=120,
+    ).ok()
+    address, port = r.stdout.split("store ")[1].split()[:2]
+    import socket
+
+    with socket.socket() as probe:
+        assert probe.connect_ex((address, int(port))) != 0, "node 0 closed the run's store with the run"
+
+
+def test_a_node_with_other_versions_is_refused_before_anything_starts(cluster_kernel):
+    """The kernel compares its own versions with each new agent's (here the kernel claims others)."""
+    cluster_kernel.execute("%taas cluster release").ok()
+    cluster_kernel.execute(
+        "import taas_magic.launch.cluster.connection as _cluster\n_versions = _cluster.versions\n"
+        "_cluster.versions = lambda: ('3.99.0', '9.9', '9.9.9')"
+    ).ok()
+    try:
+        r = cluster_kernel.execute(HEADER + "print('never')", timeout=240)
+    finally:
+        cluster_kernel.execute("_cluster.versions = _versions").ok()
+    assert r.error is not None and r.error["ename"] == "TaasUsageError", r.error
+    assert re.search(
+        r"node 127\.0\.0\.\d+ runs Python 3\.\d+\.\d+, torch \S+, taas-magic \S+; this kernel runs "
+        r"Python 3\.99\.0, torch 9\.9, taas-magic 9\.9\.9: install the same on every node",
+        r.error["evalue"],
+    )
+    assert "never" not in r.stdout and not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('matching again')", timeout=240).ok()
+
+
+def test_a_warm_cell_starts_in_about_a_second(cluster_kernel):
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
+    r = cluster_kernel.execute(HEADER + "print('warm', os.environ['RANK'])", timeout=60).ok()
+    assert sorted(line for line in r.stdout.splitlines() if "warm" in line) == [
+        f"[rank {rank}] warm {rank}" for rank in range(4)
+    ]
+    assert r.seconds < 5, r.seconds  # about 0.3 s on an idle 2-core machine; shared CI machines are slower
+
+
+def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_cell_runs(cluster_kernel):
+    started = time.monotonic()
+    r = cluster_kernel.execute(
+        HEADER
+        + INIT
+        + """\
+if dist.get_rank() == 3:
+    raise ValueError('bad batch on rank 3')
+dist.barrier()
+""",
+        timeout=120,
+    )
+    assert r.error is not None and "rank 3 failed" in r.error["evalue"] and "bad batch on rank 3" in r.error["evalue"]
+    assert "raise ValueError('bad batch on rank 3')" in r.traceback
+    # The peers on both nodes waited in the barrier: stopped by the failure, whoever saw rank 3 leave first.
+    assert "stopped after the failure: ranks 0-2" in r.traceback and "also failed" not in r.traceback, r.traceback
+    assert "Connection" not in r.traceback + r.stderr and "where they were when rank 3 failed:" in r.traceback
+    assert time.monotonic() - started < 30
+    cluster_kernel.execute(HEADER + "print('again')", timeout=60).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_breakpoint_and_taas_debug_on_a_node_show_the_cells_lines_around_where_the_rank_stopped(cluster_kernel):
+    r = cluster_kernel.execute(
+        HEADER + "import os\nmine = int(os.environ['RANK'])\nx = 5\nif mine == 3:\n    breakpoint()\n    x = 6\ny = x",
+        answers=["c"],
+        timeout=120,
+    ).ok()
+    shown = ANSI.sub("", r.each_rank())
+    for line in ("    breakpoint()", "    x = 6", "y = x"):
+        assert re.search(rf"^\[rank 3\] .*\d+ {re.escape(line)}$", shown, re.M), shown
+    first = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep") + "import os\nmine = int(os.environ['RANK'])", timeout=240
+    ).ok()
+    try:
+        r = cluster_kernel.execute(
+            "#pragma taas --ranks 3\nfactor = 7\nraise KeyError(f'on rank {mine}')\ndone = 1", timeout=60
+        )
+        assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'", first.stdout
+        shown = ANSI.sub("", cluster_kernel.execute("%taas debug", answers=["c"], timeout=60).ok().each_rank())
+        for line in ("factor = 7", "raise KeyError(f'on rank {mine}')", "done = 1"):
+            assert re.search(rf"^\[rank 3\] .*\d+ {re.escape(line)}$", shown, re.M), shown
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_failed_run_starts_again_on_the_cluster_with_max_restarts(cluster_kernel):
+    r = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --max-restarts 1")
+        + INIT
+        + """\
+restart = int(os.environ['TORCHELASTIC_RESTART_COUNT'])
+if restart == 0 and dist.get_rank() == 3:
+    raise RuntimeError('node 1 had a bad start')
+dist.barrier()
+started_again = restart
+dist.destroy_process_group()
+""",
+        timeout=120,
+    ).ok()
+    assert "rank 3 failed: RuntimeError: node 1 had a bad start: every rank starts again (restart 1 of" in r.stderr
+    assert cluster_kernel.value("started_again") == 1
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster_kernel):
+    first = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep")
+        + INIT
+        + "mine = dist.get_rank()\nprint('pid', os.getpid(), flush=True)",
+        timeout=240,
+    ).ok()
+    try:
+        cluster_kernel.execute("offset = torch.tensor([100.0])").ok()
+        r = cluster_kernel.execute(
+            "#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+            "x = torch.ones(1) * mine + offset\ndist.all_reduce(x)\ntotal = x.item()",
+            timeout=60,
+        ).ok()
+        assert sorted(re.findall(r"pid \d+", r.stdout)) == sorted(re.findall(r"pid \d+", first.stdout)), (
+            "the same processes on every node run the next cell"
+        )
+        assert cluster_kernel.value("total") == 406.0, "the notebook's new tensor reached every node"
+        cluster_kernel.execute("%taas pull mine").ok()
+        assert cluster_kernel.value("(list(mine), mine.ranks)") == ([0, 1, 2, 3], (0, 1, 2, 3)), "from both nodes"
+        cluster_kernel.execute("offset = 'pushed'\n%taas push offset --ranks 2-3").ok()
+        r = cluster_kernel.execute("#pragma taas --from all\nseen = str(offset)", timeout=60).ok()
+        assert cluster_kernel.value("list(seen)") == ["tensor([100.])"] * 2 + ["pushed"] * 2
+        r = cluster_kernel.execute("#pragma taas --ranks 3\nraise KeyError(f'on rank {mine}')", timeout=60)
+        assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'" and "the session goes on" in r.traceback
+        r = cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).ok()
+        assert "[rank 3] 3" in r.each_rank(), r.stdout
+        assert "session:             up: 4 ranks" in cluster_kernel.execute("%taas").ok().stdout
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cluster, registered):
+    local, _ = cluster
+    cluster_kernel = registered
+    here = collected(
+        cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok()
+    )
+    cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep --cpus 1") + "import json, taas", timeout=240
+    ).ok()
+    try:
+        cells = [cluster_kernel.execute("#pragma taas\n" + COLLECT, timeout=120).ok() for _ in range(2)]
+        got = [collected(r) for r in cells]
+        assert all(sorted(g) == [0, 1, 2, 3] and all(record["len"] == 4 for record in g.values()) for g in got)
+        assert {rank: g["passes"] for rank, g in got[0].items()} == {rank: g["passes"] for rank, g in here.items()}, (
+            "the session's first passes are a one-shot cell's, in the same order"
+        )
+        for number in range(2):
+            union = [i for rank in range(4) for batch in got[1][rank]["passes"][number] for i in batch]
+            assert sorted(set(union)) == list(range(50)) and len(union) == 62, "the next cell's passes are whole"
+        head = int(local.addresses[0].split(".")[-1])
+        assert {node for g in got for record in g.values() for node in record["built"]} == {head}, (
+            "built on the CPU node alone"
+        )
+        assert re.search(r"taas: loader: 48 elements delivered to 4 ranks", cells[1].stderr), cells[1].stderr
+        cluster_kernel.execute("late = DataLoader(Indices(8), batch_size=2)\ntaas.register(late)").ok()
+        r = cluster_kernel.execute("#pragma taas\nfor batch in late:\n    pass", timeout=60)
+        assert r.error["evalue"] == (
+            "registered loader 'late' was registered after the session started, and on a "
+            "cluster a session's producers start with it: %taas stop, then start the "
+            "session again with --keep to have it served"
+        )
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+        cluster_kernel.execute(
+            "if any(loader is globals().get('late') for loader in taas.registered()):\n    taas.unregister(late)"
+        ).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autoreload_on(cluster_kernel, shared_modules):
+    module = shared_modules / "on_nodes.py"
+
+    def write(value: int) -> None:  # a time that moves on by whole seconds: cached bytecode goes by them
+        module.write_text(f"def f():\n    return {value}\n")
+        os.utime(module, (1_700_000_000 + 10 * value,) * 2)
+
+    write(1)
+    cluster_kernel.execute("%load_ext autoreload\n%autoreload 2\nimport on_nodes").ok()
+    try:
+        r = cluster_kernel.execute(
+            HEADER.replace("--device cpu", "--device cpu --keep")
+            + "held = on_nodes.f\nprint('before', held(), flush=True)",
+            timeout=240,
+        ).ok()
+        assert r.each_rank().count("before 1") == 4, r.stdout
+        write(2)
+        r = cluster_kernel.execute("#pragma taas --return none\nprint('after', on_nodes.f(), held())", timeout=60).ok()
+        assert cluster_kernel.value("on_nodes.f()") == 2
+        assert r.each_rank().count("after 2 2") == 4, r.stdout
+        cluster_kernel.execute("%autoreload off").ok()
+        write(3)
+        r = cluster_kernel.execute("#pragma taas --return none\nprint('kept', on_nodes.f())", timeout=60).ok()
+        assert cluster_kernel.value("on_nodes.f()") == 2
+        assert r.each_rank().count("kept 2") == 4, r.stdout
+    finally:
+        cluster_kernel.execute("%taas stop\n%autoreload off").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_interrupt_stops_every_rank_on_every_node(cluster_kernel):
+    r = cluster_kernel.execute(
+        HEADER + "print('sleeping', flush=True)\ntime.sleep(600)", timeout=60, interrupt_after=4.0
+    )
+    assert r.error is not None and "KeyboardInterrupt" in r.traceback, r.error
+    assert "every rank stopped (ranks 0-3: KeyboardInterrupt)" in r.traceback
+    assert r.seconds < 4.0 + 10
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('after')", timeout=60).ok()
+
+
+def test_an_interrupt_while_the_agents_start_leaves_nothing_and_the_next_cell_runs(cluster_kernel):
+    cluster_kernel.execute("%taas cluster release").ok()
+    r = cluster_kernel.execute(HEADER + "print('never')", timeout=60, interrupt_after=1.0)
+    assert r.error is not None and "KeyboardInterrupt" in r.error["ename"] and "never" not in r.stdout
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('after')", timeout=240).ok()
+
+
+def test_a_name_that_cannot_travel_fails_the_cell_before_any_node_is_taken(cluster_kernel):
+    cluster_kernel.execute("import threading\nlock = threading.Lock()").ok()
+    r = cluster_kernel.execute(HEADER + "print(lock)", timeout=60)
+    assert r.error is not None and "the cell needs 'lock'" in r.error["evalue"], r.error
+    assert "cannot be sent to ranks on the cluster's nodes" in r.error["evalue"]
+    assert not leftovers(cluster_kernel)
+
+
+def test_every_kind_of_notebook_value_reaches_the_nodes_and_comes_back(cluster_kernel):
+    """None, NaN, mocks, modules, objects whose ``__eq__`` raises… (notebook_values.py) are read by a
+    cell on two nodes and by a configuration line alone on a CPU node; the generator, which cannot
+    travel, is named in one line, before any node is taken."""
+    everything = {f"v_{kind}": expression for kind, expression in KINDS.items()}
+    picklable = {name: expression for name, expression in everything.items() if not unpicklable(expression)}
+    cluster_kernel.execute(SETUP + "".join(f"{name} = {expression}\n" for name, expression in everything.items())).ok()
+    reads = ", ".join(picklable)
+    r = cluster_kernel.execute(
+        HEADER + f"print('kinds', [type(v).__name__ for v in ({', '.join(everything)},)])", timeout=60
+    )
+    assert r.error is not None and r.error["evalue"].startswith("the cell needs 'v_generator'"), r.error
+    assert not leftovers(cluster_kernel)
+    expected = cluster_kernel.value(f"[type(v).__name__ for v in ({reads},)]")
+    r = cluster_kernel.execute(
+        HEADER
+        + f"print('kinds', [type(v).__name__ for v in ({reads},)], flush=True)\n"
+        + "".join(f"back_{name} = {name}\n" for name in picklable),
+        timeout=240,
+    ).ok()
+    assert r.each_rank().count(f"kinds {expected!r}") == 4, r.stdout
+    assert (
+        cluster_kernel.value(f"[type(b).__name__ for b in ({', '.join('back_' + n for n in picklable)},)]") == expected
+    )
+    r = cluster_kernel.execute("#!c1.4\nprint('alone', type(v_none).__name__, v_nan != v_nan)", timeout=60).ok()
+    assert "alone NoneType True" in r.stdout
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_run_that_needs_more_nodes_than_the_cluster_has_is_refused_in_one_line(cluster_kernel):
+    r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 8 --device cpu\nprint('never')", timeout=30)
+    assert r.error is not None and r.error["ename"] == "TaasUsageError"
+    assert "4 nodes of t.2 needed, the cluster has 2" in r.error["evalue"]
+    assert r.seconds < 10 and "never" not in r.stdout
+    r = cluster_kernel.execute("#!t.2\n#pragma taas --gpus 3 --device cpu\npass", timeout=30)
+    assert "--gpus 3 does not fit t.2 (2 GPUs per node): use 1-2, 4 or 8" in r.error["evalue"]
+
+
+def test_lightning_ddp_spans_the_nodes_without_process_group_code(cluster_kernel):
+    from support.cells import REGRESSION
+
+    cluster_kernel.execute(REGRESSION).ok()
+    r = cluster_kernel.execute(
+        HEADER
+        + """\
+model = Regression()
+trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", max_epochs=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, DataLoader(TensorDataset(X, Y), batch_size=32))
+w = [round(v, 3) for v in model.layer.weight.detach().flatten().tolist()]
+print("RESULT", trainer.global_rank, trainer.node_rank, trainer.world_size, w)
+""",
+        timeout=240,
+    ).ok()
+    lines = sorted(line.split("RESULT ", 1)[1] for line in r.stdout.splitlines() if "RESULT" in line)
+    assert [line.split()[:3] for line in lines] == [["0", "0", "4"], ["1", "0", "4"], ["2", "1", "4"], ["3", "1", "4"]]
+    assert len({line.split(" ", 3)[3] for line in lines}) == 1, "DDP kept every rank's weights identical"
+    assert cluster_kernel.value("str(w)") == lines[0].split(" ", 3)[3]
+
+
+def test_a_configuration_line_alone_runs_the_cell_as_one_process_on_such_a_node(cluster, cluster_kernel):
+    local, _ = cluster
+    cluster_kernel.execute("numbers = list(range(10))").ok()
+    r = cluster_kernel.execute(
+        "#!c1.4\nprint('on', os.environ['MASTER_ADDR'], os.environ['WORLD_SIZE'])\ntotal = sum(numbers)", timeout=240
+    ).ok()
+    assert r.stdout.strip() == f"on {local.addresses[0]} 1"  # unlabelled: one process, no [rank 0]
+    assert cluster_kernel.value("total") == 45
+
+
+def test_a_save_under_an_absolute_path_stays_on_the_node_and_the_cell_says_so(cluster_kernel, tmp_path):
+    target = tmp_path / "elsewhere.pt"
+    r = cluster_kernel.execute(HEADER + f"torch.save({{'a': 1}}, {str(target)!r})", timeout=120).ok()
+    assert f"taas: rank 0 saved {target} on node 127.0.0." in r.stderr and "stays on its node" in r.stderr
+    assert "copied into this notebook's folder" not in r.stderr
+
+
+def test_a_run_waits_briefly_for_busy_nodes_then_says_how_many_are_free(cluster_kernel):
+    cluster_kernel.execute("import ray\nheld = ray.util.placement_group([{'taas:t.2': 1}])\nheld.wait(10)").ok()
+    try:
+        r = cluster_kernel.execute(HEADER + "print('never')", timeout=60)
+        assert r.error is not None and "2 nodes of t.2 needed, 1 of the cluster's 2 are free now" in r.error["evalue"]
+        assert r.seconds < 12 and "never" not in r.stdout
+    finally:
+        cluster_kernel.execute("ray.util.remove_placement_group(held)").ok()
+    cluster_kernel.execute(HEADER + "print('free again')", timeout=60).ok()
+
+
+def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
+    r = cluster_kernel.execute(
+        "#!t.2\n#pragma taas --gpus 4 --device cpu --timeout 3\ndef wait_here():\n    time.sleep(600)\nwait_here()",
+        timeout=60,
+    )
+    assert r.error is not None and "--timeout 3 s elapsed: ranks 0-3 still running" in r.error["evalue"]
+    assert "ranks 0-3 (nodes 0, 1): in no collective:" in r.traceback, r.traceback
+    assert r.traceback.count("in wait_here") == 1, "one place, shown once for the ranks of both nodes"
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_hang_across_nodes_is_diagnosed_with_each_rank_s_node(cluster_kernel):
+    r = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --hang-after 3 --timeout 15")
+        + INIT
+        + """\
+import time
+if dist.get_rank() != 3:
+    dist.barrier()
+time.sleep(60)
+""",
+        timeout=120,
+    )
+    shown = ANSI.sub("", r.stderr)
+    assert (
+        "taas: no progress for 3 s: rank 3 has not entered barrier #1 that ranks 0-2 wait in; it is at Cell In["
+        in shown
+    ), shown
+    assert "ranks 0-2 (nodes 0, 1): in barrier #1 for" in shown, shown
+    assert "rank 3 (node 1): in no collective:" in shown, shown
+    assert "time.sleep(60)" in shown
+    assert r.error is not None and r.error["ename"] == "RunTimedOut"
+    assert "ranks 0-2 (nodes 0, 1): in barrier #1" in ANSI.sub("", r.traceback)
+    assert not leftovers(cluster_kernel)
+
+
+def test_on_local_runs_on_this_machine_while_connected(cluster_kernel):
+    r = cluster_kernel.execute("#pragma taas --gpus 2 --device cpu --on local\nprint(os.environ['MASTER_ADDR'])").ok()
+    assert r.each_rank().count("127.0.0.1") == 2
+
+
+def test_cluster_command_shows_nodes_by_configuration(cluster, cluster_kernel):
+    local, _ = cluster
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()  # the agents are warm after a cell
+    r = cluster_kernel.execute("%taas cluster").ok()
+    assert f"connected to the Ray cluster at {local.address}: 3 nodes" in r.stdout
+    assert re.search(r"t\.2: 2 nodes \(2 free, 2 with a warm agent\)", r.stdout), r.stdout
+    assert "c1.4: 1 node" in r.stdout
+    assert f"cluster:             {local.address} (cells run there" in cluster_kernel.execute("%taas").ok().stdout
+
+
+def test_a_producer_node_lost_mid_run_fails_the_cell_naming_it(cluster, registered):
+    """A second c1.4 node hosts the producer (the head's is held by someone else) and dies mid-run."""
+    local, _ = cluster
+    cluster_kernel = registered
+    extra = local.add_node("c1.4")
+    cluster_kernel.execute(f"""
+import ray, time
+held = ray.util.placement_group([{{'taas:c1.4': 1, 'node:{local.addresses[0]}': 0.001}}])
+held.wait(10)
+class Slow(Indices):
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+slow = DataLoader(Slow(100000), batch_size=2)
+taas.register(slow)
+""").ok()
+    try:
+        msg_id = cluster_kernel.client.execute(
+            HEADER + "for batch in slow:\n    print('built on', int(batch[0, 1]), flush=True)"
+        )
+        assert first_match(cluster_kernel, msg_id, rf"built on {extra.split('.')[-1]}\b"), (
+            "the producer ran on the added node"
+        )
+        killed = time.monotonic()
+        local.remove_node(extra)
+        error, seconds = error_of(cluster_kernel, msg_id, since=killed)
+        assert error is not None and f"node {extra}" in error["evalue"], error
+        assert seconds < 15, seconds
+    finally:
+        cluster_kernel.execute("ray.util.remove_placement_group(held)\ntaas.unregister(slow)").ok()
+    cluster_kernel.execute(HEADER + COLLECT, timeout=240).ok()  # fed from the head again
+    # The lost node's run folder (on this machine, as every node is) goes when an agent next starts.
+    cluster_kernel.execute("%taas cluster release").ok()
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
+    """Last in this module: it kills a node (and adds another for what follows)."""
+    local, _ = cluster
+    code = "print('on', os.environ['RANK'], os.environ['MASTER_ADDR'], flush=True)\ntime.sleep(600)"  # node 0 dies
+    msg_id = cluster_kernel.client.execute(HEADER + code)
+    match = first_match(cluster_kernel, msg_id, r"on \d+ (127\.0\.0\.\d+)")
+    assert match is not None
+    node = match.group(1)
+    killed = time.monotonic()
+    local.remove_node(node)
+    error, seconds = error_of(cluster_kernel, msg_id, since=killed)
+    assert error is not None and f"node {node}" in error["evalue"], error
+    assert seconds < 15, seconds
+    local.add_node("t.2", cpus=2)
+    cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
+    local, config = cluster
+    others = {p.pid for p in node_agents()}  # the other kernel's
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "TAAS_CLUSTER_IDLE": "3"}
+    )
+    try:
+        kernel_state = (
+            "(sorted(os.environ.items()), [str(signal.getsignal(s)) for s in signal.valid_signals() "
+            "if s not in (signal.SIGKILL, signal.SIGSTOP)])"
+        )
+        k.execute("import signal").ok()
+        before = k.value(kernel_state)
+        k.execute(HEADER + "print('up', flush=True)", timeout=240).ok()
+        assert k.value(kernel_state) == before, (
+            "connecting to Ray left the kernel's environment and handlers as they were"
+        )
+        idle = [p for p in node_agents() if p.pid not in others]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(p) for p in idle):
+            time.sleep(0.5)
+        assert idle and not [p for p in idle if alive(p)], "agents unused for TAAS_CLUSTER_IDLE seconds leave"
+        k.execute(HEADER + "print('new agents', flush=True)", timeout=240).ok()
+        k.client.execute(HEADER + "time.sleep(600)")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(rank_processes()) < 4:  # the cell's ranks are starting
+            time.sleep(0.2)
+        time.sleep(0.5)  # and have started
+        agents = [p for p in node_agents() if p.pid not in others]
+        ranks = rank_processes()
+        assert len(agents) == 2 and len(ranks) >= 4, ranks
+        os.kill(k.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        left = agents + ranks
+        while time.monotonic() < deadline and any(alive(p) for p in left):
+            time.sleep(0.5)
+        assert not [p for p in left if alive(p)]
+    finally:
+        k.shutdown()  # a failed assertion must not leave the kernel to later tests
+
+
+def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
+    """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
+    from taas_magic.configurations import load_catalog
+    from taas_magic.launch.cluster.connection import Node, free_count
+
+    shape = load_catalog().get("g2.8")
+    free = Node("a", "127.0.0.2", {"taas:g2.8": 1, "GPU": 8}, {"taas:g2.8": 1, "GPU": 8})
+    busy = Node("b", "127.0.0.3", {"taas:g2.8": 1, "GPU": 8}, {"GPU": 0})
+    unreported = Node("c", "127.0.0.4", {"taas:g2.8": 1, "GPU": 8}, None)
+    assert free_count([free, busy], shape) == 1
+    assert free_count([free, unreported], shape) is None
+    assert not unreported.free_for(shape)
+
+
+def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
+    """A kernel where `import ray` fails, as where it is not installed."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    k = Kernel({"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    try:
+        r = k.execute("%taas cluster 127.0.0.2:6379")
+        assert (
+            r.error is not None and r.error["evalue"] == "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
+        )
+        k.execute("#pragma taas --gpus 2\nprint('here')").ok()  # still usable on this machine
+    finally:
+        k.shutdown()
+
+
+def test_an_address_where_nothing_answers_is_one_line_at_once_and_the_kernel_stays_here():
+    k = Kernel()
+    try:
+        r = k.execute("%taas cluster 127.0.0.9:1", timeout=30)
+        assert r.error is not None and r.error["evalue"].startswith(
+            "nothing answers at 127.0.0.9:1 (Connection refused)"
+        )
+        assert r.seconds < 10
+        assert "cluster:             none" in k.execute("%taas").ok().stdout
+        k.execute("#pragma taas --gpus 2\nprint('here')").ok()
+    finally:
+        k.shutdown()
+
+
+def test_nothing_of_the_cluster_talked_beyond_loopback_but_name_lookups(cluster, peers):
+    """Last in this module but one: through everything above (start, runs, failures, a lost node, a
+    dead kernel), no process of the cluster or of taas had a peer beyond loopback other than the
+    machine's name server. Ray's own services listen on every interface, as a cluster's must
+    (docs/cluster.md says so); nobody reached out."""
+    time.sleep(0.3)  # one more sample
+    assert peers.thread.isalive()
+    assert not [peer for peer in peers.outside if not peer[2].endswith(":53")], sorted(peers.outside)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="torch's TCPStore names each connection's peer with getnameinfo: "
+    "a reverse lookup of 127.0.0.x, which /etc/hosts lacks, asks the machine's name server",
+)
+def test_no_name_lookup_left_the_machine(cluster, peers):
+    assert not peers.outside, sorted(peers.outside)
+
+
+# -- kernel-level commands while a session runs on the cluster ------------------------------------
+SESSION = HEADER.replace("--device cpu", "--device cpu --keep") + INIT + "mine = dist.get_rank()\n"
+
+
+def test_cluster_commands_leave_a_running_session_alone_or_refuse_in_one_line(cluster, cluster_kernel):
+    local, _ = cluster
+    cluster_kernel.execute(SESSION, timeout=240).ok()
+    try:
+        r = cluster_kernel.execute("%taas cluster release").ok()
+        kept = re.fullmatch(
+            r"taas: 0 warm agents released; (\d) kept: they serve the running session "
+            r"\(%taas stop ends it\)",
+            r.stdout.strip(),
+        )
+        assert kept and int(kept[1]) >= 2, r.stdout  # its 2 nodes (and a node of its data producers, if any)
+        for command in ("%taas cluster off", f"%taas cluster {local.address}"):
+            r = cluster_kernel.execute(command, timeout=60)
+            assert r.error is not None and r.error["evalue"] == (
+                "a session runs on the cluster (4 ranks): %taas stop first, then change the cluster"
+            ), r.error
+        cluster_kernel.execute("%reload_ext taas_magic").ok()
+        r = cluster_kernel.execute(
+            "#pragma taas\nx = torch.ones(1) * mine\ndist.all_reduce(x)\ntotal = x.item()", timeout=60
+        ).ok()
+        assert cluster_kernel.value("total") == 6.0, "the session's ranks on both nodes still work together"
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+    released = cluster_kernel.execute("%taas cluster release").ok().stdout.strip()
+    assert released == f"taas: {kept[1]} warm agents released", "idle once the session is over"
+
+
+def test_stop_ends_a_session_whose_agents_died_in_one_line(cluster_kernel):
+    others = {p.pid for p in node_agents()}
+    cluster_kernel.execute("%taas cluster release").ok()
+    cluster_kernel.execute(SESSION, timeout=240).ok()
+    try:
+        agents = [p for p in node_agents() if p.pid not in others]
+        assert len(agents) >= 2, "one on each of the session's nodes"
+        for agent in agents:
+            agent.kill()
+        psutil.wait_procs(agents, timeout=10)
+        shown = cluster_kernel.execute("%taas", timeout=60).ok().stdout
+        assert "session:             ended: node 127.0.0." in shown and "its agent died" in shown, shown
+    finally:
+        r = cluster_kernel.execute("%taas stop", timeout=60).ok()
+    assert r.stdout.startswith("taas: the session had already ended (node 127.0.0."), r.stdout
+    cluster_kernel.execute(HEADER + "print('after')", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_taas_and_stop_say_in_one_line_that_a_session_is_over_when_the_connection_is_gone(cluster):
+    local, config = cluster
+    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        k.execute(SESSION, timeout=240).ok()
+        k.execute("import ray\nray.shutdown()").ok()  # as if the cluster went away
+        shown = k.execute("%taas", timeout=60).ok().stdout
+        assert "session:             ended: node 127.0.0." in shown and "its agent cannot be reached" in shown, shown
+        r = k.execute("%taas stop", timeout=60).ok()
+        assert r.stdout.startswith("taas: the session had already ended (node 127.0.0."), r.stdout
+    finally:
+        k.shutdown()

@@ -1,0 +1,531 @@
+"""Sessions (`--keep`): ranks that stay alive from cell to cell, in a real kernel, as a notebook runs them."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+import pytest
+from support.kernel import Kernel
+
+START = """#pragma taas --gpus 2 --keep --start {start}
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+mine = int(os.environ["RANK"])
+run_id = os.environ["TAAS_RUN_ID"]
+print("pid", os.getpid(), flush=True)
+"""
+
+
+def pids(result) -> dict[int, int]:
+    return {int(rank): int(pid) for rank, pid in re.findall(r"\[rank (\d)\] pid (\d+)", result.each_rank())}
+
+
+def gone(pid_list, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while any(psutil.pid_exists(pid) for pid in pid_list) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(psutil.pid_exists(pid) for pid in pid_list)
+
+
+def assert_same_ranks_go_on(kernel: Kernel, first) -> None:
+    """The next cell runs in the session's own processes, and their process group still works."""
+    again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
+    assert pids(again) == pids(first)
+
+
+def stop(kernel: Kernel) -> None:
+    kernel.execute("%taas stop").ok()
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_session_keeps_its_ranks_their_names_and_their_process_group(kernel, start):
+    first = kernel.execute(START.format(start=start)).ok()
+    try:
+        second = kernel.execute(
+            "#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+            "t = torch.tensor([float(mine)])\ndist.all_reduce(t)\ntotal = t.item()"
+        ).ok()
+        assert pids(second) == pids(first) and len(pids(first)) == 2, "the same processes run every cell"
+        assert kernel.value("total") == 1.0, "the process group made in the first cell is still there"
+        assert kernel.value("mine") == 0, "rank 0's names come back after each cell"
+        third = kernel.execute("#pragma taas\nprint('mine', mine)").ok()
+        assert "[rank 1] mine 1" in third.each_rank(), "each rank keeps its own names: rank 0's are not sent to it"
+        shown = kernel.execute("%taas").ok().stdout
+        assert re.search(rf"session: +up: 2 ranks on cpu, started by {start}, 3 cells run, idle for \d+ s", shown), (
+            shown
+        )
+    finally:
+        stop(kernel)
+
+
+def test_the_notebooks_names_go_to_the_ranks_again_only_when_they_changed(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        kernel.execute(
+            "settings = {'lr': 0.1}\nweights = torch.zeros(3)\ndef scaled(x):\n    return x * settings['lr']"
+        ).ok()
+        kernel.execute("#pragma taas\nsettings['lr'] = 0.5 + mine\nweights += 1 + mine").ok()  # the ranks' own changes
+        r = kernel.execute("#pragma taas\nprint('seen', scaled(1.0), weights.tolist())").ok()
+        assert "[rank 1] seen 1.5 [2.0, 2.0, 2.0]" in r.each_rank(), (
+            "unchanged names are not sent again: the ranks keep theirs"
+        )
+        assert kernel.value("weights.tolist()") == [1.0, 1.0, 1.0], "rank 0's weights came back"
+        kernel.execute("settings['lr'] = 2.0\nweights.add_(10)").ok()  # changed in place in the notebook
+        r = kernel.execute("#pragma taas\nprint('seen', scaled(1.0), weights.tolist())").ok()
+        assert "[rank 1] seen 2.0 [11.0, 11.0, 11.0]" in r.each_rank(), r.each_rank()
+        kernel.execute("def scaled(x):\n    return -x").ok()  # redefined: its new code goes
+        assert "[rank 0] seen -1.0" in kernel.execute("#pragma taas\nprint('seen', scaled(1.0))").ok().each_rank()
+    finally:
+        stop(kernel)
+
+
+def test_ranks_runs_a_cell_in_part_of_the_session_and_the_others_wait(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("#pragma taas --ranks 1\nnote = 'only here'\nprint('ran')").ok()
+        assert r.each_rank().strip() == "[rank 1] ran", "labels stay those of the whole session"
+        r = kernel.execute("#pragma taas\nprint('note', globals().get('note'))").ok()
+        assert "[rank 0] note None" in r.each_rank() and "[rank 1] note only here" in r.each_rank()
+        assert kernel.execute("#pragma taas --ranks 0 --return none\nx = 1").ok().stdout == ""
+        bad = kernel.execute("#pragma taas --ranks 0,2\nx = 1")
+        assert bad.error["evalue"] == "--ranks 0,2: the session has ranks 0-1, not rank 2", bad.error
+    finally:
+        stop(kernel)
+
+
+def test_an_exception_fails_the_cell_and_keeps_the_session(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute(
+            "#pragma taas\nimport time\nif mine == 1:\n    raise ValueError('bad batch')\ntime.sleep(30)"
+        )
+        assert r.error["evalue"] == "rank 1 failed: ValueError: bad batch", r.error
+        assert "Cell In[" in r.traceback and "interrupted by taas after the failure: rank 0" in r.traceback
+        assert "the session goes on" in r.traceback and r.seconds < 10
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
+def test_an_interrupt_stops_the_cell_in_every_rank_and_the_session_survives(kernel):
+    first = kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        r = kernel.execute(
+            "#pragma taas\nimport time\ntry:\n    time.sleep(60)\nfinally:\n    print('cleaned', flush=True)",
+            interrupt_after=2.0,
+        )
+        assert "KeyboardInterrupt" in r.traceback and "the session goes on" in r.traceback, r.traceback
+        assert "[rank 0] cleaned" in r.each_rank() and "[rank 1] cleaned" in r.each_rank() and r.seconds < 6
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
+SLOW_TO_UNPICKLE = """
+import time
+class Index:
+    # rebuilds its table when unpickled, as many real objects do: a second in each rank
+    def __init__(self, n):
+        self.n = n
+    def __getstate__(self):
+        return {"n": self.n}
+    def __setstate__(self, state):
+        self.n = state["n"]
+        time.sleep(1.0)
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+@pytest.mark.timing
+def test_an_interrupt_while_ranks_take_the_cell_in_stops_it_before_its_code(kernel, start):
+    """The interrupt reaches the ranks while they unpack a name the notebook changed: it is held for
+    the cell, whose code then does not start, and the session goes on (it was lost before)."""
+    kernel.execute(SLOW_TO_UNPICKLE).ok()
+    first = kernel.execute(START.format(start=start) + "count = 0").ok()
+    try:
+        for n, delay in enumerate((0.3, 0.6)):
+            kernel.execute(f"index = Index({n})").ok()  # changed in the notebook: shipped with the next cell
+            r = kernel.execute(
+                "#pragma taas\nprint('started', index.n)\ntime.sleep(3)\ncount += 1", interrupt_after=delay, timeout=60
+            )
+            assert r.error is not None and r.error["ename"] == "RunInterrupted", (r.stdout, r.traceback)
+            assert "started" not in r.stdout and r.seconds < 2.5, (r.stdout, r.seconds)
+            assert "the session goes on" in r.traceback
+        counts = kernel.execute("#pragma taas\nprint('count', count, index.n)").ok()
+        assert counts.each_rank().count("count 0 1") == 2, counts.stdout
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
+@pytest.mark.parametrize(
+    "options, cell, late",
+    [
+        ("--timeout 2", "if mine == 0:\n    dist.barrier()\nelse:\n    time.sleep(30)", "ranks 0-1"),
+        ("--timeout 2 --ranks 0", "dist.barrier()  # rank 1 is not in the cell", "rank 0"),
+        ("--hang-after 2 --timeout 4", "if mine == 0:\n    dist.barrier()\nelse:\n    time.sleep(30)", "ranks 0-1"),
+    ],
+    ids=["both", "ranks-0", "hang-after"],
+)
+def test_a_session_cell_that_times_out_says_so_before_the_session_ends(kernel, options, cell, late):
+    """taas, not the user, interrupted the cell: the error says the time ran out first, the rank that left
+    on taas's interrupt is not called failed, and the live view becomes the summary."""
+    first = kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute(f"#pragma taas {options}\nimport time\n{cell}", timeout=60)
+    timeout = options.split("--timeout ")[1].split()[0]
+    assert r.error["ename"] == "SessionEnded", r.traceback
+    assert r.error["evalue"].startswith(
+        f"--timeout {timeout} s elapsed: {late} still running, interrupted by taas; "
+        "taas: the session ended: rank 0 did not leave the interrupted cell"
+    ), r.error
+    lines = r.traceback.splitlines()
+    assert lines[0] == f"taas: --timeout {timeout} s elapsed: {late} still running, interrupted by taas", lines
+    assert lines[1].startswith("taas: the session ended: rank 0 did not leave the interrupted cell within 5 s")
+    assert "failed" not in r.traceback and "KeyboardInterrupt" not in r.traceback, r.traceback
+    if late == "ranks 0-1":
+        assert "rank 1: was interrupted by taas" in lines, r.traceback
+    summary = r.displays[-1]["text/plain"].splitlines()
+    assert re.fullmatch(r"taas: \d ranks? on cpu · timed out after [\d.]+ s", summary[0]), summary
+    assert all(row.split()[2] == "stopped" for row in summary[1:]), summary
+    assert r.display_messages[-1][0] == "update_display_data" and "running" not in str(r.displays[-1]), r.displays[-1]
+    assert gone(pids(first).values(), 5)
+    assert "session:             none" in kernel.execute("%taas").ok().stdout
+
+
+def test_a_failure_while_the_others_wait_in_a_collective_ends_the_session_saying_where_once(kernel):
+    first = kernel.execute(START.format(start="fork").replace("--gpus 2", "--gpus 3")).ok()
+    r = kernel.execute(
+        "#pragma taas\nif mine == 1:\n    raise ValueError('bad batch')\ndist.all_reduce(torch.ones(1))", timeout=60
+    )
+    assert r.error["evalue"].startswith(
+        "rank 1 failed: ValueError: bad batch; taas: the session ended: ranks 0,2 "
+        "did not leave the interrupted cell within 5 s"
+    ), r.error
+    tb = r.traceback
+    assert tb.count("where they were") == 1 and "stopped after the failure: ranks 0,2" in tb, tb
+    assert re.search(
+        r"where they were when rank 1 failed:\nranks 0,2: in all_reduce #1 \(4 B float32\) for \d+ s:\n"
+        r".*\n    Cell In\[\d+\], line 4 in <module>\n      dist.all_reduce\(torch.ones\(1\)\)\n"
+        r"taas: the session ended",
+        tb,
+    ), tb
+    rows = [line.split()[:3] for line in r.displays[-1]["text/plain"].splitlines()[1:]]
+    assert rows == [["rank", "0", "stopped"], ["rank", "1", "failed"], ["rank", "2", "stopped"]], rows
+    assert gone(pids(first).values(), 5)
+
+
+def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_its_stack(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute("#pragma taas --ranks 0\ndist.barrier()  # rank 1 is not in the cell", interrupt_after=1.5)
+    assert "the session ended: rank 0 did not leave the interrupted cell within 5 s" in r.traceback, r.traceback
+    assert "where they were:\nrank 0: in barrier #" in r.traceback, r.traceback
+    assert "dist.barrier()  # rank 1 is not in the cell" in r.traceback and r.seconds < 15
+    assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
+    assert "session:             none" in kernel.execute("%taas").ok().stdout
+
+
+def test_a_rank_that_dies_ends_the_session_and_leaves_nothing(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    run_id = kernel.value("run_id")
+    r = kernel.execute("#pragma taas\nimport time\nif mine == 1:\n    os._exit(3)\ntime.sleep(30)")
+    assert r.error["evalue"] == (
+        "taas: the session ended: rank 1 exited with code 3 before the cell finished: its process group cannot continue"
+    ), r.error
+    assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
+    r = kernel.execute("#pragma taas\nprint(os.environ['TAAS_RUN_ID'])").ok()  # a one-shot cell again
+    assert run_id not in r.stdout
+
+
+def test_sys_exit_in_a_session_ends_it(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute("#pragma taas\nimport sys\nsys.exit()")
+    assert re.search(
+        r"the session ended: rank \d ended the session with sys.exit\(\): its process group cannot "
+        "continue",
+        r.traceback,
+    ), r.traceback
+
+
+def test_the_idle_limit_ends_a_forgotten_session(kernel):
+    first = kernel.execute(START.format(start="fork").replace("--keep", "--keep --idle 1")).ok()
+    assert gone(pids(first).values(), 10), "the session's ranks are gone after its idle limit"
+    shown = kernel.execute("%taas").ok().stdout
+    assert "ended: the session was idle for 1 s, its limit (--idle)" in shown, shown
+    r = kernel.execute("#pragma taas\nprint(mine)")
+    assert "the session ended: the session was idle for 1 s" in r.traceback and "This cell did not run" in r.traceback
+    kernel.execute("#pragma taas\nprint('one-shot again')").ok()
+
+
+def test_a_kernel_restart_ends_the_session(fresh_kernel):
+    first = fresh_kernel.execute(START.format(start="forkserver")).ok()
+    assert len(pids(first)) == 2 and not gone(pids(first).values(), 0)
+    fresh_kernel.manager.restart_kernel(now=True)
+    assert gone(pids(first).values(), 3), "a session's ranks are gone within 3 s of the kernel's death"
+
+
+def test_options_that_would_change_the_session_are_refused_before_anything_runs(kernel):
+    assert kernel.execute("#pragma taas --ranks 0\nx = 1").error["evalue"] == (
+        "--ranks 0 runs a cell in part of a session, and none is running: start one with --keep"
+    )
+    assert "--idle 5 applies to a session: add --keep" in kernel.execute("#pragma taas --idle 5\nx = 1").error["evalue"]
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("#pragma taas --gpus 4\nx = 1")
+        assert r.error["evalue"].startswith(
+            "--gpus would change the running session (2 ranks on cpu): %taas stop first"
+        )
+        r = kernel.execute("#pragma taas --cpus 2\nx = 1")
+        assert r.error["evalue"].startswith("--cpus cannot apply to a cell in a session")
+        assert kernel.execute("#pragma taas --gpus 2 --keep\nx = 1").error["evalue"].startswith("a session is running")
+        assert kernel.execute("#pragma taas --gpus 2\nprint('fine')").ok(), "the session's own size is no change"
+        nothing = kernel.execute("%taas debug")
+        assert nothing.error["evalue"].startswith("nothing to debug")
+    finally:
+        stop(kernel)
+    assert kernel.execute("%taas stop").ok().stdout.strip() == "taas: no session is running"
+
+
+# -- the debugger -------------------------------------------------------------------------------
+def test_taas_debug_opens_the_debugger_in_the_failing_rank_and_the_session_goes_on(kernel):
+    kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        kernel.execute(
+            "#pragma taas\ndef step(v):\n    inside = v * 7\n    raise ValueError('boom')\nif mine == 1:\n    step(6)"
+        )
+        r = kernel.execute("%taas debug", answers=["p inside", "up", "p mine", "q"]).ok()
+        assert r.prompts == ["[rank 1] (Pdb) "] * 4, r.prompts
+        assert "[rank 1] 42" in r.each_rank() and "[rank 1] 1" in r.each_rank(), r.each_rank()
+        kernel.execute("#pragma taas\ndist.barrier()\nprint('after', mine)").ok()
+    finally:
+        stop(kernel)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_breakpoint_stops_its_rank_in_the_debugger_in_the_cells_output(kernel, keep):
+    if keep:
+        kernel.execute(START.format(start="fork")).ok()
+        header = "#pragma taas"
+    else:
+        header = "#pragma taas --gpus 2\nimport os\nmine = int(os.environ['RANK'])"
+    try:
+        r = kernel.execute(
+            f"{header}\nx = 5\nif mine == 1:\n    breakpoint()\n    x = 6\ny = x", answers=["p x", "n", "p x", "c"]
+        ).ok()
+        assert (
+            r.prompts == ["[rank 1] (Pdb) "] * 4 and "[rank 1] 5\n" in r.each_rank() and "[rank 1] 6\n" in r.each_rank()
+        )
+        assert kernel.value("y") == 5
+    finally:
+        if keep:
+            stop(kernel)
+
+
+def test_a_breakpoint_without_a_front_end_to_answer_continues(kernel):
+    r = kernel.execute("#pragma taas --gpus 2\nbreakpoint()\ndone = True").ok()
+    assert "no input can be read here: the debugger continues" in r.stderr and kernel.value("done") is True
+
+
+def test_debug_keeps_a_one_shot_runs_failing_rank_for_the_debugger(kernel):
+    r = kernel.execute(
+        "#pragma taas --gpus 2 --debug\nimport os, time\ndef load():\n    path = 'shard-1'\n"
+        "    raise KeyError(path)\nif os.environ['RANK'] == '1':\n    load()\ntime.sleep(30)"
+    )
+    assert r.error["evalue"] == "rank 1 failed: KeyError: 'shard-1'" and r.seconds < 10
+    assert "rank 1 is paused at its error: %taas debug opens the debugger there" in r.stderr
+    assert len(kernel.children()) >= 1, "the paused rank and its supervisor stay"
+    r = kernel.execute("%taas debug", answers=["p path", "q"]).ok()
+    assert "[rank 1] 'shard-1'" in r.each_rank()
+    deadline = time.monotonic() + 5
+    while kernel.children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not kernel.children(), "once the debugger is left, the run is over"
+    kernel.execute("#pragma taas --gpus 2 --debug\nraise ValueError('again')")
+    assert kernel.execute("#pragma taas\nx = 1").ok(), "the next cell lets the paused rank go"
+
+
+def test_taas_progress_shows_in_a_sessions_cells(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute(
+            "#pragma taas\nimport taas\nfor step in range(5):\n    taas.progress(step=step, acc=0.5)"
+        ).ok()
+        summary = [d["text/plain"] for d in r.displays][-1].splitlines()
+        assert summary[0].startswith("taas: 2 ranks on cpu · done in "), summary
+        assert [re.sub(r" +", " ", line).endswith("step 4, acc 0.5") for line in summary[1:]] == [True, True], summary
+    finally:
+        stop(kernel)
+
+
+# -- kernel-level commands while a session runs ---------------------------------------------------
+def test_reload_ext_keeps_the_session_its_ranks_and_the_configured_defaults(kernel):
+    first = kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        kernel.execute("%config TaasMagics.output = 'rank0'").ok()
+        kernel.execute("#pragma taas\nsteps = 100").ok()
+        kernel.execute("%reload_ext taas_magic").ok()
+        r = kernel.execute(
+            "#pragma taas\nsteps += 100\nprint('pid', os.getpid(), 'steps', steps, flush=True)\ndist.barrier()"
+        ).ok()
+        assert r.stdout == f"pid {pids(first)[0]} steps 200\n", "the session's own rank 0, alone (--output rank0 kept)"
+        assert "session:             up: 2 ranks" in kernel.execute("%taas").ok().stdout
+    finally:
+        kernel.execute("%config TaasMagics.output = 'all'").ok()
+        stop(kernel)
+
+
+def test_unload_ext_ends_the_session_in_one_line_and_the_next_cell_after_loading_does_not_run(kernel):
+    first = kernel.execute(START.format(start="fork")).ok()
+    r = kernel.execute("%unload_ext taas_magic").ok()
+    assert "taas: taas_magic was unloaded (%unload_ext): the session ended; its 2 ranks are gone" in r.stderr, r.stderr
+    assert gone(pids(first).values(), 5)
+    kernel.execute("%load_ext taas_magic").ok()
+    r = kernel.execute("#pragma taas\nprint('ran', flush=True)")
+    assert r.error is not None and "ran" not in r.stdout
+    assert r.error["evalue"] == "the session ended: taas_magic was unloaded (%unload_ext)", r.error["evalue"]
+    kernel.execute("#pragma taas\nprint('one-shot again')").ok()
+
+
+# -- a person at a debugger prompt: --timeout, --max-restarts, interrupts ----------------------------
+ONE_SHOT = "#pragma taas --gpus 2 {options}\nimport os\nmine = int(os.environ['RANK'])"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_time_at_a_debugger_prompt_does_not_count_toward_timeout(kernel, keep):
+    if keep:
+        kernel.execute(START.format(start="fork")).ok()
+    header = "#pragma taas --timeout 2" if keep else ONE_SHOT.format(options="--timeout 2")
+    try:
+        r = kernel.execute(
+            f"{header}\nx = 5\nif mine == 1:\n    breakpoint()\n    x = 6\ny = x + 1", answers=["p x", "c"], think=1.5
+        ).ok()
+        assert r.prompts == ["[rank 1] (Pdb) "] * 2 and r.seconds > 3, "3 s at the prompt, 2 s of --timeout"
+        assert kernel.value("y") == 6, "rank 0's names came back"
+        late = kernel.execute(f"{header}\nif mine == 1:\n    breakpoint()\ntime.sleep(30)", answers=["c"], think=1.5)
+        assert late.error is not None and late.error["evalue"].startswith(
+            "--timeout 2 s elapsed: ranks 0-1 still running, now"
+        ), "the clock runs again after the prompt"
+        assert 3.5 < late.seconds < 15, late.seconds
+    finally:
+        if keep:
+            stop(kernel)
+
+
+@pytest.mark.parametrize("how", ["q", "interrupt"])
+def test_quitting_the_debugger_ends_a_one_shot_run_as_an_interrupt_and_never_restarts_it(kernel, how):
+    code = ONE_SHOT.format(options="--max-restarts 2") + "\nif mine == 1:\n    breakpoint()\ntime.sleep(30)"
+    if how == "q":
+        r = kernel.execute(code, answers=["q"])
+    else:
+        r = kernel.execute(code, answers=[], think=60, interrupt_after=3.0)
+    assert r.error is not None and r.error["ename"] == "RunInterrupted", r.error
+    assert (
+        "taas run interrupted; every rank stopped (rank 0: KeyboardInterrupt; rank 1: quit the debugger)" in r.traceback
+    ), r.traceback
+    assert "starts again" not in r.stderr and r.prompts == ["[rank 1] (Pdb) "], (r.stderr, r.prompts)
+    assert r.seconds < 15
+
+
+@pytest.mark.parametrize("how", ["q", "interrupt"])
+def test_quitting_the_debugger_in_a_session_interrupts_the_cell_and_the_session_goes_on(kernel, how):
+    first = kernel.execute(START.format(start="fork")).ok()
+    try:
+        code = "#pragma taas\nif mine == 1:\n    breakpoint()\ntime.sleep(30)"
+        if how == "q":
+            r = kernel.execute(code, answers=["q"])
+        else:
+            r = kernel.execute(code, answers=[], think=60, interrupt_after=3.0)
+        assert r.error is not None and r.error["ename"] == "RunInterrupted", r.error
+        assert r.error["evalue"] == (
+            "KeyboardInterrupt: the debugger was quit in rank 1; taas interrupted the cell "
+            "in rank 0; the session goes on"
+        ), r.error["evalue"]
+        assert r.seconds < 15
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_prompt_that_comes_after_another_rank_failed_is_not_put_to_the_user(kernel, keep):
+    if keep:
+        kernel.execute(START.format(start="fork")).ok()
+    header = "#pragma taas" if keep else ONE_SHOT.format(options="")
+    try:
+        r = kernel.execute(
+            f"{header}\nif mine == 1:\n    breakpoint()\n    print('after the prompt', flush=True)\n"
+            "    time.sleep(30)\nelse:\n    time.sleep(0.5)\n    raise ValueError('boom')",
+            answers=["p 41 + 1"],
+            think=2.0,
+        )
+        assert r.error is not None and r.error["evalue"] == "rank 0 failed: ValueError: boom", r.traceback + r.stdout
+        assert r.prompts == ["[rank 1] (Pdb) "] and "[rank 1] 42" in r.each_rank(), r.prompts
+        assert "[rank 1] after the prompt\n" not in r.each_rank() and r.seconds < 10, r.traceback
+        if keep:
+            assert "the session goes on" in r.traceback
+            assert_same_ranks_go_on(kernel, kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+    finally:
+        if keep:
+            stop(kernel)
+
+
+# -- %taas stacks: where a session's processes are between cells --------------------------------------
+def test_taas_stacks_says_once_that_every_rank_of_an_idle_session_waits_for_the_next_cell(kernel):
+    kernel.execute(START.format(start="fork")).ok()
+    try:
+        r = kernel.execute("%taas stacks").ok()
+        assert r.stdout == "ranks 0-1: idle, waiting for the next cell\n", r.stdout
+        assert r.seconds < 5, "the ranks answer at once: nothing waits for a timeout"
+    finally:
+        stop(kernel)
+
+
+def test_taas_stacks_shows_a_thread_the_users_cell_left_blocked_under_its_rank(kernel):
+    kernel.execute(START.format(start="forkserver")).ok()
+    try:
+        kernel.execute(
+            "#pragma taas\nimport threading, time\ndef stuck():\n    time.sleep(600)\n"
+            "if mine == 1:\n    threading.Thread(target=stuck, daemon=True).start()"
+        ).ok()
+        r = kernel.execute("%taas stacks").ok()
+        lines = r.stdout.splitlines()
+        assert lines[:3] == [
+            "rank 0: idle, waiting for the next cell",
+            "rank 1: idle, waiting for the next cell:",
+            "    another thread:",
+        ], r.stdout
+        assert re.fullmatch(r"    Cell In\[\d+\], line 4 in stuck", lines[3]), r.stdout
+        assert lines[4] == "      time.sleep(600)", r.stdout
+        assert all("taas_magic" not in line for line in lines), "taas's own threads and frames are left out"
+    finally:
+        stop(kernel)
+
+
+def test_taas_stacks_shows_the_sessions_data_producers_by_name(kernel):
+    kernel.execute(
+        "import taas, torch\nfrom torch.utils.data import DataLoader\n"
+        "steps = DataLoader(torch.arange(64), batch_size=4)\ntaas.register(steps)"
+    ).ok()
+    try:
+        kernel.execute("#pragma taas --gpus 2 --keep --cpus 2\nn = sum(1 for _ in steps)").ok()
+        r = kernel.execute("%taas stacks").ok()
+        assert r.stdout == (
+            "ranks 0-1: idle, waiting for the next cell\n"
+            "producer 0 of steps; producer 1 of steps: idle, waiting for the ranks\n"
+        ), r.stdout
+    finally:
+        stop(kernel)
+        kernel.execute("taas.unregister(steps)").ok()
+
+
+def test_taas_stacks_without_a_session_says_so_in_one_line(kernel):
+    r = kernel.execute("%taas stacks").ok()
+    assert r.stdout == "taas: no session is running (a taas cell with --keep starts one)\n", r.stdout
+    bad = kernel.execute("%taas stacks 1")
+    assert bad.error is not None and bad.error["evalue"] == "%taas stacks takes nothing more; got '1'", bad.error
+
+
+def test_tab_completion_offers_taas_stacks(kernel):
+    kernel.client.complete("%taas sta", len("%taas sta"))
+    assert "stacks" in kernel.client.get_shell_msg(timeout=10)["content"]["matches"]

@@ -1,0 +1,81 @@
+"""Defaults set the IPython way (`%config TaasMagics.…`), and tab completion of `%%taas` lines."""
+
+from __future__ import annotations
+
+from support.kernel import NO_GPU, Kernel
+
+
+def test_configured_defaults_apply_to_cells_that_leave_the_option_out(kernel):
+    try:
+        kernel.execute('%config TaasMagics.output = "rank0"').ok()
+        r = kernel.execute("#pragma taas --gpus 2\nimport os\nprint('from', os.environ['RANK'])").ok()
+        assert r.stdout == "from 0\n", "rank 0 alone, unprefixed, as with --output rank0"
+        r = kernel.execute("#pragma taas --gpus 2 --output all\nimport os\nprint('from', os.environ['RANK'])").ok()
+        assert sorted(r.stdout.splitlines()) == ["[rank 0] from 0", "[rank 1] from 1"], "the cell's option wins"
+        kernel.execute('%config TaasMagics.start = "forkserver"').ok()
+        shown = kernel.execute("%taas").ok().stdout
+        assert "default --start:     forkserver (from %config TaasMagics.start)" in shown
+        assert "default --output:    rank0 (rank 0's output alone) (from %config TaasMagics.output)" in shown
+        kernel.execute("import threading\nlock = threading.Lock()").ok()
+        r = kernel.execute("#pragma taas --gpus 2\nprint(lock)")
+        assert "cannot be sent to ranks started with --start forkserver" in r.error["evalue"], (
+            "started from the fork server"
+        )
+    finally:
+        kernel.execute('%config TaasMagics.output = "all"\n%config TaasMagics.start = "auto"').ok()
+
+
+def test_a_configured_device_wins_over_the_environment_and_a_bad_one_is_one_line():
+    k = Kernel({"TAAS_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        assert "no CUDA device is visible" in k.execute("#pragma taas --gpus 2\nx = 1").error["evalue"]
+        k.execute('%config TaasMagics.device = "cpu"').ok()
+        assert "default --device:    cpu (from %config TaasMagics.device)" in k.execute("%taas").ok().stdout
+        k.execute("#pragma taas --gpus 2\nimport taas\nplace = str(taas.device())").ok()
+        assert k.value("place") == "cpu"
+        r = k.execute('%config TaasMagics.device = "gpu"')  # IPython logs a refused setting in one line
+        assert (
+            "The 'device' trait of a TaasMagics instance expected any of ['auto', 'cuda', 'cpu'] or None, "
+            "not the str 'gpu'." in r.stderr
+        )
+        assert "default --device:    cpu (from %config TaasMagics.device)" in k.execute("%taas").ok().stdout
+    finally:
+        k.shutdown()
+
+
+GRANDPARENT = "#pragma taas --gpus 2 --output rank0\nimport os, psutil\nprint(psutil.Process(os.getppid()).ppid())"
+
+
+def test_settings_name_only_what_the_user_configured_and_what_using_cuda_changed():
+    k = Kernel(NO_GPU)
+    try:
+        shown = k.execute("%taas").ok().stdout
+        assert "(from %config" not in shown, "nothing was configured: every default is built in"
+        assert "default --start:     auto\n" in shown
+        k.execute("%config TaasMagics.view = True").ok()  # the built-in value, but set by the user
+        assert "(from %config TaasMagics.view)" in k.execute("%taas").ok().stdout
+        k.execute("torch.cuda.is_available()").ok()
+        shown = k.execute("%taas").ok().stdout
+        assert (
+            "CUDA devices:        0 visible (CUDA was used in this kernel: GPU cells start from the fork "
+            "server; CPU cells still fork)" in shown
+        )
+        result = k.execute(GRANDPARENT).ok()
+        assert int(result.stdout) == k.pid and result.stderr == "", "a CPU cell is still forked from the kernel"
+    finally:
+        k.shutdown()
+
+
+def complete(kernel: Kernel, code: str) -> list[str]:
+    kernel.client.complete(code, len(code))
+    reply = kernel.client.get_shell_msg(timeout=10)
+    return reply["content"]["matches"]
+
+
+def test_tab_completes_options_their_values_and_configuration_names(kernel):
+    assert "--device" in complete(kernel, "%%taas --dev")
+    assert set(complete(kernel, "%%taas --device ")) >= {"auto", "cuda", "cpu"}
+    assert "g2.8" in complete(kernel, "%%taas --gpus 8 --config g2")
+    assert "rank0" in complete(kernel, "%%taas --output r")
+    assert "stop" in complete(kernel, "%taas st") and "debug" in complete(kernel, "%taas ")
+    assert "--keep" in complete(kernel, "%%taas --gpus 2 --ke")

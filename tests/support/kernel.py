@@ -1,0 +1,229 @@
+"""A real Jupyter kernel driven through jupyter_client, as a notebook drives it, and what the
+end-to-end tests read from it: a cell's streams, displays and error, the kernel's values, the
+processes it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client.manager import KernelManager
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # hides every GPU from a kernel, whatever the machine has
+
+
+@dataclass
+class CellResult:
+    streams: list[tuple[str, str, float]] = field(default_factory=list)  # (name, text, arrival time)
+    error: dict | None = None
+    displays: list[dict] = field(default_factory=list)
+    display_messages: list[tuple[str, str | None]] = field(default_factory=list)  # (message type, display id)
+    reply: dict = field(default_factory=dict)  # the execute_reply's content (status, payload)
+    seconds: float = 0.0
+    prompts: list[str] = field(default_factory=list)  # input requests' prompts, in order
+
+    def text(self, name: str = "stdout") -> str:
+        return "".join(text for stream, text, _ in self.streams if stream == name)
+
+    @property
+    def stdout(self) -> str:
+        return self.text("stdout")
+
+    def each_rank(self, name: str = "stdout") -> str:
+        """The stream with every collapsed line (``[ranks 0-2] x``) written out once per rank, as
+        ``[rank 0] x``, ``[rank 1] x``…: for tests about what each rank printed."""
+        return each_rank(self.text(name))
+
+    @property
+    def stderr(self) -> str:
+        return self.text("stderr")
+
+    @property
+    def traceback(self) -> str:
+        return ANSI.sub("", "\n".join(self.error["traceback"])) if self.error else ""
+
+    def ok(self) -> "CellResult":
+        assert self.error is None, f"cell failed: {self.error['ename']}: {self.error['evalue']}\n{self.traceback}"
+        return self
+
+
+def ranks_in(runs: str) -> set[int]:
+    """The ranks of a label's runs: "0-2,4" -> {0, 1, 2, 4}."""
+    ranks: set[int] = set()
+    for run in filter(None, runs.replace(" ", "").split(",")):
+        first, _, last = run.partition("-")
+        ranks |= set(range(int(first), int(last or first) + 1))
+    return ranks
+
+
+def each_rank(text: str) -> str:
+    lines = []
+    for line in text.splitlines(keepends=True):
+        found = re.match(r"\[ranks ([\d,-]+)\]( ?)", line)
+        if not found:
+            lines.append(line)
+            continue
+        for rank in sorted(ranks_in(found[1])):
+            lines.append(f"[rank {rank}]{found[2]}{line[found.end() :]}")
+    return "".join(lines)
+
+
+class Kernel:
+    """A real ipykernel in its own process, with the extension loaded."""
+
+    def __init__(
+        self, extra_env: dict[str, str] | None = None, imports: str = "import torch, torch.distributed, os, sys, time"
+    ):
+        env = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+        self.pid = self.manager.provisioner.process.pid
+        self.debug_events: list[dict] = []  # every debug_event seen on iopub while a cell ran
+        self.execute(f"%load_ext taas_magic\n{imports}").ok()
+
+    def execute(
+        self,
+        code: str,
+        timeout: float = 90,
+        interrupt_after: float | tuple[float, ...] | None = None,
+        answers: list[str] | None = None,
+        think: float = 0.0,
+    ) -> CellResult:
+        """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds after the cell
+        began (several times: a tuple); ``answers``: lines typed, in order, when the cell asks for input
+        (Jupyter's stdin requests, as a front end answers them; their prompts go to ``prompts``);
+        ``think``: seconds a person takes to type each answer."""
+        result = CellResult()
+        started = time.monotonic()
+        began = None  # when the kernel said it runs the cell: an interrupt before that is lost by any kernel
+        msg_id = self.client.execute(code, allow_stdin=answers is not None)
+        pending = list(answers or [])
+        asked: list[float] = []  # when the unanswered input request came
+        interrupts = sorted(
+            interrupt_after
+            if isinstance(interrupt_after, tuple)
+            else []
+            if interrupt_after is None
+            else [interrupt_after]
+        )
+        while True:
+            if answers is not None:
+                self._answer(result, pending, asked, think)
+            due = began + interrupts[0] - time.monotonic() if interrupts and began is not None else 0.2
+            try:
+                # an interrupt is sent on time, not on the next message
+                msg = self.client.get_iopub_msg(timeout=min(0.2, max(0.001, due)))
+            except queue.Empty:
+                msg = None
+            now = time.monotonic()
+            while interrupts and began is not None and now - began >= interrupts[0]:
+                self.manager.interrupt_kernel()
+                interrupts.pop(0)
+            if now - started > timeout:
+                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}")
+            if msg is not None and msg["msg_type"] == "debug_event":
+                self.debug_events.append(msg["content"])
+            if msg is None or msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "execute_input":
+                began = now
+            if kind == "stream":
+                result.streams.append((content["name"], content["text"], now - started))
+            elif kind == "error":
+                result.error = content
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                result.displays.append(content["data"])
+                result.display_messages.append((kind, content.get("transient", {}).get("display_id")))
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        result.seconds = time.monotonic() - started
+        reply = self.client.get_shell_msg(timeout=10)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.client.get_shell_msg(timeout=10)
+        result.reply = reply["content"]
+        return result
+
+    def _answer(self, result: CellResult, pending: list[str], asked: list[float], think: float) -> None:
+        if not asked:
+            try:
+                request = self.client.get_stdin_msg(timeout=0.01)
+            except queue.Empty:
+                return
+            if request["msg_type"] != "input_request":
+                return
+            result.prompts.append(request["content"]["prompt"])
+            asked.append(time.monotonic())
+        if time.monotonic() - asked[0] >= think:
+            asked.clear()
+            self.client.input(pending.pop(0) if pending else "q")
+
+    def value(self, expression: str):
+        """Evaluate in the kernel (not in ranks) and return the printed repr's literal value."""
+        import ast
+
+        return ast.literal_eval(self.execute(f"print(repr({expression}))").ok().stdout.strip())
+
+    def children(self) -> list[psutil.Process]:
+        """The kernel's descendants, less the fork server the extension keeps (and nothing it started)."""
+        try:
+            children = psutil.Process(self.pid).children(recursive=False)
+        except psutil.NoSuchProcess:
+            return []
+        found = []
+        for child in children:
+            try:
+                if self.is_fork_server(child):
+                    found += child.children(recursive=True)
+                else:
+                    found += [child] + child.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+    @staticmethod
+    def is_fork_server(process: psutil.Process) -> bool:
+        return "taas_magic.launch.forkserver.server" in " ".join(process.cmdline())
+
+    def fork_server(self) -> psutil.Process | None:
+        servers = [c for c in psutil.Process(self.pid).children() if self.is_fork_server(c)]
+        return servers[0] if servers else None
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)
+
+
+def processes_of_run(run_id: str) -> list[psutil.Process]:
+    """Every live process that carries the run's id in its environment: what the ranks started with exec
+    (a forked rank's own environment changes are not visible in /proc; ranks are checked by process id)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("TAAS_RUN_ID") == run_id and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

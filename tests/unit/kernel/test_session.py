@@ -1,0 +1,196 @@
+"""A session in the kernel, driven by a scripted group of kept ranks: how its cells end, when the session
+goes on and when it ends, what it says between cells.
+
+The decisions are the run state machine's (test_run_state.py); here they meet the session that keeps
+its ranks, its count of cells, the ranks to debug next and its group's end."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterable
+
+import pytest
+
+from taas_magic.errors import RankFailed, SessionEnded
+from taas_magic.kernel.session import Session
+from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.rank import session as rank_session
+from taas_magic.rank import worker
+from taas_magic.wire.events import Event, Exited, Output, Report
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.records import CellEnded, Failed
+
+Script = Callable[["ScriptedSessionGroup", list[int]], list[Event]]  # what the ranks do with a cell
+
+
+def spec(world_size: int = 2) -> LaunchSpec:
+    return LaunchSpec(
+        world_size=world_size,
+        nodes=1,
+        ranks_per_node=world_size,
+        device="cpu",
+        configuration=None,
+        cpus=None,
+        units=None,
+        output="all",
+        timeout=None,
+        threads_per_rank=1,
+    )
+
+
+class ScriptedSessionGroup:
+    """Kept ranks that answer each cell as ``script`` says; records the cells and signals it was sent."""
+
+    def __init__(self, script: Script, world_size: int = 2):
+        self.script = script
+        self.alive: set = set(range(world_size))
+        self.waiting: list[Event] = []
+        self.cells: list[list[int]] = []
+        self.signals: list[tuple[int, tuple[int, ...] | None]] = []
+        self.on_signal: Callable[[ScriptedSessionGroup, int, Iterable[int] | None], list[Event]] = (
+            lambda group, signum, ranks: []
+        )
+        self.dumps: dict[int, str] = {}
+        self.closed = False
+
+    def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+        self.cells.append(list(ranks))
+        self.waiting += self.script(self, list(ranks))
+
+    def events(self, timeout: float) -> list[Event]:
+        batch, self.waiting = self.waiting, []
+        for event in batch:
+            if isinstance(event, Exited):
+                self.alive.discard(event.rank)
+        return batch
+
+    def running(self) -> set:
+        return set(self.alive)
+
+    def signal(self, signum: int, ranks: Iterable[int] | None = None) -> None:
+        self.signals.append((signum, None if ranks is None else tuple(ranks)))
+        self.waiting += self.on_signal(self, signum, ranks)
+
+    def stacks(self, ranks: Iterable[int], timeout: float) -> dict[int, str]:
+        return {rank: self.dumps.get(rank, "") for rank in ranks}
+
+    def nodes(self) -> frozenset:
+        return frozenset()
+
+    def answer(self, rank: int, line: str | None) -> None:
+        raise AssertionError("no rank of these scripts asks for input")
+
+    def close(self) -> None:
+        self.closed = True
+        self.alive.clear()
+
+
+def each_rank_says(text: str) -> Script:
+    def script(group: ScriptedSessionGroup, ranks: list[int]) -> list[Event]:
+        events: list[Event] = []
+        for rank in ranks:
+            events += [Output(rank, "stdout", f"{text} {rank}\n".encode()), Report(rank, CellEnded(1.0))]
+        return events
+
+    return script
+
+
+def session_of(group: ScriptedSessionGroup) -> Session:
+    return Session(group, spec(len(group.alive)), "fork", known={}, sources_sent=set())
+
+
+def run(session: Session, ranks: Iterable[int] = (0, 1)) -> list[tuple[str, str]]:
+    written: list[tuple[str, str]] = []
+    session.run(SessionCell(None), None, list(ranks), session.spec, lambda s, t: written.append((s, t)), {}, input)
+    return written
+
+
+def test_a_cell_ends_when_its_ranks_say_so_and_the_same_ranks_run_the_next():
+    group = ScriptedSessionGroup(each_rank_says("hello from"))
+    session = session_of(group)
+    assert run(session) == [("stdout", "[rank 0] hello from 0\n"), ("stdout", "[rank 1] hello from 1\n")]
+    assert run(session, [1]) == [("stdout", "[rank 1] hello from 1\n")]
+    assert group.cells == [[0, 1], [1]] and session.cells == 2
+    assert not session.ended and not group.closed and group.signals == []
+    assert session.check() == ""
+
+
+def test_a_rank_that_raises_fails_the_cell_interrupts_the_others_and_the_session_goes_on():
+    def script(group: ScriptedSessionGroup, ranks: list[int]) -> list[Event]:
+        return [Report(1, Failed(2.0, "ValueError", "bad batch", ["tb"]))]
+
+    group = ScriptedSessionGroup(script)
+    group.on_signal = lambda g, signum, ranks: [
+        Report(rank, Failed(3.0, "KeyboardInterrupt", "", ["tb"], interrupted=True)) for rank in ranks or ()
+    ]
+    session = session_of(group)
+    with pytest.raises(RankFailed) as caught:
+        run(session)
+    assert str(caught.value) == "rank 1 failed: ValueError: bad batch"
+    assert group.signals == [(signal.SIGINT, (0,))], "rank 0, still in the cell, is interrupted once"
+    assert "taas: the session goes on (%taas debug opens the debugger in rank 1 at the error)" in caught.value.lines
+    assert session.failed == [1] and not session.ended and not group.closed
+    group.script = each_rank_says("again")
+    assert run(session) == [("stdout", "[rank 0] again 0\n"), ("stdout", "[rank 1] again 1\n")]
+    assert session.failed == [], "a cell that succeeds leaves no rank to debug"
+
+
+def test_a_rank_that_dies_in_a_cell_ends_the_session_and_closes_its_group():
+    group = ScriptedSessionGroup(lambda g, ranks: [Report(0, CellEnded(1.0)), Exited(1, -signal.SIGKILL)])
+    session = session_of(group)
+    with pytest.raises(SessionEnded) as caught:
+        run(session)
+    assert (
+        str(caught.value)
+        == "taas: the session ended: rank 1 killed by signal SIGKILL: its process group cannot continue"
+    )
+    assert session.ended and group.closed
+    with pytest.raises(SessionEnded, match="^the session ended: rank 1 killed by signal SIGKILL"):
+        run(session)  # a later cell is told at once, nothing is sent
+    assert group.cells == [[0, 1]]
+
+
+def test_between_cells_what_a_rank_prints_shows_and_its_death_ends_the_session(capsys):
+    group = ScriptedSessionGroup(each_rank_says("unused"))
+    session = session_of(group)
+    group.waiting = [Output(1, "stdout", b"late line\n"), Exited(1, 3)]
+    assert session.check() == "rank 1 exited with code 3 between cells"
+    assert "[rank 1] late line" in capsys.readouterr().out
+    assert group.closed and session.describe() == "ended: rank 1 exited with code 3 between cells"
+    session.stop()  # stopping an ended session changes nothing
+    assert session.ended == "rank 1 exited with code 3 between cells"
+
+
+def test_stop_ends_the_session_once_and_closes_its_group():
+    group = ScriptedSessionGroup(each_rank_says("unused"))
+    session = session_of(group)
+    session.stop()
+    assert session.ended == "stopped with %taas stop" and group.closed
+    with pytest.raises(SessionEnded, match="the session ended: stopped with %taas stop"):
+        run(session)
+
+
+def idle_dump() -> str:
+    """A kept rank's faulthandler dump between cells: waiting in its session loop for the next cell."""
+    frames = [
+        (rank_session.__file__, 140, "_next_cell"),
+        (rank_session.__file__, 66, "serve"),
+        (worker.__file__, 60, "run_rank"),
+        (worker.__file__, 20, "main"),
+    ]
+    return "Current thread 0x00007f0000000001 (most recent call first):\n" + "".join(
+        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames
+    )
+
+
+def test_where_says_once_that_every_idle_rank_waits_for_the_next_cell():
+    group = ScriptedSessionGroup(each_rank_says("unused"))
+    group.dumps = {0: idle_dump(), 1: idle_dump()}
+    assert session_of(group).where({}) == ["ranks 0-1: idle, waiting for the next cell"]
+
+
+def test_where_of_an_ended_session_says_why():
+    group = ScriptedSessionGroup(each_rank_says("unused"))
+    session = session_of(group)
+    session.stop("the idle limit passed")
+    assert session.where({}) == ["taas: the session ended: the idle limit passed"]
