@@ -26,12 +26,12 @@ PYTEST := TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider
 E2E_WORKERS ?= 3
 
 # The checks, then the tiers (docs/architecture.md#the-tests): unit and integration on two workers, the
-# end-to-end tiers on E2E_WORKERS (each module in one worker, the cluster tier's modules together), then the
+# end-to-end tiers on E2E_WORKERS (each module in one worker, the cluster tier's modules together: tests/conftest.py), then the
 # tests whose assertions are about time, with nothing beside them.
 test: $(VENV)/.installed
 	$(CHECKS)
 	$(PYTEST) -n 2 tests/unit tests/integration
-	$(PYTEST) -n $(E2E_WORKERS) --dist loadgroup -m "not timing" tests/e2e
+	$(PYTEST) -n $(E2E_WORKERS) -m "not timing" tests/e2e
 	$(PYTEST) -m timing tests/e2e
 
 # What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
+
+import psutil
 
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
@@ -37,6 +39,7 @@ QUIET = {
     "GRPC_ENABLE_FORK_SUPPORT": "false",
 }
 FIRST_ADDRESS = 2  # 127.0.0.1 is what Ray replaces by the machine's address; nodes start at .2
+START_ATTEMPTS = 3  # Ray gives a new node a fixed 30 s to register; a machine with every core busy can take longer
 
 
 @contextmanager
@@ -75,12 +78,16 @@ class LocalCluster:
         head = self._node_args(shapes[0], cpus_per_node)
         if client_port is not None:
             head["ray_client_server_port"] = client_port
-        with _quiet_environment():
-            self._cluster = Cluster(initialize_head=True, head_node_args=head)
+        self._cluster = Cluster(initialize_head=False)
+        try:
+            with _quiet_environment():
+                self._nodes.append(_start_node(lambda: self._cluster.add_node(**head)))
             self.addresses.append(self._args_address(0))
-            self._nodes.append(self._cluster.head_node)
             for shape in shapes[1:]:
                 self.add_node(shape.name, cpus_per_node)
+        except BaseException:
+            self._cluster.shutdown()  # the nodes that did start: nothing is left running
+            raise
         self.address: str = self._cluster.address
         self.client_address = None if client_port is None else f"ray://{self.addresses[0]}:{client_port}"
 
@@ -99,8 +106,9 @@ class LocalCluster:
     def add_node(self, name: str, cpus: int = 1) -> str:
         """One more node of configuration ``name``; its address."""
         shape = load_catalog().get(name)
+        args = self._node_args(shape, cpus)
         with _quiet_environment():
-            node = self._cluster.add_node(**self._node_args(shape, cpus))
+            node = _start_node(lambda: self._cluster.add_node(**args))
         self.addresses.append(self._args_address(len(self.addresses)))
         self._nodes.append(node)
         return self.addresses[-1]
@@ -118,3 +126,37 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _start_node(start: Callable[[], Any]) -> Any:
+    """``start()`` a node, again when Ray says it "timed out during startup": Ray waits a fixed 30 s for a
+    new node's raylet to register, and on a machine whose every core is busy it can take longer. What a
+    failed start left running (its raylet, its store, the head's GCS) is stopped first, and after the
+    last attempt too."""
+    attempt = 1
+    while True:
+        before = {child.pid for child in psutil.Process().children()}
+        try:
+            return start()
+        except Exception as e:
+            _stop_children_since(before)
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(e):
+                raise
+        attempt += 1
+
+
+def _stop_children_since(before: set[int]) -> None:
+    """Terminate this process's children that were not there ``before``, and kill those that stay."""
+    started = [child for child in psutil.Process().children() if child.pid not in before]
+    for child in started:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(started, timeout=3)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=3)

@@ -3,4 +3,4 @@ and the cell runner and sessions over a scripted group of ranks. Folders mirror 
 
 from support.tiers import marks_for
 
-pytest_collection_modifyitems = marks_for(__file__, "unit")
+pytest_itemcollected = marks_for(__file__, "unit")

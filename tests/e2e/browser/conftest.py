@@ -2,4 +2,4 @@
 
 from support.tiers import marks_for
 
-pytest_collection_modifyitems = marks_for(__file__, "e2e", "browser", "kernel")
+pytest_itemcollected = marks_for(__file__, "e2e", "browser", "kernel")

@@ -19,7 +19,8 @@ from support.tiers import marks_for
 
 CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
 
-pytest_collection_modifyitems = marks_for(__file__, "e2e", "cluster", "kernel", group="cluster")
+# A cluster cell's first run starts the agents and their fork servers on every node: minutes on a busy machine.
+pytest_itemcollected = marks_for(__file__, "e2e", "cluster", "kernel", pytest.mark.timeout(300))
 
 _next: pytest.Item | None = None  # the test that runs after the one being torn down
 _kept: dict[str, object] = {}  # what a module hands on to the next, by fixture name

@@ -775,6 +775,7 @@ def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
         k.shutdown()
 
 
+@pytest.mark.timing
 def test_an_address_where_nothing_answers_is_one_line_at_once_and_the_kernel_stays_here():
     k = Kernel()
     try:
@@ -795,7 +796,7 @@ def test_nothing_of_the_cluster_talked_beyond_loopback_but_name_lookups(cluster,
     machine's name server. Ray's own services listen on every interface, as a cluster's must
     (docs/cluster.md says so); nobody reached out."""
     time.sleep(0.3)  # one more sample
-    assert peers.thread.isalive()
+    assert peers.thread.is_alive()
     assert not [peer for peer in peers.outside if not peer[2].endswith(":53")], sorted(peers.outside)
 
 

@@ -3,4 +3,4 @@ drives them (``tests/e2e/conftest.py`` holds their fixtures)."""
 
 from support.tiers import marks_for
 
-pytest_collection_modifyitems = marks_for(__file__, "e2e", "kernel")
+pytest_itemcollected = marks_for(__file__, "e2e", "kernel")

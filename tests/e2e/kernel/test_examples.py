@@ -3,49 +3,15 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
-import nbclient
-import nbformat
 import pytest
-from support import ROOT
-
-EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-from mnist_data import ensure_mnist  # noqa: E402
+from support.notebooks import accuracy, execute, mnist
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("mnist")
-    ensure_mnist(root, n_train=2000, n_test=400)
-    return root
-
-
-def execute(name: str, data: Path, output: Path, monkeypatch) -> str:
-    for key, value in {
-        "TAAS_DEVICE": "cpu",
-        "TAAS_GPUS": "2",
-        "TAAS_EPOCHS": "1",
-        "TAAS_DATA": str(data),
-        "TAAS_OUTPUT": str(output),
-    }.items():
-        monkeypatch.setenv(key, value)
-    notebook = nbformat.read(EXAMPLES / name, as_version=4)
-    nbclient.NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(output)}}
-    ).execute()
-    texts = []
-    for cell in notebook.cells:
-        for out in cell.get("outputs", []):
-            texts.append(out.get("text") or out.get("data", {}).get("text/plain", ""))
-    return "\n".join(texts)
-
-
-def accuracy(text: str) -> float:
-    return float(re.search(r"\[rank 0\] Test accuracy: ([\d.]+)%", text)[1])
+    return mnist(tmp_path_factory.mktemp("mnist"))
 
 
 def test_mnist_notebook(data, tmp_path, monkeypatch):
@@ -85,20 +51,3 @@ def test_session_notebook_trains_in_the_same_ranks_from_cell_to_cell(tmp_path, m
     assert float(in_rank0) < after_30 < untrained / 10, "training went on from cell to cell"
     assert re.search(r"session: +up: 2 ranks on cpu, started by fork, 6 cells run", text), text[-2000:]
     assert "taas: session stopped; its 2 ranks are gone" in text
-
-
-@pytest.mark.ray_cluster  # it starts a Ray cluster: in the cluster tier's worker, never beside its cluster
-def test_cluster_notebook_trains_across_two_nodes_and_brings_the_weights_back(data, tmp_path, monkeypatch):
-    pytest.importorskip("ray")
-    text = execute("mnist_cluster.ipynb", data, tmp_path, monkeypatch)
-    # 83% here; exactly 80.0% once in a fresh-clone run: gloo's all-reduce and torch's threads sum gradients in
-    # an order that varies between runs. Wrong or missing elements would leave it near 10%.
-    assert accuracy(text) > 75
-    assert sorted(re.findall(r"rank (\d) of 4 on node (\d)", text)) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
-    assert "mnist_cnn_cluster.pt" in text and "copied into this notebook's folder" in text
-    assert re.search(r"accuracy in the notebook: ([\d.]+)%", text)[1] == f"{accuracy(text):.2f}"
-    assert (tmp_path / "mnist_cnn_cluster.pt").exists()
-    # One epoch over 2000 images: 83% here, 78% once on a loaded machine (threads sum in another order); a
-    # loader that delivered the wrong elements, or none, would leave it near 10%.
-    assert float(re.search(r"Test accuracy with batches from the CPU node: ([\d.]+)%", text)[1]) > 70
-    assert re.search(r"taas: train_loader: \d+ elements delivered to 4 ranks", text), text[-2000:]

@@ -169,6 +169,7 @@ time.sleep(30)
     assert_usable(kernel)
 
 
+@pytest.mark.timing
 def test_a_rank_that_skipped_a_barrier_and_finished_its_cell_breaks_its_peers_at_once(kernel):
     # In a one-shot run, a rank that finished its cell exits, and gloo tells its peers at once: they fail
     # (the connection to rank 3 is reset) before any watchdog could speak.
@@ -248,6 +249,7 @@ else:
     assert_usable(kernel)
 
 
+@pytest.mark.timing
 def test_an_all_reduce_of_different_sizes_aborts_a_rank_in_gloo_instead_of_hanging(kernel):
     # gloo checks the size of what it receives: the rank that gets rank 0's 1000 floats where it expects 10
     # aborts (SIGABRT), so the user sees a failure, never "the ranks call all_reduce #1 with different tensors".
@@ -377,6 +379,7 @@ def busy_machine(kernel):
         kernel.execute("for hog in hogs:\n    hog.kill()\n    hog.wait()\ndel hogs").ok()
 
 
+@pytest.mark.timing  # its rank must get 5% of a core beside the hogs: not beside parallel tests too
 def test_a_rank_computing_between_collectives_is_no_hang_even_on_a_busy_machine(kernel, busy_machine):
     result = kernel.execute(
         """#pragma taas --gpus 4 --hang-after 2 --timeout 30

@@ -7,27 +7,12 @@ from __future__ import annotations
 import signal
 
 import pytest
+from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed
 from taas_magic.kernel import controller
-from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.wire.events import Exited, Output, Producer, Report
 from taas_magic.wire.records import CellEnded, Failed
-
-
-def spec(world_size: int = 2, timeout: float | None = None) -> LaunchSpec:
-    return LaunchSpec(
-        world_size=world_size,
-        nodes=1,
-        ranks_per_node=world_size,
-        device="cpu",
-        configuration=None,
-        cpus=None,
-        units=None,
-        output="all",
-        timeout=timeout,
-        threads_per_rank=1,
-    )
 
 
 class ScriptedGroup:
@@ -77,7 +62,7 @@ class ScriptedBackend:
 
 def run(group, **kwargs):
     written = []
-    controller.run(spec(**kwargs), None, ScriptedBackend(group), lambda s, t: written.append((s, t)), {})
+    controller.run(cpu_spec(**kwargs), None, ScriptedBackend(group), lambda s, t: written.append((s, t)), {})
     return written
 
 

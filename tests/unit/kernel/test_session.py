@@ -10,10 +10,10 @@ import signal
 from collections.abc import Callable, Iterable
 
 import pytest
+from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed, SessionEnded
 from taas_magic.kernel.session import Session
-from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.rank import session as rank_session
 from taas_magic.rank import worker
 from taas_magic.wire.events import Event, Exited, Output, Report
@@ -21,21 +21,6 @@ from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.records import CellEnded, Failed
 
 Script = Callable[["ScriptedSessionGroup", list[int]], list[Event]]  # what the ranks do with a cell
-
-
-def spec(world_size: int = 2) -> LaunchSpec:
-    return LaunchSpec(
-        world_size=world_size,
-        nodes=1,
-        ranks_per_node=world_size,
-        device="cpu",
-        configuration=None,
-        cpus=None,
-        units=None,
-        output="all",
-        timeout=None,
-        threads_per_rank=1,
-    )
 
 
 class ScriptedSessionGroup:
@@ -96,7 +81,7 @@ def each_rank_says(text: str) -> Script:
 
 
 def session_of(group: ScriptedSessionGroup) -> Session:
-    return Session(group, spec(len(group.alive)), "fork", known={}, sources_sent=set())
+    return Session(group, cpu_spec(len(group.alive)), "fork", known={}, sources_sent=set())
 
 
 def run(session: Session, ranks: Iterable[int] = (0, 1)) -> list[tuple[str, str]]:

@@ -1,0 +1,25 @@
+"""How a parallel run (``pytest -n N``, pytest-xdist) shares the tests among its workers.
+
+Each module's tests go to one worker, in order: they share the module's kernel, and some of them the
+session it keeps. The cluster tier's modules go to one worker together: they hand one Ray cluster on
+from module to module, and two Ray clusters must never start on this machine at once. The largest
+share, the cluster tier, is handed out first.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+CLUSTER_TIER = "tests/e2e/cluster/"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, which test-min's environment lacks
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return CLUSTER_TIER if module.startswith(CLUSTER_TIER) else module
+
+    return ByModule(config, log)
