@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.descriptors import open_descriptors, opened_since
 
 from taas_magic.delivery import relay
 from taas_magic.delivery.cluster import NodeDelivery, RunProgress, shares
@@ -111,21 +112,9 @@ def _nodes() -> tuple[NodeDelivery, NodeDelivery]:
     return host, rank_node
 
 
-def _open_descriptors() -> set[tuple[str, str]]:
-    """This process's open descriptors, each with what it refers to: one that another test's object closes
-    meanwhile is not counted against this test, one left open by it is."""
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            found.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:
-            pass  # the listing's own descriptor, closed by now
-    return found
-
-
 def test_a_host_streams_each_element_once_to_its_rank_and_leaves_nothing_open():
     gc.collect()  # what earlier tests left for the collector is closed before, not during, the count
-    descriptors = _open_descriptors()
+    descriptors = open_descriptors()
     host, rank_node = _nodes()
     try:
         assert host.relay_address() == ("127.0.0.3", host.listener.port), "the host listens on its node's address"
@@ -158,7 +147,7 @@ def test_a_host_streams_each_element_once_to_its_rank_and_leaves_nothing_open():
     assert not [t for t in rank_node.threads + host.listener.threads if t.is_alive()], "no thread outlives the run"
     del host, rank_node, tensor  # the counters' mappings hold a descriptor each while they exist
     gc.collect()
-    assert not _open_descriptors() - descriptors, "no socket, pipe or memory file outlives the run"
+    assert opened_since(descriptors) == set(), "no socket, pipe or memory file outlives the run"
 
 
 def test_the_hosts_producers_see_the_rank_node_s_counters_and_its_end():

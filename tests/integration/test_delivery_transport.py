@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-from support.descriptors import open_descriptors
+from support.descriptors import open_descriptors, opened_since
 
 from taas_magic.delivery import transport
 
@@ -40,7 +40,7 @@ def test_tensors_and_structures_arrive_equal_and_writable():
 
 def test_from_another_process_and_nothing_stays_open():
     producers_end, rank_end = transport.channel_pair()
-    fds_before = len(open_descriptors())
+    fds_before = open_descriptors()
     pid = os.fork()
     if pid == 0:
         try:
@@ -54,7 +54,7 @@ def test_from_another_process_and_nothing_stays_open():
     assert [index for _, index, _ in received] == list(range(20))
     assert all(float(element[0][0]) == index for _, index, element in received)
     del received
-    assert len(open_descriptors()) == fds_before
+    assert opened_since(fds_before) == set()
     producers_end.close()
     rank_end.close()
 
@@ -64,12 +64,12 @@ def test_elements_a_rank_keeps_hold_no_descriptors_small_or_large():
     small = {"x": torch.arange(16), "y": "label"}
     large = torch.arange(100_000, dtype=torch.float64)  # 800 KB: mapped, not read
     try:
-        fds_before = len(open_descriptors())
+        fds_before = open_descriptors()
         kept = []
         for i in range(200):
             transport.send(producers_end, 0, i, small if i % 2 else large)
             kept.append(transport.receive(rank_end)[2])
-        assert len(open_descriptors()) == fds_before, "every kept element would hold one"
+        assert opened_since(fds_before) == set(), "every kept element would hold one"
         assert all(torch.equal(element["x"], small["x"]) for element in kept[1::2])
         assert all(torch.equal(element, large) for element in kept[::2])
         kept[0].zero_()
@@ -85,9 +85,9 @@ def test_what_waits_on_a_channel_is_discarded_without_blocking_or_keeping_descri
         assert transport.discard_waiting(rank_end) == 0, "nothing waiting: returns at once"
         for i in range(5):
             transport.send(producers_end, 0, i, torch.ones(3))
-        fds_before = len(open_descriptors())
+        fds_before = open_descriptors()
         assert transport.discard_waiting(rank_end) == 5
-        assert len(open_descriptors()) == fds_before
+        assert opened_since(fds_before) == set()
         transport.send(producers_end, 0, 5, torch.ones(3))
         assert transport.receive(rank_end)[1] == 5, "the channel still works"
         producers_end.close()

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from support.descriptors import open_descriptors
+from support.descriptors import open_descriptors, opened_since
 
 from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.wire.events import Exited, Output, Report
@@ -117,7 +117,7 @@ def test_close_kills_and_reaps_everything_and_closes_every_descriptor():
     for pid in pids:
         with pytest.raises(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-    assert open_descriptors() == fds_before
+    assert opened_since(fds_before) == set()
 
 
 def test_a_rank_dies_with_its_parent_via_the_lifeline():
@@ -169,7 +169,7 @@ def test_a_failed_fork_leaks_no_descriptor(monkeypatch):
     task = RankTask(code=compile("pass", "<cell>", "exec"), device="cpu", threads=1)
     with pytest.raises(OSError):
         group.fork(0, {"RANK": "0"}, task)
-    assert open_descriptors() == fds_before
+    assert opened_since(fds_before) == set()
     group.close()
 
 

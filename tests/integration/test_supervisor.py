@@ -7,7 +7,6 @@ would drive it.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ import time
 import psutil
 import pytest
 import torch.distributed  # noqa: F401  (as in a kernel: ranks start with torch imported)
+from support.descriptors import open_descriptors, opened_since
 
 from taas_magic.errors import RunLost
 from taas_magic.launch.backend import Launch
@@ -151,8 +151,7 @@ def run_to_end(source: str, ranks: int = 2, seconds: float = 30) -> tuple[list, 
 
 
 def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
-    gc.collect()  # descriptors that objects of earlier tests still hold go now, not in the middle of this test
-    fds_before = set(os.listdir("/proc/self/fd"))
+    fds_before = open_descriptors()
     events, group = run_to_end("import os\nprint('rank', os.environ['RANK'], os.environ['MASTER_PORT'])")
     text = b"".join(e.data for e in events if isinstance(e, Output) and e.stream == "stdout").decode()
     ports = {line.split()[2] for line in text.splitlines() if line.startswith("rank ")}
@@ -162,7 +161,7 @@ def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
     while containment.children() and time.monotonic() < deadline:
         time.sleep(0.01)  # the supervisor said the run was over and is exiting: it is reaped as it goes
     assert containment.children() == [], "the supervisor was reaped"
-    assert set(os.listdir("/proc/self/fd")) == fds_before
+    assert opened_since(fds_before) == set()
 
 
 def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():
