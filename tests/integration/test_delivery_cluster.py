@@ -17,7 +17,8 @@ import torch
 from support.descriptors import open_descriptors, opened_since
 
 from taas_magic.delivery import relay
-from taas_magic.delivery.cluster import NodeDelivery, RunProgress, shares
+from taas_magic.delivery.cluster import NodeDelivery
+from taas_magic.delivery.cluster_share import RunProgress, shares
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.service import LoaderPlan
 from taas_magic.delivery.transport import channel_pair, put_file, receive, send, take_waiting_file

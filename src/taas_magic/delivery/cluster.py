@@ -32,16 +32,15 @@ full copy and copies in the rows others own (``Counters.take_rows``). A rank nod
 copy up each stream whenever it changes, so the hosts' producers stay within the window of the
 slowest rank; the kernel merges every node's copy into the progress line.
 
-Everything here is made per run by the node's agent, except ``NodeShare`` (the kernel's word to
-each agent) and ``NodeEnds.attach`` (in the run's supervisor, forked from the fork server).
+This module is the agent's side: ``NodeDelivery``, made per run by each node's agent. The kernel's
+word to each agent and the progress line it merges are in ``cluster_share.py``; what the run's
+supervisor (forked from the fork server) and its ranks make of the channels, in ``cluster_ends.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import secrets
 import select
 import socket
 import threading
@@ -49,197 +48,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from taas_magic.delivery import relay
+from taas_magic.delivery.cluster_ends import NodeEnds
+from taas_magic.delivery.cluster_share import NodeShare
 from taas_magic.delivery.counters import Counters
-from taas_magic.delivery.plan import StreamPlan
-from taas_magic.delivery.producer import ProducerTask
-from taas_magic.delivery.service import default_prefetch
-from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair, put_file, take_waiting_file
 from taas_magic.errors import first_line
 from taas_magic.wire import memfile
-from taas_magic.wire.events import Producer
-from taas_magic.wire.records import DeliveryProgress
 from taas_magic.wire.task import LoaderPlan
 
 ASK_SECONDS = 60.0  # a host's agent that does not say where it streams from this soon is taken for gone
 POLL_SECONDS = 0.005  # how often a node of ranks looks at its ranks' counters when no element arrives
 
 
-@dataclass(frozen=True)
-class NodeShare:
-    """One node's part in a run's data delivery, as the kernel assigns it (sent to the node's agent)."""
-
-    run_id: str
-    loaders: tuple[LoaderPlan, ...]
-    world: int
-    ranks: tuple[int, ...]  # the run's ranks on this node
-    hosted: tuple[tuple[int, ...], ...]  # per loader: the producers that run on this node
-    # Per loader: (agent, address) of each node that hosts its producers, for this node to read from.
-    sources: tuple[tuple[tuple[Any, str], ...], ...] = ()
-    secret: bytes = b""  # the run's, proven by both ends of every stream between nodes
-    listen: str = ""  # where a host accepts streams: loopback when its only reader is itself
-
-    def active(self) -> bool:
-        return any(self.hosted) or bool(self.ranks and self.loaders)
-
-
-def shares(
-    run_id: str,
-    loaders: tuple[LoaderPlan, ...],
-    ranks_by_node: list[tuple[int, ...]],
-    hosts: int,
-    agents: list[Any],
-    addresses: list[str],
-) -> list[NodeShare]:
-    """Each node's share: the run's nodes with ranks first, then ``hosts`` nodes for producers alone
-    (``agents`` and ``addresses`` in that order).
-
-    With host nodes, every producer has one to itself (the service's ``--cpus K``: K CPU nodes per
-    loader); without, producers take turns on the rank nodes.
-    """
-    world = sum(len(ranks) for ranks in ranks_by_node)
-    nodes = len(ranks_by_node) + hosts
-    hosted: list[list[list[int]]] = [[[] for _ in loaders] for _ in range(nodes)]
-    number = 0
-    for index, plan in enumerate(loaders):
-        for producer in range(plan.producers):
-            node = len(ranks_by_node) + number if hosts else number % len(ranks_by_node)
-            hosted[node][index].append(producer)
-            number += 1
-    sources = tuple(
-        tuple((agents[node], addresses[node]) for node in range(nodes) if hosted[node][index])
-        for index in range(len(loaders))
-    )
-    every_node = list(ranks_by_node) + [()] * hosts
-    secret = secrets.token_bytes(32)
-    return [
-        NodeShare(
-            run_id,
-            loaders,
-            world,
-            every_node[node],
-            tuple(map(tuple, hosted[node])),
-            sources if every_node[node] else (),
-            secret,
-            _listen(node, hosted[node], addresses, len(ranks_by_node)),
-        )
-        for node in range(nodes)
-    ]
-
-
-def _listen(node: int, hosted: list[list[int]], addresses: list[str], rank_nodes: int) -> str:
-    """Where a host accepts its readers: nowhere if it hosts nothing, on loopback if every node of
-    ranks is this one, else on the node's address (the only one the others know it by)."""
-    if not any(hosted):
-        return ""
-    return "127.0.0.1" if all(addresses[n] == addresses[node] for n in range(rank_nodes)) else addresses[node]
-
-
-# -- in the run's supervisor on a node ----------------------------------------------------------
-@dataclass(frozen=True)
-class NodeEnds:
-    """Which descriptor passed with the fork server's request is what (picklable; ``attach`` in the
-    supervisor turns it into the service ``fork.ForkedRanks`` forks producers and ranks with)."""
-
-    share: NodeShare
-    counters: tuple[int, ...]  # per loader: the position of its counters' memory file
-    producers_ends: tuple[tuple[int, ...], ...]  # per loader: positions of the producers' ends, by rank (hosts)
-    rank_ends: tuple[tuple[int, ...], ...]  # per loader: positions of this node's ranks' ends, in rank order
-
-    def fd_count(self) -> int:
-        return len(self.counters) + sum(map(len, self.producers_ends)) + sum(map(len, self.rank_ends))
-
-    def attach(self, fds: list[int], namespace: dict[str, Any]) -> "AttachedDelivery":
-        return AttachedDelivery(self, fds, namespace)
-
-
-class AttachedDelivery:
-    """The data service of one node of a cluster run, as ``fork.ForkedRanks`` uses a local one."""
-
-    def __init__(self, ends: NodeEnds, fds: list[int], namespace: dict[str, Any]):
-        share = ends.share
-        self.run_id = share.run_id
-        self.share = share
-        self.loaders = [namespace[plan.name] for plan in share.loaders]
-        self.counters = []
-        for plan, position in zip(share.loaders, ends.counters):
-            self.counters.append(Counters(plan.producers, share.world, fds[position]))
-            os.close(fds[position])  # the mapping stays, and forked processes inherit it
-        self.producers_ends = [[socket.socket(fileno=fds[p]) for p in positions] for positions in ends.producers_ends]
-        self.rank_ends = [
-            dict(zip(share.ranks, (socket.socket(fileno=fds[p]) for p in positions))) for positions in ends.rank_ends
-        ]
-
-    def producers(self) -> list[tuple[Producer, ProducerTask]]:
-        tasks = []
-        for number, (plan, loader) in enumerate(zip(self.share.loaders, self.loaders)):
-            prefetch = plan.prefetch or default_prefetch(self.share.world, plan.producers, loader.num_workers)
-            for index in self.share.hosted[number]:
-                task = ProducerTask(
-                    name=plan.name,
-                    loader=loader,
-                    plan=StreamPlan(len(loader), self.share.world, plan.units),
-                    index=index,
-                    count=plan.producers,
-                    window=max(1, math.ceil(prefetch / self.share.world)),
-                    channels=self.producers_ends[number],
-                    counters=self.counters[number],
-                    seed=plan.seed,
-                    reports_stats=False,  # the kernel makes the progress line from every node's counters
-                    on_demand=plan.on_demand,
-                )
-                tasks.append((Producer(number, index), task))
-        return tasks
-
-    def producer_sockets(self, key: Producer) -> set[int]:
-        return {end.fileno() for end in self.producers_ends[key.loader]}
-
-    def rank_sockets(self, rank: int) -> set[int]:
-        return {ends[rank].fileno() for ends in self.rank_ends}
-
-    def rank_loaders(self) -> tuple["FedLoader", ...]:
-        return tuple(
-            FedLoader(plan, self.share.world, ends, counters)
-            for plan, ends, counters in zip(self.share.loaders, self.rank_ends, self.counters)
-        )
-
-    def close(self) -> None:
-        for ends in self.producers_ends:
-            for end in ends:
-                end.close()
-        for by_rank in self.rank_ends:
-            for end in by_rank.values():
-                end.close()
-
-
-@dataclass(frozen=True)
-class FedLoader:
-    """A rank's view of one loader fed by its node's agent: builds the stand-in inside the rank."""
-
-    plan: LoaderPlan
-    world: int
-    ends: dict[int, socket.socket]
-    counters: Counters
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-    def stand_in(self, rank: int, loader: Any, device: str) -> StandIn:
-        return StandIn(
-            self.name,
-            loader,
-            rank,
-            StreamPlan(len(loader), self.world, self.plan.units),
-            self.ends[rank],
-            self.counters,
-            self.plan.fastest,
-            device,
-            reports=False,
-        )
-
-
-# -- in a node's agent --------------------------------------------------------------------------
 @dataclass
 class _Loader:
     """One loader's channels and counters on this node."""
@@ -556,32 +376,3 @@ def _put_waiting(outbox: dict[int, socket.socket], waiting: dict[int, list[tuple
                 break
             os.close(fd)
             elements.pop(0)
-
-
-# -- in the kernel --------------------------------------------------------------------------------
-class RunProgress:
-    """The progress line of a cluster run: every node's copy of the counters merged by who writes what."""
-
-    def __init__(self, shares_by_node: list[NodeShare]):
-        first = shares_by_node[0]
-        self.shares = shares_by_node
-        self.loaders = first.loaders
-        self.counters = [Counters(plan.producers, first.world) for plan in first.loaders]
-        self.shown: list[DeliveryProgress | None] = [None] * len(first.loaders)
-
-    def take(self, node: int, snapshots: list[list[int]]) -> list[tuple[Producer, DeliveryProgress]]:
-        """Merge one node's copies; (key, progress) of each loader whose line changed."""
-        share = self.shares[node]
-        changed = []
-        for number, snapshot in enumerate(snapshots):
-            self.counters[number].take_rows(snapshot, producers=share.hosted[number], ranks=share.ranks)
-            stats = self.counters[number].stats(self.loaders[number].name)
-            shown = self.shown[number]
-            if shown is None or _differs(stats, shown):
-                self.shown[number] = stats
-                changed.append((Producer(number, 0), stats))
-        return changed
-
-
-def _differs(a: DeliveryProgress, b: DeliveryProgress) -> bool:
-    return (a.produced, a.taken, a.skipped, a.buffered, a.done) != (b.produced, b.taken, b.skipped, b.buffered, b.done)

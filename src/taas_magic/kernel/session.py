@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import re
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -312,19 +313,20 @@ class Session:
 
 
 def _idle(key: Key, dump: str) -> str | None:
-    """What a process does when its main thread waits in taas's own loop: a rank for the next cell
-    (``rank/session.py``), a producer for the ranks (``delivery/producer.py``, building nothing); None
-    when it does something else."""
+    """What a process does between cells when its main thread waits in taas's own code (and the standard
+    library calls that code made): a rank in its session loop for the next cell (``rank/session.py``), a
+    producer for the ranks (``delivery/producer.py``, building nothing). None when it runs anything else:
+    code of the user's or of a library."""
     threads = stacks.parse_stacks(dump)
     if not threads or not threads[0].main or not threads[0].frames:
         return None
-    frames = threads[0].frames
-    if isinstance(key, int):
-        waits = any(
-            frame.file.endswith("/taas_magic/rank/session.py") and frame.function == "_next_cell" for frame in frames
-        )
-        return "idle, waiting for the next cell" if waits else None
-    return "idle, waiting for the ranks" if all("/taas_magic/" in frame.file for frame in frames) else None
+    if not all("/taas_magic/" in frame.file or _STANDARD_LIBRARY.search(frame.file) for frame in threads[0].frames):
+        return None
+    return "idle, waiting for the next cell" if isinstance(key, int) else "idle, waiting for the ranks"
+
+
+# A module of Python's own standard library, on whichever machine the dump was taken (a cluster's node too).
+_STANDARD_LIBRARY = re.compile(r"/lib/python3\.\d+/(?!site-packages/|dist-packages/)")
 
 
 def _shell() -> Any:

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from taas_magic.cell_names import code_names
-from taas_magic.delivery.cluster import FedLoader
+from taas_magic.delivery.cluster_ends import FedLoader
 from taas_magic.delivery.service import RankLoader
 from taas_magic.process import tempfiles
 from taas_magic.process.child import (

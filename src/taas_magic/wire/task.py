@@ -129,7 +129,7 @@ def _read(torch: Any, path: str, call: bool = False) -> Any:
 
 class NodeDeliveryEnds(Protocol):
     """A cluster node's share of the run's data delivery as it travels with the task
-    (``delivery.cluster.NodeEnds``): which of the descriptors that come last with the fork server's
+    (``delivery.cluster_ends.NodeEnds``): which of the descriptors that come last with the fork server's
     ``StartRun`` is what; the run's supervisor attaches it to them."""
 
     def fd_count(self) -> int: ...

@@ -155,9 +155,12 @@ def test_stop_ends_the_session_once_and_closes_its_group():
         run(session)
 
 
-def idle_dump() -> str:
-    """A kept rank's faulthandler dump between cells: waiting in its session loop for the next cell."""
+def idle_dump(*innermost: tuple[str, int, str]) -> str:
+    """A kept rank's faulthandler dump between cells: waiting in its session loop for the next cell, in a
+    call of the standard library's (the control channel's receive); ``innermost`` frames on top."""
     frames = [
+        *innermost,
+        ("/usr/lib/python3.12/socket.py", 573, "recv_fds"),
         (rank_session.__file__, 140, "_next_cell"),
         (rank_session.__file__, 66, "serve"),
         (worker.__file__, 60, "run_rank"),
@@ -172,6 +175,15 @@ def test_where_says_once_that_every_idle_rank_waits_for_the_next_cell():
     group = ScriptedSessionGroup(each_rank_says("unused"))
     group.dumps = {0: idle_dump(), 1: idle_dump()}
     assert session_of(group).where({}) == ["ranks 0-1: idle, waiting for the next cell"]
+
+
+def test_where_shows_a_rank_whose_main_thread_runs_a_librarys_code_as_not_idle():
+    group = ScriptedSessionGroup(each_rank_says("unused"))
+    library = ("/opt/venv/lib/python3.12/site-packages/torch/distributed/rendezvous.py", 90, "_wait")
+    group.dumps = {0: idle_dump(), 1: idle_dump(library)}
+    shown = session_of(group).where({})
+    assert shown[0] == "rank 0: idle, waiting for the next cell"
+    assert shown[1].startswith("rank 1: in no collective") and any("rendezvous.py" in line for line in shown), shown
 
 
 def test_where_of_an_ended_session_says_why():

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar, cast
 
-from taas_magic.delivery.cluster import NodeDelivery, NodeShare
+from taas_magic.delivery.cluster import NodeDelivery
+from taas_magic.delivery.cluster_share import NodeShare
 from taas_magic.errors import DeliveryLost
 from taas_magic.launch.cluster import notebook_folder
 from taas_magic.launch.forkserver.client import ForkServerBackend, ForkServerRequest

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from taas_magic.configurations import Configuration
-from taas_magic.delivery.cluster import NodeShare, RunProgress, shares
+from taas_magic.delivery.cluster_share import NodeShare, RunProgress, shares
 from taas_magic.errors import RunLost, TaasUsageError, first_line
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
 from taas_magic.launch.cluster import notebook_folder

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 
-from taas_magic.delivery.cluster import NodeEnds
+from taas_magic.delivery.cluster_ends import NodeEnds
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 from taas_magic.launch.supervisor.ranks import Received
 from taas_magic.process import child, containment, logs, tracebacks

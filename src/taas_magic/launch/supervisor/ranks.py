@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable, Literal, assert_never
 
-from taas_magic.delivery.cluster import AttachedDelivery, FedLoader
+from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import DataService, RankLoader
 from taas_magic.process import child, containment, tempfiles
