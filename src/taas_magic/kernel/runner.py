@@ -479,10 +479,12 @@ class ViewDisplay:
             self.handle.update(bundle, raw=True)
 
 
+SESSION_CELL_OPTIONS = "--ranks, --return, --from, --timeout, --hang-after, --output and --debug-ranks"
+
+
 def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
-    """A cell in a session may choose only --ranks, --return, --from, --timeout, --hang-after, --output and
-    --debug-ranks; an option that
-    would make it another run (its size, device, configuration, start) is an error."""
+    """A cell in a session may choose only ``SESSION_CELL_OPTIONS``; an option that would make it another run
+    (its size, device, configuration, start) is an error, and so is one that only a one-shot run uses."""
     spec = session.spec
     same = {
         "--gpus": args.gpus in (None, spec.world_size),
@@ -509,8 +511,8 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
     others = [name for name, given in one_shot.items() if given]
     if others:
         raise TaasUsageError(
-            f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes --ranks, "
-            "--return, --timeout, --hang-after and --output (%taas stop ends the session)"
+            f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes "
+            f"{SESSION_CELL_OPTIONS} (%taas stop ends the session)"
         )
 
 

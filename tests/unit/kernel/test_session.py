@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterable
 import pytest
 from support.specs import cpu_spec
 
-from taas_magic.errors import RankFailed, SessionEnded
+from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
+from taas_magic.kernel import options
+from taas_magic.kernel.magics import TaasMagics
+from taas_magic.kernel.runner import _check_fits_session
 from taas_magic.kernel.session import Session
 from taas_magic.rank import session as rank_session
 from taas_magic.rank import worker
@@ -191,3 +194,38 @@ def test_where_of_an_ended_session_says_why():
     session = session_of(group)
     session.stop("the idle limit passed")
     assert session.where({}) == ["taas: the session ended: the idle limit passed"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--gpus 4", "--gpus would change the running session (2 ranks on cpu): %taas stop first"),
+        ("--device cuda --start fork", "--device would change the running session"),
+        ("--start forkserver", "--start would change the running session"),
+        (
+            "--cpus 2",
+            "--cpus cannot apply to a cell in a session: a cell there takes --ranks, --return, --from, --timeout, "
+            "--hang-after, --output and --debug-ranks (%taas stop ends the session)",
+        ),
+        ("--max-restarts 1 --idle 60", "--max-restarts, --idle cannot apply to a cell in a session"),
+    ],
+)
+def test_an_option_a_session_cell_cannot_take_is_one_line_naming_it(line, message):
+    session = session_of(ScriptedSessionGroup(each_rank_says("unused")))
+    with pytest.raises(TaasUsageError) as caught:
+        _check_fits_session(options.parse(TaasMagics.taas, line), session)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "--gpus 2 --start fork",
+        "--ranks 1 --return x --from all --timeout 5 --hang-after 2 --output rank0",
+        "--debug-ranks 0",
+    ],
+)
+def test_the_options_a_session_cell_takes_pass(line):
+    session = session_of(ScriptedSessionGroup(each_rank_says("unused")))
+    _check_fits_session(options.parse(TaasMagics.taas, line), session)
