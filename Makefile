@@ -31,7 +31,7 @@ E2E_WORKERS ?= 3
 test: $(VENV)/.installed
 	$(CHECKS)
 	$(PYTEST) -n 2 tests/unit tests/integration
-	$(PYTEST) -n $(E2E_WORKERS) -m "not timing" tests/e2e
+	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing" tests/e2e
 	$(PYTEST) -m timing tests/e2e
 
 # What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,

@@ -1,9 +1,11 @@
-"""How a parallel run (``pytest -n N``, pytest-xdist) shares the tests among its workers.
+"""How a parallel run of the end-to-end tiers (``pytest -n N --dist loadfile``, pytest-xdist) shares the
+tests among its workers.
 
 Each module's tests go to one worker, in order: they share the module's kernel, and some of them the
 session it keeps. The cluster tier's modules go to one worker together: they hand one Ray cluster on
 from module to module, and two Ray clusters must never start on this machine at once. The largest
-share, the cluster tier, is handed out first.
+share, the cluster tier, is handed out first. Other ``--dist`` modes are xdist's own (the unit and
+integration tiers run test by test).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ CLUSTER_TIER = "tests/e2e/cluster/"
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, which test-min's environment lacks
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getoption("dist") != "loadfile":
+        return None  # xdist's own scheduler
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):
