@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from taas_magic.process import containment, kernel_debugger
+from taas_magic.process import containment, kernel_debugger, torch_private
 
 GRPC_THREADS = {"event_engine", "lifeguard"}  # the names grpcio's own threads give themselves
 
@@ -50,12 +50,11 @@ def cuda_device_count() -> int:
 def _count_with_nvml(visible: str | None) -> int:
     try:
         import torch.cuda
-
-        count = torch.cuda._device_count_nvml()  # NVML does not create a CUDA context
-        if count >= 0:
-            return count
-    except Exception:
-        pass
+    except ImportError:
+        return 0
+    count = torch_private.device_count_nvml(torch)  # NVML does not create a CUDA context
+    if count is not None:
+        return count
     probe = "import torch; print(torch.cuda.device_count())"
     try:
         with kernel_debugger.plain_subprocesses():
@@ -81,7 +80,7 @@ def fork_poisoned_for_cuda() -> bool:
         pid = kernel_debugger.fork()
         if pid == 0:
             try:
-                os._exit(1 if torch._C._cuda_isInBadFork() else 0)
+                os._exit(0 if torch_private.in_bad_fork(torch) is False else 1)  # not known: taken as unusable
             finally:
                 os._exit(2)
         status = os.waitpid(pid, 0)[1]

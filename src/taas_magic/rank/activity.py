@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from taas_magic.delivery.standin import TAKEN, WAITING
+from taas_magic.process import torch_private
 from taas_magic.wire.records import Collective, RankActivity
 
 _setup_since: float | None = None  # when the main thread was first seen in init_process_group
@@ -104,15 +105,11 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
 def _flight_record(entries: bool) -> dict[str, Any] | None:
     """The flight recorder's per-group counters and (``entries``) its ring, from NCCL's ring and the
     other backends' one."""
-    try:
-        from torch._C import _distributed_c10d as c10d
-    except ImportError:
+    readers = torch_private.flight_recorder_dumps()
+    if not readers:
         return None
     merged: dict[str, Any] = {"entries": [], "pg_status": {}}
-    for dump in ("_dump_fr_trace", "_dump_nccl_trace"):
-        reader = getattr(c10d, dump, None)
-        if reader is None:
-            continue
+    for reader in readers:
         try:
             trace = pickle.loads(reader(entries, False, False))  # no stack traces, retired entries too
         except Exception:  # no ring (size 0), or this build records nothing for the backend

@@ -163,7 +163,9 @@ def test_a_folder_too_large_fails_in_one_line_naming_its_biggest_items_before_an
         f"what the ranks do not need in {notebook}/.taasignore (gitignore syntax, such as data/), "
         "or run the notebook from a smaller folder"
     ), message
-    assert r.seconds < 5 and not leftovers(kernel)
+    # Nothing started: no agent, no rank. The time may include this kernel's first connection to the cluster
+    # (about 10 s on a busy machine when no test before it connected); starting the agents takes far longer.
+    assert r.seconds < 20 and not leftovers(kernel)
     (notebook / ".taasignore").write_text("data/\n")
     kernel.execute(HEADER + "print('fits')", timeout=60).ok()
 

@@ -28,6 +28,7 @@ from typing import Any, Collection, Iterator, Mapping
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError, first_line
+from taas_magic.launch.cluster import ray_private
 from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
 from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.process import containment
@@ -395,9 +396,7 @@ def _available_by_node(ray: Any, timeout: float = FREE_SECONDS) -> dict[str, dic
 
 def free_resources() -> dict[str, dict[str, float]]:
     """Each node's free resources, as this process's connection to the cluster sees them."""
-    import ray
-
-    return {node_id: dict(free) for node_id, free in ray._private.state.available_resources_per_node().items()}
+    return ray_private.free_resources_per_node()
 
 
 def _check_answers(address: str) -> str | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from taas_magic.errors import TaasUsageError
+from taas_magic.launch.cluster import ray_private
 
 FILE_LIMIT = 10 * 1024**2  # a file this large or larger stays behind (Ray itself warns about such files)
 FOLDER_LIMIT = 100 * 1024**2  # what travels, in all: every change is a new package in the GCS's memory
@@ -142,12 +143,7 @@ def _rules(folder: str, name: str) -> Any:
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8", errors="replace") as file:
-        return _ray("ray._private.thirdparty.pathspec").PathSpec.from_lines("gitwildmatch", file.read().splitlines())
-
-
-def _ray(name: str) -> Any:
-    """One of Ray's modules for packages (its matcher, packing and unpacking: internal, so untyped here)."""
-    return importlib.import_module(name)
+        return ray_private.gitignore_rules(file.read().splitlines())
 
 
 def check(found: Listing) -> None:
@@ -236,7 +232,7 @@ class Packages:
         self.told = news
         if not found.files:
             return None
-        packaging = _ray("ray._private.runtime_env.packaging")
+        packaging = ray_private.packaging()
         excludes = found.excludes()
         fingerprint = found.fingerprint()
         if self.last is not None and self.last[0] == fingerprint:
@@ -245,7 +241,7 @@ class Packages:
             uri = packaging.get_uri_for_directory(
                 found.folder, excludes=excludes, **_without_gitignore(packaging.get_uri_for_directory)
             )
-        if not _ray("ray.util.client").ray.is_connected():
+        if not importlib.import_module("ray.util.client").ray.is_connected():
             packaging.pin_runtime_env_uri(uri)
         if not packaging.package_exists(uri):
             _upload(packaging, uri, found.folder, excludes)
@@ -284,8 +280,7 @@ def unpacked(uri: str, node_id: str) -> str:
 
 
 def _unpacked_in_place(uri: str) -> str:
-    worker = _ray("ray._private.worker")
-    packaging = _ray("ray._private.runtime_env.packaging")
+    worker, packaging = ray_private.worker(), ray_private.packaging()
     resources = os.path.join(worker._global_node.get_runtime_env_dir_path(), "working_dir_files")
     packaging.pin_runtime_env_uri(uri)
     return str(asyncio.run(packaging.download_and_unpack_package(uri, resources, worker.global_worker.gcs_client)))
