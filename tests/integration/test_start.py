@@ -53,8 +53,12 @@ def test_a_live_grpc_channel_is_seen_and_a_closed_one_is_not():
     """A channel starts grpcio's threads; they go when it closes (a fork is then clean again)."""
     probe = (
         "import grpc, time\nfrom taas_magic.process.machine import grpc_threads_in_kernel as g\n"
-        "channel = grpc.insecure_channel('127.0.0.1:9')\nopen_ = g()\nchannel.close()\n"
-        "deadline = time.monotonic() + 10\n"  # the threads end soon after, later on a busy machine
+        "channel = grpc.insecure_channel('127.0.0.1:9')\n"
+        # grpcio starts its threads, and ends them after the close, a moment later: longer on a busy machine
+        "deadline = time.monotonic() + 10\n"
+        "while not g() and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+        "open_ = g()\nchannel.close()\n"
+        "deadline = time.monotonic() + 10\n"
         "while g() and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
         "print(open_, g())"
     )
