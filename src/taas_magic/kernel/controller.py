@@ -15,22 +15,20 @@ from typing import Callable, Mapping, assert_never
 
 from taas_magic.kernel import environment, render, visual_debugger
 from taas_magic.kernel.live_view import RunView
-from taas_magic.kernel.run_state import (
-    ONE_SHOT,
+from taas_magic.kernel.run_actions import (
     Action,
     Answer,
     AskLine,
     EndSession,
     MarkEnded,
-    Outcome,
-    RunResult,
-    RunState,
     ShowHang,
     ShowView,
     Signal,
     TakeStacks,
     Why,
 )
+from taas_magic.kernel.run_result import ONE_SHOT, Outcome, RunResult
+from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.kernel.streams import RankOutput
 from taas_magic.kernel.tidy_output import TidyRankOutput

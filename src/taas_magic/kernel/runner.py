@@ -27,7 +27,7 @@ from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept, read_line
 from taas_magic.kernel.options import rank_text, ranks_as_typed
 from taas_magic.kernel.pragma import PragmaTransformer
-from taas_magic.kernel.run_state import RunResult
+from taas_magic.kernel.run_result import RunResult
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.settings import Defaults
 from taas_magic.kernel.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from

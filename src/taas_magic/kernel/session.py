@@ -31,7 +31,8 @@ from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel import hang, reloading, render, stacks, streams
 from taas_magic.kernel.controller import STACK_SECONDS, Pump, live_output
-from taas_magic.kernel.run_state import SESSION, RunResult, RunState
+from taas_magic.kernel.run_result import SESSION, RunResult
+from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.kernel.streams import RankOutput
 from taas_magic.launch.backend import Cell, SessionGroup

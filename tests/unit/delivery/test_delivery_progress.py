@@ -10,7 +10,8 @@ from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.standin import StandIn
 from taas_magic.kernel.controller import Pump
 from taas_magic.kernel.live_view import RunView
-from taas_magic.kernel.run_state import ONE_SHOT, RunState
+from taas_magic.kernel.run_result import ONE_SHOT
+from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.streams import RankOutput
 from taas_magic.wire.events import Report
 from taas_magic.wire.records import DeliveryProgress

@@ -19,24 +19,19 @@ from hypothesis import strategies as st
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded
 from taas_magic.kernel import render
 from taas_magic.kernel.hang import Hang, Process
-from taas_magic.kernel.run_state import (
-    ONE_SHOT,
-    SESSION,
+from taas_magic.kernel.run_actions import (
     Answer,
     AskLine,
-    EndCause,
     EndSession,
     MarkEnded,
-    Outcome,
-    Phase,
-    RunState,
     ShowHang,
     ShowView,
     Signal,
-    StopCause,
     TakeStacks,
     Why,
 )
+from taas_magic.kernel.run_result import ONE_SHOT, SESSION, EndCause, Outcome
+from taas_magic.kernel.run_state import Phase, RunState, StopCause
 from taas_magic.kernel.stacks import stack_lines
 from taas_magic.rank import cell
 from taas_magic.wire.events import Producer
