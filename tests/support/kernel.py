@@ -167,6 +167,16 @@ class Kernel:
             asked.clear()
             self.client.input(pending.pop(0) if pending else "q")
 
+    def complete(self, code: str, timeout: float = 60) -> list[str]:
+        """What tab completion offers at the end of ``code``, as a front end asks for it. The kernel's first
+        completion loads IPython's completer (jedi): seconds, more on a busy machine."""
+        msg_id = self.client.complete(code, len(code))
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]["matches"]
+
     def value(self, expression: str):
         """Evaluate in the kernel (not in ranks) and return the printed repr's literal value."""
         import ast

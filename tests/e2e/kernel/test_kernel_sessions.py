@@ -527,5 +527,4 @@ def test_taas_stacks_without_a_session_says_so_in_one_line(kernel):
 
 
 def test_tab_completion_offers_taas_stacks(kernel):
-    kernel.client.complete("%taas sta", len("%taas sta"))
-    assert "stacks" in kernel.client.get_shell_msg(timeout=10)["content"]["matches"]
+    assert "stacks" in kernel.complete("%taas sta")

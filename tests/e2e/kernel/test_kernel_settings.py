@@ -66,16 +66,10 @@ def test_settings_name_only_what_the_user_configured_and_what_using_cuda_changed
         k.shutdown()
 
 
-def complete(kernel: Kernel, code: str) -> list[str]:
-    kernel.client.complete(code, len(code))
-    reply = kernel.client.get_shell_msg(timeout=10)
-    return reply["content"]["matches"]
-
-
 def test_tab_completes_options_their_values_and_configuration_names(kernel):
-    assert "--device" in complete(kernel, "%%taas --dev")
-    assert set(complete(kernel, "%%taas --device ")) >= {"auto", "cuda", "cpu"}
-    assert "g2.8" in complete(kernel, "%%taas --gpus 8 --config g2")
-    assert "rank0" in complete(kernel, "%%taas --output r")
-    assert "stop" in complete(kernel, "%taas st") and "debug" in complete(kernel, "%taas ")
-    assert "--keep" in complete(kernel, "%%taas --gpus 2 --ke")
+    assert "--device" in kernel.complete("%%taas --dev")
+    assert set(kernel.complete("%%taas --device ")) >= {"auto", "cuda", "cpu"}
+    assert "g2.8" in kernel.complete("%%taas --gpus 8 --config g2")
+    assert "rank0" in kernel.complete("%%taas --output r")
+    assert "stop" in kernel.complete("%taas st") and "debug" in kernel.complete("%taas ")
+    assert "--keep" in kernel.complete("%%taas --gpus 2 --ke")
