@@ -35,7 +35,7 @@ test: $(VENV)/.installed
 	$(PYTEST) -m timing tests/e2e
 
 # What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,
-# the state machine, the protocol, real supervisors and forks) on two workers: under a minute here.
+# the state machine, the protocol, real supervisors and forks) on two workers: about 70 s here.
 test-fast: $(VENV)/.installed
 	$(CHECKS)
 	$(PYTEST) -n 2 tests/unit tests/integration
