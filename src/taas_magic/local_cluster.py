@@ -21,10 +21,9 @@ import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-import psutil
-
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
+from taas_magic.process import containment
 
 QUIET = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -131,32 +130,16 @@ class LocalCluster:
 def _start_node(start: Callable[[], Any]) -> Any:
     """``start()`` a node, again when Ray says it "timed out during startup": Ray waits a fixed 30 s for a
     new node's raylet to register, and on a machine whose every core is busy it can take longer. What a
-    failed start left running (its raylet, its store, the head's GCS) is stopped first, and after the
-    last attempt too."""
+    failed start left running (its raylet, its store, the head's GCS: children of this process) is ended
+    first, and after the last attempt too."""
     attempt = 1
     while True:
-        before = {child.pid for child in psutil.Process().children()}
+        before = set(containment.children())
         try:
             return start()
         except Exception as e:
-            _stop_children_since(before)
+            for pid in set(containment.children()) - before:
+                containment.end_child(pid)
             if attempt == START_ATTEMPTS or "timed out during startup" not in str(e):
                 raise
         attempt += 1
-
-
-def _stop_children_since(before: set[int]) -> None:
-    """Terminate this process's children that were not there ``before``, and kill those that stay."""
-    started = [child for child in psutil.Process().children() if child.pid not in before]
-    for child in started:
-        try:
-            child.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(started, timeout=3)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=3)
