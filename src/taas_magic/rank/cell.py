@@ -6,8 +6,11 @@ both end each cell here, so a failure or an early ``sys.exit`` reads the same in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+import traceback
+from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
@@ -19,13 +22,22 @@ from taas_magic.wire import results
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
 from taas_magic.wire.task import DebugLink, RankTask, Returns
 
+Report = Callable[[Failed], None]
+
 
 def run_cell(
-    code: CodeType, returns: Returns, namespace: dict[str, Any], shell: Any, task: RankTask, debugging: DebugLink | None
+    code: CodeType,
+    returns: Returns,
+    namespace: dict[str, Any],
+    shell: Any,
+    task: RankTask,
+    debugging: DebugLink | None,
+    report_early: Report | None = None,
 ) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
     """Run one cell's code: (exit status, how it ended, the pickled names this rank sends back, the error
     it raised). The names are None in a rank that sends none (``returns.ranks``). ``debugging``: how
-    the rank joins the notebook's visual debugger, while one is attached."""
+    the rank joins the notebook's visual debugger, while one is attached. ``report_early``: how a one-shot
+    rank says at once that a peer's loss broke it (see ``_failure``)."""
     _delivery_summaries(task, namespace)  # a session cell sums up its own loops, not those of one that failed
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
@@ -40,7 +52,7 @@ def run_cell(
             return _failure(e, shell, task, f"the cell called sys.exit({e.code!r})") + (None, e)
         exited = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
     except BaseException as e:
-        return _failure(e, shell, task) + (None, e)
+        return _failure(e, shell, task, report_early=report_early) + (None, e)
     ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
     data, skipped = _results(returns, namespace)
     return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
@@ -80,7 +92,13 @@ def _results(returns: Returns, namespace: dict[str, Any]) -> tuple[bytes | None,
     return data, skipped
 
 
-def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | None = None) -> tuple[int, Failed]:
+def _failure(
+    error: BaseException, shell: Any, task: RankTask, summary: str | None = None, report_early: Report | None = None
+) -> tuple[int, Failed]:
+    """How the cell failed. A rank a peer's loss broke says so at once, with a plain traceback, through
+    ``report_early``: taas stops it (SIGKILL 3 s after SIGTERM) while IPython formats its traceback, which
+    parses every file it passes through (0.4 s for torch's distributed_c10d.py alone; many seconds with the
+    other ranks doing the same on a busy machine); where it was must reach the kernel all the same."""
     global _held_termination
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
     peer_lost = _peer_lost(error)
@@ -95,13 +113,21 @@ def _failure(error: BaseException, shell: Any, task: RankTask, summary: str | No
         when,
         type(error).__name__,
         summary or str(error),
-        format_traceback(error, shell),
         interrupted=interrupted,
         hint=_hint(error, task),
         peer_lost=peer_lost,
         stack=frames_as_dump(error) if peer_lost else "",
     )
+    if peer_lost and report_early is not None:
+        report_early(dataclasses.replace(record, traceback=_plain_traceback(error)))
+    record = dataclasses.replace(record, traceback=format_traceback(error, shell))
     return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
+
+
+def _plain_traceback(error: BaseException) -> list[str]:
+    """Python's own rendering, without this module's frame: quick, whatever the files it passes through."""
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    return traceback.format_exception(type(error), error, tb)
 
 
 # What a rank raises when another process of the run went away: a consequence, not a failure of its own.

@@ -171,7 +171,15 @@ def _execute(
     task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool
 ) -> tuple[int, BaseException | None]:
     """A one-shot cell: run it, then results (from the ranks that send them) and how it ended go down their pipes."""
-    status, record, data, error = run_cell(task.code, task.returns, namespace, shell, task, task.debugging)
+    status, record, data, error = run_cell(
+        task.code,
+        task.returns,
+        namespace,
+        shell,
+        task,
+        task.debugging,
+        report_early=lambda early: report(fds.report, early),
+    )
     if send_results:
         try:
             write_all(fds.results, data or b"")

@@ -93,6 +93,37 @@ dist.all_reduce(torch.ones(1))
         assert all("Connection" in error for error in kernel.value("list(sys.last_value.peer_errors.values())"))
 
 
+def test_peers_stopped_while_their_traceback_is_formatted_still_say_where_they_were(kernel):
+    """IPython's formatting of a broken peer's traceback can outlast the stop's 3 s before SIGKILL on a busy
+    machine (it parses torch's distributed_c10d.py): the peer said where it was before it began."""
+    kernel.execute(
+        "import time, taas_magic.rank.cell as _cell\n"
+        "_formatter = _cell.format_traceback\n"
+        "def _slowly_for_peers(error, shell):\n"
+        "    if 'peer' in str(error).lower():\n"
+        "        time.sleep(10)\n"
+        "    return _formatter(error, shell)\n"
+        "_cell.format_traceback = _slowly_for_peers\n"
+        "def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n"
+    ).ok()
+    try:
+        result = kernel.execute(
+            "#pragma taas --gpus 3\nimport torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+            "if dist.get_rank() == 1:\n    check(1)\ndist.all_reduce(torch.ones(1))\n",
+            timeout=40,
+        )
+    finally:
+        kernel.execute("_cell.format_traceback = _formatter").ok()
+    tb = result.traceback
+    after = tb.splitlines()[tb.splitlines().index("ValueError: bad value 1") + 1 :]
+    assert after[:3] == [
+        "stopped after the failure: ranks 0,2",
+        "where they were when rank 1 failed:",
+        "ranks 0,2: in all_reduce:",
+    ], tb
+    assert result.seconds < 10, result.seconds  # the stop did not wait for the formatting
+
+
 def test_a_restarted_runs_report_and_a_paused_rank_are_the_failures_not_the_broken_peers(kernel):
     kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
     cell = (

@@ -1,0 +1,70 @@
+"""How a rank ends a cell that failed (rank/cell.py), without a process: what it says, and when."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from taas_magic.rank.cell import run_cell
+from taas_magic.wire.records import Failed
+from taas_magic.wire.task import RankTask
+
+SOURCE = """
+def all_reduce():
+    raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+
+def step():
+    all_reduce()
+
+step()
+"""
+
+
+@dataclasses.dataclass
+class SlowShell:
+    """A shell whose IPython formatting is noted as it happens (in a rank it can take seconds)."""
+
+    events: list[str]
+
+    @property
+    def InteractiveTB(self) -> Any:
+        return self
+
+    def structured_traceback(self, etype: type, error: BaseException, tb: Any) -> list[str]:
+        self.events.append("formatted")
+        return ["IPython's rendering"]
+
+
+def _run(source: str, events: list[str], early: list[Failed], keep: bool = True) -> Failed:
+    # keep: a session's task, so that the test's own process holds no SIGTERM (a one-shot rank holds it)
+    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1, keep=keep, track=False)
+
+    def report_early(record: Failed) -> None:
+        events.append("early")
+        early.append(record)
+
+    status, record, _, error = run_cell(task.code, task.returns, {}, SlowShell(events), task, None, report_early)
+    assert status != 0 and error is not None and isinstance(record, Failed)
+    return record
+
+
+def test_a_rank_a_peers_loss_broke_says_where_it_was_before_its_traceback_is_formatted() -> None:
+    events: list[str] = []
+    early: list[Failed] = []
+    record = _run(SOURCE, events, early)
+    assert events == ["early", "formatted"]
+    (first,) = early
+    assert first.peer_lost and record.peer_lost
+    assert "in all_reduce" in first.stack and "in step" in first.stack and first.stack == record.stack
+    assert (first.time, first.ename, first.evalue) == (record.time, record.ename, record.evalue)
+    plain = "".join(first.traceback)
+    assert "Connection closed by peer" in plain and 'File "<cell>"' in plain and "run_cell" not in plain
+    assert record.traceback == ["IPython's rendering"]
+
+
+def test_a_failure_of_its_own_is_reported_once_whole() -> None:
+    events: list[str] = []
+    early: list[Failed] = []
+    record = _run("raise ValueError('bad value 1')", events, early)
+    assert events == ["formatted"] and early == []
+    assert not record.peer_lost and record.stack == "" and record.evalue == "bad value 1"
