@@ -41,8 +41,8 @@ from taas_magic.wire.shipping import Shipment
 from taas_magic.wire.task import KernelContext, RankTask
 
 FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
-MAX_FILES_BACK = 2 * 1024**3
-IDLE_CHECK_SECONDS = 5.0  # bytes of rank 0's files a run may send back to the notebook
+MAX_FILES_BACK = 2 * 1024**3  # bytes of rank 0's files a run may send back to the notebook
+IDLE_CHECK_SECONDS = 5.0  # how often an agent asks itself whether it has been unused long enough to leave
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,7 @@ class NodeAgent:
         self.copies: notebook_folder.Stamps = {}  # the notebook's files as the run's folder started with them
         self.idle_seconds = idle_seconds
         self.last_used = time.monotonic()
+        self.held_until = 0.0  # a launch under way holds the agent until then (see info)
         self.lock = threading.RLock()  # held by each call from start to end, and by the idle watch
         threading.Thread(target=self._leave_when_idle, name="taas-agent-idle", daemon=True).start()
 
@@ -125,12 +126,20 @@ class NodeAgent:
         while True:
             time.sleep(min(self.idle_seconds, IDLE_CHECK_SECONDS))
             with self.lock:
-                if self.group is None and time.monotonic() - self.last_used > self.idle_seconds:
+                if self.unused(time.monotonic()):
                     self.shutdown()
                     os._exit(0)  # the actor ends with its worker; Ray reports it gone to whoever asks
 
+    def unused(self, now: float) -> bool:
+        """No run here, no call for ``idle_seconds``, and no launch holding it: time to leave."""
+        return self.group is None and now - self.last_used > self.idle_seconds and now >= self.held_until
+
     @_call
-    def info(self) -> NodeInfo:
+    def info(self, hold_for: float = 0.0) -> NodeInfo:
+        """Who runs here. ``hold_for``: the kernel is about to start a run on this node; the agent stays that
+        long however late the launch's next call comes (on a saturated machine the calls of one launch are
+        seconds apart, more than a short ``TAAS_CLUSTER_IDLE``), unless the run starts first."""
+        self.held_until = max(self.held_until, time.monotonic() + hold_for)
         python, torch_version, taas_version = versions()
         return NodeInfo(self.address, os.getpid(), python, torch_version, taas_version)
 
@@ -148,6 +157,7 @@ class NodeAgent:
         """Start this node's share of a run: its ranks, and the producers it hosts (``share``); the
         processes' keys once they run."""
         store, self.store = self.store, None
+        self.held_until = 0.0  # the run holds the agent now, and its end counts as the last use
         if self.group is not None:
             self._end_run()
         envs = {rank: {**env, "TAAS_NODE_ADDRESS": self.address} for rank, env in envs.items()}

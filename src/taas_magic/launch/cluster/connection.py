@@ -41,6 +41,7 @@ AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker 
 AGENT_IDLE_SECONDS = 600.0  # an agent unused this long leaves (TAAS_CLUSTER_IDLE)
 CONNECT_SECONDS = 5.0  # how long an address may take to answer before connecting is given up
 CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
+LAUNCH_HOLD_SECONDS = 300.0  # the longest from a launch's first call to an agent to its run's start
 FREE_SECONDS = 30.0  # how long Ray Client's kernel waits to learn which nodes are free
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
@@ -270,7 +271,9 @@ class Cluster:
         self._forget_dead([node.node_id for node in nodes if node.node_id in self.agents])
         missing = {node.node_id: self._start_agent(node) for node in nodes if node.node_id not in self.agents}
         try:
-            answers = ray.get([handle.info.remote() for handle in missing.values()], timeout=AGENT_START_SECONDS)
+            answers = ray.get(
+                [handle.info.remote(LAUNCH_HOLD_SECONDS) for handle in missing.values()], timeout=AGENT_START_SECONDS
+            )
         except BaseException:
             for handle in missing.values():
                 ray.kill(handle)
@@ -292,9 +295,10 @@ class Cluster:
         return [self.agents[node.node_id] for node in nodes]
 
     def _forget_dead(self, node_ids: list[str]) -> None:
-        """Warm agents that no longer answer (their node or worker died between cells) are replaced."""
+        """Warm agents that no longer answer (their node or worker died between cells) are replaced; those
+        that answer stay for the launch (``NodeAgent.info``)."""
         ray = ray_module()
-        pings = {node_id: self.agents[node_id].info.remote() for node_id in node_ids}  # all at once
+        pings = {node_id: self.agents[node_id].info.remote(LAUNCH_HOLD_SECONDS) for node_id in node_ids}
         for node_id, ping in pings.items():
             try:
                 ray.get(ping, timeout=CHECK_SECONDS)
