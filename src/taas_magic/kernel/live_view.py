@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from taas_magic.kernel import time_shares
 from taas_magic.kernel.hang import computing, describe
 from taas_magic.per_rank import span
 from taas_magic.wire.events import Key
@@ -42,6 +43,7 @@ _COLOURS = {
 }
 _BAR_RATE = re.compile(r"([0-9.]+)\s*([A-Za-z]*)/s\b")
 LASTING = 1.0  # seconds in a collective, or waiting for data, before the row says so
+SHARES_AFTER = 3.0  # seconds into a run before its rows say where each rank's time went
 
 
 @dataclass
@@ -147,6 +149,7 @@ class RunView:
     def __init__(self, title: str, ranks: Iterable[int], ranks_per_node: int = 0):
         self.title = title  # "4 ranks on cpu"
         self.ranks = {rank: _RankRow() for rank in ranks}
+        self.shares = {rank: time_shares.Shares() for rank in self.ranks}  # where each rank's time went
         self.ranks_per_node = ranks_per_node  # > 0 on a cluster: a row per node too
         self.loaders: dict[str, _LoaderRow] = {}
         self.changed = True  # since it was last shown
@@ -161,13 +164,14 @@ class RunView:
         """Note the record; True if the view changed."""
         if isinstance(record, DeliveryProgress):
             return self._take_delivery(record)
-        row = self.ranks.get(key) if isinstance(key, int) else None
-        if row is None:
+        if not isinstance(key, int) or key not in self.ranks:
             return False
+        row = self.ranks[key]
         if isinstance(record, RankActivity):
             before = row.activity
             row.computing = before is not None and computing(before, record)
             row.activity, row.seen = record, now
+            self.shares[key].add(record)
         elif isinstance(record, RankVitals):
             row.vitals = record
             row.peak_gpu_memory = max(row.peak_gpu_memory, record.gpu_memory or 0)
@@ -237,17 +241,22 @@ class RunView:
         """The view while the run goes: a MIME bundle (text and HTML)."""
         caption = f"taas: {self.title} · running {elapsed:.1f} s"
         waited_in = self._waited_in()
+        shares = self._shares(elapsed)
         rows = [
             (
                 f"rank {rank}",
                 self._shown_state(rank, row),
                 _memory(row),
-                " · ".join(part for part in (row.doing(waited_in), row.progress_text(live=True)) if part),
+                " · ".join(
+                    part
+                    for part in (row.doing(waited_in), row.progress_text(live=True), _shares_text(shares, rank))
+                    if part
+                ),
                 str(rank),
             )
             for rank, row in self.ranks.items()
         ]
-        return self._bundle("running", caption, rows, self._extra_rows())
+        return self._bundle("running", caption, rows, self._extra_rows(), _waited_notes(shares))
 
     def _shown_state(self, rank: int, row: _RankRow) -> str:
         return "paused" if row.state == "running" and rank in self.paused else row.state
@@ -270,17 +279,26 @@ class RunView:
     def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
         """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""
         caption = f"taas: {self.title} · {outcome} {'in' if outcome == 'done' else 'after'} {elapsed:.1f} s"
+        shares = self._shares(elapsed)
         rows = [
             (
                 f"rank {rank}",
                 _over(row.state),
                 _peak_memory(row),
-                " · ".join(part for part in (row.throughput(), row.progress_text(live=False)) if part),
+                " · ".join(
+                    part
+                    for part in (row.throughput(), row.progress_text(live=False), _shares_text(shares, rank))
+                    if part
+                ),
                 str(rank),
             )
             for rank, row in self.ranks.items()
         ]
-        return self._bundle("summary", caption, rows, self._extra_rows())
+        return self._bundle("summary", caption, rows, self._extra_rows(), _waited_notes(shares))
+
+    def _shares(self, elapsed: float) -> dict[int, time_shares.Shares]:
+        """Each rank's shares of time, once the run is long enough and every rank has samples enough."""
+        return time_shares.counted(self.shares) if elapsed >= SHARES_AFTER else {}
 
     def _extra_rows(self) -> list[tuple[str, str, str, str, str]]:
         """Rows of nodes (on a cluster) and of loaders' producers."""
@@ -305,8 +323,21 @@ class RunView:
         caption: str,
         rows: list[tuple[str, str, str, str, str]],
         extra: list[tuple[str, str, str, str, str]],
+        notes: list[str],
     ) -> dict[str, str]:
-        return {"text/plain": _text(caption, rows + extra), "text/html": _html(state, caption, rows, extra)}
+        return {
+            "text/plain": "\n".join([_text(caption, rows + extra), *notes]),
+            "text/html": _html(state, caption, rows, extra, notes),
+        }
+
+
+def _shares_text(shares: Mapping[int, time_shares.Shares], rank: int) -> str:
+    return shares[rank].text() if rank in shares else ""
+
+
+def _waited_notes(shares: Mapping[int, time_shares.Shares]) -> list[str]:
+    waited = time_shares.waited_for(shares)
+    return [waited.text()] if waited is not None else []
 
 
 def record_time(record: Record) -> float:
@@ -357,7 +388,11 @@ def _text(caption: str, rows: list[tuple[str, str, str, str, str]]) -> str:
 
 
 def _html(
-    state: str, caption: str, rows: list[tuple[str, str, str, str, str]], extra: list[tuple[str, str, str, str, str]]
+    state: str,
+    caption: str,
+    rows: list[tuple[str, str, str, str, str]],
+    extra: list[tuple[str, str, str, str, str]],
+    notes: list[str],
 ) -> str:
     cell = 'style="padding:1px 10px 1px 0;text-align:left;vertical-align:top;white-space:nowrap"'
     # A row wider than the cell wraps rather than losing its end at the cell's edge.
@@ -376,6 +411,7 @@ def _html(
                 f"<td {cell}>{html.escape(memory)}</td>"
                 f"<td {wraps}>{html.escape(progress)}</td></tr>"
             )
+    body += [f'<tr class="taas-note"><td colspan="4" {wraps}>{html.escape(note)}</td></tr>' for note in notes]
     return (
         f'<table class="taas-view" data-state="{state}" style="border-collapse:collapse;'
         f'font-family:var(--jp-code-font-family,monospace);font-size:12px;margin:2px 0">'

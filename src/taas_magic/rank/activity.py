@@ -24,6 +24,7 @@ from taas_magic.delivery.standin import TAKEN, WAITING
 from taas_magic.process import torch_private
 from taas_magic.wire.records import Collective, RankActivity
 
+SMALL_RING = 256  # entries: about 1 ms to read
 _setup_since: float | None = None  # when the main thread was first seen in init_process_group
 _last_status: dict[str, Any] | None = None  # the groups' counters at the last sample
 
@@ -54,8 +55,10 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
     Each group's counters alone are cheap to read (about 10 µs); the ring's entries cost in proportion
     to its size (0.3 ms for 64, 40 ms for torch's default of 2000). A rank that moved since the last
     sample is read by its counters: a collective it is in is named by its number alone, which says
-    enough of one not a second old. A rank that did not move (in a collective that lasts, computing,
-    stuck) is read whole, each collective it is in with its operation, tensors and time.
+    enough of one not a second old, unless the ring is small (taas's size): then it is read whole, so that
+    the shares of time name the collective (``kernel/time_shares.py``). A rank that did not move (in a
+    collective that lasts, computing, stuck) is read whole, each collective it is in with its operation,
+    tensors and time.
     """
     global _last_status
     dist = sys.modules.get("torch.distributed")
@@ -67,12 +70,13 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
     groups = status["pg_status"]
     finished = {str(group): int(counters.get("last_completed_collective", -1)) for group, counters in groups.items()}
     moved, _last_status = groups != _last_status, groups
-    if moved:
-        return [
-            Collective(str(group), finished[str(group)] + 1, "", [], [], 0.0)
-            for group, counters in groups.items()
-            if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]
-        ], finished
+    entered = [
+        str(group)
+        for group, counters in groups.items()
+        if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]
+    ]
+    if moved and not (entered and _small_ring()):
+        return [Collective(group, finished[group] + 1, "", [], [], 0.0) for group in entered], finished
     trace = _flight_record(entries=True) or {"entries": []}
     now = time.time_ns()
     inside = []
@@ -100,6 +104,15 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
         # gloo finishes the collectives in order: an entry at or before the last finished one is done
         inside = [c for c in inside if c.group != group or c.p2p or c.seq > seq]
     return inside, finished  # -1: a group the rank is in that has finished none yet
+
+
+def _small_ring() -> bool:
+    """Whether the flight recorder's ring is small enough to read at every sample that finds the rank in a
+    collective (so the shares of time name it): taas's own size, or one the user chose as small."""
+    try:
+        return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")) <= SMALL_RING
+    except ValueError:
+        return False
 
 
 def _flight_record(entries: bool) -> dict[str, Any] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import resource
 import sys
 import threading
@@ -22,7 +23,10 @@ from typing import Callable, Iterator
 from taas_magic.rank import activity
 from taas_magic.wire.records import RankActivity, RankVitals
 
-INTERVAL = 1.0  # seconds between two samples
+INTERVAL = 1.0  # seconds between two samples, on average
+# Each interval is drawn from 0.75-1.25 of it: samples at fixed instants would see a loop whose period divides
+# a second at one phase only, and the shares of time drawn from them (kernel/time_shares.py) would be biased.
+_JITTER = random.Random()  # taas's own: the cell's random numbers are the user's
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -45,7 +49,7 @@ def attach(send: Callable[[RankVitals | RankActivity], None], gpu: int | None, t
 
 @contextlib.contextmanager
 def sampling() -> Iterator[None]:
-    """Around a cell: a sample at once (the row shows the rank running), then one every ``INTERVAL``."""
+    """Around a cell: a sample at once (the row shows the rank running), then one about every ``INTERVAL``."""
     if _send is None:
         yield
         return
@@ -61,7 +65,7 @@ def sampling() -> Iterator[None]:
 def _every_interval() -> None:
     while _send is not None:
         _in_cell.wait()
-        time.sleep(INTERVAL)
+        time.sleep(INTERVAL * _JITTER.uniform(0.75, 1.25))
         if _in_cell.is_set():
             _report()
 
