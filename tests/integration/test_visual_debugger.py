@@ -206,8 +206,11 @@ def test_a_rank_the_kernel_hangs_up_on_runs_on_without_the_debugger():
     port = listener.getsockname()[1]
 
     def hang_up() -> None:
-        for _ in range(2):  # the rank's check that the port listens, then its engine
-            connection, _ = listener.accept()
+        while True:  # the rank's checks that the port listens, then its engine, each time it tries
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
             connection.close()
 
     threading.Thread(target=hang_up, daemon=True).start()

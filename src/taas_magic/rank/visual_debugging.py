@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Any, Callable
 
 from taas_magic.wire.task import DebugLink
 
 JOIN_SECONDS = 30.0  # the kernel answers a rank in well under a second; this much is a kernel that is gone
+JOIN_ATTEMPTS = 3
+STOP_SECONDS = 5.0  # for an ended engine's threads to go
 _joined: int | None = None  # the kernel's port this rank joined on (a session's rank stays joined)
 _pdb_hook: Callable[..., Any] | None = None  # breakpoint()'s hook before a link took it over
 
@@ -52,17 +55,34 @@ def _visual_breakpoint(link: DebugLink, rank: int, args: tuple[Any, ...], kwargs
 
 def _join(link: DebugLink, rank: int) -> bool:
     """Connect this rank's debugger engine to the kernel; False when the kernel no longer listens
-    (the client detached since the cell was sent)."""
+    (the client detached since the cell was sent) or does not answer.
+
+    An engine whose connection ended before the kernel gave it the breakpoints is started again (twice at
+    most) while the kernel listens: on a busy machine the engine of the session the client left can still
+    be ending, and the new one's first connection may not survive it."""
     global _joined
     if _joined == link.port:
         return True
-    if not _listening(link.port):
-        return False
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # the rank's own environment: no warning on stderr
-    pydevd = _engine()
-    if _joined is not None:
-        pydevd.stoptrace()  # the debugger was switched off and on again since: join its new session
-        pydevd.SetupHolder.setup = None
+    for _ in range(JOIN_ATTEMPTS):
+        if not _listening(link.port):
+            return False
+        pydevd = _engine()
+        if _joined is not None:
+            _stop(pydevd)  # the debugger was switched off and on again since: join its new session
+        _connect(pydevd, link, rank)
+        state = _ready(pydevd.get_global_debugger())
+        if state == "ready":
+            _joined = link.port
+            return True
+        _stop(pydevd)  # the kernel refused the rank or went away before giving it the breakpoints
+        _joined = None
+        if state == "late":
+            return False
+    return False
+
+
+def _connect(pydevd: Any, link: DebugLink, rank: int) -> None:
     pydevd.settrace(
         "127.0.0.1",
         port=link.port,
@@ -75,22 +95,31 @@ def _join(link: DebugLink, rank: int) -> bool:
         client_access_token=link.token(rank),
         protocol="dap",
     )
-    if not _ready(pydevd.get_global_debugger()):
-        pydevd.stoptrace()  # the kernel refused the rank or went away before giving it the breakpoints
-        return False
-    _joined = link.port
-    return True
 
 
-def _ready(engine: Any) -> bool:
-    """Wait until the kernel gave the engine the notebook's breakpoints (``configurationDone``); False if
-    the connection ended first or nothing came within ``JOIN_SECONDS``."""
+def _stop(pydevd: Any) -> None:
+    """End the engine, and wait (a few seconds at most) for the threads of its connection, which pydevd
+    gives half a second: a new engine's connection must not meet the old one's end."""
+    engine = pydevd.get_global_debugger()
+    pydevd.stoptrace()
+    pydevd.SetupHolder.setup = None
+    deadline = time.monotonic() + STOP_SECONDS
+    for thread in (getattr(engine, "reader", None), getattr(engine, "writer", None)):
+        if isinstance(thread, threading.Thread) and thread.ident is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _ready(engine: Any) -> str:
+    """Wait until the kernel gave the engine the notebook's breakpoints (``configurationDone``): "ready";
+    "ended" if its connection ended first, "late" if nothing came within ``JOIN_SECONDS``."""
     deadline = time.monotonic() + JOIN_SECONDS
     while engine is not None and not engine.is_attached():  # set by configurationDone
-        if engine.pydb_disposed or time.monotonic() > deadline:
-            return False
+        if engine.pydb_disposed:
+            return "ended"
+        if time.monotonic() > deadline:
+            return "late"
         time.sleep(0.01)
-    return engine is not None
+    return "ready" if engine is not None else "ended"
 
 
 def _listening(port: int) -> bool:
