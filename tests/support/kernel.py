@@ -62,6 +62,24 @@ def ranks_in(runs: str) -> set[int]:
     return ranks
 
 
+ROW = re.compile(r"rank (\d+) +(starting|running|done|failed|stopped|paused)\b")
+
+
+def view_rows(text: str) -> list[str]:
+    """The rank rows of a live view or summary (its ``text/plain``): not its caption, nor the lines under
+    the rows (where the time went, the rank the others waited for)."""
+    return [line for line in text.splitlines() if ROW.match(line)]
+
+
+def view_notes(text: str) -> list[str]:
+    """The lines under a view's rows: ranks' shares of time (``ranks 0,2: all_reduce 83% · computing 17%``),
+    the rank the others waited for."""
+    return [line for line in text.splitlines() if NOTE.match(line)]
+
+
+NOTE = re.compile(r"ranks? [\d,-]+: |the others waited for ")
+
+
 def each_rank(text: str) -> str:
     lines = []
     for line in text.splitlines(keepends=True):

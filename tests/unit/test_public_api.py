@@ -58,6 +58,7 @@ def test_the_options_are_the_documented_ones_in_their_order() -> None:
         "--from",
         "--timeout",
         "--hang-after",
+        "--profile",
         "--max-restarts",
         "--debug",
         "--debug-ranks",

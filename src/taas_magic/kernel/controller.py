@@ -42,6 +42,7 @@ STACK_SECONDS = 2.0
 
 Write = Callable[[str, str], object]  # (stream, text): where the ranks' output and taas's notices go
 Status = Callable[[dict[str, str], bool], object]  # shows the live view: (MIME bundle, final)
+Show = Callable[[dict[str, str]], object]  # shows a MIME bundle once, in a display of its own
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,15 @@ def run(
     status: Status | None = None,
     keep_paused: Callable[[SessionGroup, int], None] | None = None,
     read_line: Callable[[str], str] | None = None,
+    picture: Show | None = None,
 ) -> RunResult:
     """Run ``plan`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
 
     ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
     ``status`` shows the live view (a MIME bundle, redrawn in place; None: no view, the ranks'
     output as they write it); ``read_line`` asks the user for a line a rank's debugger waits for
-    (`breakpoint()`).
+    (`breakpoint()`); ``picture`` shows a picture of where the ranks' time went under the summary
+    (``--profile``).
 
     With ``--debug``, the first rank whose cell raised stays, paused at its error, while the others
     are stopped; the group is handed to ``keep_paused`` instead of being closed.
@@ -100,6 +103,7 @@ def run(
                     deadline,
                     keep_paused if restart == spec.max_restarts else None,
                     read_line,
+                    picture,
                 )
                 deadline = state.deadline  # later by the time a person spent at a debugger prompt
                 result = state.result()
@@ -129,6 +133,7 @@ def _attempt(
     deadline: float | None,
     keep_paused: Callable[[SessionGroup, int], None] | None,
     read_line: Callable[[str], str] | None,
+    picture: Show | None = None,
 ) -> RunState:
     """One start of the run, pumped to its end; its state says how it went."""
     output, view = live_output(spec, write, list(range(spec.world_size)), status, labels)
@@ -145,7 +150,7 @@ def _attempt(
     try:
         group = backend.start(plan, launch)
         try:
-            pump = Pump(group, state, output, write, read_line, cell_names, view, status)
+            pump = Pump(group, state, output, write, read_line, cell_names, view, status, picture)
             try:
                 pump.until_over()
             finally:
@@ -192,6 +197,7 @@ class Pump:
         cell_names: Mapping[str, str],
         view: RunView | None = None,
         status: Status | None = None,
+        picture: Show | None = None,
     ):
         self.group = group
         self.state = state
@@ -201,6 +207,7 @@ class Pump:
         self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
         self.view = view if status is not None else None
         self.status = status
+        self.picture = picture
         self.backlog: list[Event] = []  # events received and not taken yet
         self.stepped_at = time.monotonic()
 
@@ -225,6 +232,9 @@ class Pump:
             broken, failed = {f.rank: "stopped" for f in result.broken}, {f.rank: "failed" for f in result.failures}
             self.view.settle({**broken, **failed})
             self.status(self.view.summary(result.seen_as.value, time.monotonic() - self.state.started), True)
+            shown = self.view.picture() if self.picture is not None else None
+            if shown is not None and self.picture is not None:
+                self.picture(shown)
         except Exception:
             pass  # the cell's error says how the run ended; the view's last drawing stays
 

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from taas_magic.kernel import time_shares
+from taas_magic.kernel import time_picture, time_shares
 from taas_magic.kernel.hang import computing, describe
 from taas_magic.per_rank import span
 from taas_magic.wire.events import Key
@@ -279,22 +279,22 @@ class RunView:
     def summary(self, outcome: str, elapsed: float) -> dict[str, str]:
         """The view once the run is over: ``outcome`` ("done", "failed", …) and per rank its peaks and throughput."""
         caption = f"taas: {self.title} · {outcome} {'in' if outcome == 'done' else 'after'} {elapsed:.1f} s"
-        shares = self._shares(elapsed)
         rows = [
             (
                 f"rank {rank}",
                 _over(row.state),
                 _peak_memory(row),
-                " · ".join(
-                    part
-                    for part in (row.throughput(), row.progress_text(live=False), _shares_text(shares, rank))
-                    if part
-                ),
+                " · ".join(part for part in (row.throughput(), row.progress_text(live=False)) if part),
                 str(rank),
             )
             for rank, row in self.ranks.items()
         ]
-        return self._bundle("summary", caption, rows, self._extra_rows(), _waited_notes(shares))
+        return self._bundle("summary", caption, rows, self._extra_rows(), time_shares.lines(self._shares(elapsed)))
+
+    def picture(self) -> dict[str, str] | None:
+        """A picture of where each rank's time went (``--profile``), once every rank has samples enough."""
+        shares = time_shares.counted(self.shares)
+        return time_picture.bundle(shares) if shares else None
 
     def _shares(self, elapsed: float) -> dict[int, time_shares.Shares]:
         """Each rank's shares of time, once the run is long enough and every rank has samples enough."""

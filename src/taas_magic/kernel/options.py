@@ -274,6 +274,14 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             help="when no rank made progress for this many seconds, say which rank waits where and why, and let "
             "the run go on (default 120; 0: never).",
         ),
+        magic_arguments.argument(
+            "--profile",
+            action="store_true",
+            help="run torch.profiler in every rank for the whole cell (CPU, and CUDA on a GPU run; no stacks, "
+            "shapes or memory: a few MB a second), merge the ranks' traces into one Chrome/Perfetto trace in the "
+            "notebook's folder (taas-profile-DATE-TIME.json, a row per rank, times aligned) and show a picture of "
+            "where each rank's time went. This machine's runs only.",
+        ),
         magic_arguments.argument_group("failures"),
         magic_arguments.argument(
             "--max-restarts",

@@ -22,7 +22,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from taas_magic.configurations import load_catalog
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import cell_source, controller, delivery_planning, environment, streams
+from taas_magic.kernel import cell_source, controller, delivery_planning, environment, profiling, streams
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept, read_line
 from taas_magic.kernel.options import rank_text, ranks_as_typed
@@ -96,6 +96,7 @@ class CellRunner:
         returns = Returns(results.wanted(analysed.binds, spec.return_names), frozenset(spec.return_from))
         seed = draw_base_seed()
         debugging = self._debug_link(spec, compiled.code.co_filename)
+        traces = profiling.ProfileFolder() if spec.profile else None
 
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
             return RankTask(
@@ -112,14 +113,20 @@ class CellRunner:
                 sources=sources,
                 context=context,
                 debugging=debugging,
+                profile=traces.path if traces is not None else None,
             )
 
-        if spec.on_cluster:
-            result = self._launch(self.link.backend(spec, catalog), spec, make_task, analysed, loaders, defaults.view)
-        elif self._choose_start(spec) == "fork":
-            result = self._launch(self.fork_backend, spec, make_task, analysed, loaders, defaults.view)
-        else:
-            result = self._launch(self.forkserver_backend, spec, make_task, analysed, loaders, defaults.view)
+        try:
+            if spec.on_cluster:
+                backend: Backend[Any] = self.link.backend(spec, catalog)
+            elif self._choose_start(spec) == "fork":
+                backend = self.fork_backend
+            else:
+                backend = self.forkserver_backend
+            result = self._launch(backend, spec, make_task, analysed, loaders, defaults.view)
+        finally:
+            if traces is not None:
+                _merge_traces(traces, spec.world_size)
         self._take_back(result, spec.return_names, spec.return_from)
 
     def _launch(
@@ -147,6 +154,7 @@ class CellRunner:
                 status=self._view_display(view),
                 keep_paused=functools.partial(self.kept.keep_paused, spec),
                 read_line=read_line,
+                picture=_show_once if spec.profile and view else None,
             )
         finally:
             plan.close()  # what the plan held here (a memory file of shipped tensors)
@@ -501,6 +509,7 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
         "--max-restarts": args.max_restarts != 0,
         "--debug": args.debug,
         "--idle": args.idle is not None,
+        "--profile": args.profile,
     }
     changed = [name for name, ok in same.items() if not ok]
     if changed:
@@ -514,6 +523,27 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
             f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes "
             f"{SESSION_CELL_OPTIONS} (%taas stop ends the session)"
         )
+
+
+def _merge_traces(traces: profiling.ProfileFolder, world: int) -> None:
+    """A ``--profile`` run's traces, merged into one file in the notebook's folder, which the cell names."""
+    try:
+        written = traces.merge_into(os.getcwd())
+    except OSError as e:
+        print(f"taas: --profile: the merged trace could not be written in {os.getcwd()}: {e}", file=sys.stderr)
+        return
+    finally:
+        traces.close()
+    if written is None:
+        print("taas: --profile: no rank wrote its trace (each was stopped first)", file=sys.stderr)
+    else:
+        print(written.notice(world), end="", file=sys.stderr)
+
+
+def _show_once(bundle: dict[str, str]) -> None:
+    from IPython.display import display
+
+    display(bundle, raw=True)
 
 
 def _import_torch_once() -> None:

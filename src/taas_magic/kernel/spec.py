@@ -47,6 +47,7 @@ class LaunchSpec:
     hang_after: float = 120.0  # seconds without progress before the cell says where each rank waits (0: never)
     debug_ranks: tuple[int, ...] | None = None  # the ranks in the notebook's visual debugger (None: every rank)
     log: str | None = None  # TAAS_LOG: the run's processes log at this level to a file of the run's (process/logs.py)
+    profile: bool = False  # torch.profiler in every rank, the traces merged into one (kernel/profiling.py)
 
     def __post_init__(self) -> None:
         if self.world_size != self.nodes * self.ranks_per_node:
@@ -76,6 +77,12 @@ def build(
     """``connected``: a Ray cluster is connected, so runs go there unless ``--on local``."""
     configuration = catalog.get(options.config) if options.config is not None else None
     on_cluster = _on_cluster(getattr(options, "on", None), connected)
+    profile = bool(getattr(options, "profile", False))
+    if profile and on_cluster:
+        raise TaasUsageError(
+            "--profile profiles this machine's ranks only (a cluster's traces do not come back yet): "
+            "add --on local, or leave out --profile"
+        )
     alone = getattr(options, "alone", False)  # `#!NAME` alone on a cluster: one process on a node of NAME
     requested = options.device or default_device(environ)
     if alone and configuration is not None and not configuration.gpus:
@@ -110,6 +117,7 @@ def build(
         hang_after=120.0 if getattr(options, "hang_after", None) is None else options.hang_after,
         debug_ranks=debug_ranks(getattr(options, "debug_ranks", None), range(world_size), "the run"),
         log=log_level(environ),
+        profile=profile,
         **_session_options(options),
     )
 

@@ -73,8 +73,18 @@ class Waited:
     op: str  # the collective they waited in ("collectives" when several kinds, or none named)
 
     def text(self) -> str:
-        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {span(list(self.ranks))}"
-        return f"the others waited for {who}: {self.share:.0%} of their time in {self.op}"
+        return f"the others waited for {span(list(self.ranks))}: {self.share:.0%} of their time in {self.op}"
+
+
+def lines(shares: Mapping[int, Shares]) -> list[str]:
+    """Each rank's shares, ranks that read alike on one line (``ranks 0-2,4: all_reduce 83% · computing 17%``),
+    then the ranks the others waited for, if any."""
+    alike: dict[str, list[int]] = {}
+    for rank in sorted(shares):
+        alike.setdefault(shares[rank].text(), []).append(rank)
+    said = [f"{span(ranks)}: {text}" for text, ranks in alike.items()]
+    waited = waited_for(shares)
+    return said + ([waited.text()] if waited is not None else [])
 
 
 def counted(shares: Mapping[int, Shares]) -> dict[int, Shares]:

@@ -17,7 +17,7 @@ from typing import Any
 from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
 from taas_magic.process.containment import HeldTermination
 from taas_magic.process.tracebacks import format_traceback, frames_as_dump
-from taas_magic.rank import progress, sharded, visual_debugging, vitals
+from taas_magic.rank import profiling, progress, sharded, visual_debugging, vitals
 from taas_magic.wire import results
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
 from taas_magic.wire.task import DebugLink, RankTask, Returns
@@ -33,16 +33,18 @@ def run_cell(
     task: RankTask,
     debugging: DebugLink | None,
     report_early: Report | None = None,
+    profile: str | None = None,
 ) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
     """Run one cell's code: (exit status, how it ended, the pickled names this rank sends back, the error
     it raised). The names are None in a rank that sends none (``returns.ranks``). ``debugging``: how
     the rank joins the notebook's visual debugger, while one is attached. ``report_early``: how a one-shot
-    rank says at once that a peer's loss broke it (see ``_failure``)."""
+    rank says at once that a peer's loss broke it (see ``_failure``). ``profile``: the folder its trace goes
+    to, when the cell runs under torch.profiler (``--profile``)."""
     _delivery_summaries(task, namespace)  # a session cell sums up its own loops, not those of one that failed
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
         try:
-            with vitals.sampling():
+            with vitals.sampling(), profiling.profiled(profile, task.device):
                 visual_debugging.take_part(debugging, int(os.environ.get("RANK", "0")))
                 exec(code, namespace)
         finally:

@@ -45,7 +45,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     """
     os.close(fds.results)  # every cell's names go back on the control channel
     last_error: BaseException | None = None
-    cell = SessionCell(task.code, task.returns, debugging=task.debugging)
+    cell = SessionCell(task.code, task.returns, debugging=task.debugging, profile=task.profile)
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     while True:
@@ -55,7 +55,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             names = None
         else:
             status, record, names, error = _run(
-                cell.code, cell.returns, namespace, shell, task, interrupted, cell.debugging
+                cell.code, cell.returns, namespace, shell, task, interrupted, cell.debugging, cell.profile
             )
             last_error = error if error is not None else last_error
             reloads.after_cell()
@@ -96,6 +96,7 @@ def _run(
     task: RankTask,
     interrupted: bool,
     debugging: DebugLink | None,
+    profile: str | None,
 ) -> tuple[int, Any, bytes | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
@@ -105,7 +106,7 @@ def _run(
     try:
         if interrupted:
             raise KeyboardInterrupt
-        return run_cell(code, returns, namespace, shell, task, debugging)
+        return run_cell(code, returns, namespace, shell, task, debugging, profile=profile)
     except KeyboardInterrupt as e:  # outside the cell's code: before it began
         return (*stopped_before_start(e, shell, task), None, e)
     finally:

@@ -179,6 +179,7 @@ def _execute(
         task,
         task.debugging,
         report_early=lambda early: report(fds.report, early),
+        profile=task.profile,
     )
     if send_results:
         try:

@@ -48,6 +48,7 @@ class SessionCell:
     loaders: tuple[LoaderPlan, ...] = ()
     first_loader: int = 0
     debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it
+    profile: str | None = None  # --profile: the folder each rank writes this cell's trace to
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,4 @@ class RankTask:
     debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
     track: bool = True  # the rank samples its activity for the hang watchdog (off with --hang-after 0)
     debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it
+    profile: str | None = None  # --profile: the folder each rank writes its trace to (rank/profiling.py)

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 from support.cells import NOTEBOOK, REGRESSION
-from support.kernel import ANSI, CellResult, Kernel
+from support.kernel import ANSI, CellResult, Kernel, view_rows
 
 from taas_magic.process.machine import cuda_device_count
 
@@ -194,7 +194,7 @@ torch.cuda.synchronize()
         assert r.error["evalue"] == "rank 1 failed: ValueError: bad batch", shown
         assert f"stopped after the failure: {others}" in shown and "also failed" not in shown, shown
         assert "where they were when rank 1 failed:" in shown and "all_reduce" in shown, shown
-        rows = [line.split()[:3] for line in r.displays[-1]["text/plain"].splitlines()[1:]]
+        rows = [line.split()[:3] for line in view_rows(r.displays[-1]["text/plain"])]
         assert rows == [["rank", str(rank), "failed" if rank == 1 else "stopped"] for rank in range(len(rows))], rows
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
 

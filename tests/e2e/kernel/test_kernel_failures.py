@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from support.kernel import processes_of_run
+from support.kernel import processes_of_run, view_rows
 
 # DataLoader workers that are busy for a long time: grandchildren of the kernel to be cleaned up.
 SLOW_WORKERS = """import time
@@ -86,7 +86,7 @@ dist.all_reduce(torch.ones(1))
             f"ranks {peers}: in all_reduce:",
         ], tb
         assert "also failed" not in tb and "Connection" not in tb + result.stderr and "pair.cc" not in tb, tb
-        rows = [line.split()[:3] for line in result.displays[-1]["text/plain"].splitlines()[1:]]
+        rows = [line.split()[:3] for line in view_rows(result.displays[-1]["text/plain"])]
         assert rows == [["rank", str(rank), "failed" if rank == 1 else "stopped"] for rank in range(world)], rows
         broken = kernel.value("sorted(sys.last_value.peer_errors)")
         assert set(broken) <= {int(rank) for rank in others.split(",")}

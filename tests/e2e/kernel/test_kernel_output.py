@@ -6,6 +6,7 @@ import re
 
 import psutil
 import pytest
+from support.kernel import view_rows
 
 PRINT_20_MB = """#pragma taas --gpus 2 --output rank0
 line = "x" * 99
@@ -63,7 +64,7 @@ def test_taas_progress_shows_each_ranks_step_rate_and_metrics_in_place(kernel):
     assert len(shown) >= 2, "drawn while the run goes on, then updated in place"
     summary = shown[-1].splitlines()
     assert summary[0].startswith("taas: 2 ranks on cpu · done in "), shown
-    for rank, line in enumerate(summary[1:]):
+    for rank, line in enumerate(view_rows(shown[-1])):
         assert re.fullmatch(rf"rank {rank} +done +peak [\d.]+ [KMG]B +[\d.,]+ steps/s · step 39, loss 0.025", line), (
             shown
         )

@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from support.kernel import Kernel
+from support.kernel import Kernel, view_rows
 
 START = """#pragma taas --gpus 2 --keep --start {start}
 import os, torch, torch.distributed as dist
@@ -188,7 +188,7 @@ def test_a_session_cell_that_times_out_says_so_before_the_session_ends(kernel, o
         assert "rank 1: was interrupted by taas" in lines, r.traceback
     summary = r.displays[-1]["text/plain"].splitlines()
     assert re.fullmatch(r"taas: \d ranks? on cpu · timed out after [\d.]+ s", summary[0]), summary
-    assert all(row.split()[2] == "stopped" for row in summary[1:]), summary
+    assert all(row.split()[2] == "stopped" for row in view_rows(r.displays[-1]["text/plain"])), summary
     assert r.display_messages[-1][0] == "update_display_data" and "running" not in str(r.displays[-1]), r.displays[-1]
     assert gone(pids(first).values(), 5)
     assert "session:             none" in kernel.execute("%taas").ok().stdout
@@ -211,7 +211,7 @@ def test_a_failure_while_the_others_wait_in_a_collective_ends_the_session_saying
         r"taas: the session ended",
         tb,
     ), tb
-    rows = [line.split()[:3] for line in r.displays[-1]["text/plain"].splitlines()[1:]]
+    rows = [line.split()[:3] for line in view_rows(r.displays[-1]["text/plain"])]
     assert rows == [["rank", "0", "stopped"], ["rank", "1", "failed"], ["rank", "2", "stopped"]], rows
     assert gone(pids(first).values(), 5)
 
@@ -353,7 +353,8 @@ def test_taas_progress_shows_in_a_sessions_cells(kernel):
         ).ok()
         summary = [d["text/plain"] for d in r.displays][-1].splitlines()
         assert summary[0].startswith("taas: 2 ranks on cpu · done in "), summary
-        assert [re.sub(r" +", " ", line).endswith("step 4, acc 0.5") for line in summary[1:]] == [True, True], summary
+        rows = view_rows("\n".join(summary))
+        assert [re.sub(r" +", " ", line).endswith("step 4, acc 0.5") for line in rows] == [True, True], summary
     finally:
         stop(kernel)
 

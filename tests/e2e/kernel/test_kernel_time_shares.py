@@ -3,7 +3,13 @@ setup) and the rank the others waited for, in every kind of cell."""
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import tempfile
+
 import pytest
+from support.kernel import ranks_in, view_notes
 
 ITERATIONS = 30  # of 0.2 s each: a run of about 6 s, some six samples per rank
 
@@ -19,10 +25,14 @@ def loop(header: str, sleeper: str) -> str:
 
 
 def summary(result) -> tuple[dict[int, str], list[str]]:
-    """Each rank's row of the summary, and the lines under the table."""
-    lines = result.displays[-1]["text/plain"].splitlines()
-    rows = {int(line.split()[1]): line for line in lines if line.startswith("rank ")}
-    return rows, [line for line in lines[1:] if not line.startswith(("rank ", "node ")) and line.strip()]
+    """Each rank's shares as the summary says them, and the lines under its rows."""
+    notes = view_notes(result.displays[-1]["text/plain"])
+    shares = {}
+    for line in notes:
+        if not line.startswith("the others"):
+            who, _, text = line.partition(": ")
+            shares.update({rank: text for rank in ranks_in(who.split(" ", 1)[1])})
+    return shares, notes
 
 
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
@@ -33,14 +43,14 @@ def test_the_rank_that_sleeps_before_each_all_reduce_is_the_one_the_others_waite
     assert notes[-1].endswith("of their time in all_reduce"), notes
     waited = int(notes[-1].split(": ")[1].split("%")[0])
     assert waited >= 50, notes
-    assert "all_reduce" in rows[0] and "computing" in rows[1], rows
+    assert rows[0].startswith("all_reduce") and rows[1].startswith("computing"), rows
 
 
 def test_a_balanced_loop_names_nobody(kernel):
     result = kernel.execute(loop("#pragma taas --gpus 2", "True"), timeout=90).ok()
     rows, notes = summary(result)
     assert not [note for note in notes if "waited for" in note], result.displays[-1]["text/plain"]
-    assert all("computing" in row for row in rows.values()), rows
+    assert sorted(rows) == [0, 1] and all("computing" in row for row in rows.values()), rows
 
 
 def test_a_slow_registered_loader_shows_as_data(kernel):
@@ -52,7 +62,7 @@ def test_a_slow_registered_loader_shows_as_data(kernel):
     ).ok()
     result = kernel.execute("#pragma taas --gpus 2 --cpus 1\nfor batch in slow:\n    pass\n", timeout=120).ok()
     rows, _ = summary(result)
-    assert all(" data " in row or row.endswith(" data") or "· data" in row for row in rows.values()), rows
+    assert sorted(rows) == [0, 1] and all("data " in row for row in rows.values()), rows
     assert all(row.split("data ")[1].split("%")[0].isdigit() for row in rows.values()), rows
 
 
@@ -65,3 +75,51 @@ def test_a_session_cells_summary_covers_that_cell(kernel):
         assert summary(second)[1][-1].startswith("the others waited for rank 0"), second.displays[-1]
     finally:
         kernel.execute("%taas stop").ok()
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_profile_leaves_one_merged_trace_of_both_ranks_and_shows_the_picture(kernel, start, tmp_path):
+    kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
+    try:
+        cell = loop(f"#pragma taas --gpus 2 --start {start} --profile", "dist.get_rank() == 1")
+        result = kernel.execute(cell, timeout=120).ok()
+    finally:
+        kernel.execute("os.chdir(_folder_before)").ok()
+    (trace,) = tmp_path.glob("taas-profile-*.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(rows.values()) == ["rank 0", "rank 1"], rows
+    for pid in rows:
+        reduces = [e for e in events if e["pid"] == pid and e.get("name") == "gloo:all_reduce"]
+        assert len(reduces) >= ITERATIONS, (rows[pid], len(reduces))
+    assert f"taas: --profile: the ranks' trace is {trace} (" in result.stderr, result.stderr
+    noise = [line for line in result.stderr.splitlines() if "profil" in line.lower() and "taas: --profile" not in line]
+    assert not noise, noise
+    (picture,) = [display for display in result.displays if "image/svg+xml" in display]
+    assert picture["text/plain"].splitlines()[-1].startswith("the others waited for rank 1"), picture["text/plain"]
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-profile-*")), "the ranks' own traces are gone"
+
+
+def test_without_profile_no_trace_and_no_picture(kernel, tmp_path):
+    kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
+    try:
+        result = kernel.execute(loop("#pragma taas --gpus 2", "False"), timeout=90).ok()
+    finally:
+        kernel.execute("os.chdir(_folder_before)").ok()
+    assert list(tmp_path.iterdir()) == [] and not [d for d in result.displays if "image/svg+xml" in d]
+
+
+def test_a_session_started_with_profile_profiles_its_first_cell(kernel, tmp_path):
+    kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
+    try:
+        kernel.execute(loop("#pragma taas --gpus 2 --keep --return none --profile", "False")).ok()
+        (trace,) = tmp_path.glob("taas-profile-*.json")
+        rows = {
+            e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "process_name"
+        }
+        assert rows == {"rank 0", "rank 1"}
+        kernel.execute(loop("#pragma taas", "False")).ok()
+        assert list(tmp_path.glob("taas-profile-*.json")) == [trace], "later cells are not profiled"
+    finally:
+        kernel.execute("%taas stop").ok()
+        kernel.execute("os.chdir(_folder_before)").ok()

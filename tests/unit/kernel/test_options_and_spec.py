@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from taas_magic.configurations import load_catalog
+from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options, spec
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.process.machine import Machine
@@ -591,6 +592,17 @@ def test_cpu_rank_limit_holds_whatever_the_configuration_says(tmp_path) -> None:
 def cluster_build(line: str, catalog=CATALOG):
     """A spec as a kernel connected to a cluster builds it: this machine's GPUs do not matter."""
     return spec.build(options.parse(TaasMagics.taas, line), catalog, NO_GPU, {}, connected=True)
+
+
+def test_profile_is_for_this_machines_runs_and_says_so_in_one_line_on_a_cluster() -> None:
+    with pytest.raises(TaasUsageError) as raised:
+        cluster_build("--config g2.8 --gpus 16 --profile")
+    assert str(raised.value) == (
+        "--profile profiles this machine's ranks only (a cluster's traces do not come back yet): "
+        "add --on local, or leave out --profile"
+    )
+    assert cluster_build("--gpus 2 --device cpu --on local --profile").profile
+    assert not cluster_build("--gpus 2 --device cpu --on local").profile
 
 
 @pytest.mark.parametrize(

@@ -208,6 +208,7 @@ def test_where_of_an_ended_session_says_why():
             "--hang-after, --output and --debug-ranks (%taas stop ends the session)",
         ),
         ("--max-restarts 1 --idle 60", "--max-restarts, --idle cannot apply to a cell in a session"),
+        ("--profile", "--profile cannot apply to a cell in a session"),
     ],
 )
 def test_an_option_a_session_cell_cannot_take_is_one_line_naming_it(line, message):

@@ -46,6 +46,13 @@ def test_the_rank_that_computes_while_the_others_sit_in_all_reduce_is_named() ->
     assert waited.text() == "the others waited for rank 1: 80% of their time in all_reduce"
 
 
+def test_two_slow_ranks_among_eight_are_named_together() -> None:
+    ranks = {rank: shares_of(*["collective"] * 7, *["computing"] * 3) for rank in range(8)}
+    ranks[5] = ranks[6] = shares_of(*["computing"] * 10)
+    waited = waited_for(ranks)
+    assert waited is not None and waited.text() == "the others waited for ranks 5-6: 70% of their time in all_reduce"
+
+
 def test_a_balanced_run_names_nobody() -> None:
     ranks = {rank: shares_of(*["computing"] * 6, *["collective"] * 4) for rank in range(4)}
     assert waited_for(ranks) is None
@@ -81,14 +88,21 @@ def test_ranks_that_did_alike_name_nobody(states: list[str], world: int) -> None
     assert waited_for({rank: shares_of(*states) for rank in range(world)}) is None
 
 
-def test_the_summary_gives_each_ranks_shares_and_names_the_rank_waited_for() -> None:
-    view = RunView("2 ranks on cpu", [0, 1])
+def test_the_summary_gives_the_shares_of_ranks_alike_on_one_line_and_names_the_rank_waited_for() -> None:
+    view = RunView("3 ranks on cpu", [0, 1, 2])
     for second in range(10):
-        view.take(0, sample("collective" if second else "computing", at=second), now=second)
+        for rank in (0, 2):
+            view.take(rank, sample("collective" if second else "computing", at=second), now=second)
         view.take(1, sample("computing", at=second), now=second)
     summary = view.summary("done", 10.0)
-    text = summary["text/plain"]
-    assert "computing 100%" in text.splitlines()[2] and "all_reduce 90%" in text.splitlines()[1], text
-    assert text.splitlines()[-1] == "the others waited for rank 1: 90% of their time in all_reduce"
-    assert 'class="taas-note"' in summary["text/html"] and "waited for rank 1" in summary["text/html"]
-    assert "waited" not in view.summary("done", 2.0)["text/plain"], "a run of a few seconds says nothing of it"
+    lines = summary["text/plain"].splitlines()
+    assert [line.split()[:3] for line in lines[1:4]] == [["rank", str(rank), "stopped"] for rank in range(3)]
+    assert lines[4:] == [
+        "ranks 0,2: all_reduce 90% · computing 10%",
+        "rank 1: computing 100%",
+        "the others waited for rank 1: 90% of their time in all_reduce",
+    ], lines
+    assert summary["text/html"].count('class="taas-note"') == 3 and "waited for rank 1" in summary["text/html"]
+    assert len(view.summary("done", 2.0)["text/plain"].splitlines()) == 4, "a run of a few seconds says nothing of it"
+    running = view.render(10.0)["text/plain"].splitlines()
+    assert running[2].endswith("computing 100%") and running[-1].startswith("the others waited for rank 1")

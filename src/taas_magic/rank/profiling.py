@@ -1,0 +1,37 @@
+"""In a rank of a ``--profile`` run: torch.profiler around the cell, its trace written where the kernel merges it.
+
+CPU activities always, CUDA ones on a GPU run; no stacks, no shapes, no memory: a trace a few megabytes a
+second at most, which Perfetto opens. The trace is written whatever ended the cell (a failure is worth a
+look too); a rank killed before it could write leaves none, and the merged trace has no row for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+TRACE_NAME = "rank-{rank}.json"  # in the run's profile folder (kernel/profiling.py)
+
+
+@contextlib.contextmanager
+def profiled(folder: str | None, device: str) -> Iterator[None]:
+    """Around a cell's code: profile it when ``folder`` is given (the run asked for ``--profile``)."""
+    if folder is None:
+        yield
+        return
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own log lines stay out of the cell's output
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    trace = os.path.join(folder, TRACE_NAME.format(rank=int(os.environ.get("RANK", "0"))))
+    profiler = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
+    profiler.start()
+    try:
+        yield
+    finally:
+        profiler.stop()
+        with contextlib.suppress(OSError):
+            profiler.export_chrome_trace(trace)
