@@ -111,11 +111,30 @@ def grpc_threads_in_kernel() -> bool:
 
 
 def cuda_initialized_in_kernel() -> bool:
-    """Whether CUDA is initialized in this process, which makes forking ranks unsafe."""
+    """Whether CUDA is initialized in this process, which makes forking ranks unsafe: torch says so, or the
+    CUDA driver was initialized by another way (a library's ``cuInit``), which torch does not see."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
     try:
-        return bool(torch.cuda.is_initialized())
+        if torch.cuda.is_initialized():
+            return True
     except Exception:
+        pass
+    return cuda_driver_open()
+
+
+def cuda_driver_open(descriptors: str = "/proc/self/fd") -> bool:
+    """Whether this process holds the CUDA driver's unified-memory device open, as ``cuInit`` leaves it
+    (NVML, which the live view reads, does not open it): a child forked now gets "initialization error"."""
+    try:
+        names = os.listdir(descriptors)
+    except OSError:
         return False
+    for name in names:
+        try:
+            if os.readlink(os.path.join(descriptors, name)).startswith("/dev/nvidia-uvm"):
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    return False

@@ -412,3 +412,39 @@ torch.set_default_device("cpu")
     assert gpu_kernel.value("not torch.equal(model.head.weight, initial.head.weight)") is True, "it trained"
     gpu_kernel.execute("train_step(model, optimizer, data[0, 0])").ok()  # it goes on training here, on the CPU
     assert gpu_kernel.value("torch.cuda.is_initialized()") is False
+
+
+def test_a_kernel_whose_cuda_driver_another_library_initialized_starts_gpu_ranks_from_the_fork_server():
+    """``cuInit`` outside torch (a library, an earlier cell) leaves torch.cuda.is_initialized() False, and a
+    rank forked from the kernel then fails with "CUDA error: initialization error"."""
+    kernel = Kernel()
+    try:
+        kernel.execute("import ctypes\nassert ctypes.CDLL('libcuda.so.1').cuInit(0) == 0").ok()
+        assert kernel.value("torch.cuda.is_initialized()") is False
+        r = kernel.execute(NCCL_CELL.format(gpus=GPUS), timeout=180).ok()
+        assert_nccl_worked(r, GPUS)
+    finally:
+        kernel.shutdown()
+
+
+def test_profile_records_each_ranks_gpu_kernels_in_rows_beside_its_own(gpu_kernel, tmp_path):
+    gpu_kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
+    try:
+        r = gpu_kernel.execute(
+            f"#pragma taas --gpus {GPUS} --device cuda --profile\nimport torch, torch.distributed as dist\n"
+            "dist.init_process_group('nccl')\nx = torch.randn(1024, 1024, device='cuda')\n"
+            "for _ in range(20):\n    x = x @ x / 1024\n    dist.all_reduce(x)\ntorch.cuda.synchronize()\n",
+            timeout=180,
+        ).ok()
+    finally:
+        gpu_kernel.execute("os.chdir(_folder_before)").ok()
+    (trace,) = tmp_path.glob("taas-profile-*.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    for rank in range(GPUS):
+        assert f"rank {rank}" in rows.values(), rows
+        devices = [pid for pid, name in rows.items() if name.startswith(f"rank {rank} · ")]
+        kernels = {e["name"] for e in events if e["pid"] in devices and e.get("cat") == "kernel"}
+        assert any("gemm" in name.lower() or "sgemm" in name.lower() for name in kernels), (rows, sorted(kernels)[:20])
+    noise = [line for line in r.stderr.splitlines() if "profil" in line.lower() and "taas: --profile" not in line]
+    assert not noise and f"the ranks' trace is {trace}" in r.stderr, r.stderr
