@@ -26,16 +26,18 @@ PYTEST := TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider
 E2E_WORKERS ?= 3
 
 # The checks, then the tiers (docs/architecture.md#the-tests): unit and integration on two workers, the
-# end-to-end tiers on E2E_WORKERS (each module in one worker, the cluster tier's modules together: tests/conftest.py), then the
-# tests whose assertions are about time, with nothing beside them.
+# kernel and browser tiers on E2E_WORKERS (each module in one worker: tests/conftest.py), the cluster tier
+# alone (Ray gives a node's raylet a fixed 30 s to register, which three busy workers beside it can take),
+# then the tests whose assertions are about time, with nothing beside them.
 test: $(VENV)/.installed
 	$(CHECKS)
 	$(PYTEST) -n 2 tests/unit tests/integration
-	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing" tests/e2e
+	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing and not cluster" tests/e2e
+	$(PYTEST) -m "cluster and not timing" tests/e2e/cluster
 	$(PYTEST) -m timing tests/e2e
 
 # What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,
-# the state machine, the protocol, real supervisors and forks) on two workers: about 70 s here.
+# the state machine, the protocol, real supervisors and forks) on two workers: about a minute here.
 test-fast: $(VENV)/.installed
 	$(CHECKS)
 	$(PYTEST) -n 2 tests/unit tests/integration

@@ -18,6 +18,7 @@ reverse lookups reach the machine's name server (port 53).
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
@@ -39,6 +40,7 @@ QUIET = {
 }
 FIRST_ADDRESS = 2  # 127.0.0.1 is what Ray replaces by the machine's address; nodes start at .2
 START_ATTEMPTS = 3  # Ray gives a new node a fixed 30 s to register; a machine with every core busy can take longer
+START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the third
 
 
 @contextmanager
@@ -131,7 +133,8 @@ def _start_node(start: Callable[[], Any]) -> Any:
     """``start()`` a node, again when Ray says it "timed out during startup": Ray waits a fixed 30 s for a
     new node's raylet to register, and on a machine whose every core is busy it can take longer. What a
     failed start left running (its raylet, its store, the head's GCS: children of this process) is ended
-    first, and after the last attempt too."""
+    first, and after the last attempt too; the next attempt waits a little longer each time, for the
+    machine to calm down."""
     attempt = 1
     while True:
         before = set(containment.children())
@@ -142,4 +145,5 @@ def _start_node(start: Callable[[], Any]) -> Any:
                 containment.end_child(pid)
             if attempt == START_ATTEMPTS or "timed out during startup" not in str(e):
                 raise
+        time.sleep(START_PAUSE_SECONDS * attempt)
         attempt += 1

@@ -4,6 +4,7 @@ start that timed out is tried again, and what each failed start left running is 
 from __future__ import annotations
 
 import subprocess
+import types
 
 import psutil
 import pytest
@@ -11,6 +12,14 @@ import pytest
 from taas_magic import local_cluster
 
 TIMED_OUT = "The current node timed out during startup. This could happen because some of the raylet failed"
+
+
+@pytest.fixture(autouse=True)
+def pauses(monkeypatch) -> list[float]:
+    """The pauses between attempts, noted rather than slept."""
+    noted: list[float] = []
+    monkeypatch.setattr(local_cluster, "time", types.SimpleNamespace(sleep=noted.append))
+    return noted
 
 
 def spawning(failures: list[Exception]):
@@ -26,11 +35,12 @@ def spawning(failures: list[Exception]):
     return start, started
 
 
-def test_a_start_that_timed_out_is_tried_again_and_its_leftovers_are_stopped():
+def test_a_start_that_timed_out_is_tried_again_and_its_leftovers_are_stopped(pauses):
     start, started = spawning([Exception(TIMED_OUT), Exception(TIMED_OUT)])
     try:
         assert local_cluster._start_node(start) == "node"
         assert [p.poll() is not None for p in started] == [True, True, False], "the failed starts' processes are gone"
+        assert pauses == [local_cluster.START_PAUSE_SECONDS, 2 * local_cluster.START_PAUSE_SECONDS]
     finally:
         for process in started:
             process.kill()

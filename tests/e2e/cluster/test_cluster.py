@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 from support.cluster import HEADER, alive, leftovers, node_agents, rank_processes
-from support.kernel import ANSI, Kernel
+from support.kernel import ANSI, Kernel, view_notes
 from support.notebook_values import KINDS, SETUP, unpicklable
 
 ray = pytest.importorskip("ray")
@@ -314,6 +314,21 @@ def test_a_warm_cell_starts_in_about_a_second(cluster_kernel):
         f"[rank {rank}] warm {rank}" for rank in range(4)
     ]
     assert r.seconds < 5, r.seconds  # about 0.3 s on an idle 2-core machine; shared CI machines are slower
+
+
+def test_a_cluster_runs_summary_names_the_rank_the_others_waited_for(cluster_kernel):
+    r = cluster_kernel.execute(
+        HEADER
+        + INIT
+        + "import time, torch\nfor _ in range(30):\n    if dist.get_rank() == 3:\n        time.sleep(0.2)\n"
+        "    dist.all_reduce(torch.ones(1))\n",
+        timeout=240,
+    ).ok()
+    notes = view_notes(r.displays[-1]["text/plain"])
+    assert notes and notes[-1].startswith("the others waited for rank 3: "), r.displays[-1]["text/plain"]
+    refused = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --profile") + "pass")
+    said = refused.error["evalue"] if refused.error else ""
+    assert said.startswith("--profile profiles this machine's ranks only"), refused.error
 
 
 def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_cell_runs(cluster_kernel):
