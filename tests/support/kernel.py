@@ -5,11 +5,13 @@ processes it holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import psutil
 from jupyter_client.manager import KernelManager
@@ -255,3 +257,14 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+@contextlib.contextmanager
+def working_in(kernel: Kernel, folder: object) -> Iterator[None]:
+    """The kernel's working folder (the notebook's folder, where taas writes what it leaves) is ``folder``
+    for the block, and what it was after."""
+    kernel.execute(f"import os as _os\n_folder_before = _os.getcwd()\n_os.chdir({str(folder)!r})").ok()
+    try:
+        yield
+    finally:
+        kernel.execute("_os.chdir(_folder_before)").ok()

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 from support.cells import NOTEBOOK, REGRESSION
-from support.kernel import ANSI, CellResult, Kernel, view_rows
+from support.kernel import ANSI, CellResult, Kernel, view_rows, working_in
 
 from taas_magic.process.machine import cuda_device_count
 
@@ -428,16 +428,13 @@ def test_a_kernel_whose_cuda_driver_another_library_initialized_starts_gpu_ranks
 
 
 def test_profile_records_each_ranks_gpu_kernels_in_rows_beside_its_own(gpu_kernel, tmp_path):
-    gpu_kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
-    try:
+    with working_in(gpu_kernel, tmp_path):
         r = gpu_kernel.execute(
             f"#pragma taas --gpus {GPUS} --device cuda --profile\nimport torch, torch.distributed as dist\n"
             "dist.init_process_group('nccl')\nx = torch.randn(1024, 1024, device='cuda')\n"
             "for _ in range(20):\n    x = x @ x / 1024\n    dist.all_reduce(x)\ntorch.cuda.synchronize()\n",
             timeout=180,
         ).ok()
-    finally:
-        gpu_kernel.execute("os.chdir(_folder_before)").ok()
     (trace,) = tmp_path.glob("taas-profile-*.json")
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}

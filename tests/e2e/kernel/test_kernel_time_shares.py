@@ -9,7 +9,7 @@ import os
 import tempfile
 
 import pytest
-from support.kernel import ranks_in, view_notes
+from support.kernel import ranks_in, view_notes, working_in
 
 ITERATIONS = 30  # of 0.2 s each: a run of about 6 s, some six samples per rank
 
@@ -79,12 +79,9 @@ def test_a_session_cells_summary_covers_that_cell(kernel):
 
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_profile_leaves_one_merged_trace_of_both_ranks_and_shows_the_picture(kernel, start, tmp_path):
-    kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
-    try:
+    with working_in(kernel, tmp_path):
         cell = loop(f"#pragma taas --gpus 2 --start {start} --profile", "dist.get_rank() == 1")
         result = kernel.execute(cell, timeout=120).ok()
-    finally:
-        kernel.execute("os.chdir(_folder_before)").ok()
     (trace,) = tmp_path.glob("taas-profile-*.json")
     events = json.loads(trace.read_text())["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -101,25 +98,19 @@ def test_profile_leaves_one_merged_trace_of_both_ranks_and_shows_the_picture(ker
 
 
 def test_without_profile_no_trace_and_no_picture(kernel, tmp_path):
-    kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
-    try:
+    with working_in(kernel, tmp_path):
         result = kernel.execute(loop("#pragma taas --gpus 2", "False"), timeout=90).ok()
-    finally:
-        kernel.execute("os.chdir(_folder_before)").ok()
     assert list(tmp_path.iterdir()) == [] and not [d for d in result.displays if "image/svg+xml" in d]
 
 
 def test_a_session_started_with_profile_profiles_its_first_cell(kernel, tmp_path):
-    kernel.execute(f"import os\n_folder_before = os.getcwd()\nos.chdir({str(tmp_path)!r})").ok()
-    try:
-        kernel.execute(loop("#pragma taas --gpus 2 --keep --return none --profile", "False")).ok()
-        (trace,) = tmp_path.glob("taas-profile-*.json")
-        rows = {
-            e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "process_name"
-        }
-        assert rows == {"rank 0", "rank 1"}
-        kernel.execute(loop("#pragma taas", "False")).ok()
-        assert list(tmp_path.glob("taas-profile-*.json")) == [trace], "later cells are not profiled"
-    finally:
-        kernel.execute("%taas stop").ok()
-        kernel.execute("os.chdir(_folder_before)").ok()
+    with working_in(kernel, tmp_path):
+        try:
+            kernel.execute(loop("#pragma taas --gpus 2 --keep --return none --profile", "False")).ok()
+            (trace,) = tmp_path.glob("taas-profile-*.json")
+            events = json.loads(trace.read_text())["traceEvents"]
+            assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+            kernel.execute(loop("#pragma taas", "False")).ok()
+            assert list(tmp_path.glob("taas-profile-*.json")) == [trace], "later cells are not profiled"
+        finally:
+            kernel.execute("%taas stop").ok()
