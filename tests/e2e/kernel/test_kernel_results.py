@@ -125,6 +125,7 @@ def test_names_the_notebook_gave_to_torch_save_and_init_process_group_are_replac
 import torch, taas
 join("nccl", init_method="env://")  # on CPU, served by gloo through the notebook's own name too
 keep({{"rank": taas.rank()}}, {str(target)!r})
+torch.distributed.barrier()  # gloo's init returns in one rank while the other still connects: not gone before
 torch.distributed.destroy_process_group()
 """).ok()
     assert f"taas: torch.save to {str(target)!r} skipped in rank 1" in result.stderr
