@@ -233,7 +233,7 @@ class Pump:
             self.view.settle({**broken, **failed})
             self.status(self.view.summary(result.seen_as.value, time.monotonic() - self.state.started), True)
             shown = self.view.picture() if self.picture is not None else None
-            if shown is not None and self.picture is not None:
+            if self.picture is not None and shown is not None:
                 self.picture(shown)
         except Exception:
             pass  # the cell's error says how the run ended; the view's last drawing stays

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from taas_magic.per_rank import span
+from taas_magic.rank.profiling import TRACE_NAME
 
-_TRACE = re.compile(r"rank-(\d+)\.json$")
+_TRACE = re.compile(re.escape(TRACE_NAME).replace(re.escape("{rank}"), r"(\d+)") + "$")
 ROWS_PER_RANK = 100  # process ids in the merged trace: rank r's rows are r*100, r*100+1, …
 
 
@@ -52,7 +53,7 @@ class ProfileFolder:
     def merge_into(self, folder: str) -> Written | None:
         """The ranks' traces as one file in ``folder``; None when no rank wrote one."""
         traces = {}
-        for path in glob.glob(os.path.join(glob.escape(self.path), "rank-*.json")):
+        for path in glob.glob(os.path.join(glob.escape(self.path), TRACE_NAME.format(rank="*"))):
             found = _TRACE.search(path)
             if found is not None:
                 try:

@@ -124,16 +124,19 @@ def cuda_initialized_in_kernel() -> bool:
     return cuda_driver_open()
 
 
-def cuda_driver_open(descriptors: str = "/proc/self/fd") -> bool:
-    """Whether this process holds the CUDA driver's unified-memory device open, as ``cuInit`` leaves it
-    (NVML, which the live view reads, does not open it): a child forked now gets "initialization error"."""
+def cuda_driver_open(descriptors: str = "/proc/self/fd", device: str = "/dev/nvidia-uvm") -> bool:
+    """Whether this process holds the CUDA driver's unified-memory ``device`` open, as ``cuInit`` leaves it
+    (NVML, which the live view reads, does not open it): a child forked now gets "initialization error".
+    Asked before every cell: where the device does not exist (no NVIDIA driver) one look at it answers."""
+    if not os.path.exists(device):
+        return False
     try:
         names = os.listdir(descriptors)
     except OSError:
         return False
     for name in names:
         try:
-            if os.readlink(os.path.join(descriptors, name)).startswith("/dev/nvidia-uvm"):
+            if os.readlink(os.path.join(descriptors, name)).startswith(device):
                 return True
         except OSError:
             continue  # closed meanwhile

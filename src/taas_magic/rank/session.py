@@ -15,7 +15,6 @@ import hashlib
 import os
 import signal
 import socket
-from types import CodeType
 from typing import Any
 
 from taas_magic.process import containment
@@ -28,7 +27,7 @@ from taas_magic.wire import memfile, records, shipping
 from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.wire.records import CellEnded
-from taas_magic.wire.task import DebugLink, RankTask, Returns
+from taas_magic.wire.task import RankTask
 
 
 def open_control(fds: RankFds) -> RankEnd | None:
@@ -54,9 +53,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(
-                cell.code, cell.returns, namespace, shell, task, interrupted, cell.debugging, cell.profile
-            )
+            status, record, names, error = _run(cell, namespace, shell, task, interrupted)
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -89,24 +86,18 @@ def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
 
 
 def _run(
-    code: CodeType,
-    returns: Returns,
-    namespace: dict[str, Any],
-    shell: Any,
-    task: RankTask,
-    interrupted: bool,
-    debugging: DebugLink | None,
-    profile: str | None,
+    cell: SessionCell, namespace: dict[str, Any], shell: Any, task: RankTask, interrupted: bool
 ) -> tuple[int, Any, bytes | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
     ``interrupted``: one came while the cell's names were unpacked; its code does not start.
     """
+    assert cell.code is not None  # a cell without code opens the debugger instead (serve)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if interrupted:
             raise KeyboardInterrupt
-        return run_cell(code, returns, namespace, shell, task, debugging, profile=profile)
+        return run_cell(cell.code, cell.returns, namespace, shell, task, cell.debugging, profile=cell.profile)
     except KeyboardInterrupt as e:  # outside the cell's code: before it began
         return (*stopped_before_start(e, shell, task), None, e)
     finally:

@@ -8,15 +8,23 @@ from taas_magic.process.machine import cuda_driver_open, cuda_initialized_in_ker
 
 
 def test_a_process_that_holds_the_drivers_unified_memory_device_open_has_initialized_cuda(tmp_path) -> None:
-    os.symlink("/dev/null", tmp_path / "0")
-    os.symlink("/dev/nvidiactl", tmp_path / "3")  # NVML (the live view's) opens this one, not the next
-    assert not cuda_driver_open(str(tmp_path))
-    os.symlink("/dev/nvidia-uvm", tmp_path / "7")
-    assert cuda_driver_open(str(tmp_path))
+    descriptors, device = tmp_path / "fd", tmp_path / "nvidia-uvm"
+    descriptors.mkdir()
+    device.touch()  # the device node, as a machine with the NVIDIA driver has it
+    os.symlink("/dev/null", descriptors / "0")
+    os.symlink("/dev/nvidiactl", descriptors / "3")  # NVML (the live view's) opens this one, not the next
+    assert not cuda_driver_open(str(descriptors), str(device))
+    os.symlink(device, descriptors / "7")
+    assert cuda_driver_open(str(descriptors), str(device))
 
 
-def test_no_descriptors_to_read_is_no_driver(tmp_path) -> None:
-    assert not cuda_driver_open(str(tmp_path / "gone"))
+def test_no_device_or_no_descriptors_to_read_is_no_driver(tmp_path) -> None:
+    descriptors = tmp_path / "fd"
+    descriptors.mkdir()
+    os.symlink(tmp_path / "nvidia-uvm", descriptors / "7")
+    assert not cuda_driver_open(str(descriptors), str(tmp_path / "nvidia-uvm")), "no such device on this machine"
+    (tmp_path / "nvidia-uvm").touch()
+    assert not cuda_driver_open(str(tmp_path / "gone"), str(tmp_path / "nvidia-uvm"))
 
 
 def test_this_machine_without_a_gpu_driver_has_none_open() -> None:
