@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
+from typing import Any, Mapping
 
 from taas_magic.kernel.hang import Process
 from taas_magic.wire.events import Key
@@ -128,7 +128,7 @@ class RunResult:
     outcome: Outcome
     failures: tuple[Failure, ...]  # the processes that failed on their own, the first (the root cause) first
     broken: tuple[Failure, ...]  # those whose error only says a process of ``failures`` went away: not their own
-    results: Mapping[int, bytes]  # each sending rank's pickled names (rank 0's unless --from said others)
+    results: Mapping[int, Any]  # each sending rank's pickled names (rank 0's unless --from said others)
     skipped: Mapping[int, Mapping[str, str]]  # each sending rank's names that could not be sent back, and why
     records: Mapping[Key, CellEnded | Failed]  # how each process's cell ended
     exits: Mapping[Key, int]  # the exit status of each process that exited

@@ -26,7 +26,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from taas_magic.kernel.hang import Hang, Process, computing
 from taas_magic.kernel.run_actions import (
@@ -105,7 +105,7 @@ class _Ledger:
     """What the processes reported and how they exited."""
 
     records: dict[Key, CellEnded | Failed] = field(default_factory=dict)
-    results: dict[int, bytes] = field(default_factory=dict)
+    results: dict[int, Any] = field(default_factory=dict)  # each sending rank's names: a Result's data
     saves_skipped: dict[str, set[Key]] = field(default_factory=dict)
     saved_on_nodes: list[SavedOnNode] = field(default_factory=list)
     exits: dict[Key, tuple[int, float]] = field(default_factory=dict)  # exit status, when taas saw it
@@ -206,7 +206,7 @@ class RunState:
             ):  # the debugger goes where the failure is
                 self.paused.add(key)  # it waits for the debugger (rank.session.await_debugger)
 
-    def result_sent(self, rank: int, data: bytes) -> None:
+    def result_sent(self, rank: int, data: Any) -> None:
         self.ledger.results[rank] = data
 
     def exited(self, key: Key, code: int, now: float, tail: Iterable[str] = ()) -> list[Action]:

@@ -38,7 +38,6 @@ class RankFds:
     stderr: int
     report: int
     stack: int
-    results: int  # rank 0's pickled names, written once at the end
     lifeline: int  # read end of a pipe only the supervisor writes: EOF means the supervisor is gone
     sockets: FrozenSet[int] = frozenset()  # inherited sockets this process needs (its delivery channels)
     gate: int | None = None  # read end of a pipe the supervisor holds shut until it has forked every process
@@ -90,7 +89,7 @@ def become_child(fds: RankFds, env: dict[str, str]) -> Any:
 
 def _own(fds: RankFds) -> set[int]:
     """Every descriptor the process was given for its run: the rest it inherited by accident."""
-    single = (fds.stdout, fds.stderr, fds.report, fds.stack, fds.results, fds.lifeline, fds.gate, fds.control)
+    single = (fds.stdout, fds.stderr, fds.report, fds.stack, fds.lifeline, fds.gate, fds.control)
     return {fd for fd in single if fd is not None} | set(fds.sockets)
 
 

@@ -34,7 +34,7 @@ def run_cell(
     debugging: DebugLink | None,
     report_early: Report | None = None,
     profile: str | None = None,
-) -> tuple[int, CellEnded | Failed, bytes | None, BaseException | None]:
+) -> tuple[int, CellEnded | Failed, results.Packed | None, BaseException | None]:
     """Run one cell's code: (exit status, how it ended, the pickled names this rank sends back, the error
     it raised). The names are None in a rank that sends none (``returns.ranks``). ``debugging``: how
     the rank joins the notebook's visual debugger, while one is attached. ``report_early``: how a one-shot
@@ -75,7 +75,7 @@ def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, 
     return {name: summary for name, summary in summaries.items() if summary is not None}
 
 
-def _results(returns: Returns, namespace: dict[str, Any]) -> tuple[bytes | None, dict[str, str]]:
+def _results(returns: Returns, namespace: dict[str, Any]) -> tuple[results.Packed | None, dict[str, str]]:
     """The cell's names, pickled for the kernel (None in a rank that sends none); and {name: why} for
     those left out.
 
@@ -88,7 +88,7 @@ def _results(returns: Returns, namespace: dict[str, Any]) -> tuple[bytes | None,
     if not send:
         return None, {}
     present = {name: value for name, value in present.items() if name not in skipped}
-    data, unpicklable = results.dumps(present, whole) if present else (b"", {})
+    data, unpicklable = results.dumps(present, whole)
     skipped.update(unpicklable)
     skipped.update({name: results.NOT_BOUND for name in returns.names if name not in namespace})
     return data, skipped

@@ -11,7 +11,6 @@ is never lost and a late one never lands in the next cell.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import socket
@@ -23,7 +22,7 @@ from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger
 from taas_magic.rank.cell import run_cell, stopped_before_start
 from taas_magic.rank.reloading import RankReloads
-from taas_magic.wire import memfile, records, shipping
+from taas_magic.wire import memfile, records, results, shipping
 from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.wire.records import CellEnded
@@ -42,7 +41,6 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     A cell that raised keeps its error for ``%taas debug``; a cell that called ``sys.exit()``
     ends the rank (and so the session), as it would end a script.
     """
-    os.close(fds.results)  # every cell's names go back on the control channel
     last_error: BaseException | None = None
     cell = SessionCell(task.code, task.returns, debugging=task.debugging, profile=task.profile)
     interrupted = False  # before the cell's code began
@@ -57,9 +55,9 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
-                _send(control, record, names)
+                send_end(control, record, names)
                 return status
-        _send(control, record, names)
+        send_end(control, record, names)
         received = _next_cell(control)
         if received is None:
             return 0
@@ -87,7 +85,7 @@ def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
 
 def _run(
     cell: SessionCell, namespace: dict[str, Any], shell: Any, task: RankTask, interrupted: bool
-) -> tuple[int, Any, bytes | None, BaseException | None]:
+) -> tuple[int, Any, results.Packed | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
     ``interrupted``: one came while the cell's names were unpacked; its code does not start.
@@ -104,15 +102,16 @@ def _run(
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt that comes late is for the cell just ended
 
 
-def _send(control: RankEnd, record: records.Record, names: bytes | None) -> None:
-    """The cell's end, with its names: large ones in a memory file that the supervisor hands on to the
-    kernel as it is (``events.ResultInFile``), small ones in the message."""
+def send_end(control: RankEnd, record: records.Record, names: results.Packed | None) -> None:
+    """The cell's end, with its names: small ones in the message, larger ones in a sealed memory file that
+    the supervisor hands on to the kernel as it is (``events.ResultInFile``), and the kernel maps."""
     flush_all()
-    message, fds = CellEnd(records.encode(record), names), []
-    if names is not None and len(names) > INLINE_LIMIT:
-        fds.append(memfile.new_file("taas-names", len(names)))
-        memfile.write_bytes(fds[0], names)
-        message = CellEnd(message.record, None, (len(names), hashlib.sha256(names).digest()))
+    message, fds = CellEnd(records.encode(record), None), []
+    if names is not None and names.size <= INLINE_LIMIT:
+        message = CellEnd(message.record, names.to_bytes())
+    elif names is not None:
+        fds.append(_names_file(names))
+        message = CellEnd(message.record, None, names.size)
     try:
         control.send(message, fds)
     except ChannelBroken:
@@ -120,6 +119,17 @@ def _send(control: RankEnd, record: records.Record, names: bytes | None) -> None
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _names_file(names: results.Packed) -> int:
+    fd = memfile.new_file("taas-names", names.size)
+    try:
+        names.write(fd)
+        memfile.seal(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | None:
@@ -165,5 +175,5 @@ def await_debugger(error: BaseException, control: RankEnd) -> None:
     received = _next_cell(control)
     if received is None:
         return
-    _send(control, _debug(error, control), None)
+    send_end(control, _debug(error, control), None)
     _next_cell(control)  # until the kernel closes the run

@@ -23,12 +23,12 @@ from taas_magic.process.child import (
     print_display_data,
     report,
     wait_at_gate,
-    write_all,
 )
 from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
 from taas_magic.rank.aliases import rebind
 from taas_magic.rank.cell import release_termination, run_cell
 from taas_magic.rank.state import seed_rank
+from taas_magic.wire.rank_control import RankEnd
 from taas_magic.wire.task import RankTask
 
 
@@ -76,7 +76,7 @@ def run_rank(
     try:
         if task.keep and control is not None:
             return session.serve(task, namespace, shell, fds, control)
-        status, error = _execute(task, namespace, shell, fds, send_results=task.returns.sent_by(rank))
+        status, error = _execute(task, namespace, shell, fds, control)
         if error is not None and task.debug and control is not None:
             session.await_debugger(error, control)
         return status
@@ -168,10 +168,11 @@ def _serve_nccl_with_gloo() -> tuple[Any, Any]:
 
 
 def _execute(
-    task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, send_results: bool
+    task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, control: RankEnd | None
 ) -> tuple[int, BaseException | None]:
-    """A one-shot cell: run it, then results (from the ranks that send them) and how it ended go down their pipes."""
-    status, record, data, error = run_cell(
+    """A one-shot cell: run it, then say how it ended: with its names, on the control channel, where the rank
+    sends names (``session.send_end``); on its report pipe otherwise."""
+    status, record, names, error = run_cell(
         task.code,
         task.returns,
         namespace,
@@ -181,13 +182,11 @@ def _execute(
         report_early=lambda early: report(fds.report, early),
         profile=task.profile,
     )
-    if send_results:
-        try:
-            write_all(fds.results, data or b"")
-        finally:
-            os.close(fds.results)
     try:
-        report(fds.report, record)
+        if names is not None and control is not None:
+            session.send_end(control, record, names)
+        else:
+            report(fds.report, record)
     finally:
         release_termination()
     return status, error

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from taas_magic.wire.records import Record
+from taas_magic.wire.results import Received
 
 
 @dataclass(frozen=True)
@@ -49,23 +50,23 @@ class Report:
 
 @dataclass(frozen=True)
 class Result:
-    """A rank's pickled top-level names, sent once after the cell's code succeeded (rank 0's, or those of
-    the ranks ``--from`` names)."""
+    """A rank's top-level names, sent once after the cell's code succeeded (rank 0's, or those of the ranks
+    ``--from`` names): ``results.Packed``'s bytes (names small enough for a message), or the names'
+    file as received (``results.Received``: its large spans mapped, which the names then view)."""
 
     rank: Key  # always a rank: producers send no names
-    data: bytes
+    data: bytes | Received
 
 
 @dataclass(frozen=True)
 class ResultInFile:
-    """A session rank's pickled names in a memory file, handed on by descriptor from the rank through its
-    supervisor to the kernel: nobody on the way copies or checks the bytes, and the kernel checks them
-    once against ``digest`` (SHA-256), which came in the authenticated messages. The file travels with
-    the message that carries this event; the kernel's end of the run makes it a ``Result``."""
+    """A rank's names in a memory file, handed on by descriptor from the rank through its supervisor to the
+    process that ends the run (the kernel, or a cluster node's agent), which maps it: nobody on the way
+    copies the bytes. The rank sealed the file (``memfile.seal``): its contents cannot change once sent.
+    The file travels with the message that carries this event; the receiving end makes it a ``Result``."""
 
     rank: Key
     size: int
-    digest: bytes
     fd: int = -1  # in the supervisor: the file, until the message that carries it is sent
 
 

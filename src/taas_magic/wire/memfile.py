@@ -17,10 +17,13 @@ ALIGN = 64
 READ_BELOW = 64 * 1024  # bytes: smaller files are copied into memory rather than mapped
 
 
+_SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
+
+
 def new_file(name: str, size: int) -> int:
     """An anonymous memory file of ``size`` bytes (an unlinked temporary file where memfd is missing)."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     else:
         import tempfile
 
@@ -32,6 +35,34 @@ def new_file(name: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def seal(fd: int) -> None:
+    """Make the file's contents final: nobody, its writer included, can change or resize it from now on
+    (where the system seals files; elsewhere nothing happens)."""
+    import fcntl
+
+    seals = [getattr(fcntl, name, None) for name in _SEALS]
+    if hasattr(fcntl, "F_ADD_SEALS") and None not in seals:
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, sum(seals))  # type: ignore[arg-type]
+        except OSError:
+            pass  # not a memfd (the fallback's temporary file)
+
+
+def sealed(fd: int) -> bool | None:
+    """Whether ``seal`` made the file final; None where the system cannot seal it."""
+    import fcntl
+
+    seals = [getattr(fcntl, name, None) for name in _SEALS]
+    if not hasattr(fcntl, "F_GET_SEALS") or None in seals:
+        return None
+    try:
+        present = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return None
+    wanted = sum(seals)  # type: ignore[arg-type]
+    return present & wanted == wanted
 
 
 def write_bytes(fd: int, data: bytes | memoryview, offset: int = 0) -> None:

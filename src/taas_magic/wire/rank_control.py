@@ -70,13 +70,14 @@ class InCell:
 @dataclass(frozen=True)
 class CellEnd:
     """The rank's cell ended: how (a ``CellEnded`` or ``Failed``, as ``records.encode`` writes it on the
-    report pipe), and its pickled names (None in a rank that sends none). Large names come instead in a
-    memory file that travels with the message: ``in_file`` is its size and SHA-256 (``events.ResultInFile``)."""
+    report pipe), and its names (``results.Packed``'s bytes; None in a rank that sends none). Large names
+    come instead in a sealed memory file that travels with the message: ``in_file`` is its size
+    (``events.ResultInFile``)."""
 
     kind: ClassVar[str] = "ended"
     record: bytes
     names: bytes | None
-    in_file: tuple[int, bytes] | None = None
+    in_file: int | None = None
 
 
 @dataclass(frozen=True)

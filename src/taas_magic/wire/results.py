@@ -1,17 +1,18 @@
 """Results back: the names a cell binds at top level in rank 0 come back into the notebook.
 
-Rank 0 pickles the names one after another with one pickler, each name a pickle of its own in
-one stream. The pickler remembers what it has written, so objects that share parts (a model and
-its optimizer) are written once and still share them in the kernel, which loads the names in
-order with one unpickler. CUDA tensors go as CPU tensors and DDP wrappers as the module they
-wrap: unpickling in the kernel must never initialize CUDA there. Sharded tensors (DTensors) go as
-their full tensors, which the ranks gathered at the end of the cell (``rank/sharded.py``), and
-FSDP2 or tensor-parallel modules as plain modules of their own class, without the hooks and state
-that need the job's ranks: the notebook gets a model that runs on CPU.
+Rank 0 pickles the names one after another with one pickler, each name a pickle of its own in one
+stream. The pickler remembers what it has written, so objects that share parts (a model and its
+optimizer) are written once and still share them in the kernel, which loads the names in order with one
+unpickler. The elements of tensors and NumPy arrays go beside the pickle (``bulk.py``): the names travel
+as one ``Packed`` buffer, which the kernel maps. CUDA tensors go as CPU tensors and DDP wrappers as the
+module they wrap: unpickling in the kernel must never initialize CUDA there. Sharded tensors (DTensors)
+go as their full tensors, which the ranks gathered at the end of the cell (``rank/sharded.py``), and
+FSDP2 or tensor-parallel modules as plain modules of their own class, without the hooks and state that
+need the job's ranks: the notebook gets a model that runs on CPU.
 
-Nothing is lost for one bad name. What rank 0 cannot pickle is left out by name, with the
-reason, whatever the pickler raised. What the kernel cannot unpickle is left out the same way,
-together with the later names that share objects with it; the other names still come back.
+Nothing is lost for one bad name. What rank 0 cannot pickle is left out by name, with the reason,
+whatever the pickler raised. What the kernel cannot unpickle is left out the same way, together with the
+later names that share objects with it; the other names still come back.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import pickletools
 import struct
 import types
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
 from taas_magic.errors import first_line, type_name
-from taas_magic.wire import pickler
+from taas_magic.wire import bulk, pickler
 
-_INDEX_LENGTH = struct.Struct("!Q")  # the stream ends with the pickled index and this length
+_HEAD = struct.Struct("!QQ")  # the lengths of the names' pickles and of the trailer after them
 NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
 
 
@@ -50,6 +52,7 @@ class _ResultPickler(pickler.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.whole = whole
         self.sharded = _PlainForms.find()  # None where no DTensor can exist: the common case pays nothing more
+        self.beside = bulk.Collector()
 
     def reducer_override(self, obj: Any) -> Any:
         if self.sharded is not None:
@@ -59,7 +62,7 @@ class _ResultPickler(pickler.Pickler):
         converted = _portable(obj)
         if converted is not obj:
             return _same, (converted,)
-        return super().reducer_override(obj)
+        return self.beside.reduce(obj) or super().reducer_override(obj)
 
 
 def _same(value: Any) -> Any:
@@ -75,22 +78,7 @@ def _portable(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
         cpu = obj.detach().cpu()  # the view's elements alone, not the storage it looks into
         return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else cpu
-    if type(obj) is torch.Tensor and not obj.requires_grad and _small_view_of_large_storage(obj):
-        return obj.clone()
     return obj
-
-
-def _small_view_of_large_storage(tensor: Any) -> bool:
-    """``big[:3]`` pickles as the whole storage it looks into (800 MB for 12 bytes): a view that uses less
-    than half of its storage, and leaves a megabyte or more of it out, goes as a copy of its elements."""
-    if tensor.layout != _torch().strided or tensor.is_quantized:
-        return False
-    try:
-        stored = tensor.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-        return False
-    used = tensor.numel() * tensor.element_size()
-    return bool(stored > 2 * used and stored - used >= 1 << 20)
 
 
 class NotGathered(pickle.PicklingError):
@@ -207,8 +195,32 @@ class _Unpicklable(Exception):
         self.name, self.why = name, why
 
 
-def dumps(values: dict[str, Any], whole: Whole | None = None) -> tuple[bytes, dict[str, str]]:
-    """Pickle what can be pickled; returns the pickle and {name: why} for what was left out.
+@dataclass(frozen=True)
+class Packed:
+    """Names as they travel: the head (lengths, the names' pickles, the trailer with the index and where
+    the memory beside them lies), then that memory, ``size`` bytes in all. It is written into a file the
+    kernel maps (``write``), or made bytes to travel in a message (``to_bytes``)."""
+
+    head: bytes
+    spans: tuple[bulk.Span, ...]
+    size: int
+    owners: bulk.Collector  # what owns the spans' memory, kept alive until they are written
+
+    def write(self, fd: int) -> None:
+        from taas_magic.wire import memfile
+
+        memfile.write_bytes(fd, self.head)
+        bulk.write(fd, list(self.spans))
+
+    def to_bytes(self) -> bytes:
+        buffer = bytearray(self.size)
+        buffer[: len(self.head)] = self.head
+        bulk.copy_into(buffer, list(self.spans))
+        return bytes(buffer)
+
+
+def dumps(values: dict[str, Any], whole: Whole | None = None) -> tuple[Packed, dict[str, str]]:
+    """Pickle what can be pickled; returns the names packed and {name: why} for what was left out.
 
     ``whole``: the full values of the sharded tensors among ``values``, gathered by the ranks
     (``rank/sharded.py``); a DTensor not in it leaves its name out."""
@@ -231,8 +243,9 @@ def dumps(values: dict[str, Any], whole: Whole | None = None) -> tuple[bytes, di
             skipped[failure.name] = failure.why
 
 
-def _dump_each(values: dict[str, Any], whole: Whole | None) -> bytes:
-    """One pickle per name in one stream, then the index: [(name, length of its pickle), ...]."""
+def _dump_each(values: dict[str, Any], whole: Whole | None) -> Packed:
+    """One pickle per name in one stream, then the trailer: the index ([(name, length of its pickle), ...])
+    and the spans of memory that follow."""
     buffer = io.BytesIO()
     dumper = _ResultPickler(buffer, whole)
     index = []
@@ -247,10 +260,14 @@ def _dump_each(values: dict[str, Any], whole: Whole | None) -> bytes:
         except pickler.Unpicklable as e:
             raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({e.why})") from None
         index.append((name, buffer.tell() - start))
-    packed_index = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
-    buffer.write(packed_index)
-    buffer.write(_INDEX_LENGTH.pack(len(packed_index)))
-    return buffer.getvalue()
+    pickles = buffer.getvalue()
+    layout = dumper.beside.layout(0)  # from the data's start, which is aligned: each span keeps its alignment
+    spans = [(s.start, s.end, s.offset) for s in layout.spans]
+    trailer = pickle.dumps((index, spans, layout.compacted), protocol=pickle.HIGHEST_PROTOCOL)
+    head = _HEAD.pack(len(pickles), len(trailer)) + pickles + trailer
+    start = bulk.aligned(len(head))
+    placed = tuple(bulk.Span(s.start, s.end, start + s.offset) for s in layout.spans)
+    return Packed(head, placed, max([len(head)] + [s.offset + s.end - s.start for s in placed]), dumper.beside)
 
 
 def _why_not_sendable(value: Any) -> str | None:
@@ -283,28 +300,69 @@ def _only_in_the_job(value: Any) -> str | None:
 
 
 # -- in the kernel ----------------------------------------------------------------------------
-def loads(data: bytes) -> tuple[dict[str, Any], dict[str, str]]:
-    """Rank 0's names, and {name: why} for those that cannot be unpickled here."""
+@dataclass(frozen=True)
+class Received:
+    """A rank's names as they arrived, not yet unpickled: the head, and each span's memory (a flat uint8
+    tensor of its own). Ray carries it from a cluster node's agent to the kernel as it is."""
+
+    pickles: bytes
+    index: list[tuple[str, int]]
+    layout: bulk.Layout
+    memory: list[Any]
+
+
+def receive_file(fd: int, size: int) -> Received:
+    """The names in the file a rank wrote (``Packed.write``): the head read, the large spans mapped."""
+    from taas_magic.wire import memfile
+
+    pickled, trailed = _HEAD.unpack(memfile.read_bytes(fd, _HEAD.size))
+    head = memfile.read_bytes(fd, pickled + trailed, _HEAD.size)
+    if len(head) != pickled + trailed:
+        raise EOFError("the names' file ends early")
+    pickles, index, layout = _head(head, pickled)
+    return Received(pickles, index, layout, [bulk.read_span(fd, span) for span in layout.spans])
+
+
+def receive_bytes(data: bytes) -> Received:
+    """The names in ``Packed.to_bytes``'s form (a small result, in its message)."""
+    pickled, trailed = _HEAD.unpack_from(data)
+    pickles, index, layout = _head(data[_HEAD.size : _HEAD.size + pickled + trailed], pickled)
+    return Received(pickles, index, layout, [bulk.copy_span(data, span) for span in layout.spans])
+
+
+def _head(head: bytes, pickled: int) -> tuple[bytes, list[tuple[str, int]], bulk.Layout]:
+    """The names' pickles, the index and where the memory beside them lies in the file."""
+    index, spans, compacted = pickle.loads(head[pickled:])
+    start = bulk.aligned(_HEAD.size + len(head))
+    layout = bulk.Layout([bulk.Span(low, high, start + offset) for low, high, offset in spans], compacted)
+    return head[:pickled], index, layout
+
+
+def loads(data: Received | bytes | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Rank 0's names, and {name: why} for those that cannot be unpickled here.
+
+    ``data``: as it arrived (``receive_file``), or ``Packed``'s bytes: tensors and arrays come back
+    as views of the memory that arrived, without a copy."""
     if not data:
         return {}, {}
-    pieces = _pieces(data)
-    stream = io.BytesIO(data)
-    try:
-        loader = pickle.Unpickler(stream)
-        return {name: loader.load() for name, _ in pieces}, {}
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        pass  # some name cannot be unpickled here: start again and take the names one by one
-    return _load_each(stream, pieces)
+    received = data if isinstance(data, Received) else receive_bytes(data)
+    pieces = _pieces(received.index)
+    stream = io.BytesIO(received.pickles)
+    with bulk.reading(bulk.Reader(received.layout, received.memory)):
+        try:
+            loader = pickle.Unpickler(stream)
+            return {name: loader.load() for name, _ in pieces}, {}
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            pass  # some name cannot be unpickled here: start again and take the names one by one
+        return _load_each(stream, pieces)
 
 
-def _pieces(data: bytes) -> list[tuple[str, int]]:
-    """(name, where its pickle starts) for each name, from the index at the end of ``data``."""
-    (length,) = _INDEX_LENGTH.unpack_from(data, len(data) - _INDEX_LENGTH.size)
-    end = len(data) - _INDEX_LENGTH.size
+def _pieces(index: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """(name, where its pickle starts) for each name of the index."""
     pieces, start = [], 0
-    for name, size in pickle.loads(data[end - length : end]):
+    for name, size in index:
         pieces.append((name, start))
         start += size
     return pieces

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
 import pytest
 import torch
 
-from taas_magic.wire import results
+from taas_magic.wire import memfile, results
 
 
 def round_trip(values: dict) -> tuple[dict, dict]:
-    """What the notebook gets: (names back, {name: why} for the rest, from either side)."""
+    """What the notebook gets: (names back, {name: why} for the rest, from either side), the names carried
+    as they travel on one machine: in a sealed memory file the kernel maps."""
     data, skipped = results.dumps(values)
-    back, lost = results.loads(data)
+    back, lost = results.loads(mapped(data))
     assert not set(skipped) & set(lost)
     return back, {**skipped, **lost}
 
@@ -169,10 +171,23 @@ def test_a_name_rank_0_never_bound_is_worth_saying_only_when_return_asked_for_it
     assert results.worth_saying(skipped, ("t0", "lock")) == skipped
 
 
+def mapped(packed: results.Packed) -> results.Received:
+    """``packed`` written to a sealed memory file and received, as the kernel's end of a run receives it."""
+    fd = memfile.new_file("test-names", packed.size)
+    try:
+        packed.write(fd)
+        memfile.seal(fd)
+        assert memfile.sealed(fd) is not False
+        return results.receive_file(fd, packed.size)
+    finally:
+        os.close(fd)
+
+
 def sent(**values):
+    """(bytes the names took, the names back), carried as bytes in a message (small names, cluster nodes)."""
     data, skipped = results.dumps(values)
     assert not skipped, skipped
-    return len(data), results.loads(data)[0]
+    return data.size, results.loads(data.to_bytes())[0]
 
 
 def test_a_small_view_of_a_large_tensor_comes_back_as_its_elements_not_the_storage():

@@ -8,7 +8,6 @@ started it holds a ``SupervisorProcess`` to wait for and kill it, and talks to i
 from __future__ import annotations
 
 import _thread
-import hashlib
 import os
 import select
 import signal
@@ -18,7 +17,7 @@ from typing import Callable, Iterable, NoReturn, assert_never
 from taas_magic.errors import RunLost, TaasRunError
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.process import containment
-from taas_magic.wire import memfile
+from taas_magic.wire import memfile, results
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Event, Exited, Key, Relayed, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import SessionCell
@@ -303,17 +302,16 @@ class SupervisedRanks:
                 os.close(fd)
 
     def _opened(self, events: tuple[Relayed, ...], fds: list[int]) -> tuple[Relayed, ...]:
-        """``events`` with each ``ResultInFile`` read from its file (the message's files, in order) and
-        checked against its digest."""
+        """``events`` with each ``ResultInFile``'s file (the message's files, in order) received, once it
+        is known whole and sealed: its head read, its large spans mapped."""
         files = iter(fds)
         opened: list[Relayed] = []
         for event in events:
             if isinstance(event, ResultInFile):
                 fd = next(files, None)
-                data = memfile.read_bytes(fd, event.size) if fd is not None else b""
-                if len(data) != event.size or hashlib.sha256(data).digest() != event.digest:
+                if fd is None or os.fstat(fd).st_size != max(event.size, 1) or memfile.sealed(fd) is False:
                     self._lose(f"rank {event.rank}'s names arrived damaged")
-                event = Result(event.rank, data)
+                event = Result(event.rank, results.receive_file(fd, event.size))
             opened.append(event)
         return tuple(opened)
 

@@ -37,13 +37,12 @@ log = logging.getLogger(__name__)
 class _Rank:
     rank: Key  # a rank's number, or a producer
     pid: int
-    fds: dict[str, int]  # supervisor-side read ends: stdout, stderr, report, stack, results
+    fds: dict[str, int]  # supervisor-side read ends: stdout, stderr, report, stack
     pidfd: int | None = None
     returncode: int | None = None
     report_buffer: bytes = b""
     stack_text: str = ""
     stack_updated: float = 0.0
-    results: bytearray = field(default_factory=bytearray)
     control: rank_control.SupervisorEnd | None = None  # a rank's channel: cells to run, their ends, input requests
     cell: Literal["running", "sent", "ended"] = "running"  # a session's rank: "sent" a cell not taken yet
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
@@ -200,7 +199,7 @@ class ForkedRanks:
         pipes: dict[str, tuple[int, int]] = {}
         ends = channel.socket_pair() if isinstance(rank, int) else None  # (ours, the rank's)
         try:
-            for name in ("stdout", "stderr", "report", "stack", "results", "gate"):
+            for name in ("stdout", "stderr", "report", "stack", "gate"):
                 pipes[name] = os.pipe()  # the gate's write end stays here, the others' read ends
             pid = os.fork()
         except BaseException:
@@ -223,7 +222,6 @@ class ForkedRanks:
                     stderr=pipes["stderr"][1],
                     report=pipes["report"][1],
                     stack=pipes["stack"][1],
-                    results=pipes["results"][1],
                     lifeline=self._lifeline_read,
                     sockets=frozenset(sockets),
                     gate=gate_read,
@@ -310,13 +308,9 @@ class ForkedRanks:
             self._selector.unregister(fd)
             os.close(fd)
             del state.fds[name]
-            if name == "results" and state.results:
-                self._pending.append(Result(state.rank, bytes(state.results)))
             return False
         if name in ("stdout", "stderr"):
             self._pending.append(Output(state.rank, name, data))
-        elif name == "results":
-            state.results += data
         elif name == "report":
             state.report_buffer += data
             *lines, state.report_buffer = state.report_buffer.split(b"\n")
@@ -354,7 +348,7 @@ class ForkedRanks:
                 if results is not None:
                     self._pending.append(Result(state.rank, results))
                 elif in_file is not None and names_file is not None:  # handed on as it is: see ResultInFile
-                    self._pending.append(ResultInFile(state.rank, *in_file, fd=names_file))
+                    self._pending.append(ResultInFile(state.rank, in_file, fd=names_file))
                 self._pending.append(Report(state.rank, records.decode(record)))
             case Prompt(prompt):
                 self._pending.append(InputRequest(state.rank, prompt))
