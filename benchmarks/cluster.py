@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel = None
     try:
         os.environ["TAAS_CLUSTER"] = cluster.address
+        os.environ.update(cluster.variables)  # its token: the notebook's kernel connects with it
         kernel = harness.Kernel()
         # A notebook's folder travels to the nodes with each run: the benchmark's is an empty one
         kernel.run(f"import os\nos.chdir({str(folder / 'notebook')!r})")

@@ -9,7 +9,13 @@ One exception is known: torch's distributed store names the peer of every connec
 accepts with ``getnameinfo``, and 127.0.0.x (other than .1) is not in ``/etc/hosts``, so those
 reverse lookups reach the machine's name server (port 53).
 
+Its nodes require Ray's token authentication (on Ray 2.52 and later) with a token of its own, as a
+real cluster should: a notebook connects with ``cluster.variables`` in its environment (Ray's
+``RAY_AUTH_MODE`` and ``RAY_AUTH_TOKEN``). The caller's environment never holds them.
+
     cluster = LocalCluster({"c1.4": 1, "g2.8": 2})   # a CPU head node and two 8-GPU nodes
+    %env RAY_AUTH_MODE=token
+    %env RAY_AUTH_TOKEN={cluster.token}
     %taas cluster {cluster.address}
     ...
     cluster.shutdown()
@@ -18,6 +24,7 @@ reverse lookups reach the machine's name server (port 53).
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
@@ -44,9 +51,15 @@ START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the th
 
 
 @contextmanager
-def _quiet_environment() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in QUIET}
-    os.environ.update(QUIET)
+def _ray_environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """``QUIET`` and ``variables`` in the environment for the block: what Ray's processes started meanwhile
+    inherit, and what this process's own calls to the cluster read."""
+    from taas_magic.launch.cluster import ray_private
+
+    added = {**QUIET, **variables}
+    saved = {name: os.environ.get(name) for name in added}
+    os.environ.update(added)
+    ray_private.read_authentication_anew()  # Ray reads them once: for this process's own calls to the nodes
     try:
         yield
     finally:
@@ -55,6 +68,7 @@ def _quiet_environment() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        ray_private.read_authentication_anew()
 
 
 class LocalCluster:
@@ -62,9 +76,16 @@ class LocalCluster:
 
     With ``client_port``, the head also serves Ray Client there: ``client_address`` is then the
     ``ray://`` address a notebook elsewhere would use (it needs ``pip install 'ray[client]'``).
+    ``authenticate``: the nodes require a token of their own (``token``), as Ray's token authentication asks.
     """
 
-    def __init__(self, nodes: Mapping[str, int], cpus_per_node: int = 1, client_port: int | None = None):
+    def __init__(
+        self,
+        nodes: Mapping[str, int],
+        cpus_per_node: int = 1,
+        client_port: int | None = None,
+        authenticate: bool = True,
+    ):
         try:
             from ray.cluster_utils import Cluster
         except ImportError:
@@ -76,18 +97,21 @@ class LocalCluster:
             raise ValueError("a cluster needs at least one node")
         self.addresses: list[str] = []
         self._nodes: list[Any] = []
+        self.token = secrets.token_hex(32) if authenticate else None
+        # What a notebook's kernel needs in its environment to connect (Ray's own variables).
+        self.variables = {} if self.token is None else {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
         head = self._node_args(shapes[0], cpus_per_node)
         if client_port is not None:
             head["ray_client_server_port"] = client_port
         self._cluster = Cluster(initialize_head=False)
         try:
-            with _quiet_environment():
+            with _ray_environment(self.variables):
                 self._nodes.append(_start_node(lambda: self._cluster.add_node(**head)))
             self.addresses.append(self._args_address(0))
             for shape in shapes[1:]:
                 self.add_node(shape.name, cpus_per_node)
         except BaseException:
-            self._cluster.shutdown()  # the nodes that did start: nothing is left running
+            self.shutdown()  # the nodes that did start: nothing is left running
             raise
         self.address: str = self._cluster.address
         self.client_address = None if client_port is None else f"ray://{self.addresses[0]}:{client_port}"
@@ -108,7 +132,7 @@ class LocalCluster:
         """One more node of configuration ``name``; its address."""
         shape = load_catalog().get(name)
         args = self._node_args(shape, cpus)
-        with _quiet_environment():
+        with _ray_environment(self.variables):
             node = _start_node(lambda: self._cluster.add_node(**args))
         self.addresses.append(self._args_address(len(self.addresses)))
         self._nodes.append(node)
@@ -117,10 +141,12 @@ class LocalCluster:
     def remove_node(self, address: str) -> None:
         """Kill a node's raylet and everything on it, as a machine that fails would."""
         index = self.addresses.index(address)
-        self._cluster.remove_node(self._nodes[index], allow_graceful=False)
+        with _ray_environment(self.variables):
+            self._cluster.remove_node(self._nodes[index], allow_graceful=False)
 
     def shutdown(self) -> None:
-        self._cluster.shutdown()
+        with _ray_environment(self.variables):
+            self._cluster.shutdown()
 
     def __enter__(self) -> "LocalCluster":
         return self

@@ -98,9 +98,13 @@ class Kernel:
     """A real ipykernel in its own process, with the extension loaded."""
 
     def __init__(
-        self, extra_env: dict[str, str] | None = None, imports: str = "import torch, torch.distributed, os, sys, time"
+        self,
+        extra_env: dict[str, str | None] | None = None,
+        imports: str = "import torch, torch.distributed, os, sys, time",
     ):
-        env = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
+        """``extra_env``: variables of the kernel's environment besides this process's; None leaves one out."""
+        merged = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
+        env = {name: value for name, value in merged.items() if value is not None}
         self.manager = KernelManager(kernel_name="python3")
         self.manager.start_kernel(env=env)
         self.client = self.manager.client()

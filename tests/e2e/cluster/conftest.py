@@ -110,7 +110,8 @@ def shared_modules(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_modules: object) -> Iterator[tuple]:
-    """``(LocalCluster, path of its configurations file)``, the file also in $TAAS_CONFIG."""
+    """``(LocalCluster, path of its configurations file)``, the file in $TAAS_CONFIG and the cluster's token in
+    Ray's $RAY_AUTH_MODE and $RAY_AUTH_TOKEN, for the kernels the tests start: the cluster requires it."""
     if "cluster" in _kept:
         local, config, saved = _kept.pop("cluster")  # type: ignore[misc]
     else:
@@ -118,9 +119,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_m
 
         config = tmp_path_factory.mktemp("cluster") / "configurations.yaml"
         config.write_text(CONFIG)
-        saved = os.environ.get("TAAS_CONFIG")
+        saved = {name: os.environ.get(name) for name in ("TAAS_CONFIG", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
         os.environ["TAAS_CONFIG"] = str(config)
         local = LocalCluster({"c1.4": 1, "t.2": 2}, client_port=_free_port())
+        os.environ.update(local.variables)  # the kernels' (Ray's token authentication)
     try:
         yield local, str(config)
     finally:
@@ -128,10 +130,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_m
             _kept["cluster"] = (local, config, saved)
         else:
             local.shutdown()
-            if saved is None:
-                os.environ.pop("TAAS_CONFIG", None)
-            else:
-                os.environ["TAAS_CONFIG"] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _free_port() -> int:

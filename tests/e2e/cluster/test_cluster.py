@@ -235,6 +235,32 @@ taas.register(slow)
 
 
 @pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
+def test_a_cluster_that_requires_a_token_says_in_one_line_what_a_notebook_lacks_then_connects_with_it(cluster):
+    """The test cluster requires Ray's token authentication (LocalCluster's own token). A notebook without
+    RAY_AUTH_MODE=token, or with another token, is told so in one line at once (Ray alone retries for 20 s
+    and says only that it could not connect); once it sets the right token, the same kernel connects."""
+    local, config = cluster
+    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "RAY_AUTH_MODE": None, "RAY_AUTH_TOKEN": None})
+    try:
+        r = k.execute(f"%taas cluster {local.address}", timeout=120)
+        assert r.error is not None and r.seconds < 15, r.seconds
+        line = r.error["evalue"]
+        assert f"the Ray cluster at {local.address} requires token authentication: set RAY_AUTH_MODE=token" in line
+        assert "RAY_AUTH_TOKEN" in line and "\n" not in line
+        assert "gcs_client" not in r.stderr, r.stderr  # Ray's own logging of the refusal: taas's line says it
+        k.execute("%env RAY_AUTH_MODE=token\n%env RAY_AUTH_TOKEN=" + "0" * 64).ok()
+        r = k.execute(f"%taas cluster {local.address}", timeout=120)
+        assert r.error is not None and r.seconds < 15, r.seconds
+        assert "refused this notebook's token (from RAY_AUTH_TOKEN): it is not the cluster's" in r.error["evalue"]
+        k.execute(f"%env RAY_AUTH_TOKEN={local.token}").ok()
+        r = k.execute(f"%taas cluster {local.address}", timeout=120).ok()
+        assert f"connected to the Ray cluster at {local.address}: 3 nodes" in r.stdout
+        k.execute(HEADER + "import torch\nx = torch.ones(1)", timeout=240).ok()
+        k.execute("%taas cluster off").ok()
+    finally:
+        k.shutdown()
+
+
 def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
     """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel
     uploads it without holding the package: that call would wait forever through Ray Client), warm

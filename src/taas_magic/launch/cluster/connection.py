@@ -28,7 +28,7 @@ from typing import Any, Collection, Iterator, Mapping
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError, first_line
-from taas_magic.launch.cluster import ray_private
+from taas_magic.launch.cluster import authentication, ray_private
 from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
 from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.process import containment
@@ -156,6 +156,8 @@ class Cluster:
             kwargs: dict[str, Any] = {}
             if host is not None and _is_loopback(host):  # the notebook runs on that node: Ray must not look for
                 kwargs["_node_ip_address"] = host  # another address of this machine
+            if host is not None:
+                _check_token(address)
             try:
                 with warnings.catch_warnings(), _kernel_kept_as_it_was():
                     warnings.simplefilter("ignore")
@@ -168,7 +170,10 @@ class Cluster:
                         **kwargs,
                     )
             except Exception as e:
-                raise TaasUsageError(f"could not connect to the Ray cluster at {address!r}: {first_line(e)}") from None
+                hint = authentication.client_hint(os.environ) if address.startswith("ray://") else ""
+                raise TaasUsageError(
+                    f"could not connect to the Ray cluster at {address!r}: {first_line(e)}{hint}"
+                ) from None
             cluster.owns_connection = True
         return cluster
 
@@ -419,6 +424,32 @@ def _check_answers(address: str) -> str | None:
             "(ray start --head prints the address to use)"
         ) from None
     return None if address.startswith("ray://") else host.strip("[]")
+
+
+def _check_token(address: str) -> None:
+    """One line at once for a cluster that refuses this notebook's token authentication (``ray.init`` would
+    retry for 20 s and say only that it could not connect)."""
+    with _kernel_kept_as_it_was(), _ray_logging_silenced():
+        try:
+            ray_private.ask_gcs(address, timeout=CONNECT_SECONDS)
+        except ray_private.TokenRefused:
+            raise TaasUsageError(authentication.refused(address, os.environ)) from None
+
+
+@contextmanager
+def _ray_logging_silenced() -> Iterator[None]:
+    """Descriptor 2 to /dev/null for the block: Ray's C++ client logs a refusal there (a warning with a time
+    stamp, in the cell's output), where taas's one line says it better. The block is one call of
+    a fraction of a second; descriptor 2 is the kernel's own again after it."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _producer_nodes(

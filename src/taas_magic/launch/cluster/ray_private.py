@@ -12,6 +12,11 @@ version and the module; what each is for, and what happens without it:
   content address, and fetching it on a node; it is what Ray runs for ``runtime_env={"working_dir": …}``.
 - ``ray._private.worker``: a node's runtime-environment folder and store client, to fetch the package in
   the agent itself (milliseconds). Without it a runtime-environment task fetches it (seconds, public).
+- ``ray._raylet.GcsClient``, ``Config`` and ``AuthenticationTokenLoader``: one call to a cluster's GCS before
+  connecting, to tell at once whether it refuses this notebook's token authentication (``ray.init`` retries
+  for 20 s and says only that it could not connect), with the variables read afresh so that a token set
+  after a failed try counts. Without them (Ray before 2.52 has no token authentication) nothing is asked
+  before connecting.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ PRIVATE = {
         "download_and_unpack_package",
     ),
     "ray._private.worker": ("global_worker", "_global_node"),
+    "ray._raylet": ("GcsClient", "Config", "AuthenticationTokenLoader"),
 }
 
 
@@ -53,6 +59,37 @@ def packaging() -> Any:
 def worker() -> Any:
     """Ray's worker module of this process: its node and its store client (untyped: internal)."""
     return importlib.import_module("ray._private.worker")
+
+
+class TokenRefused(Exception):
+    """The cluster's GCS refused this process's token authentication (none, or not the cluster's)."""
+
+
+def read_authentication_anew() -> None:
+    """Ray's token-authentication variables (``RAY_AUTH_MODE``, the token) read afresh by this process: Ray
+    reads them once and keeps the token it found. Nothing on a Ray without token authentication."""
+    raylet = importlib.import_module("ray._raylet")
+    if hasattr(raylet, "AuthenticationTokenLoader"):
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
+
+
+def ask_gcs(address: str, timeout: float) -> None:
+    """One read from the GCS at ``address`` (``HOST:PORT``), with Ray's authentication variables read afresh;
+    raises ``TokenRefused`` if the GCS refuses this process's token, and nothing else for any other reason
+    (``ray.init`` says what is wrong then). Only before this process connects to Ray."""
+    refusal = getattr(importlib.import_module("ray.exceptions"), "AuthenticationError", None)
+    if refusal is None:
+        return  # a Ray without token authentication
+    read_authentication_anew()
+    try:
+        importlib.import_module("ray._raylet").GcsClient(address=address).internal_kv_get(
+            b"taas", None, timeout=timeout
+        )
+    except refusal as e:
+        raise TokenRefused(str(e)) from None
+    except Exception:
+        return
 
 
 def missing() -> list[str]:
