@@ -224,7 +224,13 @@ class CellRunner:
         session.serve(loaders, namespace)
         session.status = self._view_display(view)
         return self.kept.in_session(
-            lambda: session.first_cell(spec, streams.write_to_cell, self._cell_names(), read_line)
+            lambda: session.first_cell(
+                spec,
+                streams.write_to_cell,
+                self._cell_names(),
+                read_line,
+                _show_once if spec.profile and view else None,
+            )
         )
 
     def _run_in_session(
@@ -247,6 +253,7 @@ class CellRunner:
             hang_after=args.hang_after,
             return_from=from_ranks,
             debug_ranks=debug_ranks(args.debug_ranks, range(session.size), "the session"),
+            profile=bool(args.profile),
         )
         new = self._session_loaders(analysed, session, ranks)
         session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
@@ -335,20 +342,36 @@ class CellRunner:
         """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
         False: ``%taas pull`` or ``push``)."""
         prepared, shipment, sent = session.prepare(analysed, code, returns)
+        traces = profiling.ProfileFolder() if spec.profile and notebook_cell else None
         if notebook_cell:
-            prepared = dataclasses.replace(prepared, debugging=self._debug_link(spec, code.co_filename))
+            prepared = dataclasses.replace(
+                prepared,
+                debugging=self._debug_link(spec, code.co_filename),
+                profile=traces.path if traces is not None else None,
+            )
         prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
         session.status = self._view_display(view)  # this cell's view
+        picture = _show_once if traces is not None and view else None
         try:
             result = self.kept.in_session(
                 lambda: session.run(
-                    prepared, shipment, ranks, spec, streams.write_to_cell, self._cell_names(), read_line, notebook_cell
+                    prepared,
+                    shipment,
+                    ranks,
+                    spec,
+                    streams.write_to_cell,
+                    self._cell_names(),
+                    read_line,
+                    notebook_cell,
+                    picture=picture,
                 )
             )
             session.shipped(sent)
         finally:
             if shipment is not None:
                 shipment.close()
+            if traces is not None:
+                _merge_traces(traces, len(ranks))
             streams.give_back_freed_memory()
         self._take_back(result, spec.return_names, spec.return_from)
 
@@ -487,7 +510,7 @@ class ViewDisplay:
             self.handle.update(bundle, raw=True)
 
 
-SESSION_CELL_OPTIONS = "--ranks, --return, --from, --timeout, --hang-after, --output and --debug-ranks"
+SESSION_CELL_OPTIONS = "--ranks, --return, --from, --timeout, --hang-after, --output, --debug-ranks and --profile"
 
 
 def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
@@ -509,13 +532,17 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
         "--max-restarts": args.max_restarts != 0,
         "--debug": args.debug,
         "--idle": args.idle is not None,
-        "--profile": args.profile,
     }
     changed = [name for name, ok in same.items() if not ok]
     if changed:
         raise TaasUsageError(
             f"{', '.join(changed)} would change the running session ({session.size} ranks on "
             f"{spec.device}): %taas stop first, then start another with --keep"
+        )
+    if args.profile and session.start == "cluster":
+        raise TaasUsageError(
+            "--profile profiles this machine's ranks only (a cluster's traces do not come back yet): "
+            "leave out --profile in this session's cells"
         )
     others = [name for name, given in one_shot.items() if given]
     if others:

@@ -30,7 +30,7 @@ from taas_magic.cell_names import names_reached
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel import hang, reloading, render, stacks, streams
-from taas_magic.kernel.controller import STACK_SECONDS, Pump, live_output
+from taas_magic.kernel.controller import STACK_SECONDS, Pump, Show, live_output
 from taas_magic.kernel.run_result import SESSION, RunResult
 from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.spec import LaunchSpec
@@ -161,21 +161,34 @@ class Session:
         cell_names: Mapping[str, str],
         read_line: ReadLine,
         notebook_cell: bool = True,
+        picture: Show | None = None,
     ) -> RunResult:
         """Run ``cell`` in ``ranks``; the sending ranks' pickled names on success, else raise what the cell
         shows. ``notebook_cell`` False: ``%taas pull`` or ``push``, which is not counted as a cell and leaves
-        the ranks to debug as they were."""
+        the ranks to debug as they were. ``picture``: shows where the ranks' time went (``--profile``)."""
         fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
         cell = dataclasses.replace(cell, reload=self.reloads.for_cell(_shell(), ranks))
         return self._cell(
-            lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, write, cell_names, read_line, notebook_cell
+            lambda: self.group.run_cell(cell, ranks, fds),
+            ranks,
+            spec,
+            write,
+            cell_names,
+            read_line,
+            notebook_cell,
+            picture,
         )
 
     def first_cell(
-        self, spec: LaunchSpec, write: Callable[[str, str], object], cell_names: Mapping[str, str], read_line: ReadLine
+        self,
+        spec: LaunchSpec,
+        write: Callable[[str, str], object],
+        cell_names: Mapping[str, str],
+        read_line: ReadLine,
+        picture: Show | None = None,
     ) -> RunResult:
         """The cell that started the session, which every rank runs as it starts."""
-        return self._cell(lambda: None, list(range(self.size)), spec, write, cell_names, read_line)
+        return self._cell(lambda: None, list(range(self.size)), spec, write, cell_names, read_line, picture=picture)
 
     def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
         """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook."""
@@ -196,12 +209,13 @@ class Session:
         cell_names: Mapping[str, str],
         read_line: ReadLine,
         notebook_cell: bool = True,
+        picture: Show | None = None,
     ) -> RunResult:
         """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
         if notebook_cell:
             self.cells += 1
             self.failed = []
-        result = self._watch(send, ranks, spec, write, cell_names, read_line)
+        result = self._watch(send, ranks, spec, write, cell_names, read_line, picture)
         if notebook_cell:
             self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
         for line in render.notices(result):
@@ -219,6 +233,7 @@ class Session:
         write: Callable[[str, str], object],
         cell_names: Mapping[str, str],
         read_line: ReadLine,
+        picture: Show | None = None,
     ) -> RunResult:
         """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
@@ -235,7 +250,7 @@ class Session:
             world=self.size,
             deadline=None if spec.timeout is None else time.monotonic() + spec.timeout,
         )
-        pump = Pump(self.group, state, out, write, read_line, cell_names, view, self.status)
+        pump = Pump(self.group, state, out, write, read_line, cell_names, view, self.status, picture)
         try:
             _send(pump, send)
             pump.until_over()

@@ -103,14 +103,30 @@ def test_without_profile_no_trace_and_no_picture(kernel, tmp_path):
     assert list(tmp_path.iterdir()) == [] and not [d for d in result.displays if "image/svg+xml" in d]
 
 
-def test_a_session_started_with_profile_profiles_its_first_cell(kernel, tmp_path):
+def test_a_session_profiles_the_cells_that_ask_for_it_each_in_a_trace_of_its_own(kernel, tmp_path):
+    """--profile on the cell that starts a session profiles that cell; a later cell without it is not
+    profiled; a later cell with it gets a trace of its own and the picture; with --ranks, only those ranks."""
     with working_in(kernel, tmp_path):
         try:
             kernel.execute(loop("#pragma taas --gpus 2 --keep --return none --profile", "False")).ok()
-            (trace,) = tmp_path.glob("taas-profile-*.json")
-            events = json.loads(trace.read_text())["traceEvents"]
-            assert {e["args"]["name"] for e in events if e.get("name") == "process_name"} == {"rank 0", "rank 1"}
+            (first,) = tmp_path.glob("taas-profile-*.json")
+            assert process_rows(first) == ["rank 0", "rank 1"]
             kernel.execute(loop("#pragma taas", "False")).ok()
-            assert list(tmp_path.glob("taas-profile-*.json")) == [trace], "later cells are not profiled"
+            assert list(tmp_path.glob("taas-profile-*.json")) == [first], "a cell without --profile is not profiled"
+            later = kernel.execute(loop("#pragma taas --profile", "dist.get_rank() == 1"), timeout=120).ok()
+            (second,) = set(tmp_path.glob("taas-profile-*.json")) - {first}
+            assert process_rows(second) == ["rank 0", "rank 1"]
+            assert f"taas: --profile: the ranks' trace is {second} (" in later.stderr, later.stderr
+            (picture,) = [display for display in later.displays if "image/svg+xml" in display]
+            assert picture["text/plain"].splitlines()[-1].startswith("the others waited for rank 1")
+            kernel.execute("#pragma taas --ranks 1 --profile\nimport torch\nx = torch.ones(100) @ torch.ones(100)").ok()
+            (third,) = set(tmp_path.glob("taas-profile-*.json")) - {first, second}
+            assert process_rows(third) == ["rank 1"]
         finally:
             kernel.execute("%taas stop").ok()
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-profile-*")), "the ranks' own traces are gone"
+
+
+def process_rows(trace) -> list[str]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sorted(e["args"]["name"] for e in events if e.get("name") == "process_name")

@@ -205,10 +205,9 @@ def test_where_of_an_ended_session_says_why():
         (
             "--cpus 2",
             "--cpus cannot apply to a cell in a session: a cell there takes --ranks, --return, --from, --timeout, "
-            "--hang-after, --output and --debug-ranks (%taas stop ends the session)",
+            "--hang-after, --output, --debug-ranks and --profile (%taas stop ends the session)",
         ),
         ("--max-restarts 1 --idle 60", "--max-restarts, --idle cannot apply to a cell in a session"),
-        ("--profile", "--profile cannot apply to a cell in a session"),
     ],
 )
 def test_an_option_a_session_cell_cannot_take_is_one_line_naming_it(line, message):
@@ -225,8 +224,18 @@ def test_an_option_a_session_cell_cannot_take_is_one_line_naming_it(line, messag
         "--gpus 2 --start fork",
         "--ranks 1 --return x --from all --timeout 5 --hang-after 2 --output rank0",
         "--debug-ranks 0",
+        "--profile --ranks 1",
     ],
 )
 def test_the_options_a_session_cell_takes_pass(line):
     session = session_of(ScriptedSessionGroup(each_rank_says("unused")))
     _check_fits_session(options.parse(TaasMagics.taas, line), session)
+
+
+def test_profile_in_a_cluster_sessions_cell_is_refused_in_one_line():
+    session = Session(
+        ScriptedSessionGroup(each_rank_says("unused")), cpu_spec(2), "cluster", known={}, sources_sent=set()
+    )
+    with pytest.raises(TaasUsageError) as caught:
+        _check_fits_session(options.parse(TaasMagics.taas, "--profile"), session)
+    assert str(caught.value).startswith("--profile profiles this machine's ranks only"), str(caught.value)
