@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from taas_magic.errors import TaasUsageError
+from taas_magic.errors import TaasUsageError, first_line
 from taas_magic.launch.cluster import ray_private
 
 FILE_LIMIT = 10 * 1024**2  # a file this large or larger stays behind (Ray itself warns about such files)
@@ -217,6 +217,7 @@ class Packages:
     def __init__(self) -> None:
         self.last: tuple[str, str] | None = None  # (the listing's fingerprint, its package's URI)
         self.told = ""  # the last line about files left behind for their size
+        self.public = False  # this Ray's packing functions are not what taas knows: a task packs the folder
 
     def package(self, found: Listing, notify: Callable[[str], object]) -> str | None:
         """The URI of ``found``'s package, uploaded if the cluster lacks it (None: nothing travels).
@@ -232,21 +233,54 @@ class Packages:
         self.told = news
         if not found.files:
             return None
+        fingerprint = found.fingerprint()
+        known = self.last[1] if self.last is not None and self.last[0] == fingerprint else None
+        if not self.public:
+            try:
+                uri = self._package_in_place(found, known)
+            except (AttributeError, ImportError, TypeError) as e:  # another Ray's internals
+                notify(
+                    f"taas: this Ray's packing of folders is not what taas knows ({first_line(e)}): the notebook's "
+                    "folder goes to the cluster through a runtime-environment task instead"
+                )
+                self.public = True
+        if self.public:
+            uri = packed_by_a_task(found)  # each time: Ray uploads only what the cluster lacks, and keeps it
+        self.last = (fingerprint, uri)
+        return uri
+
+    def _package_in_place(self, found: Listing, known: str | None) -> str:
+        """Ray's packing called in the kernel (milliseconds when the cluster has the package already)."""
         packaging = ray_private.packaging()
         excludes = found.excludes()
-        fingerprint = found.fingerprint()
-        if self.last is not None and self.last[0] == fingerprint:
-            uri = self.last[1]
-        else:
-            uri = packaging.get_uri_for_directory(
-                found.folder, excludes=excludes, **_without_gitignore(packaging.get_uri_for_directory)
-            )
+        uri = known or packaging.get_uri_for_directory(
+            found.folder, excludes=excludes, **_without_gitignore(packaging.get_uri_for_directory)
+        )
         if not importlib.import_module("ray.util.client").ray.is_connected():
             packaging.pin_runtime_env_uri(uri)
         if not packaging.package_exists(uri):
             _upload(packaging, uri, found.folder, excludes)
-        self.last = (fingerprint, uri)
-        return uri
+        return str(uri)
+
+
+def packed_by_a_task(found: Listing) -> str:
+    """The URI of ``found``'s package, made by Ray's public way: a task whose runtime environment has the
+    folder as its ``working_dir`` (Ray packs and uploads it as the task is submitted, and skips the upload
+    when the cluster has that content already) reports the URI it was given. Ray reads the folder's
+    ``.gitignore`` files on this way too."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(package_uri).options(
+        runtime_env={"working_dir": found.folder, "excludes": found.excludes()}
+    )
+    return str(ray.get(task.remote()))
+
+
+def package_uri() -> str:
+    """In a Ray task whose runtime environment has a ``working_dir``: the URI of its package."""
+    import ray
+
+    return str(ray.get_runtime_context().runtime_env["working_dir"])
 
 
 def _upload(packaging: Any, uri: str, folder: str, excludes: list[str]) -> None:
