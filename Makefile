@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test test-fast wheel-check test-min bench bench-cluster bench-sessions bench-live-view screenshots clean
+.PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-live-view screenshots clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ wheel-check: $(VENV)/.installed
 # floor runs the test suite, less the tests of optional extras (.ci/test_min; TESTS=... to choose).
 test-min:
 	PYTHON=$(PYTHON) .ci/test_min
+
+# The optional extras at their floors too (Ray, Lightning, torchvision and the examples' packages), running the
+# tests of those extras: the cluster tier, Lightning and the example notebooks (.ci/test_min with EXTRAS).
+test-extras-min:
+	PYTHON=$(PYTHON) EXTRAS="ray lightning examples" .ci/test_min
 
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'

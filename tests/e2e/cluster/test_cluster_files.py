@@ -91,32 +91,27 @@ def test_a_cell_imports_the_notebook_s_module_from_the_package_on_each_node_and_
     assert not leftovers(kernel)
 
 
-def test_without_rays_packing_functions_the_folder_goes_up_through_a_task_and_edits_still_arrive(
-    cluster, kernel, notebook
+def test_without_rays_packing_functions_a_cell_with_files_to_send_fails_in_one_line_and_an_empty_folder_runs(
+    cluster, kernel, notebook, tmp_path_factory
 ):
     """The kernel's private use of Ray's packing (ray_private.packaging) gone, as a Ray release may take it:
-    one line says so, the folder goes up through a runtime-environment task (Ray's public way), and the
-    nodes import the notebook's module from it, an edit included."""
+    a cell whose folder has files fails in one line saying what to do; from an empty folder it runs."""
     kernel.execute(
         "from taas_magic.launch.cluster import ray_private as _private\n"
         "_packaging = _private.packaging\n"
         "def _gone():\n    raise ImportError('ray._private.runtime_env.packaging moved')\n"
         "_private.packaging = _gone\n"
     ).ok()
-    address = cluster[0].address
     try:
-        kernel.execute(f"%taas cluster off\n%taas cluster {address}", timeout=120).ok()  # packages start anew
-        (notebook / "mymod.py").write_text("VALUE = 5\n")
-        r = kernel.execute(HEADER + SHOW, timeout=240).ok()
-        assert "goes to the cluster through a runtime-environment task instead" in r.stderr, r.stderr
-        assert {value for value, _, _ in shown(r)} == {"5"}, r.stdout
-        assert all(UNPACKED.search(path) for _, path, _ in shown(r)), shown(r)
-        (notebook / "mymod.py").write_text("VALUE = 6\n")
-        r = kernel.execute(HEADER + SHOW, timeout=120).ok()
-        assert {value for value, _, _ in shown(r)} == {"6"}, r.stdout
-        assert "runtime-environment task" not in r.stderr, "said once"
+        r = kernel.execute(HEADER + SHOW, timeout=240)
+        assert r.error is not None and "\n" not in r.error["evalue"], r.error
+        assert "packs folders differently from what taas knows (ImportError: ray._private" in r.error["evalue"]
+        assert "run the cell from a folder with nothing to send" in r.error["evalue"]
+        empty = tmp_path_factory.mktemp("empty")
+        kernel.execute(f"os.chdir({str(empty)!r})").ok()
+        kernel.execute(HEADER + "x = 1", timeout=240).ok()
     finally:
-        kernel.execute(f"_private.packaging = _packaging\n%taas cluster off\n%taas cluster {address}", timeout=120).ok()
+        kernel.execute("_private.packaging = _packaging").ok()
     assert not leftovers(kernel)
 
 

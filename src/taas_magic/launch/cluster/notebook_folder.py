@@ -217,7 +217,6 @@ class Packages:
     def __init__(self) -> None:
         self.last: tuple[str, str] | None = None  # (the listing's fingerprint, its package's URI)
         self.told = ""  # the last line about files left behind for their size
-        self.public = False  # this Ray's packing functions are not what taas knows: a task packs the folder
 
     def package(self, found: Listing, notify: Callable[[str], object]) -> str | None:
         """The URI of ``found``'s package, uploaded if the cluster lacks it (None: nothing travels).
@@ -235,17 +234,14 @@ class Packages:
             return None
         fingerprint = found.fingerprint()
         known = self.last[1] if self.last is not None and self.last[0] == fingerprint else None
-        if not self.public:
-            try:
-                uri = self._package_in_place(found, known)
-            except (AttributeError, ImportError, TypeError) as e:  # another Ray's internals
-                notify(
-                    f"taas: this Ray's packing of folders is not what taas knows ({first_line(e)}): the notebook's "
-                    "folder goes to the cluster through a runtime-environment task instead"
-                )
-                self.public = True
-        if self.public:
-            uri = packed_by_a_task(found)  # each time: Ray uploads only what the cluster lacks, and keeps it
+        try:
+            uri = self._package_in_place(found, known)
+        except (AttributeError, ImportError, TypeError) as e:  # another Ray's internals
+            raise TaasUsageError(
+                f"Ray {_ray_version()} packs folders differently from what taas knows ({first_line(e)}), so the "
+                f"notebook's folder {found.folder} cannot go to the nodes: run the cell from a folder with nothing "
+                "to send (an empty one), or use a Ray release taas was tried with (see the CHANGELOG)"
+            ) from None
         self.last = (fingerprint, uri)
         return uri
 
@@ -263,24 +259,8 @@ class Packages:
         return str(uri)
 
 
-def packed_by_a_task(found: Listing) -> str:
-    """The URI of ``found``'s package, made by Ray's public way: a task whose runtime environment has the
-    folder as its ``working_dir`` (Ray packs and uploads it as the task is submitted, and skips the upload
-    when the cluster has that content already) reports the URI it was given. Ray reads the folder's
-    ``.gitignore`` files on this way too."""
-    import ray
-
-    task = ray.remote(num_cpus=0)(package_uri).options(
-        runtime_env={"working_dir": found.folder, "excludes": found.excludes()}
-    )
-    return str(ray.get(task.remote()))
-
-
-def package_uri() -> str:
-    """In a Ray task whose runtime environment has a ``working_dir``: the URI of its package."""
-    import ray
-
-    return str(ray.get_runtime_context().runtime_env["working_dir"])
+def _ray_version() -> str:
+    return str(getattr(importlib.import_module("ray"), "__version__", "?"))
 
 
 def _upload(packaging: Any, uri: str, folder: str, excludes: list[str]) -> None:

@@ -10,8 +10,9 @@ version and the module; what each is for, and what happens without it:
   of the notebook's folder is exactly what Ray packs (the ``pathspec`` package's own releases differ).
 - ``ray._private.runtime_env.packaging``: packing the notebook's folder into the cluster's store under a
   content address, and fetching it on a node; it is what Ray runs for ``runtime_env={"working_dir": …}``.
-  Without it, a task whose runtime environment has the folder as its ``working_dir`` packs it (public, a
-  task per cell), and a task on each node unpacks it (``notebook_folder.py``).
+  Without it, a node unpacks the package through a runtime-environment task (public); the kernel has no
+  public way to pack a folder per cell (Ray takes a local ``working_dir`` only in ``ray.init``), so a
+  cell whose folder has files to send fails in one line that says what to do.
 - ``ray._private.worker``: a node's runtime-environment folder and store client, to fetch the package in
   the agent itself (milliseconds). Without it a runtime-environment task fetches it (seconds, public).
 - ``ray._raylet.GcsClient``, ``Config`` and ``AuthenticationTokenLoader``: one call to a cluster's GCS before
