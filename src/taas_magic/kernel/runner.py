@@ -562,7 +562,7 @@ def _merge_traces(traces: profiling.ProfileFolder, world: int) -> None:
     finally:
         traces.close()
     if written is None:
-        print("taas: --profile: no rank wrote its trace (each was stopped first)", file=sys.stderr)
+        print("taas: --profile: no rank wrote its trace (each was killed before it could)", file=sys.stderr)
     else:
         print(written.notice(world), end="", file=sys.stderr)
 

@@ -2,14 +2,18 @@
 
 CPU activities always, CUDA ones on a GPU run; no stacks, no shapes, no memory: a trace a few megabytes a
 second at most, which Perfetto opens. The trace is written whatever ended the cell (a failure is worth a
-look too); a rank killed before it could write leaves none, and the merged trace has no row for it.
+look too), taas's SIGTERM included (``--timeout``, another rank's failure, an interrupt's second step):
+the rank writes its trace, then ends as the signal says. A rank killed before it could write (SIGKILL,
+or SIGTERM while it waits inside a collective, where Python runs no handler) leaves none, and the
+merged trace has no row for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+import signal
+from typing import Any, Iterator
 
 TRACE_NAME = "rank-{rank}.json"  # in the run's profile folder (kernel/profiling.py)
 
@@ -32,9 +36,31 @@ def profiled(folder: str | None, device: str) -> Iterator[None]:
         activities=activities, record_shapes=False, with_stack=False, profile_memory=False, acc_events=True
     )
     profiler.start()
+    written: list[bool] = []
+
+    def write() -> None:
+        if not written:
+            written.append(True)
+            profiler.stop()
+            with contextlib.suppress(OSError):
+                profiler.export_chrome_trace(trace)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
+    signal.signal(signal.SIGTERM, _written_first(write, previous))
     try:
         yield
     finally:
-        profiler.stop()
-        with contextlib.suppress(OSError):
-            profiler.export_chrome_trace(trace)
+        signal.signal(signal.SIGTERM, previous)
+        write()
+
+
+def _written_first(write: Any, previous: Any) -> Any:
+    """A SIGTERM handler: the trace written, then the signal taken as before (the default ends the rank)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        write()
+        signal.signal(signal.SIGTERM, previous)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return handler

@@ -97,6 +97,21 @@ def test_profile_leaves_one_merged_trace_of_both_ranks_and_shows_the_picture(ker
     assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-profile-*")), "the ranks' own traces are gone"
 
 
+def test_a_profiled_run_that_timeout_stops_still_leaves_the_ranks_trace(kernel, tmp_path):
+    """--timeout ends the ranks with SIGTERM (SIGKILL 3 s later): each writes its trace first."""
+    with working_in(kernel, tmp_path):
+        result = kernel.execute(
+            "#pragma taas --gpus 2 --profile --timeout 4\nimport time, torch\n"
+            "while True:\n    torch.ones(64) @ torch.ones(64)\n    time.sleep(0.01)\n",
+            timeout=120,
+        )
+    assert result.error is not None and result.error["ename"] == "RunTimedOut", result.error
+    (trace,) = tmp_path.glob("taas-profile-*.json")
+    assert process_rows(trace) == ["rank 0", "rank 1"]
+    assert "no rank wrote its trace" not in result.stderr
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-profile-*")), "the ranks' own traces are gone"
+
+
 def test_without_profile_no_trace_and_no_picture(kernel, tmp_path):
     with working_in(kernel, tmp_path):
         result = kernel.execute(loop("#pragma taas --gpus 2", "False"), timeout=90).ok()

@@ -1,0 +1,57 @@
+"""A rank under --profile writes its trace whatever ends its cell, taas's SIGTERM included, and then ends as
+the signal says; the rank's SIGTERM handling is as it was after the cell."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from taas_magic.rank.profiling import TRACE_NAME, profiled
+
+
+def _cell_stopped_by_sigterm(folder: str) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a rank has it (process/child.py)
+    os.environ["RANK"] = "3"
+    import torch
+
+    with profiled(folder, "cpu"):
+        torch.ones(8) @ torch.ones(8)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler runs here, between two bytecodes of the cell
+    os._exit(0)  # never reached: the signal ended the process
+
+
+def _cell_that_ends(folder: str, handlers: multiprocessing.Queue) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ["RANK"] = "0"
+    with profiled(folder, "cpu"):
+        pass
+    handlers.put(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+
+
+@pytest.fixture
+def fork():
+    return multiprocessing.get_context("fork")
+
+
+def test_sigterm_during_a_profiled_cell_writes_the_trace_then_ends_the_rank(fork, tmp_path):
+    rank = fork.Process(target=_cell_stopped_by_sigterm, args=(str(tmp_path),))
+    rank.start()
+    rank.join(60)
+    assert rank.exitcode == -signal.SIGTERM
+    trace = tmp_path / TRACE_NAME.format(rank=3)
+    assert json.loads(trace.read_text())["traceEvents"], "the trace was written before the rank ended"
+
+
+def test_after_a_profiled_cell_sigterm_is_handled_as_before(fork, tmp_path):
+    handlers = fork.Queue()
+    rank = fork.Process(target=_cell_that_ends, args=(str(tmp_path), handlers))
+    rank.start()
+    rank.join(60)
+    assert rank.exitcode == 0 and handlers.get(timeout=5) is True
+    assert (tmp_path / TRACE_NAME.format(rank=0)).exists()
