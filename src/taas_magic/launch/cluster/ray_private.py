@@ -39,8 +39,9 @@ PRIVATE = {
         "download_and_unpack_package",
     ),
     "ray._private.worker": ("global_worker", "_global_node"),
-    "ray._raylet": ("GcsClient", "Config", "AuthenticationTokenLoader"),
 }
+# Where Ray has token authentication (2.52 and later: ``ray.exceptions.AuthenticationError``), these too.
+TOKEN_AUTHENTICATION = {"ray._raylet": ("GcsClient", "Config", "AuthenticationTokenLoader")}
 
 
 def free_resources_per_node() -> dict[str, dict[str, float]]:
@@ -96,9 +97,13 @@ def ask_gcs(address: str, timeout: float) -> None:
 
 
 def missing() -> list[str]:
-    """Ray's internals of ``PRIVATE`` that this Ray lacks, as ``module.name``."""
+    """Ray's internals of ``PRIVATE`` (and ``TOKEN_AUTHENTICATION``, where Ray has it) that this Ray lacks,
+    as ``module.name``."""
     absent = []
-    for module_name, names in PRIVATE.items():
+    wanted = dict(PRIVATE)
+    if hasattr(importlib.import_module("ray.exceptions"), "AuthenticationError"):
+        wanted.update(TOKEN_AUTHENTICATION)
+    for module_name, names in wanted.items():
         try:
             module = importlib.import_module(module_name)
         except ImportError:
