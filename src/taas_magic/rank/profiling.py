@@ -35,20 +35,24 @@ def profiled(folder: str | None, device: str) -> Iterator[None]:
     profiler = profile(
         activities=activities, record_shapes=False, with_stack=False, profile_memory=False, acc_events=True
     )
-    profiler.start()
+    started: list[bool] = []
     written: list[bool] = []
 
     def write() -> None:
-        if not written:
+        if started and not written:
             written.append(True)
-            profiler.stop()
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):  # a profiler stopped while it started: no trace, nothing raised
+                profiler.stop()
                 profiler.export_chrome_trace(trace)
 
     previous = signal.getsignal(signal.SIGTERM)
     previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
+    # Before the profiler starts, which takes a while on a busy machine: a SIGTERM meanwhile is handled as
+    # soon as Python runs again, and the trace (short) is written all the same.
     signal.signal(signal.SIGTERM, _written_first(write, previous))
     try:
+        started.append(True)
+        profiler.start()
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
