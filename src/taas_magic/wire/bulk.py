@@ -22,7 +22,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-ALIGN = 64
+from taas_magic.wire import memfile
+
+ALIGN = memfile.ALIGN  # each range keeps its place modulo this, as memory files align their tensors
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,6 @@ def _address(obj: Any) -> int:
     if torch is not None and isinstance(obj, torch.Tensor):
         return int(obj.data_ptr())
     return int(obj.__array_interface__["data"][0])
-
-
-def aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
 
 
 def _placed(offset: int, address: int) -> int:

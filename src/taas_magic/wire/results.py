@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
 from taas_magic.errors import first_line, type_name
-from taas_magic.wire import bulk, pickler
+from taas_magic.wire import bulk, memfile, pickler
 
 _HEAD = struct.Struct("!QQ")  # the lengths of the names' pickles and of the trailer after them
 NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
@@ -207,8 +207,6 @@ class Packed:
     owners: bulk.Collector  # what owns the spans' memory, kept alive until they are written
 
     def write(self, fd: int) -> None:
-        from taas_magic.wire import memfile
-
         memfile.write_bytes(fd, self.head)
         bulk.write(fd, list(self.spans))
 
@@ -265,7 +263,7 @@ def _dump_each(values: dict[str, Any], whole: Whole | None) -> Packed:
     spans = [(s.start, s.end, s.offset) for s in layout.spans]
     trailer = pickle.dumps((index, spans, layout.compacted), protocol=pickle.HIGHEST_PROTOCOL)
     head = _HEAD.pack(len(pickles), len(trailer)) + pickles + trailer
-    start = bulk.aligned(len(head))
+    start = memfile.aligned(len(head))
     placed = tuple(bulk.Span(s.start, s.end, start + s.offset) for s in layout.spans)
     return Packed(head, placed, max([len(head)] + [s.offset + s.end - s.start for s in placed]), dumper.beside)
 
@@ -313,8 +311,6 @@ class Received:
 
 def receive_file(fd: int, size: int) -> Received:
     """The names in the file a rank wrote (``Packed.write``): the head read, the large spans mapped."""
-    from taas_magic.wire import memfile
-
     pickled, trailed = _HEAD.unpack(memfile.read_bytes(fd, _HEAD.size))
     head = memfile.read_bytes(fd, pickled + trailed, _HEAD.size)
     if len(head) != pickled + trailed:
@@ -333,7 +329,7 @@ def receive_bytes(data: bytes) -> Received:
 def _head(head: bytes, pickled: int) -> tuple[bytes, list[tuple[str, int]], bulk.Layout]:
     """The names' pickles, the index and where the memory beside them lies in the file."""
     index, spans, compacted = pickle.loads(head[pickled:])
-    start = bulk.aligned(_HEAD.size + len(head))
+    start = memfile.aligned(_HEAD.size + len(head))
     layout = bulk.Layout([bulk.Span(low, high, start + offset) for low, high, offset in spans], compacted)
     return head[:pickled], index, layout
 
