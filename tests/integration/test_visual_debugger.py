@@ -4,14 +4,25 @@ JupyterLab's ``continue`` that names thread 1, and a cell's file named after the
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import socket
 import threading
+import time
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.kernel import cell_source
-from taas_magic.kernel.visual_debugger import RANK_IDS, RankDebugging, _frames, _Rank, _translate
+from taas_magic.kernel.visual_debugger import (
+    RANK_IDS,
+    REATTACH_SECONDS,
+    RankDebugging,
+    _frames,
+    _Rank,
+    _translate,
+)
 
 ids = st.integers(min_value=1, max_value=10_000)
 
@@ -228,3 +239,59 @@ def test_a_rank_the_kernel_hangs_up_on_runs_on_without_the_debugger():
         listener.close()
     assert done.stdout.split()[0] == "False", done.stdout + done.stderr
     assert int(done.stdout.split()[1]) < 10
+
+
+class RecordingDebugger(FakeDebugger):
+    """A debugger whose client attaches and detaches as a front end's does; it notes when each request arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived: list[tuple[str, float]] = []
+
+    async def process_request(self, message: dict) -> dict:
+        self.arrived.append((message["command"], time.monotonic()))
+        if message["command"] == "initialize":
+            self.is_started = True
+        elif message["command"] == "disconnect":
+            self.is_started = False
+        return await super().process_request(message)
+
+
+def test_a_client_that_attaches_again_at_once_reaches_the_debugger_only_once_debugpy_let_the_last_go():
+    debugger = RecordingDebugger()
+    hub = RankDebugging(debugger)
+    hub.install()
+    held = []  # how long each initialize waited in the hub
+    try:
+        for seq, command in enumerate(("disconnect", "initialize", "disconnect", "initialize"), start=1):
+            if seq == 4:
+                time.sleep(REATTACH_SECONDS)  # a person's pause: nothing more to wait
+            started = time.monotonic()
+            asyncio.run(hub.process_request({"seq": seq, "command": command, "arguments": {}}))
+            if command == "initialize":
+                held.append(debugger.arrived[-1][1] - started)
+    finally:
+        hub.uninstall()
+    (_, first_off), (_, first_on), _, _ = debugger.arrived
+    assert first_on - first_off >= REATTACH_SECONDS * 0.99, "the adapter was given time to end the session"
+    assert held[1] < REATTACH_SECONDS / 2, f"a client that attaches later is held {held[1]:.2f} s"
+
+
+def test_detaching_ends_the_thread_that_waits_for_ranks_to_join():
+    hub = RankDebugging(FakeDebugger())
+    hub.install()
+    port = hub.link(None, "/tmp/ipykernel_1/2.py").port
+    accepting = [t for t in threading.enumerate() if t.name == "taas-debugger-ranks"]
+    assert len(accepting) == 1 and port > 0
+    time.sleep(0.3)  # in accept() by now
+    rank = os.fork()  # a forked rank holds the listener too, as every rank of a fork cell does
+    if rank == 0:
+        time.sleep(5)
+        os._exit(0)
+    try:
+        hub.uninstall()  # as the client's disconnect does: the listener closes
+        accepting[0].join(timeout=3)
+        assert not accepting[0].is_alive(), "a thread left waiting in accept() for each session the client had"
+    finally:
+        os.kill(rank, signal.SIGKILL)
+        os.waitpid(rank, 0)

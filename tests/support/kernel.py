@@ -226,7 +226,11 @@ class Kernel:
 
     @staticmethod
     def is_fork_server(process: psutil.Process) -> bool:
-        return "taas_magic.launch.forkserver.server" in " ".join(process.cmdline())
+        """Whether ``process`` is a fork server; a child that just ended (a zombie until reaped) is none."""
+        try:
+            return "taas_magic.launch.forkserver.server" in " ".join(process.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
+            return False
 
     def fork_server(self) -> psutil.Process | None:
         servers = [c for c in psutil.Process(self.pid).children() if self.is_fork_server(c)]

@@ -539,11 +539,6 @@ def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
             f"{', '.join(changed)} would change the running session ({session.size} ranks on "
             f"{spec.device}): %taas stop first, then start another with --keep"
         )
-    if args.profile and session.start == "cluster":
-        raise TaasUsageError(
-            "--profile profiles this machine's ranks only (a cluster's traces do not come back yet): "
-            "leave out --profile in this session's cells"
-        )
     others = [name for name, given in one_shot.items() if given]
     if others:
         raise TaasUsageError(

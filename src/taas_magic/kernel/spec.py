@@ -78,11 +78,6 @@ def build(
     configuration = catalog.get(options.config) if options.config is not None else None
     on_cluster = _on_cluster(getattr(options, "on", None), connected)
     profile = bool(getattr(options, "profile", False))
-    if profile and on_cluster:
-        raise TaasUsageError(
-            "--profile profiles this machine's ranks only (a cluster's traces do not come back yet): "
-            "add --on local, or leave out --profile"
-        )
     alone = getattr(options, "alone", False)  # `#!NAME` alone on a cluster: one process on a node of NAME
     requested = options.device or default_device(environ)
     if alone and configuration is not None and not configuration.gpus:

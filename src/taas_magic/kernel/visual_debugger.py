@@ -19,6 +19,7 @@ and bound to the loopback address.
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
 import json
 import secrets
@@ -38,6 +39,12 @@ RANK_IDS = 1 << 28  # ids given to ranks' threads, frames and variables start he
 ANSWER_SECONDS = 30.0  # a rank's engine answers from a thread of its own, stopped or running
 HANDSHAKE_SECONDS = 10.0
 SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within this, else another stopped rank is shown
+# debugpy's adapter (1.8.22 and earlier) stops accepting clients for good when one connects before it has ended
+# the previous session: its accepting thread tells the oldest session's client of its sockets, that client's
+# stream is closed already, and the error ends the thread. ipykernel then waits for ever for its answer to
+# ``initialize``, and every later request waits behind it. Ending a session takes the adapter milliseconds
+# (a busy machine: more); a client that attaches again sooner than this after detaching waits out the rest.
+REATTACH_SECONDS = 1.0
 _ID_KEYS = {"threadId": "threads", "frameId": "frames", "srcFrameId": "frames", "variablesReference": "variables"}
 _LISTS_OF_IDS = {"threads": "threads", "stackFrames": "frames"}  # lists whose items' "id" is of that kind
 _EVENTS = ("stopped", "continued", "thread")  # what a front end needs of a rank's events (not its modules, output)
@@ -73,6 +80,7 @@ class RankDebugging:
         self.cell_file = ""  # the file of the cell that runs now (cells run one at a time)
         self.shown: int | None = None  # the thread of the last ``stopped`` event sent: the rank the front end shows
         self.stops_shown = 0  # ``stopped`` events sent so far
+        self.detached_at = -REATTACH_SECONDS  # when the client last detached (time.monotonic())
 
     # -- in the kernel's life --------------------------------------------------------------------
     @classmethod
@@ -124,6 +132,8 @@ class RankDebugging:
         """The client detached: stopped ranks go on, untraced; no rank joins any more."""
         listener, self.listener = self.listener, None
         if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes its accepting thread, which close alone leaves waiting
             listener.close()
         with self.lock:
             ranks, self.ranks = self.ranks, []
@@ -145,12 +155,16 @@ class RankDebugging:
         command = message["command"]
         if command == "disconnect":
             self.close()
+        elif command == "initialize" and not self.attached():
+            await _sleep(self.detached_at + REATTACH_SECONDS - time.monotonic())
         elif command == "setBreakpoints":
             self.breakpoints[arguments["source"]["path"]] = arguments
         elif command == "setExceptionBreakpoints":
             self.exception_breakpoints = arguments
         reply: Message = await self.original(message)
-        if command == "threads" and reply.get("success"):
+        if command == "disconnect":
+            self.detached_at = time.monotonic()
+        elif command == "threads" and reply.get("success"):
             reply["body"]["threads"] += await _in_thread(self._threads)
         elif command in ("setBreakpoints", "setExceptionBreakpoints"):
             for rank in self._connected():
@@ -546,6 +560,14 @@ def _frames(connection: socket.socket) -> Iterator[Message]:
         if len(body) < length:
             return
         yield json.loads(body)
+
+
+async def _sleep(seconds: float) -> None:
+    """Wait on the kernel's control loop without blocking it: debugpy's messages are read on it meanwhile."""
+    if seconds > 0:
+        import anyio
+
+        await anyio.sleep(seconds)
 
 
 async def _in_thread(work: Callable[[], Any]) -> Any:

@@ -43,7 +43,8 @@ def profiled(folder: str | None, device: str) -> Iterator[None]:
             written.append(True)
             with contextlib.suppress(Exception):  # a profiler stopped while it started: no trace, nothing raised
                 profiler.stop()
-                profiler.export_chrome_trace(trace)
+                profiler.export_chrome_trace(trace + ".part")
+                os.replace(trace + ".part", trace)  # whole or absent: a cluster's agent sends it on as it appears
 
     previous = signal.getsignal(signal.SIGTERM)
     previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python

@@ -8,10 +8,13 @@ process of the run.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import pathlib
 import re
 import signal
+import tempfile
 import time
 
 import psutil
@@ -355,9 +358,41 @@ def test_a_cluster_runs_summary_names_the_rank_the_others_waited_for(cluster_ker
     ).ok()
     notes = view_notes(r.displays[-1]["text/plain"])
     assert notes and notes[-1].startswith("the others waited for rank 3: "), r.displays[-1]["text/plain"]
-    refused = cluster_kernel.execute(HEADER.replace("--device cpu", "--device cpu --profile") + "pass")
-    said = refused.error["evalue"] if refused.error else ""
-    assert said.startswith("--profile profiles this machine's ranks only"), refused.error
+
+
+REDUCING = "import torch\nfor _ in range(5):\n    dist.all_reduce(torch.ones(1))\n"
+
+
+def merged_rows(trace) -> dict[str, int]:
+    """Each rank's row in a merged trace, with the number of its gloo all_reduces."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    reduces = [e["pid"] for e in events if e.get("name") == "gloo:all_reduce"]
+    return {name: reduces.count(pid) for pid, name in rows.items()}
+
+
+def test_profile_brings_every_nodes_traces_back_into_one_merged_trace_one_shot_and_in_a_session(cluster_kernel):
+    folder = cluster_kernel.value("os.getcwd()")
+    before = set(glob.glob(os.path.join(folder, "taas-profile-*.json")))
+    profiled = HEADER.replace("--device cpu", "--device cpu --profile")
+    r = cluster_kernel.execute(profiled + INIT + REDUCING, timeout=240).ok()
+    (trace,) = {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json"))} - before
+    rows = merged_rows(trace)
+    assert sorted(rows) == [f"rank {rank}" for rank in range(4)], rows  # ranks 2 and 3 ran on the other node
+    assert all(count >= 5 for count in rows.values()), rows
+    assert f"taas: --profile: the ranks' trace is {trace} (" in r.stderr, r.stderr
+    assert [display for display in r.displays if "image/svg+xml" in display], "the picture is shown"
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute(profiled.replace("--profile", "--keep --return none") + INIT).ok()
+    try:
+        r = cluster_kernel.execute("#pragma taas --profile --ranks 1-2\n" + REDUCING.replace("range(5)", "range(0)"))
+        r.ok()
+        (second,) = {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json"))} - before - {trace}
+        assert sorted(merged_rows(second)) == ["rank 1", "rank 2"], "a session cell's ranks, one on each node"
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "taas-profile-*")), "no trace stays in a temporary folder"
 
 
 def test_a_failing_rank_fails_the_cell_with_its_traceback_and_the_next_cell_runs(cluster_kernel):

@@ -30,6 +30,18 @@ INITIALIZE = {
 }
 SECONDS = 10.0  # a 2-rank cell takes well under a second here; one that joined the debugger waits for ever
 
+DEBUGGER_STATE = """import subprocess
+_debugger = get_ipython().kernel.debugger
+_client = _debugger.debugpy_client
+_port = _client._get_endpoint().rsplit(':', 1)[1]
+_sockets = ['ss', '-tan', f'( sport = :{_port} or dport = :{_port} )']
+print('debugger started:', _debugger.is_started)
+print('responses queued:', _client.message_queue.message_queue.qsize())
+print('bytes unparsed:', len(_client.message_queue.tcp_buffer))
+print('initialized:', _client.init_event.is_set())
+print('connections to the adapter:', subprocess.run(_sockets, capture_output=True, text=True).stdout)
+"""
+
 LOADER = """import os, torch, taas
 from torch.utils.data import DataLoader
 loader = DataLoader(list(range(8)), batch_size=2)
@@ -55,10 +67,21 @@ class Debugged:
         client.control_channel.send(message)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            reply = client.get_control_msg(timeout=timeout)
+            try:
+                reply = client.get_control_msg(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
             if reply["parent_header"].get("msg_id") == message["header"]["msg_id"]:
                 return reply["content"]
-        raise TimeoutError(f"no reply to {command}")
+        raise TimeoutError(f"no reply to {command} in {timeout:.0f} s; {self._debugger_state()}")
+
+    def _debugger_state(self) -> str:
+        """What ipykernel's debugger holds, asked on the shell channel (its requests go on the control channel,
+        which a request it waits on for ever blocks): whether debugpy's adapter has the kernel's connection."""
+        try:
+            return self.kernel.execute(DEBUGGER_STATE, timeout=30).stdout
+        except Exception as e:  # the kernel does not answer at all
+            return f"the kernel's state could not be read: {e!r}"
 
     def switch_on(self) -> None:
         for command, arguments in (("initialize", INITIALIZE), ("attach", {}), ("configurationDone", {})):

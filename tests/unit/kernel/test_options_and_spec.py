@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from taas_magic.configurations import load_catalog
-from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options, spec
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.process.machine import Machine
@@ -594,13 +593,8 @@ def cluster_build(line: str, catalog=CATALOG):
     return spec.build(options.parse(TaasMagics.taas, line), catalog, NO_GPU, {}, connected=True)
 
 
-def test_profile_is_for_this_machines_runs_and_says_so_in_one_line_on_a_cluster() -> None:
-    with pytest.raises(TaasUsageError) as raised:
-        cluster_build("--config g2.8 --gpus 16 --profile")
-    assert str(raised.value) == (
-        "--profile profiles this machine's ranks only (a cluster's traces do not come back yet): "
-        "add --on local, or leave out --profile"
-    )
+def test_profile_is_for_a_clusters_runs_as_for_this_machines() -> None:
+    assert cluster_build("--config g2.8 --gpus 16 --profile").profile
     assert cluster_build("--gpus 2 --device cpu --on local --profile").profile
     assert not cluster_build("--gpus 2 --device cpu --on local").profile
 

@@ -232,10 +232,8 @@ def test_the_options_a_session_cell_takes_pass(line):
     _check_fits_session(options.parse(TaasMagics.taas, line), session)
 
 
-def test_profile_in_a_cluster_sessions_cell_is_refused_in_one_line():
+def test_profile_fits_a_cluster_sessions_cell_as_any_other():
     session = Session(
         ScriptedSessionGroup(each_rank_says("unused")), cpu_spec(2), "cluster", known={}, sources_sent=set()
     )
-    with pytest.raises(TaasUsageError) as caught:
-        _check_fits_session(options.parse(TaasMagics.taas, "--profile"), session)
-    assert str(caught.value).startswith("--profile profiles this machine's ranks only"), str(caught.value)
+    _check_fits_session(options.parse(TaasMagics.taas, "--profile --ranks 1"), session)

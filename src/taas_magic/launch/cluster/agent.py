@@ -31,6 +31,7 @@ from taas_magic.delivery.cluster import NodeDelivery
 from taas_magic.delivery.cluster_share import NodeShare
 from taas_magic.errors import DeliveryLost
 from taas_magic.launch.cluster import notebook_folder
+from taas_magic.launch.cluster.traces import NodeTraces
 from taas_magic.launch.forkserver.client import ForkServerBackend, ForkServerRequest
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.launch.supervisor.handle import SupervisedRanks
@@ -116,6 +117,7 @@ class NodeAgent:
         self.delivery: NodeDelivery | None = None  # this node's part in the run's data delivery
         self.folder: str | None = None
         self.copies: notebook_folder.Stamps = {}  # the notebook's files as the run's folder started with them
+        self.traces = NodeTraces(f"{FOLDER_PREFIX}{os.getpid()}-traces-")  # --profile's, on their way back
         self.idle_seconds = idle_seconds
         self.last_used = time.monotonic()
         self.held_until = 0.0  # a launch under way holds the agent until then (see info)
@@ -193,7 +195,8 @@ class NodeAgent:
             memfile.write_bytes(fd, payload.tensors)
         shipment = Shipment(payload.data, fd, len(payload.tensors))
         ends, fds = delivery.ends() if delivery is not None else (None, [])
-        task = dataclasses.replace(payload.task, context=context, delivery=ends)
+        profile = self.traces.folder_for(payload.task.profile)
+        task = dataclasses.replace(payload.task, context=context, delivery=ends, profile=profile)
         return ForkServerRequest(task, shipment, payload.aliases, tuple(fds))
 
     def relay_address(self, run_id: str) -> tuple[str, int] | None:
@@ -208,16 +211,17 @@ class NodeAgent:
 
     # -- the RankGroup contract, relayed ---------------------------------------------------------
     @_call
-    def events(self, timeout: float) -> tuple[list[Event], list[Key], list[list[int]]]:
-        """Events so far (waiting up to ``timeout`` for the first), the processes still running, and
-        this node's copy of each registered loader's counters."""
+    def events(self, timeout: float) -> NodeEvents:
+        """Events so far (waiting up to ``timeout`` for the first), the processes still running, this
+        node's copy of each registered loader's counters, and the ``--profile`` traces written since."""
         if self.group is None:
-            return [], [], []
+            return NodeEvents([], [], [], {})
         if self.delivery is not None and self.delivery.failure is not None:
             raise DeliveryLost(self.delivery.failure)
         events = self.group.events(timeout)
         snapshots = self.delivery.snapshots() if self.delivery is not None else []
-        return events, sorted(self.group.running(), key=key_order), snapshots
+        # Listed after the events: a rank writes its trace before it reports its cell's end
+        return NodeEvents(events, sorted(self.group.running(), key=key_order), snapshots, self.traces.take())
 
     @_call
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
@@ -233,6 +237,7 @@ class NodeAgent:
         if tensors:
             fd = memfile.new_file("taas-tensors", len(tensors))
             memfile.write_bytes(fd, tensors)
+        cell = dataclasses.replace(cell, profile=self.traces.folder_for(cell.profile))
         try:
             self.group.run_cell(cell, ranks, (fd,) if fd is not None else ())
         finally:
@@ -250,11 +255,13 @@ class NodeAgent:
 
     @_call
     def close(self, collect_files: bool) -> RunFiles:
-        """End the run here; with ``collect_files``, the files its ranks left in the run's folder."""
+        """End the run here; with ``collect_files``, the files its ranks left in the run's folder; the
+        ``--profile`` traces written since the last events in any case (ranks stopped by the close write theirs)."""
         try:
             if self.group is not None:
                 self.group.close()
-            return _files_in(self.folder, self.copies) if collect_files and self.folder else RunFiles({}, [])
+            found = _files_in(self.folder, self.copies) if collect_files and self.folder else RunFiles({}, [])
+            return dataclasses.replace(found, traces=self.traces.take())
         finally:
             self._end_run()
 
@@ -264,6 +271,7 @@ class NodeAgent:
         folder, self.folder = self.folder, None
         self.copies = {}
         delivery, self.delivery = self.delivery, None
+        self.traces.close()
         try:
             if group is not None:
                 group.close()
@@ -304,11 +312,23 @@ def _alive(pid: int) -> bool:
 
 
 @dataclass(frozen=True)
+class NodeEvents:
+    """What a node's agent answers when the kernel asks for events."""
+
+    events: list[Event]
+    running: list[Key]  # the processes still running
+    snapshots: list[list[int]]  # this node's copy of each registered loader's counters
+    traces: dict[str, bytes]  # --profile traces written since the last answer, by file name
+
+
+@dataclass(frozen=True)
 class RunFiles:
-    """The files rank 0 left in its run folder, by relative path; those too big to travel, named."""
+    """The files rank 0 left in its run folder, by relative path; those too big to travel, named; and the
+    node's last ``--profile`` traces."""
 
     files: dict[str, bytes]
     left: list[str]
+    traces: dict[str, bytes] = dataclasses.field(default_factory=dict)
 
 
 def _files_in(folder: str, copies: notebook_folder.Stamps) -> RunFiles:

@@ -26,7 +26,7 @@ from taas_magic.configurations import Configuration
 from taas_magic.delivery.cluster_share import NodeShare, RunProgress, shares
 from taas_magic.errors import RunLost, TaasUsageError, first_line
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask
-from taas_magic.launch.cluster import notebook_folder
+from taas_magic.launch.cluster import notebook_folder, traces
 from taas_magic.launch.cluster.agent import MAX_FILES_BACK, NodePayload, RunFiles
 from taas_magic.launch.cluster.connection import Cluster, Node, Placement, kernel_variables, ray_module
 from taas_magic.launch.forkserver.client import notebook_cells, ship
@@ -48,6 +48,7 @@ class ClusterPlan:
     loaders: tuple[LoaderPlan, ...]  # the registered loaders whose producers the run's nodes host
     holding: Holding  # what the ranks hold of the notebook: for a session, what need not be sent again
     folder: notebook_folder.Listing | None = None  # what of the notebook's folder travelled with the run
+    profile: str | None = None  # --profile: the kernel's folder for the ranks' traces, which the nodes send
 
     def close(self) -> None:
         pass  # the payload stays in Ray's object store while it is referenced, then Ray frees it
@@ -98,7 +99,7 @@ class ClusterBackend:
             )
         finally:
             request.close()
-        return ClusterPlan(ray_module().put(payload), task.loaders, request.holding, folder)
+        return ClusterPlan(ray_module().put(payload), task.loaders, request.holding, folder, task.profile)
 
     def start(self, plan: ClusterPlan, launch: Launch) -> "ClusterRanks":
         producers = sum(loader.producers for loader in plan.loaders)
@@ -121,7 +122,7 @@ class ClusterBackend:
             if plan.loaders
             else None
         )
-        group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares, plan.folder)
+        group = ClusterRanks(self.cluster, placement, agents, self.notify, node_shares, plan.folder, plan.profile)
         try:
             group.start(launch.run_id, per_node, plan.payload)
         except BaseException:
@@ -158,6 +159,7 @@ class ClusterRanks:
         notify: Callable[[str], object],
         shares: list[NodeShare] | None = None,
         folder: notebook_folder.Listing | None = None,
+        profile: str | None = None,
     ):
         self.cluster = cluster
         self.placement = placement
@@ -168,6 +170,7 @@ class ClusterRanks:
         self.alive: list[set[Key]] = [set() for _ in agents]
         self.folder = folder  # the notebook's folder as it travelled with the run
         self.told = ""  # the folder's fingerprint when a session's cell last said it changed
+        self.profile = profile  # the running cell's --profile folder here: where the nodes' traces go
         self.closed = False
 
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
@@ -198,11 +201,12 @@ class ClusterRanks:
         live = [index for index, keys in enumerate(self.alive) if keys]
         answers = self._call(live, lambda index: self.agents[index].events.remote(timeout), timeout + CALL_SECONDS)
         events: list[Event] = []
-        for index, (node_events, running, snapshots) in zip(live, answers):
-            events += node_events
-            self.alive[index] = set(running)
-            if self.progress is not None and snapshots:
-                events += [Report(key, record) for key, record in self.progress.take(index, snapshots)]
+        for index, answer in zip(live, answers):
+            events += answer.events
+            self.alive[index] = set(answer.running)
+            traces.write_into(self.profile, answer.traces)
+            if self.progress is not None and answer.snapshots:
+                events += [Report(key, record) for key, record in self.progress.take(index, answer.snapshots)]
         return events
 
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
@@ -221,6 +225,7 @@ class ClusterRanks:
         through Ray's object store."""
         self._tell_if_the_folder_changed()
         chosen = set(ranks)
+        self.profile = cell.profile
         tensors = ray_module().put(_read(fds[0], cell.tensors_size) if fds else b"")
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
         self._call(
@@ -283,6 +288,7 @@ class ClusterRanks:
                 except Exception:
                     self.cluster.forget(self.placement.nodes[index].node_id)
                     continue
+                traces.write_into(self.profile, answer.traces)
                 if index == 0:
                     files = answer
         finally:

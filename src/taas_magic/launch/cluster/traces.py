@@ -1,0 +1,77 @@
+"""A ``--profile`` run's traces on a cluster: written on each node, sent to the notebook's machine as they appear.
+
+A rank writes its trace into a folder of its machine (``rank/profiling.py``), whole or not at all. On a
+cluster that folder is the node agent's, not the kernel's: the agent lists it each time the kernel asks for
+events and sends the traces it finds with them, so a rank's trace reaches the kernel no later than the
+event that says the rank's cell ended (the rank writes first, then reports). The kernel writes each into
+its own profile folder, where the traces of one machine's ranks would have been, and merges them there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from taas_magic.rank.profiling import TRACE_NAME
+
+
+class NodeTraces:
+    """The node's folder for a profiled cell's traces: made when a cell asks for ``--profile``, emptied as
+    its traces are sent, removed with the run."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.folder: str | None = None
+
+    def folder_for(self, asked: str | None) -> str | None:
+        """Where this node's ranks write when the kernel asked for traces in ``asked`` (None: no profiling)."""
+        if asked is None:
+            return None
+        if self.folder is None:
+            self.folder = tempfile.mkdtemp(prefix=self.prefix)
+        return self.folder
+
+    def take(self) -> dict[str, bytes]:
+        """The traces written whole since the last call, by file name; each is sent once."""
+        found: dict[str, bytes] = {}
+        if self.folder is None:
+            return found
+        for name in sorted(os.listdir(self.folder)):
+            if not _is_trace(name):
+                continue  # still being written (``.part``)
+            path = os.path.join(self.folder, name)
+            try:
+                with open(path, "rb") as file:
+                    found[name] = file.read()
+                os.unlink(path)
+            except OSError:
+                continue
+        return found
+
+    def close(self) -> None:
+        folder, self.folder = self.folder, None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_into(folder: str | None, traces: dict[str, bytes]) -> None:
+    """In the kernel: the traces a node sent, into the run's profile folder (gone already: dropped)."""
+    if folder is None:
+        return
+    for name, data in traces.items():
+        if not _is_trace(name):
+            continue  # only a trace's own name: nothing a node sends chooses where a file goes
+        try:
+            with open(os.path.join(folder, name), "wb") as file:
+                file.write(data)
+        except OSError:
+            return  # the run's profile folder went with its cell
+
+
+def _is_trace(name: str) -> bool:
+    prefix, _, suffix = TRACE_NAME.partition("{rank}")
+    middle = name[len(prefix) : len(name) - len(suffix)]
+    return (
+        name.startswith(prefix) and name.endswith(suffix) and middle.isascii() and middle.isdecimal() and len(name) < 64
+    )
