@@ -75,8 +75,8 @@ class Collector:
             self.members.append(_Member(start, end, used, obj))
         return rebuild, args
 
-    def layout(self, first_offset: int) -> Layout:
-        """The members' memory merged where it overlaps, placed in the file from ``first_offset`` on. A
+    def layout(self) -> Layout:
+        """The members' memory merged where it overlaps, placed in the file from its start (aligned) on. A
         member alone in memory it covers sparsely (a column of a large matrix, ``big[:3]``) is written as
         a compact copy of its elements instead: less than half of the memory, and a megabyte or more left out."""
         groups: list[list[_Member]] = []
@@ -97,7 +97,7 @@ class Collector:
                 ranges.append((address, address + group[0].used))
             else:
                 ranges.append((start, end))
-        spans, offset = [], first_offset
+        spans, offset = [], 0
         for start, end in sorted(ranges):
             offset = _placed(offset, start)
             spans.append(Span(start, end, offset))
@@ -222,14 +222,9 @@ def read_span(fd: int, span: Span) -> Any:
     offset, length = file_range(span)
     if length >= MAP_FROM:
         return torch.frombuffer(_Mapped.of(fd, offset, length), dtype=torch.uint8)
-    memory = torch.empty(length, dtype=torch.uint8)
-    view = memoryview(memory.numpy())  # type: ignore[arg-type]  # a NumPy array is a buffer
-    done = 0
-    while done < length:
-        read = os.preadv(fd, [view[done:]], offset + done)
-        if not read:
-            raise EOFError(f"the names' file ends {length - done} bytes early")
-        done += read
+    memory, done = memfile.read_tensor(fd, offset, length)
+    if done < length:
+        raise EOFError(f"the names' file ends {length - done} bytes early")
     return memory
 
 

@@ -129,17 +129,24 @@ def map_private(fd: int) -> Any:
 
 
 def _read_whole(fd: int, size: int) -> Any:
+    memory, _ = read_tensor(fd, 0, size)  # a file shorter than it said: the rest stays as it was
+    return memory
+
+
+def read_tensor(fd: int, offset: int, length: int) -> tuple[Any, int]:
+    """``length`` bytes of the file from ``offset`` into a flat uint8 tensor of their own, read straight
+    into it; and how many there were (fewer where the file ends first)."""
     import torch
 
-    memory = torch.empty(size, dtype=torch.uint8)
+    memory = torch.empty(length, dtype=torch.uint8)
     view = memoryview(memory.numpy())  # type: ignore[arg-type]  # a NumPy array is a buffer
     done = 0
-    while done < size:
-        read = os.preadv(fd, [view[done:]], done)
+    while done < length:
+        read = os.preadv(fd, [view[done:]], offset + done)
         if not read:
-            break  # the file is shorter than it said: the rest stays as it was
+            break
         done += read
-    return memory
+    return memory, done
 
 
 def tensor_view(memory: Any, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> Any:

@@ -259,7 +259,7 @@ def _dump_each(values: dict[str, Any], whole: Whole | None) -> Packed:
             raise _Unpicklable(name, f"{type_name(value)} cannot be pickled ({e.why})") from None
         index.append((name, buffer.tell() - start))
     pickles = buffer.getvalue()
-    layout = dumper.beside.layout(0)  # from the data's start, which is aligned: each span keeps its alignment
+    layout = dumper.beside.layout()  # from the data's start, which is aligned: each span keeps its alignment
     spans = [(s.start, s.end, s.offset) for s in layout.spans]
     trailer = pickle.dumps((index, spans, layout.compacted), protocol=pickle.HIGHEST_PROTOCOL)
     head = _HEAD.pack(len(pickles), len(trailer)) + pickles + trailer
