@@ -15,14 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.kernel import cell_source
-from taas_magic.kernel.visual_debugger import (
-    RANK_IDS,
-    REATTACH_SECONDS,
-    RankDebugging,
-    _frames,
-    _Rank,
-    _translate,
-)
+from taas_magic.kernel.rank_engines import RANK_IDS, RankEngine, frames, translate
+from taas_magic.kernel.visual_debugger import REATTACH_SECONDS, RankDebugging
 
 ids = st.integers(min_value=1, max_value=10_000)
 
@@ -43,10 +37,10 @@ class FakeDebugger:
         return {"type": "response", "request_seq": message["seq"], "success": True, "command": message["command"]}
 
 
-def a_rank(number: int) -> _Rank:
+def a_rank(number: int) -> RankEngine:
     """A rank's connection that nothing answers (a socket pair, one end kept by the test)."""
     ours, theirs = socket.socketpair()
-    rank = _Rank(ours, lambda rank, event: None, lambda rank: None)
+    rank = RankEngine(ours, lambda rank, event: None, lambda rank: None)
     rank.name("run", number)
     rank.peer = theirs  # type: ignore[attr-defined]
     return rank
@@ -90,7 +84,7 @@ def test_the_kernels_own_ids_pass_untouched_and_zero_means_no_variables():
         "variablesReference": 0,
     }
     assert hub._outward(a_rank(0), {"variablesReference": 0}) == {"variablesReference": 0}
-    assert _translate({"body": {"threadId": 4}}, lambda kind, number: number + 1) == {"body": {"threadId": 5}}
+    assert translate({"body": {"threadId": 4}}, lambda kind, number: number + 1) == {"body": {"threadId": 5}}
 
 
 def test_a_ranks_stack_ends_at_its_cells_frame_and_names_the_rank():
@@ -136,7 +130,7 @@ def test_the_engines_messages_are_read_whole_across_partial_writes():
 
     writer = threading.Thread(target=write)
     writer.start()
-    assert [m.get("seq", m.get("request_seq")) for m in _frames(ours)] == [1, 7]
+    assert [m.get("seq", m.get("request_seq")) for m in frames(ours)] == [1, 7]
     writer.join()
 
 

@@ -21,22 +21,17 @@ from __future__ import annotations
 import ast
 import contextlib
 import itertools
-import json
 import secrets
 import socket
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from taas_magic.kernel.rank_engines import ID_KEYS, RANK_IDS, Ids, Message, RankEngine, translate
 from taas_magic.process.kernel_debugger import hidden_thread
 from taas_magic.wire.task import DebugLink
 
-Message = dict[str, Any]
-
-RANK_IDS = 1 << 28  # ids given to ranks' threads, frames and variables start here: the kernel's are small counters
-ANSWER_SECONDS = 30.0  # a rank's engine answers from a thread of its own, stopped or running
 HANDSHAKE_SECONDS = 10.0
 SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within this, else another stopped rank is shown
 # debugpy's adapter (1.8.22 and earlier) stops accepting clients for good when one connects before it has ended
@@ -45,8 +40,6 @@ SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within th
 # ``initialize``, and every later request waits behind it. Ending a session takes the adapter milliseconds
 # (a busy machine: more); a client that attaches again sooner than this after detaching waits out the rest.
 REATTACH_SECONDS = 1.0
-_ID_KEYS = {"threadId": "threads", "frameId": "frames", "srcFrameId": "frames", "variablesReference": "variables"}
-_LISTS_OF_IDS = {"threads": "threads", "stackFrames": "frames"}  # lists whose items' "id" is of that kind
 _EVENTS = ("stopped", "continued", "thread")  # what a front end needs of a rank's events (not its modules, output)
 # Where taas's own code is: stepping does not go into it, as ipykernel keeps stepping out of its own.
 _OWN_CODE = [str(Path(__file__).resolve().parents[2] / name) for name in ("taas_magic", "taas")]
@@ -70,8 +63,8 @@ class RankDebugging:
         self.debugger = debugger  # ipykernel's Debugger: its session with the front end
         self.secret = secrets.token_hex(16)
         self.listener: socket.socket | None = None
-        self.ranks: list[_Rank] = []
-        self.ids = {kind: _Ids() for kind in ("threads", "frames", "variables")}
+        self.ranks: list[RankEngine] = []
+        self.ids = {kind: Ids() for kind in ("threads", "frames", "variables")}
         self.breakpoints: dict[str, Message] = {}  # the front end's setBreakpoints arguments, by source path
         self.exception_breakpoints: Message = {"filters": []}
         self.lock = threading.Lock()
@@ -186,15 +179,15 @@ class RankDebugging:
             and self.ids["threads"].inward(self.shown) is not None
         )
 
-    def _owner(self, arguments: Message) -> _Rank | None:
-        for key, kind in _ID_KEYS.items():
+    def _owner(self, arguments: Message) -> RankEngine | None:
+        for key, kind in ID_KEYS.items():
             number = arguments.get(key)
             if isinstance(number, int) and number >= RANK_IDS:
                 found = self.ids[kind].inward(number)
                 return None if found is None else found[0]
         return None
 
-    def _for_rank(self, rank: _Rank, message: Message) -> Message:
+    def _for_rank(self, rank: RankEngine, message: Message) -> Message:
         """A request about a rank's thread, frame or variable, answered by that rank."""
         command, arguments = message["command"], self._inward(message.get("arguments") or {})
         if command == "richInspectVariables":
@@ -225,7 +218,7 @@ class RankDebugging:
             "seq": message["seq"],
         }
 
-    def _rank_frames(self, rank: _Rank, body: Message, start: int) -> None:
+    def _rank_frames(self, rank: RankEngine, body: Message, start: int) -> None:
         """A rank's stack as its cell sees it: down to the cell's own frame, each frame named with the rank
         (JupyterLab shows frames, not threads). The frames below are how the rank came to run the cell:
         the kernel's, copied by the fork, or the fork server's."""
@@ -237,7 +230,7 @@ class RankDebugging:
                 body["totalFrames"] = start + index + 1
                 return
 
-    def _rich(self, rank: _Rank, message: Message, arguments: Message) -> Message:
+    def _rich(self, rank: RankEngine, message: Message, arguments: Message) -> Message:
         """A variable's rich display, formatted in the rank as the notebook would format it."""
         name = arguments.get("variableName", "")
         data: Message = {"data": {}, "metadata": {}}
@@ -283,20 +276,20 @@ class RankDebugging:
     def _stopped_threads(self) -> list[int]:
         return [self.ids["threads"].outward(rank, thread) for rank in self._connected() for thread in rank.stopped]
 
-    def _connected(self) -> list[_Rank]:
+    def _connected(self) -> list[RankEngine]:
         with self.lock:
             return list(self.ranks)
 
     # -- ids ---------------------------------------------------------------------------------------
     def _inward(self, value: Any) -> Any:
-        return _translate(value, lambda kind, number: self._local(kind, number))
+        return translate(value, lambda kind, number: self._local(kind, number))
 
     def _local(self, kind: str, number: int) -> int:
         found = self.ids[kind].inward(number) if number >= RANK_IDS else None
         return number if found is None else found[1]
 
-    def _outward(self, rank: _Rank, value: Any) -> Any:
-        return _translate(value, lambda kind, number: self.ids[kind].outward(rank, number))
+    def _outward(self, rank: RankEngine, value: Any) -> Any:
+        return translate(value, lambda kind, number: self.ids[kind].outward(rank, number))
 
     # -- ranks joining, and their events -----------------------------------------------------------
     def _listen(self) -> int:
@@ -316,7 +309,7 @@ class RankDebugging:
 
     def _welcome(self, connection: socket.socket) -> None:
         """A rank connected: check that it is one of ours, give it the breakpoints, let it run."""
-        rank = _Rank(connection, self._event, self._gone)
+        rank = RankEngine(connection, self._event, self._gone)
         try:
             reply = rank.request("pydevdAuthorize", {"debugServerAccessToken": self.secret}, HANDSHAKE_SECONDS)
             secret, run, number = str(reply.get("body", {}).get("clientAccessToken", "")).split(":")
@@ -359,7 +352,7 @@ class RankDebugging:
         known = {path: {"source": {"path": path}, "breakpoints": lines} for path, lines in kept.items()}
         return {**known, **self.breakpoints}
 
-    def _event(self, rank: _Rank, event: Message) -> None:
+    def _event(self, rank: RankEngine, event: Message) -> None:
         kind, body = event.get("event"), dict(event.get("body") or {})
         if kind not in _EVENTS:
             return
@@ -372,7 +365,7 @@ class RankDebugging:
         else:
             self._publish("thread", self._outward(rank, body))
 
-    def _continued(self, rank: _Rank, threads: list[int]) -> None:
+    def _continued(self, rank: RankEngine, threads: list[int]) -> None:
         """The rank's threads run again. Front ends that follow one thread at a time (JupyterLab) are shown
         the rank that stopped last among those still stopped."""
         for thread in threads:
@@ -383,7 +376,7 @@ class RankDebugging:
         if threads:
             hidden_thread(self._show_a_stopped_rank, rank, self.stops_shown, name="taas-debugger-show")
 
-    def _show_a_stopped_rank(self, going: _Rank, shown: int) -> None:
+    def _show_a_stopped_rank(self, going: RankEngine, shown: int) -> None:
         """After a rank went on, and nothing stopped since (a step stops it again at once), show the front
         end a rank that is still stopped, the last to stop: JupyterLab follows the thread of the last
         ``stopped`` event only. ``shown``: the ``stopped`` events sent when the rank went on."""
@@ -395,7 +388,7 @@ class RankDebugging:
             other, thread, body = waiting[-1]
             self._publish("stopped", self._outward(other, {**body, "threadId": thread, "allThreadsStopped": False}))
 
-    def _gone(self, rank: _Rank) -> None:
+    def _gone(self, rank: RankEngine) -> None:
         """The rank's connection ended (it exited, or was stopped): its threads leave the session."""
         with self.lock:
             if rank not in self.ranks:
@@ -414,152 +407,6 @@ class RankDebugging:
         elif kind == "continued" and body["threadId"] == self.shown:
             self.shown = None
         self.debugger.event_callback({"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)})
-
-
-class _Rank:
-    """One rank's debugger engine, connected: requests and their answers, events as they come."""
-
-    def __init__(
-        self,
-        connection: socket.socket,
-        on_event: Callable[["_Rank", Message], None],
-        on_gone: Callable[["_Rank"], None],
-    ):
-        self.connection = connection
-        self.on_event = on_event
-        self.on_gone = on_gone
-        self.run, self.number, self.label = "", -1, "a rank"
-        self.stopped: dict[int, Message] = {}  # its stopped threads (its own ids), with their stopped events' bodies
-        self.waiting: dict[int, Future[Message]] = {}
-        self.numbers = itertools.count(1)
-        self.send_lock = threading.Lock()
-        self.joined = False
-        hidden_thread(self._read, name="taas-debugger-rank-reader")
-
-    def name(self, run: str, number: int) -> None:
-        self.run, self.number, self.label = run, number, f"rank {number}"
-        self.joined = True
-
-    def request(self, command: str, arguments: Message, timeout: float = ANSWER_SECONDS) -> Message:
-        answer = self.send(command, arguments)
-        try:
-            return answer.result(timeout)
-        except TimeoutError:
-            raise TimeoutError(f"no answer to {command} within {timeout:.0f} s") from None
-
-    def send(self, command: str, arguments: Message) -> Future[Message]:
-        answer: Future[Message] = Future()
-        with self.send_lock:
-            number = next(self.numbers)
-            self.waiting[number] = answer
-            body = json.dumps({"seq": number, "type": "request", "command": command, "arguments": arguments}).encode()
-            try:
-                self.connection.sendall(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            except OSError as e:
-                self.waiting.pop(number, None)
-                answer.set_exception(ConnectionError(str(e)))
-        return answer
-
-    def close(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.connection.close()
-
-    def _read(self) -> None:
-        try:
-            for message in _frames(self.connection):
-                if message.get("type") == "response":
-                    answer = self.waiting.pop(message.get("request_seq", -1), None)
-                    if answer is not None:
-                        answer.set_result(message)
-                elif message.get("type") == "event" and self.joined:
-                    self.on_event(self, message)
-        except (OSError, ValueError):
-            pass  # the connection broke off: as at its end
-        finally:
-            for answer in list(self.waiting.values()):
-                if not answer.done():
-                    answer.set_exception(ConnectionError(f"{self.label} left the debugger"))
-            self.waiting.clear()
-            if self.joined:
-                self.on_gone(self)
-
-
-class _Ids:
-    """Ids of one kind as the front end sees them, each standing for one rank's own."""
-
-    def __init__(self) -> None:
-        self.numbers = itertools.count(RANK_IDS)
-        self.theirs: dict[int, tuple[_Rank, int]] = {}
-        self.ours: dict[tuple[int, int], int] = {}  # (id of the rank's connection, its id) -> ours
-        self.lock = threading.Lock()
-
-    def outward(self, rank: _Rank, number: int) -> int:
-        if number <= 0:
-            return number  # 0: no variables to expand
-        with self.lock:
-            key = (id(rank), number)
-            if key not in self.ours:
-                self.ours[key] = next(self.numbers)
-                self.theirs[self.ours[key]] = (rank, number)
-            return self.ours[key]
-
-    def inward(self, number: int) -> tuple[_Rank, int] | None:
-        with self.lock:
-            return self.theirs.get(number)
-
-    def of(self, rank: _Rank) -> list[int]:
-        with self.lock:
-            return [ours for ours, (owner, _) in self.theirs.items() if owner is rank]
-
-    def forget(self, rank: _Rank) -> None:
-        with self.lock:
-            for ours in [ours for ours, (owner, _) in self.theirs.items() if owner is rank]:
-                _, theirs = self.theirs.pop(ours)
-                self.ours.pop((id(rank), theirs), None)
-
-
-def _translate(value: Any, swap: Callable[[str, int], int], kind_of_id: str | None = None) -> Any:
-    """``value`` with each thread, frame and variable id in it swapped (``swap(kind, id)``)."""
-    if isinstance(value, list):
-        return [_translate(item, swap, kind_of_id) for item in value]
-    if not isinstance(value, dict):
-        return value
-    swapped: dict[str, Any] = {}
-    for key, item in value.items():
-        if key in _ID_KEYS and isinstance(item, int):
-            swapped[key] = swap(_ID_KEYS[key], item)
-        elif key == "id" and kind_of_id is not None and isinstance(item, int):
-            swapped[key] = swap(kind_of_id, item)
-        elif key in _LISTS_OF_IDS and isinstance(item, list):
-            swapped[key] = [_translate(entry, swap, _LISTS_OF_IDS[key]) for entry in item]
-        else:
-            swapped[key] = _translate(item, swap)
-    return swapped
-
-
-def _frames(connection: socket.socket) -> Iterator[Message]:
-    """The messages a debugger engine sends: each a ``Content-Length`` header and a JSON body."""
-    stream = connection.makefile("rb")
-    while True:
-        length = None
-        while True:
-            line = stream.readline()
-            if not line:
-                return
-            if line in (b"\r\n", b"\n"):
-                break
-            name, _, number = line.decode("ascii", "replace").partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(number)
-        if length is None:
-            return
-        body = stream.read(length)
-        if len(body) < length:
-            return
-        yield json.loads(body)
 
 
 async def _sleep(seconds: float) -> None:
