@@ -68,6 +68,8 @@ def load_ipython_extension(ipython: Any) -> None:
     # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.
     ipython.input_transformers_cleanup.insert(0, transformer)
     _loaded[id(ipython)] = (magics, transformer)
+    if magics.debugging is not None:
+        magics.debugging.install()  # from now on: the debugger's requests for ranks, and a quick re-attach held
     magics.forkserver_backend.warm_up()  # the fork server imports torch in the background from now on
 
 

@@ -83,8 +83,9 @@ class RankDebugging:
         return cls(debugger) if debugger is not None and hasattr(debugger, "process_request") else None
 
     def install(self) -> None:
-        """Stand between the front end and the kernel's debugger: requests for ranks go to them. Done
-        once a client is attached and a cell is about to run, and kept until the extension unloads."""
+        """Stand between the front end and the kernel's debugger: requests for ranks go to them, and a
+        re-attach too soon after a detach waits (``REATTACH_SECONDS``). Done as the extension loads (and
+        by ``link``, idempotent), kept until it unloads."""
         global _installed
         if self.original is None:
             self.original = self.debugger.process_request

@@ -15,6 +15,8 @@ import psutil
 import pytest
 from support.kernel import Kernel
 
+from taas_magic.kernel.visual_debugger import REATTACH_SECONDS
+
 # What JupyterLab's debugger sends first (its arguments, as @jupyterlab/debugger's session sends them).
 INITIALIZE = {
     "clientID": "jupyterlab",
@@ -212,6 +214,23 @@ def every_kind_of_cell(kernel: Kernel) -> None:
         timeout=60,
     ).ok()
     assert "every rank starts again" in restarted.stderr and restarted.seconds < SECONDS
+
+
+def test_switching_the_debugger_off_and_on_at_once_is_held_until_debugpy_let_the_last_client_go(debugged):
+    """From the extension's load on, before any taas cell ran: an immediate re-attach, which debugpy's
+    adapter could take as a reason to accept no client ever again, reaches it a second after the detach."""
+    debugged.switch_on()
+    debugged.switch_off()
+    detached = time.monotonic()
+    assert debugged.request("initialize", INITIALIZE)["success"]
+    answered = time.monotonic() - detached  # milliseconds, were it not held
+    for command in ("attach", "configurationDone"):
+        assert debugged.request(command)["success"], command
+    try:
+        assert answered >= REATTACH_SECONDS * 0.99, answered
+        assert debugged.kernel.execute("print('still here')").ok().stdout == "still here\n"
+    finally:
+        debugged.switch_off()
 
 
 def test_every_kind_of_taas_cell_runs_with_the_debugger_on_and_after_it_is_off(debugged):
