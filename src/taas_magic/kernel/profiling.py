@@ -13,7 +13,6 @@ import datetime
 import glob
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections import Counter
@@ -21,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from taas_magic.per_rank import span
-from taas_magic.rank.profiling import TRACE_NAME
+from taas_magic.rank.profiling import TRACE_FILE, TRACE_NAME
 
-_TRACE = re.compile(re.escape(TRACE_NAME).replace(re.escape("{rank}"), r"(\d+)") + "$")
 ROWS_PER_RANK = 100  # process ids in the merged trace: rank r's rows are r*100, r*100+1, …
 
 
@@ -54,7 +52,7 @@ class ProfileFolder:
         """The ranks' traces as one file in ``folder``; None when no rank wrote one."""
         traces = {}
         for path in glob.glob(os.path.join(glob.escape(self.path), TRACE_NAME.format(rank="*"))):
-            found = _TRACE.search(path)
+            found = TRACE_FILE.fullmatch(os.path.basename(path))
             if found is not None:
                 try:
                     with open(path, encoding="utf-8") as file:

@@ -71,11 +71,7 @@ class RankEngine:
         return answer
 
     def close(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.connection.close()
+        hang_up(self.connection)
 
     def _read(self) -> None:
         try:
@@ -148,6 +144,16 @@ def translate(value: Any, swap: Callable[[str, int], int], kind_of_id: str | Non
         else:
             swapped[key] = translate(item, swap)
     return swapped
+
+
+def hang_up(connection: socket.socket) -> None:
+    """Close ``connection`` for every process that holds it (forked ranks inherit the kernel's sockets), so
+    that a thread of this one waiting on it (in ``accept`` or ``recv``) wakes; ``close`` alone leaves it waiting."""
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected, or gone already
+    connection.close()
 
 
 def frames(connection: socket.socket) -> Iterator[Message]:

@@ -19,7 +19,6 @@ and bound to the loopback address.
 from __future__ import annotations
 
 import ast
-import contextlib
 import itertools
 import secrets
 import socket
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from taas_magic.kernel.rank_engines import ID_KEYS, RANK_IDS, Ids, Message, RankEngine, translate
+from taas_magic.kernel.rank_engines import ID_KEYS, RANK_IDS, Ids, Message, RankEngine, hang_up, translate
 from taas_magic.process.kernel_debugger import hidden_thread
 from taas_magic.wire.task import DebugLink
 
@@ -84,8 +83,8 @@ class RankDebugging:
 
     def install(self) -> None:
         """Stand between the front end and the kernel's debugger: requests for ranks go to them, and a
-        re-attach too soon after a detach waits (``REATTACH_SECONDS``). Done as the extension loads (and
-        by ``link``, idempotent), kept until it unloads."""
+        re-attach too soon after a detach waits (``REATTACH_SECONDS``). Done as the extension loads,
+        kept until it unloads."""
         global _installed
         if self.original is None:
             self.original = self.debugger.process_request
@@ -107,7 +106,6 @@ class RankDebugging:
     def link(self, ranks: frozenset[int] | None, cell_file: str) -> DebugLink:
         """How the ranks of the cell compiled as ``cell_file`` join, a client being attached: at once when
         breakpoints are set, at a ``breakpoint()`` otherwise."""
-        self.install()
         self.cell_file = cell_file
         port = self._listen()
         eager = any(arguments.get("breakpoints") for arguments in self._breakpoints().values())
@@ -126,9 +124,7 @@ class RankDebugging:
         """The client detached: stopped ranks go on, untraced; no rank joins any more."""
         listener, self.listener = self.listener, None
         if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)  # wakes its accepting thread, which close alone leaves waiting
-            listener.close()
+            hang_up(listener)  # its accepting thread ends
         with self.lock:
             ranks, self.ranks = self.ranks, []
         for rank in ranks:

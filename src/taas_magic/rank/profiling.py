@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from typing import Any, Iterator
 
 TRACE_NAME = "rank-{rank}.json"  # in the run's profile folder (kernel/profiling.py)
+TRACE_FILE = re.compile(re.escape(TRACE_NAME).replace(re.escape("{rank}"), "([0-9]+)"))  # a trace's name, whole
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from taas_magic.rank.profiling import TRACE_NAME
+from taas_magic.rank.profiling import TRACE_FILE
 
 
 class NodeTraces:
@@ -70,8 +70,4 @@ def write_into(folder: str | None, traces: dict[str, bytes]) -> None:
 
 
 def _is_trace(name: str) -> bool:
-    prefix, _, suffix = TRACE_NAME.partition("{rank}")
-    middle = name[len(prefix) : len(name) - len(suffix)]
-    return (
-        name.startswith(prefix) and name.endswith(suffix) and middle.isascii() and middle.isdecimal() and len(name) < 64
-    )
+    return len(name) < 64 and TRACE_FILE.fullmatch(name) is not None
