@@ -7,6 +7,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -55,3 +57,22 @@ def test_after_a_profiled_cell_sigterm_is_handled_as_before(fork, tmp_path):
     rank.join(60)
     assert rank.exitcode == 0 and handlers.get(timeout=5) is True
     assert (tmp_path / TRACE_NAME.format(rank=0)).exists()
+
+
+def test_a_profiled_cell_starts_at_once_without_importing_torch_inductor(tmp_path):
+    """torch.profiler.profile's start imports torch._inductor: 2 s of CPU in each rank (9 s on a busy machine,
+    long enough for a --timeout to stop ranks that had not begun their cell)."""
+    script = (
+        "import os, sys, time, torch\n"
+        "from taas_magic.rank.profiling import profiled\n"
+        "began = time.process_time()\n"
+        f"with profiled({str(tmp_path)!r}, 'cpu'):\n"
+        "    started = time.process_time() - began\n"
+        "    torch.ones(8) @ torch.ones(8)\n"
+        "print('torch._inductor' in sys.modules, started)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    imported, seconds = done.stdout.split()
+    assert imported == "False" and float(seconds) < 0.5, done.stdout
+    events = json.loads((tmp_path / TRACE_NAME.format(rank=0)).read_text())["traceEvents"]
+    assert any(event.get("name") == "aten::matmul" for event in events)

@@ -27,35 +27,30 @@ def profiled(folder: str | None, device: str) -> Iterator[None]:
         yield
         return
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own log lines stay out of the cell's output
-    from torch.profiler import ProfilerActivity, profile
+    # torch.profiler.profile wraps this one, and its start imports torch._inductor (2 s of CPU a rank, 9 s on a
+    # busy machine) to ask a question about CUDA graphs; this one starts at once and writes the same trace.
+    from torch.autograd.profiler import profile
 
-    activities = [ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     trace = os.path.join(folder, TRACE_NAME.format(rank=int(os.environ.get("RANK", "0"))))
-    # One cycle, kept whole: acc_events also spares the cell torch's warning about cycles (2.11 and later)
-    profiler = profile(
-        activities=activities, record_shapes=False, with_stack=False, profile_memory=False, acc_events=True
-    )
-    started: list[bool] = []
+    profiler = profile(use_device="cuda" if device == "cuda" else None, use_kineto=True)
+    running = contextlib.ExitStack()  # the profiler, once it runs: closing it stops it (once)
     written: list[bool] = []
 
     def write() -> None:
-        if started and not written:
+        if not written:
             written.append(True)
             with contextlib.suppress(Exception):  # a profiler stopped while it started: no trace, nothing raised
-                profiler.stop()
+                running.close()
                 profiler.export_chrome_trace(trace + ".part")
                 os.replace(trace + ".part", trace)  # whole or absent: a cluster's agent sends it on as it appears
 
     previous = signal.getsignal(signal.SIGTERM)
     previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
-    # Before the profiler starts, which takes a while on a busy machine: a SIGTERM meanwhile is handled as
-    # soon as Python runs again, and the trace (short) is written all the same.
+    # Before the profiler starts: a SIGTERM meanwhile is handled as soon as Python runs again, and the trace
+    # (short) is written all the same.
     signal.signal(signal.SIGTERM, _written_first(write, previous))
     try:
-        started.append(True)
-        profiler.start()
+        running.enter_context(profiler)
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -360,7 +360,8 @@ def test_a_cluster_runs_summary_names_the_rank_the_others_waited_for(cluster_ker
     assert notes and notes[-1].startswith("the others waited for rank 3: "), r.displays[-1]["text/plain"]
 
 
-REDUCING = "import torch\nfor _ in range(5):\n    dist.all_reduce(torch.ones(1))\n"
+# Five seconds: the picture needs four samples of each rank's time, about one a second (rank/vitals.py).
+REDUCING = "import time, torch\nfor _ in range(5):\n    dist.all_reduce(torch.ones(1))\n    time.sleep(1)\n"
 
 
 def merged_rows(trace) -> dict[str, int]:
