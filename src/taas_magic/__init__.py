@@ -70,7 +70,8 @@ def load_ipython_extension(ipython: Any) -> None:
     _loaded[id(ipython)] = (magics, transformer)
     if magics.debugging is not None:
         magics.debugging.install()  # from now on: the debugger's requests for ranks, and a quick re-attach held
-    magics.forkserver_backend.warm_up()  # the fork server imports torch in the background from now on
+    if magics.warm_fork_server:
+        magics.forkserver_backend.warm_up()  # the fork server imports torch in the background from now on
 
 
 def unload_ipython_extension(ipython: Any) -> None:

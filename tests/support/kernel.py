@@ -101,12 +101,16 @@ class Kernel:
         self,
         extra_env: dict[str, str | None] | None = None,
         imports: str = "import torch, torch.distributed, os, sys, time",
+        warm_fork_server: bool = True,
     ):
-        """``extra_env``: variables of the kernel's environment besides this process's; None leaves one out."""
+        """``extra_env``: variables of the kernel's environment besides this process's; None leaves one out.
+        ``warm_fork_server`` False: the fork server starts with the kernel's first forkserver cell, not as the
+        extension loads (TaasMagics.warm_fork_server): a kernel that runs none spares its few seconds of CPU."""
         merged = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
         env = {name: value for name, value in merged.items() if value is not None}
         self.manager = KernelManager(kernel_name="python3")
-        self.manager.start_kernel(env=env)
+        lazy = [] if warm_fork_server else ["--TaasMagics.warm_fork_server=False"]
+        self.manager.start_kernel(env=env, extra_arguments=lazy)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)

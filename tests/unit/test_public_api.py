@@ -69,7 +69,14 @@ def test_the_options_are_the_documented_ones_in_their_order() -> None:
 
 
 def test_the_settings_of_config_are_the_documented_ones() -> None:
-    assert sorted(TaasMagics.class_own_traits(config=True)) == ["device", "hang_after", "output", "start", "view"]
+    assert sorted(TaasMagics.class_own_traits(config=True)) == [
+        "device",
+        "hang_after",
+        "output",
+        "start",
+        "view",
+        "warm_fork_server",
+    ]
 
 
 def test_a_local_cluster_is_importable_where_the_docs_say() -> None:

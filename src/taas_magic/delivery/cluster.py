@@ -53,6 +53,7 @@ from taas_magic.delivery.cluster_share import NodeShare
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.transport import channel_pair, put_file, take_waiting_file
 from taas_magic.errors import first_line
+from taas_magic.process import kernel_debugger
 from taas_magic.wire import memfile
 from taas_magic.wire.task import LoaderPlan
 
@@ -176,9 +177,7 @@ class NodeDelivery:
         if not self.share.ranks:
             return
         for number in range(len(self.loaders)):
-            thread = threading.Thread(target=self._feed, args=(number, get), name=f"taas-feed-{number}", daemon=True)
-            thread.start()
-            self.threads.append(thread)
+            self.threads.append(kernel_debugger.hidden_thread(self._feed, number, get, name=f"taas-feed-{number}"))
 
     def _feed(self, number: int, get: Callable[[Any, float], Any]) -> None:
         """Connect to every host of loader ``number`` and put what comes into the ranks' channels."""

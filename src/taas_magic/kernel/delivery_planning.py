@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Collection
 
 from taas_magic.cell_names import names_reached
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.wire.task import LoaderPlan
+
+
+def for_cell(spec: LaunchSpec, reads: Collection[str], namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:
+    """Delivery plans for the registered loaders a one-shot cell uses; one line if the options serve none."""
+    names = loaders_used(reads, namespace)
+    if spec.data_options_given and not names:
+        print(
+            "taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
+            "(taas.register(loader) in an earlier cell)",
+            file=sys.stderr,
+        )
+    return plans(spec, names, namespace)
+
+
+def for_session(spec: LaunchSpec, namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:
+    """Every registered loader the notebook names when a session starts: its producers start with the
+    session and serve whichever of its cells iterate the loader."""
+    names = registered_names(namespace)
+    if spec.data_options_given and not names:
+        print(
+            "taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
+            "DataLoader (taas.register(loader) before the cell that starts the session)",
+            file=sys.stderr,
+        )
+    return plans(spec, names, namespace)
 
 
 def loaders_used(reads: Collection[str], namespace: dict[str, Any]) -> list[str]:

@@ -105,6 +105,17 @@ class Process:
 
 
 # -- what each process is doing ---------------------------------------------------------------------
+def progressed(before: RankActivity | None, sample: RankActivity) -> bool:
+    """Whether a rank's new sample shows progress since its last (``before``; None: its first): a collective
+    finished or entered, an element taken, or CPU spent outside collectives and data waits (a computation)."""
+    if before is None:
+        return True
+    position = (sample.finished, [(c.group, c.seq) for c in sample.collectives], sample.taken)
+    if position != (before.finished, [(c.group, c.seq) for c in before.collectives], before.taken):
+        return True
+    return computing(before, sample)
+
+
 def computing(before: RankActivity, after: RankActivity) -> bool:
     """Between two samples of a rank: CPU spent outside collectives, data waits and setup."""
     waiting = after.collectives or after.waiting or after.setup is not None

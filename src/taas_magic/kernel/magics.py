@@ -52,6 +52,14 @@ class TaasMagics(Magics):
         help="The live view of a run (a row per rank, bars in place, identical lines "
         "of several ranks once); False: the ranks' output as they write it.",
     )
+    warm_fork_server = Bool(
+        True,
+        config=True,
+        help="Start the fork server as the extension loads, so that the first forkserver cell finds torch "
+        "imported (the server costs a few seconds of CPU and a few hundred MB while it waits); False: it starts "
+        "with the first cell that needs it. Read at %load_ext: set it in ipython_config.py or on the kernel's "
+        "command line (--TaasMagics.warm_fork_server=False).",
+    )
     hang_after = Float(
         120.0,
         config=True,

@@ -23,12 +23,11 @@ One-shot cells and session cells are two ``Policy`` values over this one machine
 
 from __future__ import annotations
 
-import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
-from taas_magic.kernel.hang import Hang, Process, computing
+from taas_magic.kernel.hang import Hang, Process, progressed
 from taas_magic.kernel.run_actions import (
     Action,
     Answer,
@@ -41,6 +40,7 @@ from taas_magic.kernel.run_actions import (
     TakeStacks,
     Why,
 )
+from taas_magic.kernel.run_ledger import Ledger, own_and_broken
 from taas_magic.kernel.run_result import (
     EndCause,
     Failure,
@@ -56,12 +56,6 @@ from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankProgres
 
 VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
 VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a view drawn for an instant is noise
-# taas sees a death a moment after it happened (its supervisor reaps it, the pump reads the event): a peer
-# that failed because of it (its channel broke) may have caught its error before that moment.
-SEEN_LATE = 0.25
-# A process whose error says a peer went away (``Failed.peer_lost``) is broken by a failure that came before it,
-# or this little after: the clocks of a cluster's nodes, and the moment taas saw a death, are this far apart.
-PEER_SLACK = 1.0
 
 
 class Phase(Enum):
@@ -100,19 +94,6 @@ class _Stop:
         return [self.steps[self.sent - 1][1]]
 
 
-@dataclass
-class _Ledger:
-    """What the processes reported and how they exited."""
-
-    records: dict[Key, CellEnded | Failed] = field(default_factory=dict)
-    results: dict[int, Any] = field(default_factory=dict)  # each sending rank's names: a Result's data
-    saves_skipped: dict[str, set[Key]] = field(default_factory=dict)
-    saved_on_nodes: list[SavedOnNode] = field(default_factory=list)
-    exits: dict[Key, tuple[int, float]] = field(default_factory=dict)  # exit status, when taas saw it
-    own_deaths: set[Key] = field(default_factory=set)  # stopped, but killed by a signal taas had not sent
-    tails: dict[Key, tuple[str, ...]] = field(default_factory=dict)  # the last stderr lines of those that exited
-
-
 class RunState:
     """One run's state: events and the clock in, actions out (see the module's docstring).
 
@@ -141,7 +122,7 @@ class RunState:
         self.debug = debug and policy.pauses
         self.timeout = timeout
         self.labels = dict(labels or {})
-        self.ledger = _Ledger()
+        self.ledger = Ledger()
         self.running: frozenset[Key] = frozenset()  # as the group said last
         self.stop: _Stop | None = None
         self.stopped: set[Key] = set()  # processes taas signalled before they failed on their own
@@ -173,7 +154,7 @@ class RunState:
         self.running = frozenset(running)
         if self.end is None:
             if self.policy.keep:
-                self.finished = not (self._in_cell() or self._exiting() or self._producer_failed())
+                self.finished = not (self._in_cell() or self.ledger.exiting() or self.ledger.producer_failed())
             else:
                 self.finished = not self.running - self.paused
         return self.phase is Phase.OVER
@@ -183,7 +164,7 @@ class RunState:
         ledger = self.ledger
         now = self.clock if now is None else now
         if isinstance(record, RankActivity):
-            if self._moves(key, record):
+            if progressed(self.activity.get(key, (None, now))[0], record):
                 self.moved(now)
             self.activity[key] = (record, now)
         elif isinstance(record, (RankProgress, CellEnded, Failed)):
@@ -242,18 +223,6 @@ class RunState:
         """A process made progress (wrote output, finished a collective, took an element, …)."""
         self.moved_at = max(self.moved_at, now)
         self.hang_shown = False  # a later stall is said again
-
-    def _moves(self, key: Key, sample: RankActivity) -> bool:
-        """Whether a rank's new sample shows progress since its last: a collective finished or entered, an
-        element taken, or CPU spent outside collectives and data waits (a long computation)."""
-        last = self.activity.get(key)
-        if last is None:
-            return True
-        before = last[0]
-        position = (sample.finished, [(c.group, c.seq) for c in sample.collectives], sample.taken)
-        if position != (before.finished, [(c.group, c.seq) for c in before.collectives], before.taken):
-            return True
-        return computing(before, sample)
 
     def view(self, now: float, changed: bool) -> list[Action]:
         """Whether to redraw the live view, which ``changed`` since it was drawn: at most every
@@ -413,22 +382,7 @@ class RunState:
     def _how_left(self, key: Key) -> str:
         if self.policy.keep and key not in self.ranks:
             return "is not in this cell (--ranks)"
-        record = self.ledger.records.get(key)
-        if isinstance(record, CellEnded):
-            return f"exited early with {record.exited}" if record.exited else "had finished the cell"
-        if isinstance(record, Failed) and record.interrupted and key in self.stopped:
-            return "was interrupted by taas"
-        if isinstance(record, Failed):
-            return f"failed ({record.ename})"
-        code = self.ledger.exits.get(key, (None, 0.0))[0]
-        if code is None:
-            return "is still running" if key in self.running else "had left"
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
+        return self.ledger.how_left(key, self.running, self.stopped)
 
     def _targets(self) -> tuple[Key, ...]:
         """What a stop signals: a session's ranks still in the cell; else every running process but a paused rank."""
@@ -440,16 +394,6 @@ class RunState:
 
     def _in_cell(self) -> set[Key]:
         return {rank for rank in self.ranks if rank not in self.ledger.records}
-
-    def _exiting(self) -> bool:
-        """A rank's cell called sys.exit(): the rank is ending (its exit ends the session)."""
-        return any(isinstance(record, CellEnded) and record.exited for record in self.ledger.records.values())
-
-    def _producer_failed(self) -> bool:
-        """A producer reported its failure: its exit, which ends the session, follows."""
-        return any(
-            isinstance(key, Producer) and isinstance(record, Failed) for key, record in self.ledger.records.items()
-        )
 
     def _failing(self) -> bool:
         """A process failed on its own: the others are stopped."""
@@ -464,48 +408,14 @@ class RunState:
         return self._failures()[0]
 
     def _failures(self) -> tuple[list[Failure], list[Failure]]:
-        """The processes that failed on their own, the root cause first; and those whose error only says that
-        one of them went away (gloo's "connection closed by peer" as it exited), which are not failures of their
-        own. Which of a failure and its peers' errors reached taas first does not matter: both are judged at once.
-        """
-        failures = self._all_failures()
-        own = [failure for failure in failures if not failure.peer_lost]
-        if not own:
-            return failures, []  # no process failed on its own: the broken connection is all there is to say
-        first = own[0].time
-        broken = [failure for failure in failures if failure.peer_lost and failure.time >= first - PEER_SLACK]
-        return [failure for failure in failures if failure not in broken], broken
-
-    def _all_failures(self) -> list[Failure]:
-        ledger = self.ledger
+        """The processes that failed on their own, the root cause first; and those a failure only broke."""
         if self.policy.keep:  # a session's ranks stay: their cell ended when they said so
-            ended = {key: (0, self.started) for key in ledger.records}
+            ended = {key: (0, self.started) for key in self.ledger.records}
         else:
-            ended = dict(ledger.exits)
+            ended = dict(self.ledger.exits)
             ended.update({rank: (0, self.started) for rank in self.paused})  # it failed, and waits
-        failures = []
-        for key, (code, when) in sorted(ended.items(), key=lambda item: key_order(item[0])):
-            record = ledger.records.get(key)
-            if key in self.retired:
-                continue  # stopped after the ranks needed nothing more (its DataLoader's workers may die first)
-            if isinstance(record, Failed):
-                if (record.interrupted and key in self.stopped) or key in self.quit:
-                    continue  # taas interrupted it, or the user quit its debugger
-                failures.append(
-                    Failure(
-                        key,
-                        record.time or when,
-                        tuple(record.traceback),
-                        record.where,
-                        record.hint,
-                        (record.ename, record.evalue),
-                        interrupted=record.interrupted,
-                        peer_lost=record.peer_lost,
-                    )
-                )
-            elif code != 0 and (key not in self.stopped or key in ledger.own_deaths):
-                failures.append(Failure(key, when - SEEN_LATE, ledger.tails.get(key, ()), code=code))
-        return sorted(failures, key=lambda failure: failure.time)
+        failures = self.ledger.failures(ended, left_out=self.retired, stopped=self.stopped, quit=self.quit)
+        return own_and_broken(failures)
 
     def result(self) -> RunResult:
         ledger, end = self.ledger, self.end
@@ -518,18 +428,13 @@ class RunState:
             if end is not None
             else first_outcome(self.policy.order, self.interrupted, self.late is not None, bool(failures))
         )
-        skipped = {
-            key: dict(record.skipped)
-            for key, record in ledger.records.items()
-            if isinstance(key, int) and isinstance(record, CellEnded) and record.skipped
-        }
         return RunResult(
             policy=self.policy,
             outcome=outcome,
             failures=tuple(failures),
             broken=tuple(broken),
             results=dict(ledger.results),
-            skipped=skipped,
+            skipped=ledger.skipped(),
             records=dict(ledger.records),
             exits={key: code for key, (code, _) in ledger.exits.items()},
             stopped=frozenset(self.stopped),

@@ -22,10 +22,18 @@ from IPython.core.interactiveshell import InteractiveShell
 from taas_magic.configurations import load_catalog
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import cell_source, controller, delivery_planning, environment, profiling, streams
+from taas_magic.kernel import (
+    cell_source,
+    controller,
+    delivery_planning,
+    environment,
+    names_back,
+    profiling,
+    session_cells,
+    streams,
+)
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept, read_line
-from taas_magic.kernel.options import rank_text, ranks_as_typed
 from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.kernel.run_result import RunResult
 from taas_magic.kernel.session import Session
@@ -36,7 +44,6 @@ from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
-from taas_magic.per_rank import PerRank, span
 from taas_magic.process import cell_files, containment, kernel_debugger, logs, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
@@ -90,9 +97,12 @@ class CellRunner:
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
         _import_torch_once()
-        loaders = self._served_loaders(spec) if spec.keep else self._loaders(spec, analysed)
-        if spec.keep and loaders:  # the ranks need each served loader whether this cell names it or not
+        namespace = self.shell.user_ns
+        if spec.keep:  # the ranks need each served loader whether this cell names it or not
+            loaders = delivery_planning.for_session(spec, namespace)
             analysed = dataclasses.replace(analysed, reads=analysed.reads | {plan.name for plan in loaders})
+        else:
+            loaders = delivery_planning.for_cell(spec, analysed.reads, namespace)
         returns = Returns(results.wanted(analysed.binds, spec.return_names), frozenset(spec.return_from))
         seed = draw_base_seed()
         debugging = self._debug_link(spec, compiled.code.co_filename)
@@ -236,14 +246,14 @@ class CellRunner:
     def _run_in_session(
         self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str, cell: str
     ) -> None:
-        _check_fits_session(args, session)
-        ranks = _session_ranks(args.ranks, session)
+        session_cells.check_fits_session(args, session)
+        ranks = session_cells.session_ranks(args.ranks, session)
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
         from_ranks = (
             ((0,) if 0 in ranks else ())
             if args.return_from is None
-            else return_from(args.return_from, ranks, _cell_ranks(ranks, session))
+            else return_from(args.return_from, ranks, session_cells.cell_ranks(ranks, session))
         )
         spec = dataclasses.replace(
             session.spec,
@@ -255,7 +265,7 @@ class CellRunner:
             debug_ranks=debug_ranks(args.debug_ranks, range(session.size), "the session"),
             profile=bool(args.profile),
         )
-        new = self._session_loaders(analysed, session, ranks)
+        new = session_cells.new_loaders(analysed.reads, session, ranks, self.shell.user_ns)
         session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
         wanted = results.wanted(analysed.binds, spec.return_names) if from_ranks else ()
         self._in_session(
@@ -266,7 +276,7 @@ class CellRunner:
             spec,
             defaults.view,
             new,
-            Returns(wanted, frozenset(from_ranks), _running(ranks, session)),
+            Returns(wanted, frozenset(from_ranks), session_cells.running_ranks(ranks, session)),
         )
 
     def pull(
@@ -287,8 +297,8 @@ class CellRunner:
         )
         self._in_session(
             session,
-            _command_cell("pull", (), self.shell.user_ns),
-            _NOTHING,
+            session_cells.command_cell("pull", (), self.shell.user_ns),
+            session_cells.NOTHING,
             ranks,
             spec,
             view=False,
@@ -305,7 +315,7 @@ class CellRunner:
         missing = [name for name in names if name not in self.shell.user_ns]
         if missing:
             raise TaasUsageError(f"%taas push {missing[0]}: the notebook has no name {missing[0]!r}")
-        ranks = _session_ranks(to_ranks, session)
+        ranks = session_cells.session_ranks(to_ranks, session)
         spec = dataclasses.replace(
             session.spec,
             output=defaults.output,
@@ -317,8 +327,8 @@ class CellRunner:
         session.resend(list(names))
         self._in_session(
             session,
-            _command_cell("push", names, self.shell.user_ns),
-            _NOTHING,
+            session_cells.command_cell("push", names, self.shell.user_ns),
+            session_cells.NOTHING,
             ranks,
             spec,
             view=False,
@@ -375,118 +385,11 @@ class CellRunner:
             streams.give_back_freed_memory()
         self._take_back(result, spec.return_names, spec.return_from)
 
-    # -- registered loaders ---------------------------------------------------------------------
-    def _loaders(self, spec: LaunchSpec, cell: Cell) -> tuple[LoaderPlan, ...]:
-        """Delivery plans for the registered loaders the cell uses; one line if the options serve none."""
-        names = delivery_planning.loaders_used(cell.reads, self.shell.user_ns)
-        if spec.data_options_given and not names:
-            print(
-                "taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
-                "(taas.register(loader) in an earlier cell)",
-                file=sys.stderr,
-            )
-        return delivery_planning.plans(spec, names, self.shell.user_ns)
-
-    def _served_loaders(self, spec: LaunchSpec) -> tuple[LoaderPlan, ...]:
-        """Every registered loader the notebook names when a session starts: its producers start with
-        the session and serve whichever of its cells iterate the loader."""
-        names = delivery_planning.registered_names(self.shell.user_ns)
-        if spec.data_options_given and not names:
-            print(
-                "taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
-                "DataLoader (taas.register(loader) before the cell that starts the session)",
-                file=sys.stderr,
-            )
-        return delivery_planning.plans(spec, names, self.shell.user_ns)
-
-    def _session_loaders(self, cell: Cell, session: Session, ranks: list[int]) -> tuple[LoaderPlan, ...]:
-        """Plans for the registered loaders the cell uses that the session does not serve yet (registered
-        since it started): the cell starts their producers. Served loaders go to every rank: a cell in
-        part of the session may not use one."""
-        if session.spec.cpus == 0:
-            return ()  # delivery is off: each rank iterates every loader itself
-        namespace = self.shell.user_ns
-        names = delivery_planning.loaders_used(cell.reads, namespace)
-        if names and len(ranks) < session.size:
-            raise TaasUsageError(
-                f"--ranks {','.join(map(str, ranks))}: the cell uses {names[0]!r}, which producers "
-                "serve to every rank of the session: run it in every rank (leave out --ranks)"
-            )
-        new = [name for name in names if not session.serves(name, namespace[name])]
-        if new and session.start == "cluster":
-            raise TaasUsageError(
-                f"registered loader {new[0]!r} was registered after the session started, and on a "
-                "cluster a session's producers start with it: %taas stop, then start the session "
-                "again with --keep to have it served"
-            )
-        return delivery_planning.plans(session.spec, new, namespace)
-
-    # -- the end of a cell ----------------------------------------------------------------------
     def _take_back(self, result: RunResult, requested: tuple[str, ...] | None, from_ranks: tuple[int, ...]) -> None:
-        """The sending ranks' names join the notebook's namespace: as they are from one rank, as a
-        ``taas.PerRank`` from several. One line lists what could not come back (names a rank never bound
-        only if they were asked for by name)."""
-        taken: dict[int, dict[str, Any]] = {}
-        left: dict[tuple[str, str], list[int]] = {}  # (name, why) -> the ranks it did not come back from
-        for rank in from_ranks:
-            skipped = results.worth_saying(dict(result.skipped.get(rank, {})), requested)
-            try:
-                taken[rank], lost = results.loads(result.results.get(rank, b""))
-            except Exception as e:  # the stream itself is damaged: no name can be read
-                taken[rank], lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
-            for name, why in {**skipped, **lost}.items():
-                left.setdefault((name, why), []).append(rank)
-        values = _one_per_name(taken, several=len(from_ranks) > 1)
-        self.shell.user_ns.update(values)  # each name that could be unpickled, whatever became of the others
+        """The sending ranks' names join the notebook (and the session's record of what the notebook has)."""
+        values = names_back.take_back(self.shell.user_ns, result, requested, from_ranks)
         if self.kept.session is not None:
             self.kept.session.took_back(values)
-        if left:
-            print(f"taas: not copied back {_left_behind(left)}", file=sys.stderr)
-
-
-def _one_per_name(taken: dict[int, dict[str, Any]], several: bool) -> dict[str, Any]:
-    """Each name's value: the one rank's, or a ``PerRank`` of the ranks it came back from."""
-    if not several:
-        return next(iter(taken.values()), {})
-    names = dict.fromkeys(name for values in taken.values() for name in values)
-    return {name: PerRank({rank: values[name] for rank, values in taken.items() if name in values}) for name in names}
-
-
-def _left_behind(left: dict[tuple[str, str], list[int]]) -> str:
-    """ "from rank 0: x (why); y (why)": what did not come back, grouped by the ranks it stayed in."""
-    by_ranks: dict[str, list[str]] = {}
-    for (name, why), ranks in left.items():
-        by_ranks.setdefault(span(ranks), []).append(f"{name} ({why})")
-    return "; ".join(f"from {ranks}: {'; '.join(names)}" for ranks, names in by_ranks.items())
-
-
-def _session_ranks(given: tuple[int, ...] | None, session: Session) -> list[int]:
-    """The session's ranks a cell (or ``%taas push``) runs in: ``--ranks``, else every rank."""
-    ranks = list(given) if given is not None else list(range(session.size))
-    outside = [rank for rank in ranks if rank >= session.size]
-    if outside:
-        raise TaasUsageError(
-            f"--ranks {ranks_as_typed(given or ranks)}: the session has {span(range(session.size))}, "
-            f"not rank {rank_text(outside[0])}"
-        )
-    return ranks
-
-
-def _cell_ranks(ranks: list[int], session: Session) -> str:
-    """The ranks a session cell runs in, as ``--from``'s error names them."""
-    return "the session" if len(ranks) == session.size else f"the cell (--ranks {','.join(map(str, ranks))})"
-
-
-def _running(ranks: list[int], session: Session) -> frozenset[int] | None:
-    return None if len(ranks) == session.size else frozenset(ranks)
-
-
-_NOTHING = compile("", "<taas>", "exec")  # the code of %taas pull and push: the names are all they do
-
-
-def _command_cell(command: str, reads: tuple[str, ...], namespace: dict[str, Any]) -> Cell:
-    """``%taas pull`` or ``push`` as a cell of the session's: no code, reading ``reads`` from the notebook."""
-    return Cell(frozenset(reads), (), namespace, f"%taas {command}", "<taas>")
 
 
 class ViewDisplay:
@@ -508,43 +411,6 @@ class ViewDisplay:
             self.handle = display(bundle, raw=True, display_id=True)
         else:
             self.handle.update(bundle, raw=True)
-
-
-SESSION_CELL_OPTIONS = "--ranks, --return, --from, --timeout, --hang-after, --output, --debug-ranks and --profile"
-
-
-def _check_fits_session(args: argparse.Namespace, session: Session) -> None:
-    """A cell in a session may choose only ``SESSION_CELL_OPTIONS``; an option that would make it another run
-    (its size, device, configuration, start) is an error, and so is one that only a one-shot run uses."""
-    spec = session.spec
-    same = {
-        "--gpus": args.gpus in (None, spec.world_size),
-        "--config": args.config is None or (spec.configuration is not None and args.config == spec.configuration.name),
-        "--device": args.device in (None, "auto", spec.device),
-        "--start": args.start in (None, "auto", session.start, "spawn" if session.start == "forkserver" else ""),
-        "--on": args.on in (None, "cluster" if session.start == "cluster" else "local"),
-    }
-    one_shot = {
-        "--cpus": args.cpus is not None,
-        "--units": args.units is not None,
-        "--prefetch": args.prefetch is not None,
-        "--order": args.order != "deterministic",
-        "--max-restarts": args.max_restarts != 0,
-        "--debug": args.debug,
-        "--idle": args.idle is not None,
-    }
-    changed = [name for name, ok in same.items() if not ok]
-    if changed:
-        raise TaasUsageError(
-            f"{', '.join(changed)} would change the running session ({session.size} ranks on "
-            f"{spec.device}): %taas stop first, then start another with --keep"
-        )
-    others = [name for name, given in one_shot.items() if given]
-    if others:
-        raise TaasUsageError(
-            f"{', '.join(others)} cannot apply to a cell in a session: a cell there takes "
-            f"{SESSION_CELL_OPTIONS} (%taas stop ends the session)"
-        )
 
 
 def _merge_traces(traces: profiling.ProfileFolder, world: int) -> None:

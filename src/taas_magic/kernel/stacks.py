@@ -26,6 +26,7 @@ LIBRARIES = tuple(
 WORK_STARTS: tuple[tuple[str, str | None], ...] = (
     ("/taas_magic/rank/cell.py", "run_cell"),
     ("/taas_magic/rank/worker.py", "run_rank"),
+    ("/taas_magic/launch/supervisor/tasks.py", "run_forked"),
     ("/taas_magic/launch/supervisor/ranks.py", None),
     ("/taas_magic/launch/fork/backend.py", None),
 )

@@ -132,7 +132,7 @@ def _tie_life_to_supervisor(lifeline: int) -> None:
             pass
         os.killpg(0, signal.SIGKILL)
 
-    threading.Thread(target=watch, name="taas-lifeline", daemon=True).start()
+    kernel_debugger.hidden_thread(watch, name="taas-lifeline")
 
 
 def end_descendants() -> None:

@@ -80,6 +80,31 @@ def kill(pid: int, signum: int) -> None:
         pass
 
 
+def kill_group(leader: int, signum: int) -> None:
+    """``signum`` to the process group that ``leader`` leads (or led: a zombie's group is still its own)."""
+    try:
+        os.killpg(leader, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """``signum`` to a process that leads its group (a rank and its DataLoader workers…), and to the process
+    itself wherever it went; SIGKILL also to every descendant by process id: a group is no boundary for a
+    process that left it. ``pid`` must be a live child or a zombie not yet reaped (else it may be another's)."""
+    try:
+        leads_its_group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return
+    below = descendants(pid) if signum == signal.SIGKILL else []
+    if leads_its_group:
+        kill_group(pid, signum)
+    else:
+        kill(pid, signum)
+    for other in below:
+        kill(other, signum)
+
+
 def to_the_end(*steps: Callable[[], object]) -> bool:
     """Run each step to its end, again when an interrupt cut it short (each must bear running
     twice); whether one did. For freeing what a run holds: half-freed is leaked for good."""

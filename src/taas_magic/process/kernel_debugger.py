@@ -43,8 +43,10 @@ def plain_subprocesses() -> Iterator[None]:
 
 
 def hidden_thread(work: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
-    """A thread of taas's own in the kernel, started: the kernel's debugger neither traces it nor lists
-    it among the kernel's threads (pydevd leaves alone the threads marked as its own)."""
+    """A thread of taas's own, started: a debugger (the kernel's, or a rank's in the notebook's visual
+    debugger) neither traces it, nor lists it, nor stops it when it pauses the process (pydevd leaves alone
+    the threads marked as its own). In a rank, a pause then stops the user's threads only, and says so
+    for one of them: never for taas's samplers, which go on sending."""
     thread = threading.Thread(target=work, args=args, name=name, daemon=True)
     setattr(thread, "is_pydev_daemon_thread", True)
     setattr(thread, "pydev_do_not_trace", True)

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from taas_magic.process import kernel_debugger
 from taas_magic.rank import activity
 from taas_magic.wire.records import RankActivity, RankVitals
 
@@ -44,7 +45,7 @@ def attach(send: Callable[[RankVitals | RankActivity], None], gpu: int | None, t
     """
     global _send, _sample, _track
     _send, _sample, _track = send, _Sampler(gpu), track
-    threading.Thread(target=_every_interval, name="taas-vitals", daemon=True).start()
+    kernel_debugger.hidden_thread(_every_interval, name="taas-vitals")
 
 
 @contextlib.contextmanager

@@ -32,7 +32,9 @@ INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
 def cluster_kernel(cluster, tmp_path_factory):
     local, config = cluster
     folder = tmp_path_factory.mktemp("notebook")
-    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False
+    )
     k.execute(f"os.chdir({str(folder)!r})").ok()
     yield k
     k.shutdown()
@@ -244,7 +246,10 @@ def test_a_cluster_that_requires_a_token_says_in_one_line_what_a_notebook_lacks_
     local, config = cluster
     if not hasattr(pytest.importorskip("ray.exceptions"), "AuthenticationError"):
         pytest.skip("Ray before 2.52 has no token authentication")
-    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "RAY_AUTH_MODE": None, "RAY_AUTH_TOKEN": None})
+    k = Kernel(
+        {"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "RAY_AUTH_MODE": None, "RAY_AUTH_TOKEN": None},
+        warm_fork_server=False,
+    )
     try:
         k.execute("import ray").ok()  # seconds on a busy machine, which the connection's time must not count
         r = k.execute(f"%taas cluster {local.address}", timeout=120)
@@ -273,7 +278,7 @@ def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registe
     agents, delivery and node list; the connected kernel (cluster_kernel) stays idle meanwhile."""
     local, config = cluster
     pytest.importorskip("grpc")  # ray[client]
-    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False)
     try:
         (tmp_path / "clientmod.py").write_text("VALUE = 3\n")  # the notebook's folder goes up through Ray Client
         k.execute(f"os.chdir({str(tmp_path)!r})").ok()
@@ -789,7 +794,8 @@ def test_a_dead_kernel_leaves_no_agent_and_no_rank(cluster):
     local, config = cluster
     others = {p.pid for p in node_agents()}  # the other kernel's
     k = Kernel(
-        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "TAAS_CLUSTER_IDLE": "3"}
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo", "TAAS_CLUSTER_IDLE": "3"},
+        warm_fork_server=False,
     )
     try:
         kernel_state = (
@@ -844,7 +850,9 @@ def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
     """A kernel where `import ray` fails, as where it is not installed."""
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
-    k = Kernel({"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    k = Kernel(
+        {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}, warm_fork_server=False
+    )
     try:
         r = k.execute("%taas cluster 127.0.0.2:6379")
         assert (
@@ -857,7 +865,7 @@ def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
 
 @pytest.mark.timing
 def test_an_address_where_nothing_answers_is_one_line_at_once_and_the_kernel_stays_here():
-    k = Kernel()
+    k = Kernel(warm_fork_server=False)
     try:
         r = k.execute("%taas cluster 127.0.0.9:1", timeout=30)
         assert r.error is not None and r.error["evalue"].startswith(
@@ -942,7 +950,9 @@ def test_stop_ends_a_session_whose_agents_died_in_one_line(cluster_kernel):
 
 def test_taas_and_stop_say_in_one_line_that_a_session_is_over_when_the_connection_is_gone(cluster):
     local, config = cluster
-    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False
+    )
     try:
         k.execute(SESSION, timeout=240).ok()
         k.execute("import ray\nray.shutdown()").ok()  # as if the cluster went away

@@ -34,7 +34,9 @@ UNPACKED = re.compile(r"/runtime_resources/working_dir_files/_ray_pkg_[0-9a-f]+/
 @pytest.fixture(scope="module")
 def kernel(cluster):
     local, config = cluster
-    k = Kernel({"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"})
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False
+    )
     yield k
     k.shutdown()
 

@@ -19,6 +19,8 @@ from support.kernel import ANSI, CellResult, Kernel, view_rows, working_in
 
 from taas_magic.process.machine import cuda_device_count
 
+WARM_FORK_SERVER = True  # GPU runs start from the warm server once CUDA was used (tests/e2e/conftest.py)
+
 GPUS = cuda_device_count()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS < 1, reason="no CUDA device visible")]
 

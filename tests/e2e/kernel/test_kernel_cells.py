@@ -165,7 +165,7 @@ def test_unload_removes_every_registration_and_reload_registers_once(kernel):
 def test_a_broken_configurations_file_is_reported_by_the_cell(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("configurations: [not, a, mapping]\n")
-    k = Kernel({"TAAS_CONFIG": str(bad)})
+    k = Kernel({"TAAS_CONFIG": str(bad)}, warm_fork_server=False)
     try:
         result = k.execute("#pragma taas --config g2.8\nprint('x')")
         assert result.error["ename"] in ("UsageError", "TaasUsageError")
@@ -263,7 +263,7 @@ def test_bad_configurations_files_are_quick_one_line_errors_and_other_cells_stil
             "--gpus 300 is too many CPU ranks for one machine: use 1-256",
         ),
     ]
-    k = Kernel()
+    k = Kernel(warm_fork_server=False)
     try:
         for path, options, expected in cases:
             k.execute(f"%env TAAS_CONFIG={path}").ok()

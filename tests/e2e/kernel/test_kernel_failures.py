@@ -14,6 +14,8 @@ import psutil
 import pytest
 from support.kernel import processes_of_run, view_rows
 
+WARM_FORK_SERVER = True  # the kernel's death takes its warm fork server along (tests/e2e/conftest.py)
+
 # DataLoader workers that are busy for a long time: grandchildren of the kernel to be cleaned up.
 SLOW_WORKERS = """import time
 from torch.utils.data import DataLoader

@@ -9,7 +9,9 @@ import time
 
 import psutil
 import pytest
-from support.kernel import processes_of_run
+from support.kernel import Kernel, processes_of_run
+
+WARM_FORK_SERVER = True  # the fork server at load: its pid, its state, what it imported (tests/e2e/conftest.py)
 
 DEFINITIONS = """
 import threading, torch
@@ -201,3 +203,21 @@ def test_unload_stops_the_fork_server_and_kernel_death_takes_it_along(fresh_kern
     os.kill(fresh_kernel.pid, signal.SIGKILL)
     _, alive = psutil.wait_procs(family, timeout=3)
     assert alive == []
+
+
+def test_a_kernel_told_not_to_warm_the_fork_server_starts_it_with_its_first_forkserver_cell():
+    """TaasMagics.warm_fork_server = False: no fork server (nor its torch import) until a cell needs one."""
+    kernel = Kernel(warm_fork_server=False)
+    try:
+        time.sleep(2)  # a warm-up would have begun by now
+        assert kernel.fork_server() is None
+        shown = kernel.execute("%taas").ok().stdout
+        assert "fork server:         not started (it starts with the first forkserver cell)" in shown, shown
+        assert kernel.execute("#pragma taas --gpus 2 --output rank0\nprint('forked')").ok().stdout == "forked\n"
+        assert kernel.fork_server() is None, "a fork cell needs no fork server"
+        kernel.execute("SCALE = 3").ok()
+        result = kernel.execute("#pragma taas --gpus 2 --start forkserver --output rank0\nprint(SCALE)", timeout=120)
+        assert result.ok().stdout == "3\n"
+        assert kernel.fork_server() is not None, "started by the cell, and kept for the next"
+    finally:
+        kernel.shutdown()

@@ -15,7 +15,7 @@ def log_file(stderr: str) -> Path:
 
 
 def test_taas_log_names_one_file_per_run_that_the_runs_processes_append_to(tmp_path):
-    kernel = Kernel(extra_env={"TAAS_LOG": "debug", "TMPDIR": str(tmp_path)})
+    kernel = Kernel(extra_env={"TAAS_LOG": "debug", "TMPDIR": str(tmp_path)}, warm_fork_server=False)
     try:
         fork = kernel.execute("#pragma taas --gpus 2 --start fork\nprint('hi')").ok()
         text = log_file(fork.stderr).read_text()
@@ -35,7 +35,7 @@ def test_taas_log_names_one_file_per_run_that_the_runs_processes_append_to(tmp_p
 
 
 def test_without_taas_log_nothing_is_written(tmp_path):
-    kernel = Kernel(extra_env={"TMPDIR": str(tmp_path)})
+    kernel = Kernel(extra_env={"TMPDIR": str(tmp_path)}, warm_fork_server=False)
     try:
         result = kernel.execute("#pragma taas --gpus 2\nprint('hi')").ok()
         assert "TAAS_LOG" not in result.stderr and not (tmp_path / "taas-logs").exists()

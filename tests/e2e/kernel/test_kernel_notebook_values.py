@@ -20,7 +20,7 @@ MODES = ["--start fork", "--start forkserver", "--start fork --keep", "--start f
 
 @pytest.fixture(scope="module")
 def notebook():
-    k = Kernel()
+    k = Kernel(warm_fork_server=False)
     k.execute(SETUP).ok()
     yield k
     k.shutdown()

@@ -58,7 +58,7 @@ def modules_line(kernel: Kernel) -> str:
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
+    k = Kernel(warm_fork_server=False)
     k.execute("%load_ext autoreload").ok()
     yield k
     k.shutdown()

@@ -26,7 +26,7 @@ def test_configured_defaults_apply_to_cells_that_leave_the_option_out(kernel):
 
 
 def test_a_configured_device_wins_over_the_environment_and_a_bad_one_is_one_line():
-    k = Kernel({"TAAS_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""})
+    k = Kernel({"TAAS_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}, warm_fork_server=False)
     try:
         assert "no CUDA device is visible" in k.execute("#pragma taas --gpus 2\nx = 1").error["evalue"]
         k.execute('%config TaasMagics.device = "cpu"').ok()
@@ -47,7 +47,7 @@ GRANDPARENT = "#pragma taas --gpus 2 --output rank0\nimport os, psutil\nprint(ps
 
 
 def test_settings_name_only_what_the_user_configured_and_what_using_cuda_changed():
-    k = Kernel(NO_GPU)
+    k = Kernel(NO_GPU, warm_fork_server=False)
     try:
         shown = k.execute("%taas").ok().stdout
         assert "(from %config" not in shown, "nothing was configured: every default is built in"

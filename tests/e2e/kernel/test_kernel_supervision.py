@@ -13,6 +13,8 @@ import psutil
 import pytest
 from support.kernel import processes_of_run
 
+WARM_FORK_SERVER = True  # interrupts that land while a warm server starts the ranks (tests/e2e/conftest.py)
+
 STARTS = ["fork", "forkserver"]
 
 

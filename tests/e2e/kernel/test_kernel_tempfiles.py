@@ -25,7 +25,7 @@ taas.register(slow)
 def private_tmp(tmp_path_factory):
     """A kernel whose temporary folder (and its ranks', producers' and workers') is the test's own."""
     folder = tmp_path_factory.mktemp("tmp")
-    kernel = Kernel({"TMPDIR": str(folder)})
+    kernel = Kernel({"TMPDIR": str(folder)}, warm_fork_server=False)
     try:
         kernel.execute(SETUP).ok()
         yield kernel, folder

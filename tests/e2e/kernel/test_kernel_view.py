@@ -27,7 +27,7 @@ print("finished")
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
+    k = Kernel(warm_fork_server=False)
     yield k
     k.shutdown()
 

@@ -15,8 +15,8 @@ from support.specs import cpu_spec
 from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
 from taas_magic.kernel import options
 from taas_magic.kernel.magics import TaasMagics
-from taas_magic.kernel.runner import _check_fits_session
 from taas_magic.kernel.session import Session
+from taas_magic.kernel.session_cells import check_fits_session
 from taas_magic.rank import session as rank_session
 from taas_magic.rank import worker
 from taas_magic.wire.events import Event, Exited, Output, Report
@@ -213,7 +213,7 @@ def test_where_of_an_ended_session_says_why():
 def test_an_option_a_session_cell_cannot_take_is_one_line_naming_it(line, message):
     session = session_of(ScriptedSessionGroup(each_rank_says("unused")))
     with pytest.raises(TaasUsageError) as caught:
-        _check_fits_session(options.parse(TaasMagics.taas, line), session)
+        check_fits_session(options.parse(TaasMagics.taas, line), session)
     assert str(caught.value).startswith(message), str(caught.value)
 
 
@@ -229,11 +229,11 @@ def test_an_option_a_session_cell_cannot_take_is_one_line_naming_it(line, messag
 )
 def test_the_options_a_session_cell_takes_pass(line):
     session = session_of(ScriptedSessionGroup(each_rank_says("unused")))
-    _check_fits_session(options.parse(TaasMagics.taas, line), session)
+    check_fits_session(options.parse(TaasMagics.taas, line), session)
 
 
 def test_profile_fits_a_cluster_sessions_cell_as_any_other():
     session = Session(
         ScriptedSessionGroup(each_rank_says("unused")), cpu_spec(2), "cluster", known={}, sources_sent=set()
     )
-    _check_fits_session(options.parse(TaasMagics.taas, "--profile --ranks 1"), session)
+    check_fits_session(options.parse(TaasMagics.taas, "--profile --ranks 1"), session)

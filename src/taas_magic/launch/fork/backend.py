@@ -12,7 +12,7 @@ from taas_magic.launch.backend import Cell, Launch, MakeTask
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.launch.supervisor.handle import SupervisedRanks, SupervisorProcess
 from taas_magic.launch.supervisor.main import supervise
-from taas_magic.launch.supervisor.ranks import Received, kernel_namespace
+from taas_magic.launch.supervisor.tasks import Received, kernel_namespace
 from taas_magic.process import child, containment, kernel_debugger
 from taas_magic.rank import aliases
 from taas_magic.wire import channel, supervision

@@ -158,7 +158,7 @@ class ForkServerBackend:
 
     def describe(self) -> str:
         if self._server is None:
-            return "not started"
+            return "not started (it starts with the first forkserver cell)"
         return f"running (pid {self._server.process.pid})" if self._server.alive() else "stopped (restarts when needed)"
 
     def warm_up(self) -> None:

@@ -25,7 +25,7 @@ import sys
 
 from taas_magic.delivery.cluster_ends import NodeEnds
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
-from taas_magic.launch.supervisor.ranks import Received
+from taas_magic.launch.supervisor.tasks import Received
 from taas_magic.process import child, containment, logs, tracebacks
 from taas_magic.rank import plugins
 from taas_magic.wire import fork_server, shipping, supervision

@@ -24,7 +24,8 @@ import time
 import traceback
 from typing import Callable, NoReturn, assert_never
 
-from taas_magic.launch.supervisor.ranks import ForkedRanks, Received
+from taas_magic.launch.supervisor.ranks import ForkedRanks
+from taas_magic.launch.supervisor.tasks import Received
 from taas_magic.process import containment, logs
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order

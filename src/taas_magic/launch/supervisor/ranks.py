@@ -20,8 +20,8 @@ from typing import Any, Callable, Collection, Iterable, Literal, assert_never
 from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import DataService, RankLoader
+from taas_magic.launch.supervisor import tasks
 from taas_magic.process import child, containment, tempfiles
-from taas_magic.rank import worker
 from taas_magic.wire import channel, rank_control, records
 from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
@@ -48,48 +48,6 @@ class _Rank:
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
 
 
-@dataclass(frozen=True)
-class Received:
-    """What a supervisor starts its ranks with: the task as the kernel sent it, and what the process that
-    started the supervisor added: the names it unpacked from a shipment (the fork server), a cluster
-    node's share of data delivery (its agent)."""
-
-    task: RankTask
-    shipped: dict[str, Any] | None = None
-    attached: AttachedDelivery | None = None
-
-
-def kernel_namespace() -> dict[str, Any]:
-    """The notebook's names, in a process forked from the kernel (empty in any other)."""
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    namespace: dict[str, Any] = shell.user_ns if shell is not None else {}  # forked from the kernel: its own
-    return namespace
-
-
-def _producer_env(run_id: str) -> dict[str, str]:
-    """Producers are CPU workers of the run: its id, no rank, no GPU, one thread each."""
-    return {"TAAS_RUN_ID": run_id, "TAAS_ROLE": "producer", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-
-
-def _run(
-    task: RankTask | ProducerTask,
-    env: dict[str, str],
-    fds: child.RankFds,
-    stand_ins: tuple[RankLoader | FedLoader, ...],
-    shipped: dict[str, Any] | None,
-) -> int:
-    """In a forked process: what it is there for; returns its exit status."""
-    match task:
-        case RankTask():
-            return worker.run_rank(task, env, fds, stand_ins, shipped)
-        case ProducerTask():
-            return task.run(env, fds)
-        case _:
-            assert_never(task)
-
-
 @dataclass
 class ForkedRanks:
     ranks: dict[Key, _Rank] = field(default_factory=dict)
@@ -106,7 +64,7 @@ class ForkedRanks:
 
     @property
     def names(self) -> dict[str, Any]:
-        return self.shipped if self.shipped is not None else kernel_namespace()
+        return self.shipped if self.shipped is not None else tasks.kernel_namespace()
 
     def __post_init__(self) -> None:
         self._lifeline_read, self._lifeline_write = os.pipe()
@@ -142,7 +100,7 @@ class ForkedRanks:
                 service = DataService(task.loaders, group.names, len(envs))
             if service is not None:
                 for key, producer in service.producers():
-                    group.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
+                    group.fork(key, tasks.producer_env(run_id), producer, sockets=service.producer_sockets(key))
                 stand_ins = service.rank_loaders()
                 task = dataclasses.replace(task, loaders=tuple(loader.plan for loader in stand_ins), delivery=None)
             if task.keep and envs and attached is None:  # not a cluster node's
@@ -228,7 +186,7 @@ class ForkedRanks:
                     control=ends[1].detach() if ends is not None else None,
                     control_secret=self._control_secret,
                 )
-                status = _run(task, env, fds, stand_ins, self.shipped)
+                status = tasks.run_forked(task, env, fds, stand_ins, self.shipped)
             except KeyboardInterrupt:
                 pass  # stopped while it started, before the cell ran: the run is being interrupted
             except BaseException:
@@ -399,7 +357,7 @@ class ForkedRanks:
         service = DataService(plans, namespace, world, first=cell.first_loader, late=True)
         try:
             for key, producer in service.producers():
-                self.fork(key, _producer_env(run_id), producer, sockets=service.producer_sockets(key))
+                self.fork(key, tasks.producer_env(run_id), producer, sockets=service.producer_sockets(key))
         except BaseException:
             service.close()
             raise
@@ -425,7 +383,7 @@ class ForkedRanks:
         something the rank started that left its group: what that writes later still arrives (after
         the exit), and the run's end stops it; nobody waits for it.
         """
-        self._signal_group(state, signal.SIGKILL)  # the rank is a zombie until reaped: its group id is still its own
+        containment.kill_group(state.pid, signal.SIGKILL)  # the rank is a zombie until reaped: its group is its own
         _, status = os.waitpid(state.pid, 0)
         state.returncode = os.waitstatus_to_exitcode(status)
         if state.returncode != 0:
@@ -442,13 +400,6 @@ class ForkedRanks:
                 pass
         log.info("%s exited: %s", state.rank, state.returncode)
         self._pending.append(Exited(state.rank, state.returncode))
-
-    @staticmethod
-    def _signal_group(state: _Rank, signum: int) -> None:
-        try:
-            os.killpg(state.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _poll_exits(self) -> None:
         for state in self.ranks.values():
@@ -470,24 +421,8 @@ class ForkedRanks:
             self._signal(state, signum)
 
     def _signal(self, state: _Rank, signum: int) -> None:
-        """The rank's process group (its DataLoader workers…), and the rank itself, wherever it went.
-
-        SIGKILL also goes to every descendant by process id: a group is no boundary for a
-        process that left it.
-        """
-        if state.returncode is not None:
-            return  # a reaped rank's id may belong to someone else now
-        try:
-            leads_its_group = os.getpgid(state.pid) == state.pid
-        except ProcessLookupError:
-            return
-        below = containment.descendants(state.pid) if signum == signal.SIGKILL else []
-        if leads_its_group:
-            self._signal_group(state, signum)
-        else:
-            containment.kill(state.pid, signum)
-        for pid in below:
-            containment.kill(pid, signum)
+        if state.returncode is None:  # a reaped rank's id may belong to someone else now
+            containment.signal_tree(state.pid, signum)
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         """Ask faulthandler in each rank for all its threads' stacks; wait until they stop arriving."""
