@@ -12,27 +12,22 @@ from taas_magic.wire.task import LoaderPlan
 
 
 def for_cell(spec: LaunchSpec, reads: Collection[str], namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:
-    """Delivery plans for the registered loaders a one-shot cell uses; one line if the options serve none."""
-    names = loaders_used(reads, namespace)
-    if spec.data_options_given and not names:
-        print(
-            "taas: --cpus/--units/--order/--prefetch have no effect: the cell uses no registered DataLoader "
-            "(taas.register(loader) in an earlier cell)",
-            file=sys.stderr,
-        )
-    return plans(spec, names, namespace)
+    """Delivery plans for the registered loaders a one-shot cell uses."""
+    none = "the cell uses no registered DataLoader (taas.register(loader) in an earlier cell)"
+    return _planned(spec, loaders_used(reads, namespace), namespace, none)
 
 
 def for_session(spec: LaunchSpec, namespace: dict[str, Any]) -> tuple[LoaderPlan, ...]:
     """Every registered loader the notebook names when a session starts: its producers start with the
     session and serve whichever of its cells iterate the loader."""
-    names = registered_names(namespace)
+    none = "the notebook has no registered DataLoader (taas.register(loader) before the cell that starts the session)"
+    return _planned(spec, registered_names(namespace), namespace, none)
+
+
+def _planned(spec: LaunchSpec, names: list[str], namespace: dict[str, Any], none: str) -> tuple[LoaderPlan, ...]:
+    """The plans of ``names``; one line if the cell's data options serve no loader (``none`` says why)."""
     if spec.data_options_given and not names:
-        print(
-            "taas: --cpus/--units/--order/--prefetch have no effect: the notebook has no registered "
-            "DataLoader (taas.register(loader) before the cell that starts the session)",
-            file=sys.stderr,
-        )
+        print(f"taas: --cpus/--units/--order/--prefetch have no effect: {none}", file=sys.stderr)
     return plans(spec, names, namespace)
 
 
