@@ -146,10 +146,14 @@ def test_a_second_interrupt_while_the_first_is_handled_leaves_no_zombie_descript
 
 @pytest.mark.parametrize("start", STARTS)
 def test_an_interrupt_while_ranks_print_heavily_leaves_the_start_method_working(kernel, start):
+    # Lines of 200 characters: the ranks print tens of thousands a second, more than the kernel relays. At 5000
+    # a line they printed 50 MB before the interrupt ended them, which this test's client then took over a
+    # minute to read on a loaded machine (3 of 24 runs beside 2 other kernels and 4 busy processes; the
+    # kernel idle all along); at 200, 8-14 MB, read in 4-8 s in 18 runs out of 18 alike.
     kernel.execute(
         f"""#pragma taas --gpus 2 --start {start}
 import sys
-line = "x" * 5000
+line = "x" * 200
 while True:
     print(line)
 """,
