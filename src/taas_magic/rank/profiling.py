@@ -46,8 +46,8 @@ def profiled(folder: str | None, device: str) -> Iterator[None]:
 
     previous = signal.getsignal(signal.SIGTERM)
     previous = signal.SIG_DFL if previous is None else previous  # None: a handler set outside Python
-    # Before the profiler starts: a SIGTERM meanwhile is handled as soon as Python runs again, and the trace
-    # (short) is written all the same.
+    # Before the profiler starts: a SIGTERM that comes while it starts is handled once it has started, and the
+    # (short) trace is written; one that comes before that finds no profiler, and the rank leaves no trace.
     signal.signal(signal.SIGTERM, _written_first(write, previous))
     try:
         running.enter_context(profiler)
