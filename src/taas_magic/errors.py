@@ -49,6 +49,19 @@ class TaasRunError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         return self.lines
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled as it is, not remade from its message alone (which its ``__init__`` does not take): a
+        node's agent raises it, and Ray brings it to the kernel as a pickle. Remade from ``args``, it
+        reached the kernel as Ray's "Failed to deserialize exception", not as its own line."""
+        return _remade, (type(self), self.args, self.__dict__)
+
+
+def _remade(kind: type[BaseException], args: tuple[object, ...], state: dict[str, object]) -> BaseException:
+    error = kind.__new__(kind, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class RankFailed(TaasRunError):
     """At least one rank failed; the first failure is the root cause shown.
@@ -127,6 +140,9 @@ class RunInterrupted(KeyboardInterrupt):
 
     def _render_traceback_(self) -> list[str]:
         return self.lines
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _remade, (type(self), self.args, self.__dict__)
 
 
 def plain(text: str) -> str:

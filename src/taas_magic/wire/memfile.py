@@ -150,13 +150,21 @@ def read_tensor(fd: int, offset: int, length: int) -> tuple[Any, int]:
 
 
 def tensor_view(memory: Any, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> Any:
-    """A tensor over ``nbytes`` of ``memory`` (from ``map_private``) at ``offset``, without copying."""
+    """A tensor over ``nbytes`` of ``memory`` (from ``map_private``) at ``offset``, without copying.
+
+    Its storage is its own: it starts at the tensor's first byte and ends at its last (and keeps
+    ``memory`` alive), as a tensor pickled alone would be, not a slice of the whole file. Some of
+    torch's readers take a tensor's bytes from its storage's start: ``Generator.set_state`` read the
+    wrong bytes of a generator's state shipped inside a ``DataLoader``, and crashed the process that
+    unpickled it. And ``torch.save`` writes a tensor's whole storage: a slice of the file would
+    write every other tensor in it.
+    """
     import torch
 
     kind = getattr(torch, dtype)
     if not nbytes:
         return torch.empty(shape, dtype=kind)
-    return memory[offset : offset + nbytes].view(kind).view(shape)
+    return torch.frombuffer(memory.numpy(), dtype=kind, count=nbytes // kind.itemsize, offset=offset).view(shape)
 
 
 def dtype_name(tensor: Any) -> str:

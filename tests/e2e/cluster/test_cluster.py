@@ -160,6 +160,35 @@ def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_ord
     assert not leftovers(cluster_kernel)
 
 
+def test_a_loader_with_its_own_generator_is_fed_from_the_cpu_node_in_the_order_it_draws(registered):
+    """The seeded loader users write for runs they can repeat (the cluster example's): a dataset of tensors,
+    then the generator, whose state lies behind them in the memory file the nodes' supervisors and
+    producers unpickle (which crashed them: ``test_shipping.py`` says how)."""
+    cluster_kernel = registered
+    cluster_kernel.execute(
+        "from torch.utils.data import TensorDataset\n"
+        "seeded = DataLoader(TensorDataset(torch.arange(32)), batch_size=4, shuffle=True,\n"
+        "                    generator=torch.Generator().manual_seed(3))\n"
+        "taas.register(seeded)"
+    ).ok()
+    cell = "print('GOT ' + json.dumps({'rank': taas.rank(), 'passes': [[b[0].tolist() for b in seeded]]}))\n"
+    try:
+        r = cluster_kernel.execute(HEADER + cell, timeout=240).ok()
+        got = collected(r)
+        here = collected(cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + cell).ok())
+        drawn = cluster_kernel.execute(
+            "print(torch.randperm(32, generator=torch.Generator().manual_seed(3)).tolist())"
+        ).ok()
+        order = json.loads(drawn.stdout)
+        assert got == here, r.stdout
+        assert [got[rank]["passes"][0] for rank in range(4)] == [
+            [order[4 * batch : 4 * batch + 4] for batch in range(rank, 8, 4)] for rank in range(4)
+        ], "batch b of the loader's own first pass goes to rank b mod 4"
+    finally:
+        cluster_kernel.execute("taas.unregister(seeded)").ok()
+    assert not leftovers(cluster_kernel)
+
+
 def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hold(cluster, registered):
     """Producers on the nodes of the ranks when the cluster has no node for them: here, by naming a
     configuration for producer nodes that the cluster lacks (c1.80)."""
@@ -594,6 +623,28 @@ def test_a_name_that_cannot_travel_fails_the_cell_before_any_node_is_taken(clust
     assert r.error is not None and "the cell needs 'lock'" in r.error["evalue"], r.error
     assert "cannot be sent to ranks on the cluster's nodes" in r.error["evalue"]
     assert not leftovers(cluster_kernel)
+
+
+def test_a_name_that_cannot_be_rebuilt_on_a_node_fails_the_cell_in_one_line_and_the_next_cell_runs(cluster_kernel):
+    """It pickles here and fails to unpickle there: the node's agent says why, in taas's own error, which
+    must survive Ray's trip to the kernel (it came as Ray's "Failed to deserialize exception")."""
+    cluster_kernel.execute(
+        "import os\n"
+        "def only_here(pid):\n"
+        "    if os.getpid() != pid:\n"
+        "        raise ValueError('made only in the notebook')\n"
+        "    return 'fragile'\n"
+        "class Fragile:\n"
+        "    def __reduce__(self):\n"
+        "        return only_here, (os.getpid(),)\n"
+        "fragile = Fragile()"
+    ).ok()
+    r = cluster_kernel.execute(HEADER + "print(fragile)", timeout=240)
+    assert r.error is not None and r.error["ename"] == "TaasRunError", r.error
+    assert r.error["evalue"] == "the ranks could not be started: ValueError: made only in the notebook"
+    assert "Ray" not in "".join(r.error["traceback"])
+    assert not leftovers(cluster_kernel)
+    cluster_kernel.execute(HEADER + "print('after')", timeout=240).ok()
 
 
 def test_every_kind_of_notebook_value_reaches_the_nodes_and_comes_back(cluster_kernel):

@@ -269,6 +269,30 @@ def consume():
     registered.execute("taas.unregister(shuffled)").ok()
 
 
+def test_a_loader_with_its_own_generator_is_served_in_the_order_it_draws_whatever_the_start(registered):
+    """A dataset of tensors, then the loader's generator: its state lies behind them in the memory file the
+    fork server unpickles, which crashed the run's supervisor (``test_shipping.py`` says how)."""
+    registered.execute("""
+from torch.utils.data import TensorDataset
+seeded = DataLoader(TensorDataset(torch.arange(24)), batch_size=3, shuffle=True,
+                    generator=torch.Generator().manual_seed(7))
+taas.register(seeded)
+""").ok()
+    drawn = registered.execute("print(torch.randperm(24, generator=torch.Generator().manual_seed(7)).tolist())").ok()
+    order = json.loads(drawn.stdout)
+    try:
+        for start in ("fork", "forkserver"):
+            result = registered.execute(
+                f"#pragma taas --gpus 2 --start {start}\nprint('ORDER', [i for b in seeded for i in b[0].tolist()])"
+            ).ok()
+            got = {int(rank): json.loads(seen) for rank, seen in re.findall(r"\[rank (\d)\] ORDER (.*)", result.stdout)}
+            batches = [order[3 * b : 3 * b + 3] for b in range(8)]
+            expected = {rank: [i for batch in batches[rank::2] for i in batch] for rank in (0, 1)}
+            assert got == expected, (start, result.stdout)
+    finally:
+        registered.execute("taas.unregister(seeded)").ok()
+
+
 def test_a_rank_that_keeps_every_batch_does_not_run_out_of_descriptors(registered):
     registered.execute("many = DataLoader(torch.arange(2400), batch_size=1)\ntaas.register(many)").ok()
     result = registered.execute("""#pragma taas --gpus 2 --return none

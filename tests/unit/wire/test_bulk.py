@@ -191,3 +191,20 @@ def test_a_changed_returned_tensor_is_the_notebooks_own():
     names["t"][0] = 3.0
     again, _ = results.loads(mapped(packed))
     assert float(again["t"][0]) == 0.0 and float(source[0]) == 0.0
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    before=st.sampled_from([0, 7, 1000, 400_000]),
+    seed=st.integers(0, 2**63 - 1),
+    carried=st.sampled_from(sorted(CARRIED)),
+)
+def test_a_generator_beside_other_tensors_comes_back_drawing_as_the_ranks_would(before, seed, carried):
+    """``Generator.set_state`` reads its state tensor from the storage's start (``shipping``'s tests say
+    how that failed there): a generator that comes back must get its own state, wherever it lay."""
+    generator = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(list(range(20)), batch_size=4, shuffle=True, generator=generator)
+    names, _ = back(carried, ahead=torch.arange(before), loader=loader, same=[torch.ones(3), generator])
+    assert names["loader"].generator is names["same"][1], "shared as in the rank"
+    assert torch.equal(names["same"][1].get_state(), generator.get_state())
+    assert [b.tolist() for b in names["loader"]] == [b.tolist() for b in loader]

@@ -218,3 +218,57 @@ def test_the_names_a_cell_reaches_are_found_without_asking_any_value_for_an_attr
     exec("def f(x):\n    return x * scale\n", namespace)
     namespace["step"] = functools.partial(namespace["f"], 1)
     assert names_reached({"mock", "raising", "step"}, namespace) == {"mock", "raising", "step", "scale"}
+
+
+def shipped(namespace: dict, names: list[str]) -> dict:
+    shipment = shipping.pack({"__name__": "__main__", **namespace}, names)
+    try:
+        return shipping.unpack(shipment.data, shipment.tensors_fd, shipment.tensors_size)
+    finally:
+        shipment.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(before=st.sampled_from([0, 7, 1000, 40_000]), seed=st.integers(0, 2**63 - 1), drawn=st.integers(0, 3))
+def test_a_generator_shipped_after_other_tensors_draws_on_as_the_notebooks_would(before, seed, drawn) -> None:
+    """A generator's state is a tensor; behind other tensors it lies inside the memory file, small or mapped
+    (``before`` elements of 8 bytes ahead of it). ``Generator.set_state`` reads a tensor's storage from its
+    start: the state read from the file's start was refused ("Invalid mt19937 state"), or crashed the
+    process that unpickled it."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(drawn):
+        torch.randperm(5, generator=generator)
+    back = shipped({"ahead": torch.arange(before), "generator": generator}, ["ahead", "generator"])
+    assert torch.equal(back["ahead"], torch.arange(before))
+    assert torch.equal(back["generator"].get_state(), generator.get_state())
+    assert torch.randperm(50, generator=back["generator"]).tolist() == torch.randperm(50, generator=generator).tolist()
+
+
+def test_a_seeded_loader_over_tensors_shuffles_in_the_ranks_as_in_the_notebook() -> None:
+    """The cluster example's loader: a dataset of tensors, then the loader's own generator."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(
+        TensorDataset(torch.arange(3000.0).reshape(1000, 3)),
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    back = shipped({"loader": loader}, ["loader"])["loader"]
+    assert [batch[0].tolist() for batch in back] == [batch[0].tolist() for batch in loader]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 30_000), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.int8, torch.bool, torch.bfloat16]),
+)
+def test_each_shipped_tensor_has_a_storage_of_its_own_bytes_so_saving_it_writes_no_more(sizes, dtype) -> None:
+    tensors = {f"t{i}": torch.arange(size).to(dtype) for i, size in enumerate(sizes)}
+    back = shipped(tensors, sorted(tensors))
+    for name, tensor in tensors.items():
+        assert torch.equal(back[name], tensor) and back[name].dtype == dtype
+        assert back[name].untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        assert back[name].storage_offset() == 0
+    back["t0"].add_(1) if dtype != torch.bool else back["t0"].logical_not_()
+    assert all(torch.equal(back[name], tensors[name]) for name in tensors if name != "t0"), "each its own bytes"
