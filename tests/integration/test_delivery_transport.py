@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from support.descriptors import open_descriptors, opened_since
+from support.notebook_values import TENSORS, same_tensor, tensor
 
 from taas_magic.delivery import transport
 
@@ -95,3 +97,11 @@ def test_what_waits_on_a_channel_is_discarded_without_blocking_or_keeping_descri
     finally:
         producers_end.close()
         rank_end.close()
+
+
+@pytest.mark.parametrize("kind", sorted(TENSORS))
+def test_a_batch_tensor_that_is_more_than_its_elements_arrives_as_it_was(kind):
+    """What a collate_fn may build: quantized or sparse batches, lazy conjugates, tensors with attributes."""
+    sent = tensor(kind)
+    _, _, got = roundtrip({"ahead": torch.arange(20_000), "value": sent})
+    assert same_tensor(sent, got["value"]), (sent, got["value"])

@@ -41,7 +41,29 @@ class Point:
 
 def counting():
     yield 1
+
+def noted(tensor):
+    """A tensor with an attribute of the notebook's."""
+    tensor.note = None
+    return tensor
 '''
+
+# Tensors that are more than their elements, or show them through a lazy view: each must arrive as it was.
+TENSORS = {
+    "strided_view": "torch.arange(12.0).reshape(3, 4)[:, 1::2]",
+    "transposed": "torch.arange(6).reshape(2, 3).t()",
+    "expanded": "torch.ones(2, 1).expand(2, 3)",
+    "channels_last": "torch.arange(24.0).reshape(1, 2, 3, 4).to(memory_format=torch.channels_last)",
+    "conjugate": "torch.complex(torch.arange(3.0), torch.ones(3)).conj()",
+    "negative": "torch.complex(torch.arange(3.0), torch.ones(3)).conj().imag",
+    "quantized": "torch.quantize_per_tensor(torch.arange(4.0), 0.5, 3, torch.quint8)",
+    "sparse": "torch.eye(3).to_sparse()",
+    "meta": "torch.empty(2, 3, device='meta')",
+    "complex32": "torch.arange(4.0).to(torch.complex32)",
+    "bfloat16": "torch.arange(5.0).to(torch.bfloat16)",
+    "bool": "torch.tensor([True, False])",
+    "noted": "noted(torch.ones(2))",
+}
 
 KINDS = {
     "none": "None",
@@ -74,6 +96,7 @@ KINDS = {
     "tensor_empty": "torch.empty(0)",
     "tensor_grad": "torch.zeros(2, requires_grad=True)",
     "parameter": "torch.nn.Parameter(torch.ones(1))",
+    **{f"tensor_{kind}": expression for kind, expression in TENSORS.items()},
     "module": "torch.nn.Linear(2, 1)",
     "mock": "MagicMock()",
     "anything": "Anything()",
@@ -120,3 +143,32 @@ def unpicklable(expression: str) -> bool:
     """Whether the value cannot be pickled (a generator, or holds one): ranks that do not share
     the kernel's memory may refuse it, in one line that names it."""
     return "counting()" in expression
+
+
+def tensor(kind: str):
+    """The tensor ``TENSORS[kind]`` makes, in a namespace of ``SETUP``'s."""
+    namespace: dict = {}
+    exec(SETUP, namespace)
+    return eval(TENSORS[kind], namespace)
+
+
+def same_tensor(sent, arrived) -> bool:
+    """Whether ``arrived`` is ``sent`` as another process holds it: its type, dtype, shape, layout, device,
+    quantization, attributes and elements (not whether a conjugation or negation is still a lazy view)."""
+    import torch
+
+    def described(t):
+        return type(t), t.dtype, t.shape, t.layout, t.device, t.requires_grad, t.is_quantized, sorted(vars(t))
+
+    if described(sent) != described(arrived):
+        return False
+    if sent.device.type == "meta":
+        return True
+    if sent.is_quantized:
+        same_scale = (sent.q_scale(), sent.q_zero_point()) == (arrived.q_scale(), arrived.q_zero_point())
+        return same_scale and torch.equal(sent.int_repr(), arrived.int_repr())
+    if sent.layout != torch.strided:
+        sent, arrived = sent.to_dense(), arrived.to_dense()
+    if sent.dtype == torch.complex32:  # torch compares no complex32: compare its bits
+        sent, arrived = sent.contiguous().view(torch.int32), arrived.contiguous().view(torch.int32)
+    return torch.equal(sent.resolve_conj().resolve_neg(), arrived.resolve_conj().resolve_neg())

@@ -39,7 +39,7 @@ class _Encoder(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         import torch
 
-        if type(obj) is torch.Tensor and obj.layout == torch.strided and obj.device.type == "cpu":
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and memfile.carries(obj):
             offset = memfile.aligned(self.size)
             nbytes = obj.numel() * obj.element_size()
             self.tensors.append((offset, obj))

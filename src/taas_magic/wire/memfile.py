@@ -92,11 +92,26 @@ def aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
 
 
+def carries(tensor: Any) -> bool:
+    """Whether a tensor is its elements and nothing more, so that a memory file can carry it: not quantized
+    (its scale and zero point would be lost), sparse or otherwise laid out, nor holding attributes set on
+    it (``t.note = …``), nor without data (``device="meta"``). Those go through torch's own pickling,
+    which keeps what they carry."""
+    import torch
+
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and tensor.device.type != "meta"
+        and not tensor.__dict__
+    )
+
+
 def write_tensor(fd: int, tensor: Any, offset: int) -> None:
     """One copy, straight from the tensor's memory into the file: no mapping to fault in page by page."""
     import torch
 
-    source = tensor.detach()
+    source = tensor.detach().resolve_conj().resolve_neg()  # the elements it shows, not their lazy negation
     if source.device.type != "cpu":
         source = source.cpu()
     if not source.numel():

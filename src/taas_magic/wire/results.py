@@ -75,7 +75,7 @@ def _portable(obj: Any) -> Any:
         return obj
     if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
         return obj.module
-    if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+    if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):  # meta: no data, pickled as it is
         cpu = obj.detach().cpu()  # the view's elements alone, not the storage it looks into
         return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else cpu
     return obj

@@ -126,7 +126,7 @@ class _ShippingPickler(pickler.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
-            if obj.is_sparse or obj.layout != torch.strided or obj.dtype in (torch.complex32,):
+            if not memfile.carries(obj):
                 return super().reducer_override(obj)
             nbytes = obj.numel() * obj.element_size()
             offset = memfile.aligned(self.size)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.notebook_values import TENSORS, same_tensor, tensor
 
 from taas_magic.wire import bulk, memfile, results
 
@@ -208,3 +209,10 @@ def test_a_generator_beside_other_tensors_comes_back_drawing_as_the_ranks_would(
     assert names["loader"].generator is names["same"][1], "shared as in the rank"
     assert torch.equal(names["same"][1].get_state(), generator.get_state())
     assert [b.tolist() for b in names["loader"]] == [b.tolist() for b in loader]
+
+
+@pytest.mark.parametrize("kind", sorted(TENSORS))
+def test_a_tensor_that_is_more_than_its_elements_comes_back_as_it_was(kind, how):
+    sent = tensor(kind)
+    names, _ = back(how, ahead=torch.arange(20_000), value=sent)
+    assert same_tensor(sent, names["value"]), (sent, names["value"])
