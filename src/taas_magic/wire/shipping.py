@@ -127,6 +127,8 @@ class _ShippingPickler(pickler.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
             if not memfile.carries(obj):
+                if obj.device.type not in ("cpu", "meta"):  # torch's pickle would unpickle it on the GPU
+                    return _same, (_on_cpu(torch, obj),)
                 return super().reducer_override(obj)
             nbytes = obj.numel() * obj.element_size()
             offset = memfile.aligned(self.size)
@@ -142,6 +144,21 @@ class _ShippingPickler(pickler.Pickler):
             )
             return _rebuild_tensor, (ref,)
         return super().reducer_override(obj)
+
+
+def _on_cpu(torch: Any, tensor: Any) -> Any:
+    """A copy on the CPU that keeps what the tensor carries: the fork server never touches a GPU."""
+    copy = tensor.detach().cpu()
+    if isinstance(tensor, torch.nn.Parameter):
+        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    elif tensor.requires_grad:
+        copy.requires_grad_()
+    copy.__dict__.update(tensor.__dict__)
+    return copy
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))

@@ -290,6 +290,26 @@ def test_auto_starts_from_the_fork_server_once_the_kernel_used_cuda_and_nccl_wor
     assert cuda_used_kernel.value("(x_cuda * 2).sum().item()") == 12.0, "the kernel can still use its GPU"
 
 
+def test_gpu_tensors_that_are_more_than_their_elements_reach_fork_server_ranks_on_the_cpu(cuda_used_kernel):
+    """They go through torch's own pickling, which would rebuild them on the GPU in the fork server, whose
+    forked ranks could then not use CUDA: they cross on the CPU, with what they carry."""
+    cuda_used_kernel.execute(
+        "noted_cuda = torch.ones(3, device='cuda')\nnoted_cuda.note = 'kept'\n"
+        "sparse_cuda = torch.eye(2, device='cuda').to_sparse()"
+    ).ok()
+    result = cuda_used_kernel.execute(
+        f"#pragma taas --gpus {GPUS} --device cuda --start forkserver\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('nccl')\n"
+        "print('GOT', noted_cuda.device, noted_cuda.note, sparse_cuda.device, sparse_cuda.to_dense().sum().item(),"
+        " torch.cuda.current_device())",
+        timeout=180,
+    ).ok()
+    # The ranks' own CUDA works (NCCL's group started): the fork server they were forked from never touched it.
+    got = sorted(re.findall(r"GOT (.*)", result.stdout))
+    assert got == [f"cpu kept cpu 2.0 {rank}" for rank in range(GPUS)], result.stdout
+
+
 def test_forking_gpu_ranks_is_refused_once_the_kernel_used_cuda(cuda_used_kernel):
     result = cuda_used_kernel.execute("#pragma taas --gpus 1 --device cuda --start fork\nprint('started')")
     assert result.error["ename"] in ("UsageError", "TaasUsageError")
