@@ -36,6 +36,12 @@ def dumps(obj: Any) -> bytes:
     return file.getvalue()
 
 
+def same(value: Any) -> Any:
+    """A reduction's rebuild that is the value itself: ``return same, (replacement,)`` pickles ``replacement``
+    in an object's place (a CPU copy of a GPU tensor, a module without its hooks)."""
+    return value
+
+
 class Unpicklable(Exception):
     """Pickling a value raised; ``why`` is that error in one line (``Type: first line``)."""
 

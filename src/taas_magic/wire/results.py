@@ -61,12 +61,8 @@ class _ResultPickler(pickler.Pickler):
                 return reduction
         converted = _portable(obj)
         if converted is not obj:
-            return _same, (converted,)
+            return pickler.same, (converted,)
         return self.beside.reduce(obj) or super().reducer_override(obj)
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 def _portable(obj: Any) -> Any:
@@ -120,7 +116,7 @@ class _PlainForms:
 
     def reduce(self, obj: Any, whole: Whole | None) -> Any:
         if isinstance(obj, self.dtensor):
-            return _same, (self._full(obj, whole),)
+            return pickler.same, (self._full(obj, whole),)
         if isinstance(obj, self.torch.nn.Module) and not isinstance(
             obj, self.torch.nn.parallel.DistributedDataParallel
         ):

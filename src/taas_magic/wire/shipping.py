@@ -128,7 +128,7 @@ class _ShippingPickler(pickler.Pickler):
         if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
             if not memfile.carries(obj):
                 if obj.device.type not in ("cpu", "meta"):  # torch's pickle would unpickle it on the GPU
-                    return _same, (_on_cpu(torch, obj),)
+                    return pickler.same, (_on_cpu(torch, obj),)
                 return super().reducer_override(obj)
             nbytes = obj.numel() * obj.element_size()
             offset = memfile.aligned(self.size)
@@ -155,10 +155,6 @@ def _on_cpu(torch: Any, tensor: Any) -> Any:
         copy.requires_grad_()
     copy.__dict__.update(tensor.__dict__)
     return copy
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
