@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -181,3 +183,90 @@ def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():
         assert alive == [], "ranks die with their supervisor (the lifeline)"
     finally:
         group.close()
+
+
+class InterruptStorm:
+    """Interrupts for this process as a user's repeated ones land in a kernel freeing a run, at any point
+    Python takes them (a function's first instruction among them): while ``raining``, SIGINT about every
+    0.1 ms from a process of its own (a thread here would send one per switch of the interpreter's lock);
+    while ``armed``, each raised as ``KeyboardInterrupt`` only where it lands in taas's code, the test's
+    own lines around the calls out of their way."""
+
+    def __init__(self) -> None:
+        self.armed, self.timer, self.received = False, None, 0
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        self.sender: subprocess.Popen | None = None
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received += 1
+        while frame is not None and self.armed:
+            if "taas_magic" in frame.f_code.co_filename:
+                raise KeyboardInterrupt
+            frame = frame.f_back
+
+    def rain(self) -> None:
+        """From once the first has come (the sender takes a while to start)."""
+        rain = f"import os, time\nwhile True:\n    os.kill({os.getpid()}, 2)\n    time.sleep(0.0001)"
+        self.sender, received = subprocess.Popen([sys.executable, "-c", rain]), self.received
+        while self.received == received:
+            time.sleep(0.001)
+        self.armed = True
+
+    def clear(self) -> None:
+        if self.sender is not None:
+            self.sender.kill()
+            self.sender.wait()
+            self.sender = None
+        time.sleep(0.01)  # what was sent is taken by this handler, armed no more
+        self.armed = False
+
+    def one_after(self, seconds: float) -> None:
+        """A single interrupt, ``seconds`` from now, raised wherever it lands in taas's code."""
+        self.armed = True
+        self.timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+        self.timer.start()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer.join()
+        self.clear()
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def test_interrupts_raining_on_a_run_as_it_starts_and_closes_leave_no_process_descriptor_or_port():
+    """Each start or close an interrupt cut short is begun again, as the controller does: a close, once
+    under way, frees the whole run whatever lands meanwhile, and one cut before it began leaves the run
+    to close again. Before, an interrupt at the first instruction of a step of the release left the
+    supervisor unreaped (a zombie of the kernel's), the channel and the store's port open, for good."""
+    task = RankTask(code=compile("import time\ntime.sleep(30)", "<cell>", "exec"), device="cpu", threads=1)
+    fds_before = open_descriptors()
+    storm, interrupted = InterruptStorm(), 0
+    try:
+        for attempt in range(12):
+            group = None
+            if attempt % 2:  # odd attempts: one interrupt as it starts, each at another point
+                storm.one_after(0.004 * attempt)
+            while group is None:
+                try:
+                    group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(2)))
+                except KeyboardInterrupt:
+                    interrupted += 1
+            if storm.timer is not None:
+                storm.timer.join()  # landed in this start or as it ended, not in the next
+            storm.rain()
+            while not group.closed:  # closed or, cut before it began, to close again
+                try:
+                    group.close()
+                except KeyboardInterrupt:
+                    interrupted += 1
+            storm.clear()
+            assert group.closed
+        assert interrupted > 6, "the interrupts did not land in taas's code"
+    finally:
+        storm.stop()
+    deadline = time.monotonic() + 5
+    while containment.children() and time.monotonic() < deadline:
+        time.sleep(0.01)  # a supervisor let go is reaped by a thread as it exits
+    assert containment.children() == [], "every supervisor was reaped"
+    assert opened_since(fds_before) == set(), "every channel, pidfd and store port was closed"

@@ -146,13 +146,18 @@ class _Held:
         self.came = True
 
     def release(self) -> None:
-        """Put the handler back; a signal that came meanwhile takes effect now."""
+        """Put the handler back; a signal that came meanwhile takes effect now, or, where the handler put
+        back is an outer hold's, as that one is released: holds nest, the outermost acts."""
         if self._held:
             self._held = False
             signal.signal(self.signum, self._previous)
         if self.came:
             self.came = False
-            self._resume()
+            outer = getattr(self._previous, "__self__", None)
+            if isinstance(outer, _Held):
+                outer.came = True
+            else:
+                self._resume()
 
     def _resume(self) -> None:
         raise NotImplementedError

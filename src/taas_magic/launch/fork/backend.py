@@ -43,18 +43,25 @@ class ForkBackend:
         return ForkPlan(make_task(sources={}, context=None))
 
     def start(self, plan: ForkPlan, launch: Launch) -> SupervisedRanks:
+        """The run's supervisor forked and its ranks started, with interrupts held all along: one that comes
+        is noted, ends the start (its wait asks) and is raised once the run is freed. Let through, it could
+        land anywhere between the fork and the freeing of the run (Python raises a pending interrupt as any
+        function begins), and leave the supervisor unreaped, the channel and the store's port open, for good.
+        Held, it is not swallowed by the fork's callbacks either, nor lost before the pid is bound."""
+        with containment.HeldInterrupts() as held:
+            return self._start(plan, launch, held)
+
+    def _start(self, plan: ForkPlan, launch: Launch, held: containment.HeldInterrupts) -> SupervisedRanks:
         task, run_id, envs = plan.task, launch.run_id, launch.envs
         child.find_interactive_flags()  # here, where it touches no page shared with a child
         store = RunStore(envs)
         envs = store.environments(envs)
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
-        held = containment.HeldInterrupts()  # none is swallowed by the fork's callbacks or lost before the pid is bound
         try:
             pid = kernel_debugger.fork()
         except BaseException:
             containment.to_the_end(kernel_end.close, supervisor_end.close, store.close)
-            held.release()
             raise
         if pid == 0:  # the supervisor: never returns into the kernel's code
             try:
@@ -62,9 +69,8 @@ class ForkBackend:
                 child.settle_forked_process()
             finally:
                 supervise(supervision.supervisor_end(supervisor_end, secret, run_id), envs, lambda: Received(task))
-        try:  # an interrupt from here on must not leave the supervisor unreaped or the store open
+        try:
             supervisor_end.close()
-            held.release()  # one that came during the fork is raised here
             group = SupervisedRanks(
                 supervision.kernel_end(kernel_end, secret, run_id),
                 SupervisorProcess(pid, is_child=True),
@@ -77,8 +83,10 @@ class ForkBackend:
             raise
         try:
             group.go(aliases.find(kernel_namespace()))  # while the supervisor forks: it reads every name once
-            group.wait_started(START_SECONDS)
+            group.wait_started(START_SECONDS, interrupted=lambda: held.came)
+            if held.came:  # as the ranks started: the run ends before the cell's code sees it
+                raise KeyboardInterrupt
         except BaseException:
-            containment.close_whole(group.close)
+            group.close()
             raise
         return group

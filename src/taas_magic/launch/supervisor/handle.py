@@ -40,6 +40,7 @@ from taas_magic.wire.supervision import (
 )
 
 CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
+UNCONFIRMED_SECONDS = 2.0  # how long a supervisor that did not say the run is over has to exit on its own
 
 
 class SupervisorProcess:
@@ -135,11 +136,15 @@ class SupervisedRanks:
         self.closed = False
 
     # -- starting -----------------------------------------------------------------------------
-    def wait_started(self, timeout: float) -> None:
-        """Until the supervisor says its ranks started; ends the run and raises what went wrong otherwise."""
+    def wait_started(self, timeout: float, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Until the supervisor says its ranks started; ends the run and raises what went wrong otherwise.
+        ``interrupted``: whether an interrupt that a caller holds came, asked every 0.1 s; the run ends then
+        and ``KeyboardInterrupt`` is raised."""
         try:
             deadline = time.monotonic() + timeout
-            while not self._readable(max(0.0, deadline - time.monotonic())):
+            while not self._readable(min(0.1, max(0.0, deadline - time.monotonic()))):
+                if interrupted():
+                    raise KeyboardInterrupt
                 if time.monotonic() >= deadline:
                     self._lose(f"the ranks had not started after {timeout:g} s")
             first = self._receive()
@@ -221,68 +226,63 @@ class SupervisedRanks:
 
     def _close(self, polite: bool) -> None:
         """``polite``: wait for the supervisor's word that the run is over; else just close the channel,
-        which it answers by ending everything, and make sure it is gone."""
-        if self.closed:
-            return
-        self.closed = True
-        interrupted, confirmed = False, self.finished
-        try:
-            if polite and not confirmed:
-                try:
-                    self.channel.send(Close())
-                except ChannelBroken:
-                    pass  # it finished and went: what it said last may still be waiting to be read
-                if self.started:
-                    confirmed, interrupted = self._wait_closed()
-        except ChannelBroken:
-            pass
-        finally:
-            interrupted = self._release(confirmed) or interrupted
-        if interrupted:
-            raise KeyboardInterrupt
+        which it answers by ending everything, and make sure it is gone.
 
-    def _release(self, confirmed: bool) -> bool:
-        """Free what the run holds in the kernel: its channel, its supervisor (reaped) and its store;
-        whether an interrupt came meanwhile.
-
-        Each step runs to its end whatever interrupts come (a second one only cuts the wait for the
-        supervisor short): an interrupted release would leave a zombie, descriptors and an open
-        store port in the kernel for good, as ``closed`` is already set.
+        All of it with interrupts held: one that comes cuts the waits short and is raised once the run
+        is freed. An interrupt let through half-way (Python raises a pending one as any function begins,
+        ``to_the_end`` and its steps included) would leave a supervisor unreaped, its descriptors and the
+        store's port open, for good, as ``closed`` is already set. One that comes before the hold is
+        taken leaves the run open and ``closed`` unset, for the caller's ``close_whole`` to close again.
         """
-        process = self.process
-        to_the_end = containment.to_the_end
-        interrupted = to_the_end(self.alive.clear, self.pending.clear, self.channel.close)
-        if process is not None and confirmed:
-            interrupted |= to_the_end(process.let_go)
-        elif process is not None:
+        with containment.HeldInterrupts() as held:
+            if self.closed:
+                return
+            self.closed = True
+            confirmed = self.finished
             try:
-                gone = process.wait(2.0)
-            except KeyboardInterrupt:
-                interrupted, gone = True, False
-            if not gone:
-                interrupted |= to_the_end(process.kill)
-            interrupted |= to_the_end(process.close)
-        if self.store is not None:
-            interrupted |= to_the_end(self.store.close)
-        return interrupted
+                if polite and not confirmed:
+                    try:
+                        self.channel.send(Close())
+                    except ChannelBroken:
+                        pass  # it finished and went: what it said last may still be waiting to be read
+                    confirmed = self.started and self._wait_closed(held)
+            except ChannelBroken:
+                pass
+            finally:
+                self._release(confirmed, held)
 
-    def _wait_closed(self) -> tuple[bool, bool]:
-        """Until the supervisor says every process of the run is gone: (whether it said so, whether interrupted)."""
-        interrupted = confirmed = False
+    def _release(self, confirmed: bool, held: containment.HeldInterrupts) -> None:
+        """Free what the run holds in the kernel: its channel, its supervisor (reaped) and its store. An
+        interrupt (``held``) only cuts the wait for an unconfirmed supervisor short: it is killed then."""
+        self.alive.clear()
+        self.pending.clear()
+        self.channel.close()
+        process = self.process
+        if process is not None and confirmed:
+            process.let_go()
+        elif process is not None:
+            deadline, gone = time.monotonic() + UNCONFIRMED_SECONDS, False
+            while not gone and not held.came and time.monotonic() < deadline:
+                gone = process.wait(0.05)
+            if not gone:
+                process.kill()
+            process.close()
+        if self.store is not None:
+            self.store.close()
+
+    def _wait_closed(self, held: containment.HeldInterrupts) -> bool:
+        """Until the supervisor says every process of the run is gone, or an interrupt came (``held``):
+        whether it said so."""
         deadline = time.monotonic() + CLOSE_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                if self.channel.ready(min(0.1, max(0.0, deadline - time.monotonic()))):
-                    message, fds = self.channel.receive()
-                    for fd in fds:
-                        os.close(fd)
-                    if isinstance(message, Closed):
-                        self.codes = dict(message.codes)
-                        confirmed = True
-                        break
-            except KeyboardInterrupt:
-                interrupted = True  # finish closing first
-        return confirmed, interrupted
+        while time.monotonic() < deadline and not held.came:
+            if self.channel.ready(min(0.1, max(0.0, deadline - time.monotonic()))):
+                message, fds = self.channel.receive()
+                for fd in fds:
+                    os.close(fd)
+                if isinstance(message, Closed):
+                    self.codes = dict(message.codes)
+                    return True
+        return False
 
     # -- messages -----------------------------------------------------------------------------
     def _receive(self) -> FromSupervisor:
