@@ -280,3 +280,18 @@ def working_in(kernel: Kernel, folder: object) -> Iterator[None]:
         yield
     finally:
         kernel.execute("_os.chdir(_folder_before)").ok()
+
+
+def still_running(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``processes`` still running after up to ``timeout`` seconds. A process that died but that
+    nobody reaped yet is a zombie: dead. Orphans (a killed kernel's) go to the machine's first process,
+    which in a container may reap them late (seen under load) or never."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    return [process for process in alive if _running(process)]
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -10,9 +10,8 @@ import re
 import signal
 import time
 
-import psutil
 import pytest
-from support.kernel import processes_of_run, view_rows
+from support.kernel import processes_of_run, still_running, view_rows
 
 WARM_FORK_SERVER = True  # the kernel's death takes its warm fork server along (tests/e2e/conftest.py)
 
@@ -289,18 +288,8 @@ def test_ranks_and_their_children_die_within_3_s_of_the_kernel(fresh_kernel):
     assert len(family) >= 6, "2 ranks with 2 DataLoader workers each"
     family.append(fresh_kernel.fork_server())
     os.kill(fresh_kernel.pid, signal.SIGKILL)
-    gone, alive = psutil.wait_procs(family, timeout=3)
-    # A process that died but that nobody reaped yet is a zombie: dead. Orphans go to the machine's first
-    # process, which in a container may reap them late or never.
-    running = [p for p in alive if _running(p)]
+    running = still_running(family, timeout=3)
     assert running == [], [p.cmdline() for p in running]
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_nothing_is_left_in_temp_folders_or_shared_memory(tmp_path):

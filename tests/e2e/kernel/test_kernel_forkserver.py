@@ -7,9 +7,8 @@ import re
 import signal
 import time
 
-import psutil
 import pytest
-from support.kernel import Kernel, processes_of_run
+from support.kernel import Kernel, processes_of_run, still_running
 
 WARM_FORK_SERVER = True  # the fork server at load: its pid, its state, what it imported (tests/e2e/conftest.py)
 
@@ -201,8 +200,7 @@ def test_unload_stops_the_fork_server_and_kernel_death_takes_it_along(fresh_kern
     family = fresh_kernel.children() + [fresh_kernel.fork_server()]
     assert len(family) == 4, "the run's supervisor, its 2 ranks, the fork server"
     os.kill(fresh_kernel.pid, signal.SIGKILL)
-    _, alive = psutil.wait_procs(family, timeout=3)
-    assert alive == []
+    assert still_running(family, timeout=3) == []
 
 
 def test_a_kernel_told_not_to_warm_the_fork_server_starts_it_with_its_first_forkserver_cell():
