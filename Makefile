@@ -27,13 +27,14 @@ E2E_WORKERS ?= 3
 
 # The checks, then the tiers (docs/architecture.md#the-tests): unit and integration on two workers, the
 # kernel and browser tiers on E2E_WORKERS (each module in one worker: tests/conftest.py), the cluster tier
-# alone (Ray gives a node's raylet a fixed 30 s to register, which three busy workers beside it can take),
-# then the tests whose assertions are about time, with nothing beside them.
+# on two workers, each with a Ray cluster of its own, apart from the others (Ray gives a node's raylet a
+# fixed 30 s to register, which three busy workers beside it can take), then the tests whose assertions
+# are about time, with nothing beside them.
 test: $(VENV)/.installed
 	$(CHECKS)
 	$(PYTEST) -n 2 tests/unit tests/integration
 	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing and not cluster" tests/e2e
-	$(PYTEST) -m "cluster and not timing" tests/e2e/cluster
+	$(PYTEST) -n 2 --dist loadfile -m "cluster and not timing" tests/e2e/cluster
 	$(PYTEST) -m timing tests/e2e
 
 # What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,

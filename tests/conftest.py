@@ -1,14 +1,22 @@
-"""How a parallel run of the end-to-end tiers (``pytest -n N --dist loadfile``, pytest-xdist) shares the
-tests among its workers.
+"""What every tier shares: a temporary folder per test process, and how a parallel run
+(``pytest -n N --dist loadfile``, pytest-xdist) shares the tests among its workers.
+
+Each worker (and a run without xdist) has a temporary folder of its own, in ``$TMPDIR`` for all it
+starts (kernels, ranks, a Ray cluster and its agents): what one worker's tests look for there, or find
+by it in a process's environment (``support.tiers.ours``), is never another's. It is removed at the end.
 
 Each module's tests go to one worker, in order: they share the module's kernel, and some of them the
-session it keeps. The cluster tier's modules go to one worker together: they hand one Ray cluster on
-from module to module, and two Ray clusters must never start on this machine at once. The largest
-share, the cluster tier, is handed out first. Other ``--dist`` modes are xdist's own (the unit and
+session it keeps. A cluster module that hands its Ray cluster on to the next (``CLUSTER_SCOPES``) goes
+with it; each worker starts a cluster of its own, on loopback addresses of its own. The cluster
+modules, the longest shares, are handed out first. Other ``--dist`` modes are xdist's own (the unit and
 integration tiers run test by test).
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -20,6 +28,31 @@ settings.register_profile("taas", deadline=None)
 settings.load_profile("taas")
 
 CLUSTER_TIER = "tests/e2e/cluster/"
+# Modules that run in the same worker as the one named, one after the other, and share its Ray cluster.
+CLUSTER_SCOPES = {f"{CLUSTER_TIER}test_cluster_files.py": f"{CLUSTER_TIER}test_cluster.py"}
+
+_own_temporary_folder: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _own_temporary_folder
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    # Beside the others, not inside xdist's controller's folder: Ray's socket paths must stay short.
+    machines = os.environ.setdefault("TAAS_TESTS_TMPDIR", tempfile.gettempdir())
+    _own_temporary_folder = tempfile.mkdtemp(prefix=f"taas-t-{worker}-", dir=machines)
+    os.chmod(_own_temporary_folder, 0o1777)  # as /tmp is: tests that run a step as another user write here too
+    os.environ["TMPDIR"] = _own_temporary_folder
+    tempfile.tempdir = None  # read $TMPDIR again
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _own_temporary_folder is not None:
+        shutil.rmtree(_own_temporary_folder, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The cluster tier first (its modules are the longest), every module's tests in their own order."""
+    items.sort(key=lambda item: not item.nodeid.startswith(CLUSTER_TIER))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, which test-min's environment lacks
@@ -28,9 +61,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None  # xdist's own scheduler
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # in the order of collection: the cluster tier first
+
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return CLUSTER_TIER if module.startswith(CLUSTER_TIER) else module
+            return CLUSTER_SCOPES.get(module, module)
 
     return ByModule(config, log)

@@ -1,9 +1,12 @@
 """A real Ray cluster on this one machine, to try (and test) cluster runs without a cluster.
 
-Each node is its own raylet on its own loopback address (127.0.0.2, 127.0.0.3, …), declares
+Each node is its own raylet on its own loopback address (127.0.0.2, 127.0.0.3, … or from the
+``first_address`` given, so that two clusters can run side by side), declares
 the configuration it stands for as the Ray resource ``taas:NAME`` and logical GPUs, so ranks run
 on CPU over gloo while Ray schedules them exactly as on real machines. Nothing it starts connects
-to anything beyond loopback: no dashboard, no usage report (its address points at loopback), and
+to anything beyond loopback: no dashboard, no usage report (its address points at loopback), no
+question to a cloud's metadata server (Ray's usage module asks one which cloud it is on unless the
+cluster's launch configuration says; the head's dashboard process is given one that says "local"), and
 the variables that say so are set for Ray's processes only, never left in the caller's environment.
 One exception is known: torch's distributed store names the peer of every connection it makes or
 accepts with ``getnameinfo``, and 127.0.0.x (other than .1) is not in ``/etc/hosts``, so those
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
@@ -45,7 +50,7 @@ QUIET = {
     # dies of SIGSEGV at once, leaving the client waiting minutes. The child needs no gRPC.
     "GRPC_ENABLE_FORK_SUPPORT": "false",
 }
-FIRST_ADDRESS = 2  # 127.0.0.1 is what Ray replaces by the machine's address; nodes start at .2
+FIRST_ADDRESS = "127.0.0.2"  # 127.0.0.1 is what Ray replaces by the machine's address
 START_ATTEMPTS = 3  # Ray gives a new node a fixed 30 s to register; a machine with every core busy can take longer
 START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the third
 
@@ -77,6 +82,8 @@ class LocalCluster:
     With ``client_port``, the head also serves Ray Client there: ``client_address`` is then the
     ``ray://`` address a notebook elsewhere would use (it needs ``pip install 'ray[client]'``).
     ``authenticate``: the nodes require a token of their own (``token``), as Ray's token authentication asks.
+    ``first_address``: the head's loopback address, each further node on the next (127.0.0.2, 127.0.0.3, …);
+    another cluster on this machine needs addresses of its own.
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class LocalCluster:
         cpus_per_node: int = 1,
         client_port: int | None = None,
         authenticate: bool = True,
+        first_address: str = FIRST_ADDRESS,
     ):
         try:
             from ray.cluster_utils import Cluster
@@ -95,6 +103,7 @@ class LocalCluster:
         shapes = [catalog.get(name) for name, count in nodes.items() for _ in range(count)]
         if not shapes:
             raise ValueError("a cluster needs at least one node")
+        self._network, self._first_host = _loopback_block(first_address, len(shapes))
         self.addresses: list[str] = []
         self._nodes: list[Any] = []
         self.token = secrets.token_hex(32) if authenticate else None
@@ -104,8 +113,9 @@ class LocalCluster:
         if client_port is not None:
             head["ray_client_server_port"] = client_port
         self._cluster = Cluster(initialize_head=False)
+        self._dashboard_home = tempfile.mkdtemp(prefix="taas-local-cluster-")
         try:
-            with _ray_environment(self.variables):
+            with _ray_environment(self.variables), _launched_locally(self._dashboard_home):
                 self._nodes.append(_start_node(lambda: self._cluster.add_node(**head)))
             self.addresses.append(self._args_address(0))
             for shape in shapes[1:]:
@@ -117,7 +127,7 @@ class LocalCluster:
         self.client_address = None if client_port is None else f"ray://{self.addresses[0]}:{client_port}"
 
     def _args_address(self, index: int) -> str:
-        return f"127.0.0.{FIRST_ADDRESS + index}"
+        return f"{self._network}.{self._first_host + index}"
 
     def _node_args(self, shape: Any, cpus: int) -> dict[str, Any]:
         return {
@@ -131,6 +141,8 @@ class LocalCluster:
     def add_node(self, name: str, cpus: int = 1) -> str:
         """One more node of configuration ``name``; its address."""
         shape = load_catalog().get(name)
+        if self._first_host + len(self.addresses) > 255:
+            raise ValueError(f"no loopback address is left after {self.addresses[-1]} for another node")
         args = self._node_args(shape, cpus)
         with _ray_environment(self.variables):
             node = _start_node(lambda: self._cluster.add_node(**args))
@@ -145,14 +157,53 @@ class LocalCluster:
             self._cluster.remove_node(self._nodes[index], allow_graceful=False)
 
     def shutdown(self) -> None:
-        with _ray_environment(self.variables):
-            self._cluster.shutdown()
+        try:
+            with _ray_environment(self.variables):
+                self._cluster.shutdown()
+        finally:
+            shutil.rmtree(self._dashboard_home, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@contextmanager
+def _launched_locally(home: str) -> Iterator[None]:
+    """The dashboard process of a head started in the block has ``home`` as its home, where Ray's launch
+    configuration (``ray_bootstrap_config.yaml``) names the provider "local": Ray's usage module reads it
+    rather than asking cloud metadata servers which cloud this is."""
+    from taas_magic.launch.cluster import ray_private
+
+    with open(os.path.join(home, "ray_bootstrap_config.yaml"), "w") as launch:
+        launch.write("provider:\n  type: local\n")
+    with ray_private.dashboard_environment({"HOME": home}):
+        yield
+
+
+def _loopback_block(first_address: object, nodes: int) -> tuple[str, int]:
+    """``("127.0.0", 2)`` for ``"127.0.0.2"``: the address's first three numbers, and its last, from which
+    the nodes count up. One line naming the value where it is not a loopback address that leaves room for
+    the nodes (127.0.0.1 is the one Ray takes for the machine's own)."""
+    network, _, host = first_address.rpartition(".") if isinstance(first_address, str) else ("", "", "")
+    numbers = network.split(".")
+    allowed = (
+        len(numbers) == 3
+        and numbers[0] == "127"
+        and all(n.isascii() and n.isdigit() and int(n) < 256 for n in numbers)
+        and host.isdigit()
+        and host.isascii()
+        and 2 <= int(host)
+        and int(host) + nodes <= 256
+    )
+    if not allowed:
+        raise ValueError(
+            f"first_address {first_address!r} is not allowed: use a loopback address 127.x.y.z, z from 2 "
+            f"to {256 - nodes}, so that the {nodes} nodes fit on it and the addresses after it"
+        )
+    return network, int(host)
 
 
 def _start_node(start: Callable[[], Any]) -> Any:

@@ -1,9 +1,16 @@
 """What the cluster tier's modules share: the cell header of a run on the test cluster's t.2 nodes,
-and what a run may not leave behind on any node."""
+and what a run may not leave behind on any node.
+
+Processes and folders are this test process's when they carry its temporary folder (tests/conftest.py):
+another worker's cluster may run beside it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import tempfile
 import time
 
 import psutil
@@ -11,10 +18,86 @@ import psutil
 from support.kernel import Kernel
 
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
+INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+
+# The registered loader of the delivery tests: element i is (i, the last number of the address of the node
+# that built it).
+DATA = """
+import json, os, torch, taas
+from torch.utils.data import DataLoader, Dataset
+class Indices(Dataset):
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {i} is corrupt")
+        return torch.tensor([i, int(os.environ.get('TAAS_NODE_ADDRESS', '0.0.0.0').split('.')[-1])])
+torch.manual_seed(0)
+loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
+taas.register(loader)
+"""
+# A cell that prints, for each rank, what it drew from ``loader`` in two passes and where it was built.
+COLLECT = """seen = [[b[:, 0].tolist() for b in loader] for epoch in range(2)]
+built = sorted({node for b in loader for node in b[:, 1].tolist()})
+print("GOT " + json.dumps({"rank": taas.rank(), "len": len(loader), "passes": seen, "built": built}))
+"""
+
+
+def collected(result) -> dict[int, dict]:
+    """What each rank of a ``COLLECT`` cell printed, by rank."""
+    found = {}
+    for match in re.finditer(r"GOT (\{.*\})", result.stdout):
+        record = json.loads(match[1])
+        found[record["rank"]] = record
+    return found
+
+
+def first_match(k: Kernel, msg_id: str, pattern: str, timeout: float = 120) -> re.Match | None:
+    """The first match of ``pattern`` in what the running cell ``msg_id`` prints, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = k.client.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        text = msg["content"].get("text", "") if msg["parent_header"].get("msg_id") == msg_id else ""
+        match = re.search(pattern, text)
+        if match:
+            return match
+    return None
+
+
+def error_of(k: Kernel, msg_id: str, since: float) -> tuple[dict | None, float]:
+    """The error the running cell ``msg_id`` ends with (None if it succeeds), and when: seconds after ``since``."""
+    error, seconds = None, 0.0
+    while True:
+        msg = k.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "error":
+            error, seconds = msg["content"], time.monotonic() - since
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return error, seconds
+
+
+def network(addresses: list[str]) -> str:
+    """``"127.0.10."`` for a cluster whose nodes are 127.0.10.2, 127.0.10.3, ...: how its addresses begin."""
+    return addresses[0].rsplit(".", 1)[0] + "."
 
 
 def run_folders() -> list[str]:
-    return [name for name in os.listdir("/tmp") if name.startswith("taas-run-")]
+    return [name for name in os.listdir(tempfile.gettempdir()) if name.startswith("taas-run-")]
+
+
+def ours(process: psutil.Process) -> bool:
+    """Whether ``process`` was started from this test process (its temporary folder is in its environment):
+    a test's cluster, its agents and ranks, orphans among them too."""
+    try:
+        return process.environ().get("TMPDIR") == os.environ["TMPDIR"]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def leftovers(k: Kernel) -> str:
@@ -31,7 +114,7 @@ def leftovers(k: Kernel) -> str:
 
 
 def node_agents() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter() if "NodeAgent" in " ".join(cmdline(p))]
+    return [p for p in psutil.process_iter() if "NodeAgent" in " ".join(cmdline(p)) and ours(p)]
 
 
 def cmdline(process: psutil.Process) -> list[str]:
@@ -53,9 +136,11 @@ def rank_processes() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter():
         try:
-            if "taas_magic.launch.forkserver.server" in " ".join(
-                cmdline(process)
-            ) and process.parent().name().startswith("ray::"):
+            if (
+                "taas_magic.launch.forkserver.server" in " ".join(cmdline(process))
+                and process.parent().name().startswith("ray::")
+                and ours(process)
+            ):
                 found += [p for p in process.children(recursive=True) if alive(p)]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, AttributeError):
             continue

@@ -1,7 +1,8 @@
 """The end-to-end cluster tier: the real Ray cluster its tests share, and the watch on what its
-processes talk to. One cluster serves modules that run one after another: starting one
-takes about 20 s on this machine, and a module's fixtures are handed to the next module when it uses
-them too (``_handed_on``), then stopped after the last.
+processes talk to. One cluster serves modules that run one after another in a test process: starting
+one takes about 20 s on this machine, and a module's fixtures are handed to the next module when it uses
+them too (``_handed_on``), then stopped after the last. Each worker of a parallel run has a cluster of
+its own, on loopback addresses of its own (127.0.10.x for the first, 127.0.11.x for the next, ...).
 
 A CPU head node (c1.4) and two t.2 nodes, each raylet on its own loopback address, logical GPUs.
 """
@@ -11,10 +12,14 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
+from support import sockets
+from support.cluster import DATA
+from support.kernel import Kernel
 from support.tiers import marks_for
 
 CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
@@ -40,28 +45,40 @@ def _handed_on(name: str) -> bool:
 
 class PeerWatch:
     """Every connection with a peer beyond loopback that any process started from this one (the
-    cluster's raylets and workers, agents, fork servers, ranks, kernels) has, sampled every 0.1 s
-    from before the cluster starts: a usage report or a cloud metadata probe would show up."""
+    cluster's raylets and workers, agents, fork servers, ranks, kernels) has, sampled every 0.05 s
+    from before the cluster starts: a usage report or a cloud metadata probe would show up. A TCP
+    connection this machine opened and closed between two looks stays in the kernel's table for a
+    minute (TIME_WAIT), without its process: it counts too, as process 0."""
 
     def __init__(self) -> None:
         self.outside: set[tuple[int, str, str]] = set()
+        self._ended_before = {self._ended(s) for s in sockets.outward(sockets.sockets()) if not s.inode}
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
+    @staticmethod
+    def _ended(s: sockets.Socket) -> tuple[int, str, str]:
+        return (0, f"closed before a look found its process (port {s.local_port})", s.peer_text)
+
     def _watch(self) -> None:
         me = psutil.Process()
-        while not self.stopped.wait(0.1):
-            ours = {p.pid: p for p in me.children(recursive=True)}
-            for connection in psutil.net_connections(kind="inet"):
-                if connection.pid in ours and connection.raddr and not _loopback(connection.raddr.ip):
-                    self.outside.add(
-                        (
-                            connection.pid,
-                            _command(ours[connection.pid]),
-                            f"{connection.raddr.ip}:{connection.raddr.port}",
-                        )
-                    )
+        while not self.stopped.wait(0.05):
+            found = sockets.outward(sockets.sockets())
+            self.outside |= {self._ended(s) for s in found if not s.inode} - self._ended_before
+            live = {s.inode: s for s in found if s.inode}
+            if live:
+                ours = {p.pid: p for p in me.children(recursive=True)}
+                for inode, pid in sockets.holders(live, ours).items():
+                    self.outside.add((pid, _command(ours[pid]), live[inode].peer_text))
+
+    def beyond_loopback(self) -> list[tuple[int, str, str]]:
+        """The peers beyond loopback seen so far but the machine's name server (port 53): torch's store
+        names each connection's peer with ``getnameinfo``, and 127.x addresses but 127.0.0.1 are not in
+        /etc/hosts."""
+        time.sleep(0.3)  # a few more samples
+        assert self.thread.is_alive()
+        return sorted(peer for peer in self.outside if not peer[2].endswith(":53"))
 
     def stop(self) -> None:
         self.stopped.set()
@@ -73,10 +90,6 @@ def _command(process: psutil.Process) -> str:
         return " ".join(process.cmdline())[:160]
     except psutil.Error:
         return "?"
-
-
-def _loopback(ip: str) -> bool:
-    return ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1") or ip.startswith("::ffff:127.")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +134,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_m
         config.write_text(CONFIG)
         saved = {name: os.environ.get(name) for name in ("TAAS_CONFIG", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
         os.environ["TAAS_CONFIG"] = str(config)
-        local = LocalCluster({"c1.4": 1, "t.2": 2}, client_port=_free_port())
+        head = f"127.0.{10 + _worker_number()}.2"
+        local = LocalCluster({"c1.4": 1, "t.2": 2}, client_port=_free_port(head), first_address=head)
         os.environ.update(local.variables)  # the kernels' (Ray's token authentication)
     try:
         yield local, str(config)
@@ -137,7 +151,32 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_m
                     os.environ[name] = value
 
 
-def _free_port() -> int:
+def _worker_number() -> int:
+    """0 for xdist's worker gw0 and for a run without xdist, 1 for gw1, ..."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+
+
+def _free_port(address: str) -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.2", 0))
+        probe.bind((address, 0))
         return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster_kernel(cluster, tmp_path_factory):
+    """A module's kernel connected to the cluster through $TAAS_CLUSTER, in a notebook folder of its own."""
+    local, config = cluster
+    folder = tmp_path_factory.mktemp("notebook")
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False
+    )
+    k.execute(f"os.chdir({str(folder)!r})").ok()
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture(scope="module")
+def registered(cluster_kernel):
+    """The module's kernel with ``support.cluster.DATA``'s loader registered."""
+    cluster_kernel.execute(DATA).ok()
+    return cluster_kernel

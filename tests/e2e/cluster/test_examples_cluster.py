@@ -34,5 +34,5 @@ def test_cluster_notebook_trains_across_two_nodes_and_brings_the_weights_back(da
     assert delivered > 80, text[-3000:]
     assert re.search(r"taas: train_loader: \d+ elements delivered to 4 ranks", text), text[-2000:]
     # The notebook's own LocalCluster, its kernel and ranks talked to nobody beyond loopback but the name server
-    # (torch's store names its peers with reverse lookups: test_cluster.py's xfail says why).
-    assert not [peer for peer in peers.outside if not peer[2].endswith(":53")], sorted(peers.outside)
+    # (torch's store names its peers with reverse lookups: test_cluster_nodes.py's xfail says why).
+    assert not peers.beyond_loopback(), peers.beyond_loopback()

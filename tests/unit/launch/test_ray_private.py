@@ -29,3 +29,29 @@ def test_the_packaging_functions_take_what_taas_passes():
     assert "excludes" in inspect.signature(packaging.get_uri_for_directory).parameters
     assert "excludes" in inspect.signature(packaging.create_package).parameters
     assert len(inspect.signature(packaging.download_and_unpack_package).parameters) >= 3
+
+
+def test_only_a_dashboard_started_in_the_block_gets_the_variables(monkeypatch):
+    import importlib
+    import inspect
+
+    services = importlib.import_module("ray._private.services")
+    dashboard = importlib.import_module("ray._private.ray_constants").PROCESS_TYPE_DASHBOARD
+    assert {"process_type", "env_updates"} <= set(inspect.signature(services.start_ray_process).parameters)
+    started = []
+
+    def start_ray_process(command, process_type, fate_share, env_updates=None, cwd=None):
+        started.append((command, process_type, env_updates))
+
+    monkeypatch.setattr(services, "start_ray_process", start_ray_process)
+    with ray_private.dashboard_environment({"HOME": "/home/local"}):
+        services.start_ray_process(["dashboard"], dashboard, fate_share=False)
+        services.start_ray_process(["raylet"], "raylet", False, {"A": "1"})
+        services.start_ray_process(["dashboard"], dashboard, False, {"A": "1"}, cwd="/")
+    services.start_ray_process(["dashboard"], dashboard, fate_share=False)
+    assert started == [
+        (["dashboard"], dashboard, {"HOME": "/home/local"}),
+        (["raylet"], "raylet", {"A": "1"}),
+        (["dashboard"], dashboard, {"A": "1", "HOME": "/home/local"}),
+        (["dashboard"], dashboard, None),
+    ]

@@ -20,11 +20,20 @@ version and the module; what each is for, and what happens without it:
   for 20 s and says only that it could not connect), with the variables read afresh so that a token set
   after a failed try counts. Without them (Ray before 2.52 has no token authentication) nothing is asked
   before connecting.
+- ``ray._private.services.start_ray_process``: to start the head's dashboard process, which Ray starts even
+  without a dashboard (for its usage-statistics module), with an environment of its own. That module asks
+  cloud metadata servers (169.254.169.254, metadata.google.internal) which cloud the cluster runs on, usage
+  statistics on or off, unless the cluster's launch configuration (``~/ray_bootstrap_config.yaml``) names
+  its provider; ``LocalCluster`` gives the dashboard a home whose configuration says "local". Without it, a
+  local cluster's head asks those servers as it starts.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 PRIVATE = {
@@ -39,6 +48,8 @@ PRIVATE = {
         "download_and_unpack_package",
     ),
     "ray._private.worker": ("global_worker", "_global_node"),
+    "ray._private.services": ("start_ray_process",),
+    "ray._private.ray_constants": ("PROCESS_TYPE_DASHBOARD",),
 }
 # Where Ray has token authentication (2.52 and later: ``ray.exceptions.AuthenticationError``), these too.
 TOKEN_AUTHENTICATION = {"ray._raylet": ("GcsClient", "Config", "AuthenticationTokenLoader")}
@@ -63,6 +74,28 @@ def packaging() -> Any:
 def worker() -> Any:
     """Ray's worker module of this process: its node and its store client (untyped: internal)."""
     return importlib.import_module("ray._private.worker")
+
+
+@contextmanager
+def dashboard_environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """Ray's dashboard process, if this process starts one in the block (a head node's), gets ``variables`` in
+    its environment; no other process does."""
+    services = importlib.import_module("ray._private.services")
+    dashboard = importlib.import_module("ray._private.ray_constants").PROCESS_TYPE_DASHBOARD
+    start = services.start_ray_process
+    signature = inspect.signature(start)
+
+    def starting(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        if call.arguments["process_type"] == dashboard:
+            call.arguments["env_updates"] = {**(call.arguments.get("env_updates") or {}), **variables}
+        return start(*call.args, **call.kwargs)
+
+    setattr(services, "start_ray_process", starting)
+    try:
+        yield
+    finally:
+        setattr(services, "start_ray_process", start)
 
 
 class TokenRefused(Exception):
