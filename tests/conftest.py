@@ -3,7 +3,7 @@
 
 Each worker (and a run without xdist) has a temporary folder of its own, in ``$TMPDIR`` for all it
 starts (kernels, ranks, a Ray cluster and its agents): what one worker's tests look for there, or find
-by it in a process's environment (``support.tiers.ours``), is never another's. It is removed at the end.
+by it in a process's environment (``support.cluster.ours``), is never another's. It is removed at the end.
 
 Each module's tests go to one worker, in order: they share the module's kernel, and some of them the
 session it keeps. A cluster module that hands its Ray cluster on to the next (``CLUSTER_SCOPES``) goes

@@ -9,7 +9,7 @@ question to a cloud's metadata server (Ray's usage module asks one which cloud i
 cluster's launch configuration says; the head's dashboard process is given one that says "local"), and
 the variables that say so are set for Ray's processes only, never left in the caller's environment.
 One exception is known: torch's distributed store names the peer of every connection it makes or
-accepts with ``getnameinfo``, and 127.0.0.x (other than .1) is not in ``/etc/hosts``, so those
+accepts with ``getnameinfo``, and 127.x addresses other than 127.0.0.1 are not in ``/etc/hosts``, so those
 reverse lookups reach the machine's name server (port 53).
 
 Its nodes require Ray's token authentication (on Ray 2.52 and later) with a token of its own, as a
@@ -31,6 +31,7 @@ import secrets
 import shutil
 import tempfile
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
@@ -113,9 +114,11 @@ class LocalCluster:
         if client_port is not None:
             head["ray_client_server_port"] = client_port
         self._cluster = Cluster(initialize_head=False)
-        self._dashboard_home = tempfile.mkdtemp(prefix="taas-local-cluster-")
+        dashboard_home = tempfile.mkdtemp(prefix="taas-local-cluster-")
+        # Removed at shutdown, or when the cluster is forgotten or the process exits without one.
+        self._remove_dashboard_home = weakref.finalize(self, shutil.rmtree, dashboard_home, ignore_errors=True)
         try:
-            with _ray_environment(self.variables), _launched_locally(self._dashboard_home):
+            with _ray_environment(self.variables), _launched_locally(dashboard_home):
                 self._nodes.append(_start_node(lambda: self._cluster.add_node(**head)))
             self.addresses.append(self._args_address(0))
             for shape in shapes[1:]:
@@ -161,7 +164,7 @@ class LocalCluster:
             with _ray_environment(self.variables):
                 self._cluster.shutdown()
         finally:
-            shutil.rmtree(self._dashboard_home, ignore_errors=True)
+            self._remove_dashboard_home()
 
     def __enter__(self) -> "LocalCluster":
         return self

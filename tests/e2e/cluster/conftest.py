@@ -9,8 +9,10 @@ A CPU head node (c1.4) and two t.2 nodes, each raylet on its own loopback addres
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -144,6 +146,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, peers: PeerWatch, shared_m
             _kept["cluster"] = (local, config, saved)
         else:
             local.shutdown()
+            left = glob.glob(os.path.join(tempfile.gettempdir(), "taas-local-cluster-*"))
+            assert not left, f"the cluster's dashboard home outlived it: {left}"
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
