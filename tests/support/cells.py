@@ -1,6 +1,30 @@
 """Notebook cells that tests of more than one module run: a Lightning regression module with its
-data (the Lightning and CUDA tests), and a small transformer with its training step (the sharded
-models' tests, on CPU and on GPUs)."""
+data (the Lightning and CUDA tests), a small transformer with its training step (the sharded
+models' tests, on CPU and on GPUs), and a registered loader whose elements say where they were built
+(the delivery tests, on this machine and on a cluster)."""
+
+
+def indices_loader(origin: str) -> str:
+    """A cell that defines ``Indices(n, fail_at=None)``, whose element i is ``(i, origin)`` (``origin``: an
+    expression evaluated where the element is built; ``fail_at``: the element that raises), and registers
+    ``loader`` over 50 of them, shuffled from seed 0, 4 to a batch."""
+    return f"""
+import json, os, torch, taas
+from torch.utils.data import DataLoader, Dataset
+class Indices(Dataset):
+    def __init__(self, n, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise ValueError(f"sample {{i}} is corrupt")
+        return torch.tensor([i, {origin}])
+torch.manual_seed(0)
+loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
+taas.register(loader)
+"""
+
 
 REGRESSION = """
 import torch, pytorch_lightning as pl

@@ -15,6 +15,7 @@ import time
 
 import psutil
 
+from support.cells import indices_loader
 from support.kernel import Kernel
 
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
@@ -22,22 +23,8 @@ INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
 
 # The registered loader of the delivery tests: element i is (i, the last number of the address of the node
 # that built it).
-DATA = """
-import json, os, torch, taas
-from torch.utils.data import DataLoader, Dataset
-class Indices(Dataset):
-    def __init__(self, n, fail_at=None):
-        self.n, self.fail_at = n, fail_at
-    def __len__(self):
-        return self.n
-    def __getitem__(self, i):
-        if i == self.fail_at:
-            raise ValueError(f"sample {i} is corrupt")
-        return torch.tensor([i, int(os.environ.get('TAAS_NODE_ADDRESS', '0.0.0.0').split('.')[-1])])
-torch.manual_seed(0)
-loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
-taas.register(loader)
-"""
+DATA = indices_loader("int(os.environ.get('TAAS_NODE_ADDRESS', '0.0.0.0').split('.')[-1])")
+
 # A cell that prints, for each rank, what it drew from ``loader`` in two passes and where it was built.
 COLLECT = """seen = [[b[:, 0].tolist() for b in loader] for epoch in range(2)]
 built = sorted({node for b in loader for node in b[:, 1].tolist()})

@@ -7,25 +7,10 @@ import re
 import time
 
 import pytest
+from support.cells import indices_loader
 from support.kernel import processes_of_run
 
-SETUP = """
-import os, torch, taas
-from torch.utils.data import DataLoader, Dataset
-class Indices(Dataset):
-    '''Element i is (i, pid of the process that built it).'''
-    def __init__(self, n, fail_at=None):
-        self.n, self.fail_at = n, fail_at
-    def __len__(self):
-        return self.n
-    def __getitem__(self, i):
-        if i == self.fail_at:
-            raise ValueError(f"sample {i} is corrupt")
-        return torch.tensor([i, os.getpid()])
-torch.manual_seed(0)
-loader = DataLoader(Indices(50), batch_size=4, shuffle=True)
-taas.register(loader)
-"""
+SETUP = indices_loader("os.getpid()")  # element i is (i, pid of the process that built it)
 
 COLLECT = """import json, os, taas
 seen = []
