@@ -6,15 +6,20 @@ processes it holds.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import queue
 import re
+import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import psutil
 from jupyter_client.manager import KernelManager
+
+from support.forked_kernels import ForkedKernelManager, forkable
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # hides every GPU from a kernel, whatever the machine has
@@ -108,9 +113,11 @@ class Kernel:
         extension loads (TaasMagics.warm_fork_server): a kernel that runs none spares its few seconds of CPU."""
         merged = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
         env = {name: value for name, value in merged.items() if value is not None}
-        self.manager = KernelManager(kernel_name="python3")
+        manager = ForkedKernelManager if forkable(imports, extra_env or {}) else KernelManager
+        self.manager = manager(kernel_name="python3")
         lazy = [] if warm_fork_server else ["--TaasMagics.warm_fork_server=False"]
-        self.manager.start_kernel(env=env, extra_arguments=lazy)
+        self.stacks_path = _stacks_file()
+        self.manager.start_kernel(env=env, extra_arguments=[*lazy, _dump_stacks_on(STACKS_SIGNAL, self.stacks_path)])
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=60)
@@ -157,7 +164,7 @@ class Kernel:
                 self.manager.interrupt_kernel()
                 interrupts.pop(0)
             if now - started > timeout:
-                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:200]!r}")
+                raise self._stuck(msg_id, f"cell did not finish in {timeout} s: {code[:200]!r}", result)
             if msg is not None and msg["msg_type"] == "debug_event":
                 self.debug_events.append(msg["content"])
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:
@@ -180,6 +187,60 @@ class Kernel:
             reply = self.client.get_shell_msg(timeout=10)
         result.reply = reply["content"]
         return result
+
+    def _stuck(self, msg_id: str, what: str, result: CellResult) -> TimeoutError:
+        """A cell that did not finish: the error says where each of the kernel's threads was, and what the
+        cell said when it was then interrupted (taas tells where each rank was), so that the module's next
+        test does not wait behind it either."""
+        if not self.manager.is_alive():
+            return TimeoutError(f"{what}\n{self._death()}")
+        stacks = self.stacks()
+        self.manager.interrupt_kernel()
+        said = [text for _, text, _ in result.streams] + ["\n(interrupted here)\n"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                msg = self.client.get_iopub_msg(timeout=0.5)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                said.append(content["text"])
+            elif kind == "error":
+                said.append(ANSI.sub("", "\n".join(content["traceback"])))
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        else:
+            said.append("(the interrupted cell did not end within 30 s)")
+        return TimeoutError(
+            f"{what}\nwhere the kernel's threads were:\n{stacks}\nwhat the cell said:\n" + "".join(said)
+        )
+
+    def _death(self) -> str:
+        """How the kernel ended, and the last lines that Ray's driver in it logged, if it had connected."""
+        process = self.manager.provisioner.process if self.manager.provisioner else None
+        code = process.poll() if process is not None else None
+        said = f"the kernel died (exit status {code}: a negative one is the signal that ended it)"
+        for log in glob.glob(
+            os.path.join(tempfile.gettempdir(), "ray", "session_*", "logs", f"*driver*_{self.pid}.log")
+        ):
+            with open(log, errors="replace") as file:
+                said += f"\nthe end of {log}:\n" + "".join(file.readlines()[-20:])
+        return said
+
+    def stacks(self, wait: float = 1.0) -> str:
+        """Every thread's Python stack in the kernel now, as faulthandler writes it."""
+        try:
+            before = os.path.getsize(self.stacks_path)
+            os.kill(self.pid, STACKS_SIGNAL)
+        except OSError as e:
+            return f"(none: {e})"
+        time.sleep(wait)
+        with open(self.stacks_path, errors="replace") as file:
+            file.seek(before)
+            return file.read() or "(none came)"
 
     def _answer(self, result: CellResult, pending: list[str], asked: list[float], think: float) -> None:
         if not asked:
@@ -244,6 +305,24 @@ class Kernel:
         self.client.stop_channels()
         if self.manager.is_alive():
             self.manager.shutdown_kernel(now=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.stacks_path)
+
+
+STACKS_SIGNAL = signal.SIGUSR2  # the test kernels' own: taas uses SIGUSR1 in ranks, nothing in the kernel
+
+
+def _stacks_file() -> str:
+    handle, path = tempfile.mkstemp(prefix="kernel-stacks-", suffix=".txt")
+    os.close(handle)
+    return path
+
+
+def _dump_stacks_on(signum: int, path: str) -> str:
+    """A kernel option that has faulthandler write every thread's stack to ``path`` on ``signum``; it binds
+    no name in the notebook (faulthandler keeps the file open)."""
+    line = f"__import__('faulthandler').register({int(signum)}, file=open({path!r}, 'a'), all_threads=True)"
+    return f"--IPKernelApp.exec_lines={line}"
 
 
 def processes_of_run(run_id: str) -> list[psutil.Process]:
