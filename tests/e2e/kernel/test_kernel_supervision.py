@@ -49,7 +49,10 @@ print("OLD{n} done", flush=True)
         run_ids = re.findall(r"OLD\d (taas-\w+)", old.stdout)
         new = kernel.execute(f"#pragma taas --gpus 2 --start {start} --output rank0\nprint('NEW{n}')").ok()
         assert new.stdout == f"NEW{n}\n", f"after an interrupt at {delay} s: {new.stdout!r}"
-        assert kernel.value(f"'old_name_{n}' in globals()") is False
+        assert kernel.value(f"'old_name_{n}' in globals()") is False, (
+            f"the cell interrupted at {delay} s ended after {old.seconds:.2f} s with "
+            f"{old.error and old.error['ename']}: {old.stdout!r}"
+        )
         for run_id in set(run_ids):
             assert processes_of_run(run_id) == []
     kernel.execute("del slow").ok()
