@@ -19,8 +19,6 @@ from typing import Iterator
 import psutil
 from jupyter_client.manager import KernelManager
 
-from support.forked_kernels import ForkedKernelManager, forkable
-
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # hides every GPU from a kernel, whatever the machine has
 
@@ -113,8 +111,7 @@ class Kernel:
         extension loads (TaasMagics.warm_fork_server): a kernel that runs none spares its few seconds of CPU."""
         merged = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
         env = {name: value for name, value in merged.items() if value is not None}
-        manager = ForkedKernelManager if forkable(imports, extra_env or {}) else KernelManager
-        self.manager = manager(kernel_name="python3")
+        self.manager = KernelManager(kernel_name="python3")
         lazy = [] if warm_fork_server else ["--TaasMagics.warm_fork_server=False"]
         self.stacks_path = _stacks_file()
         self.manager.start_kernel(env=env, extra_arguments=[*lazy, _dump_stacks_on(STACKS_SIGNAL, self.stacks_path)])
