@@ -111,13 +111,25 @@ class Kernel:
         extension loads (TaasMagics.warm_fork_server): a kernel that runs none spares its few seconds of CPU."""
         merged = {**os.environ, "TAAS_DEVICE": "cpu", **(extra_env or {})}
         env = {name: value for name, value in merged.items() if value is not None}
-        self.manager = KernelManager(kernel_name="python3")
         lazy = [] if warm_fork_server else ["--TaasMagics.warm_fork_server=False"]
         self.stacks_path = _stacks_file()
-        self.manager.start_kernel(env=env, extra_arguments=[*lazy, _dump_stacks_on(STACKS_SIGNAL, self.stacks_path)])
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
+        arguments = [*lazy, _dump_stacks_on(STACKS_SIGNAL, self.stacks_path)]
+        for attempt in range(START_ATTEMPTS):
+            self.manager = KernelManager(kernel_name="python3")
+            self.manager.start_kernel(env=env, extra_arguments=arguments)
+            self.client = self.manager.client()
+            self.client.start_channels()
+            try:
+                self.client.wait_for_ready(timeout=60)
+                break
+            except RuntimeError:
+                # jupyter_client picks the kernel's ports and frees them for the kernel to bind: another
+                # process (another worker's kernel, a rank's store) can take one meanwhile, and the kernel
+                # dies at once ("Address already in use"). Anything else is the test's to see.
+                self.client.stop_channels()
+                if self.manager.is_alive() or attempt == START_ATTEMPTS - 1:
+                    raise
+                self.manager.cleanup_resources()
         self.pid = self.manager.provisioner.process.pid
         self.debug_events: list[dict] = []  # every debug_event seen on iopub while a cell ran
         self.execute(f"%load_ext taas_magic\n{imports}").ok()
@@ -306,6 +318,7 @@ class Kernel:
             os.remove(self.stacks_path)
 
 
+START_ATTEMPTS = 3  # a kernel whose port was taken before it could bind it is started again, on new ports
 STACKS_SIGNAL = signal.SIGUSR2  # the test kernels' own: taas uses SIGUSR1 in ranks, nothing in the kernel
 
 
