@@ -173,22 +173,14 @@ class Kernel:
                 self.manager.interrupt_kernel()
                 interrupts.pop(0)
             if now - started > timeout:
-                raise self._stuck(msg_id, f"cell did not finish in {timeout} s: {code[:200]!r}", result)
+                raise self._stuck(msg_id, f"cell did not finish in {timeout} s: {code[:200]!r}", result, started)
             if msg is not None and msg["msg_type"] == "debug_event":
                 self.debug_events.append(msg["content"])
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "execute_input":
+            if msg["msg_type"] == "execute_input":
                 began = now
-            if kind == "stream":
-                result.streams.append((content["name"], content["text"], now - started))
-            elif kind == "error":
-                result.error = content
-            elif kind in ("display_data", "update_display_data", "execute_result"):
-                result.displays.append(content["data"])
-                result.display_messages.append((kind, content.get("transient", {}).get("display_id")))
-            elif kind == "status" and content["execution_state"] == "idle":
+            if _record(msg, result, now - started):
                 break
         result.seconds = time.monotonic() - started
         reply = self.client.get_shell_msg(timeout=10)
@@ -197,7 +189,7 @@ class Kernel:
         result.reply = reply["content"]
         return result
 
-    def _stuck(self, msg_id: str, what: str, result: CellResult) -> TimeoutError:
+    def _stuck(self, msg_id: str, what: str, result: CellResult, started: float) -> TimeoutError:
         """A cell that did not finish: the error says where each of the kernel's threads was, and what the
         cell said when it was then interrupted (taas tells where each rank was), so that the module's next
         test does not wait behind it either."""
@@ -205,24 +197,19 @@ class Kernel:
             return TimeoutError(f"{what}\n{self._death()}")
         stacks = self.stacks()
         self.manager.interrupt_kernel()
-        said = [text for _, text, _ in result.streams] + ["\n(interrupted here)\n"]
+        before = len(result.streams)
+        ended = False
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while not ended and time.monotonic() < deadline:
             try:
                 msg = self.client.get_iopub_msg(timeout=0.5)
             except queue.Empty:
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                said.append(content["text"])
-            elif kind == "error":
-                said.append(ANSI.sub("", "\n".join(content["traceback"])))
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
-        else:
-            said.append("(the interrupted cell did not end within 30 s)")
+            if msg["parent_header"].get("msg_id") == msg_id:
+                ended = _record(msg, result, time.monotonic() - started)
+        said = [text for _, text, _ in result.streams]
+        said.insert(before, "\n(interrupted here)\n")
+        said.append(result.traceback if ended else "(the interrupted cell did not end within 30 s)")
         return TimeoutError(
             f"{what}\nwhere the kernel's threads were:\n{stacks}\nwhat the cell said:\n" + "".join(said)
         )
@@ -316,6 +303,20 @@ class Kernel:
             self.manager.shutdown_kernel(now=True)
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.stacks_path)
+
+
+def _record(msg: dict, result: CellResult, at: float) -> bool:
+    """One of a cell's iopub messages into ``result`` (``at``: seconds since the cell was sent); whether it
+    says the cell has ended."""
+    kind, content = msg["msg_type"], msg["content"]
+    if kind == "stream":
+        result.streams.append((content["name"], content["text"], at))
+    elif kind == "error":
+        result.error = content
+    elif kind in ("display_data", "update_display_data", "execute_result"):
+        result.displays.append(content["data"])
+        result.display_messages.append((kind, content.get("transient", {}).get("display_id")))
+    return kind == "status" and content["execution_state"] == "idle"
 
 
 START_ATTEMPTS = 3  # a kernel whose port was taken before it could bind it is started again, on new ports
