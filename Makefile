@@ -6,10 +6,12 @@ GPUS ?= 2
 
 .PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-live-view screenshots clean
 
+# --no-compile: pip would compile every module of every package, torch's thousands among them, on one core
+# (30 of its 90 s here); Python compiles a module the first time it is imported, and most never are.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-compile -e '.[test]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -11,10 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any, Protocol
 
 # torch's process-wide settings as attribute paths under `torch`, in the order they are applied.
 # TF32 first through the older flags, then the float32 matmul precision, then (torch >= 2.9) the
@@ -54,7 +51,8 @@ class TorchSettings:
     matmul_precision: str | None  # for set_float32_matmul_precision; None where unreadable
     flags: tuple[tuple[str, object], ...]
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
-    default_dtype: torch.dtype
+    default_dtype: str  # its name in torch ("float64"): a dtype object in the pickle would make a cluster node's
+    # agent, which passes the task on unread, import torch to unpickle it (a second of CPU and 300 MB per agent)
     grad_enabled: bool = True  # torch.set_grad_enabled(False) in a cell of the notebook
     anomaly: tuple[bool, bool] = (False, True)  # set_detect_anomaly(mode, check_nan)
     print_options: tuple[tuple[str, object], ...] = ()  # torch.set_printoptions(...)
@@ -71,7 +69,7 @@ class TorchSettings:
                 torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled(),
             ),
-            default_dtype=torch.get_default_dtype(),
+            default_dtype=str(torch.get_default_dtype()).removeprefix("torch."),
             grad_enabled=torch.is_grad_enabled(),
             anomaly=(torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
             print_options=tuple(vars(torch._tensor_str.PRINT_OPTS).items()),
@@ -91,8 +89,9 @@ class TorchSettings:
         ):
             # only when the notebook changed it: this call also sets up torch's compiler caches
             torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        if self.default_dtype != torch.get_default_dtype():
-            torch.set_default_dtype(self.default_dtype)
+        dtype = getattr(torch, self.default_dtype)
+        if dtype != torch.get_default_dtype():
+            torch.set_default_dtype(dtype)
         torch.set_grad_enabled(self.grad_enabled)
         if self.anomaly != (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()):
             torch.set_anomaly_enabled(*self.anomaly)

@@ -348,7 +348,9 @@ for i, batch in enumerate(steps):
     result.ok()
     produced, consumed, per_rank, skipped, buffered, finished = progress(states)[-1]
     assert (consumed, per_rank, skipped, buffered, finished) == (13, (10, 3), 7, 0, "done")
-    assert 13 <= produced <= 20
+    # At most the pass, and what the producers prepared of the next one while a rank could still begin it:
+    # --prefetch's default of 8 elements for 2 ranks (docs/data-delivery.md). A run here showed 22.
+    assert 13 <= produced <= 20 + 8
     registered.execute("taas.unregister(steps)").ok()
 
 

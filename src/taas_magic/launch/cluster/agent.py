@@ -69,12 +69,14 @@ class NodeInfo:
 
 
 def versions() -> tuple[str, str, str]:
-    """Python, torch and taas versions: a cell compiled by one Python runs only under the same one."""
+    """Python, torch and taas versions: a cell compiled by one Python runs only under the same one.
+
+    Read from the installed packages' metadata, not from an imported torch: an agent imports torch only
+    if its node holds a run's store, and importing it to answer this took more than a second of CPU each.
+    """
     from importlib.metadata import version
 
-    import torch
-
-    return platform.python_version(), str(torch.__version__), version("taas-magic")
+    return platform.python_version(), version("torch"), version("taas-magic")
 
 
 Method = TypeVar("Method", bound=Callable[..., Any])
