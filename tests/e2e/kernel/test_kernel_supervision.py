@@ -90,9 +90,11 @@ def test_an_interrupt_that_lands_in_fork_callbacks_or_while_ranks_start_stops_th
     """At-fork callbacks (logging registers some) run Python inside os.fork: an interrupt raised
     there is swallowed, in the kernel (the cell then ran on to its end) or in a starting rank
     (which ignored it until the SIGTERM step). Here the callbacks sleep, so interrupts land in them."""
+    # The callbacks are inherited by the supervisor, which forks the ranks: the parent's sleeps in the kernel
+    # only, or the supervisor would take 1 s per rank to start them, and to hear the kernel's stop (2.3 s).
     kernel.execute(
-        "import os, time\nSLOW_FORK = None\nos.register_at_fork("
-        "after_in_parent=lambda: time.sleep(1) if SLOW_FORK == 'parent' else None, "
+        "import os, time\nSLOW_FORK = None\nKERNEL_PID = os.getpid()\nos.register_at_fork("
+        "after_in_parent=lambda: time.sleep(1) if SLOW_FORK == 'parent' and os.getpid() == KERNEL_PID else None, "
         "after_in_child=lambda: time.sleep(1) if SLOW_FORK == 'child' else None)"
     ).ok()
     # parent: the kernel's fork of the supervisor; child: the supervisor's forks of the ranks, 1 s after it
