@@ -6,7 +6,7 @@ GPUS ?= 2
 
 .PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-live-view screenshots clean
 
-# Every module is compiled to bytecode here, on every core (pip compiles on one: 30 of its 90 s): where
+# Every module is compiled to bytecode here, on every core (pip compiles on one: 36 of its 96 s): where
 # PYTHONDONTWRITEBYTECODE is set, as on this machine, Python would otherwise compile torch's modules again in
 # every process that imports them. A few files in the packages are not Python 3; compileall says so and goes on.
 $(VENV)/.installed: pyproject.toml

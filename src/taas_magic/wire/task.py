@@ -52,7 +52,7 @@ class TorchSettings:
     flags: tuple[tuple[str, object], ...]
     deterministic: tuple[bool, bool]  # use_deterministic_algorithms(mode, warn_only=...)
     default_dtype: str  # its name in torch ("float64"): a dtype object in the pickle would make a cluster node's
-    # agent, which passes the task on unread, import torch to unpickle it (a second of CPU and 300 MB per agent)
+    # agent, which passes the task on unread, import torch to unpickle it (about 2 s of CPU and 480 MB per agent)
     grad_enabled: bool = True  # torch.set_grad_enabled(False) in a cell of the notebook
     anomaly: tuple[bool, bool] = (False, True)  # set_detect_anomaly(mode, check_nan)
     print_options: tuple[tuple[str, object], ...] = ()  # torch.set_printoptions(...)

@@ -110,7 +110,7 @@ class _Classes(pickle.Unpickler):
 
 def test_a_kernels_context_unpickles_without_torch_whatever_the_notebook_set() -> None:
     """A cluster node's agent passes the task on to its fork server unread; a torch object in it (the default
-    dtype) made every agent import torch to unpickle it: a second of CPU and 300 MB more per agent."""
+    dtype) made every agent import torch to unpickle it: about 2 s of CPU and 480 MB more per agent."""
     import torch
 
     saved = torch.get_default_dtype(), torch.is_grad_enabled()

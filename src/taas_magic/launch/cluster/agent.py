@@ -71,8 +71,8 @@ class NodeInfo:
 def versions() -> tuple[str, str, str]:
     """Python, torch and taas versions: a cell compiled by one Python runs only under the same one.
 
-    Read from the installed packages' metadata, not from an imported torch: an agent imports torch only
-    if its node holds a run's store, and importing it to answer this took more than a second of CPU each.
+    Read from the installed packages' metadata, not from an imported torch: an agent imports torch only if
+    its node holds a run's store (torch costs an agent about 2 s of CPU and 480 MB).
     """
     from importlib.metadata import version
 
