@@ -30,6 +30,7 @@ from taas_magic.wire.supervision import Close, Closed, Events, Lost, Started, St
 from taas_magic.wire.task import RankTask
 
 PRODUCER = Producer(0, 0)  # a data producer of the run
+_TEST_PROCESS = os.getpid()
 
 
 @pytest.fixture
@@ -164,6 +165,30 @@ def test_a_run_through_a_supervisor_forked_from_here_leaves_nothing():
         time.sleep(0.01)  # the supervisor said the run was over and is exiting: it is reaped as it goes
     assert containment.children() == [], "the supervisor was reaped"
     assert opened_since(fds_before) == set()
+
+
+_SLOW_RANK_START = [False]  # while set, each rank spends 1 s in its fork, before it can take any signal
+os.register_at_fork(
+    after_in_child=lambda: time.sleep(1) if _SLOW_RANK_START[0] and os.getppid() != _TEST_PROCESS else None
+)
+
+
+def test_a_request_for_stacks_while_ranks_start_is_answered_once_they_can_and_ends_none():
+    """The hang doctor, or the report of another rank's failure, may ask a rank for its stacks (SIGUSR1) before
+    it has set its handler: the signal's default would end it, and the run would report that as its failure."""
+    task = RankTask(code=compile("import time\ntime.sleep(60)", "<cell>", "exec"), device="cpu", threads=1)
+    _SLOW_RANK_START[0] = True
+    try:
+        group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(2)))
+    finally:
+        _SLOW_RANK_START[0] = False
+    try:
+        stacks = group.stacks([0, 1], timeout=10)
+        assert all(stacks.values()) and set(stacks) == {0, 1}, stacks
+        assert not [e for e in group.events(0.5) if isinstance(e, Exited)], "no rank ended"
+        assert group.running() == {0, 1}
+    finally:
+        group.close()
 
 
 def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():

@@ -190,8 +190,9 @@ def _reset_signals(stack_fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
-    # The supervisor forked this process with interrupts held: one sent while it started is raised now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # The supervisor forked this process with interrupts and stack requests held: one sent while it started
+    # is taken now (a stack request, by then, is answered rather than ending the process).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
 
 
 def _detach_from_kernel() -> Any:

@@ -69,7 +69,9 @@ def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task
         log.info("supervisor of run %s: ranks %s", env.get("TAAS_RUN_ID"), sorted(envs))
         os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # held, not lost, in a rank until it can take one
+        # Held, not lost, in a rank until it can take them: an interrupt, and a request for its stacks (SIGUSR1,
+        # whose default ends a process), which the hang doctor or a failure's report may send as it starts.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR1})
         containment.become_subreaper()
         _Supervisor(channel, os.getppid()).serve(envs, make_task)
         status = 0
