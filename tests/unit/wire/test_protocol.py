@@ -101,7 +101,9 @@ def test_what_travels_inside_messages_is_frozen_and_typed_too(part: type) -> Non
 class _Classes(pickle.Unpickler):
     """Unpickles as usual, noting the module of every class or function the pickle names."""
 
-    modules: set[str]
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.modules: set[str] = set()
 
     def find_class(self, module: str, name: str) -> Any:
         self.modules.add(module)
@@ -121,8 +123,7 @@ def test_a_kernels_context_unpickles_without_torch_whatever_the_notebook_set() -
     finally:
         torch.set_default_dtype(saved[0])
         torch.set_grad_enabled(saved[1])
-    reader = _Classes(io.BytesIO(pickle.dumps(context)))
-    reader.modules = set()
+    reader = _Classes(pickle.dumps(context))
     assert reader.load() == context
     assert not {module for module in reader.modules if module.split(".")[0] == "torch"}, reader.modules
     assert context.torch_settings.default_dtype == "float64" and not context.torch_settings.grad_enabled
