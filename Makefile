@@ -6,14 +6,16 @@ GPUS ?= 2
 
 .PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-live-view screenshots clean
 
-# Every module is compiled to bytecode here, on every core (pip compiles on one: 36 of its 96 s): where
-# PYTHONDONTWRITEBYTECODE is set, as on this machine, Python would otherwise compile torch's modules again in
-# every process that imports them. A few files in the packages are not Python 3; compileall says so and goes on.
+# Bytecode is written as modules are first imported, by the first process that imports them, not compiled ahead
+# (pip compiles all 13,709 modules of the environment, on one core: 36 of its 96 s). Where PYTHONDONTWRITEBYTECODE
+# is set, as on this machine, no process would write it, and every kernel, fork server and rank would compile
+# torch's modules again (3.5 s of CPU each): the commands here clear it.
+export PYTHONDONTWRITEBYTECODE :=
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -e '.[test]'
-	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
 demo: $(VENV)/.installed
@@ -27,30 +29,29 @@ CHECKS = $(VENV)/bin/ruff check src tests benchmarks examples \
 	&& $(PY) -m mypy \
 	&& $(VENV)/bin/lint-imports
 PYTEST := TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider
-# taas's own modules as bytecode before the tests: where PYTHONDONTWRITEBYTECODE is set, as on this machine, each
-# kernel, fork server and agent the tests start would compile them again (0.2 s of CPU each).
-COMPILE := $(PY) -m compileall -q src tests/support > /dev/null
-E2E_WORKERS ?= 3
+# The checks beside the tiers that start no kernel: mypy keeps one core busy for 20 s from a fresh clone, and
+# those tiers leave part of the other idle. Fails when either fails.
+CHECKS_AND_FAST_TIERS = ( $(CHECKS) ) & checks=$$!; \
+	$(PYTEST) -n 2 tests/unit tests/integration; tiers=$$?; \
+	wait $$checks && exit $$tiers
+E2E_WORKERS ?= 4
 
-# The checks, then the tiers (docs/architecture.md#the-tests): unit and integration on two workers, the
-# kernel and browser tiers on E2E_WORKERS (each module in one worker: tests/conftest.py), the cluster tier
+# The tiers (docs/architecture.md#the-tests): the checks beside unit and integration on two workers, the
+# kernel and browser tiers on E2E_WORKERS (each module in one worker, the modules that mostly wait paired
+# with ones that compute: tests/conftest.py; on three workers two waiting modules met), the cluster tier
 # on two workers, each with a Ray cluster of its own, apart from the others (Ray gives a node's raylet a
 # fixed 30 s to register, which three busy workers beside it can take), then the tests whose assertions
 # are about time, with nothing beside them.
 test: $(VENV)/.installed
-	$(COMPILE)
-	$(CHECKS)
-	$(PYTEST) -n 2 tests/unit tests/integration
+	$(CHECKS_AND_FAST_TIERS)
 	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing and not cluster" tests/e2e
 	$(PYTEST) -n 2 --dist loadfile -m "cluster and not timing" tests/e2e/cluster
 	$(PYTEST) -m timing tests/e2e
 
-# What to run after each edit: the checks, and the tiers that start no kernel and no cluster (pure functions,
+# What to run after each edit: the checks beside the tiers that start no kernel and no cluster (pure functions,
 # the state machine, the protocol, real supervisors and forks) on two workers: about a minute here.
 test-fast: $(VENV)/.installed
-	$(COMPILE)
-	$(CHECKS)
-	$(PYTEST) -n 2 tests/unit tests/integration
+	$(CHECKS_AND_FAST_TIERS)
 
 # The built wheel as users install it: in a fresh environment with its declared dependencies only, its kernel
 # registered and driven through a 2-rank cell, a fork-server cell, taas.register and %unload_ext

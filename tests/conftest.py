@@ -8,8 +8,8 @@ by it in a process's environment (``support.cluster.ours``), is never another's.
 Each module's tests go to one worker, in order: they share the module's kernel, and some of them the
 session it keeps. A cluster module that hands its Ray cluster on to the next (``CLUSTER_SCOPES``) goes
 with it; each worker starts a cluster of its own, on loopback addresses of its own. The cluster
-modules, the longest shares, are handed out first. Other ``--dist`` modes are xdist's own (the unit and
-integration tiers run test by test).
+modules, the longest shares, are handed out first, then the modules that mostly wait, each with one that
+computes. Other ``--dist`` modes are xdist's own (the unit and integration tiers run test by test).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from itertools import zip_longest
 
 import pytest
 from hypothesis import settings
@@ -51,8 +52,24 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The cluster tier first (its modules are the longest), every module's tests in their own order."""
-    items.sort(key=lambda item: not item.nodeid.startswith(CLUSTER_TIER))
+    """The cluster tier first (its modules are the longest); then the modules that mostly wait, each followed
+    by one that computes, then the rest; every module's tests in their own order.
+
+    A module says ``MOSTLY_WAITS = True`` when its tests spend most of their time waiting (for a timeout, a
+    hang to be seen, a debugger): beside a module that keeps the cores busy, its waits cost no time. Left to
+    the end, as alphabetical order left them, they ran side by side with the cores almost idle.
+    """
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    cluster = [tests for name, tests in modules.items() if name.startswith(CLUSTER_TIER)]
+    waiting, computing = [], []
+    for name, tests in modules.items():
+        if not name.startswith(CLUSTER_TIER):
+            waits = getattr(getattr(tests[0], "module", None), "MOSTLY_WAITS", False)
+            (waiting if waits else computing).append(tests)
+    paired = [tests for pair in zip_longest(waiting, computing[: len(waiting)]) for tests in pair if tests]
+    items[:] = [item for tests in [*cluster, *paired, *computing[len(waiting) :]] for item in tests]
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, which test-min's environment lacks

@@ -18,6 +18,8 @@ from support.kernel import Kernel
 from taas_magic.kernel.rank_engines import RANK_IDS
 from taas_magic.kernel.visual_debugger import REATTACH_SECONDS
 
+MOSTLY_WAITS = True  # for the debugger's client and for paused ranks (tests/conftest.py)
+
 # What JupyterLab's debugger sends first (its arguments, as @jupyterlab/debugger's session sends them).
 WARM_FORK_SERVER = True  # the debugger in ranks that the warm server starts, as users have it (tests/e2e/conftest.py)
 
@@ -321,7 +323,8 @@ def test_a_breakpoint_in_a_taas_cell_stops_each_rank_as_a_thread_of_the_session(
         assert attached.top_frame(thread)["line"] == 5
         assert attached.value(attached.top_frame(thread)["id"], "twice") == str(rank * 2)
     for thread in threads:
-        assert attached.request("continue", {"threadId": thread})["success"]
+        answer = attached.request("continue", {"threadId": thread})
+        assert answer["success"], answer
     assert attached.finish()["status"] == "ok"
     assert "[rank 0] rank 0 twice 0" in attached.text() and "[rank 1] rank 1 twice 2" in attached.text()
     continued = [e["body"]["threadId"] for e in attached.kernel.debug_events if e.get("event") == "continued"]

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import pytest
 from support.kernel import ANSI, ranks_in
 
+MOSTLY_WAITS = True  # for hangs to be seen and timeouts to end them (tests/conftest.py)
+
 HEADER = re.compile(
     r"^(?P<who>(?:ranks? [\d,-]+|producer \d+ of \w+)(?:; (?:ranks? [\d,-]+|producer \d+ of \w+))*)"
     r"(?:: (?P<doing>.+?))?(?P<colon>:)?$"

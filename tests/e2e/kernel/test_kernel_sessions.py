@@ -9,6 +9,8 @@ import psutil
 import pytest
 from support.kernel import Kernel, view_rows
 
+MOSTLY_WAITS = True  # for ranks to end, sessions to stop, timeouts (tests/conftest.py)
+
 START = """#pragma taas --gpus 2 --keep --start {start}
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")

@@ -14,6 +14,7 @@ import pytest
 from support.kernel import processes_of_run
 
 WARM_FORK_SERVER = True  # interrupts that land while a warm server starts the ranks (tests/e2e/conftest.py)
+MOSTLY_WAITS = True  # for the moment to interrupt, and for processes to be gone (tests/conftest.py)
 
 STARTS = ["fork", "forkserver"]
 

@@ -11,6 +11,8 @@ import tempfile
 import pytest
 from support.kernel import ranks_in, view_notes, working_in
 
+MOSTLY_WAITS = True  # for ranks that sleep between collectives (tests/conftest.py)
+
 ITERATIONS = 30  # of 0.2 s each: a run of about 6 s, some six samples per rank
 
 
