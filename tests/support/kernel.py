@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import psutil
+import zmq
 from jupyter_client.manager import KernelManager
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -118,6 +119,10 @@ class Kernel:
             self.manager = KernelManager(kernel_name="python3")
             self.manager.start_kernel(env=env, extra_arguments=arguments)
             self.client = self.manager.client()
+            # A front end that reads all the kernel sends: ZMQ's publisher drops messages for a subscriber that
+            # has 1000 unread, as a test process on a busy machine can have (50 MB of rank output is 1,672
+            # messages), and a lost message (the cell's output, its "idle") would look like taas's fault.
+            self.client.context.setsockopt(zmq.RCVHWM, 0)
             self.client.start_channels()
             try:
                 self.client.wait_for_ready(timeout=60)

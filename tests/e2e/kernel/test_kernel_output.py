@@ -31,9 +31,15 @@ print((str(taas.rank()) + "x" * 98 + "\\n") * 250_000, end="")
 """
 
 
+@pytest.mark.timeout(360)  # the cell's own bound (300 s), not the suite's 120 s: a busy machine took longer
 def test_50_mb_of_output_through_the_live_view_leaves_the_kernel_less_than_30_mb_larger(fresh_kernel):
     """Blocks of many lines, handed to the kernel's stream whole, once left it 20 to 65 MB larger for
-    good: large messages, and freed pages the allocator kept."""
+    good: large messages, and freed pages the allocator kept.
+
+    The 50 MB leave the kernel as 1,672 messages of 32 KB. ZMQ's publisher drops a subscriber's messages
+    beyond 1000 queued: this test process's channels take all (support/kernel.py), but where it got no
+    CPU for a while beside other kernels and busy processes, 1 run in 12 still lost lines here, and one
+    lost the cell's "idle" (the cell never ended for the test)."""
     process = psutil.Process(fresh_kernel.pid)
     fresh_kernel.execute("#pragma taas --gpus 2\nx = 1").ok()
     fresh_kernel.execute("import gc\ngc.collect()").ok()
