@@ -62,12 +62,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    cluster = [tests for name, tests in modules.items() if name.startswith(CLUSTER_TIER)]
-    waiting, computing = [], []
+    cluster, waiting, computing = [], [], []
     for name, tests in modules.items():
-        if not name.startswith(CLUSTER_TIER):
-            waits = getattr(getattr(tests[0], "module", None), "MOSTLY_WAITS", False)
-            (waiting if waits else computing).append(tests)
+        if name.startswith(CLUSTER_TIER):
+            cluster.append(tests)
+        elif getattr(getattr(tests[0], "module", None), "MOSTLY_WAITS", False):
+            waiting.append(tests)
+        else:
+            computing.append(tests)
     paired = [tests for pair in zip_longest(waiting, computing[: len(waiting)]) for tests in pair if tests]
     items[:] = [item for tests in [*cluster, *paired, *computing[len(waiting) :]] for item in tests]
 
