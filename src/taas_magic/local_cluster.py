@@ -7,7 +7,8 @@ on CPU over gloo while Ray schedules them exactly as on real machines. Nothing i
 to anything beyond loopback: no dashboard, no usage report (its address points at loopback), no
 question to a cloud's metadata server (Ray's usage module asks one which cloud it is on unless the
 cluster's launch configuration says; the head's dashboard process is given one that says "local"), and
-the variables that say so are set for Ray's processes only, never left in the caller's environment.
+the variables that say so are set for Ray's processes only, never left in the caller's environment. Its
+workers, and so the ranks, run at the machine's usual priority, not at Ray's niceness of 15.
 One exception is known: torch's distributed store names the peer of every connection it makes or
 accepts with ``getnameinfo``, and 127.x addresses other than 127.0.0.1 are not in ``/etc/hosts``, so those
 reverse lookups reach the machine's name server (port 53).
@@ -51,6 +52,10 @@ QUIET = {
     # dies of SIGSEGV at once, leaving the client waiting minutes. The child needs no gRPC.
     "GRPC_ENABLE_FORK_SUPPORT": "false",
 }
+# Ray starts its workers at niceness 15, below its own daemons: the agents, and the ranks they start, would
+# yield the CPU to every other process of the machine (the notebook's kernel, a build), as ranks started
+# here or by torchrun do not; on a busy machine a first cluster cell took minutes. Here they run as those do.
+USUAL_PRIORITY = {"RAY_worker_niceness": "0"}
 FIRST_ADDRESS = "127.0.0.2"  # 127.0.0.1 is what Ray replaces by the machine's address
 START_ATTEMPTS = 3  # Ray gives a new node a fixed 30 s to register; a machine with every core busy can take longer
 START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the third
@@ -58,11 +63,11 @@ START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the th
 
 @contextmanager
 def _ray_environment(variables: Mapping[str, str]) -> Iterator[None]:
-    """``QUIET`` and ``variables`` in the environment for the block: what Ray's processes started meanwhile
-    inherit, and what this process's own calls to the cluster read."""
+    """``QUIET``, ``USUAL_PRIORITY`` and ``variables`` in the environment for the block: what Ray's processes
+    started meanwhile inherit, and what this process's own calls to the cluster read."""
     from taas_magic.launch.cluster import ray_private
 
-    added = {**QUIET, **variables}
+    added = {**QUIET, **USUAL_PRIORITY, **variables}
     saved = {name: os.environ.get(name) for name in added}
     os.environ.update(added)
     ray_private.read_authentication_anew()  # Ray reads them once: for this process's own calls to the nodes

@@ -10,6 +10,10 @@ ranks are told (``TORCHELASTIC_USE_AGENT_STORE``) to connect to it as clients, s
 Why the kernel: it waits anyway while the run's supervisor forks the ranks, so the store is
 ready by the time they need it, at no cost to the start. A store served by a process of the
 run would be started only after the last fork (its server thread must never be forked).
+
+On a cluster, node 0's supervisor serves it (``hand_over``): the node's agent, a Ray worker, would
+import torch only for that (2 s of CPU and about 500 MB), and a node's supervisor forks nothing after
+its ranks, whose peers on other nodes wait in the socket's backlog until it serves.
 """
 
 from __future__ import annotations
@@ -65,23 +69,19 @@ class RunStore:
         }
 
     def serve(self) -> None:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public (documented), not in __all__
-
         if self._listener is None:
             raise RuntimeError("the run's store was closed before it could serve")
         fd = self._listener.detach()  # the store owns it from here, and closes it when it ends
         self._listener = None
-        # torch's classic server: the libuv one leaves a pipe of its own open in the kernel for good
-        self._server = TCPStore(
-            self.host,
-            self.port,
-            self.world_size,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-            timeout=STORE_TIMEOUT,
-            use_libuv=False,
-        )
+        self._server = serve_on(fd, self.host, self.port, self.world_size)
+
+    def hand_over(self) -> int:
+        """The listening socket's descriptor, for a process of the run to serve the store on
+        (``serve_on``), after its last fork: the caller sends it and closes its own copy."""
+        if self._listener is None:
+            raise RuntimeError("the run's store was closed before it could be handed over")
+        fd, self._listener = self._listener.detach(), None
+        return fd
 
     def close(self) -> None:
         """Stop serving and close the port: the store's server thread ends with its last reference."""
@@ -89,3 +89,21 @@ class RunStore:
             self._listener.close()
             self._listener = None
         self._server = None
+
+
+def serve_on(fd: int, host: str, port: int, world_size: int) -> Any:
+    """Serve a run's store on the listening socket ``fd`` (which it owns from then on) until the object
+    returned is dropped."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public (documented), not in __all__
+
+    # torch's classic server: the libuv one leaves a pipe of its own open in the kernel for good
+    return TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=fd,
+        timeout=STORE_TIMEOUT,
+        use_libuv=False,
+    )

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 import pytest
-from support.cluster import COLLECT, HEADER, INIT, collected, leftovers, network
+from support.cluster import COLLECT, HEADER, INIT, collected, leftovers, network, node_agents
 from support.kernel import ANSI, Kernel, view_notes
 from support.notebook_values import KINDS, SETUP, unpicklable
 
@@ -49,6 +49,16 @@ dist.destroy_process_group()
     assert cluster_kernel.value("total") == 10
     assert cluster_kernel.value("torch.load('weights.pt')") == {"rank": 0}
     assert not leftovers(cluster_kernel)
+
+
+def test_no_agent_imports_torch_not_even_node_0s_which_has_the_runs_store(cluster_kernel):
+    """Torch is the fork server's, on each node: in an agent (a Ray worker) it would cost 2 s of CPU and about
+    500 MB more. Node 0's supervisor serves the run's store, which node 0's agent once served itself."""
+    cluster_kernel.execute(HEADER + INIT + "dist.barrier()\ndist.destroy_process_group()", timeout=240).ok()
+    agents = node_agents()
+    assert len(agents) == 2, agents
+    with_torch = [agent.pid for agent in agents if any("libtorch" in m.path for m in agent.memory_maps())]
+    assert not with_torch, f"agents that imported torch: {with_torch}"
 
 
 def test_registered_loaders_are_fed_from_a_cpu_node_exactly_once_in_the_same_order_as_here(cluster, registered):
@@ -230,6 +240,16 @@ def test_a_warm_cell_starts_in_about_a_second(cluster_kernel):
         f"[rank {rank}] warm {rank}" for rank in range(4)
     ]
     assert r.seconds < 5, r.seconds  # about 0.3 s on an idle 2-core machine; shared CI machines are slower
+
+
+def test_the_local_clusters_ranks_run_at_the_notebooks_priority(cluster_kernel):
+    """Ray starts its workers at niceness 15; the local cluster's ranks run as local ranks and torchrun's do,
+    or a busy machine starves them (a first cell took 204 s instead of 56 s beside four busy processes)."""
+    mine = os.nice(0)
+    r = cluster_kernel.execute(HEADER + "print('nice', os.environ['RANK'], os.nice(0))", timeout=60).ok()
+    assert sorted(line for line in r.stdout.splitlines() if "nice" in line) == [
+        f"[rank {rank}] nice {rank} {mine}" for rank in range(4)
+    ], r.stdout
 
 
 def test_a_cluster_runs_summary_names_the_rank_the_others_waited_for(cluster_kernel):

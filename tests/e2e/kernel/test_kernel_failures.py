@@ -63,15 +63,22 @@ dist.all_reduce(torch.ones(1))  # ranks 0 and 2 block here, waiting for rank 1
 @pytest.mark.parametrize("world", [3, 4])
 def test_peers_whose_collective_a_failure_broke_read_the_same_in_every_run(kernel, world):
     """gloo breaks the peers' all_reduce the moment rank 1 exits; whether taas sees that exit or the peers'
-    own errors first must not change a word of the report, nor a row of the view."""
+    own errors first must not change a word of the report, nor a row of the view.
+
+    The peers are in all_reduce when rank 1 fails: gloo's ``init_process_group`` returns in each rank once
+    its own connections are made, so without the barrier a busy machine saw rank 1 fail while ranks 0 and 2
+    were still connecting ("ranks 0,2: in process-group setup", a true report of another state), and rank 1
+    waits a moment after it for the peers to go from the barrier into all_reduce."""
     kernel.execute("def check(x):\n    if x == 1:\n        raise ValueError(f'bad value {x}')\n").ok()
     others = ",".join(str(rank) for rank in range(world) if rank != 1)
     for _ in range(6):
         result = kernel.execute(
             f"""#pragma taas --gpus {world}
-import torch, torch.distributed as dist
+import time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
+dist.barrier()
 if dist.get_rank() == 1:
+    time.sleep(0.5)
     check(dist.get_rank())
 dist.all_reduce(torch.ones(1))
 """,

@@ -172,7 +172,8 @@ class NodeAgent:
         self.delivery = NodeDelivery(share) if share is not None and share.active() else None
         request = self._request(payload, self.folder, self.delivery, package)
         try:
-            self.group = self.backend.start_node(run_id, envs, request, store)
+            # Node 0's supervisor serves the run's store: this process never imports torch.
+            self.group = self.backend.start_node(run_id, envs, request, store, store_in_supervisor=True)
         finally:
             request.close()
         if self.delivery is not None:

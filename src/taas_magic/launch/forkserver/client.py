@@ -183,25 +183,36 @@ class ForkServerBackend:
         return self.start_node(launch.run_id, launch.envs, plan, RunStore(launch.envs))
 
     def start_node(
-        self, run_id: str, envs: dict[int, dict[str, str]], request: ForkServerRequest, store: RunStore | None
+        self,
+        run_id: str,
+        envs: dict[int, dict[str, str]],
+        request: ForkServerRequest,
+        store: RunStore | None,
+        store_in_supervisor: bool = False,
     ) -> SupervisedRanks:
         """Start this machine's share of a run: ``store`` is the run's TCPStore when it is served
-        here (its port goes into the ranks' environments), None when another machine serves it.
+        here (its port goes into the ranks' environments), None when another machine serves it; served
+        by this process, or with ``store_in_supervisor`` by the run's supervisor (a cluster node's agent
+        has no torch of its own to serve it with: ``launch/rendezvous.py``).
         A cluster node that only hosts producers has no ranks (``envs`` is empty)."""
         self.warm_up()
         server = self._server
         assert server is not None
         if store is not None:
             envs = store.environments(envs)
+        to_serve, listener = None, []
+        if store is not None and store_in_supervisor:
+            to_serve = fork_server.StoreToServe(store.host, store.port, store.world_size)
+            listener, store = [store.hand_over()], None
         kernel_end, supervisor_end = channel.socket_pair()
         secret = channel.new_secret()
         shipment = dataclasses.replace(request.shipment, tensors_fd=None)
-        fds = [supervisor_end.fileno()] + (
+        fds = [supervisor_end.fileno(), *listener] + (
             [request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else []
         )
         fds += request.delivery_fds
         try:
-            server.control.send(fork_server.StartRun(run_id, secret, envs, request.task, shipment), fds=fds)
+            server.control.send(fork_server.StartRun(run_id, secret, envs, request.task, shipment, to_serve), fds=fds)
         except BaseException as e:
             kernel_end.close()
             if store is not None:
@@ -211,6 +222,8 @@ class ForkServerBackend:
             raise
         finally:
             supervisor_end.close()
+            for fd in listener:
+                os.close(fd)  # the supervisor's now
 
         def lost(detail: str) -> str:
             return f"{detail}; {server.describe_death()}" if not server.alive() else detail

@@ -25,7 +25,7 @@ import traceback
 from typing import Callable, NoReturn, assert_never
 
 from taas_magic.launch.supervisor.ranks import ForkedRanks
-from taas_magic.launch.supervisor.tasks import Received
+from taas_magic.launch.supervisor.tasks import Received, StoreServer
 from taas_magic.process import containment, logs
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
@@ -55,12 +55,18 @@ STOP_SECONDS = 5.0  # the most the supervisor spends ending every process of the
 
 
 # -- in the supervisor process -------------------------------------------------------------------
-def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task: Callable[[], Received]) -> NoReturn:
+def supervise(
+    channel: SupervisorEnd,
+    envs: dict[int, dict[str, str]],
+    make_task: Callable[[], Received],
+    store: StoreServer | None = None,
+) -> NoReturn:
     """The whole life of a supervisor, from just after its fork to ``os._exit``.
 
     ``make_task`` gives the ranks' task: at hand after a fork from the kernel, unpacked from
     what the kernel shipped after a fork from the fork server (a failure there is reported); and on a
-    cluster node, its share of the run's data delivery.
+    cluster node, its share of the run's data delivery. ``store``: the run's store, to serve once the
+    ranks are forked (on a cluster's node 0).
     """
     status = 1
     try:
@@ -73,7 +79,7 @@ def supervise(channel: SupervisorEnd, envs: dict[int, dict[str, str]], make_task
         # whose default ends a process), which the hang doctor or a failure's report may send as it starts.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR1})
         containment.become_subreaper()
-        _Supervisor(channel, os.getppid()).serve(envs, make_task)
+        _Supervisor(channel, os.getppid()).serve(envs, make_task, store)
         status = 0
     except BaseException:
         log.exception("the supervisor failed")
@@ -89,8 +95,11 @@ class _Supervisor:
     def __init__(self, channel: SupervisorEnd, parent: int):
         self.channel = channel
         self.parent = parent
+        self.store: object = None  # the run's store, when this supervisor serves it
 
-    def serve(self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received]) -> None:
+    def serve(
+        self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received], store: StoreServer | None
+    ) -> None:
         try:
             received = make_task()
             group = ForkedRanks.start(
@@ -113,7 +122,9 @@ class _Supervisor:
         last: list[Relayed] = []
         try:
             # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
-            containment.drop_sockets({self.channel.fileno()} | group.control_fds())
+            containment.drop_sockets({self.channel.fileno()} | group.control_fds() | _listening(store))
+            # After the last fork, and after the drop (the store's connections are not inherited ones).
+            self.store = store.serve() if store is not None else None  # served while the supervisor lives
             group.watch(self.channel.fileno())
             self._send(Started(os.getpid(), tuple(sorted(group.ranks, key=key_order))))
             last = self._relay(group)
@@ -252,3 +263,7 @@ class _IdleClock:
         if self.limit is None or self.busy:
             return False
         return time.monotonic() - self.since > self.limit
+
+
+def _listening(store: StoreServer | None) -> set[int]:
+    return set() if store is None else {store.fd}

@@ -7,7 +7,7 @@ started the supervisor added to it. Each process it forks runs a rank's cells or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, assert_never
+from typing import Any, Callable, assert_never
 
 from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
@@ -26,6 +26,15 @@ class Received:
     task: RankTask
     shipped: dict[str, Any] | None = None
     attached: AttachedDelivery | None = None
+
+
+@dataclass(frozen=True)
+class StoreServer:
+    """The run's store, served by the supervisor once its ranks are forked (its server thread is never
+    forked with them): ``serve`` starts it on the listening socket ``fd`` and returns what keeps it."""
+
+    fd: int
+    serve: Callable[[], object]
 
 
 def kernel_namespace() -> dict[str, Any]:
