@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -144,6 +145,21 @@ def test_a_rank_that_goes_away_fails_what_waits_for_its_answer():
         assert "rank 0" in str(e)
     else:
         raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("command", ["continue", "next", "stepIn", "stepOut", "stackTrace", "evaluate"])
+def test_a_rank_that_ends_before_it_answers_went_on_if_told_to_and_failed_anything_else(command):
+    """A rank told to go on may run to its end, and exit, before its answer leaves: it did go on. A question
+    it could not answer failed, and says which rank left."""
+    hub = RankDebugging(FakeDebugger())
+    rank = a_rank(2)
+    threading.Timer(0.2, rank.peer.close).start()  # type: ignore[attr-defined]  # the rank exits, unanswering
+    reply = hub._for_rank(rank, {"command": command, "seq": 9, "arguments": {"threadId": 1, "frameId": 1}})
+    assert (reply["command"], reply["request_seq"]) == (command, 9)
+    if command in ("continue", "next", "stepIn", "stepOut"):
+        assert reply["success"] is True, reply
+    else:
+        assert reply["success"] is False and reply["message"] == "rank 2: rank 2 left the debugger", reply
 
 
 def test_a_taas_cells_header_lines_are_counted_when_the_history_holds_it():

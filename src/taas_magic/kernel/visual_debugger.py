@@ -39,6 +39,7 @@ SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within th
 # ``initialize``, and every later request waits behind it. Ending a session takes the adapter milliseconds
 # (a busy machine: more); a client that attaches again sooner than this after detaching waits out the rest.
 REATTACH_SECONDS = 1.0
+GOING_ON = ("continue", "next", "stepIn", "stepOut")  # requests that let a stopped thread run
 _EVENTS = ("stopped", "continued", "thread")  # what a front end needs of a rank's events (not its modules, output)
 # Where taas's own code is: stepping does not go into it, as ipykernel keeps stepping out of its own.
 _OWN_CODE = [str(Path(__file__).resolve().parents[2] / name) for name in ("taas_magic", "taas")]
@@ -200,7 +201,9 @@ class RankDebugging:
             )
         try:
             reply = self._outward(rank, rank.request(command, arguments))
-        except (ConnectionError, TimeoutError) as e:
+        except ConnectionError as e:
+            reply = _left(rank, command, e)
+        except TimeoutError as e:
             reply = {"success": False, "message": f"{rank.label}: {e}"}
         if command == "stackTrace" and reply.get("success"):
             self._rank_frames(rank, reply["body"], arguments.get("startFrame", 0))
@@ -419,3 +422,12 @@ async def _in_thread(work: Callable[[], Any]) -> Any:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(work)
+
+
+def _left(rank: RankEngine, command: str, error: ConnectionError) -> Message:
+    """The answer for a rank that left the debugger before it answered. A rank leaves only by ending: one
+    told to go on did, whether or not its answer went out before it ended (its threads' exit follows,
+    ``_gone``); any other request failed."""
+    if command in GOING_ON:
+        return {"success": True, "body": {}}
+    return {"success": False, "message": f"{rank.label}: {error}"}

@@ -23,6 +23,7 @@ from taas_magic.wire.task import DebugLink
 JOIN_SECONDS = 30.0  # the kernel answers a rank in well under a second; this much is a kernel that is gone
 JOIN_ATTEMPTS = 3
 STOP_SECONDS = 5.0  # for an ended engine's threads to go
+LEAVE_SECONDS = 1.0  # for them to go as the rank ends: what the engine has queued is sent in milliseconds
 _joined: int | None = None  # the kernel's port this rank joined on (a session's rank stays joined)
 _pdb_hook: Callable[..., Any] | None = None  # breakpoint()'s hook before a link took it over
 
@@ -39,6 +40,13 @@ def take_part(link: DebugLink | None, rank: int) -> None:
     sys.breakpointhook = lambda *args, **kwargs: _visual_breakpoint(link, rank, args, kwargs)
     if link.eager:
         _join(link, rank)
+
+
+def leave() -> None:
+    """At the rank's end: end its engine, which first sends what it has queued (a rank ended by a ``continue``
+    would otherwise exit before the answer to it left, and the front end read that it failed)."""
+    if _joined is not None:
+        _stop(_engine(), LEAVE_SECONDS)
 
 
 def _visual_breakpoint(link: DebugLink, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -97,13 +105,14 @@ def _connect(pydevd: Any, link: DebugLink, rank: int) -> None:
     )
 
 
-def _stop(pydevd: Any) -> None:
-    """End the engine, and wait (a few seconds at most) for the threads of its connection, which pydevd
-    gives half a second: a new engine's connection must not meet the old one's end."""
+def _stop(pydevd: Any, seconds: float = STOP_SECONDS) -> None:
+    """End the engine, and wait (``seconds`` at most) for the threads of its connection, which pydevd
+    gives half a second: a new engine's connection must not meet the old one's end. Its writer sends what
+    was queued before it ends."""
     engine = pydevd.get_global_debugger()
     pydevd.stoptrace()
     pydevd.SetupHolder.setup = None
-    deadline = time.monotonic() + STOP_SECONDS
+    deadline = time.monotonic() + seconds
     for thread in (getattr(engine, "reader", None), getattr(engine, "writer", None)):
         if isinstance(thread, threading.Thread) and thread.ident is not None:
             thread.join(max(0.0, deadline - time.monotonic()))

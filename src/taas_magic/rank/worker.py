@@ -24,7 +24,7 @@ from taas_magic.process.child import (
     report,
     wait_at_gate,
 )
-from taas_magic.rank import debugger, plugins, progress, session, storage, vitals
+from taas_magic.rank import debugger, plugins, progress, session, storage, visual_debugging, vitals
 from taas_magic.rank.aliases import rebind
 from taas_magic.rank.cell import release_termination, run_cell
 from taas_magic.rank.state import seed_rank
@@ -86,6 +86,7 @@ def run_rank(
             if finish is not None:
                 finish(lambda record: report(fds.report, record))
         flush_all()
+        visual_debugging.leave()
         end_descendants()
         tempfiles.remove_multiprocessing_folders()
 
