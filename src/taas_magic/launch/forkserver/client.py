@@ -200,13 +200,13 @@ class ForkServerBackend:
         assert server is not None
         if store is not None:
             envs = store.environments(envs)
+        kernel_end, supervisor_end = channel.socket_pair()
+        secret = channel.new_secret()
+        shipment = dataclasses.replace(request.shipment, tensors_fd=None)
         to_serve, listener = None, []
         if store is not None and store_in_supervisor:
             to_serve = fork_server.StoreToServe(store.host, store.port, store.world_size)
             listener, store = [store.hand_over()], None
-        kernel_end, supervisor_end = channel.socket_pair()
-        secret = channel.new_secret()
-        shipment = dataclasses.replace(request.shipment, tensors_fd=None)
         fds = [supervisor_end.fileno(), *listener] + (
             [request.shipment.tensors_fd] if request.shipment.tensors_fd is not None else []
         )
