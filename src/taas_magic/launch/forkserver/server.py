@@ -24,14 +24,13 @@ import socket
 import sys
 
 from taas_magic.delivery.cluster_ends import NodeEnds
-from taas_magic.launch import rendezvous
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 from taas_magic.launch.supervisor.tasks import Received, StoreServer
 from taas_magic.process import child, containment, logs, tracebacks
 from taas_magic.rank import plugins
 from taas_magic.wire import fork_server, shipping, supervision
 from taas_magic.wire.channel import ChannelBroken
-from taas_magic.wire.fork_server import ServerEnd, StartRun, StoreToServe
+from taas_magic.wire.fork_server import ServerEnd, StartRun
 from taas_magic.wire.task import RankTask
 
 log = logging.getLogger("taas_magic.launch.forkserver.server")  # by name: the server runs as __main__
@@ -80,7 +79,7 @@ def _read_secret() -> bytes:
 
 def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> int:
     run_id, secret, envs, task, shipment = request.run_id, request.secret, request.envs, request.task, request.shipment
-    store, rest = (None, fds[1:]) if request.store is None else (_store_on(request.store, fds[1]), fds[2:])
+    store, rest = (None, fds[1:]) if request.store is None else (StoreServer(request.store, fds[1]), fds[2:])
     logs.follow(next(iter(envs.values()), {}))  # this run's log, if it keeps one
     try:
         pid = os.fork()
@@ -100,11 +99,6 @@ def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> i
                 os.close(fd)
             except OSError:
                 pass  # the supervisor's copy: already taken over by its channel
-
-
-def _store_on(store: StoreToServe, fd: int) -> StoreServer:
-    """What serves the run's store on the listening socket ``fd``, in the supervisor, after its last fork."""
-    return StoreServer(fd, lambda: rendezvous.serve_on(fd, store.host, store.port, store.world_size))
 
 
 def _unpack(task: RankTask, shipment: shipping.Shipment, fds: list[int]) -> Received:

@@ -7,13 +7,15 @@ started the supervisor added to it. Each process it forks runs a rank's cells or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, assert_never
+from typing import Any, assert_never
 
 from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
 from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import RankLoader
+from taas_magic.launch import rendezvous
 from taas_magic.process import child
 from taas_magic.rank import worker
+from taas_magic.wire.fork_server import StoreToServe
 from taas_magic.wire.task import RankTask
 
 
@@ -30,11 +32,15 @@ class Received:
 
 @dataclass(frozen=True)
 class StoreServer:
-    """The run's store, served by the supervisor once its ranks are forked (its server thread is never
-    forked with them): ``serve`` starts it on the listening socket ``fd`` and returns what keeps it."""
+    """The run's store (``store``), served by the supervisor on the listening socket ``fd`` once its ranks
+    are forked: its server thread is never forked with them."""
 
+    store: StoreToServe
     fd: int
-    serve: Callable[[], object]
+
+    def serve(self) -> object:
+        """Start serving; the store serves while what is returned is kept."""
+        return rendezvous.serve_on(self.fd, self.store.host, self.store.port, self.store.world_size)
 
 
 def kernel_namespace() -> dict[str, Any]:
