@@ -7,15 +7,20 @@ GPUS ?= 2
 .PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-live-view screenshots clean
 
 # Bytecode is written as modules are first imported, by the first process that imports them, not compiled ahead
-# (pip compiles all 13,709 modules of the environment, on one core: 36 of its 96 s). Where PYTHONDONTWRITEBYTECODE
+# (compiling all 13,709 modules of the environment at install takes 36 s of one core). Where PYTHONDONTWRITEBYTECODE
 # is set, as on this machine, no process would write it, and every kernel, fork server and rank would compile
 # torch's modules again (3.5 s of CPU each): the commands here clear it.
 export PYTHONDONTWRITEBYTECODE :=
 
+# uv installs: it unpacks wheels on every core (20 s for torch's CUDA build and the rest, against pip's 44 s on one)
+# and links them from its cache on later installs (3 s); .ci/uv_options.py hands it pip's configured indexes,
+# find-links and constraints, so that it installs what pip would on this machine.
+INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) $$($(PY) .ci/uv_options.py $(PY))
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	$(PY) -m pip install --quiet 'uv>=0.9'
+	$(INSTALL) -e '.[test]'
 	touch $@
 
 demo: $(VENV)/.installed
@@ -72,7 +77,7 @@ test-extras-min:
 	PYTHON=$(PYTHON) EXTRAS="$(EXTRAS)" .ci/test_min
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[bench]'
+	$(INSTALL) -e '.[bench]'
 	touch $@
 
 bench: $(VENV)/.installed-bench
