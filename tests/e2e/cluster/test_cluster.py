@@ -165,7 +165,10 @@ def test_more_producers_than_cpu_nodes_is_refused_in_one_line(registered):
 def test_a_failing_dataset_on_the_cpu_node_fails_the_cell_naming_the_loader_and_element(registered):
     cluster_kernel = registered
     cluster_kernel.execute("broken = DataLoader(Indices(40, fail_at=21), batch_size=4)\ntaas.register(broken)").ok()
-    r = cluster_kernel.execute(HEADER + "for batch in broken:\n    pass", timeout=120)
+    try:
+        r = cluster_kernel.execute(HEADER + "for batch in broken:\n    pass", timeout=120)
+    finally:  # a loader left registered would fail the module's later tests, not this one
+        cluster_kernel.execute("taas.unregister(broken)").ok()
     assert r.error is not None, r.stdout
     assert r.error["evalue"].startswith(
         "producer 0 of broken failed at element 5 of pass 0 (samples [20, 21, 22, 23]): "
@@ -176,7 +179,6 @@ def test_a_failing_dataset_on_the_cpu_node_fails_the_cell_naming_the_loader_and_
     )
     assert r.seconds < 20
     assert not leftovers(cluster_kernel)
-    cluster_kernel.execute("taas.unregister(broken)").ok()
 
 
 def test_an_interrupt_stops_ranks_and_producers_on_every_node(registered):
@@ -190,11 +192,13 @@ class Slow(Indices):
 slow = DataLoader(Slow(1000), batch_size=2)
 taas.register(slow)
 """).ok()
-    r = cluster_kernel.execute(HEADER + "for batch in slow:\n    pass", timeout=60, interrupt_after=5)
+    try:
+        r = cluster_kernel.execute(HEADER + "for batch in slow:\n    pass", timeout=60, interrupt_after=5)
+    finally:
+        cluster_kernel.execute("taas.unregister(slow)").ok()
     assert r.error is not None and "KeyboardInterrupt" in r.traceback, r.error
     assert r.seconds < 5 + 10
     assert not leftovers(cluster_kernel)
-    cluster_kernel.execute("taas.unregister(slow)").ok()
 
 
 def test_the_store_port_is_open_for_the_run_only(cluster_kernel):
