@@ -39,11 +39,12 @@ PYTEST := TAAS_DEVICE=cpu $(PY) -m pytest -q -p no:cacheprovider
 CHECKS_AND_FAST_TIERS = ( $(CHECKS) ) & checks=$$!; \
 	$(PYTEST) -n 2 tests/unit tests/integration; tiers=$$?; \
 	wait $$checks && exit $$tiers
-E2E_WORKERS ?= 4
+E2E_WORKERS ?= 6
 
 # The tiers (docs/architecture.md#the-tests): the checks beside unit and integration on two workers, the
 # kernel and browser tiers on E2E_WORKERS (each module in one worker, the modules that mostly wait paired
-# with ones that compute: tests/conftest.py; on three workers two waiting modules met), the cluster tier
+# with ones that compute: tests/conftest.py; on four workers, waits that met still left the two cores a fifth
+# idle, on six they are busy throughout), the cluster tier
 # on two workers, each with a Ray cluster of its own, apart from the others (Ray gives a node's raylet a
 # fixed 30 s to register, which three busy workers beside it can take), then the tests whose assertions
 # are about time, with nothing beside them.
