@@ -15,19 +15,20 @@ import ast
 import subprocess
 import sys
 
-# Later scopes win, as in pip: the files from the system's to the user's, then the environment.
-SCOPES = ("global", "user", "site", "install", ":env:")
+# The sections `pip install` reads, later over earlier as in pip: its configuration files' [global] and
+# [install] (pip has merged the files already), then PIP_* variables.
+SECTIONS = ("global", "install", ":env:")
 
 
 def pip_config(python: str) -> dict[str, str]:
-    """pip's configured values by option name, later scopes over earlier ones."""
+    """pip's configured values for `pip install`, by option name."""
     listing = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True).stdout
     found: dict[tuple[int, str], str] = {}
     for line in listing.splitlines():
         key, _, quoted = line.partition("=")
-        scope, _, name = key.rpartition(".")
-        if scope in SCOPES and quoted:
-            found[SCOPES.index(scope), name] = ast.literal_eval(quoted)
+        section, _, name = key.rpartition(".")
+        if section in SECTIONS and quoted:
+            found[SECTIONS.index(section), name] = ast.literal_eval(quoted)
     return {name: value for (_, name), value in sorted(found.items())}
 
 

@@ -8,6 +8,7 @@ The wheel itself, installed in a fresh environment and driven through a kernel, 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -27,8 +28,8 @@ from taas_magic.version import VERSION
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def _floors_module():
-    spec = importlib.util.spec_from_file_location("floors", ROOT / ".ci" / "floors.py")
+def _ci_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / ".ci" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -56,16 +57,16 @@ def test_the_changelog_opens_with_this_version() -> None:
 
 
 def test_every_runtime_dependency_has_a_floor_that_make_test_min_installs() -> None:
-    floors = _floors_module().floors([])
+    floors = _ci_module("floors").floors([])
     names = {re.match(r"[A-Za-z0-9._-]+", r)[0].lower().replace("_", "-") for r in PYPROJECT["project"]["dependencies"]}
     assert set(floors) == names
     assert floors["torch"] and floors["ipython"] and floors["ipykernel"]
-    with_extras = _floors_module().floors(["examples"])  # taas-magic[lightning] inside it is followed
+    with_extras = _ci_module("floors").floors(["examples"])  # taas-magic[lightning] inside it is followed
     assert "pytorch-lightning" in with_extras and "torchvision" in with_extras
 
 
 def test_a_dependency_without_a_floor_is_refused(tmp_path: Path) -> None:
-    floors = _floors_module()
+    floors = _ci_module("floors")
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = ["torch"]\n')
     floors.ROOT = tmp_path
     with pytest.raises(SystemExit, match="'torch' in pyproject.toml has no '>=FLOOR'"):
@@ -136,3 +137,33 @@ def test_without_an_optional_extra_everything_imports_and_its_features_say_what_
     assert len(messages) == 2
     for message in messages:
         assert "\n" not in message and message.endswith("pip install 'taas-magic[ray]'"), message
+
+
+def test_the_install_takes_packages_from_where_pip_is_configured_to(tmp_path: Path) -> None:
+    """make's install runs uv, which reads no pip configuration: .ci/uv_options.py hands it pip's, read from
+    pip itself, with pip's precedence (a PIP_* variable over [install] over [global])."""
+    config = tmp_path / "pip.conf"
+    config.write_text(
+        "[global]\nindex-url = https://mirror.example/simple\nfind-links = /wheels/global\n"
+        "extra-index-url =\n    file:///one/simple\n    file:///two/simple\n"
+        "[install]\nfind-links = /wheels/install\nconstraint = /caps.txt\n[download]\nno-index = true\n"
+    )
+    environment = {"PATH": os.environ.get("PATH", ""), "PIP_CONFIG_FILE": str(config), "HOME": str(tmp_path)}
+    uv_options = _ci_module("uv_options")
+    read = lambda **extra: subprocess.run(  # noqa: E731
+        [sys.executable, str(ROOT / ".ci" / "uv_options.py"), sys.executable],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**environment, **extra},
+    ).stdout.split()
+    assert read() == [
+        *("--index-strategy", "unsafe-best-match", "--index-url", "https://mirror.example/simple"),
+        *("--extra-index-url", "file:///one/simple", "--extra-index-url", "file:///two/simple"),
+        *("--find-links", "/wheels/install", "--constraint", "/caps.txt"),
+    ], "[download]'s no-index is not pip install's"
+    assert read(PIP_FIND_LINKS="/wheels/env /more", PIP_NO_INDEX="yes")[-7:] == [
+        *("--find-links", "/wheels/env", "--find-links", "/more", "--constraint", "/caps.txt", "--no-index"),
+    ]
+    assert uv_options.uv_options({}) == ["--index-strategy", "unsafe-best-match"], "nothing configured: uv's own"
