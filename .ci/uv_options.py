@@ -6,7 +6,7 @@ but which reads no pip configuration. A machine whose pip is pointed at local in
 capped by a constraints file, is read here so that uv installs what pip would: the indexes
 (pip's rule of the best match across all of them), the find-links and the constraints.
 
-Usage: python .ci/uv_options.py PIP_PYTHON  (one option per line, for `xargs`)
+Usage: python .ci/uv_options.py PYTHON  (the Python whose pip to read; one option or value per line)
 """
 
 from __future__ import annotations
