@@ -7,7 +7,7 @@ import dataclasses
 import io
 
 from hypothesis import given
-from support.notebook_values import SETUP
+from support.notebook_values import SETUP, TORCH_WARNINGS_OF_TENSORS
 from support.notebook_values import values as notebook_values
 
 from taas_magic.kernel import names_back
@@ -15,6 +15,8 @@ from taas_magic.kernel.run_result import ONE_SHOT
 from taas_magic.kernel.run_state import RunState
 from taas_magic.per_rank import PerRank
 from taas_magic.wire import results
+
+pytestmark = TORCH_WARNINGS_OF_TENSORS
 
 NOTEBOOK: dict = {}
 exec(SETUP, NOTEBOOK)

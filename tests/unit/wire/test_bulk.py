@@ -10,9 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.notebook_values import TENSORS, same_tensor, tensor
+from support.notebook_values import TENSORS, TORCH_WARNINGS_OF_TENSORS, same_tensor, tensor
 
 from taas_magic.wire import bulk, memfile, results
+
+pytestmark = TORCH_WARNINGS_OF_TENSORS
 
 
 def mapped(packed: results.Packed) -> results.Received:
