@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
 from support.descriptors import open_descriptors, opened_since
-from support.notebook_values import TENSORS, same_tensor, tensor
+from support.notebook_values import TENSORS, TORCH_WARNINGS_OF_TENSORS, same_tensor, tensor
 
 from taas_magic.delivery import transport
+
+pytestmark = TORCH_WARNINGS_OF_TENSORS
 
 
 def roundtrip(element):
@@ -105,3 +109,16 @@ def test_a_batch_tensor_that_is_more_than_its_elements_arrives_as_it_was(kind):
     sent = tensor(kind)
     _, _, got = roundtrip({"ahead": torch.arange(20_000), "value": sent})
     assert same_tensor(sent, got["value"]), (sent, got["value"])
+
+
+def test_a_sparse_batch_is_the_ranks_alone_and_freed_when_dropped():
+    """torch keeps each sparse tensor pickle rebuilds until its next ``torch.load``
+    (``wire/sparse_rebuilds.py``): a rank that drops a sparse batch lets it go, pass after pass."""
+    sent = {"x": torch.eye(4).to_sparse(), "y": torch.arange(4)}
+    _, _, got = roundtrip(sent)
+    assert torch.equal(got["x"].to_dense(), sent["x"].to_dense())
+    assert torch._utils._sparse_tensors_to_validate == []
+    alive = weakref.ref(got["x"])
+    del got
+    gc.collect()
+    assert alive() is None

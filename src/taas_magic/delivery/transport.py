@@ -19,7 +19,7 @@ import socket
 import struct
 from typing import Any
 
-from taas_magic.wire import memfile
+from taas_magic.wire import memfile, sparse_rebuilds
 
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
 _FD = struct.Struct("i")  # a descriptor in SCM_RIGHTS data
@@ -145,7 +145,8 @@ def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
             os.close(fd)
     _reading = (memory, memfile.aligned(skeleton_length))
     try:
-        element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
+        with sparse_rebuilds.forgotten():
+            element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
     finally:
         _reading = None
     return pass_number, index, element

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
 from taas_magic.errors import first_line, type_name
-from taas_magic.wire import bulk, memfile, pickler
+from taas_magic.wire import bulk, memfile, pickler, sparse_rebuilds
 
 _HEAD = struct.Struct("!QQ")  # the lengths of the names' pickles and of the trailer after them
 NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
@@ -340,7 +340,7 @@ def loads(data: Received | bytes | None) -> tuple[dict[str, Any], dict[str, str]
     received = data if isinstance(data, Received) else receive_bytes(data)
     pieces = _pieces(received.index)
     stream = io.BytesIO(received.pickles)
-    with bulk.reading(bulk.Reader(received.layout, received.memory)):
+    with bulk.reading(bulk.Reader(received.layout, received.memory)), sparse_rebuilds.forgotten():
         try:
             loader = pickle.Unpickler(stream)
             return {name: loader.load() for name, _ in pieces}, {}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.wire import memfile, pickler
+from taas_magic.wire import memfile, pickler, sparse_rebuilds
 
 ANCHOR = "__taas_globals_anchor__"
 
@@ -272,9 +272,10 @@ def _load(data: bytes, make: Callable[[io.BytesIO], pickle.Unpickler]) -> dict[s
     one unpickler, whose memo the second pickle refers to."""
     stream = io.BytesIO(data)
     unpickler = make(stream)
-    shipped: dict[str, Any] = unpickler.load()
-    if stream.tell() < len(data):
-        shipped = {**unpickler.load(), **shipped}
+    with sparse_rebuilds.forgotten():
+        shipped: dict[str, Any] = unpickler.load()
+        if stream.tell() < len(data):
+            shipped = {**unpickler.load(), **shipped}
     return shipped
 
 

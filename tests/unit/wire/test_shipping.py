@@ -9,9 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.notebook_values import TENSORS, same_tensor, tensor
+from support.notebook_values import TENSORS, TORCH_WARNINGS_OF_TENSORS, same_tensor, tensor
 
 from taas_magic.wire import shipping
+
+pytestmark = TORCH_WARNINGS_OF_TENSORS
 
 
 def test_names_and_tensors_arrive_with_the_tensors_data_in_one_memory_file() -> None:
