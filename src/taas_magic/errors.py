@@ -123,12 +123,14 @@ class SessionEnded(TaasRunError):
     """The session is over (a rank died, or did not leave an interrupted cell): nothing of it is left.
 
     ``why``: the reason alone ("rank 1 killed by signal SIGKILL: its process group cannot continue"), as
-    ``%taas`` and a later cell say it after "the session ended: ".
+    ``%taas`` and a later cell say it after "the session ended: ". ``failed``: the ranks whose cell had failed
+    before the session ended, which `%taas debug` names afterwards (their errors went with the session).
     """
 
-    def __init__(self, message: str, lines: list[str], why: str = ""):
+    def __init__(self, message: str, lines: list[str], why: str = "", failed: tuple[int, ...] = ()):
         super().__init__(message, lines)
         self.why = why or message
+        self.failed = failed
 
 
 class RunInterrupted(KeyboardInterrupt):

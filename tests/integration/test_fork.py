@@ -5,21 +5,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import time
 
 import psutil
 import pytest
 from support.descriptors import open_descriptors, opened_since
 
-from taas_magic.launch.supervisor.ranks import ForkedRanks
+from taas_magic.launch.supervisor.ranks import ASK_SECONDS, ForkedRanks
 from taas_magic.wire.events import Exited, Output, Report
-from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankVitals
+from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankVitals, split_position
 from taas_magic.wire.task import RankTask
 
 
-def start(source: str, ranks: int = 2):
+def start(source: str, ranks: int = 2, env: dict[str, str] | None = None):
     task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
-    envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)} for rank in range(ranks)}
+    envs = {
+        rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), **(env or {})}
+        for rank in range(ranks)
+    }
     return ForkedRanks.start("test", envs, task)
 
 
@@ -108,6 +112,52 @@ def test_stacks_show_where_each_rank_is():
         group.close()
 
 
+def test_stacks_come_with_each_ranks_position_at_the_same_moment():
+    """Rank 0 waits in a barrier for rank 1, which sleeps: each rank's stacks begin with where its collectives
+    were as they were dumped, read by the rank itself (a SIGUSR1 it ignores changes nothing)."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    envs = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port.getsockname()[1])}
+    port.close()
+    group = start(
+        "import os, signal, time\nimport torch.distributed as dist\n"
+        "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+        "dist.init_process_group('gloo')\ndist.barrier()\nprint('go', flush=True)\n"
+        "if dist.get_rank() == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)\n",
+        env=envs,
+    )
+    try:
+        wait_for(group, b"go", seconds=30)
+        time.sleep(0.5)
+        positions = {rank: split_position(text) for rank, text in group.stacks([0, 1], timeout=3).items()}
+    finally:
+        group.close()
+    (waiting, waiting_stack), (sleeping, sleeping_stack) = positions[0], positions[1]
+    assert waiting is not None and sleeping is not None, positions
+    assert [(c.op, c.seq) for c in waiting.collectives] == [("barrier", 2)], waiting
+    assert waiting.collectives[0].seconds > 0.3
+    assert sleeping.collectives == [] and sleeping.finished == {"0": 1}, sleeping
+    assert "in barrier" in waiting_stack and "in <module>" in sleeping_stack and "sleep" not in waiting_stack
+
+
+def test_a_rank_that_does_not_answer_in_time_is_dumped_by_faulthandler():
+    """A rank whose own thread does not answer (its main thread may hold the interpreter) is dumped by
+    faulthandler's SIGUSR1, without a position."""
+    group = start(
+        DEAF.replace("signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n", "") + "import time\n"
+        "def stuck_here():\n    print('go', flush=True)\n    time.sleep(60)\nstuck_here()",
+        ranks=1,
+    )
+    try:
+        wait_for(group, b"go", count=1)
+        asked = time.monotonic()
+        position, stack = split_position(group.stacks([0], timeout=3)[0])
+        assert time.monotonic() - asked >= ASK_SECONDS
+    finally:
+        group.close()
+    assert position is None and "stuck_here" in stack, stack
+
+
 def test_close_kills_and_reaps_everything_and_closes_every_descriptor():
     fds_before = open_descriptors()
     group = start("import time\ntime.sleep(60)")
@@ -142,11 +192,17 @@ def test_a_rank_dies_with_its_parent_via_the_lifeline():
     assert alive == []
 
 
+# The rank's thread that answers stack requests (rank/vitals.py) takes them and says nothing; SIGUSR1, the
+# fallback, is ignored: the rank never answers.
+DEAF = (
+    "import os, signal, time\nfrom taas_magic.rank import vitals\n"
+    "vitals._answer_stack_request = lambda: os.read(vitals._asked, 4096)\n"
+    "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+)
+
+
 def test_waiting_for_stacks_does_not_spin_when_a_rank_never_answers():
-    group = start(
-        "import signal, time\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\nprint('go', flush=True)\ntime.sleep(60)",
-        ranks=1,
-    )
+    group = start(DEAF + "print('go', flush=True)\ntime.sleep(60)", ranks=1)
     try:
         wait_for(group, b"go", count=1)
         group._pending.append(Output(0, "stdout", b"unread\n"))  # an event nobody has taken yet

@@ -146,11 +146,12 @@ class Kernel:
         interrupt_after: float | tuple[float, ...] | None = None,
         answers: list[str] | None = None,
         think: float = 0.0,
+        counted_from: str | None = None,
     ) -> CellResult:
         """Run ``code`` as a cell; ``interrupt_after``: when to interrupt it, in seconds after the cell
-        began (several times: a tuple); ``answers``: lines typed, in order, when the cell asks for input
-        (Jupyter's stdin requests, as a front end answers them; their prompts go to ``prompts``);
-        ``think``: seconds a person takes to type each answer."""
+        began (several times: a tuple), or after its stdout first said ``counted_from``; ``answers``: lines
+        typed, in order, when the cell asks for input (Jupyter's stdin requests, as a front end answers them;
+        their prompts go to ``prompts``); ``think``: seconds a person takes to type each answer."""
         result = CellResult()
         started = time.monotonic()
         began = None  # when the kernel said it runs the cell: an interrupt before that is lost by any kernel
@@ -183,10 +184,12 @@ class Kernel:
                 self.debug_events.append(msg["content"])
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            if msg["msg_type"] == "execute_input":
+            if msg["msg_type"] == "execute_input" and counted_from is None:
                 began = now
             if _record(msg, result, now - started):
                 break
+            if counted_from is not None and began is None and counted_from in result.stdout:
+                began = now
         result.seconds = time.monotonic() - started
         reply = self.client.get_shell_msg(timeout=10)
         while reply["parent_header"].get("msg_id") != msg_id:

@@ -126,7 +126,12 @@ def computing(before: RankActivity, after: RankActivity) -> bool:
 def doing(process: Process) -> str:
     """One phrase: "in all_reduce #1235 (4 MB float32) for 12 s", "waiting for data from train_loader for 3 s"."""
     what, seconds = _doing(process)
-    return what + (f" for {seconds:.0f} s" if seconds is not None else "")
+    return what + _lasting(seconds)
+
+
+def _lasting(seconds: float | None) -> str:
+    """The duration as a diagnosis says it (" for 12 s"); nothing when it is not known, or under a second."""
+    return f" for {seconds:.0f} s" if seconds is not None and seconds >= 0.5 else ""
 
 
 def _doing(process: Process) -> tuple[str, float | None]:
@@ -327,18 +332,24 @@ def where_lines(processes: Sequence[Process], cell_names: Mapping[str, str], ran
     lines: list[str] = []
     for stack, members in _group_by(processes, lambda p: tuple(stack_lines(p.stack, cell_names))):
         by_doing = _group_by(members, lambda p: (_place(p), bool(p.ended)))
-        for index, ((_, ended), group) in enumerate(by_doing):
-            what = max((_doing(p)[0] for p in group), key=len)  # with its tensors, if one sample told them
-            longest = max((seconds for seconds in (_doing(p)[1] for p in group) if seconds is not None), default=None)
-            what += f" for {longest:.0f} s" if longest is not None else ""
-            last = index == len(by_doing) - 1
-            lines.append(
-                f"{_who(group, ranks_per_node)}" + (f": {what}" if what else "") + (":" if last and stack else "")
-            )
-            if not stack and not ended:
-                lines.append("    (no stack received)")
+        if stack and len(by_doing) > 1:  # one place, several positions: every rank there is named with the stack
+            doings = "; ".join(f"{_who(group, 0)} {_what(group)}".rstrip() for _, group in by_doing)
+            lines.append(f"{_who(members, ranks_per_node)}: {doings}:")
+        else:
+            for (_, ended), group in by_doing:
+                what = _what(group)
+                lines.append(f"{_who(group, ranks_per_node)}" + (f": {what}" if what else "") + (":" if stack else ""))
+                if not stack and not ended:
+                    lines.append("    (no stack received)")
         lines += stack
     return lines
+
+
+def _what(group: Sequence[Process]) -> str:
+    """What processes at one place do, for as long as the longest of them has."""
+    what = max((_doing(p)[0] for p in group), key=len)  # with its tensors, if one sample told them
+    longest = max((seconds for seconds in (_doing(p)[1] for p in group) if seconds is not None), default=None)
+    return what + _lasting(longest)
 
 
 def _place(process: Process) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 
 from taas_magic.errors import SessionEnded, TaasUsageError
 from taas_magic.kernel import streams
@@ -17,8 +16,6 @@ from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.launch.backend import SessionGroup
 from taas_magic.per_rank import span
 from taas_magic.process import containment
-
-Value = TypeVar("Value")
 
 
 @dataclass(frozen=True)
@@ -40,8 +37,10 @@ class Kept:
     own end (a session's idle limit, a rank that died)."""
 
     def __init__(self) -> None:
-        self.session: Session | None = None  # the ranks of `--keep`, between cells
+        self.session: Session | None = None  # the ranks of `--keep`, between cells; one that ended stays until
+        # the next taas cell or command has said so
         self.paused: Paused | None = None
+        self.ended: Session | None = None  # the session the last cell was refused for, for `%taas debug` to name
 
     # -- a paused rank ------------------------------------------------------------------------
     def keep_paused(self, spec: LaunchSpec, group: SessionGroup, rank: int) -> None:
@@ -63,27 +62,29 @@ class Kept:
         return True
 
     # -- the session ----------------------------------------------------------------------------
-    def live_session(self) -> Session | None:
-        """The session the next cell runs in; one that ended on its own since the last cell is
-        forgotten, and the cell fails saying so."""
+    def live_session(self, command: str = "") -> Session | None:
+        """The session the next cell (or ``%taas COMMAND``) runs in. One that ended since the last cell, between
+        cells or during it, is forgotten, and the cell fails saying so: run in fresh ranks, a cell meant for the
+        session would silently compute with the notebook's stale values."""
         if self.session is not None and self.session.check():
-            ended, self.session = self.session.ended, None
-            raise SessionEnded(
-                f"the session ended: {ended}",
-                [
-                    f"taas: the session ended: {ended}. This cell did not run: run it again to run it as a one-shot "
-                    "cell, or start another session with --keep"
-                ],
+            ended, self.session = self.session, None
+            self.ended = ended
+            then = (
+                f"%taas {command} needs a running session: start another with --keep"
+                if command
+                else "This cell did not run: run it again to run it as a one-shot cell, or start another session "
+                "with --keep"
             )
+            raise SessionEnded(f"the session ended: {ended.ended}", [f"taas: the session ended: {ended.ended}. {then}"])
+        self.ended = None
         return self.session
 
-    def in_session(self, run: Callable[[], Value]) -> Value:
-        """Run a session's cell; a session that ended meanwhile is forgotten."""
-        try:
-            return run()
-        except SessionEnded:
-            self.session = None
-            raise
+    def forget_ended(self) -> str:
+        """Let a session that ended go without a word (a cell with ``--keep`` starts another); why it ended, or ''."""
+        if self.session is None or not self.session.check():
+            return ""
+        self.ended, self.session = self.session, None
+        return self.ended.ended
 
     # -- %taas stop, %taas debug ----------------------------------------------------------------
     def stop_command(self, words: list[str]) -> None:
@@ -123,9 +124,13 @@ class Kept:
             debug_paused(paused.group, paused.rank, paused.spec, streams.write_to_cell, read_line)
             return
         session = self.session
-        if session is None or session.ended or not session.failed:
+        if session is not None and session.check():
+            raise TaasUsageError(_ended_with(session))
+        if session is None or not session.failed:
             raise TaasUsageError(
-                "nothing to debug: no rank's cell failed in a session, and no rank is paused "
+                _ended_with(self.ended)
+                if self.ended is not None
+                else "nothing to debug: no rank's cell failed in a session, and no rank is paused "
                 "(--debug in a one-shot cell keeps the first rank that fails)"
             )
         rank = session.failed[0] if wanted is None else wanted  # the first to fail: the one the cell named
@@ -134,7 +139,7 @@ class Kept:
                 f"rank {rank}'s last cell did not fail: debug {span(session.failed)}"
                 f"{'' if len(session.failed) == 1 else ' (one of them)'}"
             )
-        self.in_session(lambda: session.debug(rank, streams.write_to_cell, read_line))
+        session.debug(rank, streams.write_to_cell, read_line)
 
     # -- on the cluster -------------------------------------------------------------------------
     def refuse_leaving_the_cluster(self) -> None:
@@ -171,3 +176,16 @@ class Kept:
                 f"{'are' if self.session.size != 1 else 'is'} gone",
                 file=sys.stderr,
             )
+
+
+def _ended_with(session: Session) -> str:
+    """What ``%taas debug`` can say of a session that ended: the ranks whose cell failed went with it."""
+    if not session.failed:
+        return f"nothing to debug: the session ended ({session.ended}), and no rank's cell had failed in it"
+    ranks = span(session.failed)
+    return (
+        f"{ranks} failed in the session's last cell, and {'its' if len(session.failed) == 1 else 'their'} "
+        f"error went with the session, which ended: {session.ended}. A session's failing rank waits for "
+        "%taas debug while the session goes on; to keep one whatever happens, run the cell as a one-shot cell "
+        "with --debug"
+    )

@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from traitlets import Bool, Enum, Float, TraitError, validate
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import cell_source, options, settings
+from taas_magic.kernel import cell_source, line_commands, options, settings
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.kept import Kept
 from taas_magic.kernel.pragma import PragmaTransformer
@@ -27,6 +27,7 @@ from taas_magic.launch.cluster import connection
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.process import cell_files
+from taas_magic.version import VERSION
 
 
 @magics_class
@@ -99,47 +100,54 @@ class TaasMagics(Magics):
         top of a cell means `%%taas --config g2.8 --gpus 8`. `%taas` alone shows the settings.
 
         `--keep` starts a session: the ranks stay, and the taas cells that follow run in them
-        (`--ranks 0,2` in part of them); `%taas pull NAMES` brings the ranks' values into the notebook
-        (a `taas.PerRank` from several ranks), `%taas push NAMES` sends the notebook's to the ranks,
-        `%taas stacks` shows where its ranks are between cells, and `%taas stop` ends it.
-        `%taas debug [RANK]` opens pdb in a rank whose cell raised (in a session, or paused by `--debug`);
-        `breakpoint()` works in ranks, and with the notebook's visual debugger on they stop at its breakpoints.
+        (`--ranks 0,2` in part of them); `breakpoint()` works in ranks, and with the notebook's visual
+        debugger on they stop at its breakpoints. The line `%taas` takes the commands below
+        (`%taas help` lists them too).
         """
         line = cell_source.expand_variables(self.ipython, line)
-        words = line.split()
-        if cell is None and words[:1] == ["cluster"]:
-            self.link.command(words[1:], self.kept)
-            return
-        if cell is None and words[:1] == ["stop"]:
-            self.kept.stop_command(words[1:])
-            return
-        if cell is None and words[:1] == ["debug"]:
-            self.kept.debug_command(words[1:])
-            return
-        if cell is None and words[:1] == ["stacks"]:
-            self._stacks_command(words[1:])
-            return
-        if cell is None and words[:1] in (["pull"], ["push"]):
-            self._transfer_command(words[0], words[1:])
+        if cell is None:
+            self._line(line.split(), line)
             return
         args = options.parse(TaasMagics.taas, line)
         cell_source.refuse_typed_internal_options(args, self.ipython, TaasMagics.taas)
-        if cell is None:
-            if args.check:
-                settings.check_configuration(args.check)
-            else:
-                print(
-                    self._defaults().describe(
-                        self.forkserver_backend, self.kept.session, self.ipython, self.link.address
-                    )
-                )
-            return
         self._runner().run(args, self._defaults(), line, cell)
+
+    def _line(self, words: list[str], line: str) -> None:
+        """`%taas ...` as a line: one of its commands (line_commands.py), each read before it acts."""
+        cell_options = options.visible_options(TaasMagics.taas)
+        command = line_commands.read(words, cell_options)
+        if command in line_commands.COMMANDS and line_commands.asks_help(words):
+            print(line_commands.help_text(cell_options, command))
+            return
+        rest = words[1:]
+        if command == line_commands.CHECK:  # a lone `#!NAME` line (pragma.py), never typed by hand
+            args = options.parse(TaasMagics.taas, line)
+            cell_source.refuse_typed_internal_options(args, self.ipython, TaasMagics.taas)
+            settings.check_configuration(args.check)
+        elif command == "help":
+            print(line_commands.help_text(cell_options, line_commands.help_command(rest)))
+        elif command == "cluster":
+            self.link.command(rest, self.kept)
+        elif command == "stop":
+            self.kept.stop_command(rest)
+        elif command == "debug":
+            self.kept.debug_command(rest)
+        elif command == "stacks":
+            self._stacks_command(rest)
+        elif command in ("pull", "push"):
+            self._transfer_command(command, rest)
+        elif command == "version":
+            _nothing_more(command, rest)
+            print(f"taas-magic {VERSION}")
+        else:  # `%taas` alone, or `%taas status`
+            _nothing_more("status", rest)
+            print(
+                self._defaults().describe(self.forkserver_backend, self.kept.session, self.ipython, self.link.address)
+            )
 
     def _stacks_command(self, words: list[str]) -> None:
         """`%taas stacks`: where each process of the session is, between its cells."""
-        if words:
-            raise TaasUsageError(f"%taas stacks takes nothing more; got {' '.join(words)[:40]!r}")
+        _nothing_more("stacks", words)
         session = self.kept.session
         if session is None:
             print("taas: no session is running (a taas cell with --keep starts one)")
@@ -149,7 +157,7 @@ class TaasMagics(Magics):
     def _transfer_command(self, command: str, words: list[str]) -> None:
         """`%taas pull NAMES` / `%taas push NAMES`: names between the notebook and the session's ranks."""
         names, ranks = options.transfer(command, words)
-        session = self.kept.live_session()
+        session = self.kept.live_session(command)
         if session is None:
             back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""
             raise TaasUsageError(f"%taas {command}: no session is running (a taas cell with --keep starts one){back}")
@@ -187,3 +195,9 @@ class TaasMagics(Magics):
             self.debugging.uninstall()
         self.forkserver_backend.shutdown()
         self.link.disconnect()  # its agents and their fork servers end with it
+
+
+def _nothing_more(command: str, words: list[str]) -> None:
+    """A command that takes no words refuses any, naming them."""
+    if words:
+        raise TaasUsageError(f"%taas {command} takes nothing more; got {' '.join(words)[:40]!r}")

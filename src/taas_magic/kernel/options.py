@@ -7,6 +7,8 @@ ends as a one-line ``UsageError`` before anything starts.
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
 import os
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -16,6 +18,7 @@ from IPython.core.error import UsageError
 from IPython.utils.process import arg_split  # type: ignore[attr-defined]  # re-exported by IPython
 
 from taas_magic.errors import TaasUsageError
+from taas_magic.kernel import line_commands
 
 DEVICES = ("auto", "cuda", "cpu")
 STARTS = ("auto", "fork", "forkserver")
@@ -164,7 +167,9 @@ def ranks_or_all(text: str) -> Ranks | str:
 
 
 def declare(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate the magic with its options (the outermost decorator is listed first in help)."""
+    """Decorate the magic with its options (the outermost decorator is listed first in help); its docstring,
+    which `%taas?` shows above them, ends with the line magic's commands."""
+    func.__doc__ = inspect.cleandoc(func.__doc__ or "") + "\n\n" + line_commands.table() + "\n"
     decorators = [
         magic_arguments.magic_arguments(),
         magic_arguments.argument_group("ranks and devices"),
@@ -352,8 +357,10 @@ def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
     except UsageError as e:  # argparse's own message: "argument --gpus: ..."
         raise TaasUsageError(str(e)) from None
     if unknown:
-        allowed = ", ".join(visible_options(magic))
-        raise TaasUsageError(f"unknown option {_cut(unknown[0])!r}: allowed are {allowed}")
+        visible = visible_options(magic)
+        meant = difflib.get_close_matches(unknown[0].split("=", 1)[0], visible, n=1, cutoff=0.75)
+        hint = f" (did you mean {meant[0]}?)" if meant else ""
+        raise TaasUsageError(f"unknown option {_cut(unknown[0])!r}{hint}: allowed are {', '.join(visible)}")
     return namespace
 
 

@@ -183,7 +183,13 @@ def interrupted(result: RunResult) -> list[str]:
 
 
 def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEnded:
-    """The session cannot go on: why, and what became of the cell."""
+    """The session cannot go on: why, what became of the cell, and the ranks whose cell had failed."""
+    ended = _session_ended(result, cell_names)
+    ended.failed = tuple(failure.rank for failure in result.failures if isinstance(failure.rank, int))
+    return ended
+
+
+def _session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEnded:
     end = result.end
     if end is None or end.cause is EndCause.INTERRUPTED_TWICE:
         why = "interrupted twice while its ranks were leaving the cell"

@@ -52,7 +52,16 @@ from taas_magic.kernel.run_result import (
     first_outcome,
 )
 from taas_magic.wire.events import Key, Producer, key_order
-from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankProgress, Record, SavedOnNode, SaveSkipped
+from taas_magic.wire.records import (
+    CellEnded,
+    Failed,
+    RankActivity,
+    RankProgress,
+    Record,
+    SavedOnNode,
+    SaveSkipped,
+    split_position,
+)
 
 VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
 VIEW_FIRST_SECONDS = 0.5  # a run shorter than this shows its summary alone: a view drawn for an instant is noise
@@ -268,6 +277,8 @@ class RunState:
         session; a stall is shown; a stop goes on, knowing where the processes were."""
         self.running = frozenset(running)
         self.clock = now
+        positions, stacks = split_positions(stacks)
+        self.activity.update({key: (position, now) for key, position in positions.items()})
         if asked.why is Why.HANG:
             if self.stop is not None:
                 return []  # the run is being stopped meanwhile: it does not go on
@@ -463,3 +474,18 @@ class RunState:
 def quit_debugger(record: CellEnded | Failed) -> bool:
     """The user quit a ``breakpoint()``'s debugger (``q``, or an interrupt at its prompt): pdb raised BdbQuit."""
     return isinstance(record, Failed) and record.ename == "BdbQuit"
+
+
+def split_positions(stacks: Mapping[Key, str]) -> tuple[dict[Key, RankActivity], dict[Key, str]]:
+    """The positions the ranks sent with their stacks (``records.split_position``), and the stacks alone.
+
+    A position is of the moment of its stacks: it is each such rank's latest sample, which the diagnosis
+    reads with them (the periodic samples are up to a second older, and ranks in a fast loop seem far apart).
+    """
+    positions: dict[Key, RankActivity] = {}
+    alone: dict[Key, str] = {}
+    for key, dump in stacks.items():
+        position, alone[key] = split_position(dump)
+        if position is not None:
+            positions[key] = position
+    return positions, alone

@@ -76,6 +76,9 @@ class CellRunner:
     def run(self, args: argparse.Namespace, defaults: Defaults, line: str, cell: str) -> None:
         """Run ``cell`` with the options ``args`` (``defaults`` for those it left out)."""
         self.kept.let_paused_go()
+        ended = self.kept.forget_ended() if args.keep else ""
+        if ended:
+            print(f"taas: the last session ended ({ended}); this cell starts another", file=sys.stderr)
         session = self.kept.live_session()
         if session is not None and not args.keep:
             self._run_in_session(session, args, defaults, line, cell)
@@ -233,14 +236,8 @@ class CellRunner:
         session = self.kept.session = Session(group, spec, backend.name, known, sources)
         session.serve(loaders, namespace)
         session.status = self._view_display(view)
-        return self.kept.in_session(
-            lambda: session.first_cell(
-                spec,
-                streams.write_to_cell,
-                self._cell_names(),
-                read_line,
-                _show_once if spec.profile and view else None,
-            )
+        return session.first_cell(
+            spec, streams.write_to_cell, self._cell_names(), read_line, _show_once if spec.profile and view else None
         )
 
     def _run_in_session(
@@ -363,18 +360,16 @@ class CellRunner:
         session.status = self._view_display(view)  # this cell's view
         picture = _show_once if traces is not None and view else None
         try:
-            result = self.kept.in_session(
-                lambda: session.run(
-                    prepared,
-                    shipment,
-                    ranks,
-                    spec,
-                    streams.write_to_cell,
-                    self._cell_names(),
-                    read_line,
-                    notebook_cell,
-                    picture=picture,
-                )
+            result = session.run(
+                prepared,
+                shipment,
+                ranks,
+                spec,
+                streams.write_to_cell,
+                self._cell_names(),
+                read_line,
+                notebook_cell,
+                picture=picture,
             )
             session.shipped(sent)
         finally:

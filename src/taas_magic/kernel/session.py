@@ -40,6 +40,7 @@ from taas_magic.process import cell_files, containment
 from taas_magic.wire import shipping
 from taas_magic.wire.events import Exited, Key, Output, Producer
 from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.records import split_position
 from taas_magic.wire.task import LoaderPlan, Returns
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
@@ -215,7 +216,12 @@ class Session:
         if notebook_cell:
             self.cells += 1
             self.failed = []
-        result = self._watch(send, ranks, spec, write, cell_names, read_line, picture)
+        try:
+            result = self._watch(send, ranks, spec, write, cell_names, read_line, picture)
+        except SessionEnded as e:
+            if notebook_cell:
+                self.failed = list(e.failed)  # for `%taas debug` to name: their errors went with the session
+            raise
         if notebook_cell:
             self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
         for line in render.notices(result):
@@ -274,10 +280,11 @@ class Session:
         dumps = self.group.stacks(keys, STACK_SECONDS) if keys else {}
         processes = []
         for key in keys:
-            label, dump = self.labels.get(key, f"rank {key}"), dumps.get(key, "")
+            label = self.labels.get(key, f"rank {key}")
+            position, dump = split_position(dumps.get(key, ""))  # where its collectives were, with its stacks
             idle = _idle(key, dump)  # then only the threads the user started are worth showing
             processes.append(
-                hang.Process(key, label, stack=dump)
+                hang.Process(key, label, activity=position, stack=dump)
                 if idle is None
                 else hang.Process(key, label, stack=stacks.other_threads(dump), ended=idle)
             )

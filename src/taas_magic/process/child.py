@@ -43,6 +43,7 @@ class RankFds:
     gate: int | None = None  # read end of a pipe the supervisor holds shut until it has forked every process
     control: int | None = None  # the process's end of its channel with the supervisor (cells, input)
     control_secret: bytes = b""
+    ask: int | None = None  # read end of a pipe on which the supervisor asks a rank for its stacks
 
 
 def wait_at_gate(fds: RankFds) -> bytes:
@@ -89,7 +90,7 @@ def become_child(fds: RankFds, env: dict[str, str]) -> Any:
 
 def _own(fds: RankFds) -> set[int]:
     """Every descriptor the process was given for its run: the rest it inherited by accident."""
-    single = (fds.stdout, fds.stderr, fds.report, fds.stack, fds.lifeline, fds.gate, fds.control)
+    single = (fds.stdout, fds.stderr, fds.report, fds.stack, fds.lifeline, fds.gate, fds.control, fds.ask)
     return {fd for fd in single if fd is not None} | set(fds.sockets)
 
 

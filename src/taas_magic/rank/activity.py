@@ -29,9 +29,10 @@ _setup_since: float | None = None  # when the main thread was first seen in init
 _last_status: dict[str, Any] | None = None  # the groups' counters at the last sample
 
 
-def sample() -> RankActivity:
-    """What the cell is doing now."""
-    collectives, finished = _collectives()
+def sample(whole: bool = False) -> RankActivity:
+    """What the cell is doing now; ``whole``: every collective it is in named, however recently entered (a
+    position taken with the rank's stacks, which is not one of the periodic samples)."""
+    collectives, finished = _collectives(whole)
     now = time.monotonic()
     waiting = min(WAITING.items(), key=lambda item: item[1], default=None)
     times = os.times()
@@ -49,7 +50,7 @@ def sample() -> RankActivity:
     )
 
 
-def _collectives() -> tuple[list[Collective], dict[str, int]]:
+def _collectives(whole: bool) -> tuple[list[Collective], dict[str, int]]:
     """The collectives the rank is in (oldest first), and the last one each of its process groups finished.
 
     Each group's counters alone are cheap to read (about 10 µs); the ring's entries cost in proportion
@@ -58,7 +59,8 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
     enough of one not a second old, unless the ring is small (taas's size): then it is read whole, so that
     the shares of time name the collective (``kernel/time_shares.py``). A rank that did not move (in a
     collective that lasts, computing, stuck) is read whole, each collective it is in with its operation,
-    tensors and time.
+    tensors and time. A ``whole`` read is always read whole, and leaves the periodic samples' record of the
+    counters as it was.
     """
     global _last_status
     dist = sys.modules.get("torch.distributed")
@@ -69,14 +71,15 @@ def _collectives() -> tuple[list[Collective], dict[str, int]]:
         return [], {}
     groups = status["pg_status"]
     finished = {str(group): int(counters.get("last_completed_collective", -1)) for group, counters in groups.items()}
-    moved, _last_status = groups != _last_status, groups
-    entered = [
-        str(group)
-        for group, counters in groups.items()
-        if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]
-    ]
-    if moved and not (entered and _small_ring()):
-        return [Collective(group, finished[group] + 1, "", [], [], 0.0) for group in entered], finished
+    if not whole:
+        moved, _last_status = groups != _last_status, groups
+        entered = [
+            str(group)
+            for group, counters in groups.items()
+            if int(counters.get("last_enqueued_collective", -1)) > finished[str(group)]
+        ]
+        if moved and not (entered and _small_ring()):
+            return [Collective(group, finished[group] + 1, "", [], [], 0.0) for group in entered], finished
     trace = _flight_record(entries=True) or {"entries": []}
     now = time.time_ns()
     inside = []

@@ -12,16 +12,20 @@ CUDA, so a rank that has not touched its GPU yet is not made to.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import random
 import resource
+import select
 import sys
 import threading
 import time
 from typing import Callable, Iterator
 
 from taas_magic.process import kernel_debugger
+from taas_magic.process.child import write_all
 from taas_magic.rank import activity
+from taas_magic.wire import records
 from taas_magic.wire.records import RankActivity, RankVitals
 
 INTERVAL = 1.0  # seconds between two samples, on average
@@ -35,16 +39,25 @@ _send: Callable[[RankVitals | RankActivity], None] | None = None
 _sample: "_Sampler | None" = None
 _track = True  # sample the cell's activity too (rank.activity), for the hang watchdog
 _in_cell = threading.Event()
+_asked: int | None = None  # read end of the pipe on which the supervisor asks for the rank's stacks
+_stack_fd = -1  # where they go
 
 
-def attach(send: Callable[[RankVitals | RankActivity], None], gpu: int | None, track: bool = True) -> None:
-    """In a rank, as it starts: where its samples go, and its CUDA device index (None on CPU).
+def attach(
+    send: Callable[[RankVitals | RankActivity], None],
+    gpu: int | None,
+    track: bool = True,
+    asked: int | None = None,
+    stack_fd: int = -1,
+) -> None:
+    """In a rank, as it starts: where its samples go, and its CUDA device index (None on CPU); ``asked``: where
+    the supervisor asks for the rank's stacks, which are written to ``stack_fd`` with its position.
 
     Samples are taken only while a cell runs (``sampling``): a session's ranks waiting for their
-    next cell send nothing, so nothing piles up where no one reads it.
+    next cell send nothing, so nothing piles up where no one reads it. Stacks are answered at any time.
     """
-    global _send, _sample, _track
-    _send, _sample, _track = send, _Sampler(gpu), track
+    global _send, _sample, _track, _asked, _stack_fd
+    _send, _sample, _track, _asked, _stack_fd = send, _Sampler(gpu), track, asked, stack_fd
     kernel_debugger.hidden_thread(_every_interval, name="taas-vitals")
 
 
@@ -65,10 +78,44 @@ def sampling() -> Iterator[None]:
 
 def _every_interval() -> None:
     while _send is not None:
-        _in_cell.wait()
-        time.sleep(INTERVAL * _JITTER.uniform(0.75, 1.25))
+        if _asked is None:
+            _in_cell.wait()
+            time.sleep(INTERVAL * _JITTER.uniform(0.75, 1.25))
+        elif select.select([_asked], [], [], INTERVAL * _JITTER.uniform(0.75, 1.25))[0]:
+            _answer_stack_request()
+            continue
         if _in_cell.is_set():
             _report()
+
+
+def _answer_stack_request() -> None:
+    """The rank's stacks, each thread's, preceded by the position of its collectives at the same moment.
+
+    Taken here, by a thread of the rank, rather than by faulthandler's signal handler (which the supervisor
+    falls back on when no answer comes: a main thread that holds the interpreter in native code keeps this
+    thread from running): a signal handler cannot read torch's flight recorder, and a periodic sample is up
+    to a second older than the stacks.
+    """
+    global _asked
+    assert _asked is not None
+    try:
+        if not os.read(_asked, 4096):  # every request waiting: one answer serves them all
+            _asked = None  # the supervisor is gone: nobody asks any more
+            return
+    except OSError:
+        _asked = None
+        return
+    line = b""
+    if _track:
+        try:
+            line = records.position_line(activity.sample(whole=True))
+        except Exception:  # the stacks matter more than the position: they go without it
+            line = b""
+    try:
+        write_all(_stack_fd, line)
+        faulthandler.dump_traceback(_stack_fd, all_threads=True)
+    except OSError:
+        _asked = None  # the supervisor's end is closed: the run is over
 
 
 def _report(track: bool = True) -> None:

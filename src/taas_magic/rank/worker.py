@@ -69,6 +69,8 @@ def run_rank(
         lambda record: report(fds.report, record),
         int(env["LOCAL_RANK"]) if task.device == "cuda" else None,
         track=task.track,
+        asked=fds.ask,
+        stack_fd=fds.stack,
     )
     control = session.open_control(fds)
     if control is not None:

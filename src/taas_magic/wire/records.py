@@ -156,3 +156,24 @@ def decode(line: bytes) -> Record:
         return record
     except (ValueError, KeyError, TypeError, AttributeError):
         return Failed(0.0, "ProtocolError", f"unreadable report {line[:80]!r}")
+
+
+# A rank that dumps its own stacks when asked (``rank/vitals.py``) first writes where its collectives are at that
+# moment, as one line: the stacks and the position are then of one moment, which samples up to a second old are
+# not (a rank in a fast training loop finishes hundreds of collectives a second).
+POSITION = "taas position: "
+
+
+def position_line(activity: RankActivity) -> bytes:
+    """The line that precedes a rank's stacks: its activity at the moment they were dumped."""
+    return POSITION.encode() + encode(activity)
+
+
+def split_position(dump: str) -> tuple[RankActivity | None, str]:
+    """A stack dump's position line, read (None when it has none, or one that does not read), and the dump
+    without it."""
+    if not dump.startswith(POSITION):
+        return None, dump
+    line, _, rest = dump.partition("\n")
+    record = decode(line[len(POSITION) :].encode())
+    return (record if isinstance(record, RankActivity) else None), rest

@@ -9,6 +9,7 @@ What gloo does with mismatched collectives is part of what a user sees, so those
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass, field
 
@@ -443,6 +444,55 @@ dist.all_reduce(torch.ones(1))
         ([2], "in no collective", (5, "<module>", "time.sleep(60)")),
     ]
     assert result.traceback.count("dist.all_reduce(torch.ones(1))") == 1, "one stack for both ranks"
+    assert_usable(kernel)
+
+
+LOCK_STEP = """#pragma taas --gpus 2
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+print("training", flush=True)
+while True:
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    loss.item()
+"""
+AT = re.compile(r"finished #(?P<finished>\d+), in no collective|in \w+ #(?P<inside>\d+)")
+
+
+def positions(found: list[Place]) -> dict[int, float]:
+    """Each rank's place in the sequence of collectives: N when in collective #N, N + 0.5 once it finished #N and
+    entered no other. A place's header says it for all its ranks, or rank by rank ("rank 0 in all_reduce #9;
+    rank 1 finished #8, in no collective")."""
+    at: dict[int, float] = {}
+    for place in found:
+        parts = re.findall(r"(?:^|; )(ranks? [\d,-]+) (.+?)(?=; ranks? |$)", place.doing) or [
+            (f"ranks {','.join(map(str, sorted(place.ranks)))}", place.doing)
+        ]
+        for who, doing in parts:
+            match = AT.search(doing)
+            assert match, f"no position in {doing!r}"
+            value = int(match["inside"]) if match["inside"] else int(match["finished"]) + 0.5
+            at.update(dict.fromkeys(ranks_in(who.split(" ", 1)[1]), value))
+    return at
+
+
+def test_an_interrupted_lock_step_loop_shows_its_ranks_at_one_moment(kernel):
+    """DDP keeps two ranks within one collective of each other; interrupted at random moments, each time, the
+    diagnosis reads both at the moment their stacks were taken (samples a second old read them dozens of
+    collectives apart on a busy machine), and every rank is named with its stack."""
+    rng = random.Random(7)
+    for _ in range(10):
+        result = kernel.execute(LOCK_STEP, interrupt_after=rng.uniform(0.5, 2.0), timeout=40, counted_from="training")
+        assert result.error is not None and result.error["ename"] == "RunInterrupted", result.traceback
+        found = where(result, "where the ranks were when interrupted:")
+        assert all(place.stack for place in found), found
+        at = positions(found)
+        assert set(at) == {0, 1} and abs(at[0] - at[1]) <= 1, f"{at}\n{result.traceback}"
     assert_usable(kernel)
 
 

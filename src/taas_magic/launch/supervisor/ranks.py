@@ -28,6 +28,7 @@ from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionC
 from taas_magic.wire.task import RankTask
 
 READ_SIZE = 1 << 16
+ASK_SECONDS = 1.0  # how long a rank asked for its stacks has to answer before faulthandler's signal does
 NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class _Rank:
     control: rank_control.SupervisorEnd | None = None  # a rank's channel: cells to run, their ends, input requests
     cell: Literal["running", "sent", "ended"] = "running"  # a session's rank: "sent" a cell not taken yet
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
+    ask: int | None = None  # write end of the pipe on which a rank is asked for its stacks (rank/vitals.py)
 
 
 @dataclass
@@ -157,8 +159,8 @@ class ForkedRanks:
         pipes: dict[str, tuple[int, int]] = {}
         ends = channel.socket_pair() if isinstance(rank, int) else None  # (ours, the rank's)
         try:
-            for name in ("stdout", "stderr", "report", "stack", "gate"):
-                pipes[name] = os.pipe()  # the gate's write end stays here, the others' read ends
+            for name in ("stdout", "stderr", "report", "stack", "gate") + (("ask",) if isinstance(rank, int) else ()):
+                pipes[name] = os.pipe()  # the gate's and ask's write ends stay here, the others' read ends
             pid = os.fork()
         except BaseException:
             for pair in pipes.values():
@@ -168,11 +170,12 @@ class ForkedRanks:
                 sock.close()
             raise
         gate_read, gate_write = pipes.pop("gate")
+        ask_read, ask_write = pipes.pop("ask", (None, None))
         if pid == 0:  # the rank: never returns into the supervisor's code
             status = child.EXIT_FAILED
             try:
                 os.setpgid(0, 0)
-                self._close_supervisor_side(pipes, gate_write)
+                self._close_supervisor_side(pipes, gate_write, ask_write)
                 if ends is not None:
                     ends[0].close()
                 fds = child.RankFds(
@@ -185,6 +188,7 @@ class ForkedRanks:
                     gate=gate_read,
                     control=ends[1].detach() if ends is not None else None,
                     control_secret=self._control_secret,
+                    ask=ask_read,
                 )
                 status = tasks.run_forked(task, env, fds, stand_ins, self.shipped)
             except KeyboardInterrupt:
@@ -202,6 +206,10 @@ class ForkedRanks:
         os.close(gate_read)
         self._gates.append(gate_write)
         state = _Rank(rank, pid, {name: pair[0] for name, pair in pipes.items()})
+        if ask_read is not None and ask_write is not None:
+            os.close(ask_read)
+            os.set_blocking(ask_write, False)
+            state.ask = ask_write
         if ends is not None:
             ends[1].close()
             state.control = rank_control.supervisor_end(ends[0], self._control_secret, env.get("TAAS_RUN_ID", ""))
@@ -218,11 +226,13 @@ class ForkedRanks:
         """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
         self._selector.register(fd, selectors.EVENT_READ, None)
 
-    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]], own_gate: int) -> None:
+    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]], own_gate: int, own_ask: int | None) -> None:
         """In a new rank: drop every descriptor that belongs to the supervisor's side of the run."""
         fds = [self._lifeline_write, own_gate] + self._gates + [ends[0] for ends in own_pipes.values()]
+        fds += [own_ask] if own_ask is not None else []
         for other in self.ranks.values():
             fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
+            fds += [other.ask] if other.ask is not None else []
             fds += [other.control.fileno()] if other.control is not None else []
         for fd in fds:
             try:
@@ -425,19 +435,35 @@ class ForkedRanks:
             containment.signal_tree(state.pid, signum)
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
-        """Ask faulthandler in each rank for all its threads' stacks; wait until they stop arriving."""
+        """Each process's stacks, all its threads'; wait until they stop arriving.
+
+        A rank is asked on its ask pipe: it answers from a thread of its own, with its position of the same
+        moment (``rank/vitals.py``). One that has not answered within ``ASK_SECONDS`` (it is still starting,
+        or its main thread holds the interpreter in native code), and a producer, get SIGUSR1: faulthandler's
+        dump, from the signal handler, without a position.
+        """
         chosen = sorted(set(ranks) & self.running(), key=key_order)
+        signalled = set()
         for rank in chosen:
-            self.ranks[rank].stack_text = ""
-            containment.kill(self.ranks[rank].pid, signal.SIGUSR1)  # the rank alone: its children have no handler
+            state = self.ranks[rank]
+            state.stack_text = ""
+            if not _ask(state):
+                containment.kill(state.pid, signal.SIGUSR1)  # the process alone: its children have no handler
+                signalled.add(rank)
         meanwhile: list[Relayed] = []
-        deadline = time.monotonic() + timeout
+        asked = time.monotonic()
+        deadline = asked + timeout
         while time.monotonic() < deadline:
             states = [self.ranks[r] for r in chosen]
             if all(
                 (s.stack_text and time.monotonic() - s.stack_updated > 0.2) or s.returncode is not None for s in states
             ):  # one that exited meanwhile answers no more
                 break
+            if time.monotonic() - asked > ASK_SECONDS:
+                for state in states:
+                    if not state.stack_text and state.returncode is None and state.rank not in signalled:
+                        containment.kill(state.pid, signal.SIGUSR1)
+                        signalled.add(state.rank)
             meanwhile += self.events(min(0.05, max(0.0, deadline - time.monotonic())))
         self._pending = meanwhile + self._pending
         return {rank: self.ranks[rank].stack_text for rank in chosen}
@@ -460,13 +486,13 @@ class ForkedRanks:
                 except KeyboardInterrupt:
                     pending_interrupt = True  # finish cleaning up first
         for state in self.ranks.values():
-            for fd in list(state.fds.values()) + ([state.pidfd] if state.pidfd is not None else []):
+            for fd in list(state.fds.values()) + [fd for fd in (state.pidfd, state.ask) if fd is not None]:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             state.fds.clear()
-            state.pidfd = None
+            state.pidfd = state.ask = None
             if state.control is not None:
                 state.control.close()
                 state.control = None
@@ -476,3 +502,16 @@ class ForkedRanks:
         self._closed = True
         if pending_interrupt:
             raise KeyboardInterrupt
+
+
+def _ask(state: _Rank) -> bool:
+    """Ask a rank for its stacks on its ask pipe; False when it has none (a producer) or it is closed."""
+    if state.ask is None:
+        return False
+    try:
+        os.write(state.ask, b"?")
+    except BlockingIOError:
+        pass  # requests it has not read yet fill the pipe: it answers them all at once
+    except OSError:
+        return False
+    return True
