@@ -15,6 +15,7 @@ from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEn
 from taas_magic.kernel.hang import Hang, Process, cause, doing, where_lines
 from taas_magic.kernel.run_result import EndCause, Failure, Notice, Outcome, RunResult
 from taas_magic.kernel.run_state import quit_debugger
+from taas_magic.kernel.stacks import reporting_failure
 from taas_magic.per_rank import span
 from taas_magic.wire.events import Key, key_order
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
@@ -131,7 +132,7 @@ def _stuck(process: Process) -> bool:
 
 def _reporting(process: Process) -> bool:
     """Its stack shows it reporting a failure of its own: where it waited is gone."""
-    return " in _failure" in process.stack
+    return reporting_failure(process.stack)
 
 
 def _peer_place(process: Process, failed: str, record: CellEnded | Failed | None) -> Process:

@@ -51,6 +51,7 @@ from taas_magic.kernel.run_result import (
     Step,
     first_outcome,
 )
+from taas_magic.kernel.stacks import reporting_failure
 from taas_magic.wire.events import Key, Producer, key_order
 from taas_magic.wire.records import (
     CellEnded,
@@ -481,11 +482,13 @@ def split_positions(stacks: Mapping[Key, str]) -> tuple[dict[Key, RankActivity],
 
     A position is of the moment of its stacks: it is each such rank's latest sample, which the diagnosis
     reads with them (the periodic samples are up to a second older, and ranks in a fast loop seem far apart).
+    Not that of a rank reporting its failure: its collective, broken, counts as finished, and its last sample
+    says better where it waited.
     """
     positions: dict[Key, RankActivity] = {}
     alone: dict[Key, str] = {}
     for key, dump in stacks.items():
         position, alone[key] = split_position(dump)
-        if position is not None:
+        if position is not None and not reporting_failure(alone[key]):
             positions[key] = position
     return positions, alone

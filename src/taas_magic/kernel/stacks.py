@@ -153,3 +153,9 @@ def _short(path: str) -> str:
         if path.startswith(library):
             return path[len(library) :].lstrip("/")
     return path
+
+
+def reporting_failure(dump: str) -> bool:
+    """The dump shows the process reporting a failure of its own (``rank/cell.py``'s ``_failure``): where it
+    waited is gone, and what it does now says nothing of it."""
+    return " in _failure" in dump

@@ -570,7 +570,8 @@ def test_a_failing_dataset_in_a_session_fails_the_cell_naming_the_element_and_en
         assert result.error["evalue"].endswith("; the session ended"), result.error["evalue"]
         assert "raise ValueError" in result.traceback and result.seconds < 15
         assert processes_of_run(run_id) == []
-        assert "session:             none" in registered.execute("%taas").ok().stdout
+        shown = registered.execute("%taas").ok().stdout
+        assert "session:             ended: producer 1 of unsound cannot serve its loader any more" in shown, shown
     finally:
         registered.execute("%taas stop").ok()
         registered.execute("taas.unregister(unsound)").ok()

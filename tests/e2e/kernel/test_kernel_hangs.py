@@ -529,9 +529,11 @@ def test_a_failure_at_once_still_shows_the_collective_a_rank_waited_in(kernel):
     result = kernel.execute(FAILING_WHILE_OTHERS_WAIT.format(delay=0), timeout=40)
     assert result.error["evalue"] == "rank 1 failed: ValueError: bad batch"
     found = where(result, "where they were when rank 1 failed:")
-    # No rank has sampled its activity yet: the stack alone says which collective a rank is in.
+    # No rank has sampled its activity yet: the stack says which collective a rank is in, and the position read
+    # with it, for a rank still waiting when taas asked, its number and tensors.
     waiting = [p for p in found if p.at == (7, "<module>", "dist.all_reduce(torch.ones(1))")]
-    assert waiting and all(p.doing == "in all_reduce" for p in waiting), found
+    said = {re.sub(r"^ranks? [\d,-]+ | #1 \(4 B float32\)", "", part) for p in waiting for part in p.doing.split("; ")}
+    assert waiting and said == {"in all_reduce"}, found
 
 
 # -- 11. turning it off, and its default --------------------------------------------------------------------------

@@ -193,7 +193,8 @@ def test_a_session_cell_that_times_out_says_so_before_the_session_ends(kernel, o
     assert all(row.split()[2] == "stopped" for row in view_rows(r.displays[-1]["text/plain"])), summary
     assert r.display_messages[-1][0] == "update_display_data" and "running" not in str(r.displays[-1]), r.displays[-1]
     assert gone(pids(first).values(), 5)
-    assert "session:             none" in kernel.execute("%taas").ok().stdout
+    assert "session:             ended: rank 0 did not leave" in kernel.execute("%taas").ok().stdout
+    forget_the_ended_session(kernel)
 
 
 def test_a_failure_while_the_others_wait_in_a_collective_ends_the_session_saying_where_once(kernel):
@@ -216,6 +217,18 @@ def test_a_failure_while_the_others_wait_in_a_collective_ends_the_session_saying
     rows = [line.split()[:3] for line in view_rows(r.displays[-1]["text/plain"])]
     assert rows == [["rank", "0", "stopped"], ["rank", "1", "failed"], ["rank", "2", "stopped"]], rows
     assert gone(pids(first).values(), 5)
+    # The failing rank's error went with the session: %taas debug says so, before and after the next cell.
+    gone_with = (
+        "rank 1 failed in the session's last cell, and its error went with the session, which ended: ranks 0,2 "
+        "did not leave the interrupted cell within 5 s"
+    )
+    assert kernel.execute("%taas debug").error["evalue"].startswith(gone_with)
+    refused = kernel.execute("#pragma taas\nprint('alive', mine)")
+    assert refused.error["ename"] == "SessionEnded" and "This cell did not run" in refused.traceback, refused.traceback
+    assert refused.stdout == "", "the cell meant for the session did not run in a fresh rank"
+    assert kernel.execute("%taas debug").error["evalue"].startswith(gone_with)
+    kernel.execute("#pragma taas\nprint('one-shot again')").ok()
+    assert kernel.execute("%taas debug").error["evalue"].startswith("nothing to debug: no rank's cell failed")
 
 
 def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_its_stack(kernel):
@@ -225,7 +238,17 @@ def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_it
     assert "where they were:\nrank 0: in barrier #" in r.traceback, r.traceback
     assert "dist.barrier()  # rank 1 is not in the cell" in r.traceback and r.seconds < 15
     assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
-    assert "session:             none" in kernel.execute("%taas").ok().stdout
+    assert "session:             ended: rank 0 did not leave" in kernel.execute("%taas").ok().stdout
+    assert (
+        kernel.execute("%taas debug")
+        .error["evalue"]
+        .startswith("nothing to debug: the session ended (rank 0 did not leave the interrupted cell within 5 s")
+    )
+    # A cell that starts a session does not need the old one: it says so in a line, and starts another.
+    again = kernel.execute(START.format(start="fork")).ok()
+    assert "taas: the last session ended (rank 0 did not leave" in again.stderr, again.stderr
+    assert "this cell starts another" in again.stderr
+    stop(kernel)
 
 
 def test_a_rank_that_dies_ends_the_session_and_leaves_nothing(kernel):
@@ -236,8 +259,20 @@ def test_a_rank_that_dies_ends_the_session_and_leaves_nothing(kernel):
         "taas: the session ended: rank 1 exited with code 3 before the cell finished: its process group cannot continue"
     ), r.error
     assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
+    r = kernel.execute("#pragma taas\nprint(os.environ['TAAS_RUN_ID'])")  # meant for the session: refused
+    assert r.error["evalue"] == (
+        "the session ended: rank 1 exited with code 3 before the cell finished: its process group cannot continue"
+    ), r.error
+    assert "This cell did not run: run it again to run it as a one-shot cell" in r.traceback and not r.stdout
     r = kernel.execute("#pragma taas\nprint(os.environ['TAAS_RUN_ID'])").ok()  # a one-shot cell again
     assert run_id not in r.stdout
+
+
+def forget_the_ended_session(kernel) -> None:
+    """After a session ended in a cell, the next cell meant for it says so and does not run."""
+    r = kernel.execute("#pragma taas\nprint('meant for the session')")
+    assert r.error["ename"] == "SessionEnded" and "This cell did not run" in r.traceback, r.traceback
+    assert "session:             none" in kernel.execute("%taas").ok().stdout
 
 
 def test_sys_exit_in_a_session_ends_it(kernel):
@@ -248,6 +283,7 @@ def test_sys_exit_in_a_session_ends_it(kernel):
         "continue",
         r.traceback,
     ), r.traceback
+    forget_the_ended_session(kernel)
 
 
 def test_the_idle_limit_ends_a_forgotten_session(kernel):

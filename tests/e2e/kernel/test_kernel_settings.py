@@ -73,3 +73,23 @@ def test_tab_completes_options_their_values_and_configuration_names(kernel):
     assert "rank0" in kernel.complete("%%taas --output r")
     assert "stop" in kernel.complete("%taas st") and "debug" in kernel.complete("%taas ")
     assert "--keep" in kernel.complete("%%taas --gpus 2 --ke")
+
+
+def test_the_line_magic_answers_help_typos_and_cell_options_in_one_line(kernel):
+    """What a new user types first: the help in three spellings, a typo, a cell's option on the line."""
+    helps = [kernel.execute(f"%taas {word}").ok().stdout for word in ("help", "--help", "-h")]
+    assert helps[0] == helps[1] == helps[2] and helps[0].startswith("taas: the line %taas takes these commands:")
+    assert all(f"%taas {command}" in helps[0] for command in ("stop", "debug [RANK]", "pull NAMES", "stacks"))
+    assert kernel.execute("%taas help stop").ok().stdout.startswith("%taas stop\n")
+    assert kernel.execute("%taas pull --help").ok().stdout.startswith("%taas pull NAMES [--ranks RANKS]\n")
+    assert kernel.execute("%taas version").ok().stdout.startswith("taas-magic ")
+    assert kernel.execute("%taas status").ok().stdout == kernel.execute("%taas").ok().stdout
+    typo = kernel.execute("%taas stopp")
+    assert typo.error["ename"] == "TaasUsageError" and typo.error["evalue"].startswith(
+        "%taas stopp is not a command (did you mean %taas stop?): %taas takes status, stop, debug,"
+    )
+    option = kernel.execute("%taas --gpus 2")
+    assert option.error["evalue"].startswith("--gpus is an option of a taas cell, not of the line %taas"), option.error
+    assert option.stdout == "", "nothing is shown as if the option had been taken"
+    paged = str(kernel.execute("%taas?").ok().reply["payload"])  # what a front end shows in its pager
+    assert "%taas stop" in paged and "%taas pull NAMES [--ranks RANKS]" in paged, paged[:2000]
