@@ -76,3 +76,38 @@ def test_a_profiled_cell_starts_at_once_without_importing_torch_inductor(tmp_pat
     assert imported == "False" and float(seconds) < 0.5, done.stdout
     events = json.loads((tmp_path / TRACE_NAME.format(rank=0)).read_text())["traceEvents"]
     assert any(event.get("name") == "aten::matmul" for event in events)
+
+
+FORKED_FROM_A_THREAD = """
+import os, sys, threading
+import torch
+from taas_magic.rank.profiling import profiled
+
+def rank():
+    os.environ["RANK"] = "0"
+    with profiled(sys.argv[1], "cpu"):
+        print("the cell's own line", file=sys.stderr, flush=True)
+        torch.ones(8) @ torch.ones(8)
+    os._exit(0)
+
+def fork_here():
+    pid = os.fork()
+    if pid == 0:
+        rank()
+    os.waitpid(pid, 0)
+
+thread = threading.Thread(target=fork_here)  # not the thread that imported torch
+thread.start()
+thread.join()
+"""
+
+
+def test_a_rank_forked_from_another_thread_than_torchs_shows_no_complaint_of_kineto(tmp_path):
+    """Kineto says ERROR when the profiler starts in another thread than the one torch registered its client
+    in, as in a rank forked from a thread of the kernel's: the rank's stderr keeps everything else."""
+    run = subprocess.run(
+        [sys.executable, "-c", FORKED_FROM_A_THREAD, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "registerClient" not in run.stderr and "the cell's own line" in run.stderr, run.stderr
+    assert json.loads((tmp_path / TRACE_NAME.format(rank=0)).read_text())["traceEvents"]

@@ -284,7 +284,7 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             action="store_true",
             help="run torch.profiler in every rank for the whole cell (CPU, and CUDA on a GPU run; no stacks, "
             "shapes or memory: a few MB a second), merge the ranks' traces into one Chrome/Perfetto trace in the "
-            "notebook's folder (taas-profile-DATE-TIME.json, a row per rank, times aligned) and show a picture of "
+            "notebook's folder (taas-profile-DATE-TIME.json.gz, a row per rank, times aligned) and show a picture of "
             "where each rank's time went. On a cluster, each node's traces come back to this machine.",
         ),
         magic_arguments.argument_group("failures"),

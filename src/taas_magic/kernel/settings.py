@@ -13,7 +13,7 @@ from traitlets.config import Config
 
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import options, reloading
+from taas_magic.kernel import options, profiling, reloading
 from taas_magic.kernel.session import Session
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.process import machine
@@ -94,6 +94,7 @@ class Defaults:
                 f"configurations:      {'; '.join(catalog.sources)}",
                 f"                     {names}",
                 f"CUDA devices:        {found.cuda_devices} visible" + _cuda_used_here(),
+                f"--profile traces:    {_traces_here()}",
                 f"CPU cores:           {found.cpus}",
                 f"default --device:    {self.device} (from %config TaasMagics.device)"
                 if self.device
@@ -142,6 +143,14 @@ def check_configuration(name: str) -> None:
             "running the cell in the kernel anyway",
             file=sys.stderr,
         )
+
+
+def _traces_here() -> str:
+    """The merged traces ``--profile`` runs left in the notebook's folder: they are the user's to delete."""
+    number, size = profiling.kept_traces(os.getcwd())
+    if not number:
+        return "none in this folder"
+    return f"{count(number, 'trace')}, {size / 1e6:.1f} MB, in this folder ({profiling.PREFIX}*{profiling.SUFFIX})"
 
 
 def count(number: int, unit: str) -> str:

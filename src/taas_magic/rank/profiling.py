@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import signal
+import tempfile
 from typing import Any, Iterator
 
 TRACE_NAME = "rank-{rank}.json"  # in the run's profile folder (kernel/profiling.py)
@@ -50,11 +51,38 @@ def profiled(folder: str | None, device: str) -> Iterator[None]:
     # (short) trace is written; one that comes before that finds no profiler, and the rank leaves no trace.
     signal.signal(signal.SIGTERM, _written_first(write, previous))
     try:
-        running.enter_context(profiler)
+        with _stderr_without(_KINETO_THREAD_COMPLAINT):
+            running.enter_context(profiler)
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
         write()
+
+
+# Kineto prints this as the profiler starts in a thread other than the one where torch registered its client:
+# in a process forked from a thread of the kernel's, or of the fork server's, whichever thread imported torch.
+# The trace is the same; the line would only alarm (it names two thread numbers and says ERROR).
+_KINETO_THREAD_COMPLAINT = re.compile(rb"^ERROR: External init callback must run in same thread as registerClient")
+
+
+@contextlib.contextmanager
+def _stderr_without(unwanted: re.Pattern[bytes]) -> Iterator[None]:
+    """While the block runs, what is written to descriptor 2 (by C++ too) is held in a temporary file; then it
+    is written to descriptor 2 as it came, less the lines ``unwanted`` matches. A file, not a pipe: another
+    thread of the rank that writes much meanwhile never blocks."""
+    held = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        kept = b"".join(line for line in held.read().splitlines(keepends=True) if not unwanted.match(line))
+        held.close()
+        if kept:
+            os.write(2, kept)
 
 
 def _written_first(write: Any, previous: Any) -> Any:

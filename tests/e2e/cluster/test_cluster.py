@@ -9,6 +9,7 @@ process of the run.
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import pathlib
@@ -274,7 +275,7 @@ REDUCING = "import time, torch\nfor _ in range(5):\n    dist.all_reduce(torch.on
 
 def merged_rows(trace) -> dict[str, int]:
     """Each rank's row in a merged trace, with the number of its gloo all_reduces."""
-    events = json.loads(trace.read_text())["traceEvents"]
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     reduces = [e["pid"] for e in events if e.get("name") == "gloo:all_reduce"]
     return {name: reduces.count(pid) for pid, name in rows.items()}
@@ -282,10 +283,10 @@ def merged_rows(trace) -> dict[str, int]:
 
 def test_profile_brings_every_nodes_traces_back_into_one_merged_trace_one_shot_and_in_a_session(cluster_kernel):
     folder = cluster_kernel.value("os.getcwd()")
-    before = set(glob.glob(os.path.join(folder, "taas-profile-*.json")))
+    before = set(glob.glob(os.path.join(folder, "taas-profile-*.json.gz")))
     profiled = HEADER.replace("--device cpu", "--device cpu --profile")
     r = cluster_kernel.execute(profiled + INIT + REDUCING, timeout=240).ok()
-    (trace,) = {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json"))} - before
+    (trace,) = {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json.gz"))} - before
     rows = merged_rows(trace)
     assert sorted(rows) == [f"rank {rank}" for rank in range(4)], rows  # ranks 2 and 3 ran on the other node
     assert all(count >= 5 for count in rows.values()), rows
@@ -296,7 +297,9 @@ def test_profile_brings_every_nodes_traces_back_into_one_merged_trace_one_shot_a
     try:
         r = cluster_kernel.execute("#pragma taas --profile --ranks 1-2\n" + REDUCING.replace("range(5)", "range(0)"))
         r.ok()
-        (second,) = {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json"))} - before - {trace}
+        (second,) = (
+            {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json.gz"))} - before - {trace}
+        )
         assert sorted(merged_rows(second)) == ["rank 1", "rank 2"], "a session cell's ranks, one on each node"
     finally:
         cluster_kernel.execute("%taas stop").ok()

@@ -7,6 +7,7 @@ used CUDA before the taas cells (the ranks must come from the fork server).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -457,8 +458,8 @@ def test_profile_records_each_ranks_gpu_kernels_in_rows_beside_its_own(gpu_kerne
             "for _ in range(20):\n    x = x @ x / 1024\n    dist.all_reduce(x)\ntorch.cuda.synchronize()\n",
             timeout=180,
         ).ok()
-    (trace,) = tmp_path.glob("taas-profile-*.json")
-    events = json.loads(trace.read_text())["traceEvents"]
+    (trace,) = tmp_path.glob("taas-profile-*.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     for rank in range(GPUS):
         assert f"rank {rank}" in rows.values(), rows

@@ -4,6 +4,7 @@ setup) and the rank the others waited for, in every kind of cell."""
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
 import tempfile
@@ -84,8 +85,11 @@ def test_profile_leaves_one_merged_trace_of_both_ranks_and_shows_the_picture(ker
     with working_in(kernel, tmp_path):
         cell = loop(f"#pragma taas --gpus 2 --start {start} --profile", "dist.get_rank() == 1")
         result = kernel.execute(cell, timeout=120).ok()
-    (trace,) = tmp_path.glob("taas-profile-*.json")
-    events = json.loads(trace.read_text())["traceEvents"]
+        status = kernel.execute("%taas").ok().stdout
+    (trace,) = tmp_path.glob("taas-profile-*.json.gz")
+    size = trace.stat().st_size / 1e6
+    assert f"--profile traces:    1 trace, {size:.1f} MB, in this folder (taas-profile-*.json.gz)\n" in status
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert sorted(rows.values()) == ["rank 0", "rank 1"], rows
     for pid in rows:
@@ -110,7 +114,7 @@ def test_a_profiled_run_that_timeout_stops_still_leaves_the_ranks_trace(kernel, 
             timeout=120,
         )
     assert result.error is not None and result.error["ename"] == "RunTimedOut", result.error
-    (trace,) = tmp_path.glob("taas-profile-*.json")
+    (trace,) = tmp_path.glob("taas-profile-*.json.gz")
     # Where a rank was when --timeout stopped it is in the error's message, what came of its trace in stderr.
     assert process_rows(trace) == ["rank 0", "rank 1"], (result.error["evalue"], result.stderr)
     assert "no rank wrote its trace" not in result.stderr
@@ -129,18 +133,18 @@ def test_a_session_profiles_the_cells_that_ask_for_it_each_in_a_trace_of_its_own
     with working_in(kernel, tmp_path):
         try:
             kernel.execute(loop("#pragma taas --gpus 2 --keep --return none --profile", "False")).ok()
-            (first,) = tmp_path.glob("taas-profile-*.json")
+            (first,) = tmp_path.glob("taas-profile-*.json.gz")
             assert process_rows(first) == ["rank 0", "rank 1"]
             kernel.execute(loop("#pragma taas", "False")).ok()
-            assert list(tmp_path.glob("taas-profile-*.json")) == [first], "a cell without --profile is not profiled"
+            assert list(tmp_path.glob("taas-profile-*.json.gz")) == [first], "a cell without --profile is not profiled"
             later = kernel.execute(loop("#pragma taas --profile", "dist.get_rank() == 1"), timeout=120).ok()
-            (second,) = set(tmp_path.glob("taas-profile-*.json")) - {first}
+            (second,) = set(tmp_path.glob("taas-profile-*.json.gz")) - {first}
             assert process_rows(second) == ["rank 0", "rank 1"]
             assert f"taas: --profile: the ranks' trace is {second} (" in later.stderr, later.stderr
             (picture,) = [display for display in later.displays if "image/svg+xml" in display]
             assert picture["text/plain"].splitlines()[-1].startswith("the others waited for rank 1")
             kernel.execute("#pragma taas --ranks 1 --profile\nimport torch\nx = torch.ones(100) @ torch.ones(100)").ok()
-            (third,) = set(tmp_path.glob("taas-profile-*.json")) - {first, second}
+            (third,) = set(tmp_path.glob("taas-profile-*.json.gz")) - {first, second}
             assert process_rows(third) == ["rank 1"]
         finally:
             kernel.execute("%taas stop").ok()
@@ -148,5 +152,5 @@ def test_a_session_profiles_the_cells_that_ask_for_it_each_in_a_trace_of_its_own
 
 
 def process_rows(trace) -> list[str]:
-    events = json.loads(trace.read_text())["traceEvents"]
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     return sorted(e["args"]["name"] for e in events if e.get("name") == "process_name")

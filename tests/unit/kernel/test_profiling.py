@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import xml.etree.ElementTree as ElementTree
@@ -10,7 +11,7 @@ import xml.etree.ElementTree as ElementTree
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taas_magic.kernel.profiling import ROWS_PER_RANK, ProfileFolder, merge
+from taas_magic.kernel.profiling import ROWS_PER_RANK, ProfileFolder, kept_traces, merge
 from taas_magic.kernel.time_picture import bundle
 from taas_magic.kernel.time_shares import Shares
 from taas_magic.wire.records import Collective, RankActivity
@@ -80,8 +81,10 @@ def test_the_folder_merges_what_the_ranks_wrote_and_goes(tmp_path) -> None:
     assert not os.path.exists(traces.path)
     assert written is not None and written.ranks == (0, 1) and os.path.dirname(written.path) == str(tmp_path)
     assert os.path.basename(written.path).startswith("taas-profile-") and written.size == os.path.getsize(written.path)
+    assert written.path.endswith(".json.gz"), "compressed: Perfetto and chrome://tracing open it as it is"
     assert "ranks 2-3 wrote none" in written.notice(4) and "ui.perfetto.dev" in written.notice(2)
-    assert names(json.load(open(written.path))) == {0: "rank 0", ROWS_PER_RANK: "rank 1"}
+    assert "traces in this folder" not in written.notice(2), "the first trace is all there is"
+    assert names(json.load(gzip.open(written.path))) == {0: "rank 0", ROWS_PER_RANK: "rank 1"}
     again = ProfileFolder()
     try:
         with open(os.path.join(again.path, "rank-0.json"), "w") as file:
@@ -90,6 +93,9 @@ def test_the_folder_merges_what_the_ranks_wrote_and_goes(tmp_path) -> None:
     finally:
         again.close()
     assert second is not None and second.path != written.path, "a run of the same second keeps the first's file"
+    total = written.size + second.size
+    assert kept_traces(str(tmp_path)) == (2, total)
+    assert f"; 2 traces in this folder, {total / 1e6:.1f} MB)" in second.notice(1), second.notice(1)
 
 
 def test_a_folder_no_rank_wrote_in_merges_nothing(tmp_path) -> None:
