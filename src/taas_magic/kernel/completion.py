@@ -9,25 +9,28 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from taas_magic.configurations import load_catalog
-from taas_magic.kernel import options
-
-SUBCOMMANDS = ("cluster", "stop", "debug", "stacks", "pull", "push")  # `%taas WORD`
+from taas_magic.kernel import line_commands, options
 
 
 def candidates(magic: Callable[..., Any], text_until_cursor: str, line_magic: bool) -> list[str]:
-    """What may come at the cursor: a value of the option just typed, else an option (or, first
-    on a `%taas` line, a subcommand)."""
+    """What may come at the cursor: on a `%taas` line, its command, then `--ranks` for `pull` and `push`; on a
+    `%%taas` line, a value of the option just typed, else an option."""
     words = text_until_cursor.split()
     typing_word = bool(words) and not text_until_cursor[-1:].isspace()
     before = words[:-1] if typing_word else words
+    if line_magic:
+        if len(before) == 1:
+            return list(line_commands.COMMANDS)
+        if before[1] == "cluster" and len(before) == 2:
+            return ["auto", "off", "release"]
+        return ["--ranks"] if before[1] in ("pull", "push") and "--ranks" not in before else []
     previous = before[-1] if len(before) > 1 else ""
     if previous == "--config":
         return _configuration_names()
     values = options.offered_values(magic, previous) if previous.startswith("--") else None
     if values is not None:
         return values
-    first = len(before) == 1
-    return options.visible_options(magic) + (list(SUBCOMMANDS) if line_magic and first else [])
+    return options.visible_options(magic)
 
 
 def _configuration_names() -> list[str]:

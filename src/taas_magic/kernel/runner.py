@@ -348,7 +348,7 @@ class CellRunner:
     ) -> None:
         """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
         False: ``%taas pull`` or ``push``)."""
-        prepared, shipment, sent = session.prepare(analysed, code, returns)
+        prepared, shipment, sent = session.prepare(analysed, code, returns, "" if notebook_cell else analysed.label)
         traces = profiling.ProfileFolder() if spec.profile and notebook_cell else None
         if notebook_cell:
             prepared = dataclasses.replace(
@@ -378,11 +378,13 @@ class CellRunner:
             if traces is not None:
                 _merge_traces(traces, len(ranks))
             streams.give_back_freed_memory()
-        self._take_back(result, spec.return_names, spec.return_from)
+        self._take_back(result, spec.return_names, spec.return_from, pulled=not notebook_cell)
 
-    def _take_back(self, result: RunResult, requested: tuple[str, ...] | None, from_ranks: tuple[int, ...]) -> None:
+    def _take_back(
+        self, result: RunResult, requested: tuple[str, ...] | None, from_ranks: tuple[int, ...], pulled: bool = False
+    ) -> None:
         """The sending ranks' names join the notebook (and the session's record of what the notebook has)."""
-        values = names_back.take_back(self.shell.user_ns, result, requested, from_ranks)
+        values = names_back.take_back(self.shell.user_ns, result, requested, from_ranks, pulled)
         if self.kept.session is not None:
             self.kept.session.took_back(values)
 

@@ -103,10 +103,11 @@ class Session:
 
     # -- cells ----------------------------------------------------------------------------------
     def prepare(
-        self, analysed: Cell, code: Any, returns: Returns
+        self, analysed: Cell, code: Any, returns: Returns, command: str = ""
     ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
         """The cell for the ranks: its code, and the notebook's names it reads that changed; and
-        the fingerprints of what it sends, for ``shipped`` once the ranks have it."""
+        the fingerprints of what it sends, for ``shipped`` once the ranks have it. ``command``: the line that
+        sends them (``%taas push``) when no cell does."""
         namespace = analysed.namespace
         self._forget_rebound(namespace)
         prints = _Fingerprints(namespace)  # each name's, once for this cell
@@ -117,7 +118,10 @@ class Session:
         shipment = None
         if changed:
             shipment = shipping.pack_for_session(
-                namespace, changed, lambda name, value: name in self.known and self.known[name] == prints(name)
+                namespace,
+                changed,
+                lambda name, value: name in self.known and self.known[name] == prints(name),
+                command,
             )
         sources = self._new_sources(code.co_filename, analysed.label)
         cell = SessionCell(

@@ -177,10 +177,13 @@ def pack(
     return _pack(namespace, names, to, namespace if track else None, None)
 
 
-def pack_for_session(namespace: dict[str, Any], names: list[str], held: Callable[[str, Any], bool]) -> Shipment:
+def pack_for_session(
+    namespace: dict[str, Any], names: list[str], held: Callable[[str, Any], bool], command: str = ""
+) -> Shipment:
     """``names`` for a session's ranks; what they hold already (``held(name, value)``) goes as a
-    reference to their own namespace (``unpack_into``), whatever refers to it."""
-    return _pack(namespace, names, "a session's ranks", namespace, held)
+    reference to their own namespace (``unpack_into``), whatever refers to it. ``command``: the line
+    (``%taas push``) that sends them, which errors name instead of a cell."""
+    return _pack(namespace, names, "a session's ranks", namespace, held, command)
 
 
 def _pack(
@@ -189,13 +192,14 @@ def _pack(
     to: str,
     tracked: dict[str, Any] | None,
     held: Callable[[str, Any], bool] | None,
+    command: str = "",
 ) -> Shipment:
     for name in names:
-        _check_shippable(name, namespace[name], to)
+        _check_shippable(name, namespace[name], to, command)
     anchor = types.FunctionType(compile("None", "<taas>", "eval"), namespace)
     buffer = io.BytesIO()
     pickler = _ShippingPickler(buffer, tracked, held)
-    _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to)
+    _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to, command)
     if pickler.reached - set(names):
         _bind_reached(pickler, namespace, sorted(pickler.reached - set(names)))
     fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
@@ -210,25 +214,31 @@ def _bind_reached(pickler: "_ShippingPickler", namespace: dict[str, Any], names:
     pickler.dump({name: namespace[name] for name in names})
 
 
-def _check_shippable(name: str, value: Any, to: str) -> None:
+def _check_shippable(name: str, value: Any, to: str, command: str = "") -> None:
     """Pickle one name alone first, so that the one that cannot go is named."""
     try:
         pickler.dump(_ShippingPickler(io.BytesIO()), value)
     except pickler.Unpicklable as e:
+        kind = f"a {type(value).__module__}.{type(value).__qualname__}"
         raise TaasUsageError(
-            f"the cell needs {name!r} (a {type(value).__module__}.{type(value).__qualname__}), which cannot be "
-            f"sent to {to} ({e.why}): create it inside the cell"
+            f"{command} {name}: {name!r} ({kind}) cannot be sent to {to} ({e.why}): push a value that can, "
+            "or make it in a cell of the session"
+            if command
+            else f"the cell needs {name!r} ({kind}), which cannot be sent to {to} ({e.why}): create it inside the cell"
         ) from None
 
 
-def _dump_all(dumper: "_ShippingPickler", names: dict[str, Any], to: str) -> None:
+def _dump_all(dumper: "_ShippingPickler", names: dict[str, Any], to: str, command: str = "") -> None:
     """Every name together, each of which went alone: one that pickles only once fails here."""
     try:
         pickler.dump(dumper, names)
     except pickler.Unpicklable as e:
         raise TaasUsageError(
-            f"the names the cell needs cannot be sent to {to} together ({e.why}), "
-            "though each can alone: create them inside the cell"
+            f"{command}: the names cannot be sent to {to} together ({e.why}), though each can alone: push "
+            "them one at a time, or make them in a cell of the session"
+            if command
+            else f"the names the cell needs cannot be sent to {to} together ({e.why}), though each can alone: "
+            "create them inside the cell"
         ) from None
 
 

@@ -76,9 +76,20 @@ def test_pull_and_push_move_names_between_the_notebook_and_a_sessions_ranks(fres
     assert kernel.value("step") == 20, "from one rank a value comes as it is"
     result = kernel.execute("%taas pull only_in_1,missing --ranks 0-1").ok()
     assert result.stderr == (
-        "taas: not copied back from rank 0: only_in_1 (not bound when the cell ended); "
-        "from ranks 0-1: missing (not bound when the cell ended)\n"
-    )
+        "taas: not copied back from rank 0: only_in_1 (the rank has no such name); "
+        "from ranks 0-1: missing (the rank has no such name)\n"
+    ), "a pull has no cell that ended"
+    pushed = kernel.execute("numbers = (n for n in range(3))\n%taas push numbers")
+    assert pushed.error["evalue"].startswith(
+        "%taas push numbers: 'numbers' (a builtins.generator) cannot be sent to a session's ranks ("
+    ) and pushed.error["evalue"].endswith("): push a value that can, or make it in a cell of the session"), pushed.error
+    hiding = kernel.execute("#pragma taas --ranks 0\nlist = [1, 2]\nsum = 3").ok()
+    assert hiding.stderr == (
+        "taas: list, sum came back from rank 0 and now hide Python's builtins of the same name in the notebook: "
+        "del list brings each back\n"
+    ), hiding.stderr
+    assert kernel.execute("#pragma taas --ranks 0\nlist = [3]").ok().stderr == "", "it hid the builtin already"
+    kernel.execute("del list, sum").ok()
 
     kernel.execute("step = 'from the notebook'\n%taas push step --ranks 1").ok()
     result = kernel.execute("#pragma taas --return none\nprint(taas.rank(), step)").ok()

@@ -72,6 +72,8 @@ def test_tab_completes_options_their_values_and_configuration_names(kernel):
     assert "g2.8" in kernel.complete("%%taas --gpus 8 --config g2")
     assert "rank0" in kernel.complete("%%taas --output r")
     assert "stop" in kernel.complete("%taas st") and "debug" in kernel.complete("%taas ")
+    assert "help" in kernel.complete("%taas he") and "--gpus" not in kernel.complete("%taas --g"), "a line's commands"
+    assert "--ranks" in kernel.complete("%taas pull x --r") and "release" in kernel.complete("%taas cluster re")
     assert "--keep" in kernel.complete("%%taas --gpus 2 --ke")
 
 

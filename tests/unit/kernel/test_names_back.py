@@ -7,6 +7,7 @@ import dataclasses
 import io
 
 from hypothesis import given
+from hypothesis import strategies as st
 from support.notebook_values import SETUP, TORCH_WARNINGS_OF_TENSORS
 from support.notebook_values import values as notebook_values
 
@@ -87,3 +88,22 @@ def test_a_name_the_rank_never_bound_is_said_only_when_the_cell_asked_for_it():
     with contextlib.redirect_stderr(said):
         names_back.take_back(namespace, result, ("y",), (0,))
     assert said.getvalue() == f"taas: not copied back from rank 0: y ({results.NOT_BOUND})\n" and namespace == {}
+
+
+@given(expression=notebook_values(), builtin=st.sampled_from(["list", "sum", "id", "input", "print", "type"]))
+def test_a_name_that_hides_a_builtin_says_so_in_one_line_whatever_its_value(expression, builtin):
+    value = eval(expression, NOTEBOOK)
+    namespace: dict = {}
+    said = taken_back(namespace, {0: {builtin: value}})
+    if builtin not in namespace:
+        return  # it did not come back (the line says why)
+    assert said.endswith(
+        f"taas: {builtin} came back from rank 0 and now hides Python's builtin of the same name in the notebook: "
+        f"del {builtin} brings it back\n"
+    ), said
+    assert "builtin" not in taken_back(namespace, {0: {builtin: value}}), "hidden already: no word"
+
+
+def test_a_builtin_itself_coming_back_hides_nothing():
+    namespace: dict = {}
+    assert taken_back(namespace, {0: {"len": len, "x": None}}) == "" and namespace["len"] is len
