@@ -487,7 +487,7 @@ def test_an_interrupted_lock_step_loop_shows_its_ranks_at_one_moment(kernel):
     collectives apart on a busy machine), and every rank is named with its stack."""
     rng = random.Random(7)
     for _ in range(10):
-        result = kernel.execute(LOCK_STEP, interrupt_after=rng.uniform(0.5, 2.0), timeout=40, counted_from="training")
+        result = kernel.execute(LOCK_STEP, interrupt_after=rng.uniform(0.2, 1.2), timeout=40, counted_from="training")
         assert result.error is not None and result.error["ename"] == "RunInterrupted", result.traceback
         found = where(result, "where the ranks were when interrupted:")
         assert all(place.stack for place in found), found
