@@ -53,12 +53,19 @@ class ClusterLink:
         elif word == "release":
             print(self.release(kept))
         elif word:
+            Cluster.check(word)  # before the working connection is let go: a typo keeps it
+            previous = self.address
             self.disconnect()
             self.address = word
             try:
                 connected = self.connected()
-            except BaseException:
+            except BaseException as e:
                 self.address = None  # this machine, as the new cluster did not answer
+                if previous is not None and previous != word and isinstance(e, TaasUsageError):
+                    raise TaasUsageError(
+                        f"{e}; the connection to {previous} was closed: cells run on this machine "
+                        f"(%taas cluster {previous} connects it again)"
+                    ) from None
                 raise
             print(connected.describe(load_catalog()))
         elif self.address is None:

@@ -664,6 +664,21 @@ def test_cluster_command_shows_nodes_by_configuration(cluster, cluster_kernel):
     assert f"cluster:             {local.address} (cells run there" in cluster_kernel.execute("%taas").ok().stdout
 
 
+def test_a_mistyped_address_keeps_the_working_connection_and_its_warm_agents(cluster, cluster_kernel):
+    local, _ = cluster
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()  # the agents are warm after a cell
+    typo = cluster_kernel.execute("%taas cluster 127.0.0.2:1", timeout=30)
+    assert typo.error["evalue"].startswith("nothing answers at 127.0.0.2:1 (Connection refused)"), typo.error
+    scheme = cluster_kernel.execute(f"%taas cluster http://{local.address}")
+    assert scheme.error["evalue"] == (
+        f"cluster address 'http://{local.address}' is not HOST:PORT, ray://HOST:PORT or auto: leave out http:// "
+        f"(%taas cluster {local.address})"
+    )
+    shown = cluster_kernel.execute("%taas cluster").ok().stdout
+    assert f"connected to the Ray cluster at {local.address}" in shown and "2 with a warm agent" in shown, shown
+    cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
+
+
 def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
     """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
     from taas_magic.configurations import load_catalog

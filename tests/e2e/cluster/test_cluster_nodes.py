@@ -53,7 +53,14 @@ def test_a_cluster_that_requires_a_token_says_in_one_line_what_a_notebook_lacks_
         assert f"the Ray cluster at {local.address} requires token authentication: set RAY_AUTH_MODE=token" in line
         assert "RAY_AUTH_TOKEN" in line and "\n" not in line
         assert "gcs_client" not in r.stderr, r.stderr  # Ray's own logging of the refusal: taas's line says it
-        k.execute("%env RAY_AUTH_MODE=token\n%env RAY_AUTH_TOKEN=" + "0" * 64).ok()
+        # Token mode and no token anywhere Ray looks: Ray's own check aborts the process it runs in, the kernel.
+        k.execute("%env RAY_AUTH_MODE=token\n%env RAY_AUTH_TOKEN_PATH=/nonexistent/auth_token").ok()
+        r = k.execute(f"%taas cluster {local.address}", timeout=120)
+        assert r.error is not None and r.error["evalue"].startswith(
+            f"the Ray cluster at {local.address} requires a token and this notebook has none: put it in"
+        ), r.error
+        assert k.execute("print('the kernel is alive')").ok().stdout == "the kernel is alive\n"
+        k.execute("%env RAY_AUTH_TOKEN=" + "0" * 64).ok()
         r = k.execute(f"%taas cluster {local.address}", timeout=120)
         assert r.error is not None and r.seconds < 15, r.seconds
         assert "refused this notebook's token (from RAY_AUTH_TOKEN): it is not the cluster's" in r.error["evalue"]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taas_magic.launch.cluster import authentication
+from taas_magic.errors import TaasUsageError
+from taas_magic.launch.cluster import authentication, connection
 
 ADDRESS = "10.0.0.5:6379"
 
@@ -53,3 +55,48 @@ def test_every_setting_gets_one_line_that_names_the_cluster(mode, token):
     assert ("RAY_AUTH_MODE=token" in line) == (not authentication.token_mode(environ))
     hint = authentication.client_hint(environ)
     assert hint.startswith(" (") and "token authentication" in hint
+
+
+@pytest.mark.parametrize("token_file", [None, "", "  \n", "a-token"])
+def test_token_mode_without_a_token_is_said_before_ray_is_asked(tmp_path, monkeypatch, token_file):
+    """Ray's own check ends the kernel's process when token mode finds no token: taas says it first, in one line.
+    A file of blanks holds no token."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if token_file is not None:
+        (tmp_path / ".ray").mkdir()
+        (tmp_path / ".ray" / "auth_token").write_text(token_file)
+    environ = {"RAY_AUTH_MODE": "token"}
+    line = authentication.missing_token(ADDRESS, environ)
+    if token_file == "a-token":
+        assert line is None
+    else:
+        assert line == authentication.refused(ADDRESS, environ) and "this notebook has none" in line
+    assert authentication.missing_token(ADDRESS, {}) is None, "without token mode Ray asks for none"
+
+
+def test_connecting_in_token_mode_without_a_token_fails_in_one_line_before_the_cluster_is_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setattr(connection, "ray_module", lambda: None)  # imported, never asked: a fake is enough
+    monkeypatch.setattr(connection, "_check_answers", lambda address: pytest.fail("the cluster was asked"))
+    with pytest.raises(TaasUsageError, match=r"^the Ray cluster at 127.0.0.1:1 requires a token and this notebook"):
+        connection.Cluster.check("127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    "address, said",
+    [
+        ("http://127.0.0.1:6379", "leave out http:// (%taas cluster 127.0.0.1:6379)"),
+        ("https://head:8265", "leave out https:// (%taas cluster head:8265)"),
+        ("127.0.0.1", "is not HOST:PORT, ray://HOST:PORT or auto"),
+        ("head:port", "is not HOST:PORT, ray://HOST:PORT or auto"),
+    ],
+)
+def test_an_address_that_is_not_one_is_named_as_such_before_anything_is_asked(monkeypatch, address, said):
+    monkeypatch.setattr(connection, "ray_module", lambda: None)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(TaasUsageError) as raised:
+        connection.Cluster.check(address)
+    assert str(raised.value).startswith(f"cluster address {address!r} is not HOST:PORT") and said in str(raised.value)

@@ -24,13 +24,30 @@ HEAD = "`ray get-auth-token` on the cluster's head prints it"
 
 def token_source(environ: Mapping[str, str]) -> str | None:
     """Where Ray would read this notebook's token from (as Ray looks: the variable, the file it names,
-    the default file); None where there is none."""
-    if environ.get(TOKEN):
+    the default file); None where there is none, or only blanks."""
+    if environ.get(TOKEN, "").strip():
         return TOKEN
     path = environ.get(TOKEN_PATH)
     if path:
-        return f"{path} ({TOKEN_PATH})" if os.path.isfile(os.path.expanduser(path)) else None
-    return DEFAULT_PATH if os.path.isfile(os.path.expanduser(DEFAULT_PATH)) else None
+        return f"{path} ({TOKEN_PATH})" if _holds_a_token(path) else None
+    return DEFAULT_PATH if _holds_a_token(DEFAULT_PATH) else None
+
+
+def _holds_a_token(path: str) -> bool:
+    try:
+        with open(os.path.expanduser(path), "rb") as file:
+            return bool(file.read(4096).strip())
+    except OSError:  # absent, a folder, unreadable
+        return False
+
+
+def missing_token(address: str, environ: Mapping[str, str]) -> str | None:
+    """The one line for ``RAY_AUTH_MODE=token`` with no token anywhere Ray looks; None otherwise. Said before
+    Ray is asked anything: Ray's own check of it ends the process it runs in (a C++ abort), which is the
+    notebook's kernel."""
+    if token_mode(environ) and token_source(environ) is None:
+        return refused(address, environ)
+    return None
 
 
 def token_mode(environ: Mapping[str, str]) -> bool:

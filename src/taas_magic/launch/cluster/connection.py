@@ -152,7 +152,7 @@ class Cluster:
         cluster = cls(address)
         cluster.idle_seconds = idle_seconds
         if not ray.is_initialized():
-            host = _check_answers(address)
+            host = cls.check(address)
             kwargs: dict[str, Any] = {}
             if host is not None and _is_loopback(host):  # the notebook runs on that node: Ray must not look for
                 kwargs["_node_ip_address"] = host  # another address of this machine
@@ -176,6 +176,18 @@ class Cluster:
                 ) from None
             cluster.owns_connection = True
         return cluster
+
+    @staticmethod
+    def check(address: str) -> str | None:
+        """What can be known of ``address`` without leaving the cluster this kernel is connected to, each a
+        one-line ``TaasUsageError``: a token Ray would need and not find (Ray's own check of that aborts the
+        kernel's process), an address that is not one, nothing answering there. The host of a ``HOST:PORT``
+        address, else None."""
+        ray_module()  # first: without Ray, nothing else matters
+        missing = authentication.missing_token(address, os.environ)
+        if missing is not None:
+            raise TaasUsageError(missing)
+        return _check_answers(address)
 
     # -- what the cluster has -------------------------------------------------------------------
     def nodes(self) -> list[Node]:
@@ -413,7 +425,13 @@ def _check_answers(address: str) -> str | None:
     the host of a ``HOST:PORT`` address, None for ``auto`` and Ray Client's ``ray://``."""
     if address == "auto":
         return None
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    scheme, _, rest = address.rpartition("://")
+    if scheme not in ("", "ray"):
+        raise TaasUsageError(
+            f"cluster address {address!r} is not HOST:PORT, ray://HOST:PORT or auto: leave out {scheme}:// "
+            f"(%taas cluster {rest})"
+        )
+    host, _, port = rest.rpartition(":")
     if not host or not port.isdecimal():
         raise TaasUsageError(f"cluster address {address!r} is not HOST:PORT, ray://HOST:PORT or auto")
     try:
