@@ -104,6 +104,24 @@ def node_agents() -> list[psutil.Process]:
     return [p for p in psutil.process_iter() if "NodeAgent" in " ".join(cmdline(p)) and ours(p)]
 
 
+def raylet_of(address: str) -> psutil.Process:
+    """The raylet of the test cluster's node at ``address`` (each node has a loopback address of its own)."""
+    found = [
+        p
+        for p in psutil.process_iter()
+        if p.name() == "raylet" and any(word.endswith(f"node_ip_address={address}") for word in cmdline(p)) and ours(p)
+    ]
+    assert len(found) == 1, f"raylets of {address}: {found}"
+    return found[0]
+
+
+def taas_on(raylet: psutil.Process) -> list[psutil.Process]:
+    """taas's processes on a raylet's node: its agent (a worker the raylet started) and what the agent started,
+    the fork server, a run's supervisor and ranks."""
+    agents = [p for p in raylet.children() if "NodeAgent" in " ".join(cmdline(p))]
+    return agents + [child for agent in agents for child in agent.children(recursive=True)]
+
+
 def cmdline(process: psutil.Process) -> list[str]:
     try:
         return process.cmdline()

@@ -28,6 +28,8 @@ from support.cluster import (
     network,
     node_agents,
     rank_processes,
+    raylet_of,
+    taas_on,
 )
 from support.kernel import Kernel
 
@@ -231,6 +233,33 @@ def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
     assert error is not None and f"node {node}" in error["evalue"], error
     assert seconds < 15, seconds
     local.add_node("t.2", cpus=2)
+    cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_raylet_killed_mid_session_cell_leaves_nothing_of_taas_on_its_node(cluster, cluster_kernel):
+    """Ray ends nothing on a node whose raylet dies (killed by pid, as the out-of-memory killer does): taas's
+    agent leaves with its raylet, and its fork server, the session's supervisor and ranks there with it."""
+    local, _ = cluster
+    first = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep") + "print('on', os.environ['TAAS_NODE_ADDRESS'])",
+        timeout=240,
+    ).ok()
+    node = sorted(set(re.findall(r"on (\S+)", first.stdout)))[-1]
+    raylet = raylet_of(node)
+    try:
+        msg_id = cluster_kernel.client.execute("#pragma taas\nprint('sleeping', flush=True)\ntime.sleep(600)")
+        assert first_match(cluster_kernel, msg_id, r"sleeping") is not None
+        there = taas_on(raylet)
+        assert len(there) >= 5, there  # the agent, its fork server, the session's supervisor, two ranks
+        raylet.kill()
+        gone, left = psutil.wait_procs(there, timeout=15)
+        assert not [p for p in left if alive(p)], left
+        error, seconds = error_of(cluster_kernel, msg_id, since=time.monotonic())
+        assert error is not None and f"node {node} (node 1 of the run) was lost" in error["evalue"], error
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    local.add_node("t.2", cpus=2)  # for what follows
     cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
     assert not leftovers(cluster_kernel)
 

@@ -44,6 +44,7 @@ from taas_magic.wire.task import KernelContext, RankTask
 FOLDER_PREFIX = "taas-run-"  # then the agent's process id: a folder whose agent is gone can be told
 MAX_FILES_BACK = 2 * 1024**3  # bytes of rank 0's files a run may send back to the notebook
 IDLE_CHECK_SECONDS = 5.0  # how often an agent asks itself whether it has been unused long enough to leave
+RAYLET_CHECK_SECONDS = 0.5  # how often an agent looks whether its node's raylet is still its parent
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,7 @@ class NodeAgent:
         self.held_until = 0.0  # a launch under way holds the agent until then (see info)
         self.lock = threading.RLock()  # held by each call from start to end, and by the idle watch
         threading.Thread(target=self._leave_when_idle, name="taas-agent-idle", daemon=True).start()
+        threading.Thread(target=_leave_with_the_raylet, name="taas-agent-raylet", daemon=True).start()
 
     def _leave_when_idle(self) -> None:
         while True:
@@ -293,6 +295,22 @@ class NodeAgent:
             self._end_run()
         finally:
             self.backend.shutdown()
+
+
+def _leave_with_the_raylet() -> None:
+    """End this agent as soon as its node's raylet is gone (killed, out of memory, its machine's Ray stopped).
+
+    Ray does not end a worker whose raylet died: this agent, its fork server and a run's supervisors and ranks
+    would hold the node's memory (and GPUs) until the machine restarts, and after the kernel's death too (the
+    raylet was the one to end them). The agent is the raylet's child, and a child whose parent dies is given
+    to another: its parent changing says the raylet is gone. Nothing here is left to save, and a call in
+    progress may wait on the dead raylet for ever: the agent leaves at once, without its lock, and its fork
+    server, seeing its parent go, ends every process of the run (``forkserver/server.py``).
+    """
+    raylet = os.getppid()
+    while os.getppid() == raylet:
+        time.sleep(RAYLET_CHECK_SECONDS)
+    os._exit(0)
 
 
 def _remove_orphaned_folders() -> None:
