@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Callable, Mapping, assert_never
 
+from taas_magic.errors import DeliveryLost, ForkServerDied, RunLost
 from taas_magic.kernel import environment, render, visual_debugger
 from taas_magic.kernel.live_view import RunView
 from taas_magic.kernel.run_actions import (
@@ -39,6 +40,7 @@ from taas_magic.wire.events import Event, Exited, InputRequest, Key, Output, Rep
 
 POLL_SECONDS = 0.05
 STACK_SECONDS = 2.0
+LOST = (RunLost, ForkServerDied, DeliveryLost)  # the run's processes are gone: no result of theirs says more
 
 Write = Callable[[str, str], object]  # (stream, text): where the ranks' output and taas's notices go
 Status = Callable[[dict[str, str], bool], object]  # shows the live view: (MIME bundle, final)
@@ -151,10 +153,14 @@ def _attempt(
         group = backend.start(plan, launch)
         try:
             pump = Pump(group, state, output, write, read_line, cell_names, view, status, picture)
+            lost = False
             try:
                 pump.until_over()
+            except LOST:
+                lost = True
+                raise
             finally:
-                pump.show_summary()  # whatever ended the run: no view is left saying "running"
+                pump.show_summary(lost)  # whatever ended the run: no view is left saying "running"
         finally:
             if state.paused and keep_paused is not None and group.running() == state.paused:
                 keep_paused(group, min(state.paused))
@@ -222,8 +228,9 @@ class Pump:
         """The user interrupted the cell."""
         self._do(self.state.interrupt(time.monotonic(), self.group.running()))
 
-    def show_summary(self) -> None:
-        """The live view, once the run is over, whatever ended it: its summary, each row as the result says.
+    def show_summary(self, lost: bool = False) -> None:
+        """The live view, once the run is over, whatever ended it: its summary, each row as the result says;
+        ``lost``: taas lost the run's processes (``LOST``), and the run ends as lost, whatever its ranks had said.
         Called in ``finally``: a failure to draw it (the front end gone) must not hide why the run ended."""
         if self.view is None or self.status is None:
             return
@@ -231,7 +238,8 @@ class Pump:
             result = self.state.result()
             broken, failed = {f.rank: "stopped" for f in result.broken}, {f.rank: "failed" for f in result.failures}
             self.view.settle({**broken, **failed})
-            self.status(self.view.summary(result.seen_as.value, time.monotonic() - self.state.started), True)
+            outcome = Outcome.LOST if lost else result.seen_as
+            self.status(self.view.summary(outcome.value, time.monotonic() - self.state.started), True)
             shown = self.view.picture() if self.picture is not None else None
             if self.picture is not None and shown is not None:
                 self.picture(shown)

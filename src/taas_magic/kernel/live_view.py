@@ -289,7 +289,9 @@ class RunView:
             )
             for rank, row in self.ranks.items()
         ]
-        return self._bundle("summary", caption, rows, self._extra_rows(), time_shares.lines(self._shares(elapsed)))
+        return self._bundle(
+            "summary", caption, rows, self._extra_rows(over=True), time_shares.lines(self._shares(elapsed))
+        )
 
     def picture(self) -> dict[str, str] | None:
         """A picture of where each rank's time went (``--profile``), once every rank has samples enough."""
@@ -300,20 +302,21 @@ class RunView:
         """Each rank's shares of time, once the run is long enough and every rank has samples enough."""
         return time_shares.counted(self.shares) if elapsed >= SHARES_AFTER else {}
 
-    def _extra_rows(self) -> list[tuple[str, str, str, str, str]]:
-        """Rows of nodes (on a cluster) and of loaders' producers."""
+    def _extra_rows(self, over: bool = False) -> list[tuple[str, str, str, str, str]]:
+        """Rows of nodes (on a cluster) and of loaders' producers; ``over``: in the summary, where nothing
+        runs any more (a node's ranks say how they ended, as their own rows do)."""
         extra = []
         if self.ranks_per_node:
             nodes: dict[int, list[_RankRow]] = {}
             for rank, row in self.ranks.items():
                 nodes.setdefault(rank // self.ranks_per_node, []).append(row)
             for node, rows in sorted(nodes.items()):
-                states = [row.state for row in rows]
+                states = [_over(row.state) if over else row.state for row in rows]
                 counted = ", ".join(f"{states.count(state)} {state}" for state in STATES if state in states)
                 memory = sum(row.vitals.memory for row in rows if row.vitals is not None)
                 extra.append((f"node {node}", counted, _bytes(memory) if memory else "", "", f"node-{node}"))
         for name, loader in sorted(self.loaders.items()):
-            state = "done" if all(loader.latest.done) else "running"
+            state = "done" if all(loader.latest.done) else "stopped" if over else "running"
             extra.append((name, state, "", loader.text(), f"loader-{name}"))
         return extra
 

@@ -26,6 +26,7 @@ class Outcome(Enum):
     TIMED_OUT = "timed out"
     INTERRUPTED = "interrupted"
     SESSION_ENDED = "session ended"
+    LOST = "lost"  # taas lost the run's processes (a node, the fork server, a supervisor): no result says more
 
 
 class EndCause(Enum):

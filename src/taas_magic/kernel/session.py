@@ -30,7 +30,7 @@ from taas_magic.cell_names import names_reached
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel import hang, reloading, render, stacks, streams
-from taas_magic.kernel.controller import STACK_SECONDS, Pump, Show, live_output
+from taas_magic.kernel.controller import LOST, STACK_SECONDS, Pump, Show, live_output
 from taas_magic.kernel.run_result import SESSION, RunResult
 from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.spec import LaunchSpec
@@ -261,15 +261,17 @@ class Session:
             deadline=None if spec.timeout is None else time.monotonic() + spec.timeout,
         )
         pump = Pump(self.group, state, out, write, read_line, cell_names, view, self.status, picture)
+        lost = False
         try:
             _send(pump, send)
             pump.until_over()
         except BaseException as e:
+            lost = isinstance(e, LOST)
             self._end(e.why if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
             raise
         finally:
             out.finish()
-            pump.show_summary()  # whatever ended the cell: no view is left saying "running"
+            pump.show_summary(lost)  # whatever ended the cell: no view is left saying "running"
             self.last_used = time.monotonic()
         return state.result()
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 from support.specs import cpu_spec
 
-from taas_magic.errors import RankFailed
+from taas_magic.errors import RankFailed, RunLost
 from taas_magic.kernel import controller
 from taas_magic.wire.events import Exited, Output, Producer, Report
 from taas_magic.wire.records import CellEnded, Failed
@@ -140,3 +140,24 @@ def test_a_producer_stopped_once_every_rank_is_done_never_fails_the_cell():
     group.alive = {0, 1, Producer(0, 0)}
     run(group)
     assert group.signals[0] == signal.SIGTERM and group.closed
+
+
+class LosingGroup(ScriptedGroup):
+    """Its supervisor goes after one batch: the backend says the run's processes are lost."""
+
+    def events(self, timeout):
+        if not self.batches:
+            raise RunLost("node 127.0.0.3 (node 1 of the run) was lost: its agent died")
+        return super().events(timeout)
+
+
+def test_a_lost_runs_view_ends_as_lost_with_no_rank_still_running():
+    group = LosingGroup([[Output(0, "stdout", b"hi\n")]])
+    shown: list[tuple[dict, bool]] = []
+    with pytest.raises(RunLost):
+        controller.run(
+            cpu_spec(), None, ScriptedBackend(group), lambda s, t: None, {}, status=lambda b, f: shown.append((b, f))
+        )
+    summary, final = shown[-1]
+    assert final and summary["text/plain"].startswith("taas: 2 ranks on cpu · lost after "), summary
+    assert "running" not in summary["text/plain"] and group.closed

@@ -5,7 +5,15 @@ from __future__ import annotations
 import re
 
 from taas_magic.kernel.live_view import RunView
-from taas_magic.wire.records import CellEnded, Collective, Failed, RankActivity, RankProgress, RankVitals
+from taas_magic.wire.records import (
+    CellEnded,
+    Collective,
+    DeliveryProgress,
+    Failed,
+    RankActivity,
+    RankProgress,
+    RankVitals,
+)
 
 MB = 1_000_000
 
@@ -188,3 +196,18 @@ def test_a_rank_stopped_in_the_notebooks_debugger_reads_paused_until_it_goes_on(
     assert [row[1] for row in rows(view.render(2.0))] == ["running", "done"], "an ended rank is not paused"
     view.in_debugger(frozenset())
     assert [row[1] for row in rows(view.summary("done", 3.0))][1] == "done"
+
+
+def test_a_summary_says_no_node_or_loader_still_runs():
+    """Once the run is over nothing runs: a node whose ranks had not said how they ended (the run was lost)
+    counts them stopped, as their own rows do, and so does a loader that had not finished."""
+    view = RunView("4 ranks on cpu", range(4), ranks_per_node=2)
+    for rank in range(4):
+        view.take(rank, RankVitals(1.0, 100 * MB, 100 * MB))
+    view.take(2, CellEnded(2.0))
+    view.take(0, DeliveryProgress("loader", 1.0, 4, [1, 1, 1, 1], [0, 0, 0, 0], 0, [0, 0, 1, 0]))
+    summary = view.summary("lost", 30.1)
+    assert summary["text/plain"].startswith("taas: 4 ranks on cpu · lost after 30.1 s")
+    extra = [row[:2] for row in rows(summary) if not row[0].startswith("rank")]
+    assert extra == [["node 0", "2 stopped"], ["node 1", "1 done, 1 stopped"], ["loader", "stopped"]], extra
+    assert "running" not in summary["text/plain"] and "starting" not in summary["text/plain"]
