@@ -27,6 +27,10 @@ from taas_magic.process.containment import to_the_end
 from taas_magic.wire.events import Key
 
 COLLAPSE_WINDOW = 0.25  # seconds a complete line waits for other ranks to print the same
+# The date and time torch's C++ logging puts at the start of its lines ("[W1206 09:22:22.586743355 socket.cpp:955]
+# [c10d] …"): left out where several ranks' lines are shown, so that a warning every rank logs is one line, as
+# any other line every rank prints ("[W socket.cpp:955] [c10d] …"); the line comes when it comes anyway.
+_LOG_TIME = re.compile(r"^(?P<prefix>(?:\[rank\d+\]:)?\[[IWEF])\d{4} \d\d:\d\d:\d\d\.\d+(?= )", re.MULTILINE)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # A bar drawn below another (tqdm's position=1, Lightning's validation bar): down a line, the
 # drawing, back up. The line break moves the cursor, it does not end a line.
@@ -281,6 +285,8 @@ class TidyRankOutput(RankOutput):
     def _lines(self, rank: Key, stream: str, source: StreamSource, block: str, now: float) -> None:
         """Complete lines of ``rank`` (``block``, without its last line break): bars' final drawings,
         lines to label and collapse, or (one rank shown, a producer) lines written at once."""
+        if isinstance(rank, int) and self._prefix:  # lines that may be collapsed: a time stamp would keep them apart
+            block = _LOG_TIME.sub(r"\g<prefix>", block)
         lines = block.split("\n") if "\r" not in block else self._without_bars(rank, source, block)
         direct = []
         if lines and not source.at_line_start:  # it continues what was written of it already

@@ -284,3 +284,24 @@ def test_an_interrupt_anywhere_in_feeding_leaves_the_held_lines_consistent():
         output.feed(1, "stdout", b"after\n", now=2.0)
         output.finish()
         assert "[ranks 0-1] after\n" in "".join(written), f"trial {trial}"
+
+
+def test_a_warning_every_rank_logs_in_cpp_is_one_line_whatever_its_time_stamps():
+    """torch's C++ logging starts each line with its date and time: the same warning of every rank differs in
+    them alone, and is written once, without them; what else a rank prints is left as it is."""
+    cell = Cell()
+    output = tidy(cell, ranks=2)
+    for rank, time in ((0, b"09:22:22.586743355"), (1, b"09:22:23.000000001")):
+        output.feed(
+            rank,
+            "stderr",
+            b"[W1206 " + time + b" socket.cpp:955] [c10d] The hostname of the client socket cannot be retrieved\n"
+            b"at [W1206 " + time + b" x] mid-line\n",
+            now=T0,
+        )
+    output.flush_idle(now=LATER)
+    assert cell.text("stderr").splitlines() == [
+        "[ranks 0-1] [W socket.cpp:955] [c10d] The hostname of the client socket cannot be retrieved",
+        "[rank 0] at [W1206 09:22:22.586743355 x] mid-line",
+        "[rank 1] at [W1206 09:22:23.000000001 x] mid-line",
+    ]
