@@ -41,6 +41,7 @@ _track = True  # sample the cell's activity too (rank.activity), for the hang wa
 _in_cell = threading.Event()
 _asked: int | None = None  # read end of the pipe on which the supervisor asks for the rank's stacks
 _stack_fd = -1  # where they go
+_asked_pipe = 0  # the ask pipe's inode: its descriptor's number may be another file's once the cell closed it
 
 
 def attach(
@@ -56,8 +57,9 @@ def attach(
     Samples are taken only while a cell runs (``sampling``): a session's ranks waiting for their
     next cell send nothing, so nothing piles up where no one reads it. Stacks are answered at any time.
     """
-    global _send, _sample, _track, _asked, _stack_fd
+    global _send, _sample, _track, _asked, _stack_fd, _asked_pipe
     _send, _sample, _track, _asked, _stack_fd = send, _Sampler(gpu), track, asked, stack_fd
+    _asked_pipe = os.fstat(asked).st_ino if asked is not None else 0
     kernel_debugger.hidden_thread(_every_interval, name="taas-vitals")
 
 
@@ -81,11 +83,27 @@ def _every_interval() -> None:
         if _asked is None:
             _in_cell.wait()
             time.sleep(INTERVAL * _JITTER.uniform(0.75, 1.25))
-        elif select.select([_asked], [], [], INTERVAL * _JITTER.uniform(0.75, 1.25))[0]:
+        elif _asked_meanwhile(INTERVAL * _JITTER.uniform(0.75, 1.25)):
             _answer_stack_request()
             continue
         if _in_cell.is_set():
             _report()
+
+
+def _asked_meanwhile(seconds: float) -> bool:
+    """Whether the supervisor asks for the stacks within ``seconds``. A cell that closed the pipe's descriptor
+    (``os.closerange``), or whose own file took its number since, leaves the rank to faulthandler's signal, which
+    the supervisor falls back on: what is read here is never the cell's."""
+    global _asked
+    assert _asked is not None
+    try:
+        ready = bool(select.select([_asked], [], [], seconds)[0])
+        if ready and os.fstat(_asked).st_ino != _asked_pipe:
+            raise OSError("the ask pipe's descriptor is another file now")
+        return ready
+    except (OSError, ValueError):
+        _asked = None
+        return False
 
 
 def _answer_stack_request() -> None:
