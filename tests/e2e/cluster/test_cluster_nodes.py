@@ -219,47 +219,28 @@ taas.register(slow)
     assert not leftovers(cluster_kernel)
 
 
-def test_a_node_lost_mid_run_fails_the_cell_naming_it(cluster, cluster_kernel):
-    """Last in this module: it kills a node (and adds another for what follows)."""
+def test_a_node_lost_mid_run_fails_the_cell_naming_it_and_leaves_nothing_of_taas_there(cluster, cluster_kernel):
+    """Last in this module: it kills a node (and adds another for what follows). Its raylet is killed by pid,
+    as the out-of-memory killer does, and Ray ends nothing else on the node: taas's agent leaves with its
+    raylet, and its fork server, the run's supervisor and ranks there go with it."""
     local, _ = cluster
     code = "print('on', os.environ['RANK'], os.environ['MASTER_ADDR'], flush=True)\ntime.sleep(600)"  # node 0 dies
     msg_id = cluster_kernel.client.execute(HEADER + code)
     match = first_match(cluster_kernel, msg_id, rf"on \d+ ({re.escape(network(local.addresses))}\d+)")
     assert match is not None
     node = match.group(1)
+    raylet = raylet_of(node)
+    there = taas_on(raylet)
+    assert len(there) >= 5, there  # the agent, its fork server, the run's supervisor, two ranks
     killed = time.monotonic()
-    local.remove_node(node)
+    raylet.kill()
     error, seconds = error_of(cluster_kernel, msg_id, since=killed)
     assert error is not None and f"node {node}" in error["evalue"], error
     assert seconds < 15, seconds
+    _, left = psutil.wait_procs(there, timeout=max(0.0, killed + 15 - time.monotonic()))
+    assert not [p for p in left if alive(p)], left
+    local.remove_node(node)  # the rest of the node's Ray, as the machine's end would take it
     local.add_node("t.2", cpus=2)
-    cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
-    assert not leftovers(cluster_kernel)
-
-
-def test_a_raylet_killed_mid_session_cell_leaves_nothing_of_taas_on_its_node(cluster, cluster_kernel):
-    """Ray ends nothing on a node whose raylet dies (killed by pid, as the out-of-memory killer does): taas's
-    agent leaves with its raylet, and its fork server, the session's supervisor and ranks there with it."""
-    local, _ = cluster
-    first = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --keep") + "print('on', os.environ['TAAS_NODE_ADDRESS'])",
-        timeout=240,
-    ).ok()
-    node = sorted(set(re.findall(r"on (\S+)", first.stdout)))[-1]
-    raylet = raylet_of(node)
-    try:
-        msg_id = cluster_kernel.client.execute("#pragma taas\nprint('sleeping', flush=True)\ntime.sleep(600)")
-        assert first_match(cluster_kernel, msg_id, r"sleeping") is not None
-        there = taas_on(raylet)
-        assert len(there) >= 5, there  # the agent, its fork server, the session's supervisor, two ranks
-        raylet.kill()
-        gone, left = psutil.wait_procs(there, timeout=15)
-        assert not [p for p in left if alive(p)], left
-        error, seconds = error_of(cluster_kernel, msg_id, since=time.monotonic())
-        assert error is not None and f"node {node} (node 1 of the run) was lost" in error["evalue"], error
-    finally:
-        cluster_kernel.execute("%taas stop").ok()
-    local.add_node("t.2", cpus=2)  # for what follows
     cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
     assert not leftovers(cluster_kernel)
 
