@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from taas_magic.errors import SessionEnded, TaasUsageError
-from taas_magic.kernel import streams
+from taas_magic.kernel import line_commands, streams
 from taas_magic.kernel.session import Session, debug_paused
 from taas_magic.kernel.settings import count
 from taas_magic.kernel.spec import LaunchSpec
@@ -89,8 +89,7 @@ class Kept:
     # -- %taas stop, %taas debug ----------------------------------------------------------------
     def stop_command(self, words: list[str]) -> None:
         """`%taas stop`: end the session (and let a rank paused by --debug go)."""
-        if words:
-            raise TaasUsageError(f"%taas stop takes nothing more; got {' '.join(words)!r}")
+        line_commands.nothing_more("stop", words)
         stopped = self.let_paused_go()
         if self.session is not None:
             ended = self.session.check()

@@ -125,3 +125,9 @@ def help_command(words: Sequence[str]) -> str | None:
     if len(words) > 1 or word not in COMMANDS:
         raise TaasUsageError(f"%taas help takes one of {', '.join(COMMANDS)}, or nothing; got {' '.join(words)[:40]!r}")
     return word
+
+
+def nothing_more(command: str, words: Sequence[str]) -> None:
+    """A command that takes no words refuses any, naming them."""
+    if words:
+        raise TaasUsageError(f"%taas {command} takes nothing more; got {' '.join(words)[:40]!r}")

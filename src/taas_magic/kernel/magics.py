@@ -137,17 +137,17 @@ class TaasMagics(Magics):
         elif command in ("pull", "push"):
             self._transfer_command(command, rest)
         elif command == "version":
-            _nothing_more(command, rest)
+            line_commands.nothing_more(command, rest)
             print(f"taas-magic {VERSION}")
         else:  # `%taas` alone, or `%taas status`
-            _nothing_more("status", rest)
+            line_commands.nothing_more("status", rest)
             print(
                 self._defaults().describe(self.forkserver_backend, self.kept.session, self.ipython, self.link.address)
             )
 
     def _stacks_command(self, words: list[str]) -> None:
         """`%taas stacks`: where each process of the session is, between its cells."""
-        _nothing_more("stacks", words)
+        line_commands.nothing_more("stacks", words)
         session = self.kept.session
         if session is None:
             print("taas: no session is running (a taas cell with --keep starts one)")
@@ -195,9 +195,3 @@ class TaasMagics(Magics):
             self.debugging.uninstall()
         self.forkserver_backend.shutdown()
         self.link.disconnect()  # its agents and their fork servers end with it
-
-
-def _nothing_more(command: str, words: list[str]) -> None:
-    """A command that takes no words refuses any, naming them."""
-    if words:
-        raise TaasUsageError(f"%taas {command} takes nothing more; got {' '.join(words)[:40]!r}")
