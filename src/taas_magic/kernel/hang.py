@@ -130,7 +130,8 @@ def doing(process: Process) -> str:
 
 
 def _lasting(seconds: float | None) -> str:
-    """The duration as a diagnosis says it (" for 12 s"); nothing when it is not known, or under a second."""
+    """The duration as a diagnosis says it (" for 12 s"); nothing when it is not known, or too short to read as
+    a whole second (a collective entered just then)."""
     return f" for {seconds:.0f} s" if seconds is not None and seconds >= 0.5 else ""
 
 
