@@ -10,7 +10,7 @@ with the run's own channel end and the tensors' memory file beside it — and ea
 datagram, so an interrupted kernel can never leave the two out of step. Everything about a run
 travels on the run's own channel, between the kernel and the run's supervisor. The server is a
 subreaper: processes of a supervisor that died come to it, and it ends them. It exits, ending
-everything it started, when its channel closes or its parent dies.
+everything it started, when its channel closes or its parent dies, and at once (``_leave``).
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ def main(fd: int) -> None:
         pass  # the kernel closed the channel or is gone
     finally:
         containment.end_all_children(STOP_SECONDS)
+    _leave()
+
+
+def _leave() -> None:
+    """End at once, without finalizing the interpreter: that takes a second or more with torch imported on a
+    busy machine, and the server holds nothing the system does not release with the process. A kernel that
+    died is to take its server along within moments, not after its modules are torn down."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _read_secret() -> bytes:
