@@ -21,6 +21,18 @@ from support.kernel import Kernel
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
 INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
 
+
+def own_ray(address: str) -> str:
+    """A notebook's own use of Ray, beside taas's (whose driver is a process of its own): code that connects
+    the kernel itself to the cluster at ``address``, once. Without it, Ray's first call would connect to
+    whichever cluster on this machine started last, another worker's, say."""
+    return _own_ray(repr(address))
+
+
+def _own_ray(address: str) -> str:
+    return f"import ray\nray.is_initialized() or ray.init(address={address}, log_to_driver=False)\n"
+
+
 # The registered loader of the delivery tests: element i is (i, the last number of the address of the node
 # that built it).
 DATA = indices_loader("int(os.environ.get('TAAS_NODE_ADDRESS', '0.0.0.0').split('.')[-1])")
@@ -87,11 +99,17 @@ def ours(process: psutil.Process) -> bool:
         return False
 
 
+def own_ray_of_environment() -> str:
+    """``own_ray`` to the cluster of the kernel's $TAAS_CLUSTER."""
+    return "import os\n" + _own_ray("os.environ['TAAS_CLUSTER']")
+
+
 def leftovers(k: Kernel) -> str:
-    """What a run may not leave: placement groups, run folders, processes of a run (seen from the kernel)."""
+    """What a run may not leave: placement groups, run folders, processes of a run (seen from the kernel, whose
+    own connection to Ray, beside its cluster driver's, goes to the cluster of its $TAAS_CLUSTER)."""
+    k.execute(own_ray_of_environment()).ok()
     groups = k.value(
-        "[g['placement_group_id'] for g in __import__('ray').util.placement_group_table().values() "
-        "if g['state'] != 'REMOVED']"
+        "[g['placement_group_id'] for g in ray.util.placement_group_table().values() if g['state'] != 'REMOVED']"
     )
     deadline = time.monotonic() + 3.0  # a run's supervisor is let go as it exits, not waited for
     while (processes := rank_processes()) and time.monotonic() < deadline:
@@ -102,6 +120,16 @@ def leftovers(k: Kernel) -> str:
 
 def node_agents() -> list[psutil.Process]:
     return [p for p in psutil.process_iter() if "NodeAgent" in " ".join(cmdline(p)) and ours(p)]
+
+
+def raylets(addresses: list[str]) -> dict[str, psutil.Process]:
+    """The raylets running of the test cluster's nodes at ``addresses``, by address (a removed node has none)."""
+    found = {}
+    for process in psutil.process_iter():
+        words = cmdline(process)
+        if process.name() == "raylet" and ours(process):
+            found.update({a: process for a in addresses if any(w.endswith(f"node_ip_address={a}") for w in words)})
+    return found
 
 
 def raylet_of(address: str) -> psutil.Process:

@@ -277,7 +277,8 @@ class Kernel:
         return ast.literal_eval(self.execute(f"print(repr({expression}))").ok().stdout.strip())
 
     def children(self) -> list[psutil.Process]:
-        """The kernel's descendants, less the fork server the extension keeps (and nothing it started)."""
+        """The kernel's descendants, less the fork server the extension keeps and the cluster driver of its
+        connection to a cluster (and nothing they started)."""
         try:
             children = psutil.Process(self.pid).children(recursive=False)
         except psutil.NoSuchProcess:
@@ -285,7 +286,7 @@ class Kernel:
         found = []
         for child in children:
             try:
-                if self.is_fork_server(child):
+                if self.is_fork_server(child) or self.is_cluster_driver(child):
                     found += child.children(recursive=True)
                 else:
                     found += [child] + child.children(recursive=True)
@@ -300,6 +301,18 @@ class Kernel:
             return "taas_magic.launch.forkserver.server" in " ".join(process.cmdline())
         except (psutil.NoSuchProcess, psutil.AccessDenied):  # ZombieProcess is a NoSuchProcess
             return False
+
+    @staticmethod
+    def is_cluster_driver(process: psutil.Process) -> bool:
+        """Whether ``process`` is the driver of the kernel's connection to a cluster."""
+        try:
+            return "taas_magic.launch.cluster.driver" in " ".join(process.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return False
+
+    def cluster_driver(self) -> psutil.Process | None:
+        drivers = [c for c in psutil.Process(self.pid).children() if self.is_cluster_driver(c)]
+        return drivers[0] if drivers else None
 
     def fork_server(self) -> psutil.Process | None:
         servers = [c for c in psutil.Process(self.pid).children() if self.is_fork_server(c)]

@@ -142,7 +142,9 @@ class TaasMagics(Magics):
         else:  # `%taas` alone, or `%taas status`
             line_commands.nothing_more("status", rest)
             print(
-                self._defaults().describe(self.forkserver_backend, self.kept.session, self.ipython, self.link.address)
+                self._defaults().describe(
+                    self.forkserver_backend, self.kept.session, self.ipython, self.link.describe()
+                )
             )
 
     def _stacks_command(self, words: list[str]) -> None:

@@ -68,7 +68,7 @@ class Defaults:
         fork_server: ForkServerBackend,
         session: Session | None,
         shell: InteractiveShell,
-        cluster_address: str | None,
+        cluster: str,
     ) -> str:
         """`%taas` alone: how cells start, what runs, and each default with where it came from."""
         catalog = load_catalog()
@@ -85,12 +85,7 @@ class Defaults:
                 f"fork server:         {fork_server.describe()}",
                 "session:             " + (session.describe() if session is not None else "none (--keep starts one)"),
                 f"session modules:     {reloading.describe(shell)}",
-                "cluster:             "
-                + (
-                    f"{cluster_address} (cells run there; --on local runs one here)"
-                    if cluster_address
-                    else "none (%taas cluster ADDRESS connects one)"
-                ),
+                f"cluster:             {cluster}",
                 f"configurations:      {'; '.join(catalog.sources)}",
                 f"                     {names}",
                 f"CUDA devices:        {found.cuda_devices} visible" + _cuda_used_here(),

@@ -201,6 +201,24 @@ class HeldInterrupts(_Held):
         self.release()
 
 
+class ForwardedInterrupts(HeldInterrupts):
+    """SIGINT held, and passed on at once to process ``pid``, which acts on it: for the kernel waiting for
+    its cluster driver's answer, which an interrupt cuts short there (the driver answers with the
+    interrupt) or does not (an answer that came first). Held here, so the wait is never cut in the middle
+    of a message; the waiting code reads ``came`` and clears it where the answer said it all."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid  # before the handler is set: it may run at once
+        super().__init__()
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.came = True
+        try:
+            os.kill(self.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass  # gone: the wait finds its channel closed
+
+
 def end_all_children(timeout: float, spare: Collection[int] = ()) -> list[int]:
     """Kill and reap every child of this (subreaper) process except ``spare``, and whatever they leave.
 

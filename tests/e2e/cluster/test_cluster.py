@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from support.cluster import COLLECT, HEADER, INIT, collected, leftovers, network, node_agents
+from support.cluster import COLLECT, HEADER, INIT, collected, leftovers, network, node_agents, own_ray
 from support.kernel import ANSI, Kernel, view_notes
 from support.notebook_values import KINDS, SETUP, unpicklable
 
@@ -220,13 +220,13 @@ def test_a_node_with_other_versions_is_refused_before_anything_starts(cluster, c
     """The kernel compares its own versions with each new agent's (here the kernel claims others)."""
     cluster_kernel.execute("%taas cluster release").ok()
     cluster_kernel.execute(
-        "import taas_magic.launch.cluster.connection as _cluster\n_versions = _cluster.versions\n"
-        "_cluster.versions = lambda: ('3.99.0', '9.9', '9.9.9')"
+        "import taas_magic.launch.cluster.agent as _agent\n_versions = _agent.versions\n"
+        "_agent.versions = lambda: ('3.99.0', '9.9', '9.9.9')"
     ).ok()
     try:
         r = cluster_kernel.execute(HEADER + "print('never')", timeout=240)
     finally:
-        cluster_kernel.execute("_cluster.versions = _versions").ok()
+        cluster_kernel.execute("_agent.versions = _versions").ok()
     assert r.error is not None and r.error["ename"] == "TaasUsageError", r.error
     assert re.search(
         rf"node {re.escape(network(cluster[0].addresses))}\d+ runs Python 3\.\d+\.\d+, torch \S+, taas-magic \S+; "
@@ -326,6 +326,18 @@ dist.barrier()
     assert "Connection" not in r.traceback + r.stderr and "where they were when rank 3 failed:" in r.traceback
     assert time.monotonic() - started < 30
     cluster_kernel.execute(HEADER + "print('again')", timeout=60).ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_an_error_in_every_rank_of_every_node_is_told_as_such_every_time(cluster_kernel):
+    """Every rank raises at once: a node whose ranks have all exited is told so, and its supervisor leaves,
+    as the kernel asks it where its ranks were for another rank's failure. That request met a closed
+    channel and the cell said the run was lost, in up to 8 runs of 10; 20 in a row now say the error."""
+    said = []
+    for _ in range(20):
+        r = cluster_kernel.execute(HEADER + "undefined_name + 1", timeout=120)
+        said.append(r.error["ename"] + ": " + r.error["evalue"] if r.error is not None else "no error")
+    assert all(line.startswith("RankFailed: rank ") and "NameError" in line for line in said), said
     assert not leftovers(cluster_kernel)
 
 
@@ -602,8 +614,10 @@ def test_a_save_under_an_absolute_path_stays_on_the_node_and_the_cell_says_so(cl
     assert "copied into this notebook's folder" not in r.stderr
 
 
-def test_a_run_waits_briefly_for_busy_nodes_then_says_how_many_are_free(cluster_kernel):
-    cluster_kernel.execute("import ray\nheld = ray.util.placement_group([{'taas:t.2': 1}])\nheld.wait(10)").ok()
+def test_a_run_waits_briefly_for_busy_nodes_then_says_how_many_are_free(cluster, cluster_kernel):
+    cluster_kernel.execute(
+        own_ray(cluster[0].address) + "held = ray.util.placement_group([{'taas:t.2': 1}])\nheld.wait(10)"
+    ).ok()
     try:
         r = cluster_kernel.execute(HEADER + "print('never')", timeout=60)
         assert r.error is not None and "2 nodes of t.2 needed, 1 of the cluster's 2 are free now" in r.error["evalue"]
@@ -679,6 +693,23 @@ def test_a_mistyped_address_keeps_the_working_connection_and_its_warm_agents(clu
     cluster_kernel.execute(HEADER + "pass", timeout=240).ok()
 
 
+def test_localhost_where_the_head_is_on_another_loopback_address_is_one_line_and_keeps_the_connection(
+    cluster, cluster_kernel
+):
+    """The head listens on every address, so localhost answers; but the notebook's Ray connects through a
+    node at the address it names, and none is at 127.0.0.1: Ray waited a minute, then said ConnectionError."""
+    local, _ = cluster
+    port = local.address.rpartition(":")[2]
+    r = cluster_kernel.execute(f"%taas cluster localhost:{port}", timeout=120)
+    assert r.error is not None and r.seconds < 20, (r.error, r.seconds)
+    assert r.error["evalue"] == (
+        f"no node of the Ray cluster at localhost:{port} is at 127.0.0.1 (localhost), so this notebook cannot "
+        f"connect through it: its head is at {local.addresses[0]} (%taas cluster {local.address})"
+    ), r.error
+    shown = cluster_kernel.execute("%taas cluster").ok().stdout
+    assert f"connected to the Ray cluster at {local.address}" in shown, shown
+
+
 def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
     """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
     from taas_magic.configurations import load_catalog
@@ -693,15 +724,16 @@ def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_
     assert not unreported.free_for(shape)
 
 
-def test_without_ray_installed_connecting_says_how_to_install_it(tmp_path):
-    """A kernel where `import ray` fails, as where it is not installed."""
+def test_without_ray_installed_connecting_says_how_to_install_it(cluster, tmp_path):
+    """A kernel where `import ray` fails, as where it is not installed: its cluster driver, which imports Ray,
+    says so (where Ray is not installed at all, the kernel says it before starting one)."""
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
     k = Kernel(
         {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}, warm_fork_server=False
     )
     try:
-        r = k.execute("%taas cluster 127.0.0.2:6379")
+        r = k.execute(f"%taas cluster {cluster[0].address}", timeout=120)
         assert (
             r.error is not None and r.error["evalue"] == "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
         )

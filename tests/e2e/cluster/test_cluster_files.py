@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from support.cluster import HEADER, leftovers
+from support.cluster import HEADER, leftovers, own_ray
 from support.kernel import Kernel
 
 ray = pytest.importorskip("ray")
@@ -92,37 +92,35 @@ def test_a_cell_imports_the_notebook_s_module_from_the_package_on_each_node_and_
     assert not leftovers(kernel)
 
 
-def test_without_rays_packing_functions_a_cell_with_files_to_send_fails_in_one_line_and_an_empty_folder_runs(
-    cluster, kernel, notebook, tmp_path_factory
+def test_without_rays_packing_functions_a_folder_with_files_is_one_line_and_an_empty_folder_needs_none(
+    tmp_path, monkeypatch
 ):
-    """The kernel's private use of Ray's packing (ray_private.packaging) gone, as a Ray release may take it:
-    a cell whose folder has files fails in one line saying what to do; from an empty folder it runs."""
-    kernel.execute(
-        "from taas_magic.launch.cluster import ray_private as _private\n"
-        "_packaging = _private.packaging\n"
-        "def _gone():\n    raise ImportError('ray._private.runtime_env.packaging moved')\n"
-        "_private.packaging = _gone\n"
-    ).ok()
-    try:
-        r = kernel.execute(HEADER + SHOW, timeout=240)
-        assert r.error is not None and "\n" not in r.error["evalue"], r.error
-        assert "packs folders differently from what taas knows (ImportError: ray._private" in r.error["evalue"]
-        assert "run the cell from a folder with nothing to send" in r.error["evalue"]
-        empty = tmp_path_factory.mktemp("empty")
-        kernel.execute(f"os.chdir({str(empty)!r})").ok()
-        kernel.execute(HEADER + "x = 1", timeout=240).ok()
-    finally:
-        kernel.execute("_private.packaging = _packaging").ok()
-    assert not leftovers(kernel)
+    """The cluster driver's private use of Ray's packing (ray_private.packaging) gone, as a Ray release may take
+    it: a folder with files to send fails in one line saying what to do; an empty folder needs no packing."""
+    from taas_magic.launch.cluster import ray_private
+
+    def gone():
+        raise ImportError("ray._private.runtime_env.packaging moved")
+
+    monkeypatch.setattr(ray_private, "packaging", gone)
+    (tmp_path / "notebook").mkdir()
+    (tmp_path / "notebook" / "mymod.py").write_text("x = 1\n")
+    with pytest.raises(TaasUsageError) as raised:
+        notebook_folder.Packages().package(notebook_folder.listing(str(tmp_path / "notebook")), print)
+    line = str(raised.value)
+    assert "\n" not in line and "packs folders differently from what taas knows (ImportError: ray._private" in line
+    assert "run the cell from a folder with nothing to send" in line
+    (tmp_path / "empty").mkdir()
+    assert notebook_folder.Packages().package(notebook_folder.listing(str(tmp_path / "empty")), print) is None
 
 
-def test_a_runtime_environment_task_finds_the_package_where_the_agents_unpacked_it(kernel, notebook):
+def test_a_runtime_environment_task_finds_the_package_where_the_agents_unpacked_it(cluster, kernel, notebook):
     """Ray's own working_dir, asked by a task pinned to a node, unpacks to the folder the ranks import
     from: the agents put the package where Ray itself does (and this is the way on a Ray without
     the function they call)."""
     path = shown(kernel.execute(HEADER + SHOW, timeout=240).ok())[0][1]
     r = kernel.execute(
-        "import ray\nfrom taas_magic.launch.cluster import notebook_folder as nf\n"
+        own_ray(cluster[0].address) + "from taas_magic.launch.cluster import notebook_folder as nf\n"
         "uri = nf.Packages().package(nf.listing(os.getcwd()), print)\n"
         "node = [n['NodeID'] for n in ray.nodes() if n['Alive'] and 'taas:t.2' in n['Resources']][0]\n"
         "print('task', nf.unpacked_by_a_task(uri, node))",

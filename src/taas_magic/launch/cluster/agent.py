@@ -350,6 +350,7 @@ class RunFiles:
     files: dict[str, bytes]
     left: list[str]
     traces: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    node: str = ""  # the node's address, for what the kernel says of the files
 
 
 def _files_in(folder: str, copies: notebook_folder.Stamps) -> RunFiles:

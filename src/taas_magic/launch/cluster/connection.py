@@ -1,35 +1,36 @@
-"""The kernel's connection to a Ray cluster: its nodes by configuration, placement, warm agents.
+"""The cluster driver's connection to a Ray cluster: its nodes by configuration, placement, warm agents.
 
-Ray is imported only here (and only on connecting), so a kernel that never connects pays nothing
-for it. A node belongs to a configuration when it declares the Ray resource ``taas:NAME``; a
-cluster without such labels is matched by GPU count (CPU count for CPU configurations). A run
+It runs in the cluster driver (``driver.py``), the process that is Ray's driver for the kernel;
+the kernel itself calls only ``Cluster.check``, which imports no Ray.
+
+A node belongs to a configuration when it declares the Ray resource ``taas:NAME``; a cluster
+without such labels is matched by GPU count (CPU count for CPU configurations). A run
 takes its nodes whole through one placement group (one bundle per node, STRICT_SPREAD), so two
 runs never share a node, and a run that cannot have its nodes is told so within seconds. The data
 producers of a run's registered loaders take CPU nodes (c1.4) of their own in the same group.
 
-Agents (``agent.NodeAgent``) are pinned to their node and kept between cells; they are
-owned by the kernel, so they die with it. One unused for ``idle_seconds`` leaves on its own (the
-kernel finds it gone when it next needs the node and starts another); ``%taas cluster release``
-ends them all at once.
+Agents (``agent.NodeAgent``) are pinned to their node and kept between cells; they are owned by
+the driver, so they die with it (and it with the kernel). One unused for ``idle_seconds`` leaves
+on its own (the driver finds it gone when it next needs the node and starts another);
+``%taas cluster release`` ends them all at once.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator, Mapping
+from typing import Any, Collection, Mapping
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError, first_line
 from taas_magic.launch.cluster import authentication, ray_private
-from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo, versions
+from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo
 from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.process import containment
 
@@ -45,6 +46,7 @@ LAUNCH_HOLD_SECONDS = 300.0  # the longest from a launch's first call to an agen
 FREE_SECONDS = 30.0  # how long Ray Client's kernel waits to learn which nodes are free
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
+NO_RAY = "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
 AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), and other nodes asking where to connect
 
 
@@ -57,7 +59,7 @@ def ray_module() -> Any:
         try:
             import ray
         except ImportError:
-            raise TaasUsageError("running on a cluster needs Ray: pip install 'taas-magic[ray]'") from None
+            raise TaasUsageError(NO_RAY) from None
     return ray
 
 
@@ -158,8 +160,10 @@ class Cluster:
                 kwargs["_node_ip_address"] = host  # another address of this machine
             if host is not None:
                 _check_token(address)
+            if host is not None and _is_loopback(host):
+                _check_a_node_is_at(address, host)
             try:
-                with warnings.catch_warnings(), _kernel_kept_as_it_was():
+                with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     ray.init(
                         address=address,
@@ -179,11 +183,12 @@ class Cluster:
 
     @staticmethod
     def check(address: str) -> str | None:
-        """What can be known of ``address`` without leaving the cluster this kernel is connected to, each a
-        one-line ``TaasUsageError``: a token Ray would need and not find (Ray's own check of that aborts the
-        kernel's process), an address that is not one, nothing answering there. The host of a ``HOST:PORT``
-        address, else None."""
-        ray_module()  # first: without Ray, nothing else matters
+        """What the kernel can know of ``address`` before it starts a driver (and lets go of the cluster it is
+        connected to), each a one-line ``TaasUsageError``: Ray not installed, a token Ray would need and not
+        find (Ray's own check of that aborts its process), an address that is not one, nothing answering
+        there. The host of a ``HOST:PORT`` address, else None."""
+        if importlib.util.find_spec("ray") is None:  # first: without Ray, nothing else matters
+            raise TaasUsageError(NO_RAY)
         missing = authentication.missing_token(address, os.environ)
         if missing is not None:
             raise TaasUsageError(missing)
@@ -281,9 +286,9 @@ class Cluster:
         self.last_placement = Placement(group, chosen, bundles, producers if hosts else 0)
         return self.last_placement
 
-    def agents_on(self, nodes: list[Node]) -> list[Any]:
-        """The warm agent on each node; missing ones are started together, and checked to match this
-        kernel (Python, torch and taas versions) before anything of the run starts."""
+    def agents_on(self, nodes: list[Node], ours: tuple[str, str, str]) -> list[Any]:
+        """The warm agent on each node; missing ones are started together, and checked to match the
+        kernel's Python, torch and taas versions (``ours``) before anything of the run starts."""
         ray = ray_module()
         self._forget_dead([node.node_id for node in nodes if node.node_id in self.agents])
         missing = {node.node_id: self._start_agent(node) for node in nodes if node.node_id not in self.agents}
@@ -295,7 +300,6 @@ class Cluster:
             for handle in missing.values():
                 ray.kill(handle)
             raise
-        ours = versions()
         mismatched: NodeInfo | None = None
         for (node_id, handle), info in zip(missing.items(), answers):
             if (info.python, info.torch, info.taas) != ours:
@@ -357,29 +361,7 @@ class Cluster:
             self.release()
         finally:
             if self.owns_connection:
-                with _kernel_kept_as_it_was():
-                    ray_module().shutdown()
-
-
-@contextmanager
-def _kernel_kept_as_it_was() -> Iterator[None]:
-    """Undo what connecting to Ray does to the process: it sets a SIGTERM handler (that shuts Ray
-    down and exits) and PYTHONBREAKPOINT (its remote debugger); the kernel keeps its own."""
-    handlers = {
-        signum: signal.getsignal(signum)
-        for signum in signal.valid_signals()
-        if signum not in (signal.SIGKILL, signal.SIGSTOP)
-    }
-    environ = dict(os.environ)
-    try:
-        yield
-    finally:
-        for signum, handler in handlers.items():
-            if signal.getsignal(signum) is not handler and handler is not None:
-                signal.signal(signum, handler)
-        for name in set(os.environ) - set(environ):
-            del os.environ[name]
-        os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+                ray_module().shutdown()
 
 
 def address_from(environ: Mapping[str, str]) -> str | None:
@@ -447,27 +429,30 @@ def _check_answers(address: str) -> str | None:
 def _check_token(address: str) -> None:
     """One line at once for a cluster that refuses this notebook's token authentication (``ray.init`` would
     retry for 20 s and say only that it could not connect)."""
-    with _kernel_kept_as_it_was(), _ray_logging_silenced():
-        try:
-            ray_private.ask_gcs(address, timeout=CONNECT_SECONDS)
-        except ray_private.TokenRefused:
-            raise TaasUsageError(authentication.refused(address, os.environ)) from None
-
-
-@contextmanager
-def _ray_logging_silenced() -> Iterator[None]:
-    """Descriptor 2 to /dev/null for the block: Ray's C++ client logs a refusal there (a warning with a time
-    stamp, in the cell's output), where taas's one line says it better. The block is one call of
-    a fraction of a second; descriptor 2 is the kernel's own again after it."""
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+        ray_private.ask_gcs(address, timeout=CONNECT_SECONDS)
+    except ray_private.TokenRefused:
+        raise TaasUsageError(authentication.refused(address, os.environ)) from None
+
+
+def _check_a_node_is_at(address: str, host: str) -> None:
+    """One line at once where no node of the cluster is at the loopback address the notebook named (a head on
+    127.0.0.2 named as ``localhost``): the notebook's Ray connects through a node at that address, and
+    ``ray.init`` would wait a minute for one and say only that it could not connect."""
+    nodes = ray_private.node_addresses(address, CONNECT_SECONDS)
+    try:
+        here = socket.gethostbyname(host)
+    except OSError:
+        return
+    if not nodes or here in {node for node, _ in nodes}:
+        return
+    head = next((node for node, is_head in nodes if is_head), nodes[0][0])
+    port = address.rpartition(":")[2]
+    named = here if host == here else f"{here} ({host})"
+    raise TaasUsageError(
+        f"no node of the Ray cluster at {address} is at {named}, so this notebook cannot connect through it: "
+        f"its head is at {head} (%taas cluster {head}:{port})"
+    )
 
 
 def _producer_nodes(

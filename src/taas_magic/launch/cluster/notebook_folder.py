@@ -1,7 +1,7 @@
 """The notebook's folder on every node of a run: what travels, packed by Ray, unpacked once per node.
 
     kernel: the folder (its current directory) listed with the excludes ──► one line if too large
-            └─► Ray's content-hashed package (a zip in the cluster's GCS), made when the listing changed
+    driver: listed again ─► Ray's content-hashed package (a zip in the cluster's GCS), made when the listing changed
     agent:  the package fetched and unpacked once per node into Ray's runtime-environment folder
             (``working_dir_files``, where Ray puts a ``working_dir``) ──► copied into each run's folder
 
@@ -15,7 +15,7 @@ What stays behind: ``.git``, virtual environments (``.venv``, ``venv``, any fold
 ``pyvenv.cfg``), ``__pycache__``, ``.ipynb_checkpoints``, the notebooks themselves (``*.ipynb``:
 Jupyter saves them every few minutes, which would make a new package each time), links to folders,
 files over ``FILE_LIMIT``, and what ``.taasignore`` names (else the ``.gitignore`` files), in
-gitignore syntax. Ray imports lazily here: the kernel lists and packs only once connected.
+gitignore syntax. Ray imports lazily here: the kernel lists, its cluster driver lists and packs.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def news_of_changes(paths: list[str]) -> str:
 
 
 class Packages:
-    """The notebook's folder as Ray packages in one cluster (the kernel's side): the package of the
+    """The notebook's folder as Ray packages in one cluster (the cluster driver's side): the package of the
     last listing, asked of Ray again only when the listing changed."""
 
     def __init__(self) -> None:
@@ -223,7 +223,7 @@ class Packages:
 
         Ray keeps a package in the GCS while someone holds it, and frees it once the last hold
         expires: each node holds it for ten minutes as it fetches it (``unpacked``), and so does
-        the kernel before it looks whether the cluster has it, but not through Ray Client, whose
+        the driver before it looks whether the cluster has it, but not through Ray Client, whose
         server does not answer that call (it would wait forever).
         """
         news = news_of_big_files(found)
@@ -246,7 +246,7 @@ class Packages:
         return uri
 
     def _package_in_place(self, found: Listing, known: str | None) -> str:
-        """Ray's packing called in the kernel (milliseconds when the cluster has the package already)."""
+        """Ray's packing called in the cluster driver (milliseconds when the cluster has the package already)."""
         packaging = ray_private.packaging()
         excludes = found.excludes()
         uri = known or packaging.get_uri_for_directory(

@@ -20,6 +20,10 @@ version and the module; what each is for, and what happens without it:
   for 20 s and says only that it could not connect), with the variables read afresh so that a token set
   after a failed try counts. Without them (Ray before 2.52 has no token authentication) nothing is asked
   before connecting.
+- ``GcsClient.get_all_node_info``: the nodes' addresses, before connecting to a cluster through a loopback
+  address, to tell at once that no node is at that address (the head on 127.0.0.2 named as
+  ``localhost``), where ``ray.init`` waits a minute and says only that it could not connect. Without it,
+  Ray's wait and its words.
 - ``ray._private.services.start_ray_process``: to start the head's dashboard process, which Ray starts even
   without a dashboard (for its usage-statistics module), with an environment of its own. That module asks
   cloud metadata servers (169.254.169.254, metadata.google.internal) which cloud the cluster runs on, usage
@@ -127,6 +131,20 @@ def ask_gcs(address: str, timeout: float) -> None:
         raise TokenRefused(str(e)) from None
     except Exception:
         return
+
+
+def node_addresses(address: str, timeout: float) -> list[tuple[str, bool]] | None:
+    """The alive nodes of the cluster whose GCS is at ``address``, each (its address, whether it is the head);
+    None when the GCS does not say. Only before this process connects to Ray."""
+    try:
+        nodes = importlib.import_module("ray._raylet").GcsClient(address=address).get_all_node_info(timeout=timeout)
+        return [
+            (str(info.node_manager_address), bool(info.is_head_node))
+            for info in nodes.values()
+            if info.state == getattr(info, "ALIVE", 0)
+        ]
+    except Exception:
+        return None
 
 
 def missing() -> list[str]:

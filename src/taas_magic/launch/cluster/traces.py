@@ -1,10 +1,11 @@
 """A ``--profile`` run's traces on a cluster: written on each node, sent to the notebook's machine as they appear.
 
 A rank writes its trace into a folder of its machine (``rank/profiling.py``), whole or not at all. On a
-cluster that folder is the node agent's, not the kernel's: the agent lists it each time the kernel asks for
-events and sends the traces it finds with them, so a rank's trace reaches the kernel no later than the
-event that says the rank's cell ended (the rank writes first, then reports). The kernel writes each into
-its own profile folder, where the traces of one machine's ranks would have been, and merges them there.
+cluster that folder is the node agent's, not the kernel's: the agent lists it each time it is asked for
+events and sends the traces it finds with them, so a rank's trace reaches the notebook's machine no later
+than the event that says the rank's cell ended (the rank writes first, then reports). The kernel's
+cluster driver writes each into the kernel's profile folder, where the traces of one machine's ranks
+would have been, and the kernel merges them there.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class NodeTraces:
 
 
 def write_into(folder: str | None, traces: dict[str, bytes]) -> None:
-    """In the kernel: the traces a node sent, into the run's profile folder (gone already: dropped)."""
+    """In the cluster driver, on the kernel's machine: the traces a node sent, into the run's profile folder
+    (gone already: dropped)."""
     if folder is None:
         return
     for name, data in traces.items():

@@ -208,16 +208,19 @@ class SupervisedRanks:
         self._send(AnswerLine(rank, line))
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        """Each of ``ranks``' stacks; none once the run is over. A supervisor leaves once it said the run is
+        over, so a request that crosses that word finds the channel at its end, which is no lost run: on a
+        cluster, a node whose ranks all failed at once is asked for stacks of the others' failure just then."""
+        if self.finished:
+            return {}
         self._send(AskStacks(tuple(sorted(ranks, key=key_order)), timeout))
         deadline = time.monotonic() + timeout + CLOSE_SECONDS
-        while time.monotonic() < deadline:
+        while not self.finished and time.monotonic() < deadline:
             if self._readable(max(0.0, deadline - time.monotonic())):
                 message = self._receive()
                 if isinstance(message, Stacks):
                     return dict(message.stacks)
                 self._take(message)
-                if self.finished:
-                    break
         return {}
 
     def close(self) -> None:

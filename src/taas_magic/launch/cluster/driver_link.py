@@ -1,0 +1,219 @@
+"""The kernel's end of its connection to a Ray cluster: the cluster driver process, and what the kernel asks it.
+
+The kernel imports no Ray and runs none of Ray's threads: its driver (``driver.py``) does, in a process
+of its own, and whatever ends that process (the head gone for a minute, an abort in Ray's C++ core)
+costs the connection: the next use says so in one line and ``%taas cluster ADDRESS`` connects again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from typing import Callable
+
+from taas_magic.configurations import Catalog
+from taas_magic.errors import TaasUsageError
+from taas_magic.launch.cluster import connection
+from taas_magic.process import containment, kernel_debugger
+from taas_magic.wire import channel, memfile
+from taas_magic.wire.channel import ChannelBroken
+from taas_magic.wire.cluster_driver import (
+    Connect,
+    Describe,
+    Done,
+    Failed,
+    KernelEnd,
+    Notice,
+    Release,
+    ToDriver,
+    kernel_end,
+)
+
+STOP_SECONDS = 30.0  # for the driver to end its agents and leave the cluster (agents have 15 s to say goodbye)
+STDERR_TAIL = 600  # characters of the driver's standard error told when it died
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # terminal colours, which Ray's logging writes
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*(\S+:\d+:\s*)?")  # "[2026-… E 12804 12871] rpc_client.h:204: "
+SAID_LENGTH = 160  # characters of the driver's last line told
+
+
+class DriverGone(ConnectionError):
+    """The cluster driver's process ended: ``why`` says how, and the last it wrote."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
+
+
+class DriverProcess:
+    """One cluster driver process, the kernel's end of its channel, and its standard error."""
+
+    def __init__(self, notify: Callable[[str], object]) -> None:
+        self.notify = notify  # where the driver's notices go: the running cell's stderr
+        kernel_sock, driver_sock = channel.socket_pair()
+        secret = channel.new_secret()
+        self.stderr = memfile.new_file("taas-cluster-driver-stderr", 0)
+        try:
+            with kernel_debugger.plain_subprocesses():  # it does not join the notebook's debugging session
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "taas_magic.launch.cluster.driver", str(driver_sock.fileno())],
+                    pass_fds=[driver_sock.fileno()],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=self.stderr,
+                    start_new_session=True,  # the kernel's interrupts reach it only as the kernel passes them on
+                )
+            assert self.process.stdin is not None
+            self.process.stdin.write(secret)
+            self.process.stdin.close()
+        except BaseException:
+            kernel_sock.close()
+            os.close(self.stderr)
+            raise
+        finally:
+            driver_sock.close()
+        self.channel: KernelEnd = kernel_end(kernel_sock, secret)
+        self.gone: str | None = None  # how it ended, once it did
+        self.stopped = False
+
+    def ask(self, message: ToDriver, fds: list[int] | tuple[int, ...] = ()) -> tuple[Done | Failed, bool]:
+        """The driver's answer to ``message``, and whether an interrupt came meanwhile (passed on to the
+        driver, which may have answered with it). Raises DriverGone if the driver is gone."""
+        if self.gone is not None:
+            raise DriverGone(self.gone)
+        with containment.ForwardedInterrupts(self.process.pid) as held:
+            try:
+                self.channel.send(message, fds)
+                while True:
+                    answer, extra = self.channel.receive()
+                    for fd in extra:
+                        os.close(fd)
+                    if not isinstance(answer, Notice):
+                        break
+                    self.notify(answer.line)
+            except ChannelBroken:
+                held.came = False
+                self.gone = self._death()
+                raise DriverGone(self.gone) from None
+            came, held.came = held.came, False
+        return answer, came
+
+    def call(self, message: ToDriver, fds: list[int] | tuple[int, ...] = ()) -> object:
+        """The value the driver answers ``message`` with; its error raised here, or an interrupt that came."""
+        answer, interrupted = self.ask(message, fds)
+        if isinstance(answer, Failed):
+            raise answer.error
+        if interrupted:
+            raise KeyboardInterrupt
+        return answer.value
+
+    def _death(self) -> str:
+        """How the driver ended and the last it wrote, once its channel closed."""
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        if code < 0:
+            how = f"its driver process was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"its driver process exited with code {code}"
+        tail = self._stderr_tail()
+        return how + (f"; it last wrote: {tail}" if tail else "")
+
+    def _stderr_tail(self) -> str:
+        size = os.fstat(self.stderr).st_size
+        data = os.pread(self.stderr, STDERR_TAIL, max(0, size - STDERR_TAIL))
+        text = _ESCAPES.sub("", data.decode("utf-8", "replace"))
+        lines = [line.strip() for line in text.splitlines() if any(c.isalnum() for c in line)]
+        return _said(lines[-1]) if lines else ""
+
+    def alive(self) -> bool:
+        """Whether the driver still runs; one that ended is reaped and its end kept in ``gone``."""
+        if self.stopped:
+            return False
+        if self.gone is None and self.process.poll() is not None:
+            self.gone = self._death()
+        return self.gone is None
+
+    def stop(self) -> None:
+        """Close the channel (the driver closes its runs, ends its agents and exits); kill it if it lingers.
+        Once: a driver that died is stopped too, to free what the kernel held of it."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.channel.close()
+        try:
+            self.process.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            os.close(self.stderr)
+
+
+def _said(line: str) -> str:
+    """What a line of Ray's C++ log says, without its time stamp and source, to its first sentences: Ray's
+    last words before it ended the driver ("Failed to connect to GCS within 60 seconds. GCS may have
+    been killed. …") run on with advice and links for several hundred characters."""
+    said = _LOG_PREFIX.sub("", line)
+    if len(said) <= SAID_LENGTH:
+        return said
+    end = said.rfind(". ", 0, SAID_LENGTH)
+    return said[: end + 1] + " …" if end > 0 else said[:SAID_LENGTH] + "…"
+
+
+class ConnectedCluster:
+    """The kernel's view of a connected cluster: what it asks of the cluster through its driver."""
+
+    def __init__(self, address: str, driver: DriverProcess):
+        self.address = address
+        self.driver = driver
+
+    @classmethod
+    def connect(cls, address: str, idle_seconds: float, notify: Callable[[str], object]) -> "ConnectedCluster":
+        """Start a driver and connect it to the cluster at ``address``; one line if that cannot be done."""
+        connection.Cluster.check(address)
+        driver = DriverProcess(notify)
+        try:
+            driver.call(Connect(address, idle_seconds))
+        except DriverGone as e:
+            driver.stop()
+            raise TaasUsageError(f"could not connect to the Ray cluster at {address!r}: {e.why}") from None
+        except BaseException:
+            driver.stop()
+            raise
+        return cls(address, driver)
+
+    def lost(self) -> str | None:
+        """Why the connection is gone (its driver ended), or None while it holds."""
+        return None if self.driver.alive() else self.driver.gone
+
+    def describe(self, catalog: Catalog) -> str:
+        return str(self.call(Describe(catalog)))
+
+    def release(self, keep: frozenset[str]) -> tuple[int, int]:
+        answer = self.call(Release(keep))
+        assert isinstance(answer, tuple)
+        released, held = answer
+        return int(released), int(held)
+
+    def call(self, message: ToDriver, fds: list[int] | tuple[int, ...] = ()) -> object:
+        """The driver's answer to ``message``; a lost connection as one line that says how to go on."""
+        try:
+            return self.driver.call(message, fds)
+        except DriverGone as e:
+            raise TaasUsageError(lost_message(self.address, e.why)) from None
+
+    def disconnect(self) -> None:
+        self.driver.stop()
+
+
+def lost_message(address: str, why: str) -> str:
+    """What the kernel says of a connection whose driver ended."""
+    return (
+        f"the connection to the Ray cluster at {address} was lost ({why}): %taas cluster {address} connects "
+        "again once the cluster is back, %taas cluster off runs cells on this machine"
+    )

@@ -1,0 +1,275 @@
+"""In the cluster driver: a run's ranks on several nodes of a Ray cluster.
+
+    driver ── Ray ──► placement group (one whole node per bundle)
+                      ├─ node 0: agent ─ fork server ─ ranks 0..k-1   (serves the run's TCPStore)
+                      ├─ node 1: agent ─ fork server ─ ranks k..2k-1
+                      └─ c1.4 nodes, when the cell uses registered loaders: agent ─ fork server ─ producers
+                         (each rank node's agent pulls its ranks' batches from them: delivery/cluster.py)
+
+The payload (the task and the names the cell reads, tensor data included) goes into Ray's object
+store once; each node's agent fetches it once for all its ranks. The driver polls every node's
+agent for events in parallel; a node or agent that dies turns into a cell error naming it, and
+the other nodes' ranks are stopped. Closing a run ends every node's share, releases the nodes and
+answers with what rank 0 wrote, for the kernel to copy into the notebook's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+from taas_magic.delivery.cluster_share import NodeShare, RunProgress, shares
+from taas_magic.errors import RunLost, TaasUsageError, first_line
+from taas_magic.launch.cluster import notebook_folder, traces
+from taas_magic.launch.cluster.agent import RunFiles
+from taas_magic.launch.cluster.connection import Cluster, Node, Placement, ray_module
+from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
+from taas_magic.process import containment
+from taas_magic.wire.cluster_driver import StartOnNodes
+from taas_magic.wire.events import Event, Key, Report, key_order
+from taas_magic.wire.rank_control import SessionCell
+
+CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
+START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
+
+
+def start(cluster: Cluster, request: StartOnNodes, payload: object, folder: notebook_folder.Listing) -> "ClusterRanks":
+    """The run ``request`` asks for, started on its nodes over ``payload`` (a reference in Ray's object store),
+    with the notebook's ``folder`` as it travelled."""
+    producers = sum(loader.producers for loader in request.loaders)
+    placement = cluster.place(request.configuration, request.nodes, producers, request.producer_node)
+    try:
+        agents = cluster.agents_on(placement.nodes, request.versions)
+    except BaseException:
+        placement.release()
+        raise
+    per_node = _on_nodes(request.envs, placement.nodes)
+    node_shares = (
+        shares(
+            request.run_id,
+            request.loaders,
+            [tuple(sorted(node)) for node in per_node[: request.nodes]],
+            placement.hosts,
+            agents,
+            [node.address for node in placement.nodes],
+        )
+        if request.loaders
+        else None
+    )
+    group = ClusterRanks(cluster, placement, agents, node_shares, request.profile, folder)
+    try:
+        group.start(request.run_id, per_node, payload)
+    except BaseException:
+        containment.close_whole(group.close)
+        raise
+    return group
+
+
+def _on_nodes(envs: dict[int, dict[str, str]], nodes: list[Node]) -> list[dict[int, dict[str, str]]]:
+    """Each node's ranks' environments, pointed at node 0, which serves the run's store (nodes that
+    host producers alone have none)."""
+    master = nodes[0].address
+    per_node: list[dict[int, dict[str, str]]] = [{} for _ in nodes]
+    for rank, env in envs.items():
+        per_node[int(env["GROUP_RANK"])][rank] = {**env, "MASTER_ADDR": master}
+    return per_node
+
+
+class ClusterRanks:
+    """A run spread over nodes, as the driver drives it for the kernel (the RankGroup contract, but that
+    ``close`` answers with rank 0's files)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        placement: Placement,
+        agents: list[Any],
+        shares: list[NodeShare] | None = None,
+        profile: str | None = None,
+        folder: notebook_folder.Listing | None = None,
+    ):
+        self.cluster = cluster
+        self.placement = placement
+        self.agents = agents  # in node-rank order, then the nodes that host producers alone
+        self.shares = shares  # each node's part in data delivery, when the cell uses registered loaders
+        self.progress = RunProgress(shares) if shares else None
+        self.alive: list[set[Key]] = [set() for _ in agents]
+        self.profile = profile  # the running cell's --profile folder on this machine: where the nodes' traces go
+        self.closed: RunFiles | None = None
+        self.folder = folder  # the notebook's folder as it travelled with the run
+        self.told = ""  # the folder's fingerprint when a session's cell last said it changed
+
+    def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
+        """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
+        port = self._call([0], lambda index: self.agents[index].open_store.remote(envs[0]), CALL_SECONDS)[0]
+        envs = [
+            {
+                rank: {**env, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                for rank, env in node.items()
+            }
+            for node in envs
+        ]
+        refs = [
+            agent.start.remote(run_id, envs[index], payload, self.shares[index] if self.shares else None)
+            for index, agent in enumerate(self.agents)
+        ]
+        for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
+            self.alive[index] = set(keys)
+
+    def nodes(self) -> frozenset[str]:
+        return frozenset(node.node_id for node in self.placement.nodes)
+
+    def running(self) -> set[Key]:
+        return set().union(*self.alive)
+
+    def events(self, timeout: float) -> list[Event]:
+        live = [index for index, keys in enumerate(self.alive) if keys]
+        answers = self._call(live, lambda index: self.agents[index].events.remote(timeout), timeout + CALL_SECONDS)
+        events: list[Event] = []
+        for index, answer in zip(live, answers):
+            events += answer.events
+            self.alive[index] = set(answer.running)
+            traces.write_into(self.profile, answer.traces)
+            if self.progress is not None and answer.snapshots:
+                events += [Report(key, record) for key, record in self.progress.take(index, answer.snapshots)]
+        return events
+
+    def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
+        chosen = None if ranks is None else set(ranks)
+        live = [index for index, keys in enumerate(self.alive) if keys and (chosen is None or keys & chosen)]
+        self._call(
+            live,
+            lambda index: self.agents[index].signal.remote(
+                signum, None if chosen is None else sorted(chosen & self.alive[index], key=key_order)
+            ),
+            CALL_SECONDS,
+        )
+
+    def run_cell(self, cell: SessionCell, ranks: Iterable[int], tensors: bytes) -> None:
+        """A session's next cell, to the nodes of ``ranks``; its tensors travel once, through Ray's object store."""
+        chosen = set(ranks)
+        self.profile = cell.profile
+        shared = ray_module().put(tensors)
+        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        self._call(
+            live,
+            lambda index: self.agents[index].run_cell.remote(
+                cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), shared
+            ),
+            CALL_SECONDS,
+        )
+
+    def tell_if_the_folder_changed(self, folder: str, notify: Callable[[str], object]) -> None:
+        """A session's ranks keep the notebook's files they started with: an edit of ``folder`` since then is
+        said once, not silently ignored."""
+        if self.folder is None:
+            return
+        try:
+            now = notebook_folder.listing(folder)
+        except (OSError, TaasUsageError):  # the folder went, or cannot be read: the ranks have theirs
+            return
+        changed = now.changed_since(self.folder)
+        if changed and now.fingerprint() != self.told:
+            self.told = now.fingerprint()
+            notify(notebook_folder.news_of_changes(changed))
+
+    def answer(self, rank: Key, line: str | None) -> None:
+        live = [index for index, keys in enumerate(self.alive) if rank in keys]
+        self._call(live, lambda index: self.agents[index].answer.remote(rank, line), CALL_SECONDS)
+
+    def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
+        chosen = set(ranks)
+        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        stacks: dict[Key, str] = {}
+        asked = self._call(
+            live,
+            lambda index: self.agents[index].stacks.remote(sorted(chosen & self.alive[index], key=key_order), timeout),
+            timeout + CALL_SECONDS,
+        )
+        for answer in asked:
+            stacks.update(answer)
+        return stacks
+
+    def close(self) -> RunFiles:
+        """End every node's share of the run and release the nodes; rank 0's files. An interrupt meanwhile
+        is raised once all is closed (the files are then kept for the next ``close``)."""
+        if self.closed is not None:
+            return self.closed
+        ray = ray_module()
+        interrupted = False
+        files = RunFiles({}, [])
+        refs = [_sent(lambda: agent.close.remote(index == 0)) for index, agent in enumerate(self.agents)]
+        try:
+            for index, ref in enumerate(refs):
+                try:
+                    if ref is None:
+                        raise ConnectionError("its agent cannot be reached")
+                    answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
+                except KeyboardInterrupt:
+                    interrupted = True  # finish closing first
+                    answer = ray.get(ref, timeout=CLOSE_SECONDS + CALL_SECONDS)
+                except Exception:
+                    self.cluster.forget(self.placement.nodes[index].node_id)
+                    continue
+                traces.write_into(self.profile, answer.traces)
+                if index == 0:
+                    files = dataclasses.replace(answer, node=self.placement.nodes[0].address)
+        finally:
+            self.alive = [set() for _ in self.agents]
+            self.closed = files
+            try:
+                self.placement.release()
+            except Exception:
+                pass  # the cluster is gone, and its placement groups with it
+        if interrupted:
+            raise KeyboardInterrupt
+        return files
+
+    # -- calls to the agents ------------------------------------------------------------------
+    def _call(self, indexes: list[int], request: Callable[[int], Any], timeout: float) -> list[Any]:
+        refs = []
+        for index in indexes:
+            try:
+                refs.append(request(index))
+            except Exception as e:  # Ray could not even send it: the agent's actor, or the connection, is gone
+                self.cluster.forget(self.placement.nodes[index].node_id)
+                self._lose(index, f"its agent cannot be reached ({first_line(e)})", None)
+        return self._wait(indexes, refs, timeout)
+
+    def _wait(self, indexes: list[int], refs: list[Any], timeout: float) -> list[Any]:
+        """The agents' answers; a node that died or does not answer ends the whole run."""
+        ray = ray_module()
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        answers = []
+        for index, ref in zip(indexes, refs):
+            try:
+                answers.append(ray.get(ref, timeout=timeout))
+            except RayTaskError as e:  # the agent raised: its own run was lost, or could not start
+                cause = e.cause if isinstance(e.cause, Exception) else e
+                self._lose(index, f"{type(cause).__name__}: {cause}", cause)
+            except RayActorError as e:
+                self._lose(index, f"its agent died ({first_line(e)})", None)
+            except GetTimeoutError:
+                self._lose(index, f"its agent did not answer within {timeout:g} s", None)
+        return answers
+
+    def _lose(self, index: int, detail: str, cause: Exception | None) -> None:
+        node = self.placement.nodes[index]
+        if cause is None:
+            self.cluster.forget(node.node_id)  # the next run on that node starts a new agent
+        try:
+            self.close()
+        except Exception:
+            pass
+        if cause is not None and hasattr(cause, "_render_traceback_"):
+            raise cause  # taas's own error from the node: it already says what happened
+        raise RunLost(f"node {node.address} (node {index} of the run) was lost: {detail}")
+
+
+def _sent(call: Callable[[], Any]) -> Any:
+    """A call to an agent, or None when Ray cannot send it (the actor or the connection is gone)."""
+    try:
+        return call()
+    except Exception:
+        return None
