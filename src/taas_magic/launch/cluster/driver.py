@@ -30,7 +30,7 @@ from taas_magic.launch.cluster.agent import NodePayload
 from taas_magic.launch.cluster.connection import Cluster, ray_module
 from taas_magic.launch.cluster.runs import ClusterRanks
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS
-from taas_magic.process import containment
+from taas_magic.process import containment, helper
 from taas_magic.wire import memfile, pickler
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.cluster_driver import (
@@ -54,8 +54,6 @@ from taas_magic.wire.cluster_driver import (
     driver_end,
 )
 from taas_magic.wire.events import Key
-
-SECRET_SIZE = 32
 
 
 class Driver:
@@ -150,7 +148,7 @@ class Driver:
 
 
 def main(fd: int) -> None:
-    secret = _read_secret()
+    secret = helper.read_secret("cluster driver")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until a message is being answered: see _answered
     _leave_with_the_parent()
     channel = driver_end(socket.socket(fileno=fd), secret)
@@ -195,16 +193,6 @@ def _portable(error: BaseException) -> BaseException:
 
 def _read(fds: list[int], size: int) -> bytes:
     return memfile.read_bytes(fds[0], size) if fds and size else b""
-
-
-def _read_secret() -> bytes:
-    secret = b""
-    while len(secret) < SECRET_SIZE:
-        chunk = os.read(0, SECRET_SIZE - len(secret))
-        if not chunk:
-            raise SystemExit("taas cluster driver: no channel secret on standard input")
-        secret += chunk
-    return secret
 
 
 def _leave_with_the_parent() -> None:

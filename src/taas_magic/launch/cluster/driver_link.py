@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
-import sys
 from typing import Callable
 
 from taas_magic.configurations import Catalog
 from taas_magic.errors import TaasUsageError
 from taas_magic.launch.cluster import connection
-from taas_magic.process import containment, kernel_debugger
-from taas_magic.wire import channel, memfile
+from taas_magic.process import containment, helper
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.cluster_driver import (
     Connect,
@@ -52,29 +49,9 @@ class DriverProcess:
 
     def __init__(self, notify: Callable[[str], object]) -> None:
         self.notify = notify  # where the driver's notices go: the running cell's stderr
-        kernel_sock, driver_sock = channel.socket_pair()
-        secret = channel.new_secret()
-        self.stderr = memfile.new_file("taas-cluster-driver-stderr", 0)
-        try:
-            with kernel_debugger.plain_subprocesses():  # it does not join the notebook's debugging session
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "taas_magic.launch.cluster.driver", str(driver_sock.fileno())],
-                    pass_fds=[driver_sock.fileno()],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=self.stderr,
-                    start_new_session=True,  # the kernel's interrupts reach it only as the kernel passes them on
-                )
-            assert self.process.stdin is not None
-            self.process.stdin.write(secret)
-            self.process.stdin.close()
-        except BaseException:
-            kernel_sock.close()
-            os.close(self.stderr)
-            raise
-        finally:
-            driver_sock.close()
-        self.channel: KernelEnd = kernel_end(kernel_sock, secret)
+        self.helper = helper.start("taas_magic.launch.cluster.driver", "cluster-driver")
+        self.process = self.helper.process
+        self.channel: KernelEnd = kernel_end(self.helper.sock, self.helper.secret)
         self.gone: str | None = None  # how it ended, once it did
         self.stopped = False
 
@@ -116,17 +93,11 @@ class DriverProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             code = self.process.wait()
-        if code < 0:
-            how = f"its driver process was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"its driver process exited with code {code}"
         tail = self._stderr_tail()
-        return how + (f"; it last wrote: {tail}" if tail else "")
+        return f"its driver process {helper.ending(code)}" + (f"; it last wrote: {tail}" if tail else "")
 
     def _stderr_tail(self) -> str:
-        size = os.fstat(self.stderr).st_size
-        data = os.pread(self.stderr, STDERR_TAIL, max(0, size - STDERR_TAIL))
-        text = _ESCAPES.sub("", data.decode("utf-8", "replace"))
+        text = _ESCAPES.sub("", self.helper.stderr_tail(STDERR_TAIL))
         lines = [line.strip() for line in text.splitlines() if any(c.isalnum() for c in line)]
         return _said(lines[-1]) if lines else ""
 
@@ -151,7 +122,7 @@ class DriverProcess:
             self.process.kill()
             self.process.wait()
         finally:
-            os.close(self.stderr)
+            os.close(self.helper.stderr)
 
 
 def _said(line: str) -> str:

@@ -13,18 +13,16 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import os
-import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 
 from taas_magic.errors import ForkServerDied, RunLost
 from taas_magic.launch.backend import Cell, Holding, Launch, MakeTask, Sources
 from taas_magic.launch.rendezvous import RunStore
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS, SupervisedRanks
-from taas_magic.process import cell_files, containment, kernel_debugger
+from taas_magic.process import cell_files, containment, helper
 from taas_magic.rank import aliases
-from taas_magic.wire import channel, fork_server, memfile, shipping, supervision
+from taas_magic.wire import channel, fork_server, shipping, supervision
 from taas_magic.wire.shipping import Shipment
 from taas_magic.wire.task import KernelContext, RankTask
 
@@ -37,29 +35,10 @@ class ForkServer:
     """One fork server process, the kernel's end of its channel, and its standard error."""
 
     def __init__(self) -> None:
-        kernel_end, server_end = channel.socket_pair()
-        secret = channel.new_secret()
-        self.stderr = memfile.new_file("taas-fork-server-stderr", 0)
-        try:
-            with kernel_debugger.plain_subprocesses():  # it does not join the notebook's debugging session
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "taas_magic.launch.forkserver.server", str(server_end.fileno())],
-                    pass_fds=[server_end.fileno()],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=self.stderr,
-                    start_new_session=True,  # the kernel's interrupts are not its own
-                )
-            assert self.process.stdin is not None
-            self.process.stdin.write(secret)
-            self.process.stdin.close()
-        except BaseException:
-            kernel_end.close()
-            os.close(self.stderr)
-            raise
-        finally:
-            server_end.close()
-        self.control = fork_server.kernel_end(kernel_end, secret)
+        self.helper = helper.start("taas_magic.launch.forkserver.server", "fork-server")
+        self.process = self.helper.process
+        self.stderr = self.helper.stderr
+        self.control = fork_server.kernel_end(self.helper.sock, self.helper.secret)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -76,19 +55,13 @@ class ForkServer:
     def describe_death(self) -> str:
         """How the server ended and the last it wrote, for error messages."""
         code = self.process.poll()
-        if code is None:
-            how = f"the fork server (pid {self.process.pid}) is still running"
-        elif code < 0:
-            how = f"the fork server (pid {self.process.pid}) was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"the fork server (pid {self.process.pid}) exited with code {code}"
+        state = "is still running" if code is None else helper.ending(code)
+        how = f"the fork server (pid {self.process.pid}) {state}"
         tail = self.stderr_tail()
         return how + (f"; it last wrote: {tail}" if tail else "")
 
     def stderr_tail(self) -> str:
-        size = os.fstat(self.stderr).st_size
-        data = os.pread(self.stderr, STDERR_TAIL, max(0, size - STDERR_TAIL))
-        return " | ".join(line for line in data.decode("utf-8", "replace").splitlines() if line.strip())
+        return " | ".join(line for line in self.helper.stderr_tail(STDERR_TAIL).splitlines() if line.strip())
 
     def stop(self) -> None:
         """Close the channel (the server ends everything and exits on EOF); kill it if it lingers."""

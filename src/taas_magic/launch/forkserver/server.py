@@ -26,7 +26,7 @@ import sys
 from taas_magic.delivery.cluster_ends import NodeEnds
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS, STOP_SECONDS, supervise
 from taas_magic.launch.supervisor.tasks import Received, StoreServer
-from taas_magic.process import child, containment, logs, tracebacks
+from taas_magic.process import child, containment, helper, logs, tracebacks
 from taas_magic.rank import plugins
 from taas_magic.wire import fork_server, shipping, supervision
 from taas_magic.wire.channel import ChannelBroken
@@ -35,11 +35,9 @@ from taas_magic.wire.task import RankTask
 
 log = logging.getLogger("taas_magic.launch.forkserver.server")  # by name: the server runs as __main__
 
-SECRET_SIZE = 32
-
 
 def main(fd: int) -> None:
-    secret = _read_secret()
+    secret = helper.read_secret("fork server")
     signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a Ray worker starts it with SIGINT blocked: ranks inherit masks
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts are the kernel's to forward
     containment.become_subreaper()
@@ -76,16 +74,6 @@ def _leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _read_secret() -> bytes:
-    secret = b""
-    while len(secret) < SECRET_SIZE:
-        chunk = os.read(0, SECRET_SIZE - len(secret))
-        if not chunk:
-            raise SystemExit("taas fork server: no channel secret on standard input")
-        secret += chunk
-    return secret
 
 
 def _fork_supervisor(control: ServerEnd, request: StartRun, fds: list[int]) -> int:
