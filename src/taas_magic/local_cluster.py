@@ -41,6 +41,10 @@ from taas_magic.errors import TaasUsageError
 from taas_magic.process import containment
 
 QUIET = {
+    # Every node here is on loopback: a process of Ray's that does not know its node's address (a node's
+    # runtime-environment agent, which wants it for a log prefix) asks the route to 8.8.8.8:53 for one,
+    # unless Ray takes this machine for one that runs no multi-node cluster; then it takes 127.0.0.1.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",  # the discard port: a report that goes nowhere
     "RAY_USAGE_STATS_PROMPT_ENABLED": "0",
@@ -72,7 +76,8 @@ def _ray_environment(variables: Mapping[str, str]) -> Iterator[None]:
     os.environ.update(added)
     ray_private.read_authentication_anew()  # Ray reads them once: for this process's own calls to the nodes
     try:
-        yield
+        with ray_private.no_address_probe():  # this process's Ray read the variable as it was imported
+            yield
     finally:
         for name, value in saved.items():
             if value is None:

@@ -8,9 +8,13 @@ runs of test_cluster.py must not meet.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -389,6 +393,30 @@ def test_nothing_of_the_cluster_talked_beyond_loopback_but_name_lookups(cluster,
     name server. Ray's own services listen on every interface, as a cluster's must (docs/cluster.md says
     so); nobody reached out."""
     assert not peers.beyond_loopback(), peers.beyond_loopback()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace sees every connect, however short-lived")
+def test_starting_a_local_cluster_asks_no_route_beyond_loopback(cluster, tmp_path):
+    """Ray finds a process's own address by connecting a UDP socket to 8.8.8.8:53 (no packet is sent: the
+    system picks the route), for microseconds: the peers' watch, which samples, cannot see it, strace can.
+    Every connect of a local cluster's start, in every process, goes to loopback."""
+    local, _ = cluster
+    head = network(local.addresses) + "220"  # addresses of its own on this worker's block
+    code = (
+        "from taas_magic.local_cluster import LocalCluster\n"
+        f"LocalCluster({{'c1.4': 1, 't.2': 1}}, first_address={head!r}).shutdown()\n"
+    )
+    log = tmp_path / "connects.log"
+    command = ["strace", "-f", "-qq", "-e", "trace=connect", "-e", "signal=none", "-o", str(log)]
+    subprocess.run([*command, sys.executable, "-c", code], check=True, timeout=240, capture_output=True)
+    inet = [line for line in log.read_text().splitlines() if "AF_INET" in line]
+    assert inet, "strace saw the nodes' connections"
+    addresses = {
+        m.group(1) for line in inet for m in [re.search(r'inet_(?:addr|pton)\((?:AF_INET6, )?"([^"]+)"', line)] if m
+    }
+    mapped = {a: ipaddress.ip_address(a) for a in addresses}  # ::ffff:127.0.10.220 is 127.0.10.220
+    beyond = sorted(a for a, ip in mapped.items() if not (getattr(ip, "ipv4_mapped", None) or ip).is_loopback)
+    assert not beyond, beyond
 
 
 @pytest.mark.xfail(

@@ -20,6 +20,10 @@ version and the module; what each is for, and what happens without it:
   for 20 s and says only that it could not connect), with the variables read afresh so that a token set
   after a failed try counts. Without them (Ray before 2.52 has no token authentication) nothing is asked
   before connecting.
+- ``ray._private.ray_constants.ENABLE_RAY_CLUSTER``: off while a local cluster starts its nodes, so that Ray
+  in the process that starts them takes 127.0.0.1 for this machine's address instead of asking the route to
+  8.8.8.8 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` does the same in the processes it starts). Without it,
+  that process asks the route as Ray's check of versions begins.
 - ``GcsClient.get_all_node_info``: the nodes' addresses, before connecting to a cluster through a loopback
   address, to tell at once that no node is at that address (the head on 127.0.0.2 named as
   ``localhost``), where ``ray.init`` waits a minute and says only that it could not connect. Without it,
@@ -53,7 +57,7 @@ PRIVATE = {
     ),
     "ray._private.worker": ("global_worker", "_global_node"),
     "ray._private.services": ("start_ray_process",),
-    "ray._private.ray_constants": ("PROCESS_TYPE_DASHBOARD",),
+    "ray._private.ray_constants": ("PROCESS_TYPE_DASHBOARD", "ENABLE_RAY_CLUSTER"),
 }
 # Where Ray has token authentication (2.52 and later: ``ray.exceptions.AuthenticationError``), these too.
 TOKEN_AUTHENTICATION = {"ray._raylet": ("GcsClient", "Config", "AuthenticationTokenLoader")}
@@ -100,6 +104,19 @@ def dashboard_environment(variables: Mapping[str, str]) -> Iterator[None]:
         yield
     finally:
         setattr(services, "start_ray_process", start)
+
+
+@contextmanager
+def no_address_probe() -> Iterator[None]:
+    """In the block, Ray in this process takes 127.0.0.1 for this machine's address where it would ask the
+    route to 8.8.8.8 for one (a local cluster's nodes, all on loopback, are started meanwhile)."""
+    constants: Any = importlib.import_module("ray._private.ray_constants")  # untyped: internal
+    before = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = before
 
 
 class TokenRefused(Exception):
