@@ -29,8 +29,14 @@ settings.register_profile("taas", deadline=None)
 settings.load_profile("taas")
 
 CLUSTER_TIER = "tests/e2e/cluster/"
-# Modules that run in the same worker as the one named, one after the other, and share its Ray cluster.
-CLUSTER_SCOPES = {f"{CLUSTER_TIER}test_cluster_files.py": f"{CLUSTER_TIER}test_cluster.py"}
+# Modules that run in the same worker as the one named, one after the other: test_cluster_files.py shares its
+# Ray cluster; the example notebook, which starts a cluster of its own, follows once that one stopped. The
+# tier's two workers then take about the same time (about 400 s each here): test_cluster_nodes.py, whose
+# nodes come and go, alone in the other.
+CLUSTER_SCOPES = {
+    f"{CLUSTER_TIER}test_cluster_files.py": f"{CLUSTER_TIER}test_cluster.py",
+    f"{CLUSTER_TIER}test_examples_cluster.py": f"{CLUSTER_TIER}test_cluster.py",
+}
 
 _own_temporary_folder: str | None = None
 

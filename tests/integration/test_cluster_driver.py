@@ -41,6 +41,18 @@ def test_an_error_in_the_driver_is_raised_in_the_kernel_and_the_driver_answers_o
     assert driver.alive()
 
 
+def test_a_run_the_driver_does_not_hold_is_a_lost_run_and_says_nothing_is_running(driver):
+    """A kernel's run outliving its driver's knowledge of it (its start failed there) ends as a lost run."""
+    group = ClusterRanks(ConnectedCluster("10.0.0.5:6379", driver), "run-that-never-was", print)
+    with pytest.raises(RunLost, match="the cluster driver holds no run 'run-that-never-was'"):
+        group.events(0.0)
+    assert group.running() == set()
+    with pytest.raises(RunLost):
+        group.stacks(set(), 1.0)
+    group.close()
+    assert driver.alive()
+
+
 def test_a_driver_that_died_is_a_lost_connection_told_in_one_line(driver):
     os.kill(driver.process.pid, signal.SIGKILL)
     cluster = ConnectedCluster("10.0.0.5:6379", driver)

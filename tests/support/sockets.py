@@ -1,9 +1,10 @@
 """The machine's TCP and UDP sockets whose peer is beyond loopback, and which processes hold them: what
 the cluster tier's watch looks at many times a second for minutes (tests/e2e/cluster/conftest.py).
 
-They are asked of the kernel over netlink (``sock_diag``, as ``ss`` does): about 0.6 ms a look here.
-psutil's ``net_connections`` reads every descriptor of every process, and /proc/net/tcp walks the
-kernel's whole hash table, 3.4 ms a read; either at 20 looks a second took a sixth of a core.
+They are asked of the kernel over netlink (``sock_diag``, as ``ss`` does): about 5 ms a look here, most of it
+the kernel walking its TCP hash table once for IPv4 and once for IPv6, however few sockets it holds.
+psutil's ``net_connections`` reads every descriptor of every process, and /proc/net/tcp and tcp6 cost
+8 ms a read of both.
 A socket's owner is looked for only when it has a peer beyond loopback, in the processes named.
 """
 

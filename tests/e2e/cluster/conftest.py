@@ -45,9 +45,17 @@ def _handed_on(name: str) -> bool:
     return _next is not None and name in getattr(_next, "fixturenames", ())
 
 
+# Between two looks at the machine's sockets. Each look dumps the kernel's TCP tables twice (IPv4, IPv6), about
+# 2.4 ms of CPU each whatever they hold; 20 looks a second cost each worker about 50 s of CPU in the tier's 7
+# minutes. A connection this machine closes stays in the table for a minute (TIME_WAIT) and one that fails
+# for lack of a route leaves no socket at all (test_cluster_nodes.py's strace sees those): five looks a
+# second miss only a connection the far side closed within 0.2 s.
+LOOK_SECONDS = 0.2
+
+
 class PeerWatch:
     """Every connection with a peer beyond loopback that any process started from this one (the
-    cluster's raylets and workers, agents, fork servers, ranks, kernels) has, sampled every 0.05 s
+    cluster's raylets and workers, agents, fork servers, ranks, kernels) has, sampled every LOOK_SECONDS
     from before the cluster starts: a usage report or a cloud metadata probe would show up. A TCP
     connection this machine opened and closed between two looks stays in the kernel's table for a
     minute (TIME_WAIT), without its process: it counts too, as process 0."""
@@ -65,7 +73,7 @@ class PeerWatch:
 
     def _watch(self) -> None:
         me = psutil.Process()
-        while not self.stopped.wait(0.05):
+        while not self.stopped.wait(LOOK_SECONDS):
             found = sockets.outward(sockets.sockets())
             self.outside |= {self._ended(s) for s in found if not s.inode} - self._ended_before
             live = {s.inode: s for s in found if s.inode}

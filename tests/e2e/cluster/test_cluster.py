@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from support.cluster import COLLECT, HEADER, INIT, collected, leftovers, network, node_agents, own_ray
+from support.cluster import COLLECT, DATA, HEADER, INIT, collected, leftovers, network, node_agents, own_ray
 from support.kernel import ANSI, Kernel, view_notes
 from support.notebook_values import KINDS, SETUP, unpicklable
 
@@ -708,6 +708,44 @@ def test_localhost_where_the_head_is_on_another_loopback_address_is_one_line_and
     ), r.error
     shown = cluster_kernel.execute("%taas cluster").ok().stdout
     assert f"connected to the Ray cluster at {local.address}" in shown, shown
+
+
+@pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
+def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
+    """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel
+    uploads it without holding the package: that call would wait forever through Ray Client), warm
+    agents, delivery and node list; the connected kernel (cluster_kernel) stays idle meanwhile."""
+    local, config = cluster
+    pytest.importorskip("grpc")  # ray[client]
+    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False)
+    try:
+        (tmp_path / "clientmod.py").write_text("VALUE = 3\n")  # the notebook's folder goes up through Ray Client
+        k.execute(f"os.chdir({str(tmp_path)!r})").ok()
+        r = k.execute(f"%taas cluster {local.client_address}", timeout=120).ok()
+        assert f"connected to the Ray cluster at {local.client_address}: 3 nodes" in r.stdout
+        assert re.search(r"t\.2: 2 nodes \(2 free, 0 with a warm agent\)", r.stdout), r.stdout
+        k.execute(
+            HEADER + INIT + "import clientmod\nx = torch.ones(1) * clientmod.VALUE\ndist.all_reduce(x)\n"
+            "total = int(x.item())\ndist.destroy_process_group()",
+            timeout=240,
+        ).ok()
+        assert k.value("total") == 12
+        warm = k.execute(HEADER + "pass", timeout=60).ok()
+        assert warm.seconds < 5, warm.seconds  # about 0.3 s on an idle 2-core machine
+        k.execute(DATA).ok()
+        got = collected(k.execute(HEADER + COLLECT, timeout=240).ok())
+        assert [len(got[rank]["passes"][0]) for rank in range(4)] == [4] * 4
+        # Ray Client's gRPC threads are the cluster driver's, not the kernel's: ranks forked from it have none
+        local = k.execute(
+            "#pragma taas --gpus 2 --device cpu --on local\nimport os\nprint(sorted({open("
+            "f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')}))"
+        ).ok()
+        assert "gRPC runs threads in this kernel" not in local.stderr, local.stderr
+        assert "event_engine" not in local.stdout and "lifeguard" not in local.stdout, local.stdout
+        k.execute("%taas cluster off").ok()
+    finally:
+        k.shutdown()
+    assert not leftovers(registered)
 
 
 def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():

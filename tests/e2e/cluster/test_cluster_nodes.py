@@ -1,5 +1,5 @@
 """A cluster's nodes and connections, on a real Ray cluster on this machine: a notebook without the
-cluster's token, one that connects through Ray Client, nodes lost mid-run, a dead kernel, sessions whose
+cluster's token, nodes lost mid-run, a dead kernel, sessions whose
 agents or connection went; and that through all of it nothing talked beyond loopback.
 
 Its cluster is its own worker's (tests/e2e/cluster/conftest.py): it adds and kills nodes, which the
@@ -21,11 +21,9 @@ import psutil
 import pytest
 from support.cluster import (
     COLLECT,
-    DATA,
     HEADER,
     INIT,
     alive,
-    collected,
     error_of,
     first_match,
     leftovers,
@@ -79,44 +77,6 @@ def test_a_cluster_that_requires_a_token_says_in_one_line_what_a_notebook_lacks_
         k.execute("%taas cluster off").ok()
     finally:
         k.shutdown()
-
-
-@pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
-def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
-    """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel
-    uploads it without holding the package: that call would wait forever through Ray Client), warm
-    agents, delivery and node list; the connected kernel (cluster_kernel) stays idle meanwhile."""
-    local, config = cluster
-    pytest.importorskip("grpc")  # ray[client]
-    k = Kernel({"TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False)
-    try:
-        (tmp_path / "clientmod.py").write_text("VALUE = 3\n")  # the notebook's folder goes up through Ray Client
-        k.execute(f"os.chdir({str(tmp_path)!r})").ok()
-        r = k.execute(f"%taas cluster {local.client_address}", timeout=120).ok()
-        assert f"connected to the Ray cluster at {local.client_address}: 3 nodes" in r.stdout
-        assert re.search(r"t\.2: 2 nodes \(2 free, 0 with a warm agent\)", r.stdout), r.stdout
-        k.execute(
-            HEADER + INIT + "import clientmod\nx = torch.ones(1) * clientmod.VALUE\ndist.all_reduce(x)\n"
-            "total = int(x.item())\ndist.destroy_process_group()",
-            timeout=240,
-        ).ok()
-        assert k.value("total") == 12
-        warm = k.execute(HEADER + "pass", timeout=60).ok()
-        assert warm.seconds < 5, warm.seconds  # about 0.3 s on an idle 2-core machine
-        k.execute(DATA).ok()
-        got = collected(k.execute(HEADER + COLLECT, timeout=240).ok())
-        assert [len(got[rank]["passes"][0]) for rank in range(4)] == [4] * 4
-        # Ray Client's gRPC threads are the cluster driver's, not the kernel's: ranks forked from it have none
-        local = k.execute(
-            "#pragma taas --gpus 2 --device cpu --on local\nimport os\nprint(sorted({open("
-            "f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')}))"
-        ).ok()
-        assert "gRPC runs threads in this kernel" not in local.stderr, local.stderr
-        assert "event_engine" not in local.stdout and "lifeguard" not in local.stdout, local.stdout
-        k.execute("%taas cluster off").ok()
-    finally:
-        k.shutdown()
-    assert not leftovers(registered)
 
 
 # -- kernel-level commands while a session runs on the cluster ------------------------------------

@@ -1,6 +1,6 @@
 """The cluster example notebook, executed headless as a user would run it: it starts a Ray cluster of its
-own on this machine, so it is in the cluster tier, after the tier's own cluster has stopped (this module
-comes last in the tier, and the tier runs in one worker)."""
+own on this machine, so it is in the cluster tier, in test_cluster.py's worker once that module's cluster has
+stopped (tests/conftest.py's CLUSTER_SCOPES)."""
 
 from __future__ import annotations
 

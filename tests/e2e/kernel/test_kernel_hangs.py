@@ -482,6 +482,7 @@ def positions(found: list[Place]) -> dict[int, float]:
     return at
 
 
+@pytest.mark.timeout(300)  # ten runs started, trained and interrupted: 4-12 s each beside the other tiers' work
 def test_an_interrupted_lock_step_loop_shows_its_ranks_at_one_moment(kernel):
     """DDP keeps two ranks within one collective of each other; interrupted at random moments, each time, the
     diagnosis reads each rank at the moment its stacks were taken (samples up to a second old read them dozens of

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import assert_never
 
-from taas_magic.errors import TaasUsageError
+from taas_magic.errors import RunLost, TaasUsageError
 from taas_magic.launch.cluster import notebook_folder, runs
 from taas_magic.launch.cluster.agent import NodePayload
 from taas_magic.launch.cluster.connection import Cluster, ray_module
@@ -87,18 +87,19 @@ class Driver:
                 self.runs[run_id] = run
                 return run.nodes()
             case Poll(run_id, timeout):
-                return self.runs[run_id].events(timeout)
+                return self._run(run_id).events(timeout)
             case Signal(run_id, signum, keys):
-                self.runs[run_id].signal(signum, keys)
+                self._run(run_id).signal(signum, keys)
                 return None
             case AskStacks(run_id, keys, timeout):
-                return self.runs[run_id].stacks(keys, timeout)
+                return self._run(run_id).stacks(keys, timeout)
             case RunCell(run_id, cell, ranks, folder):
-                self.runs[run_id].tell_if_the_folder_changed(folder, self.notify)
-                self.runs[run_id].run_cell(cell, ranks, _read(fds, cell.tensors_size))
+                run = self._run(run_id)
+                run.tell_if_the_folder_changed(folder, self.notify)
+                run.run_cell(cell, ranks, _read(fds, cell.tensors_size))
                 return None
             case AnswerLine(run_id, key, line):
-                self.runs[run_id].answer(key, line)
+                self._run(run_id).answer(key, line)
                 return None
             case CloseRun(run_id):
                 return self._close(run_id)
@@ -109,6 +110,14 @@ class Driver:
         if self.cluster is None:
             raise TaasUsageError("the cluster driver is not connected to a cluster")  # the kernel connects first
         return self.cluster
+
+    def _run(self, run_id: str) -> ClusterRanks:
+        """The run ``run_id``; one this driver does not hold (it was started by a driver before this one, or
+        its start failed) is told as a lost run, which the kernel's run already knows how to end."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise RunLost(f"the cluster driver holds no run {run_id!r}")
+        return run
 
     def running(self, message: ToDriver) -> frozenset[Key]:
         """For a message about a run: which of its processes still run (none once it is closed or lost; the

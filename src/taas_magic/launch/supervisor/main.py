@@ -140,6 +140,7 @@ class _Supervisor:
         finally:
             group.close()
         containment.end_all_children(STOP_SECONDS)
+        self.store = None  # its port closes before the run is said to be over: the kernel does not wait for this exit
         codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
         log.info("closed; exit statuses %s", codes)
         try:
