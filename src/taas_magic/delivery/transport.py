@@ -19,7 +19,7 @@ import socket
 import struct
 from typing import Any
 
-from taas_magic.wire import memfile, sparse_rebuilds
+from taas_magic.wire import beside, memfile, sparse_rebuilds
 
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
 _FD = struct.Struct("i")  # a descriptor in SCM_RIGHTS data
@@ -33,18 +33,13 @@ def channel_pair() -> tuple[socket.socket, socket.socket]:
 class _Encoder(pickle.Pickler):
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[tuple[int, Any]] = []
-        self.size = 0
+        self.beside = beside.FileTensors()
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
 
         if type(obj) is torch.Tensor and obj.device.type == "cpu" and memfile.carries(obj):
-            offset = memfile.aligned(self.size)
-            nbytes = obj.numel() * obj.element_size()
-            self.tensors.append((offset, obj))
-            self.size = offset + nbytes
-            return _tensor_at, (offset, nbytes, memfile.dtype_name(obj), tuple(obj.shape), obj.requires_grad)
+            return self.beside.reduce(obj)
         return NotImplemented
 
 
@@ -55,17 +50,13 @@ def send(sock: socket.socket, pass_number: int, index: int, element: Any) -> Non
     encoder.dump(element)
     skeleton = buffer.getvalue()
     data_start = memfile.aligned(len(skeleton))
-    fd = memfile.new_file("taas-element", data_start + encoder.size)
+    fd = memfile.new_file("taas-element", data_start + encoder.beside.size)
     try:
         memfile.write_bytes(fd, skeleton)
-        for offset, tensor in encoder.tensors:
-            memfile.write_tensor(fd, tensor, data_start + offset)
+        encoder.beside.write(fd, data_start)
         socket.send_fds(sock, [_HEADER.pack(pass_number, index, len(skeleton))], [fd])
     finally:
         os.close(fd)
-
-
-_reading: tuple[Any, int] | None = None  # the element's memory and where its tensor data starts
 
 
 def receive(sock: socket.socket) -> tuple[int, int, Any]:
@@ -134,7 +125,6 @@ def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
 
 
 def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
-    global _reading
     if not header:
         raise EOFError("every producer has closed this channel")
     pass_number, index, skeleton_length = _HEADER.unpack(header)
@@ -143,18 +133,7 @@ def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
     finally:
         for fd in fds:
             os.close(fd)
-    _reading = (memory, memfile.aligned(skeleton_length))
-    try:
-        with sparse_rebuilds.forgotten():
-            element = pickle.loads(memoryview(memory[:skeleton_length].numpy()))
-    finally:
-        _reading = None
+    skeleton = io.BytesIO(memoryview(memory[:skeleton_length].numpy()))
+    with sparse_rebuilds.forgotten():
+        element = beside.Unpickler(skeleton, beside.FileReader(memory, memfile.aligned(skeleton_length))).load()
     return pass_number, index, element
-
-
-def _tensor_at(offset: int, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> Any:
-    if _reading is None:
-        raise RuntimeError("a delivered element's tensor can only be rebuilt while transport.receive reads it")
-    memory, data_start = _reading
-    tensor = memfile.tensor_view(memory, data_start + offset, nbytes, dtype, shape)
-    return tensor.requires_grad_(True) if requires_grad else tensor

@@ -20,9 +20,9 @@ import ctypes
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from taas_magic.wire import memfile
+from taas_magic.wire import beside, memfile
 
 ALIGN = memfile.ALIGN  # each range keeps its place modulo this, as memory files align their tensors
 
@@ -198,6 +198,11 @@ class Reader:
         self.memory = memory
         self._starts = [span.start for span in self.spans]
 
+    def rebuild(self, name: str) -> Callable[..., Any] | None:
+        """The rebuild function a pickle names (``beside.Unpickling``): this reader's own."""
+        rebuilds: dict[str, Callable[..., Any]] = {"_tensor": self.tensor, "_array": self.array}
+        return rebuilds.get(name)
+
     def place(
         self, address: int, strides: tuple[int, ...], contiguous: tuple[int, ...]
     ) -> tuple[Any, int, tuple[int, ...]]:
@@ -207,6 +212,44 @@ class Reader:
         index = bisect.bisect_right(self._starts, found) - 1
         start = self.spans[index].start - self.spans[index].start % ALIGN
         return self.memory[index], found - start, strides if moved is None else contiguous
+
+    def tensor(
+        self, address: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], grad: bool, param: bool
+    ) -> Any:
+        """A tensor of the rank, a view of the memory it came in."""
+        import torch
+
+        kind = getattr(torch, dtype)
+        if 0 in shape:
+            tensor = torch.empty(shape, dtype=kind)
+        else:
+            memory, offset, stride = self.place(address, stride, _contiguous(shape, 1))
+            item = torch.empty((), dtype=kind).element_size()
+            tensor = torch.empty(0, dtype=kind).set_(memory.untyped_storage(), offset // item, shape, stride)
+        if param:
+            return torch.nn.Parameter(tensor, requires_grad=grad)
+        return tensor.requires_grad_() if grad else tensor
+
+    def array(self, address: int, dtype: Any, shape: tuple[int, ...], strides: tuple[int, ...], writeable: bool) -> Any:
+        """A NumPy array of the rank, a view of the memory it came in."""
+        import numpy
+
+        if 0 in shape:
+            return numpy.empty(shape, dtype=dtype)
+        memory, offset, strides = self.place(address, strides, _contiguous(shape, numpy.dtype(dtype).itemsize))
+        array = numpy.ndarray(shape, dtype=dtype, buffer=memory.numpy(), offset=offset, strides=strides)
+        array.flags.writeable = writeable
+        return array
+
+
+@beside.placeholder
+def _tensor(address: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], grad: bool, param: bool) -> Any:
+    """A tensor the pickle names by its address in the rank (``Reader.tensor``)."""
+
+
+@beside.placeholder
+def _array(address: int, dtype: Any, shape: tuple[int, ...], strides: tuple[int, ...], writeable: bool) -> Any:
+    """A NumPy array the pickle names by its address in the rank (``Reader.array``)."""
 
 
 def file_range(span: Span) -> tuple[int, int]:
@@ -272,57 +315,6 @@ def _libc() -> Any:
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _LIBC = libc
     return _LIBC
-
-
-_reading: Reader | None = None  # set by ``reading`` while the kernel unpickles
-
-
-class reading:
-    """``with reading(reader):`` the tensors and arrays unpickled meanwhile view ``reader``'s memory."""
-
-    def __init__(self, reader: Reader):
-        self.reader = reader
-
-    def __enter__(self) -> Reader:
-        global _reading
-        _reading = self.reader
-        return self.reader
-
-    def __exit__(self, *exc: object) -> None:
-        global _reading
-        _reading = None
-
-
-def _reader() -> Reader:
-    if _reading is None:
-        raise RuntimeError("a tensor sent beside its pickle can only be unpickled with the file it came in")
-    return _reading
-
-
-def _tensor(address: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], grad: bool, param: bool) -> Any:
-    import torch
-
-    kind = getattr(torch, dtype)
-    if 0 in shape:
-        tensor = torch.empty(shape, dtype=kind)
-    else:
-        memory, offset, stride = _reader().place(address, stride, _contiguous(shape, 1))
-        item = torch.empty((), dtype=kind).element_size()
-        tensor = torch.empty(0, dtype=kind).set_(memory.untyped_storage(), offset // item, shape, stride)
-    if param:
-        return torch.nn.Parameter(tensor, requires_grad=grad)
-    return tensor.requires_grad_() if grad else tensor
-
-
-def _array(address: int, dtype: Any, shape: tuple[int, ...], strides: tuple[int, ...], writeable: bool) -> Any:
-    import numpy
-
-    if 0 in shape:
-        return numpy.empty(shape, dtype=dtype)
-    memory, offset, strides = _reader().place(address, strides, _contiguous(shape, numpy.dtype(dtype).itemsize))
-    array = numpy.ndarray(shape, dtype=dtype, buffer=memory.numpy(), offset=offset, strides=strides)
-    array.flags.writeable = writeable
-    return array
 
 
 def _contiguous(shape: tuple[int, ...], item: int) -> tuple[int, ...]:

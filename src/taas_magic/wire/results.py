@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
 from taas_magic.errors import first_line, type_name
-from taas_magic.wire import bulk, memfile, pickler, sparse_rebuilds
+from taas_magic.wire import beside, bulk, memfile, pickler, sparse_rebuilds
 
 _HEAD = struct.Struct("!QQ")  # the lengths of the names' pickles and of the trailer after them
 NOT_BOUND = "not bound when the cell ended"  # why a wanted name did not come back: said only for --return's names
@@ -72,8 +72,7 @@ def _portable(obj: Any) -> Any:
     if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
         return obj.module
     if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):  # meta: no data, pickled as it is
-        cpu = obj.detach().cpu()  # the view's elements alone, not the storage it looks into
-        return torch.nn.Parameter(cpu, requires_grad=obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else cpu
+        return beside.on_cpu(obj)
     return obj
 
 
@@ -340,15 +339,16 @@ def loads(data: Received | bytes | None) -> tuple[dict[str, Any], dict[str, str]
     received = data if isinstance(data, Received) else receive_bytes(data)
     pieces = _pieces(received.index)
     stream = io.BytesIO(received.pickles)
-    with bulk.reading(bulk.Reader(received.layout, received.memory)), sparse_rebuilds.forgotten():
+    reader = bulk.Reader(received.layout, received.memory)
+    with sparse_rebuilds.forgotten():
         try:
-            loader = pickle.Unpickler(stream)
+            loader = beside.Unpickler(stream, reader)
             return {name: loader.load() for name, _ in pieces}, {}
         except KeyboardInterrupt:
             raise
         except BaseException:
             pass  # some name cannot be unpickled here: start again and take the names one by one
-        return _load_each(stream, pieces)
+        return _load_each(stream, pieces, reader)
 
 
 def _pieces(index: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -383,7 +383,13 @@ class _Memo(dict[int, Any]):
         return value
 
 
-def _load_each(stream: io.BytesIO, pieces: list[tuple[str, int]]) -> tuple[dict[str, Any], dict[str, str]]:
+class _CarefulUnpickler(beside.Unpickling, pickle._Unpickler):
+    """The pure-Python unpickler, whose memo is an attribute, reading tensors beside the pickle."""
+
+
+def _load_each(
+    stream: io.BytesIO, pieces: list[tuple[str, int]], reader: bulk.Reader
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The slow, careful way: a name that fails is left out and the others still come back.
 
     The Python unpickler is used here because its memo is a plain dict that can be mended: the
@@ -391,7 +397,7 @@ def _load_each(stream: io.BytesIO, pieces: list[tuple[str, int]]) -> tuple[dict[
     its own objects at the same places as in rank 0, and one that shares objects with the
     failed name fails too instead of getting half-built ones.
     """
-    loader = pickle._Unpickler(stream)  # the pure-Python unpickler, whose memo is an attribute
+    loader = _CarefulUnpickler(stream, reader)
     memo = _Memo()
     setattr(loader, "memo", memo)
     values: dict[str, Any] = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import mmap
 import os
 import pickle
 import sys
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.wire import memfile, pickler, sparse_rebuilds
+from taas_magic.wire import beside, memfile, pickler, sparse_rebuilds
 
 ANCHOR = "__taas_globals_anchor__"
 
@@ -54,16 +53,6 @@ class Shipment:
             self.tensors_fd = None
 
 
-@dataclass(frozen=True)
-class _TensorRef:
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    requires_grad: bool
-    parameter: bool
-
-
 class _ShippingPickler(pickler.Pickler):
     """Pickles tensors as references into one memory file instead of by value.
 
@@ -76,8 +65,7 @@ class _ShippingPickler(pickler.Pickler):
         self, file: io.BytesIO, namespace: dict[str, Any] | None = None, held: Callable[[str, Any], bool] | None = None
     ):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[Any] = []
-        self.size = 0
+        self.beside = beside.FileTensors()
         self.namespace = namespace
         self.held = held  # whether the ranks hold the notebook's name, bound to this value, already
         # The notebook's values by identity; atoms (None, numbers, strings) are values, not objects
@@ -128,33 +116,10 @@ class _ShippingPickler(pickler.Pickler):
         if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
             if not memfile.carries(obj):
                 if obj.device.type not in ("cpu", "meta"):  # torch's pickle would unpickle it on the GPU
-                    return pickler.same, (_on_cpu(torch, obj),)
+                    return pickler.same, (beside.on_cpu(obj),)
                 return super().reducer_override(obj)
-            nbytes = obj.numel() * obj.element_size()
-            offset = memfile.aligned(self.size)
-            self.tensors.append((offset, obj))
-            self.size = offset + nbytes
-            ref = _TensorRef(
-                offset,
-                nbytes,
-                memfile.dtype_name(obj),
-                tuple(obj.shape),
-                obj.requires_grad,
-                isinstance(obj, torch.nn.Parameter),
-            )
-            return _rebuild_tensor, (ref,)
+            return self.beside.reduce(obj, parameter=isinstance(obj, torch.nn.Parameter))
         return super().reducer_override(obj)
-
-
-def _on_cpu(torch: Any, tensor: Any) -> Any:
-    """A copy on the CPU that keeps what the tensor carries: the fork server never touches a GPU."""
-    copy = tensor.detach().cpu()
-    if isinstance(tensor, torch.nn.Parameter):
-        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    elif tensor.requires_grad:
-        copy.requires_grad_()
-    copy.__dict__.update(tensor.__dict__)
-    return copy
 
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
@@ -202,8 +167,8 @@ def _pack(
     _dump_all(pickler, {ANCHOR: anchor, **{name: namespace[name] for name in names}}, to, command)
     if pickler.reached - set(names):
         _bind_reached(pickler, namespace, sorted(pickler.reached - set(names)))
-    fd = _write_tensors(pickler.tensors, pickler.size) if pickler.tensors else None
-    return Shipment(buffer.getvalue(), fd, pickler.size, frozenset(pickler.sent) | set(names))
+    fd = _write_tensors(pickler.beside) if pickler.beside.tensors else None
+    return Shipment(buffer.getvalue(), fd, pickler.beside.size, frozenset(pickler.sent) | set(names))
 
 
 def _bind_reached(pickler: "_ShippingPickler", namespace: dict[str, Any], names: list[str]) -> None:
@@ -242,12 +207,11 @@ def _dump_all(dumper: "_ShippingPickler", names: dict[str, Any], to: str, comman
         ) from None
 
 
-def _write_tensors(tensors: list[tuple[int, Any]], size: int) -> int:
+def _write_tensors(tensors: beside.FileTensors) -> int:
     """Copy every tensor's bytes into one anonymous memory file (the one extra copy)."""
-    fd = memfile.new_file("taas-tensors", size)
+    fd = memfile.new_file("taas-tensors", tensors.size)
     try:
-        for offset, tensor in tensors:
-            memfile.write_tensor(fd, tensor, offset)
+        tensors.write(fd)
     except BaseException:
         os.close(fd)
         raise
@@ -255,22 +219,14 @@ def _write_tensors(tensors: list[tuple[int, Any]], size: int) -> int:
 
 
 # -- in the receiving process ---------------------------------------------------------------
-_mapped: mmap.mmap | None = None
-
-
 def unpack(data: bytes, tensors_fd: int | None, tensors_size: int) -> dict[str, Any]:
     """The namespace the cell runs in: the shipped names in the globals dict their functions share.
 
     Runs in the fork server, which must never touch CUDA: tensors that lived on a GPU in the
     kernel arrive on the CPU, and the cell moves them (``.to(taas.device())``) as it would anyway.
     """
-    global _mapped
-    if tensors_fd is not None:
-        _mapped = memfile.map_private(tensors_fd)
-    try:
-        shipped = _load(data, pickle.Unpickler)
-    finally:
-        _mapped = None
+    reader = _reader(tensors_fd)
+    shipped = _load(data, lambda stream: beside.Unpickler(stream, reader))
     namespace: dict[str, Any] = shipped.pop(ANCHOR).__globals__
     namespace.update(shipped)
     namespace["__name__"] = "__main__"
@@ -289,22 +245,16 @@ def _load(data: bytes, make: Callable[[io.BytesIO], pickle.Unpickler]) -> dict[s
     return shipped
 
 
-def _rebuild_tensor(ref: _TensorRef) -> Any:
-    import torch
-
-    if _mapped is None:
-        raise RuntimeError("a shipped tensor can only be unpickled by shipping.unpack, with its memory file")
-    tensor = memfile.tensor_view(_mapped, ref.offset, ref.nbytes, ref.dtype, ref.shape)
-    if ref.parameter:
-        return torch.nn.Parameter(tensor, requires_grad=ref.requires_grad)
-    return tensor.requires_grad_(ref.requires_grad) if ref.requires_grad else tensor
+def _reader(tensors_fd: int | None) -> beside.FileReader:
+    """What rebuilds the shipment's tensors: views of its memory file, mapped copy-on-write."""
+    return beside.FileReader(None if tensors_fd is None else memfile.map_private(tensors_fd))
 
 
-class _SessionUnpickler(pickle.Unpickler):
+class _SessionUnpickler(beside.Unpickling, pickle.Unpickler):
     """Resolves a session shipment's references to the rank's own namespace."""
 
-    def __init__(self, file: io.BytesIO, namespace: dict[str, Any]):
-        super().__init__(file)
+    def __init__(self, file: io.BytesIO, namespace: dict[str, Any], reader: beside.FileReader):
+        super().__init__(file, reader)
         self.namespace = namespace
 
     def persistent_load(self, pid: Any) -> Any:
@@ -323,13 +273,10 @@ class _SessionUnpickler(pickle.Unpickler):
 
 def unpack_into(namespace: dict[str, Any], data: bytes, tensors_fd: int | None, tensors_size: int) -> None:
     """In a session's rank: the shipped names join its namespace, and functions share it."""
-    global _mapped
     try:
-        if tensors_fd is not None:
-            _mapped = memfile.map_private(tensors_fd)
-        shipped = _load(data, lambda stream: _SessionUnpickler(stream, namespace))
+        reader = _reader(tensors_fd)
+        shipped = _load(data, lambda stream: _SessionUnpickler(stream, namespace, reader))
     finally:
-        _mapped = None
         if tensors_fd is not None:
             os.close(tensors_fd)
     shipped.pop(ANCHOR)
