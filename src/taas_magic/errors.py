@@ -133,6 +133,14 @@ class SessionEnded(TaasRunError):
         self.failed = failed
 
 
+class ProducersGone(EOFError):
+    """A rank's loader asked for more, and every producer that fed it has closed its channel: a producer
+    process of the run is gone. Its ranks stop as the others do when a peer is lost."""
+
+    def __init__(self) -> None:
+        super().__init__("every producer has closed this channel")
+
+
 class RunInterrupted(KeyboardInterrupt):
     """The cell was interrupted; every rank has been stopped."""
 

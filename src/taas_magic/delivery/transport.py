@@ -19,6 +19,7 @@ import socket
 import struct
 from typing import Any
 
+from taas_magic.errors import ProducersGone
 from taas_magic.wire import beside, memfile, sparse_rebuilds
 
 _HEADER = struct.Struct("!qqQ")  # pass number, element index, pickle length
@@ -126,7 +127,7 @@ def _next_message(sock: socket.socket, flags: int) -> tuple[bytes, list[int]]:
 
 def _element(header: bytes, fds: list[int]) -> tuple[int, int, Any]:
     if not header:
-        raise EOFError("every producer has closed this channel")
+        raise ProducersGone()
     pass_number, index, skeleton_length = _HEADER.unpack(header)
     try:
         memory = memfile.map_private(fds[0])

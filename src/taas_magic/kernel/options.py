@@ -11,7 +11,8 @@ import difflib
 import inspect
 import os
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence, get_args
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
@@ -20,12 +21,18 @@ from IPython.utils.process import arg_split  # type: ignore[attr-defined]  # re-
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import line_commands
 
-DEVICES = ("auto", "cuda", "cpu")
-STARTS = ("auto", "fork", "forkserver")
-OLD_STARTS = ("spawn",)  # the fork server's earlier name: still accepted, no longer offered
-ORDERS = ("deterministic", "fastest")
-OUTPUTS = ("all", "rank0")
-PLACES = ("local", "cluster")
+Device = Literal["auto", "cuda", "cpu"]
+Start = Literal["auto", "fork", "forkserver"]
+OldStart = Literal["spawn"]  # the fork server's earlier name: still accepted, no longer offered
+Order = Literal["deterministic", "fastest"]
+Output = Literal["all", "rank0"]
+Place = Literal["local", "cluster"]
+DEVICES: tuple[Device, ...] = get_args(Device)
+STARTS: tuple[Start, ...] = get_args(Start)
+OLD_STARTS: tuple[OldStart, ...] = get_args(OldStart)
+ORDERS: tuple[Order, ...] = get_args(Order)
+OUTPUTS: tuple[Output, ...] = get_args(Output)
+PLACES: tuple[Place, ...] = get_args(Place)
 MAX_CPUS = 8
 MAX_RESTARTS = 100  # a typo like --max-restarts 1000 must not loop a crashing job for hours
 MAX_LINE = 4096  # characters of options, after IPython expanded {expressions} and $names
@@ -341,6 +348,41 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+@dataclass(frozen=True)
+class CellOptions:
+    """A `%%taas` line's options as the parser leaves them, typed: one field per option (its ``dest``), an
+    option left out holding its default. ``tests/unit/kernel`` keeps the fields and the parser the same."""
+
+    gpus: int | None
+    config: str | None
+    device: Device | None
+    start: Start | OldStart | None
+    on: Place | None
+    cpus: int | None
+    units: int | None
+    order: Order
+    prefetch: int | None
+    output: Output | None
+    return_names: tuple[str, ...] | None
+    return_from: Ranks | str | None
+    timeout: float | None
+    hang_after: float | None
+    profile: bool
+    max_restarts: int
+    debug: bool
+    debug_ranks: Ranks | None
+    keep: bool
+    ranks: Ranks | None
+    idle: float | None
+    check: str | None
+    alone: bool
+
+    @classmethod
+    def of(cls, namespace: argparse.Namespace) -> "CellOptions":
+        """The options ``parse`` returned; an option the parser lacks is an error here, not a default."""
+        return cls(**{field.name: getattr(namespace, field.name) for field in fields(cls)})
+
+
 def parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
     """Parse a `%%taas` line; anything unknown is a one-line error naming it and the allowed options."""
     parser: argparse.ArgumentParser = getattr(magic, "parser")  # attached by @magic_arguments
@@ -384,12 +426,13 @@ def visible_options(magic: Callable[..., Any]) -> list[str]:
     ]
 
 
-def default_device(environ: Mapping[str, str] | None = None) -> str:
+def default_device(environ: Mapping[str, str] | None = None) -> Device:
     environ = os.environ if environ is None else environ
     value = environ.get("TAAS_DEVICE", "").strip().lower() or "auto"
-    if value not in DEVICES:
-        raise TaasUsageError(f"TAAS_DEVICE={value!r} is not allowed: use {', '.join(DEVICES)}")
-    return value
+    for device in DEVICES:
+        if value == device:
+            return device
+    raise TaasUsageError(f"TAAS_DEVICE={value!r} is not allowed: use {', '.join(DEVICES)}")
 
 
 def transfer(command: str, words: list[str]) -> tuple[tuple[str, ...], tuple[int, ...] | None]:

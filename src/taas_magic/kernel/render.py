@@ -87,16 +87,27 @@ def failure(result: RunResult, others_were: str, cell_names: Mapping[str, str] |
         lines.append(f"also failed, after {who}: " + "; ".join(others))
     if stopped:
         lines.append(f"{others_were} after the failure: {names(result, stopped)}")
-        peers = [
-            _peer_place(p, who, result.records.get(p.key)) if p.key in broken or _reporting(p) else p
-            for p in result.where
-            if p.key in stopped
-        ]
-        if any(_stuck(p) for p in peers):  # some waited for it: where each was says for what
+        peers = _peers_waiting(result)
+        if peers:
             lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(
                 peers, cell_names or {}, result.ranks_per_node
             )
     return plain(message), lines
+
+
+def _peers_waiting(result: RunResult) -> list[Process]:
+    """Where the ranks stopped after the first failure were, when some of them waited for it (else none):
+    where each waited says for what, and ``failure`` shows it."""
+    failures = result.failures
+    who = name(result, failures[0].rank)
+    broken = {f.rank for f in result.broken}
+    stopped = (result.stopped | broken) - {f.rank for f in failures}
+    peers = [
+        _peer_place(p, who, result.records.get(p.key)) if p.key in broken or _reporting(p) else p
+        for p in result.where
+        if p.key in stopped
+    ]
+    return peers if any(_stuck(p) for p in peers) else []
 
 
 def _same_error(one: Failure, other: Failure) -> bool:
@@ -219,11 +230,7 @@ def _session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionE
     message, lines = _ended(why)
     if result.failures:  # why they were interrupted: the failure comes first, with where the others waited for it
         failed, failed_lines = failure(result, "stopped", cell_names)  # the session ends: every rank is stopped
-        where = (
-            []
-            if any("where they were when" in line for line in failed_lines)
-            else _where(result, cell_names, "where they were:")
-        )
+        where = [] if _peers_waiting(result) else _where(result, cell_names, "where they were:")  # shown with it
         return SessionEnded(f"{failed}; {message}", failed_lines + lines + where, why=why)
     lines += _where(result, cell_names, "where they were:")
     if result.late is not None:  # taas interrupted the cell because the time ran out: that first

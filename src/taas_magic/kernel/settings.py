@@ -14,6 +14,7 @@ from traitlets.config import Config
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options, profiling, reloading
+from taas_magic.kernel.options import Device, OldStart, Output, Start
 from taas_magic.kernel.session import Session
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.process import machine
@@ -26,16 +27,22 @@ CONFIGURABLE = ("device", "output", "start", "view", "hang_after")  # the TaasMa
 class Defaults:
     """The magic's configurable defaults, and which of them the user set."""
 
-    device: str | None  # None: $TAAS_DEVICE, else auto
-    output: str
-    start: str
+    device: Device | None  # None: $TAAS_DEVICE, else auto
+    output: Output
+    start: Start | OldStart
     view: bool  # the live view of a run
     hang_after: float  # the default --hang-after (0: the watchdog is off)
     configured: frozenset[str]  # the names set with %config or in ipython_config.py
 
     @classmethod
     def of(
-        cls, device: str | None, output: str, start: str, view: bool, hang_after: float, config: Config
+        cls,
+        device: Device | None,
+        output: Output,
+        start: Start | OldStart,
+        view: bool,
+        hang_after: float,
+        config: Config,
     ) -> "Defaults":
         # The configuration says what the user set, not ``trait_has_value``: that turns true once the
         # built-in default is read.
@@ -74,7 +81,7 @@ class Defaults:
         catalog = load_catalog()
         found = machine.detect()
         try:
-            device = options.default_device()
+            device: str = options.default_device()
         except TaasUsageError as e:
             device = f"invalid ({e})"
         names = ", ".join(catalog.names())

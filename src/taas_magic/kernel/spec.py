@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, Literal, Mapping, NoReturn, Sequence
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.options import default_device, rank_text, ranks_as_typed
+from taas_magic.kernel.options import (
+    CellOptions,
+    Device,
+    OldStart,
+    Order,
+    Output,
+    Start,
+    default_device,
+    rank_text,
+    ranks_as_typed,
+)
 from taas_magic.per_rank import span
 from taas_magic.process import logs
 from taas_magic.process.machine import Machine
@@ -26,17 +36,17 @@ class LaunchSpec:
     world_size: int
     nodes: int
     ranks_per_node: int
-    device: str  # "cuda" or "cpu": auto is resolved here
+    device: Literal["cuda", "cpu"]  # auto is resolved here
     configuration: Configuration | None
     cpus: int | None  # data producers per registered loader; None: the default
     units: int | None
-    output: str  # "all" or "rank0"
+    output: Output
     timeout: float | None
     threads_per_rank: int  # intra-op threads on CPU, as torchrun would choose
     return_names: tuple[str, ...] | None = None  # None: every name the cell binds; (): nothing
     return_from: tuple[int, ...] = (0,)  # the ranks the names come back from (--from)
-    start: str = "auto"  # "auto", "fork" or "forkserver"; auto is resolved when the cell runs
-    order: str = "deterministic"  # how ranks take elements of registered loaders
+    start: Start = "auto"  # auto is resolved when the cell runs
+    order: Order = "deterministic"  # how ranks take elements of registered loaders
     prefetch: int | None = None  # elements producers may prepare ahead; None: the default
     master_addr: str = LOOPBACK
     on_cluster: bool = False  # the connected Ray cluster runs it (multi-node allowed), not this machine
@@ -75,10 +85,15 @@ def build(
     connected: bool = False,
 ) -> LaunchSpec:
     """``connected``: a Ray cluster is connected, so runs go there unless ``--on local``."""
+    return _built(CellOptions.of(options), catalog, machine, environ, connected)
+
+
+def _built(
+    options: CellOptions, catalog: Catalog, machine: Machine, environ: Mapping[str, str], connected: bool
+) -> LaunchSpec:
     configuration = catalog.get(options.config) if options.config is not None else None
-    on_cluster = _on_cluster(getattr(options, "on", None), connected)
-    profile = bool(getattr(options, "profile", False))
-    alone = getattr(options, "alone", False)  # `#!NAME` alone on a cluster: one process on a node of NAME
+    on_cluster = _on_cluster(options.on, connected)
+    alone = options.alone  # `#!NAME` alone on a cluster: one process on a node of NAME
     requested = options.device or default_device(environ)
     if alone and configuration is not None and not configuration.gpus:
         requested = "cpu"
@@ -102,17 +117,17 @@ def build(
         threads_per_rank=_threads_per_rank(
             environ, machine.cpus if not on_cluster or configuration is None else configuration.cpus, per_node
         ),
-        return_names=getattr(options, "return_names", None),
-        return_from=return_from(getattr(options, "return_from", None), range(world_size), "the run"),
-        start=_start(getattr(options, "start", None) or "auto"),
-        order=getattr(options, "order", "deterministic"),
-        prefetch=getattr(options, "prefetch", None),
+        return_names=options.return_names,
+        return_from=return_from(options.return_from, range(world_size), "the run"),
+        start=_start(options.start or "auto"),
+        order=options.order,
+        prefetch=options.prefetch,
         on_cluster=on_cluster,
-        max_restarts=getattr(options, "max_restarts", 0),
-        hang_after=120.0 if getattr(options, "hang_after", None) is None else options.hang_after,
-        debug_ranks=debug_ranks(getattr(options, "debug_ranks", None), range(world_size), "the run"),
+        max_restarts=options.max_restarts,
+        hang_after=120.0 if options.hang_after is None else options.hang_after,
+        debug_ranks=debug_ranks(options.debug_ranks, range(world_size), "the run"),
         log=log_level(environ),
-        profile=profile,
+        profile=options.profile,
         **_session_options(options),
     )
 
@@ -147,19 +162,15 @@ def debug_ranks(given: tuple[int, ...] | None, ranks: Sequence[int], where: str)
     return None if given is None else return_from(given, ranks, where, "--debug-ranks")
 
 
-def _session_options(options: argparse.Namespace) -> dict[str, Any]:
-    keep, idle, debug = (
-        getattr(options, "keep", False),
-        getattr(options, "idle", None),
-        getattr(options, "debug", False),
-    )
+def _session_options(options: CellOptions) -> dict[str, Any]:
+    keep, idle, debug = options.keep, options.idle, options.debug
     if idle is not None and not keep:
         raise TaasUsageError(f"--idle {idle:g} applies to a session: add --keep")
     if keep and debug:
         raise TaasUsageError(
             "--debug applies to one-shot cells: a session keeps a failing rank's error for %taas debug anyway"
         )
-    if keep and getattr(options, "max_restarts", 0):
+    if keep and options.max_restarts:
         raise TaasUsageError("--max-restarts applies to one-shot cells, not to a session (--keep)")
     return {"keep": keep, "idle_limit": 3600.0 if idle is None else idle, "debug": debug}
 
@@ -189,12 +200,12 @@ def _cluster_ranks_per_node(world_size: int, configuration: Configuration | None
     return per_node
 
 
-def _start(requested: str) -> str:
+def _start(requested: Start | OldStart) -> Start:
     """``spawn``, the fork server's earlier name, is still accepted: it means ``forkserver``."""
     return "forkserver" if requested == "spawn" else requested
 
 
-def _device(requested: str, configuration: Configuration | None) -> str:
+def _device(requested: Device, configuration: Configuration | None) -> Literal["cuda", "cpu"]:
     if configuration is not None and configuration.gpus == 0 and requested != "cpu":
         raise TaasUsageError(
             f"{configuration.name} has no GPUs: run its ranks on CPU with --device cpu, or pick a g configuration"
@@ -267,8 +278,8 @@ def _threads_per_rank(environ: Mapping[str, str], cpus: int, ranks_per_node: int
 
 
 def resolve_start(
-    requested: str, device: str, fork_unsafe_for_cuda: bool, can_fork: bool, grpc_threads: bool = False
-) -> tuple[str, str]:
+    requested: Start | OldStart, device: str, fork_unsafe_for_cuda: bool, can_fork: bool, grpc_threads: bool = False
+) -> tuple[Literal["fork", "forkserver"], str]:
     """The start method a run uses, and a one-line notice when ``auto`` did not pick fork.
 
     Forking is the fast path; it is refused for GPU ranks once the kernel has touched CUDA,

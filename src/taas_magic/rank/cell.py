@@ -14,6 +14,7 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any
 
+from taas_magic.errors import ProducersGone
 from taas_magic.process.child import EXIT_FAILED, EXIT_INTERRUPTED, flush_all
 from taas_magic.process.containment import HeldTermination
 from taas_magic.process.tracebacks import format_traceback, frames_as_dump
@@ -140,7 +141,6 @@ _PEER_LOST = (
     "failed to recv, got 0 bytes",
     "remote process exited",
     "communicator was aborted",
-    "every producer has closed this channel",
 )
 _PEER_LOST_TYPES = ("DistBackendError", "DistNetworkError")
 
@@ -149,7 +149,9 @@ def _peer_lost(error: BaseException) -> bool:
     """The error says another process of the run is gone: taas stops this rank, as it stops the others, and
     the kernel reports it as broken by that process's failure rather than as a failure of its own."""
     return any(
-        type(e).__name__ in _PEER_LOST_TYPES or any(phrase in str(e).lower() for phrase in _PEER_LOST)
+        isinstance(e, ProducersGone)
+        or type(e).__name__ in _PEER_LOST_TYPES
+        or any(phrase in str(e).lower() for phrase in _PEER_LOST)
         for e in _chain(error)
     )
 

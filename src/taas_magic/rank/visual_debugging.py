@@ -11,6 +11,7 @@ engine.
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import sys
@@ -80,12 +81,12 @@ def _join(link: DebugLink, rank: int) -> bool:
             _stop(pydevd)  # the debugger was switched off and on again since: join its new session
         _connect(pydevd, link, rank)
         state = _ready(pydevd.get_global_debugger())
-        if state == "ready":
+        if state is _Join.READY:
             _joined = link.port
             return True
         _stop(pydevd)  # the kernel refused the rank or went away before giving it the breakpoints
         _joined = None
-        if state == "late":
+        if state is _Join.LATE:
             return False
     return False
 
@@ -118,17 +119,24 @@ def _stop(pydevd: Any, seconds: float = STOP_SECONDS) -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _ready(engine: Any) -> str:
-    """Wait until the kernel gave the engine the notebook's breakpoints (``configurationDone``): "ready";
-    "ended" if its connection ended first, "late" if nothing came within ``JOIN_SECONDS``."""
+class _Join(enum.Enum):
+    """How an engine's connection to the kernel turned out."""
+
+    READY = "the kernel gave it the notebook's breakpoints (configurationDone)"
+    ENDED = "its connection ended first: worth another try while the kernel listens"
+    LATE = f"nothing came within JOIN_SECONDS ({JOIN_SECONDS:g} s)"
+
+
+def _ready(engine: Any) -> _Join:
+    """Wait until the kernel gave the engine the notebook's breakpoints, or the connection ended, or it is late."""
     deadline = time.monotonic() + JOIN_SECONDS
     while engine is not None and not engine.is_attached():  # set by configurationDone
         if engine.pydb_disposed:
-            return "ended"
+            return _Join.ENDED
         if time.monotonic() > deadline:
-            return "late"
+            return _Join.LATE
         time.sleep(0.01)
-    return "ready" if engine is not None else "ended"
+    return _Join.READY if engine is not None else _Join.ENDED
 
 
 def _listening(port: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, fields
 
 import pytest
 from hypothesis import given, settings
@@ -649,3 +649,22 @@ def test_debug_ranks_are_every_rank_unless_given() -> None:
     assert build("--gpus 4").debug_ranks is None
     assert build("--gpus 4 --debug-ranks 3,1").debug_ranks == (1, 3)
     assert build("--gpus 4 --debug-ranks 0-2").debug_ranks == (0, 1, 2)
+
+
+def test_the_typed_options_are_the_parsers_options_one_for_one():
+    """``spec.build`` reads the options through ``CellOptions``, without defaults of its own: an option added to
+    the parser and not to the type (or the other way round) fails here, not as a silent default."""
+    parsed = options.parse(TaasMagics.taas, "")
+    assert set(vars(parsed)) == {field.name for field in fields(options.CellOptions)}
+    typed = options.CellOptions.of(parsed)
+    assert typed.order == "deterministic" and typed.max_restarts == 0 and typed.keep is False
+    for option, allowed in [("--device", options.DEVICES), ("--order", options.ORDERS), ("--on", options.PLACES)]:
+        assert options.offered_values(TaasMagics.taas, option) == list(allowed), option
+    assert set(options.offered_values(TaasMagics.taas, "--start")) == set(options.STARTS)
+
+
+@given(st.sampled_from(options.DEVICES + (None,)), st.sampled_from(options.STARTS + options.OLD_STARTS + (None,)))
+def test_every_device_and_start_a_line_names_builds_a_spec_with_a_resolved_device_and_a_current_start(device, start):
+    line = " ".join(f"--{name} {value}" for name, value in [("device", device), ("start", start)] if value)
+    built = build(line + " --gpus 2", machine=EIGHT_GPUS)
+    assert built.device in ("cuda", "cpu") and built.start in options.STARTS
