@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.kernel import cell_source
-from taas_magic.kernel.rank_engines import RANK_IDS, RankEngine, frames, translate
+from taas_magic.kernel.rank_engines import RANK_IDS, RankEngine, dap_messages, translate
 from taas_magic.kernel.visual_debugger import REATTACH_SECONDS, RankDebugging
 
 ids = st.integers(min_value=1, max_value=10_000)
@@ -131,7 +131,7 @@ def test_the_engines_messages_are_read_whole_across_partial_writes():
 
     writer = threading.Thread(target=write)
     writer.start()
-    assert [m.get("seq", m.get("request_seq")) for m in frames(ours)] == [1, 7]
+    assert [m.get("seq", m.get("request_seq")) for m in dap_messages(ours)] == [1, 7]
     writer.join()
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Mapping, assert_never
 
 from taas_magic.errors import DeliveryLost, ForkServerDied, RunLost
 from taas_magic.kernel import environment, render, visual_debugger
+from taas_magic.kernel.front_end import CellFrontEnd
 from taas_magic.kernel.live_view import RunView
 from taas_magic.kernel.run_actions import (
     Action,
@@ -32,7 +33,6 @@ from taas_magic.kernel.run_result import ONE_SHOT, Outcome, RunResult
 from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.spec import LaunchSpec
 from taas_magic.kernel.streams import RankOutput
-from taas_magic.kernel.tidy_output import TidyRankOutput
 from taas_magic.launch.backend import Backend, Launch, PlanT, SessionGroup
 from taas_magic.launch.rendezvous import new_run_id
 from taas_magic.process import containment, logs
@@ -42,10 +42,6 @@ POLL_SECONDS = 0.05
 STACK_SECONDS = 2.0
 LOST = (RunLost, ForkServerDied, DeliveryLost)  # the run's processes are gone: no result of theirs says more
 
-Write = Callable[[str, str], object]  # (stream, text): where the ranks' output and taas's notices go
-Status = Callable[[dict[str, str], bool], object]  # shows the live view: (MIME bundle, final)
-Show = Callable[[dict[str, str]], object]  # shows a MIME bundle once, in a display of its own
-
 log = logging.getLogger(__name__)
 
 
@@ -53,22 +49,14 @@ def run(
     spec: LaunchSpec,
     plan: PlanT,
     backend: Backend[PlanT],
-    write: Write,
+    front: CellFrontEnd,
     kernel_environ: Mapping[str, str],
-    cell_names: Mapping[str, str] | None = None,
     labels: Mapping[Key, str] | None = None,
-    status: Status | None = None,
     keep_paused: Callable[[SessionGroup, int], None] | None = None,
-    read_line: Callable[[str], str] | None = None,
-    picture: Show | None = None,
 ) -> RunResult:
-    """Run ``plan`` as the ranks of ``spec``; return on success, raise what the cell should show otherwise.
-
-    ``labels`` names the processes that are not ranks (data producers, keyed ``Producer``);
-    ``status`` shows the live view (a MIME bundle, redrawn in place; None: no view, the ranks'
-    output as they write it); ``read_line`` asks the user for a line a rank's debugger waits for
-    (`breakpoint()`); ``picture`` shows a picture of where the ranks' time went under the summary
-    (``--profile``).
+    """Run ``plan`` as the ranks of ``spec`` for the cell ``front`` stands for; return on success, raise what
+    the cell should show otherwise. ``labels`` names the processes that are not ranks (data producers, keyed
+    ``Producer``).
 
     With ``--debug``, the first rank whose cell raised stays, paused at its error, while the others
     are stopped; the group is handed to ``keep_paused`` instead of being closed.
@@ -93,31 +81,19 @@ def run(
                 )
                 # A rank paused by --debug is kept from the last start alone: an earlier one's failure
                 # starts the run again.
-                state = _attempt(
-                    spec,
-                    plan,
-                    backend,
-                    launch,
-                    write,
-                    cell_names or {},
-                    labels,
-                    status,
-                    deadline,
-                    keep_paused if restart == spec.max_restarts else None,
-                    read_line,
-                    picture,
-                )
+                last = restart == spec.max_restarts
+                state = _attempt(spec, plan, backend, launch, front, labels, deadline, keep_paused if last else None)
                 deadline = state.deadline  # later by the time a person spent at a debugger prompt
                 result = state.result()
                 if result.outcome is not Outcome.FAILED or restart == spec.max_restarts:
                     break
-                write("stderr", render.restarting(result, restart + 1, spec.max_restarts))
+                front.write("stderr", render.restarting(result, restart + 1, spec.max_restarts))
             if spec.max_restarts and result.outcome is Outcome.FAILED:
-                write("stderr", render.restarts_spent(spec.max_restarts))
+                front.write("stderr", render.restarts_spent(spec.max_restarts))
         finally:
             if log_file is not None:
-                write("stderr", f"taas: TAAS_LOG={spec.log}: this run's log is {log_file}\n")
-    error = render.error(result, cell_names or {})
+                front.write("stderr", f"taas: TAAS_LOG={spec.log}: this run's log is {log_file}\n")
+    error = render.error(result, front.cell_names)
     if error is not None:
         raise error
     return result
@@ -128,17 +104,13 @@ def _attempt(
     plan: PlanT,
     backend: Backend[PlanT],
     launch: Launch,
-    write: Write,
-    cell_names: Mapping[str, str],
+    front: CellFrontEnd,
     labels: dict[Key, str],
-    status: Status | None,
     deadline: float | None,
     keep_paused: Callable[[SessionGroup, int], None] | None,
-    read_line: Callable[[str], str] | None,
-    picture: Show | None = None,
 ) -> RunState:
     """One start of the run, pumped to its end; its state says how it went."""
-    output, view = live_output(spec, write, list(range(spec.world_size)), status, labels)
+    output, view = front.output(spec, list(range(spec.world_size)), labels)
     state = RunState(
         ONE_SHOT,
         time.monotonic(),
@@ -152,7 +124,7 @@ def _attempt(
     try:
         group = backend.start(plan, launch)
         try:
-            pump = Pump(group, state, output, write, read_line, cell_names, view, status, picture)
+            pump = Pump(group, state, output, front, view)
             lost = False
             try:
                 pump.until_over()
@@ -169,23 +141,8 @@ def _attempt(
     finally:
         output.finish()
         for line in render.notices(state.result()):
-            write("stderr", line + "\n")
+            front.write("stderr", line + "\n")
     return state
-
-
-def live_output(
-    spec: LaunchSpec, write: Write, ranks: list[int], status: Status | None, labels: Mapping[Key, str] | None = None
-) -> tuple[RankOutput, RunView | None]:
-    """Where the ranks' output goes: with a live view (``status``), tidied, bars into the view's rows."""
-    shown = None if spec.output == "all" else {0}
-    if status is None:
-        return RankOutput(write, prefix=spec.show_rank_prefix, shown=shown, labels=labels), None
-    view = RunView(
-        f"{len(ranks)} rank{'s' * (len(ranks) != 1)} on {spec.device}",
-        ranks,
-        spec.ranks_per_node if spec.nodes > 1 else 0,
-    )
-    return TidyRankOutput(write, spec.show_rank_prefix, len(ranks), view.bar, shown, labels), view
 
 
 class Pump:
@@ -194,26 +151,13 @@ class Pump:
     state's policy makes the difference."""
 
     def __init__(
-        self,
-        group: SessionGroup,
-        state: RunState,
-        output: RankOutput,
-        write: Write,
-        read_line: Callable[[str], str] | None,
-        cell_names: Mapping[str, str],
-        view: RunView | None = None,
-        status: Status | None = None,
-        picture: Show | None = None,
+        self, group: SessionGroup, state: RunState, output: RankOutput, front: CellFrontEnd, view: RunView | None = None
     ):
         self.group = group
         self.state = state
         self.output = output
-        self.write = write
-        self.read_line = read_line
-        self.cell_names = cell_names  # code file name -> "Cell In[5]", for stacks
-        self.view = view if status is not None else None
-        self.status = status
-        self.picture = picture
+        self.front = front
+        self.view = view if front.status is not None else None
         self.backlog: list[Event] = []  # events received and not taken yet
         self.stepped_at = time.monotonic()
 
@@ -232,17 +176,17 @@ class Pump:
         """The live view, once the run is over, whatever ended it: its summary, each row as the result says;
         ``lost``: taas lost the run's processes (``LOST``), and the run ends as lost, whatever its ranks had said.
         Called in ``finally``: a failure to draw it (the front end gone) must not hide why the run ended."""
-        if self.view is None or self.status is None:
+        if self.view is None or self.front.status is None:
             return
         try:
             result = self.state.result()
             broken, failed = {f.rank: "stopped" for f in result.broken}, {f.rank: "failed" for f in result.failures}
             self.view.settle({**broken, **failed})
             outcome = Outcome.LOST if lost else result.seen_as
-            self.status(self.view.summary(outcome.value, time.monotonic() - self.state.started), True)
-            shown = self.view.picture() if self.picture is not None else None
-            if self.picture is not None and shown is not None:
-                self.picture(shown)
+            self.front.status(self.view.summary(outcome.value, time.monotonic() - self.state.started), True)
+            shown = self.view.picture() if self.front.picture is not None else None
+            if self.front.picture is not None and shown is not None:
+                self.front.picture(shown)
         except Exception:
             pass  # the cell's error says how the run ended; the view's last drawing stays
 
@@ -308,11 +252,11 @@ class Pump:
                 self._do(self.state.stacks_taken(action, stacks, time.monotonic(), self.group.running()))
             elif isinstance(action, ShowHang):
                 self.output.flush_idle()
-                self.write("stderr", "\n".join(render.hang(action.hang, self.cell_names)) + "\n")
+                self.front.write("stderr", "\n".join(render.hang(action.hang, self.front.cell_names)) + "\n")
             elif isinstance(action, ShowView):
-                if self.view is not None and self.status is not None:
+                if self.view is not None and self.front.status is not None:
                     self.view.changed = False
-                    self.status(self.view.render(action.elapsed), False)
+                    self.front.status(self.view.render(action.elapsed), False)
             elif isinstance(action, AskLine):
                 self._answer(action.key, self._ask(action.prompt))
             elif isinstance(action, Answer):
@@ -321,7 +265,7 @@ class Pump:
                 if self.view is not None:
                     self.view.ended(action.key, action.state)
             elif isinstance(action, EndSession):
-                raise render.session_ended(self.state.result(), self.cell_names)
+                raise render.session_ended(self.state.result(), self.front.cell_names)
             else:
                 assert_never(action)
 
@@ -332,13 +276,13 @@ class Pump:
         """
         asked = time.monotonic()
         try:
-            if self.read_line is None:
+            if self.front.read_line is None:
                 raise EOFError
-            return self.read_line(prompt)
+            return self.front.read_line(prompt)
         except KeyboardInterrupt:
             return "quit"  # the rank's breakpoint raises BdbQuit: the run then stops as on an interrupt
         except (EOFError, NotImplementedError, OSError):  # no input here (nbclient, a closed terminal): go on
-            self.write("stderr", "taas: no input can be read here: the debugger continues\n")
+            self.front.write("stderr", "taas: no input can be read here: the debugger continues\n")
             return "continue"
         finally:
             self.state.waited(time.monotonic() - asked)

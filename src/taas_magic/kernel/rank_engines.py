@@ -75,7 +75,7 @@ class RankEngine:
 
     def _read(self) -> None:
         try:
-            for message in frames(self.connection):
+            for message in dap_messages(self.connection):
                 if message.get("type") == "response":
                     answer = self.waiting.pop(message.get("request_seq", -1), None)
                     if answer is not None:
@@ -156,7 +156,7 @@ def hang_up(connection: socket.socket) -> None:
     connection.close()
 
 
-def frames(connection: socket.socket) -> Iterator[Message]:
+def dap_messages(connection: socket.socket) -> Iterator[Message]:
     """The messages a debugger engine sends: each a ``Content-Length`` header and a JSON body."""
     stream = connection.makefile("rb")
     while True:

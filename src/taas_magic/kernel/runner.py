@@ -33,6 +33,7 @@ from taas_magic.kernel import (
     streams,
 )
 from taas_magic.kernel.cluster_link import ClusterLink
+from taas_magic.kernel.front_end import CellFrontEnd
 from taas_magic.kernel.kept import Kept, read_line
 from taas_magic.kernel.pragma import PragmaTransformer
 from taas_magic.kernel.run_result import RunResult
@@ -160,14 +161,10 @@ class CellRunner:
                 spec,
                 plan,
                 backend,
-                streams.write_to_cell,
+                self._front_end(view, spec.profile),
                 os.environ,
-                self._cell_names(),
                 labels=producer_labels(loaders),
-                status=self._view_display(view),
                 keep_paused=functools.partial(self.kept.keep_paused, spec),
-                read_line=read_line,
-                picture=_show_once if spec.profile and view else None,
             )
         finally:
             plan.close()  # what the plan held here (a memory file of shipped tensors)
@@ -210,9 +207,17 @@ class CellRunner:
     def _cell_names(self) -> dict[str, str]:
         return cell_files.cell_labels(self.shell)
 
-    def _view_display(self, view: bool) -> controller.Status | None:
-        """Where this cell's live view is shown (None when the view is off)."""
-        return ViewDisplay(live=getattr(self.shell, "kernel", None) is not None).show if view else None
+    def _front_end(self, view: bool, profile: bool) -> CellFrontEnd:
+        """This cell's: its streams, its live view (when ``view``), the prompt a rank's debugger reads from, and
+        the picture of where the time went (``profile``, shown with the view)."""
+        live = getattr(self.shell, "kernel", None) is not None  # a terminal redraws nothing: the summary alone
+        return CellFrontEnd(
+            streams.write_to_cell,
+            self._cell_names(),
+            status=ViewDisplay(live).show if view else None,
+            read_line=read_line,
+            picture=_show_once if profile and view else None,
+        )
 
     # -- sessions -------------------------------------------------------------------------------
     def _start_session(
@@ -235,10 +240,7 @@ class CellRunner:
         group = backend.start(plan, launch)
         session = self.kept.session = Session(group, spec, backend.name, known, sources)
         session.serve(loaders, namespace)
-        session.status = self._view_display(view)
-        return session.first_cell(
-            spec, streams.write_to_cell, self._cell_names(), read_line, _show_once if spec.profile and view else None
-        )
+        return session.first_cell(spec, self._front_end(view, spec.profile))
 
     def _run_in_session(
         self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str, cell: str
@@ -357,20 +359,9 @@ class CellRunner:
                 profile=traces.path if traces is not None else None,
             )
         prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
-        session.status = self._view_display(view)  # this cell's view
-        picture = _show_once if traces is not None and view else None
+        front = self._front_end(view, traces is not None)
         try:
-            result = session.run(
-                prepared,
-                shipment,
-                ranks,
-                spec,
-                streams.write_to_cell,
-                self._cell_names(),
-                read_line,
-                notebook_cell,
-                picture=picture,
-            )
+            result = session.run(prepared, shipment, ranks, spec, front, notebook_cell)
             session.shipped(sent)
         finally:
             if shipment is not None:

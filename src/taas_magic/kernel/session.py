@@ -30,7 +30,8 @@ from taas_magic.cell_names import names_reached
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel import hang, reloading, render, stacks, streams
-from taas_magic.kernel.controller import LOST, STACK_SECONDS, Pump, Show, live_output
+from taas_magic.kernel.controller import LOST, STACK_SECONDS, Pump
+from taas_magic.kernel.front_end import CellFrontEnd, ReadLine
 from taas_magic.kernel.run_result import SESSION, RunResult
 from taas_magic.kernel.run_state import RunState
 from taas_magic.kernel.spec import LaunchSpec
@@ -44,9 +45,6 @@ from taas_magic.wire.records import split_position
 from taas_magic.wire.task import LoaderPlan, Returns
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
-
-
-ReadLine = Callable[[str], str]  # asks the user for a line of input: the kernel's `input`
 
 
 @dataclass
@@ -63,7 +61,6 @@ class Session:
     cells: int = 0
     failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
     ended: str = ""  # why the session is over, once it is
-    status: Callable[[dict[str, str], bool], object] | None = None  # shows the cell's live view (None: no view)
     reloads: reloading.KernelReloads = field(default_factory=lambda: reloading.KernelReloads(_shell()))
     served: dict[str, "weakref.ref[Any]"] = field(default_factory=dict)  # notebook name -> loader its producers serve
     loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
@@ -162,45 +159,26 @@ class Session:
         shipment: shipping.Shipment | None,
         ranks: list[int],
         spec: LaunchSpec,
-        write: Callable[[str, str], object],
-        cell_names: Mapping[str, str],
-        read_line: ReadLine,
+        front: CellFrontEnd,
         notebook_cell: bool = True,
-        picture: Show | None = None,
     ) -> RunResult:
-        """Run ``cell`` in ``ranks``; the sending ranks' pickled names on success, else raise what the cell
-        shows. ``notebook_cell`` False: ``%taas pull`` or ``push``, which is not counted as a cell and leaves
-        the ranks to debug as they were. ``picture``: shows where the ranks' time went (``--profile``)."""
+        """Run ``cell`` in ``ranks`` for the cell ``front`` stands for; the sending ranks' pickled names on
+        success, else raise what the cell shows. ``notebook_cell`` False: ``%taas pull`` or ``push``, which is
+        not counted as a cell and leaves the ranks to debug as they were."""
         fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
         cell = dataclasses.replace(cell, reload=self.reloads.for_cell(_shell(), ranks))
-        return self._cell(
-            lambda: self.group.run_cell(cell, ranks, fds),
-            ranks,
-            spec,
-            write,
-            cell_names,
-            read_line,
-            notebook_cell,
-            picture,
-        )
+        return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, front, notebook_cell)
 
-    def first_cell(
-        self,
-        spec: LaunchSpec,
-        write: Callable[[str, str], object],
-        cell_names: Mapping[str, str],
-        read_line: ReadLine,
-        picture: Show | None = None,
-    ) -> RunResult:
+    def first_cell(self, spec: LaunchSpec, front: CellFrontEnd) -> RunResult:
         """The cell that started the session, which every rank runs as it starts."""
-        return self._cell(lambda: None, list(range(self.size)), spec, write, cell_names, read_line, picture=picture)
+        return self._cell(lambda: None, list(range(self.size)), spec, front)
 
     def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
-        """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook."""
+        """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook: every
+        line of it in the cell's output, no view."""
         spec = dataclasses.replace(self.spec, output="all", timeout=None)
-        result = self._watch(
-            lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], spec, write, {}, read_line
-        )
+        front = CellFrontEnd(write, read_line=read_line)
+        result = self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], spec, front)
         error = render.error(result, {})
         if error is not None:
             raise error
@@ -210,18 +188,15 @@ class Session:
         send: Callable[[], None],
         ranks: list[int],
         spec: LaunchSpec,
-        write: Callable[[str, str], object],
-        cell_names: Mapping[str, str],
-        read_line: ReadLine,
+        front: CellFrontEnd,
         notebook_cell: bool = True,
-        picture: Show | None = None,
     ) -> RunResult:
         """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
         if notebook_cell:
             self.cells += 1
             self.failed = []
         try:
-            result = self._watch(send, ranks, spec, write, cell_names, read_line, picture)
+            result = self._watch(send, ranks, spec, front)
         except SessionEnded as e:
             if notebook_cell:
                 self.failed = list(e.failed)  # for `%taas debug` to name: their errors went with the session
@@ -229,8 +204,8 @@ class Session:
         if notebook_cell:
             self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
         for line in render.notices(result):
-            write("stderr", line + "\n")
-        error = render.error(result, cell_names)
+            front.write("stderr", line + "\n")
+        error = render.error(result, front.cell_names)
         if error is not None:
             raise error
         return result
@@ -240,15 +215,12 @@ class Session:
         send: Callable[[], None],
         ranks: list[int],
         spec: LaunchSpec,
-        write: Callable[[str, str], object],
-        cell_names: Mapping[str, str],
-        read_line: ReadLine,
-        picture: Show | None = None,
+        front: CellFrontEnd,
     ) -> RunResult:
         """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
             raise render.session_over(self.ended)
-        out, view = live_output(spec, write, ranks, self.status, self.labels)
+        out, view = front.output(spec, ranks, self.labels)
         state = RunState(
             SESSION,
             time.monotonic(),
@@ -260,7 +232,7 @@ class Session:
             world=self.size,
             deadline=None if spec.timeout is None else time.monotonic() + spec.timeout,
         )
-        pump = Pump(self.group, state, out, write, read_line, cell_names, view, self.status, picture)
+        pump = Pump(self.group, state, out, front, view)
         lost = False
         try:
             _send(pump, send)
@@ -403,8 +375,9 @@ def debug_paused(
     """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
     its error; the run is over once the user leaves it."""
     spec = dataclasses.replace(spec, output="all", timeout=None)  # every line of the debugger, for as long as it takes
-    out = RankOutput(write, prefix=spec.show_rank_prefix)
-    pump = Pump(group, RunState(SESSION, time.monotonic(), ranks=[rank]), out, write, read_line, {})
+    front = CellFrontEnd(write, read_line=read_line)
+    out, _ = front.output(spec, [rank])
+    pump = Pump(group, RunState(SESSION, time.monotonic(), ranks=[rank]), out, front)
     try:
         _send(pump, lambda: group.run_cell(SessionCell(None), [rank], ()))
         pump.until_over()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from taas_magic.kernel.rank_engines import ID_KEYS, RANK_IDS, Ids, Message, RankEngine, hang_up, translate
+from taas_magic.process import ipykernel_private
 from taas_magic.process.kernel_debugger import hidden_thread
 from taas_magic.wire.task import DebugLink
 
@@ -79,8 +80,8 @@ class RankDebugging:
     @classmethod
     def of(cls, shell: Any) -> "RankDebugging | None":
         """For the kernel of ``shell``, if it has the notebook's debugger (None in a terminal IPython)."""
-        debugger = getattr(getattr(shell, "kernel", None), "debugger", None)
-        return cls(debugger) if debugger is not None and hasattr(debugger, "process_request") else None
+        debugger = ipykernel_private.debugger_of(shell)
+        return None if debugger is None else cls(debugger)
 
     def install(self) -> None:
         """Stand between the front end and the kernel's debugger: requests for ranks go to them, and a
@@ -88,21 +89,20 @@ class RankDebugging:
         kept until it unloads."""
         global _installed
         if self.original is None:
-            self.original = self.debugger.process_request
-            self.debugger.process_request = self.process_request
+            self.original = ipykernel_private.intercept(self.debugger, self.process_request)
         _installed = self
 
     def uninstall(self) -> None:
         global _installed
-        if self.original is not None and self.debugger.__dict__.get("process_request") == self.process_request:
-            self.debugger.process_request = self.original
+        if self.original is not None:
+            ipykernel_private.release(self.debugger, self.process_request, self.original)
         self.original = None
         _installed = None if _installed is self else _installed
         self.close()
 
     def attached(self) -> bool:
         """Whether a debugging client (JupyterLab's debugger, VS Code) is attached to the kernel."""
-        return bool(getattr(self.debugger, "is_started", False))
+        return ipykernel_private.attached(self.debugger)
 
     def link(self, ranks: frozenset[int] | None, cell_file: str) -> DebugLink:
         """How the ranks of the cell compiled as ``cell_file`` join, a client being attached: at once when
@@ -168,7 +168,7 @@ class RankDebugging:
         """Whether a ``continue`` meant for no stopped thread of the kernel's is for the rank the front end
         shows: JupyterLab forgets the thread it shows before it sends ``continue``, and names thread 1."""
         thread = arguments.get("threadId")
-        kernel_stopped: set[int] = getattr(self.debugger, "stopped_threads", set())
+        kernel_stopped = ipykernel_private.stopped_threads(self.debugger)
         return (
             self.shown is not None
             and isinstance(thread, int)
@@ -208,7 +208,7 @@ class RankDebugging:
         if command == "stackTrace" and reply.get("success"):
             self._rank_frames(rank, reply["body"], arguments.get("startFrame", 0))
         if command == "variables" and reply.get("success"):
-            accept = getattr(self.debugger, "accept_variable", lambda name: True)
+            accept = ipykernel_private.variable_filter(self.debugger)
             reply["body"]["variables"] = [v for v in reply["body"]["variables"] if accept(v["name"])]
         return {
             **reply,
@@ -339,7 +339,7 @@ class RankDebugging:
 
     def _attach_options(self) -> Message:
         options: Message = {
-            "justMyCode": bool(getattr(self.debugger, "just_my_code", True)),
+            "justMyCode": ipykernel_private.just_my_code(self.debugger),
             "rules": [{"path": path, "include": False} for path in _OWN_CODE],
         }
         if not options["justMyCode"]:
@@ -348,7 +348,7 @@ class RankDebugging:
 
     def _breakpoints(self) -> dict[str, Message]:
         """The notebook's breakpoints: as the front end set them here, else as the kernel's debugger kept them."""
-        kept = getattr(self.debugger, "breakpoint_list", {}) or {}
+        kept = ipykernel_private.kept_breakpoints(self.debugger)
         known = {path: {"source": {"path": path}, "breakpoints": lines} for path, lines in kept.items()}
         return {**known, **self.breakpoints}
 
@@ -406,7 +406,8 @@ class RankDebugging:
             self.stops_shown += 1
         elif kind == "continued" and body["threadId"] == self.shown:
             self.shown = None
-        self.debugger.event_callback({"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)})
+        event = {"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)}
+        ipykernel_private.send_event(self.debugger, event)
 
 
 async def _sleep(seconds: float) -> None:

@@ -10,7 +10,8 @@ taas starts its processes around those patches (``fork``, ``plain_subprocesses``
 forked from the kernel drops what it inherited of the debugger before anything else (``forget``):
 the trace function of the thread that forked it, the patched functions (a rank's DataLoader forks
 its workers), the debugger object. Nothing is sent to the adapter: the kernel's session goes on as
-it was. Without debugpy loaded, each of these is the plain call.
+it was. Without debugpy loaded, each of these is the plain call. The debugpy internals named here are checked
+against each debugpy release with ``pydevd_private.py``'s (``KERNEL_DEBUGGER``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from taas_magic.process import containment, kernel_debugger, torch_private
+from taas_magic import torch_private
+from taas_magic.process import containment, kernel_debugger
 
 GRPC_THREADS = {"event_engine", "lifeguard"}  # the names grpcio's own threads give themselves
 

@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Any
 
+from taas_magic import torch_private
 from taas_magic.delivery.standin import TAKEN, WAITING
-from taas_magic.process import torch_private
 from taas_magic.wire.records import Collective, RankActivity
 
 SMALL_RING = 256  # entries: about 1 ms to read

@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from taas_magic import torch_private
 from taas_magic.errors import first_line
 from taas_magic.per_rank import span
 
@@ -214,15 +215,7 @@ def _unsharded_now(module: Any) -> Iterator[tuple[Any, str, Any]]:
     forward. The optimizer holds the sharded ones; they are gathered and written in the module's place,
     so that model and optimizer still share them in the notebook. (FSDP's internals: where they
     change, the unsharded parameters come back as they are, full but apart from the optimizer's.)"""
-    fsdp_state = getattr(module, "_get_fsdp_state", None)
-    if fsdp_state is None:
-        return
-    try:
-        group = fsdp_state()._fsdp_param_group
-        managed = [(param.sharded_param, param._module_info) for param in (group.fsdp_params if group else ())]
-    except Exception:
-        return
-    for sharded, info in managed:
+    for sharded, info in torch_private.fsdp_managed(module) or []:
         for owner, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
             if owner._parameters.get(name) is not sharded:
                 yield owner, name, sharded
@@ -257,9 +250,9 @@ def _exchange_group(dist: Any, running: frozenset[int] | None) -> tuple[Any, lis
     world = dist.get_world_size()
     if running is None or running >= frozenset(range(world)):
         return None, list(range(world))
-    key = (id(dist.distributed_c10d._get_default_group()), running)
+    key = (id(torch_private.default_group(dist)), running)
     group = _exchange_groups.get(key)
-    if group is None or group not in dist.distributed_c10d._world.pg_map:  # new, or destroyed since
+    if group is None or not torch_private.group_exists(dist, group):  # new, or destroyed since
         group = _exchange_groups[key] = dist.new_group(sorted(running), use_local_synchronization=True)
     return group, sorted(running)
 

@@ -15,10 +15,10 @@ import enum
 import os
 import socket
 import sys
-import threading
 import time
 from typing import Any, Callable
 
+from taas_magic.process import pydevd_private
 from taas_magic.wire.task import DebugLink
 
 JOIN_SECONDS = 30.0  # the kernel answers a rank in well under a second; this much is a kernel that is gone
@@ -112,11 +112,10 @@ def _stop(pydevd: Any, seconds: float = STOP_SECONDS) -> None:
     was queued before it ends."""
     engine = pydevd.get_global_debugger()
     pydevd.stoptrace()
-    pydevd.SetupHolder.setup = None
+    pydevd_private.forget_settings(pydevd)
     deadline = time.monotonic() + seconds
-    for thread in (getattr(engine, "reader", None), getattr(engine, "writer", None)):
-        if isinstance(thread, threading.Thread) and thread.ident is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
+    for thread in [] if engine is None else pydevd_private.connection_threads(engine):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Join(enum.Enum):
@@ -130,8 +129,8 @@ class _Join(enum.Enum):
 def _ready(engine: Any) -> _Join:
     """Wait until the kernel gave the engine the notebook's breakpoints, or the connection ended, or it is late."""
     deadline = time.monotonic() + JOIN_SECONDS
-    while engine is not None and not engine.is_attached():  # set by configurationDone
-        if engine.pydb_disposed:
+    while engine is not None and not pydevd_private.given_breakpoints(engine):
+        if pydevd_private.connection_ended(engine):
             return _Join.ENDED
         if time.monotonic() > deadline:
             return _Join.LATE
@@ -151,13 +150,7 @@ def _engine() -> Any:
     """pydevd as debugpy carries it, set up afresh: a rank forked from a kernel whose debugger was on
     has the kernel's pydevd loaded, with the kernel's settings (``process/kernel_debugger.forget``
     dropped its connection)."""
-    import importlib
-
-    importlib.import_module("debugpy._vendored.force_pydevd")  # first: it puts debugpy's pydevd on the path
-    import pydevd
-
-    pydevd.SetupHolder.setup = None
-    return pydevd
+    return pydevd_private.engine()
 
 
 def rich(value: Any) -> tuple[dict[str, Any], dict[str, Any]]:

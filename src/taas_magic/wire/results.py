@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Protocol
 
+from taas_magic import torch_private
 from taas_magic.errors import first_line, type_name
 from taas_magic.wire import beside, bulk, memfile, pickler, sparse_rebuilds
 
@@ -80,20 +81,10 @@ class NotGathered(pickle.PicklingError):
     """A DTensor that the ranks did not gather: where ``rank/sharded.py`` does not look, or pickled without it."""
 
 
-# A module's hooks, and the tables that say how each hook is called, by the hook's id.
-_HOOKS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-_HOOK_TABLES = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-_PARALLEL_STATE = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")  # FSDP's marks on the modules it manages
-_COMPOSABLE_STATE = "__composable_api_state_key_"  # fully_shard's state, by torch's composable API
+_HOOKS = torch_private.MODULE_HOOKS
+_HOOK_TABLES = torch_private.MODULE_HOOK_TABLES
+_PARALLEL_STATE = torch_private.FSDP_MODULE_MARKS
+_COMPOSABLE_STATE = torch_private.COMPOSABLE_STATE_PREFIX
 
 
 class _PlainForms:

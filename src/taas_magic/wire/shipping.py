@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
+from taas_magic import torch_private
 from taas_magic.errors import TaasUsageError
 from taas_magic.wire import beside, memfile, pickler, sparse_rebuilds
 
@@ -77,7 +78,7 @@ class _ShippingPickler(pickler.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if self.namespace is None:
             return None
-        if isinstance(obj, _Held):
+        if isinstance(obj, _RanksOwn):
             return ("name", obj.name)
         if self.held is not None and self._is_notebook_globals(obj):
             return ("globals",)
@@ -99,14 +100,18 @@ class _ShippingPickler(pickler.Pickler):
         return id(self.namespace) in built and obj is built[id(self.namespace)]
 
     def _dynamic_function_reduce(self, func: Any) -> Any:
-        """A notebook function: the notebook's globals it reads go with it, less what the ranks hold."""
+        """A notebook function: the notebook's globals it reads go with it, less what the ranks hold.
+
+        cloudpickle's own method (and its ``globals_ref``), extended where it builds a function's globals: no
+        public hook reaches them. A cloudpickle that renames them fails the session tests that push a
+        function reading a name the ranks hold (tests/unit/wire/test_shipping.py)."""
         reduced = super()._dynamic_function_reduce(func)  # type: ignore[misc]
         if self.namespace is None or func.__globals__ is not self.namespace:
             return reduced
         read = reduced[2][1]["__globals__"]  # a dict of its own: cloudpickle builds it for this function
         for name, value in list(read.items()):
             if self.held is not None and self.held(name, value):
-                read[name] = _Held(name)
+                read[name] = _RanksOwn(name)
             else:
                 self.sent.add(name)
         return reduced
@@ -126,7 +131,7 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 
 
 @dataclass(frozen=True)
-class _Held:
+class _RanksOwn:
     """A notebook name a session's ranks hold already: it stands for their own value."""
 
     name: str
@@ -303,10 +308,11 @@ def fingerprint(value: Any) -> Fingerprint:
 def _fingerprint_of_object(value: Any) -> Fingerprint:
     torch = sys.modules.get("torch")
     if torch is not None and type(value) in (torch.Tensor, torch.nn.Parameter):
-        return Fingerprint((_Same(value),), (value._version,))
+        return Fingerprint((_Same(value),), (torch_private.version_counter(value),))
     if torch is not None and isinstance(value, torch.nn.Module) and type(value).__module__ != "unittest.mock":
         tensors = [*value.parameters(), *value.buffers()]
-        return Fingerprint(tuple(map(_Same, [value, *tensors])), (value.training, *(t._version for t in tensors)))
+        versions = (torch_private.version_counter(t) for t in tensors)
+        return Fingerprint(tuple(map(_Same, [value, *tensors])), (value.training, *versions))
     if type(value) in (list, dict, set, tuple) and len(value) <= SMALL:
         digest = _digest(value)
         if digest is not None:  # the same container with the same items: a rebound name is sent again
@@ -404,5 +410,5 @@ class _DigestPickler(pickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
             self.tensors.append(obj)
-            return tuple, ((len(self.tensors), obj._version),)
+            return tuple, ((len(self.tensors), torch_private.version_counter(obj)),)
         return NotImplemented

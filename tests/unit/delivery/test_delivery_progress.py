@@ -9,6 +9,7 @@ from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.standin import StandIn
 from taas_magic.kernel.controller import Pump
+from taas_magic.kernel.front_end import CellFrontEnd
 from taas_magic.kernel.live_view import RunView
 from taas_magic.kernel.run_result import ONE_SHOT
 from taas_magic.kernel.run_state import RunState
@@ -58,16 +59,8 @@ def test_an_older_report_arriving_late_does_not_replace_a_newer_one():
         [Report(-1, stats(20, (10, 3), at=2.0)), Report(0, stats(12, (5, 3), at=1.0))]
     )  # a producer's look, read before the rank's
     write = lambda stream, text: None  # noqa: E731
-    Pump(
-        group,
-        RunState(ONE_SHOT, 0.0),
-        RankOutput(write, prefix=False),
-        write,
-        None,
-        {},
-        view,
-        lambda bundle, final: None,
-    ).until_over()
+    front = CellFrontEnd(write, status=lambda bundle, final: None)
+    Pump(group, RunState(ONE_SHOT, 0.0), RankOutput(write, prefix=False), front, view).until_over()
     assert view.loaders["steps"].latest.produced == 20
 
 

@@ -11,6 +11,7 @@ from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed, RunLost
 from taas_magic.kernel import controller
+from taas_magic.kernel.front_end import CellFrontEnd
 from taas_magic.wire.events import Exited, Output, Producer, Report
 from taas_magic.wire.records import CellEnded, Failed
 
@@ -62,7 +63,8 @@ class ScriptedBackend:
 
 def run(group, **kwargs):
     written = []
-    controller.run(cpu_spec(**kwargs), None, ScriptedBackend(group), lambda s, t: written.append((s, t)), {})
+    front = CellFrontEnd(lambda s, t: written.append((s, t)))
+    controller.run(cpu_spec(**kwargs), None, ScriptedBackend(group), front, {})
     return written
 
 
@@ -155,9 +157,8 @@ def test_a_lost_runs_view_ends_as_lost_with_no_rank_still_running():
     group = LosingGroup([[Output(0, "stdout", b"hi\n")]])
     shown: list[tuple[dict, bool]] = []
     with pytest.raises(RunLost):
-        controller.run(
-            cpu_spec(), None, ScriptedBackend(group), lambda s, t: None, {}, status=lambda b, f: shown.append((b, f))
-        )
+        front = CellFrontEnd(lambda s, t: None, status=lambda b, f: shown.append((b, f)))
+        controller.run(cpu_spec(), None, ScriptedBackend(group), front, {})
     summary, final = shown[-1]
     assert final and summary["text/plain"].startswith("taas: 2 ranks on cpu · lost after "), summary
     assert "running" not in summary["text/plain"] and group.closed

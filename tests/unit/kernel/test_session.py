@@ -14,6 +14,7 @@ from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
 from taas_magic.kernel import options
+from taas_magic.kernel.front_end import CellFrontEnd
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.kernel.session import Session
 from taas_magic.kernel.session_cells import check_fits_session
@@ -89,7 +90,8 @@ def session_of(group: ScriptedSessionGroup) -> Session:
 
 def run(session: Session, ranks: Iterable[int] = (0, 1)) -> list[tuple[str, str]]:
     written: list[tuple[str, str]] = []
-    session.run(SessionCell(None), None, list(ranks), session.spec, lambda s, t: written.append((s, t)), {}, input)
+    front = CellFrontEnd(lambda s, t: written.append((s, t)), read_line=input)
+    session.run(SessionCell(None), None, list(ranks), session.spec, front)
     return written
 
 

@@ -192,6 +192,19 @@ def test_none_and_every_atom_reach_a_sessions_ranks_as_themselves() -> None:
     assert rank["x"] is None and rank["y"] == 0 and rank["z"] != rank["z"] and rank["mine"] == 1
 
 
+def test_a_notebook_function_sent_to_a_session_reads_the_ranks_own_value_of_a_name_they_hold() -> None:
+    """What cloudpickle's ``_dynamic_function_reduce`` builds, taas extends: a held global goes as a reference
+    to the ranks' value, a name they lack goes by value, and the function shares the ranks' namespace."""
+    notebook: dict = {"__name__": "__main__", "weights": torch.ones(3), "scale": 2.0}
+    exec("def total():\n    return float(weights.sum()) * scale", notebook)
+    shipment = shipping.pack_for_session(notebook, ["total"], lambda name, value: name == "weights")
+    rank = {"__name__": "__main__", "weights": torch.full((3,), 5.0)}
+    shipping.unpack_into(rank, shipment.data, shipment.tensors_fd, shipment.tensors_size)
+    assert rank["total"]() == 30.0 and rank["scale"] == 2.0
+    rank["weights"] = torch.zeros(3)
+    assert rank["total"]() == 0.0, "the function reads the ranks' namespace, not a copy of it"
+
+
 def test_a_notebook_value_reached_through_another_is_bound_in_the_ranks_under_its_name() -> None:
     """The kernel counts a value that went as part of another (an object's class) as sent: the
     ranks hold it under its notebook name too, and a later cell may refer to it there."""

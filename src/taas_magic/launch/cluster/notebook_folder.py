@@ -294,10 +294,10 @@ def unpacked(uri: str, node_id: str) -> str:
 
 
 def _unpacked_in_place(uri: str) -> str:
-    worker, packaging = ray_private.worker(), ray_private.packaging()
-    resources = os.path.join(worker._global_node.get_runtime_env_dir_path(), "working_dir_files")
+    packaging = ray_private.packaging()
+    resources = os.path.join(ray_private.runtime_env_folder(), "working_dir_files")
     packaging.pin_runtime_env_uri(uri)
-    return str(asyncio.run(packaging.download_and_unpack_package(uri, resources, worker.global_worker.gcs_client)))
+    return str(asyncio.run(packaging.download_and_unpack_package(uri, resources, ray_private.gcs_client())))
 
 
 def unpacked_by_a_task(uri: str, node_id: str) -> str:

@@ -84,6 +84,16 @@ def worker() -> Any:
     return importlib.import_module("ray._private.worker")
 
 
+def runtime_env_folder() -> str:
+    """Where this node of Ray keeps the runtime environments' files (those of working directories among them)."""
+    return str(worker()._global_node.get_runtime_env_dir_path())
+
+
+def gcs_client() -> Any:
+    """This process's client of the cluster's GCS (untyped: internal)."""
+    return worker().global_worker.gcs_client
+
+
 @contextmanager
 def dashboard_environment(variables: Mapping[str, str]) -> Iterator[None]:
     """Ray's dashboard process, if this process starts one in the block (a head node's), gets ``variables`` in

@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from taas_magic.process import torch_private
+from taas_magic import torch_private
 
 
 def test_every_private_function_taas_uses_is_in_this_torch():
@@ -48,3 +48,18 @@ def test_a_failing_nvml_count_is_not_known_rather_than_an_error():
 
 def test_this_process_is_no_bad_fork():
     assert torch_private.in_bad_fork(torch) is False
+
+
+def test_a_torch_without_version_counters_reads_every_tensor_as_changed():
+    bare = types.SimpleNamespace()
+    assert torch_private.version_counter(bare) != torch_private.version_counter(bare)
+    t = torch.zeros(2)
+    before = torch_private.version_counter(t)
+    t.add_(1)
+    assert torch_private.version_counter(t) == before + 1
+
+
+def test_a_group_destroyed_or_unknown_to_this_torch_is_not_taken_for_a_live_one():
+    dist = types.SimpleNamespace(distributed_c10d=types.SimpleNamespace())
+    assert torch_private.group_exists(dist, object()) is False
+    assert torch_private.fsdp_managed(torch.nn.Linear(2, 2)) is None  # not an FSDP2 unit
