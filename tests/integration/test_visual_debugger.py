@@ -109,14 +109,19 @@ def test_jupyterlabs_continue_of_thread_1_goes_to_the_rank_it_shows():
     debugger = FakeDebugger()
     hub = RankDebugging(debugger)
     rank = a_rank(1)
-    hub._publish("stopped", hub._outward(rank, {"threadId": 1, "reason": "breakpoint"}))
-    assert hub.shown is not None and hub.shown >= RANK_IDS
+    hub.focus.rank_event(rank, {"event": "stopped", "body": {"threadId": 1, "reason": "breakpoint"}})
+    assert hub.focus.settle()
+    shown = hub.focus.now.shown
+    assert shown is not None and shown >= RANK_IDS and hub.stopped_ranks() == {1}
+    assert [e["event"] for e in debugger.events] == ["stopped"] and debugger.events[0]["body"]["threadId"] == shown
     assert hub._continues_the_shown_rank({"threadId": 1})
     debugger.stopped_threads.add(1)
     assert not hub._continues_the_shown_rank({"threadId": 1}), "the kernel's own stopped thread 1 is the kernel's"
     debugger.stopped_threads.clear()
-    hub._publish("continued", {"threadId": hub.shown, "allThreadsContinued": False})
-    assert hub.shown is None and not hub._continues_the_shown_rank({"threadId": 1})
+    hub.focus.rank_event(rank, {"event": "continued", "body": {"threadId": 1}})
+    assert hub.focus.settle()
+    assert hub.focus.now.shown is None and not hub._continues_the_shown_rank({"threadId": 1})
+    assert hub.stopped_ranks() == frozenset()
 
 
 def test_the_engines_messages_are_read_whole_across_partial_writes():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from support.notebook_values import SETUP
+from support.notebook_values import SETUP, TORCH_WARNINGS_OF_TENSORS
 from support.notebook_values import values as notebook_values
 
 import taas
@@ -18,6 +18,8 @@ from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import options
 from taas_magic.kernel.spec import return_from
 from taas_magic.per_rank import PerRank, span
+
+pytestmark = TORCH_WARNINGS_OF_TENSORS  # the generated notebook values include quantized and complex32 tensors
 
 
 def test_it_reads_like_the_list_of_the_ranks_values_indexed_by_rank() -> None:

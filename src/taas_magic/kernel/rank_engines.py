@@ -39,7 +39,6 @@ class RankEngine:
         self.on_event = on_event
         self.on_gone = on_gone
         self.run, self.number, self.label = "", -1, "a rank"
-        self.stopped: dict[int, Message] = {}  # its stopped threads (its own ids), with their stopped events' bodies
         self.waiting: dict[int, Future[Message]] = {}
         self.numbers = itertools.count(1)
         self.send_lock = threading.Lock()

@@ -27,13 +27,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from taas_magic.kernel.debugger_focus import Focus
 from taas_magic.kernel.rank_engines import ID_KEYS, RANK_IDS, Ids, Message, RankEngine, hang_up, translate
 from taas_magic.process import ipykernel_private
 from taas_magic.process.kernel_debugger import hidden_thread
 from taas_magic.wire.task import DebugLink
 
 HANDSHAKE_SECONDS = 10.0
-SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within this, else another stopped rank is shown
 # debugpy's adapter (1.8.22 and earlier) stops accepting clients for good when one connects before it has ended
 # the previous session: its accepting thread tells the oldest session's client of its sockets, that client's
 # stream is closed already, and the error ends the thread. ipykernel then waits for ever for its answer to
@@ -41,7 +41,6 @@ SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within th
 # (a busy machine: more); a client that attaches again sooner than this after detaching waits out the rest.
 REATTACH_SECONDS = 1.0
 GOING_ON = ("continue", "next", "stepIn", "stepOut")  # requests that let a stopped thread run
-_EVENTS = ("stopped", "continued", "thread")  # what a front end needs of a rank's events (not its modules, output)
 # Where taas's own code is: stepping does not go into it, as ipykernel keeps stepping out of its own.
 _OWN_CODE = [str(Path(__file__).resolve().parents[2] / name) for name in ("taas_magic", "taas")]
 _OWN_THREADS = "taas-"  # taas's threads in a rank (its lifeline, its samplers): not the user's to debug
@@ -72,8 +71,7 @@ class RankDebugging:
         self.original: Callable[[Message], Any] | None = None
         self.event_numbers = itertools.count(1)
         self.cell_file = ""  # the file of the cell that runs now (cells run one at a time)
-        self.shown: int | None = None  # the thread of the last ``stopped`` event sent: the rank the front end shows
-        self.stops_shown = 0  # ``stopped`` events sent so far
+        self.focus = Focus(self.ids, self._send_event)  # which rank threads are stopped, which one is shown
         self.detached_at = -REATTACH_SECONDS  # when the client last detached (time.monotonic())
 
     # -- in the kernel's life --------------------------------------------------------------------
@@ -114,8 +112,7 @@ class RankDebugging:
 
     def stopped_ranks(self) -> frozenset[int]:
         """The ranks stopped in the debugger now. Cells run one at a time, so they are the running cell's."""
-        with self.lock:
-            return frozenset(rank.number for rank in self.ranks if rank.stopped)
+        return self.focus.now.stopped_ranks()
 
     def sees_breakpoints(self) -> bool:
         """A client is attached and breakpoints are set (for cells whose ranks cannot join: a cluster's)."""
@@ -131,6 +128,8 @@ class RankDebugging:
         for rank in ranks:
             rank.send("disconnect", {"restart": False, "terminateDebuggee": False})
             rank.close()
+            self.focus.rank_dropped(rank)  # no longer stopped here; the client that would be told is gone
+        self.focus.forget_the_next_show()
         self.breakpoints.clear()
 
     # -- requests from the front end ---------------------------------------------------------------
@@ -138,7 +137,7 @@ class RankDebugging:
         assert self.original is not None
         arguments = message.get("arguments") or {}
         if message["command"] == "continue" and self._continues_the_shown_rank(arguments):
-            arguments = message["arguments"] = {**arguments, "threadId": self.shown}
+            arguments = message["arguments"] = {**arguments, "threadId": self.focus.now.shown}
         owner = self._owner(arguments)
         if owner is not None:
             answered: Message = await _in_thread(lambda: self._for_rank(owner, message))
@@ -169,12 +168,13 @@ class RankDebugging:
         shows: JupyterLab forgets the thread it shows before it sends ``continue``, and names thread 1."""
         thread = arguments.get("threadId")
         kernel_stopped = ipykernel_private.stopped_threads(self.debugger)
+        shown = self.focus.now.shown
         return (
-            self.shown is not None
+            shown is not None
             and isinstance(thread, int)
             and thread < RANK_IDS
             and thread not in kernel_stopped
-            and self.ids["threads"].inward(self.shown) is not None
+            and self.ids["threads"].inward(shown) is not None
         )
 
     def _owner(self, arguments: Message) -> RankEngine | None:
@@ -274,7 +274,7 @@ class RankDebugging:
         return threads
 
     def _stopped_threads(self) -> list[int]:
-        return [self.ids["threads"].outward(rank, thread) for rank in self._connected() for thread in rank.stopped]
+        return self.focus.now.stopped_threads()
 
     def _connected(self) -> list[RankEngine]:
         with self.lock:
@@ -309,7 +309,7 @@ class RankDebugging:
 
     def _welcome(self, connection: socket.socket) -> None:
         """A rank connected: check that it is one of ours, give it the breakpoints, let it run."""
-        rank = RankEngine(connection, self._event, self._gone)
+        rank = RankEngine(connection, self.focus.rank_event, self._gone)
         try:
             reply = rank.request("pydevdAuthorize", {"debugServerAccessToken": self.secret}, HANDSHAKE_SECONDS)
             secret, run, number = str(reply.get("body", {}).get("clientAccessToken", "")).split(":")
@@ -352,60 +352,16 @@ class RankDebugging:
         known = {path: {"source": {"path": path}, "breakpoints": lines} for path, lines in kept.items()}
         return {**known, **self.breakpoints}
 
-    def _event(self, rank: RankEngine, event: Message) -> None:
-        kind, body = event.get("event"), dict(event.get("body") or {})
-        if kind not in _EVENTS:
-            return
-        if kind == "stopped":
-            rank.stopped[body["threadId"]] = body
-            self._publish("stopped", self._outward(rank, {**body, "allThreadsStopped": False}))
-        elif kind == "continued":
-            threads = list(rank.stopped) if body.get("allThreadsContinued") else [body["threadId"]]
-            self._continued(rank, threads)
-        else:
-            self._publish("thread", self._outward(rank, body))
-
-    def _continued(self, rank: RankEngine, threads: list[int]) -> None:
-        """The rank's threads run again. Front ends that follow one thread at a time (JupyterLab) are shown
-        the rank that stopped last among those still stopped."""
-        for thread in threads:
-            rank.stopped.pop(thread, None)
-            self._publish(
-                "continued", {"threadId": self.ids["threads"].outward(rank, thread), "allThreadsContinued": False}
-            )
-        if threads:
-            hidden_thread(self._show_a_stopped_rank, rank, self.stops_shown, name="taas-debugger-show")
-
-    def _show_a_stopped_rank(self, going: RankEngine, shown: int) -> None:
-        """After a rank went on, and nothing stopped since (a step stops it again at once), show the front
-        end a rank that is still stopped, the last to stop: JupyterLab follows the thread of the last
-        ``stopped`` event only. ``shown``: the ``stopped`` events sent when the rank went on."""
-        time.sleep(SHOW_NEXT_SECONDS)
-        if going.stopped or self.stops_shown != shown:
-            return
-        waiting = [(other, thread, body) for other in self._connected() for thread, body in other.stopped.items()]
-        if waiting:
-            other, thread, body = waiting[-1]
-            self._publish("stopped", self._outward(other, {**body, "threadId": thread, "allThreadsStopped": False}))
-
     def _gone(self, rank: RankEngine) -> None:
         """The rank's connection ended (it exited, or was stopped): its threads leave the session."""
         with self.lock:
             if rank not in self.ranks:
                 return
             self.ranks.remove(rank)
-        self._continued(rank, list(rank.stopped))
-        for thread in self.ids["threads"].of(rank):
-            self._publish("thread", {"reason": "exited", "threadId": thread})
-        for ids in self.ids.values():
-            ids.forget(rank)
+        self.focus.rank_gone(rank)
 
-    def _publish(self, kind: str, body: Message) -> None:
-        if kind == "stopped":
-            self.shown = body["threadId"]
-            self.stops_shown += 1
-        elif kind == "continued" and body["threadId"] == self.shown:
-            self.shown = None
+    def _send_event(self, kind: str, body: Message) -> None:
+        """A debug event to the front end (from the focus thread alone)."""
         event = {"type": "event", "event": kind, "body": body, "seq": next(self.event_numbers)}
         ipykernel_private.send_event(self.debugger, event)
 
