@@ -15,7 +15,7 @@ from support.notebook_values import values as notebook_values
 
 import taas
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import options
+from taas_magic.kernel import option_values, options
 from taas_magic.kernel.spec import return_from
 from taas_magic.per_rank import PerRank, span
 
@@ -87,24 +87,24 @@ def _ranks_of(head: str) -> list[int]:
 @given(st.sets(st.integers(0, 200), min_size=1))
 def test_span_and_rank_lists_read_each_other(ranks) -> None:
     text = span(ranks).split(" ", 1)[1]
-    assert options.rank_list(text) == tuple(sorted(ranks))
+    assert option_values.rank_list(text) == tuple(sorted(ranks))
 
 
 @pytest.mark.parametrize(
     "text, ranks", [("0", (0,)), ("0,2", (0, 2)), ("0-3", (0, 1, 2, 3)), ("4,0-1", (4, 0, 1)), (" 1 , 2 ", (1, 2))]
 )
 def test_rank_lists_take_numbers_commas_and_ranges(text, ranks) -> None:
-    assert options.rank_list(text) == ranks
+    assert option_values.rank_list(text) == ranks
 
 
 @pytest.mark.parametrize("text", ["", "a", "-1", "1-", "3-1", "1,,2", "1.5", "0-2,2", "²"])
 def test_anything_else_is_not_a_rank_list(text) -> None:
     with pytest.raises(Exception, match="is not a list of ranks|names a rank twice"):
-        options.rank_list(text)
+        option_values.rank_list(text)
 
 
 def test_from_is_all_or_ranks_of_the_run() -> None:
-    assert options.ranks_or_all("ALL") == "all"
+    assert option_values.ranks_or_all("ALL") == "all"
     assert return_from(None, range(4), "the run") == (0,)
     assert return_from("all", range(4), "the run") == (0, 1, 2, 3)
     assert return_from((3, 1), range(4), "the run") == (1, 3)
@@ -175,13 +175,13 @@ def test_no_name_of_the_kernels_own_moves(command, name) -> None:
         options.transfer(command, ["x", f"y,{name}"])
     assert "\n" not in str(raised.value)
     with pytest.raises(Exception, match=f"'{name}' is the kernel's own name"):
-        options.names_or_none(f"model,{name}")
+        option_values.names_or_none(f"model,{name}")
 
 
 @given(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,12}", fullmatch=True))
 def test_any_other_name_moves(name) -> None:
     """Whatever a person calls a value moves, unless Python or IPython keeps a name of that shape."""
-    own = options.kernels_own(name)
+    own = option_values.kernels_own(name)
     assert own == (
         name in KERNELS_OWN or (name.startswith("__") and name.endswith("__")) or bool(re.fullmatch(r"_i?\d+", name))
     )
@@ -190,13 +190,13 @@ def test_any_other_name_moves(name) -> None:
             options.transfer("pull", [name])
     else:
         assert options.transfer("pull", [name]) == ((name,), None)
-        assert options.names_or_none(name) == (name,)
+        assert option_values.names_or_none(name) == (name,)
 
 
 def test_ranks_out_of_range_are_quoted_as_typed() -> None:
     with pytest.raises(
         TaasUsageError, match="^--from 99999999999999999999: the run has ranks 0-1, not rank 99999999999999999999$"
     ):
-        return_from(options.rank_list("99999999999999999999"), range(2), "the run")
+        return_from(option_values.rank_list("99999999999999999999"), range(2), "the run")
     with pytest.raises(TaasUsageError, match="^--ranks 1-3,7: the session has ranks 0-3, not rank 7$"):
-        return_from(options.rank_list(" 1-3,7"), range(4), "the session", "--ranks")
+        return_from(option_values.rank_list(" 1-3,7"), range(4), "the session", "--ranks")

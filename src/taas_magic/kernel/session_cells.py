@@ -12,7 +12,7 @@ from typing import Any, Collection
 
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel import delivery_planning
-from taas_magic.kernel.options import rank_text, ranks_as_typed
+from taas_magic.kernel.option_values import rank_text, ranks_as_typed
 from taas_magic.kernel.session import Session
 from taas_magic.launch.backend import Cell
 from taas_magic.per_rank import span

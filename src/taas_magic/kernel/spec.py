@@ -12,6 +12,7 @@ from typing import Any, Literal, Mapping, NoReturn, Sequence
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
+from taas_magic.kernel.option_values import rank_text, ranks_as_typed
 from taas_magic.kernel.options import (
     CellOptions,
     Device,
@@ -20,8 +21,6 @@ from taas_magic.kernel.options import (
     Output,
     Start,
     default_device,
-    rank_text,
-    ranks_as_typed,
 )
 from taas_magic.per_rank import span
 from taas_magic.process import logs

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from taas_magic.configurations import load_catalog
-from taas_magic.kernel import options, spec
+from taas_magic.kernel import option_values, options, spec
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.process.machine import Machine
 
@@ -492,7 +492,7 @@ def test_a_count_with_too_many_digits_is_out_of_range() -> None:
         options.parse(TaasMagics.taas, f"--units {'9' * 4000}")
     assert str(raised.value) == f"argument --units: {'9' * 40}... is out of range: use a whole number of 1 or more"
     with pytest.raises(argparse.ArgumentTypeError, match="is out of range"):
-        options.whole_number(1)("9" * 5000)  # more digits than int() converts from text
+        option_values.whole_number(1)("9" * 5000)  # more digits than int() converts from text
 
 
 @pytest.mark.parametrize("value", ["1_0", "\u0662", "\uff12", "+2", " 2", "0x10", "1e", ".", "-", "2s"])
