@@ -60,7 +60,7 @@ class Defaults:
         configuration, then $TAAS_DEVICE."""
         args.output = args.output or self.output
         args.start = args.start or self.start
-        if getattr(args, "hang_after", None) is None:
+        if args.hang_after is None:
             args.hang_after = self.hang_after
         if args.device is None:
             args.device = self.device

@@ -38,6 +38,17 @@ class Helper:
         length = os.fstat(self.stderr).st_size
         return os.pread(self.stderr, size, max(0, length - size)).decode("utf-8", "replace")
 
+    def ended(self, seconds: float) -> None:
+        """Once its channel is closed (the helper's word to end): wait ``seconds`` for it to exit, kill it if it
+        lingers, and let go of its standard error."""
+        try:
+            self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            os.close(self.stderr)
+
 
 def start(module: str, name: str) -> Helper:
     """``python -m module FD`` started with a new channel's end and secret; ``name`` (``fork-server``) names its

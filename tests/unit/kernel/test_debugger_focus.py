@@ -76,12 +76,18 @@ def test_any_order_of_stops_and_continues_leaves_the_stopped_threads_as_they_are
     focus.forget_the_next_show()
 
 
-def test_after_the_shown_rank_goes_on_the_last_rank_still_stopped_is_shown():
+def both_stopped_then_the_second_goes_on() -> tuple[Focus, list[tuple[str, dict]], RankEngine, RankEngine]:
+    """Two ranks stopped at a breakpoint, the second (shown, as the last to stop) told to go on."""
     focus, published = focus_of()
     first, second = ranks(2)
     focus.rank_event(first, {"event": "stopped", "body": {"threadId": 1, "reason": "breakpoint"}})
     focus.rank_event(second, {"event": "stopped", "body": {"threadId": 1, "reason": "breakpoint"}})
     focus.rank_event(second, {"event": "continued", "body": {"threadId": 1}})
+    return focus, published, first, second
+
+
+def test_after_the_shown_rank_goes_on_the_last_rank_still_stopped_is_shown():
+    focus, published, first, _ = both_stopped_then_the_second_goes_on()
     time.sleep(debugger_focus.SHOW_NEXT_SECONDS + 0.3)
     assert focus.settle()
     first_thread = focus.ids["threads"].outward(first, 1)
@@ -90,11 +96,7 @@ def test_after_the_shown_rank_goes_on_the_last_rank_still_stopped_is_shown():
 
 
 def test_a_step_that_stops_again_at_once_keeps_the_front_end_on_that_rank():
-    focus, published = focus_of()
-    first, second = ranks(2)
-    focus.rank_event(first, {"event": "stopped", "body": {"threadId": 1, "reason": "breakpoint"}})
-    focus.rank_event(second, {"event": "stopped", "body": {"threadId": 1, "reason": "breakpoint"}})
-    focus.rank_event(second, {"event": "continued", "body": {"threadId": 1}})
+    focus, published, _, second = both_stopped_then_the_second_goes_on()
     focus.rank_event(second, {"event": "stopped", "body": {"threadId": 1, "reason": "step"}})
     time.sleep(debugger_focus.SHOW_NEXT_SECONDS + 0.3)
     assert focus.settle()

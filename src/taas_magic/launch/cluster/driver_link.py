@@ -116,13 +116,7 @@ class DriverProcess:
             return
         self.stopped = True
         self.channel.close()
-        try:
-            self.process.wait(timeout=STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        finally:
-            os.close(self.helper.stderr)
+        self.helper.ended(STOP_SECONDS)
 
 
 def _said(line: str) -> str:

@@ -66,12 +66,7 @@ class ForkServer:
     def stop(self) -> None:
         """Close the channel (the server ends everything and exits on EOF); kill it if it lingers."""
         self.control.close()
-        try:
-            self.process.wait(timeout=CLOSE_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        os.close(self.stderr)
+        self.helper.ended(CLOSE_SECONDS)
 
 
 @dataclass
