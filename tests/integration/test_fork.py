@@ -15,11 +15,11 @@ from support.descriptors import open_descriptors, opened_since
 from taas_magic.launch.supervisor.ranks import ASK_SECONDS, ForkedRanks
 from taas_magic.wire.events import Exited, Output, Report
 from taas_magic.wire.records import CellEnded, Failed, RankActivity, RankVitals, split_position
-from taas_magic.wire.task import RankTask
+from taas_magic.wire.task import CellOrder, RankTask
 
 
 def start(source: str, ranks: int = 2, env: dict[str, str] | None = None):
-    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(CellOrder(compile(source, "<cell>", "exec")), device="cpu", threads=1)
     envs = {
         rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), **(env or {})}
         for rank in range(ranks)
@@ -222,7 +222,7 @@ def test_a_failed_fork_leaks_no_descriptor(monkeypatch):
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(os, "fork", no_memory)
-    task = RankTask(code=compile("pass", "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(CellOrder(compile("pass", "<cell>", "exec")), device="cpu", threads=1)
     with pytest.raises(OSError):
         group.fork(0, {"RANK": "0"}, task)
     assert opened_since(fds_before) == set()
@@ -250,7 +250,7 @@ def test_every_process_waits_at_its_gate_and_gets_the_note_passed_through_it(mon
         return b'["keep"]'
 
     envs = {rank: {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3"} for rank in range(3)}
-    task = RankTask(code=compile("pass", "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(CellOrder(compile("pass", "<cell>", "exec")), device="cpu", threads=1)
     group = ForkedRanks.start("test", envs, task, note=note)
     try:
         out = b"".join(e.data for e in collect(group) if isinstance(e, Output))

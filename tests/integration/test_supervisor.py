@@ -27,7 +27,7 @@ from taas_magic.process import containment
 from taas_magic.wire.channel import new_secret, socket_pair
 from taas_magic.wire.events import Exited, Output, Producer
 from taas_magic.wire.supervision import Close, Closed, Events, Lost, Started, StartFailed, kernel_end, supervisor_end
-from taas_magic.wire.task import RankTask
+from taas_magic.wire.task import CellOrder, RankTask
 
 PRODUCER = Producer(0, 0)  # a data producer of the run
 _TEST_PROCESS = os.getpid()
@@ -141,7 +141,7 @@ def envs(ranks: int) -> dict[int, dict[str, str]]:
 
 
 def run_to_end(source: str, ranks: int = 2, seconds: float = 30) -> tuple[list, SupervisedRanks]:
-    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(CellOrder(compile(source, "<cell>", "exec")), device="cpu", threads=1)
     group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(ranks)))
     events = []
     deadline = time.monotonic() + seconds
@@ -176,7 +176,7 @@ os.register_at_fork(
 def test_a_request_for_stacks_while_ranks_start_is_answered_once_they_can_and_ends_none():
     """The hang doctor, or the report of another rank's failure, may ask a rank for its stacks (SIGUSR1) before
     it has set its handler: the signal's default would end it, and the run would report that as its failure."""
-    task = RankTask(code=compile("import time\ntime.sleep(60)", "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(CellOrder(compile("import time\ntime.sleep(60)", "<cell>", "exec")), device="cpu", threads=1)
     _SLOW_RANK_START[0] = True
     try:
         group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(2)))
@@ -192,9 +192,8 @@ def test_a_request_for_stacks_while_ranks_start_is_answered_once_they_can_and_en
 
 
 def test_killing_the_supervisor_ends_the_run_as_lost_and_its_ranks_die():
-    task = RankTask(
-        code=compile("import time\nprint('up', flush=True)\ntime.sleep(60)", "<cell>", "exec"), device="cpu", threads=1
-    )
+    source = "import time\nprint('up', flush=True)\ntime.sleep(60)"
+    task = RankTask(CellOrder(compile(source, "<cell>", "exec")), device="cpu", threads=1)
     group = ForkBackend().start(ForkPlan(task), Launch("taas-test", envs(2)))
     try:
         ranks = psutil.Process(group.process.pid).children()
@@ -264,7 +263,7 @@ def test_interrupts_raining_on_a_run_as_it_starts_and_closes_leave_no_process_de
     under way, frees the whole run whatever lands meanwhile, and one cut before it began leaves the run
     to close again. Before, an interrupt at the first instruction of a step of the release left the
     supervisor unreaped (a zombie of the kernel's), the channel and the store's port open, for good."""
-    task = RankTask(code=compile("import time\ntime.sleep(30)", "<cell>", "exec"), device="cpu", threads=1)
+    task = RankTask(CellOrder(compile("import time\ntime.sleep(30)", "<cell>", "exec")), device="cpu", threads=1)
     fds_before = open_descriptors()
     storm, interrupted = InterruptStorm(), 0
     try:

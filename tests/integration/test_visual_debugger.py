@@ -1,6 +1,7 @@
-"""The kernel's side of ranks in the notebook's visual debugger, without a kernel: the ids each rank's
-debugger engine numbers from 1 made distinct for the front end, a rank's stack as its cell sees it,
-JupyterLab's ``continue`` that names thread 1, and a cell's file named after the cell as typed."""
+"""The kernel's side of ranks in the notebook's visual debugger, without a kernel: JupyterLab's ``continue`` that
+names thread 1, the engines' messages over their sockets, a rank that leaves before it answers, the link a cell's
+ranks join by, and a cell's file named after the cell as typed. The routing alone is tested in
+``tests/unit/kernel/test_debugger_router.py``."""
 
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ import threading
 import time
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from taas_magic.kernel import cell_source
-from taas_magic.kernel.rank_engines import RANK_IDS, RankEngine, dap_messages, translate
+from taas_magic.kernel.debugger_router import RANK_IDS
+from taas_magic.kernel.rank_engines import RankEngine, dap_messages
 from taas_magic.kernel.visual_debugger import REATTACH_SECONDS, RankDebugging
-
-ids = st.integers(min_value=1, max_value=10_000)
 
 
 class FakeDebugger:
@@ -45,64 +43,6 @@ def a_rank(number: int) -> RankEngine:
     rank.name("run", number)
     rank.peer = theirs  # type: ignore[attr-defined]
     return rank
-
-
-@given(st.lists(st.tuples(st.sampled_from([0, 1, 2]), ids, ids, ids), min_size=1, max_size=30))
-def test_each_ranks_ids_get_numbers_of_their_own_and_come_back_as_they_were(seen):
-    hub = RankDebugging(FakeDebugger())
-    ranks = [a_rank(number) for number in range(3)]
-    outward = {}
-    for index, thread, frame, variables in seen:
-        body = {
-            "threadId": thread,
-            "stackFrames": [{"id": frame, "source": {"path": "x.py"}}],
-            "variablesReference": variables,
-            "threads": [{"id": thread, "name": "MainThread"}],
-        }
-        shown = hub._outward(ranks[index], body)
-        assert shown["threadId"] >= RANK_IDS and shown["threads"][0]["id"] == shown["threadId"]
-        assert shown["stackFrames"][0]["id"] >= RANK_IDS and shown["variablesReference"] >= RANK_IDS
-        assert shown["stackFrames"][0]["source"] == {"path": "x.py"}
-        outward[(index, "threads", thread)] = shown["threadId"]
-        outward[(index, "frames", frame)] = shown["stackFrames"][0]["id"]
-        outward[(index, "variables", variables)] = shown["variablesReference"]
-    for kind in ("threads", "frames", "variables"):
-        numbers = [ours for (_, of_kind, _), ours in outward.items() if of_kind == kind]
-        assert len(set(numbers)) == len(numbers), f"two ranks' {kind} share a number"
-    for (index, kind, theirs), ours in outward.items():
-        assert hub.ids[kind].inward(ours) == (ranks[index], theirs)
-        key = {"threads": "threadId", "frames": "frameId", "variables": "variablesReference"}[kind]
-        assert hub._owner({key: ours}) is ranks[index]
-        assert hub._inward({key: ours}) == {key: theirs}
-
-
-def test_the_kernels_own_ids_pass_untouched_and_zero_means_no_variables():
-    hub = RankDebugging(FakeDebugger())
-    assert hub._owner({"threadId": 1, "frameId": 3}) is None
-    assert hub._inward({"threadId": 1, "frameId": 3, "variablesReference": 0}) == {
-        "threadId": 1,
-        "frameId": 3,
-        "variablesReference": 0,
-    }
-    assert hub._outward(a_rank(0), {"variablesReference": 0}) == {"variablesReference": 0}
-    assert translate({"body": {"threadId": 4}}, lambda kind, number: number + 1) == {"body": {"threadId": 5}}
-
-
-def test_a_ranks_stack_ends_at_its_cells_frame_and_names_the_rank():
-    hub = RankDebugging(FakeDebugger())
-    hub.cell_file = "/tmp/ipykernel_1/22.py"
-    body = {
-        "stackFrames": [
-            {"id": 1, "name": "step", "source": {"path": "/tmp/ipykernel_1/5.py"}},
-            {"id": 2, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}},
-            {"id": 3, "name": "run_cell_magic", "source": {"path": "/ipython/interactiveshell.py"}},
-            {"id": 4, "name": "<module>", "source": {"path": "/tmp/ipykernel_1/22.py"}},
-        ],
-        "totalFrames": 30,
-    }
-    hub._rank_frames(a_rank(3), body, start=0)
-    assert [frame["name"] for frame in body["stackFrames"]] == ["rank 3: step", "rank 3: <module>"]
-    assert body["totalFrames"] == 2
 
 
 def test_jupyterlabs_continue_of_thread_1_goes_to_the_rank_it_shows():

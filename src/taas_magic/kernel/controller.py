@@ -14,7 +14,7 @@ import time
 from typing import Callable, Mapping, assert_never
 
 from taas_magic.errors import DeliveryLost, ForkServerDied, RunLost
-from taas_magic.kernel import environment, render, visual_debugger
+from taas_magic.kernel import environment, render
 from taas_magic.kernel.front_end import CellFrontEnd
 from taas_magic.kernel.live_view import RunView
 from taas_magic.kernel.run_actions import (
@@ -201,7 +201,7 @@ class Pump:
         """Time a rank spends stopped in the notebook's visual debugger is a person's, as at a pdb prompt:
         it counts neither toward --timeout nor as a stall. Its row in the live view says ``paused``."""
         now = time.monotonic()
-        stopped = visual_debugger.stopped_ranks()
+        stopped = self.front.stopped()
         if stopped:
             self.state.waited(now - self.stepped_at)
         self.stepped_at = now

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from taas_magic.kernel.rank_engines import Ids, Message, RankEngine, translate
+from taas_magic.kernel.debugger_router import Ids, Message, translate
+from taas_magic.kernel.rank_engines import RankEngine
 from taas_magic.process.kernel_debugger import hidden_thread
 
 SHOW_NEXT_SECONDS = 0.5  # after a rank went on: a step stops it again within this, else another stopped rank is shown
@@ -43,7 +44,10 @@ class Focus:
     """``ids``: the front end's ids for the ranks' own, by kind; ``publish(kind, body)`` sends a debug event."""
 
     def __init__(
-        self, ids: dict[str, Ids], publish: Callable[[str, Message], None], show_next_seconds: float = SHOW_NEXT_SECONDS
+        self,
+        ids: dict[str, Ids[RankEngine]],
+        publish: Callable[[str, Message], None],
+        show_next_seconds: float = SHOW_NEXT_SECONDS,
     ):
         self.ids = ids
         self.publish = publish

@@ -27,13 +27,15 @@ class CellFrontEnd:
     """``write``: the cell's streams. ``cell_names``: code file name -> "Cell In[5]", for stacks and tracebacks.
     ``status``: the live view's display, redrawn in place (None: no view, the ranks' output as they write it).
     ``read_line``: a line a rank's debugger waits for (``breakpoint()``; None: the rank is told there is none).
-    ``picture``: shows where the ranks' time went under the summary (``--profile``)."""
+    ``picture``: shows where the ranks' time went under the summary (``--profile``). ``stopped``: the ranks
+    stopped in the notebook's visual debugger now (a person's time, as at a pdb prompt)."""
 
     write: Write
     cell_names: Mapping[str, str] = field(default_factory=dict)
     status: Status | None = None
     read_line: ReadLine | None = None
     picture: Show | None = None
+    stopped: Callable[[], frozenset[int]] = frozenset
 
     def output(
         self, spec: LaunchSpec, ranks: list[int], labels: Mapping[Key, str] | None = None

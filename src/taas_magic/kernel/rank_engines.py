@@ -1,10 +1,9 @@
-"""A rank's debugger engine (pydevd), connected to the kernel: Debug Adapter Protocol messages over a socket,
-and the ids in them made the front end's.
+"""A rank's debugger engine (pydevd), connected to the kernel: Debug Adapter Protocol messages over a socket.
 
 The engine speaks as debugpy's adapter expects: each message a ``Content-Length`` header and a JSON body.
 Its requests are answered from a thread of its own, whether the rank runs or is stopped, so the kernel
-waits for an answer with a timeout only. Each rank numbers its threads, frames and variables from 1; the
-ids the front end sees are numbers of the kernel's, from ``RANK_IDS`` on, each standing for one rank's own.
+waits for an answer with a timeout only. The messages carry the rank's own ids; ``debugger_router.py``
+gives them the front end's numbers.
 """
 
 from __future__ import annotations
@@ -14,16 +13,12 @@ import json
 import socket
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
+from taas_magic.kernel.debugger_router import Message
 from taas_magic.process.kernel_debugger import hidden_thread
 
-Message = dict[str, Any]
-
-RANK_IDS = 1 << 28  # ids given to ranks' threads, frames and variables start here: the kernel's are small counters
 ANSWER_SECONDS = 30.0  # a rank's engine answers from a thread of its own, stopped or running
-ID_KEYS = {"threadId": "threads", "frameId": "frames", "srcFrameId": "frames", "variablesReference": "variables"}
-_LISTS_OF_IDS = {"threads": "threads", "stackFrames": "frames"}  # lists whose items' "id" is of that kind
 
 
 class RankEngine:
@@ -90,59 +85,6 @@ class RankEngine:
             self.waiting.clear()
             if self.joined:
                 self.on_gone(self)
-
-
-class Ids:
-    """Ids of one kind as the front end sees them, each standing for one rank's own."""
-
-    def __init__(self) -> None:
-        self.numbers = itertools.count(RANK_IDS)
-        self.theirs: dict[int, tuple[RankEngine, int]] = {}
-        self.ours: dict[tuple[int, int], int] = {}  # (id of the rank's connection, its id) -> ours
-        self.lock = threading.Lock()
-
-    def outward(self, rank: RankEngine, number: int) -> int:
-        if number <= 0:
-            return number  # 0: no variables to expand
-        with self.lock:
-            key = (id(rank), number)
-            if key not in self.ours:
-                self.ours[key] = next(self.numbers)
-                self.theirs[self.ours[key]] = (rank, number)
-            return self.ours[key]
-
-    def inward(self, number: int) -> tuple[RankEngine, int] | None:
-        with self.lock:
-            return self.theirs.get(number)
-
-    def of(self, rank: RankEngine) -> list[int]:
-        with self.lock:
-            return [ours for ours, (owner, _) in self.theirs.items() if owner is rank]
-
-    def forget(self, rank: RankEngine) -> None:
-        with self.lock:
-            for ours in [ours for ours, (owner, _) in self.theirs.items() if owner is rank]:
-                _, theirs = self.theirs.pop(ours)
-                self.ours.pop((id(rank), theirs), None)
-
-
-def translate(value: Any, swap: Callable[[str, int], int], kind_of_id: str | None = None) -> Any:
-    """``value`` with each thread, frame and variable id in it swapped (``swap(kind, id)``)."""
-    if isinstance(value, list):
-        return [translate(item, swap, kind_of_id) for item in value]
-    if not isinstance(value, dict):
-        return value
-    swapped: dict[str, Any] = {}
-    for key, item in value.items():
-        if key in ID_KEYS and isinstance(item, int):
-            swapped[key] = swap(ID_KEYS[key], item)
-        elif key == "id" and kind_of_id is not None and isinstance(item, int):
-            swapped[key] = swap(kind_of_id, item)
-        elif key in _LISTS_OF_IDS and isinstance(item, list):
-            swapped[key] = [translate(entry, swap, _LISTS_OF_IDS[key]) for entry in item]
-        else:
-            swapped[key] = translate(item, swap)
-    return swapped
 
 
 def hang_up(connection: socket.socket) -> None:

@@ -13,8 +13,7 @@ from typing import Mapping, TypeVar
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded, plain
 from taas_magic.kernel.hang import Hang, Process, cause, doing, where_lines
-from taas_magic.kernel.run_result import EndCause, Failure, Notice, Outcome, RunResult
-from taas_magic.kernel.run_state import quit_debugger
+from taas_magic.kernel.run_result import EndCause, Failure, Notice, Outcome, RunResult, quit_debugger
 from taas_magic.kernel.stacks import reporting_failure
 from taas_magic.per_rank import span
 from taas_magic.wire.events import Key, key_order

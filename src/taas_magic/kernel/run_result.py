@@ -158,3 +158,8 @@ def first_outcome(order: tuple[Outcome, ...], interrupted: bool, timed_out: bool
     """The first outcome of ``order`` that happened; done if none did."""
     happened = {Outcome.INTERRUPTED: interrupted, Outcome.TIMED_OUT: timed_out, Outcome.FAILED: failed}
     return next((outcome for outcome in order if happened.get(outcome)), Outcome.DONE)
+
+
+def quit_debugger(record: CellEnded | Failed) -> bool:
+    """The user quit a ``breakpoint()``'s debugger (``q``, or an interrupt at its prompt): pdb raised BdbQuit."""
+    return isinstance(record, Failed) and record.ename == "BdbQuit"

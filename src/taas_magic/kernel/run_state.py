@@ -6,7 +6,7 @@ exit, its debugger's prompt, the clock, the user's interrupt — and answers wit
 pump (``controller.Pump``) to carry out: send a signal, take the stacks of the late ranks, redraw
 the live view, ask the user for a line or answer for them, end the session. Once the run is over,
 ``result()`` is its frozen ``RunResult``, and ``render`` words every message from that (the policies and
-the result are in ``run_result.py``, the actions in ``run_actions.py``).
+the result are in ``run_result.py``, the actions in ``run_actions.py``, a stop's signals in ``run_stop.py``).
 
     RUNNING ──(a failure · every rank done · --timeout · an interrupt)──► STOPPING ──► OVER
 
@@ -23,7 +23,6 @@ One-shot cells and session cells are two ``Policy`` values over this one machine
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
@@ -48,10 +47,11 @@ from taas_magic.kernel.run_result import (
     Policy,
     RunResult,
     SessionEnd,
-    Step,
     first_outcome,
+    quit_debugger,
 )
-from taas_magic.kernel.stacks import reporting_failure
+from taas_magic.kernel.run_stop import Stop, StopCause
+from taas_magic.kernel.stacks import split_positions
 from taas_magic.wire.events import Key, Producer, key_order
 from taas_magic.wire.records import (
     CellEnded,
@@ -61,7 +61,6 @@ from taas_magic.wire.records import (
     Record,
     SavedOnNode,
     SaveSkipped,
-    split_position,
 )
 
 VIEW_SECONDS = 0.25  # the live view is redrawn at most this often
@@ -74,36 +73,7 @@ class Phase(Enum):
     OVER = "over"  # every process's work is over, or the session ended
 
 
-class StopCause(Enum):
-    FAILURE = "failure"  # a process failed on its own
-    FINISHED = "finished"  # every rank is done: only the producers run, and their work is over
-    TIMEOUT = "timeout"  # --timeout elapsed
-    INTERRUPT = "interrupt"  # the user interrupted the cell, or quit a rank's debugger
-
-
 # -- the machine ----------------------------------------------------------------------------------
-@dataclass
-class _Stop:
-    """Stopping, since ``started``: the signals of ``steps`` sent so far."""
-
-    cause: StopCause
-    steps: tuple[Step, ...]
-    started: float
-    sent: int = 0
-
-    def due(self, now: float) -> list[int]:
-        due = [signum for delay, signum in self.steps[self.sent :] if now - self.started >= delay]
-        self.sent += len(due)
-        return due
-
-    def skip_ahead(self) -> list[int]:
-        """An impatient second interrupt: the next step now."""
-        if self.sent >= len(self.steps):
-            return []
-        self.sent += 1
-        return [self.steps[self.sent - 1][1]]
-
-
 class RunState:
     """One run's state: events and the clock in, actions out (see the module's docstring).
 
@@ -134,7 +104,7 @@ class RunState:
         self.labels = dict(labels or {})
         self.ledger = Ledger()
         self.running: frozenset[Key] = frozenset()  # as the group said last
-        self.stop: _Stop | None = None
+        self.stop: Stop | None = None
         self.stopped: set[Key] = set()  # processes taas signalled before they failed on their own
         self.retired: set[Key] = set()  # producers stopped because every rank was done: how they end does not matter
         self.paused: set[int] = set()  # --debug: the rank that raised first, waiting for the debugger
@@ -340,7 +310,7 @@ class RunState:
 
     def _begin(self, cause: StopCause, now: float) -> None:
         self.stopped |= set(self._targets())
-        self.stop = _Stop(
+        self.stop = Stop(
             cause, self.policy.on_interrupt if cause is StopCause.INTERRUPT else self.policy.on_failure, now
         )
 
@@ -355,8 +325,7 @@ class RunState:
         return actions
 
     def _signals_sent(self) -> set[int]:
-        stop = self.stop
-        return set() if stop is None else {signum for _, signum in stop.steps[: stop.sent]}
+        return set() if self.stop is None else self.stop.signals_sent()
 
     def _end_session(self, end: SessionEnd) -> list[Action]:
         self.end = end
@@ -470,25 +439,3 @@ class RunState:
             return self.where
         found = [process for process in self.processes((), {}, self.clock) if process.key in missing]
         return tuple(sorted(self.where + tuple(found), key=lambda process: key_order(process.key)))
-
-
-def quit_debugger(record: CellEnded | Failed) -> bool:
-    """The user quit a ``breakpoint()``'s debugger (``q``, or an interrupt at its prompt): pdb raised BdbQuit."""
-    return isinstance(record, Failed) and record.ename == "BdbQuit"
-
-
-def split_positions(stacks: Mapping[Key, str]) -> tuple[dict[Key, RankActivity], dict[Key, str]]:
-    """The positions the ranks sent with their stacks (``records.split_position``), and the stacks alone.
-
-    A position is of the moment of its stacks: it is each such rank's latest sample, which the diagnosis
-    reads with them (the periodic samples are up to a second older, and ranks in a fast loop seem far apart).
-    Not that of a rank reporting its failure: its collective, broken, counts as finished, and its last sample
-    says better where it waited.
-    """
-    positions: dict[Key, RankActivity] = {}
-    alone: dict[Key, str] = {}
-    for key, dump in stacks.items():
-        position, alone[key] = split_position(dump)
-        if position is not None and not reporting_failure(alone[key]):
-            positions[key] = position
-    return positions, alone

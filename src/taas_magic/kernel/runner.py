@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import sys
+from types import CodeType
 from typing import Any
 
 from IPython.core.interactiveshell import InteractiveShell
@@ -49,7 +50,7 @@ from taas_magic.process import cell_files, containment, kernel_debugger, logs, m
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
 from taas_magic.wire import results, shipping
-from taas_magic.wire.task import DebugLink, KernelContext, LoaderPlan, RankTask, Returns
+from taas_magic.wire.task import CellOrder, DebugLink, KernelContext, LoaderPlan, RankTask, Returns
 
 
 class CellRunner:
@@ -109,25 +110,21 @@ class CellRunner:
             loaders = delivery_planning.for_cell(spec, analysed.reads, namespace)
         returns = Returns(results.wanted(analysed.binds, spec.return_names), frozenset(spec.return_from))
         seed = draw_base_seed()
-        debugging = self._debug_link(spec, compiled.code.co_filename)
         traces = profiling.ProfileFolder() if spec.profile else None
+        order = self._order(spec, compiled.code, returns, loaders, traces)
 
         def make_task(*, sources: Sources, context: KernelContext | None) -> RankTask:
             return RankTask(
-                code=compiled.code,
+                order,
                 device=spec.device,
                 threads=spec.threads_per_rank,
-                loaders=loaders,
-                returns=returns,
+                sources=sources,
+                context=context,
                 seed=seed,
                 keep=spec.keep,
                 idle_limit=spec.idle_limit,
                 debug=spec.debug,
                 track=spec.hang_after > 0,
-                sources=sources,
-                context=context,
-                debugging=debugging,
-                profile=traces.path if traces is not None else None,
             )
 
         try:
@@ -169,6 +166,25 @@ class CellRunner:
         finally:
             plan.close()  # what the plan held here (a memory file of shipped tensors)
             streams.give_back_freed_memory()
+
+    def _order(
+        self,
+        spec: LaunchSpec,
+        code: CodeType,
+        returns: Returns,
+        loaders: tuple[LoaderPlan, ...],
+        traces: profiling.ProfileFolder | None,
+        notebook_cell: bool = True,
+    ) -> CellOrder:
+        """What the ranks do with this cell, from its options: made here once, whether the cell starts a run
+        or goes to a session (``notebook_cell`` False: ``%taas pull`` or ``push``, which no debugger joins)."""
+        return CellOrder(
+            code,
+            returns,
+            loaders,
+            debugging=self._debug_link(spec, code.co_filename) if notebook_cell else None,
+            profile=traces.path if traces is not None else None,
+        )
 
     def _debug_link(self, spec: LaunchSpec, cell_file: str) -> DebugLink | None:
         """How the cell's ranks join the notebook's visual debugger, while a client is attached to it."""
@@ -217,6 +233,7 @@ class CellRunner:
             status=ViewDisplay(live).show if view else None,
             read_line=read_line,
             picture=_show_once if profile and view else None,
+            stopped=self.debugging.stopped_ranks if self.debugging is not None else frozenset,
         )
 
     # -- sessions -------------------------------------------------------------------------------
@@ -350,15 +367,9 @@ class CellRunner:
     ) -> None:
         """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
         False: ``%taas pull`` or ``push``)."""
-        prepared, shipment, sent = session.prepare(analysed, code, returns, "" if notebook_cell else analysed.label)
         traces = profiling.ProfileFolder() if spec.profile and notebook_cell else None
-        if notebook_cell:
-            prepared = dataclasses.replace(
-                prepared,
-                debugging=self._debug_link(spec, code.co_filename),
-                profile=traces.path if traces is not None else None,
-            )
-        prepared = session.begin_serving(prepared, loaders, self.shell.user_ns)
+        order = self._order(spec, code, returns, loaders, traces, notebook_cell)
+        prepared, shipment, sent = session.prepare(analysed, order, "" if notebook_cell else analysed.label)
         front = self._front_end(view, traces is not None)
         try:
             result = session.run(prepared, shipment, ranks, spec, front, notebook_cell)

@@ -42,7 +42,7 @@ from taas_magic.wire import shipping
 from taas_magic.wire.events import Exited, Key, Output, Producer
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.records import split_position
-from taas_magic.wire.task import LoaderPlan, Returns
+from taas_magic.wire.task import CellOrder, LoaderPlan
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
 
@@ -79,15 +79,6 @@ class Session:
         self.labels.update(producer_labels(plans, first))
         return first
 
-    def begin_serving(
-        self, cell: SessionCell, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]
-    ) -> SessionCell:
-        """``cell`` with the loaders registered since the session started that it uses: the supervisor
-        starts their producers as it passes the cell on, and the ranks make their stand-ins."""
-        if not plans:
-            return cell
-        return dataclasses.replace(cell, loaders=plans, first_loader=self.serve(plans, namespace))
-
     def resend(self, names: list[str]) -> None:
         """The next cell sends these names even if the ranks hold them as the notebook does."""
         for name in names:
@@ -100,11 +91,13 @@ class Session:
 
     # -- cells ----------------------------------------------------------------------------------
     def prepare(
-        self, analysed: Cell, code: Any, returns: Returns, command: str = ""
+        self, analysed: Cell, order: CellOrder, command: str = ""
     ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
-        """The cell for the ranks: its code, and the notebook's names it reads that changed; and
-        the fingerprints of what it sends, for ``shipped`` once the ranks have it. ``command``: the line that
-        sends them (``%taas push``) when no cell does."""
+        """The cell for the ranks: its order, and the notebook's names it reads that changed; and
+        the fingerprints of what it sends, for ``shipped`` once the ranks have it. The order's loaders
+        (registered since the session started) are served from this cell on: the supervisor starts their
+        producers as it passes the cell on, and the ranks make their stand-ins. ``command``: the line that
+        sends the names (``%taas push``) when no cell does."""
         namespace = analysed.namespace
         self._forget_rebound(namespace)
         prints = _Fingerprints(namespace)  # each name's, once for this cell
@@ -120,9 +113,15 @@ class Session:
                 lambda name, value: name in self.known and self.known[name] == prints(name),
                 command,
             )
-        sources = self._new_sources(code.co_filename, analysed.label)
+        assert order.code is not None
+        sources = self._new_sources(order.code.co_filename, analysed.label)
+        first_loader = self.serve(order.loaders, namespace) if order.loaders else 0
         cell = SessionCell(
-            code, returns, shipment.data if shipment else b"", shipment.tensors_size if shipment else 0, sources
+            order,
+            shipment.data if shipment else b"",
+            shipment.tensors_size if shipment else 0,
+            sources,
+            first_loader=first_loader,
         )
         sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
         return cell, shipment, sent
@@ -178,7 +177,7 @@ class Session:
         line of it in the cell's output, no view."""
         spec = dataclasses.replace(self.spec, output="all", timeout=None)
         front = CellFrontEnd(write, read_line=read_line)
-        result = self._watch(lambda: self.group.run_cell(SessionCell(None), [rank], ()), [rank], spec, front)
+        result = self._watch(lambda: self.group.run_cell(SessionCell.post_mortem(), [rank], ()), [rank], spec, front)
         error = render.error(result, {})
         if error is not None:
             raise error
@@ -379,7 +378,7 @@ def debug_paused(
     out, _ = front.output(spec, [rank])
     pump = Pump(group, RunState(SESSION, time.monotonic(), ranks=[rank]), out, front)
     try:
-        _send(pump, lambda: group.run_cell(SessionCell(None), [rank], ()))
+        _send(pump, lambda: group.run_cell(SessionCell.post_mortem(), [rank], ()))
         pump.until_over()
     finally:
         out.finish()

@@ -12,6 +12,9 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Mapping
 
+from taas_magic.wire.events import Key
+from taas_magic.wire.records import RankActivity, split_position
+
 FRAME_LINE = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<function>.+)$')
 LIBRARIES = tuple(
     path
@@ -28,6 +31,7 @@ WORK_STARTS: tuple[tuple[str, str | None], ...] = (
     ("/taas_magic/rank/worker.py", "run_rank"),
     ("/taas_magic/launch/supervisor/tasks.py", "run_forked"),
     ("/taas_magic/launch/supervisor/ranks.py", None),
+    ("/taas_magic/launch/supervisor/forking.py", None),
     ("/taas_magic/launch/fork/backend.py", None),
 )
 
@@ -159,3 +163,20 @@ def reporting_failure(dump: str) -> bool:
     """The dump shows the process reporting a failure of its own (``rank/cell.py``'s ``_failure``): where it
     waited is gone, and what it does now says nothing of it."""
     return " in _failure" in dump
+
+
+def split_positions(stacks: Mapping[Key, str]) -> tuple[dict[Key, RankActivity], dict[Key, str]]:
+    """The positions the ranks sent with their stacks (``records.split_position``), and the stacks alone.
+
+    A position is of the moment of its stacks: it is each such rank's latest sample, which the diagnosis
+    reads with them (the periodic samples are up to a second older, and ranks in a fast loop seem far apart).
+    Not that of a rank reporting its failure: its collective, broken, counts as finished, and its last sample
+    says better where it waited.
+    """
+    positions: dict[Key, RankActivity] = {}
+    alone: dict[Key, str] = {}
+    for key, dump in stacks.items():
+        position, alone[key] = split_position(dump)
+        if position is not None and not reporting_failure(alone[key]):
+            positions[key] = position
+    return positions, alone

@@ -6,11 +6,9 @@ While a client is attached, ranks that are to be debugged connect their debugger
 to a loopback port of the kernel (``rank/visual_debugging.py``), where this module speaks to each
 as debugpy's adapter would: it sends the notebook's breakpoints and lets the rank run.
 
-The front end sees one session. Each rank numbers its threads, frames and variables from 1, as the
-kernel's own debugger does, so every id a rank sends is given a number of its own here, in a range
-the kernel's never reaches, and a request that names such an id goes to that rank with the rank's
-own id. A rank's main thread is ``rank N``, its other threads ``rank N: name``. Breakpoints set
-while ranks are connected reach them at once.
+The front end sees one session: which rank a request is for, and each message as the other end must read it,
+is decided by ``debugger_router.py``; which stopped rank the front end shows, by ``debugger_focus.py``. This
+module does their I/O. Breakpoints set while ranks are connected reach them at once.
 
 Connections are authenticated both ways with a secret of this kernel's (pydevd's access tokens),
 and bound to the loopback address.
@@ -18,7 +16,6 @@ and bound to the loopback address.
 
 from __future__ import annotations
 
-import ast
 import itertools
 import secrets
 import socket
@@ -28,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from taas_magic.kernel.debugger_focus import Focus
-from taas_magic.kernel.rank_engines import ID_KEYS, RANK_IDS, Ids, Message, RankEngine, hang_up, translate
+from taas_magic.kernel.debugger_router import Message, Router, unanswered
+from taas_magic.kernel.rank_engines import RankEngine, hang_up
 from taas_magic.process import ipykernel_private
 from taas_magic.process.kernel_debugger import hidden_thread
 from taas_magic.wire.task import DebugLink
@@ -40,19 +38,8 @@ HANDSHAKE_SECONDS = 10.0
 # ``initialize``, and every later request waits behind it. Ending a session takes the adapter milliseconds
 # (a busy machine: more); a client that attaches again sooner than this after detaching waits out the rest.
 REATTACH_SECONDS = 1.0
-GOING_ON = ("continue", "next", "stepIn", "stepOut")  # requests that let a stopped thread run
 # Where taas's own code is: stepping does not go into it, as ipykernel keeps stepping out of its own.
 _OWN_CODE = [str(Path(__file__).resolve().parents[2] / name) for name in ("taas_magic", "taas")]
-_OWN_THREADS = "taas-"  # taas's threads in a rank (its lifeline, its samplers): not the user's to debug
-_RICH = "__import__('taas_magic.rank.visual_debugging', fromlist=['rich']).rich({name})"
-
-
-_installed: "RankDebugging | None" = None  # the one installed in this kernel
-
-
-def stopped_ranks() -> frozenset[int]:
-    """The ranks of the running cell stopped in the notebook's visual debugger now."""
-    return frozenset() if _installed is None else _installed.stopped_ranks()
 
 
 class RankDebugging:
@@ -64,14 +51,14 @@ class RankDebugging:
         self.secret = secrets.token_hex(16)
         self.listener: socket.socket | None = None
         self.ranks: list[RankEngine] = []
-        self.ids = {kind: Ids() for kind in ("threads", "frames", "variables")}
+        self.router: Router[RankEngine] = Router()  # the front end's ids for the ranks' own, and what follows
         self.breakpoints: dict[str, Message] = {}  # the front end's setBreakpoints arguments, by source path
         self.exception_breakpoints: Message = {"filters": []}
         self.lock = threading.Lock()
         self.original: Callable[[Message], Any] | None = None
         self.event_numbers = itertools.count(1)
         self.cell_file = ""  # the file of the cell that runs now (cells run one at a time)
-        self.focus = Focus(self.ids, self._send_event)  # which rank threads are stopped, which one is shown
+        self.focus = Focus(self.router.ids, self._send_event)  # which rank threads are stopped, which one is shown
         self.detached_at = -REATTACH_SECONDS  # when the client last detached (time.monotonic())
 
     # -- in the kernel's life --------------------------------------------------------------------
@@ -85,17 +72,13 @@ class RankDebugging:
         """Stand between the front end and the kernel's debugger: requests for ranks go to them, and a
         re-attach too soon after a detach waits (``REATTACH_SECONDS``). Done as the extension loads,
         kept until it unloads."""
-        global _installed
         if self.original is None:
             self.original = ipykernel_private.intercept(self.debugger, self.process_request)
-        _installed = self
 
     def uninstall(self) -> None:
-        global _installed
         if self.original is not None:
             ipykernel_private.release(self.debugger, self.process_request, self.original)
         self.original = None
-        _installed = None if _installed is self else _installed
         self.close()
 
     def attached(self) -> bool:
@@ -111,7 +94,8 @@ class RankDebugging:
         return DebugLink(port, self.secret, secrets.token_hex(4), ranks, eager)
 
     def stopped_ranks(self) -> frozenset[int]:
-        """The ranks stopped in the debugger now. Cells run one at a time, so they are the running cell's."""
+        """The ranks stopped in the debugger now. Cells run one at a time, so they are the running cell's: its
+        pump counts their time as a person's (``CellFrontEnd.stopped``)."""
         return self.focus.now.stopped_ranks()
 
     def sees_breakpoints(self) -> bool:
@@ -138,7 +122,7 @@ class RankDebugging:
         arguments = message.get("arguments") or {}
         if message["command"] == "continue" and self._continues_the_shown_rank(arguments):
             arguments = message["arguments"] = {**arguments, "threadId": self.focus.now.shown}
-        owner = self._owner(arguments)
+        owner = self.router.owner(arguments)
         if owner is not None:
             answered: Message = await _in_thread(lambda: self._for_rank(owner, message))
             return answered
@@ -160,136 +144,49 @@ class RankDebugging:
             for rank in self._connected():
                 rank.send(command, arguments)
         elif command == "debugInfo" and reply.get("success"):
-            reply["body"]["stoppedThreads"] += self._stopped_threads()
+            reply["body"]["stoppedThreads"] += self.focus.now.stopped_threads()
         return reply
 
     def _continues_the_shown_rank(self, arguments: Message) -> bool:
-        """Whether a ``continue`` meant for no stopped thread of the kernel's is for the rank the front end
-        shows: JupyterLab forgets the thread it shows before it sends ``continue``, and names thread 1."""
-        thread = arguments.get("threadId")
         kernel_stopped = ipykernel_private.stopped_threads(self.debugger)
-        shown = self.focus.now.shown
-        return (
-            shown is not None
-            and isinstance(thread, int)
-            and thread < RANK_IDS
-            and thread not in kernel_stopped
-            and self.ids["threads"].inward(shown) is not None
-        )
-
-    def _owner(self, arguments: Message) -> RankEngine | None:
-        for key, kind in ID_KEYS.items():
-            number = arguments.get(key)
-            if isinstance(number, int) and number >= RANK_IDS:
-                found = self.ids[kind].inward(number)
-                return None if found is None else found[0]
-        return None
+        return self.router.continues_the_shown_rank(arguments, kernel_stopped, self.focus.now.shown)
 
     def _for_rank(self, rank: RankEngine, message: Message) -> Message:
         """A request about a rank's thread, frame or variable, answered by that rank."""
-        command, arguments = message["command"], self._inward(message.get("arguments") or {})
-        if command == "richInspectVariables":
-            return self._rich(rank, message, arguments)
-        if command == "copyToGlobals":
-            command, arguments = (
-                "setExpression",
-                {
-                    "expression": f"globals()[{arguments['dstVariableName']!r}]",
-                    "value": arguments["srcVariableName"],
-                    "frameId": arguments["srcFrameId"],
-                },
-            )
+        if message["command"] == "richInspectVariables":
+            return self._rich(rank, message)
+        command, arguments = self.router.request(message)
         try:
-            reply = self._outward(rank, rank.request(command, arguments))
-        except ConnectionError as e:
-            reply = _left(rank, command, e)
-        except TimeoutError as e:
-            reply = {"success": False, "message": f"{rank.label}: {e}"}
-        if command == "stackTrace" and reply.get("success"):
-            self._rank_frames(rank, reply["body"], arguments.get("startFrame", 0))
-        if command == "variables" and reply.get("success"):
-            accept = ipykernel_private.variable_filter(self.debugger)
-            reply["body"]["variables"] = [v for v in reply["body"]["variables"] if accept(v["name"])]
-        return {
-            **reply,
-            "type": "response",
-            "command": message["command"],
-            "request_seq": message["seq"],
-            "seq": message["seq"],
-        }
+            answer = rank.request(command, arguments)
+        except (ConnectionError, TimeoutError) as e:
+            answer = unanswered(rank, command, e)
+        accept = ipykernel_private.variable_filter(self.debugger)
+        return self.router.reply(rank, answer, message, self.cell_file, accept)
 
-    def _rank_frames(self, rank: RankEngine, body: Message, start: int) -> None:
-        """A rank's stack as its cell sees it: down to the cell's own frame, each frame named with the rank
-        (JupyterLab shows frames, not threads). The frames below are how the rank came to run the cell:
-        the kernel's, copied by the fork, or the fork server's."""
-        frames = body.get("stackFrames", [])
-        for index, frame in enumerate(frames):
-            frame["name"] = f"{rank.label}: {frame['name']}"
-            if frame.get("source", {}).get("path") == self.cell_file and frame["name"].endswith("<module>"):
-                del frames[index + 1 :]
-                body["totalFrames"] = start + index + 1
-                return
-
-    def _rich(self, rank: RankEngine, message: Message, arguments: Message) -> Message:
+    def _rich(self, rank: RankEngine, message: Message) -> Message:
         """A variable's rich display, formatted in the rank as the notebook would format it."""
-        name = arguments.get("variableName", "")
-        data: Message = {"data": {}, "metadata": {}}
-        if name.isidentifier():
+        evaluation = self.router.rich_request(message)
+        answer = None
+        if evaluation is not None:
             try:
-                reply = rank.request(
-                    "evaluate",
-                    {
-                        "expression": _RICH.format(name=name),
-                        "frameId": arguments.get("frameId"),
-                        "context": "clipboard",
-                    },
-                )
-                if reply.get("success"):
-                    bundle, metadata = ast.literal_eval(reply["body"]["result"])
-                    data = {"data": bundle, "metadata": {kind: metadata[kind] for kind in metadata if kind in bundle}}
-            except (ConnectionError, TimeoutError, ValueError, SyntaxError):
-                pass
-        return {
-            "type": "response",
-            "request_seq": message["seq"],
-            "seq": message["seq"],
-            "success": True,
-            "command": message["command"],
-            "body": data,
-        }
+                answer = rank.request("evaluate", evaluation)
+            except (ConnectionError, TimeoutError):
+                pass  # shown as no display
+        return self.router.rich_reply(message, answer)
 
     def _threads(self) -> list[Message]:
         """Every connected rank's threads, named after the rank."""
         threads = []
         for rank in self._connected():
             try:
-                reply = rank.request("threads", {}, timeout=2.0)
+                threads += self.router.threads(rank, rank.request("threads", {}, timeout=2.0))
             except (ConnectionError, TimeoutError):
                 continue
-            for thread in reply.get("body", {}).get("threads", []):
-                if thread["name"].startswith(_OWN_THREADS):
-                    continue
-                name = rank.label if thread["name"] == "MainThread" else f"{rank.label}: {thread['name']}"
-                threads.append({"id": self.ids["threads"].outward(rank, thread["id"]), "name": name})
         return threads
-
-    def _stopped_threads(self) -> list[int]:
-        return self.focus.now.stopped_threads()
 
     def _connected(self) -> list[RankEngine]:
         with self.lock:
             return list(self.ranks)
-
-    # -- ids ---------------------------------------------------------------------------------------
-    def _inward(self, value: Any) -> Any:
-        return translate(value, lambda kind, number: self._local(kind, number))
-
-    def _local(self, kind: str, number: int) -> int:
-        found = self.ids[kind].inward(number) if number >= RANK_IDS else None
-        return number if found is None else found[1]
-
-    def _outward(self, rank: RankEngine, value: Any) -> Any:
-        return translate(value, lambda kind, number: self.ids[kind].outward(rank, number))
 
     # -- ranks joining, and their events -----------------------------------------------------------
     def _listen(self) -> int:
@@ -379,12 +276,3 @@ async def _in_thread(work: Callable[[], Any]) -> Any:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(work)
-
-
-def _left(rank: RankEngine, command: str, error: ConnectionError) -> Message:
-    """The answer for a rank that left the debugger before it answered. A rank leaves only by ending: one
-    told to go on did, whether or not its answer went out before it ended (its threads' exit follows,
-    ``_gone``); any other request failed."""
-    if command in GOING_ON:
-        return {"success": True, "body": {}}
-    return {"success": False, "message": f"{rank.label}: {error}"}

@@ -11,7 +11,6 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from types import CodeType
 from typing import Any
 
 from taas_magic.errors import ProducersGone
@@ -21,33 +20,31 @@ from taas_magic.process.tracebacks import format_traceback, frames_as_dump
 from taas_magic.rank import profiling, progress, sharded, visual_debugging, vitals
 from taas_magic.wire import results
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
-from taas_magic.wire.task import DebugLink, RankTask, Returns
+from taas_magic.wire.task import CellOrder, LoaderPlan, RankTask, Returns
 
 Report = Callable[[Failed], None]
 
 
 def run_cell(
-    code: CodeType,
-    returns: Returns,
+    order: CellOrder,
     namespace: dict[str, Any],
     shell: Any,
     task: RankTask,
-    debugging: DebugLink | None,
+    served: tuple[LoaderPlan, ...],
     report_early: Report | None = None,
-    profile: str | None = None,
 ) -> tuple[int, CellEnded | Failed, results.Packed | None, BaseException | None]:
-    """Run one cell's code: (exit status, how it ended, the pickled names this rank sends back, the error
-    it raised). The names are None in a rank that sends none (``returns.ranks``). ``debugging``: how
-    the rank joins the notebook's visual debugger, while one is attached. ``report_early``: how a one-shot
-    rank says at once that a peer's loss broke it (see ``_failure``). ``profile``: the folder its trace goes
-    to, when the cell runs under torch.profiler (``--profile``)."""
-    _delivery_summaries(task, namespace)  # a session cell sums up its own loops, not those of one that failed
+    """Run one cell as ``order`` says: (exit status, how it ended, the pickled names this rank sends back,
+    the error it raised). The names are None in a rank that sends none (``order.returns``). ``served``: the
+    registered loaders whose stand-ins the rank holds, each summed up for the cell. ``report_early``: how a
+    one-shot rank says at once that a peer's loss broke it (see ``_failure``)."""
+    assert order.code is not None  # an order without code opens the debugger instead (rank/session.py)
+    _delivery_summaries(served, namespace)  # a session cell sums up its own loops, not those of one that failed
     exited = None  # how the cell ended early without failing: "sys.exit(0)"
     try:
         try:
-            with vitals.sampling(), profiling.profiled(profile, task.device):
-                visual_debugging.take_part(debugging, int(os.environ.get("RANK", "0")))
-                exec(code, namespace)
+            with vitals.sampling(), profiling.profiled(task.traces_folder(order), task.device):
+                visual_debugging.take_part(order.debugging, int(os.environ.get("RANK", "0")))
+                exec(order.code, namespace)
         finally:
             progress.flush()
     except SystemExit as e:
@@ -57,8 +54,8 @@ def run_cell(
     except BaseException as e:
         return _failure(e, shell, task, report_early=report_early) + (None, e)
     ended = time.monotonic()  # compared with other ranks' failures: did this rank leave before them?
-    data, skipped = _results(returns, namespace)
-    return 0, CellEnded(ended, skipped, _delivery_summaries(task, namespace), exited or ""), data, None
+    data, skipped = _results(order.returns, namespace)
+    return 0, CellEnded(ended, skipped, _delivery_summaries(served, namespace), exited or ""), data, None
 
 
 def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -> tuple[int, Failed]:
@@ -66,12 +63,10 @@ def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -
     return _failure(error, shell, task)
 
 
-def _delivery_summaries(task: RankTask, namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
+def _delivery_summaries(served: tuple[LoaderPlan, ...], namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
     """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting."""
     summaries = {
-        plan.name: namespace[plan.name].summary()
-        for plan in task.loaders
-        if hasattr(namespace.get(plan.name), "summary")
+        plan.name: namespace[plan.name].summary() for plan in served if hasattr(namespace.get(plan.name), "summary")
     }
     return {name: summary for name, summary in summaries.items() if summary is not None}
 

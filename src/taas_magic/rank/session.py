@@ -26,7 +26,7 @@ from taas_magic.wire import memfile, records, results, shipping
 from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
 from taas_magic.wire.records import CellEnded
-from taas_magic.wire.task import RankTask
+from taas_magic.wire.task import CellOrder, LoaderPlan, RankTask
 
 
 def open_control(fds: RankFds) -> RankEnd | None:
@@ -42,16 +42,17 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     ends the rank (and so the session), as it would end a script.
     """
     last_error: BaseException | None = None
-    cell = SessionCell(task.code, task.returns, debugging=task.debugging, profile=task.profile)
+    order = task.order
+    served = order.loaders  # every loader the session serves, those registered since it started too
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     while True:
-        if cell.code is None:
+        if order.code is None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(cell, namespace, shell, task, interrupted)
+            status, record, names, error = _run(order, namespace, shell, task, served, interrupted)
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -62,13 +63,15 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
         if received is None:
             return 0
         cell, tensors_fd, ends = received
+        order = cell.order
         held = _take_interrupts(control)
         register_sources(cell.sources)
         reloads.before_cell(cell.reload)  # before the names: the notebook's came from the new code
         if cell.names:
             shipping.unpack_into(namespace, cell.names, tensors_fd, cell.tensors_size)
-        if cell.loaders:
-            task = _stand_in_for_new_loaders(task, cell, ends, namespace)
+        if order.loaders:
+            _stand_in_for_new_loaders(task, order.loaders, ends, namespace)
+            served += order.loaders
         interrupted = held.came
 
 
@@ -84,18 +87,22 @@ def _take_interrupts(control: RankEnd) -> containment.HeldInterrupts:
 
 
 def _run(
-    cell: SessionCell, namespace: dict[str, Any], shell: Any, task: RankTask, interrupted: bool
+    order: CellOrder,
+    namespace: dict[str, Any],
+    shell: Any,
+    task: RankTask,
+    served: tuple[LoaderPlan, ...],
+    interrupted: bool,
 ) -> tuple[int, Any, results.Packed | None, BaseException | None]:
     """The cell's code with interrupts on: they raise KeyboardInterrupt in it, as in a kernel.
 
     ``interrupted``: one came while the cell's names were unpacked; its code does not start.
     """
-    assert cell.code is not None  # a cell without code opens the debugger instead (serve)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if interrupted:
             raise KeyboardInterrupt
-        return run_cell(cell.code, cell.returns, namespace, shell, task, cell.debugging, profile=cell.profile)
+        return run_cell(order, namespace, shell, task, served)
     except KeyboardInterrupt as e:  # outside the cell's code: before it began
         return (*stopped_before_start(e, shell, task), None, e)
     finally:
@@ -141,21 +148,17 @@ def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | 
             cell, fds = control.receive()
     except ChannelBroken:
         return None
-    ends = len(fds) - 2 * len(cell.loaders)
+    ends = len(fds) - 2 * len(cell.order.loaders)
     return cell, (fds[0] if ends else None), fds[ends:]
 
 
 def _stand_in_for_new_loaders(
-    task: RankTask, cell: SessionCell, ends: list[int], namespace: dict[str, Any]
-) -> RankTask:
-    """Loaders registered since the session started: their names become stand-ins from this cell on,
-    and the task names them, so each cell sums them up as it does the others."""
-    import dataclasses
-
+    task: RankTask, plans: tuple[LoaderPlan, ...], ends: list[int], namespace: dict[str, Any]
+) -> None:
+    """Loaders registered since the session started: their names become stand-ins from this cell on."""
     from taas_magic.delivery.service import late_stand_ins
 
-    late_stand_ins(cell.loaders, ends, namespace, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), task.device)
-    return dataclasses.replace(task, loaders=task.loaders + cell.loaders)
+    late_stand_ins(plans, ends, namespace, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), task.device)
 
 
 def _debug(error: BaseException | None, control: RankEnd) -> records.Record:

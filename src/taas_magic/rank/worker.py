@@ -83,7 +83,7 @@ def run_rank(
             session.await_debugger(error, control)
         return status
     finally:
-        for plan in task.loaders:
+        for plan in task.order.loaders:
             finish = getattr(namespace.get(plan.name), "finish", None)
             if finish is not None:
                 finish(lambda record: report(fds.report, record))
@@ -95,7 +95,7 @@ def run_rank(
 
 def _namespace(task: RankTask, shell: Any, shipped: dict[str, Any] | None) -> dict[str, Any]:
     if shipped is not None:
-        if "get_ipython" in code_names(task.code):
+        if task.order.code is not None and "get_ipython" in code_names(task.order.code):
             _standalone_shell(shipped)
         return shipped
     return shell.user_ns if shell is not None else {"__name__": "__main__"}
@@ -176,14 +176,12 @@ def _execute(
     """A one-shot cell: run it, then say how it ended: with its names, on the control channel, where the rank
     sends names (``session.send_end``); on its report pipe otherwise."""
     status, record, names, error = run_cell(
-        task.code,
-        task.returns,
+        task.order,
         namespace,
         shell,
         task,
-        task.debugging,
+        task.order.loaders,
         report_early=lambda early: report(fds.report, early),
-        profile=task.profile,
     )
     try:
         if names is not None and control is not None:

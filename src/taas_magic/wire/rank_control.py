@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from types import CodeType
 from typing import ClassVar, Union
 
 from taas_magic.wire.channel import Channel
-from taas_magic.wire.task import DebugLink, LoaderPlan, Returns
+from taas_magic.wire.task import CellOrder
 
 
 @dataclass(frozen=True)
@@ -34,21 +33,23 @@ class Reload:
 # -- supervisor → rank ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SessionCell:
-    """A cell for a session's ranks: its code and the notebook's names that changed since the last."""
+    """A cell for a session's ranks: what they do with it, and what they lack to do it: the notebook's
+    names that changed since the last cell, and its new cells' code for tracebacks."""
 
     kind: ClassVar[str] = "cell"
-    code: CodeType | None  # None: open the debugger at the last cell's error instead
-    returns: Returns = Returns()  # what comes back into the notebook, and from which ranks
+    order: CellOrder  # its code None: open the debugger at the last cell's error instead
     names: bytes = b""  # shipped names (``shipping.pack``), empty when none changed
     tensors_size: int = 0  # the tensors' memory file comes with the message, when there is one
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)  # new cells, for tracebacks
     reload: Reload | None = None  # the modules to reload first, as the kernel's autoreload did (None: keep them)
-    # Registered loaders the session begins to serve with this cell, the first numbered
-    # ``first_loader`` among its loaders: the supervisor starts their producers.
-    loaders: tuple[LoaderPlan, ...] = ()
+    # The number of the first of the order's loaders among those the session serves: the supervisor starts
+    # their producers, the ranks make their stand-ins.
     first_loader: int = 0
-    debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it
-    profile: str | None = None  # --profile: the folder each rank writes this cell's trace to
+
+    @classmethod
+    def post_mortem(cls) -> "SessionCell":
+        """``%taas debug``: no code; the rank opens its debugger at its last cell's error."""
+        return cls(CellOrder(None))
 
 
 @dataclass(frozen=True)

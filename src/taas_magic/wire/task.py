@@ -211,23 +211,46 @@ class DebugLink:
 
 
 @dataclass(frozen=True)
-class RankTask:
-    """What every rank runs: the cell's compiled code, and how to bind the rank to its device."""
+class CellOrder:
+    """What the ranks do with one cell: the cell's own options, the one record of them that travels.
 
-    code: CodeType
+    The kernel makes it once per cell from the cell's options (``kernel/runner.py``); a one-shot run's
+    ``RankTask`` and a session's ``SessionCell`` carry it unchanged, through a fork server or a cluster
+    node's agent, and one function in the rank reads it (``rank/cell.py``, ``run_cell``). A new per-cell
+    option is a field here, its value where the kernel makes the order, and its use in ``run_cell``.
+    """
+
+    code: CodeType | None  # None: a session's rank opens the post-mortem debugger at its last error instead
+    returns: Returns = Returns()  # what comes back into the notebook, and from which ranks
+    loaders: tuple[LoaderPlan, ...] = ()  # registered loaders the ranks serve from this cell on
+    debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it
+    profile: str | None = None  # --profile: the kernel's folder for the ranks' traces (rank/profiling.py)
+
+
+@dataclass(frozen=True)
+class RankTask:
+    """What every rank of a run is given: its first (a one-shot run's only) cell, and how the run's ranks
+    are set up: their device, the kernel's state a spawned rank takes on, a session's lifetime."""
+
+    order: CellOrder
     device: str  # "cuda" or "cpu"
     threads: int  # intra-op threads on CPU
-    returns: Returns = Returns()  # what comes back into the notebook, and from which ranks
     # The notebook's cells by file name: (label, code), for tracebacks where the kernel's line cache
     # is not inherited: {".../ipykernel_1/2.py": ("Cell In[5]", "x = 1\n")}.
     sources: dict[str, tuple[str, str]] = field(default_factory=dict)
-    loaders: tuple[LoaderPlan, ...] = ()  # the registered loaders the cell uses
     context: KernelContext | None = None  # spawned ranks: the kernel's environment, folder, sys.path, torch settings
     seed: int | None = None  # the run's base seed, drawn in the kernel; each rank derives its own (rank/state.py)
     delivery: NodeDeliveryEnds | None = None  # on a cluster node: its share of data delivery, set by its agent
+    # On a cluster node: the agent's folder where its ranks write --profile traces, which it sends on to the
+    # kernel's (``CellOrder.profile``); set by the agent. None: the ranks write into the kernel's folder.
+    node_traces: str | None = None
     keep: bool = False  # a session: the ranks stay, running the cells they are sent (rank/session.py)
     idle_limit: float | None = None  # a session ends after this many seconds without a cell
     debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
     track: bool = True  # the rank samples its activity for the hang watchdog (off with --hang-after 0)
-    debugging: DebugLink | None = None  # the notebook's visual debugger is on: how the ranks join it
-    profile: str | None = None  # --profile: the folder each rank writes its trace to (rank/profiling.py)
+
+    def traces_folder(self, order: CellOrder) -> str | None:
+        """Where this machine's ranks write their traces of ``order``'s cell; None: it is not profiled."""
+        if order.profile is None:
+            return None
+        return self.node_traces or order.profile

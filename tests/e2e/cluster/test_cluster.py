@@ -751,7 +751,7 @@ def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registe
 def test_nodes_whose_free_resources_the_cluster_did_not_report_count_as_unknown_not_busy():
     """Through Ray Client a task reports what is free; one that did not answer in time says nothing."""
     from taas_magic.configurations import load_catalog
-    from taas_magic.launch.cluster.connection import Node, free_count
+    from taas_magic.launch.cluster.nodes import Node, free_count
 
     shape = load_catalog().get("g2.8")
     free = Node("a", "127.0.0.2", {"taas:g2.8": 1, "GPU": 8}, {"taas:g2.8": 1, "GPU": 8})

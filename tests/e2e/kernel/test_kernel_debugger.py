@@ -15,7 +15,7 @@ import psutil
 import pytest
 from support.kernel import Kernel
 
-from taas_magic.kernel.rank_engines import RANK_IDS
+from taas_magic.kernel.debugger_router import RANK_IDS
 from taas_magic.kernel.visual_debugger import REATTACH_SECONDS
 
 MOSTLY_WAITS = True  # for the debugger's client and for paused ranks (tests/conftest.py)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from taas_magic.kernel import debugger_focus
 from taas_magic.kernel.debugger_focus import Focus
-from taas_magic.kernel.rank_engines import Ids, RankEngine
+from taas_magic.kernel.debugger_router import Ids
+from taas_magic.kernel.rank_engines import RankEngine
 
 
 def ranks(count: int) -> list[RankEngine]:

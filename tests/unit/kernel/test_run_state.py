@@ -31,7 +31,8 @@ from taas_magic.kernel.run_actions import (
     Why,
 )
 from taas_magic.kernel.run_result import ONE_SHOT, SESSION, EndCause, Outcome
-from taas_magic.kernel.run_state import Phase, RunState, StopCause
+from taas_magic.kernel.run_state import Phase, RunState
+from taas_magic.kernel.run_stop import StopCause
 from taas_magic.kernel.stacks import stack_lines
 from taas_magic.rank import cell
 from taas_magic.wire.events import Producer

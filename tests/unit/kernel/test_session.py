@@ -91,7 +91,7 @@ def session_of(group: ScriptedSessionGroup) -> Session:
 def run(session: Session, ranks: Iterable[int] = (0, 1)) -> list[tuple[str, str]]:
     written: list[tuple[str, str]] = []
     front = CellFrontEnd(lambda s, t: written.append((s, t)), read_line=input)
-    session.run(SessionCell(None), None, list(ranks), session.spec, front)
+    session.run(SessionCell.post_mortem(), None, list(ranks), session.spec, front)
     return written
 
 

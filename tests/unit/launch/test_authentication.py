@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.launch.cluster import authentication, connection
+from taas_magic.launch.cluster import address_checks, authentication
 
 ADDRESS = "10.0.0.5:6379"
 
@@ -79,10 +79,9 @@ def test_connecting_in_token_mode_without_a_token_fails_in_one_line_before_the_c
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
-    monkeypatch.setattr(connection, "ray_module", lambda: None)  # imported, never asked: a fake is enough
-    monkeypatch.setattr(connection, "_check_answers", lambda address: pytest.fail("the cluster was asked"))
+    monkeypatch.setattr(address_checks, "_check_answers", lambda address: pytest.fail("the cluster was asked"))
     with pytest.raises(TaasUsageError, match=r"^the Ray cluster at 127.0.0.1:1 requires a token and this notebook"):
-        connection.Cluster.check("127.0.0.1:1")
+        address_checks.check("127.0.0.1:1")
 
 
 @pytest.mark.parametrize(
@@ -95,8 +94,7 @@ def test_connecting_in_token_mode_without_a_token_fails_in_one_line_before_the_c
     ],
 )
 def test_an_address_that_is_not_one_is_named_as_such_before_anything_is_asked(monkeypatch, address, said):
-    monkeypatch.setattr(connection, "ray_module", lambda: None)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     with pytest.raises(TaasUsageError) as raised:
-        connection.Cluster.check(address)
+        address_checks.check(address)
     assert str(raised.value).startswith(f"cluster address {address!r} is not HOST:PORT") and said in str(raised.value)

@@ -12,9 +12,9 @@ from taas_magic.launch.cluster.traces import NodeTraces, write_into
 
 def test_a_node_sends_each_whole_trace_once_and_none_still_being_written(tmp_path):
     traces = NodeTraces(str(tmp_path / "node-"))
-    assert traces.folder_for(None) is None and traces.take() == {}, "no profiling, no folder"
-    folder = traces.folder_for("/the/kernels/folder")
-    assert folder is not None and folder != "/the/kernels/folder" and traces.folder_for("/elsewhere") == folder
+    assert traces.take() == {}, "no run, no folder"
+    folder = traces.open()
+    assert os.path.isdir(folder) and traces.open() == folder, "one folder for the run"
     for name, data in (("rank-0.json", b"{}"), ("rank-1.json.part", b"{"), ("notes.txt", b"x")):
         with open(os.path.join(folder, name), "wb") as file:
             file.write(data)

@@ -7,7 +7,7 @@ from typing import Any
 
 from taas_magic.rank.cell import run_cell
 from taas_magic.wire.records import Failed
-from taas_magic.wire.task import RankTask
+from taas_magic.wire.task import CellOrder, RankTask
 
 SOURCE = """
 def all_reduce():
@@ -37,13 +37,13 @@ class SlowShell:
 
 def _run(source: str, events: list[str], early: list[Failed], keep: bool = True) -> Failed:
     # keep: a session's task, so that the test's own process holds no SIGTERM (a one-shot rank holds it)
-    task = RankTask(code=compile(source, "<cell>", "exec"), device="cpu", threads=1, keep=keep, track=False)
+    task = RankTask(CellOrder(compile(source, "<cell>", "exec")), device="cpu", threads=1, keep=keep, track=False)
 
     def report_early(record: Failed) -> None:
         events.append("early")
         early.append(record)
 
-    status, record, _, error = run_cell(task.code, task.returns, {}, SlowShell(events), task, None, report_early)
+    status, record, _, error = run_cell(task.order, {}, SlowShell(events), task, (), report_early)
     assert status != 0 and error is not None and isinstance(record, Failed)
     return record
 

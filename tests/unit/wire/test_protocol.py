@@ -24,7 +24,7 @@ import taas_magic.wire
 from taas_magic.wire import fork_server, rank_control, supervision
 from taas_magic.wire.channel import ChannelBroken, new_secret, socket_pair
 from taas_magic.wire.shipping import Shipment
-from taas_magic.wire.task import KernelContext, LoaderPlan, RankTask, Returns, TorchSettings
+from taas_magic.wire.task import CellOrder, KernelContext, LoaderPlan, RankTask, Returns, TorchSettings
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 SECTION = "## Messages between processes"
@@ -156,10 +156,12 @@ def test_each_end_takes_only_the_other_direction() -> None:
 def test_a_rank_takes_a_session_cell_and_its_supervisor_the_cells_end() -> None:
     with connected(rank_control.supervisor_end, rank_control.rank_end, "run-r") as (supervisor, rank):
         returns = Returns(("x",), frozenset({0, 2}), running=frozenset({0, 2}))
-        cell = rank_control.SessionCell(compile("x = 1", "<cell>", "exec"), returns, reload=rank_control.Reload(True))
+        cell = rank_control.SessionCell(
+            CellOrder(compile("x = 1", "<cell>", "exec"), returns), reload=rank_control.Reload(True)
+        )
         supervisor.send(cell)
         received, _ = rank.receive()
-        assert isinstance(received, rank_control.SessionCell) and received.returns == returns
+        assert isinstance(received, rank_control.SessionCell) and received.order.returns == returns
         assert received.reload == rank_control.Reload(True)
         rank.send(rank_control.CellEnd(b"{}", None))
         assert supervisor.receive() == (rank_control.CellEnd(b"{}", None), [])
@@ -168,7 +170,11 @@ def test_a_rank_takes_a_session_cell_and_its_supervisor_the_cells_end() -> None:
 def test_the_fork_server_takes_run_requests_and_the_kernel_takes_nothing() -> None:
     with connected(fork_server.kernel_end, fork_server.server_end) as (kernel, server):
         request = fork_server.StartRun(
-            "run-s", new_secret(), {}, RankTask(compile("", "<cell>", "exec"), "cpu", 1), Shipment(b"", None, 0)
+            "run-s",
+            new_secret(),
+            {},
+            RankTask(CellOrder(compile("", "<cell>", "exec")), "cpu", 1),
+            Shipment(b"", None, 0),
         )
         server.send(request)  # a request, sent the wrong way
         with pytest.raises(ChannelBroken, match="unexpected message 'run'"):

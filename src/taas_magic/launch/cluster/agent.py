@@ -200,8 +200,7 @@ class NodeAgent:
             memfile.write_bytes(fd, payload.tensors)
         shipment = Shipment(payload.data, fd, len(payload.tensors))
         ends, fds = delivery.ends() if delivery is not None else (None, [])
-        profile = self.traces.folder_for(payload.task.profile)
-        task = dataclasses.replace(payload.task, context=context, delivery=ends, profile=profile)
+        task = dataclasses.replace(payload.task, context=context, delivery=ends, node_traces=self.traces.open())
         return ForkServerRequest(task, shipment, payload.aliases, tuple(fds))
 
     def relay_address(self, run_id: str) -> tuple[str, int] | None:
@@ -242,7 +241,6 @@ class NodeAgent:
         if tensors:
             fd = memfile.new_file("taas-tensors", len(tensors))
             memfile.write_bytes(fd, tensors)
-        cell = dataclasses.replace(cell, profile=self.traces.folder_for(cell.profile))
         try:
             self.group.run_cell(cell, ranks, (fd,) if fd is not None else ())
         finally:

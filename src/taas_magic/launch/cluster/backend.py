@@ -90,7 +90,7 @@ class ClusterBackend:
         # Each node's agent fills in its own environment, a run folder and its sys.path.
         context = KernelContext(connection.kernel_variables(os.environ), "", [], TorchSettings.of_this_process())
         task = make_task(sources=notebook_cells(cell), context=context)
-        cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.loaders})
+        cell = dataclasses.replace(cell, reads=cell.reads | {plan.name for plan in task.order.loaders})
         request = ship(task, cell, to="ranks on the cluster's nodes")
         try:
             shipment = request.shipment
@@ -101,7 +101,7 @@ class ClusterBackend:
         finally:
             request.close()
         assert isinstance(payload, int)
-        return ClusterPlan(self.cluster, payload, task.loaders, request.holding, task.profile)
+        return ClusterPlan(self.cluster, payload, task.order.loaders, request.holding, task.order.profile)
 
     def start(self, plan: ClusterPlan, launch: Launch) -> "ClusterRanks":
         request = StartOnNodes(
@@ -166,7 +166,7 @@ class ClusterRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
-        self.profile = cell.profile
+        self.profile = cell.order.profile
         self._ask(RunCell(self.run_id, cell, tuple(ranks), os.getcwd()), fds[:1] if cell.tensors_size else ())
 
     def answer(self, rank: Key, line: str | None) -> None:

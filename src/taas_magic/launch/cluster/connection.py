@@ -1,11 +1,10 @@
 """The cluster driver's connection to a Ray cluster: its nodes by configuration, placement, warm agents.
 
-It runs in the cluster driver (``driver.py``), the process that is Ray's driver for the kernel;
-the kernel itself calls only ``Cluster.check``, which imports no Ray.
+It runs in the cluster driver (``driver.py``), the process that is Ray's driver for the kernel. What
+can be known of an address before connecting is ``address_checks.py`` (the kernel's too, without Ray);
+which configuration a node fits, and what a run reserves on it, is ``nodes.py``.
 
-A node belongs to a configuration when it declares the Ray resource ``taas:NAME``; a cluster
-without such labels is matched by GPU count (CPU count for CPU configurations). A run
-takes its nodes whole through one placement group (one bundle per node, STRICT_SPREAD), so two
+A run takes its nodes whole through one placement group (one bundle per node, STRICT_SPREAD), so two
 runs never share a node, and a run that cannot have its nodes is told so within seconds. The data
 producers of a run's registered loaders take CPU nodes (c1.4) of their own in the same group.
 
@@ -17,11 +16,8 @@ on its own (the driver finds it gone when it next needs the node and starts anot
 
 from __future__ import annotations
 
-import importlib.util
-import ipaddress
 import logging
 import os
-import socket
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,24 +25,22 @@ from typing import Any, Collection, Mapping
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError, first_line
-from taas_magic.launch.cluster import authentication, ray_private
+from taas_magic.launch.cluster import address_checks, authentication, ray_private
 from taas_magic.launch.cluster.agent import NodeAgent, NodeInfo
+from taas_magic.launch.cluster.nodes import LABEL, Node, bundle_for, free_count, holds, producer_nodes
 from taas_magic.launch.cluster.notebook_folder import Packages
 from taas_magic.process import containment
 
 ENV_VAR = "TAAS_CLUSTER"
 IDLE_VAR = "TAAS_CLUSTER_IDLE"
-LABEL = "taas:"  # prefix of the Ray resource naming a node's configuration
 PLACEMENT_SECONDS = 8.0  # how long a run waits for busy nodes to free up before it is refused
 AGENT_START_SECONDS = 120.0  # an agent's first answer waits for its Ray worker to start
 AGENT_IDLE_SECONDS = 600.0  # an agent unused this long leaves (TAAS_CLUSTER_IDLE)
-CONNECT_SECONDS = 5.0  # how long an address may take to answer before connecting is given up
 CHECK_SECONDS = 5.0  # a warm agent that does not answer this soon is replaced
 LAUNCH_HOLD_SECONDS = 300.0  # the longest from a launch's first call to an agent to its run's start
 FREE_SECONDS = 30.0  # how long Ray Client's kernel waits to learn which nodes are free
 REUSE_SECONDS = 1.0  # a run right after another waits up to this long for Ray to see its nodes free
 NAMESPACE = "taas"
-NO_RAY = "running on a cluster needs Ray: pip install 'taas-magic[ray]'"
 AGENT_THREADS = 16  # an agent's calls at once: the kernel's (one at a time), and other nodes asking where to connect
 
 
@@ -59,47 +53,8 @@ def ray_module() -> Any:
         try:
             import ray
         except ImportError:
-            raise TaasUsageError(NO_RAY) from None
+            raise TaasUsageError(address_checks.NO_RAY) from None
     return ray
-
-
-@dataclass(frozen=True)
-class Node:
-    """One alive node of the cluster, as Ray describes it."""
-
-    node_id: str
-    address: str
-    resources: Mapping[str, float]  # in total
-    available: Mapping[str, float] | None  # not held by anyone right now; None: the cluster did not say in time
-
-    @property
-    def labels(self) -> list[str]:
-        return sorted(key[len(LABEL) :] for key in self.resources if key.startswith(LABEL))
-
-    def fits(self, configuration: Configuration) -> bool:
-        if self.labels:
-            return configuration.name in self.labels
-        if configuration.gpus:
-            return int(self.resources.get("GPU", 0)) == configuration.gpus
-        return not self.resources.get("GPU") and self.resources.get("CPU", 0) >= configuration.cpus
-
-    def free_for(self, configuration: Configuration) -> bool:
-        return self.available is not None and _holds(self.available, bundle_for(configuration, self))
-
-
-def free_count(nodes: list[Node], configuration: Configuration) -> int | None:
-    """How many of ``nodes`` are free for ``configuration``; None when the cluster did not say
-    (a count would claim busy nodes that may be free)."""
-    if any(node.available is None for node in nodes):
-        return None
-    return sum(node.free_for(configuration) for node in nodes)
-
-
-def bundle_for(configuration: Configuration, node: Node | None = None) -> dict[str, float]:
-    """What a run reserves on each of its nodes: the whole node, named by its label or its shape."""
-    if node is None or node.labels:
-        return {LABEL + configuration.name: 1}
-    return {"GPU": configuration.gpus} if configuration.gpus else {"CPU": configuration.cpus}
 
 
 @dataclass
@@ -129,7 +84,7 @@ class Placement:
         while time.monotonic() < deadline:
             available = _available_by_node(ray, max(deadline - time.monotonic(), 0.01))
             if available is not None and all(
-                _holds(available.get(node.node_id, {}), bundle) for node, bundle in zip(self.nodes, self.bundles)
+                holds(available.get(node.node_id, {}), bundle) for node, bundle in zip(self.nodes, self.bundles)
             ):
                 return
             time.sleep(0.01)
@@ -154,14 +109,15 @@ class Cluster:
         cluster = cls(address)
         cluster.idle_seconds = idle_seconds
         if not ray.is_initialized():
-            host = cls.check(address)
+            host = address_checks.check(address)
             kwargs: dict[str, Any] = {}
-            if host is not None and _is_loopback(host):  # the notebook runs on that node: Ray must not look for
-                kwargs["_node_ip_address"] = host  # another address of this machine
+            # The notebook runs on that node: Ray must not look for another address of this machine.
+            if host is not None and address_checks.is_loopback(host):
+                kwargs["_node_ip_address"] = host
             if host is not None:
-                _check_token(address)
-            if host is not None and _is_loopback(host):
-                _check_a_node_is_at(address, host)
+                address_checks.check_token(address)
+            if host is not None and address_checks.is_loopback(host):
+                address_checks.check_a_node_is_at(address, host)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -180,19 +136,6 @@ class Cluster:
                 ) from None
             cluster.owns_connection = True
         return cluster
-
-    @staticmethod
-    def check(address: str) -> str | None:
-        """What the kernel can know of ``address`` before it starts a driver (and lets go of the cluster it is
-        connected to), each a one-line ``TaasUsageError``: Ray not installed, a token Ray would need and not
-        find (Ray's own check of that aborts its process), an address that is not one, nothing answering
-        there. The host of a ``HOST:PORT`` address, else None."""
-        if importlib.util.find_spec("ray") is None:  # first: without Ray, nothing else matters
-            raise TaasUsageError(NO_RAY)
-        missing = authentication.missing_token(address, os.environ)
-        if missing is not None:
-            raise TaasUsageError(missing)
-        return _check_answers(address)
 
     # -- what the cluster has -------------------------------------------------------------------
     def nodes(self) -> list[Node]:
@@ -256,7 +199,7 @@ class Cluster:
                 + (f" ({', '.join(node.address for node in matching)})" if matching else "")
                 + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks"
             )
-        hosts = _producer_nodes(nodes, configuration, producer_node, producers) if producer_node else []
+        hosts = producer_nodes(nodes, configuration, producer_node, producers) if producer_node else []
         self._settle()
         bundles = [bundle_for(configuration, matching[0])] * count
         if hosts:
@@ -402,87 +345,9 @@ def free_resources() -> dict[str, dict[str, float]]:
     return ray_private.free_resources_per_node()
 
 
-def _check_answers(address: str) -> str | None:
-    """One line at once for an address where nothing listens (Ray itself would retry for minutes);
-    the host of a ``HOST:PORT`` address, None for ``auto`` and Ray Client's ``ray://``."""
-    if address == "auto":
-        return None
-    scheme, _, rest = address.rpartition("://")
-    if scheme not in ("", "ray"):
-        raise TaasUsageError(
-            f"cluster address {address!r} is not HOST:PORT, ray://HOST:PORT or auto: leave out {scheme}:// "
-            f"(%taas cluster {rest})"
-        )
-    host, _, port = rest.rpartition(":")
-    if not host or not port.isdecimal():
-        raise TaasUsageError(f"cluster address {address!r} is not HOST:PORT, ray://HOST:PORT or auto")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
-    except OSError as e:
-        raise TaasUsageError(
-            f"nothing answers at {address} ({e.strerror or e}): is Ray's head running there? "
-            "(ray start --head prints the address to use)"
-        ) from None
-    return None if address.startswith("ray://") else host.strip("[]")
-
-
-def _check_token(address: str) -> None:
-    """One line at once for a cluster that refuses this notebook's token authentication (``ray.init`` would
-    retry for 20 s and say only that it could not connect)."""
-    try:
-        ray_private.ask_gcs(address, timeout=CONNECT_SECONDS)
-    except ray_private.TokenRefused:
-        raise TaasUsageError(authentication.refused(address, os.environ)) from None
-
-
-def _check_a_node_is_at(address: str, host: str) -> None:
-    """One line at once where no node of the cluster is at the loopback address the notebook named (a head on
-    127.0.0.2 named as ``localhost``): the notebook's Ray connects through a node at that address, and
-    ``ray.init`` would wait a minute for one and say only that it could not connect."""
-    nodes = ray_private.node_addresses(address, CONNECT_SECONDS)
-    try:
-        here = socket.gethostbyname(host)
-    except OSError:
-        return
-    if not nodes or here in {node for node, _ in nodes}:
-        return
-    head = next((node for node, is_head in nodes if is_head), nodes[0][0])
-    port = address.rpartition(":")[2]
-    named = here if host == here else f"{here} ({host})"
-    raise TaasUsageError(
-        f"no node of the Ray cluster at {address} is at {named}, so this notebook cannot connect through it: "
-        f"its head is at {head} (%taas cluster {head}:{port})"
-    )
-
-
-def _producer_nodes(
-    nodes: list[Node], configuration: Configuration, producer_node: Configuration, producers: int
-) -> list[Node]:
-    """The cluster's nodes for data producers (none: producers share the run's nodes); one line if
-    there are some, but fewer than the run's producers."""
-    hosts = [node for node in nodes if node.fits(producer_node) and not node.fits(configuration)]
-    if hosts and len(hosts) < producers:
-        raise TaasUsageError(
-            f"{producers} data producers need a node of {producer_node.name} each, the cluster has {len(hosts)}: "
-            "ask for fewer with --cpus (per registered loader), or add such nodes"
-        )
-    return hosts if producers else []
-
-
-def _holds(available: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
-    return all(available.get(key, 0) >= amount for key, amount in bundle.items())
-
-
 def _shape(node: Node) -> str:
     gpus, cpus = int(node.resources.get("GPU", 0)), int(node.resources.get("CPU", 0))
     return f"{gpus} GPUs, {cpus} CPUs"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def kernel_variables(environ: Mapping[str, str]) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from taas_magic.configurations import Catalog
 from taas_magic.errors import TaasUsageError
-from taas_magic.launch.cluster import connection
+from taas_magic.launch.cluster import address_checks
 from taas_magic.process import containment, helper
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.cluster_driver import (
@@ -140,7 +140,7 @@ class ConnectedCluster:
     @classmethod
     def connect(cls, address: str, idle_seconds: float, notify: Callable[[str], object]) -> "ConnectedCluster":
         """Start a driver and connect it to the cluster at ``address``; one line if that cannot be done."""
-        connection.Cluster.check(address)
+        address_checks.check(address)
         driver = DriverProcess(notify)
         try:
             driver.call(Connect(address, idle_seconds))

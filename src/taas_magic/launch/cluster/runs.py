@@ -22,7 +22,8 @@ from taas_magic.delivery.cluster_share import NodeShare, RunProgress, shares
 from taas_magic.errors import RunLost, TaasUsageError, first_line
 from taas_magic.launch.cluster import notebook_folder, traces
 from taas_magic.launch.cluster.agent import RunFiles
-from taas_magic.launch.cluster.connection import Cluster, Node, Placement, ray_module
+from taas_magic.launch.cluster.connection import Cluster, Placement, ray_module
+from taas_magic.launch.cluster.nodes import Node
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
 from taas_magic.process import containment
 from taas_magic.wire.cluster_driver import StartOnNodes
@@ -148,7 +149,7 @@ class ClusterRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], tensors: bytes) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors travel once, through Ray's object store."""
         chosen = set(ranks)
-        self.profile = cell.profile
+        self.profile = cell.order.profile
         shared = ray_module().put(tensors)
         live = [index for index, keys in enumerate(self.alive) if keys & chosen]
         self._call(

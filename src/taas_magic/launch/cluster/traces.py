@@ -18,17 +18,15 @@ from taas_magic.rank.profiling import TRACE_FILE
 
 
 class NodeTraces:
-    """The node's folder for a profiled cell's traces: made when a cell asks for ``--profile``, emptied as
-    its traces are sent, removed with the run."""
+    """The node's folder for a run's ``--profile`` traces: made as the run starts here (any cell of a session
+    may ask for traces), emptied as its traces are sent, removed with the run."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.folder: str | None = None
 
-    def folder_for(self, asked: str | None) -> str | None:
-        """Where this node's ranks write when the kernel asked for traces in ``asked`` (None: no profiling)."""
-        if asked is None:
-            return None
+    def open(self) -> str:
+        """Where this node's ranks write their traces (``RankTask.node_traces``), made if it is not yet."""
         if self.folder is None:
             self.folder = tempfile.mkdtemp(prefix=self.prefix)
         return self.folder

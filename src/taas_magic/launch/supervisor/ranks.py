@@ -1,8 +1,9 @@
-"""The ranks of a run, in its supervisor: forked, relayed, signalled and ended.
+"""The ranks of a run, in its supervisor: started, relayed, signalled and ended.
 
 ``ForkedRanks`` lives in the supervisor (whichever way it was started) and owns every rank, producer
 and descriptor of the run: each rank leads a process group, holds the read end of a lifeline pipe (it
-dies with its supervisor) and is a subreaper of its own; ``close`` kills and reaps them all.
+dies with its supervisor) and is a subreaper of its own; ``close`` kills and reaps them all. Forking
+each process, with its pipes, control channel and start gate, is ``forking.py``'s (``ForkingGroup``).
 """
 
 from __future__ import annotations
@@ -13,65 +14,37 @@ import os
 import selectors
 import signal
 import time
-import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterable, Literal, assert_never
+from typing import Any, Callable, Iterable, assert_never
 
 from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
-from taas_magic.delivery.producer import ProducerTask
 from taas_magic.delivery.service import DataService, RankLoader
 from taas_magic.launch.supervisor import tasks
-from taas_magic.process import child, containment, tempfiles
-from taas_magic.wire import channel, rank_control, records
+from taas_magic.launch.supervisor.forking import ForkedProcess, ForkingGroup
+from taas_magic.process import containment, tempfiles
+from taas_magic.wire import channel, records
 from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
 from taas_magic.wire.task import RankTask
 
 READ_SIZE = 1 << 16
 ASK_SECONDS = 1.0  # how long a rank asked for its stacks has to answer before faulthandler's signal does
-NOTE_LIMIT = 60_000  # a note fits whole in a pipe's buffer (64 KiB)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Rank:
-    rank: Key  # a rank's number, or a producer
-    pid: int
-    fds: dict[str, int]  # supervisor-side read ends: stdout, stderr, report, stack
-    pidfd: int | None = None
-    returncode: int | None = None
-    report_buffer: bytes = b""
-    stack_text: str = ""
-    stack_updated: float = 0.0
-    control: rank_control.SupervisorEnd | None = None  # a rank's channel: cells to run, their ends, input requests
-    cell: Literal["running", "sent", "ended"] = "running"  # a session's rank: "sent" a cell not taken yet
-    interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
-    ask: int | None = None  # write end of the pipe on which a rank is asked for its stacks (rank/vitals.py)
-
-
-@dataclass
-class ForkedRanks:
-    ranks: dict[Key, _Rank] = field(default_factory=dict)
-    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+class ForkedRanks(ForkingGroup):
     _pending: list[Relayed] = field(default_factory=list)
     _closed: bool = False
     idle_limit: float | None = None  # a session's: the supervisor ends it after this long without a cell
     # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
     # for loaders it begins to serve while it runs.
     later_loaders: tuple[dict[str, Any], int, str] | None = None
-    # The names the ranks start with when they were shipped (the fork server unpacked them); None: the
-    # supervisor was forked from the kernel, and so are they, with the notebook's own.
-    shipped: dict[str, Any] | None = None
 
     @property
     def names(self) -> dict[str, Any]:
         return self.shipped if self.shipped is not None else tasks.kernel_namespace()
-
-    def __post_init__(self) -> None:
-        self._lifeline_read, self._lifeline_write = os.pipe()
-        self._control_secret = channel.new_secret()
-        self._gates: list[int] = []  # write ends of each process's start gate, held shut while the run is forked
 
     @classmethod
     def start(
@@ -98,13 +71,14 @@ class ForkedRanks:
         try:
             if attached is not None:
                 service = attached
-            elif task.loaders:
-                service = DataService(task.loaders, group.names, len(envs))
+            elif task.order.loaders:
+                service = DataService(task.order.loaders, group.names, len(envs))
             if service is not None:
                 for key, producer in service.producers():
                     group.fork(key, tasks.producer_env(run_id), producer, sockets=service.producer_sockets(key))
                 stand_ins = service.rank_loaders()
-                task = dataclasses.replace(task, loaders=tuple(loader.plan for loader in stand_ins), delivery=None)
+                plans = tuple(loader.plan for loader in stand_ins)  # those this machine's ranks hold stand-ins of
+                task = dataclasses.replace(task, order=dataclasses.replace(task.order, loaders=plans), delivery=None)
             if task.keep and envs and attached is None:  # not a cluster node's
                 group.later_loaders = (group.names, len(envs), run_id)
             for rank, env in sorted(envs.items()):
@@ -125,122 +99,11 @@ class ForkedRanks:
                 service.close()
         return group
 
-    def _open_gates(self, note: bytes) -> None:
-        """Let every forked process go on, with ``note``: written to each one's gate, which is then closed.
-
-        A forked process sets itself up, then waits at the gate (``child.wait_at_gate``) until all
-        are forked: forks run one after the other, and each is several times slower while the
-        processes forked before it run the cell on the same cores. Their set-up is short, and uses
-        a core the forking leaves idle. The ranks meet at the rendezvous anyway, so none loses
-        anything by waiting. A note too long to sit in a pipe whole is not sent (the processes then
-        do without it).
-        """
-        for fd in self._gates:
-            try:
-                if len(note) <= NOTE_LIMIT:
-                    os.write(fd, note)  # into an empty pipe: never blocks
-            except OSError:
-                pass  # the process is gone already
-            finally:
-                os.close(fd)
-        self._gates = []
-
-    # -- starting ---------------------------------------------------------------------------
-    def fork(
-        self,
-        rank: Key,
-        env: dict[str, str],
-        task: RankTask | ProducerTask,
-        sockets: Collection[int] = (),
-        stand_ins: tuple[RankLoader | FedLoader, ...] = (),
-    ) -> None:
-        """Fork one process that runs ``task``: a rank (``worker.run_rank``, its loaders' ``stand_ins``),
-        or a data producer."""
-        pipes: dict[str, tuple[int, int]] = {}
-        ends = channel.socket_pair() if isinstance(rank, int) else None  # (ours, the rank's)
-        try:
-            for name in ("stdout", "stderr", "report", "stack", "gate") + (("ask",) if isinstance(rank, int) else ()):
-                pipes[name] = os.pipe()  # the gate's and ask's write ends stay here, the others' read ends
-            pid = os.fork()
-        except BaseException:
-            for pair in pipes.values():
-                for fd in pair:
-                    os.close(fd)
-            for sock in ends or ():
-                sock.close()
-            raise
-        gate_read, gate_write = pipes.pop("gate")
-        ask_read, ask_write = pipes.pop("ask", (None, None))
-        if pid == 0:  # the rank: never returns into the supervisor's code
-            status = child.EXIT_FAILED
-            try:
-                os.setpgid(0, 0)
-                self._close_supervisor_side(pipes, gate_write, ask_write)
-                if ends is not None:
-                    ends[0].close()
-                fds = child.RankFds(
-                    stdout=pipes["stdout"][1],
-                    stderr=pipes["stderr"][1],
-                    report=pipes["report"][1],
-                    stack=pipes["stack"][1],
-                    lifeline=self._lifeline_read,
-                    sockets=frozenset(sockets),
-                    gate=gate_read,
-                    control=ends[1].detach() if ends is not None else None,
-                    control_secret=self._control_secret,
-                    ask=ask_read,
-                )
-                status = tasks.run_forked(task, env, fds, stand_ins, self.shipped)
-            except KeyboardInterrupt:
-                pass  # stopped while it started, before the cell ran: the run is being interrupted
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(status)
-        try:
-            os.setpgid(pid, pid)  # also here, so a signal sent right away reaches the new group
-        except OSError:
-            pass
-        for read_end, write_end in pipes.values():
-            os.close(write_end)
-        os.close(gate_read)
-        self._gates.append(gate_write)
-        state = _Rank(rank, pid, {name: pair[0] for name, pair in pipes.items()})
-        if ask_read is not None and ask_write is not None:
-            os.close(ask_read)
-            os.set_blocking(ask_write, False)
-            state.ask = ask_write
-        if ends is not None:
-            ends[1].close()
-            state.control = rank_control.supervisor_end(ends[0], self._control_secret, env.get("TAAS_RUN_ID", ""))
-            self._selector.register(state.control.fileno(), selectors.EVENT_READ, (rank, "control"))
-        self.ranks[rank] = state
-        for name, fd in state.fds.items():
-            os.set_blocking(fd, False)
-            self._selector.register(fd, selectors.EVENT_READ, (rank, name))
-        if hasattr(os, "pidfd_open"):
-            state.pidfd = os.pidfd_open(pid)
-            self._selector.register(state.pidfd, selectors.EVENT_READ, (rank, "exit"))
-
+    # -- watching ---------------------------------------------------------------------------
     def watch(self, fd: int) -> None:
         """Let ``events`` return as soon as ``fd`` is readable too (the supervisor's channel)."""
         self._selector.register(fd, selectors.EVENT_READ, None)
 
-    def _close_supervisor_side(self, own_pipes: dict[str, tuple[int, int]], own_gate: int, own_ask: int | None) -> None:
-        """In a new rank: drop every descriptor that belongs to the supervisor's side of the run."""
-        fds = [self._lifeline_write, own_gate] + self._gates + [ends[0] for ends in own_pipes.values()]
-        fds += [own_ask] if own_ask is not None else []
-        for other in self.ranks.values():
-            fds += list(other.fds.values()) + ([other.pidfd] if other.pidfd is not None else [])
-            fds += [other.ask] if other.ask is not None else []
-            fds += [other.control.fileno()] if other.control is not None else []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    # -- watching ---------------------------------------------------------------------------
     def running(self) -> set[Key]:
         return {r.rank for r in self.ranks.values() if r.returncode is None}
 
@@ -264,7 +127,7 @@ class ForkedRanks:
         events, self._pending = self._pending, []
         return events
 
-    def _read(self, state: _Rank, name: str, fd: int) -> bool:
+    def _read(self, state: ForkedProcess, name: str, fd: int) -> bool:
         """Read what ``fd`` holds now; True if there was something (there may be more)."""
         try:
             data = os.read(fd, READ_SIZE)
@@ -289,7 +152,7 @@ class ForkedRanks:
             state.stack_updated = time.monotonic()
         return True
 
-    def _on_message(self, state: _Rank) -> None:
+    def _on_message(self, state: ForkedProcess) -> None:
         """A rank's word on its control channel: the end of a cell, or a request for a line of input.
 
         What the rank wrote before it is in its pipes already: it goes out first, so a cell's
@@ -323,12 +186,12 @@ class ForkedRanks:
             case _:
                 assert_never(message)
 
-    def _drain(self, state: _Rank) -> None:
+    def _drain(self, state: ForkedProcess) -> None:
         for name in ("stdout", "stderr", "report"):
             while name in state.fds and self._read(state, name, state.fds[name]):
                 pass
 
-    def _drop_control(self, state: _Rank) -> None:
+    def _drop_control(self, state: ForkedProcess) -> None:
         if state.control is not None:
             self._selector.unregister(state.control.fileno())
             state.control.close()
@@ -357,7 +220,7 @@ class ForkedRanks:
     def _serve_new_loaders(self, cell: SessionCell, fds: tuple[int, ...]) -> DataService | None:
         """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
         them) are unpacked here; None when it begins to serve none."""
-        plans = cell.loaders
+        plans = cell.order.loaders
         if not plans or self.later_loaders is None:
             return None
         namespace, world, run_id = self.later_loaders
@@ -386,7 +249,7 @@ class ForkedRanks:
             except channel.ChannelBroken:
                 pass
 
-    def _on_exit(self, state: _Rank) -> None:
+    def _on_exit(self, state: ForkedProcess) -> None:
         """A rank ended: stop what it left running, reap it, deliver its last output, then say so.
 
         Everything the rank itself wrote is in its pipes by now. A pipe that stays open is held by
@@ -430,7 +293,7 @@ class ForkedRanks:
                 continue
             self._signal(state, signum)
 
-    def _signal(self, state: _Rank, signum: int) -> None:
+    def _signal(self, state: ForkedProcess, signum: int) -> None:
         if state.returncode is None:  # a reaped rank's id may belong to someone else now
             containment.signal_tree(state.pid, signum)
 
@@ -504,7 +367,7 @@ class ForkedRanks:
             raise KeyboardInterrupt
 
 
-def _ask(state: _Rank) -> bool:
+def _ask(state: ForkedProcess) -> bool:
     """Ask a rank for its stacks on its ask pipe; False when it has none (a producer) or it is closed."""
     if state.ask is None:
         return False
