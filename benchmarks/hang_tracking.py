@@ -40,7 +40,7 @@ from typing import Any
 
 from harness import ROOT, BenchError, Kernel, Progress, machine_info, print_checks, shown
 
-from taas_magic.kernel.environment import FLIGHT_RECORDER_ENTRIES
+from taas_magic.kernel.running.environment import FLIGHT_RECORDER_ENTRIES
 
 RANKS = 2
 TARGET = 1.02

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import RankFailed, RunTimedOut, TaasRunError, TaasUsageError
-from taas_magic.kernel.pragma import PragmaTransformer
+from taas_magic.kernel.header.pragma import PragmaTransformer
 from taas_magic.version import VERSION as __version__  # noqa: F401  # the package's version, shown first by %taas
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # silent unless TAAS_LOG asks (process/logs.py)
@@ -50,7 +50,7 @@ def _is_configuration(name: str) -> bool:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from taas_magic.kernel import completion
+    from taas_magic.kernel.header import completion
     from taas_magic.kernel.magics import TaasMagics
 
     if id(ipython) in _loaded:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from IPython.core.error import UsageError
 
-from taas_magic.kernel.spec import resolve_start
+from taas_magic.kernel.header.spec import resolve_start
 
 
 @pytest.mark.parametrize(

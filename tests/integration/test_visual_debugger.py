@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from taas_magic.kernel import cell_source
-from taas_magic.kernel.debugger_router import RANK_IDS
-from taas_magic.kernel.rank_engines import RankEngine, dap_messages
-from taas_magic.kernel.visual_debugger import REATTACH_SECONDS, RankDebugging
+from taas_magic.kernel.debugging.debugger_router import RANK_IDS
+from taas_magic.kernel.debugging.rank_engines import RankEngine, dap_messages
+from taas_magic.kernel.debugging.visual_debugger import REATTACH_SECONDS, RankDebugging
+from taas_magic.kernel.header import cell_source
 
 
 class FakeDebugger:
@@ -122,7 +122,7 @@ def debug_link(capsys, spec_line: str, attached: bool, breakpoints: bool, on_clu
     from types import SimpleNamespace
 
     from taas_magic.configurations import load_catalog
-    from taas_magic.kernel import options, spec
+    from taas_magic.kernel.header import options, spec
     from taas_magic.kernel.magics import TaasMagics
     from taas_magic.kernel.runner import CellRunner
     from taas_magic.process.machine import Machine

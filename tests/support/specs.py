@@ -3,7 +3,7 @@ start their scripted groups with."""
 
 from __future__ import annotations
 
-from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.kernel.header.spec import LaunchSpec
 
 
 def cpu_spec(world_size: int = 2, timeout: float | None = None) -> LaunchSpec:

@@ -13,8 +13,9 @@ import pytest
 from support.specs import cpu_spec
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import delivery_planning, line_commands, options
+from taas_magic.kernel.header import line_commands, options
 from taas_magic.kernel.magics import TaasMagics
+from taas_magic.kernel.running import delivery_planning
 
 DOCS = pathlib.Path(__file__).parents[2] / "docs"
 README = DOCS.parent / "README.md"

@@ -7,6 +7,7 @@ rest of what docs/architecture.md promises about the code's shape.
 from __future__ import annotations
 
 import ast
+import re
 
 from support import ROOT
 
@@ -73,3 +74,23 @@ def test_the_layout_is_the_one_the_docs_draw() -> None:
     assert packages, "no subpackages found"
     for package in packages:
         assert f"{package.split('.')[1]}/" in architecture, f"docs/architecture.md does not show {package}"
+
+
+def test_the_docs_name_every_module_and_no_other() -> None:
+    """docs/architecture.md's "One module, one job" table has a row for each module of the tree, and only for them."""
+    architecture = (SRC.parent / "docs" / "architecture.md").read_text()
+    table = architecture.split("## One module, one job", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `([^`]+\.py)`", table, re.MULTILINE))
+    tree = {
+        "taas_magic/__init__.py" if path == SRC / "taas_magic" / "__init__.py" else _shown_as(path)
+        for package in PACKAGES
+        for path in (SRC / package).rglob("*.py")
+    }
+    assert sorted(tree - rows) == [], "modules without a row"
+    assert sorted(rows - tree) == [], "rows without a module"
+
+
+def _shown_as(path) -> str:
+    """A module as the table names it: under taas_magic/ without the package's name, taas's with it."""
+    relative = path.relative_to(SRC)
+    return str(relative.relative_to("taas_magic")) if relative.parts[0] == "taas_magic" else str(relative)

@@ -15,8 +15,8 @@ from support.notebook_values import values as notebook_values
 
 import taas
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import option_values, options
-from taas_magic.kernel.spec import return_from
+from taas_magic.kernel.header import option_values, options
+from taas_magic.kernel.header.spec import return_from
 from taas_magic.per_rank import PerRank, span
 
 pytestmark = TORCH_WARNINGS_OF_TENSORS  # the generated notebook values include quantized and complex32 tensors

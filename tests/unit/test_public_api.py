@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import taas
 import taas_magic
-from taas_magic.kernel import options
+from taas_magic.kernel.header import options
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.local_cluster import LocalCluster
 

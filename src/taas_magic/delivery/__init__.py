@@ -8,6 +8,6 @@
     counters.py   counters in shared memory: flow control and the progress line
     cluster.py    across a cluster's nodes: producers on CPU nodes, their elements relayed to the ranks
 
-The kernel decides which loaders a cell uses (``kernel/delivery_planning.py``); everything here runs in
+The kernel decides which loaders a cell uses (``kernel/running/delivery_planning.py``); everything here runs in
 the run's supervisor, its producers and its ranks.
 """

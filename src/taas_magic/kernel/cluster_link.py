@@ -9,8 +9,8 @@ import sys
 
 from taas_magic.configurations import Catalog, load_catalog
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.kept import Kept
-from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.sessions.kept import Kept
 from taas_magic.launch.cluster import connection
 from taas_magic.launch.cluster.backend import ClusterBackend
 from taas_magic.launch.cluster.driver_link import ConnectedCluster, lost_message

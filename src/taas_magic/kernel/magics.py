@@ -17,12 +17,13 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class, no_var_exp
 from traitlets import Bool, Enum, Float, TraitError, validate
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import cell_source, line_commands, options, settings
+from taas_magic.kernel import settings
 from taas_magic.kernel.cluster_link import ClusterLink
-from taas_magic.kernel.kept import Kept
-from taas_magic.kernel.pragma import PragmaTransformer
+from taas_magic.kernel.debugging.visual_debugger import RankDebugging
+from taas_magic.kernel.header import cell_source, line_commands, options
+from taas_magic.kernel.header.pragma import PragmaTransformer
 from taas_magic.kernel.runner import CellRunner
-from taas_magic.kernel.visual_debugger import RankDebugging
+from taas_magic.kernel.sessions.kept import Kept
 from taas_magic.launch.cluster import connection
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend

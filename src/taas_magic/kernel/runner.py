@@ -23,25 +23,19 @@ from IPython.core.interactiveshell import InteractiveShell
 from taas_magic.configurations import load_catalog
 from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import (
-    cell_source,
-    controller,
-    delivery_planning,
-    environment,
-    names_back,
-    profiling,
-    session_cells,
-    streams,
-)
 from taas_magic.kernel.cluster_link import ClusterLink
-from taas_magic.kernel.front_end import CellFrontEnd
-from taas_magic.kernel.kept import Kept, read_line
-from taas_magic.kernel.pragma import PragmaTransformer
-from taas_magic.kernel.run_result import RunResult
-from taas_magic.kernel.session import Session
+from taas_magic.kernel.debugging.visual_debugger import RankDebugging
+from taas_magic.kernel.header import cell_source
+from taas_magic.kernel.header.pragma import PragmaTransformer
+from taas_magic.kernel.header.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
+from taas_magic.kernel.run.run_result import RunResult
+from taas_magic.kernel.running import controller, delivery_planning, environment, names_back, profiling
+from taas_magic.kernel.sessions import session_cells
+from taas_magic.kernel.sessions.kept import Kept, read_line
+from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.settings import Defaults
-from taas_magic.kernel.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
-from taas_magic.kernel.visual_debugger import RankDebugging
+from taas_magic.kernel.view import streams
+from taas_magic.kernel.view.front_end import CellFrontEnd
 from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend

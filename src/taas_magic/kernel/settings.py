@@ -13,9 +13,12 @@ from traitlets.config import Config
 
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import options, profiling, reloading
-from taas_magic.kernel.options import Device, OldStart, Output, Start
-from taas_magic.kernel.session import Session
+from taas_magic.kernel.header import options
+from taas_magic.kernel.header.option_values import count
+from taas_magic.kernel.header.options import Device, OldStart, Output, Start
+from taas_magic.kernel.running import profiling
+from taas_magic.kernel.sessions import reloading
+from taas_magic.kernel.sessions.session import Session
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.process import machine
 from taas_magic.version import VERSION
@@ -153,11 +156,6 @@ def _traces_here() -> str:
     if not number:
         return "none in this folder"
     return f"{count(number, 'trace')}, {size / 1e6:.1f} MB, in this folder ({profiling.PREFIX}*{profiling.SUFFIX})"
-
-
-def count(number: int, unit: str) -> str:
-    """``3 ranks``, ``1 rank``."""
-    return f"{number} {unit}{'' if number == 1 else 's'}"
 
 
 def _cuda_used_here() -> str:

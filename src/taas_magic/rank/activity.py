@@ -57,7 +57,7 @@ def _collectives(whole: bool) -> tuple[list[Collective], dict[str, int]]:
     to its size (0.3 ms for 64, 40 ms for torch's default of 2000). A rank that moved since the last
     sample is read by its counters: a collective it is in is named by its number alone, which says
     enough of one not a second old, unless the ring is small (taas's size): then it is read whole, so that
-    the shares of time name the collective (``kernel/time_shares.py``). A rank that did not move (in a
+    the shares of time name the collective (``kernel/view/time_shares.py``). A rank that did not move (in a
     collective that lasts, computing, stuck) is read whole, each collective it is in with its operation,
     tensors and time. A ``whole`` read is always read whole, and leaves the periodic samples' record of the
     counters as it was.

@@ -17,7 +17,7 @@ import signal
 import tempfile
 from typing import Any, Iterator
 
-TRACE_NAME = "rank-{rank}.json"  # in the run's profile folder (kernel/profiling.py)
+TRACE_NAME = "rank-{rank}.json"  # in the run's profile folder (kernel/running/profiling.py)
 TRACE_FILE = re.compile(re.escape(TRACE_NAME).replace(re.escape("{rank}"), "([0-9]+)"))  # a trace's name, whole
 
 

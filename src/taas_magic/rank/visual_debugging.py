@@ -3,7 +3,7 @@
 While a debugging client is attached to the kernel, a cell's ``DebugLink`` says where the kernel
 listens for its ranks. A rank joins by starting the debugger's engine (pydevd, which debugpy
 carries) connected to that address: the kernel sends it the notebook's breakpoints and shows its
-threads, stops and values in its own session (``kernel/visual_debugger.py``). A rank joins as
+threads, stops and values in its own session (``kernel/debugging/visual_debugger.py``). A rank joins as
 its cell starts when breakpoints are set, or at its first ``breakpoint()``; it stays joined for
 the rest of its life (a session's later cells too). A rank not to be debugged never imports the
 engine.

@@ -30,7 +30,7 @@ from taas_magic.wire.records import RankActivity, RankVitals
 
 INTERVAL = 1.0  # seconds between two samples, on average
 # Each interval is drawn from 0.75-1.25 of it: samples at fixed instants would see a loop whose period divides
-# a second at one phase only, and the shares of time drawn from them (kernel/time_shares.py) would be biased.
+# a second at one phase only, and the shares of time drawn from them (kernel/view/time_shares.py) would be biased.
 _JITTER = random.Random()  # taas's own: the cell's random numbers are the user's
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 

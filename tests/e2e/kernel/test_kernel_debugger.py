@@ -15,8 +15,8 @@ import psutil
 import pytest
 from support.kernel import Kernel
 
-from taas_magic.kernel.debugger_router import RANK_IDS
-from taas_magic.kernel.visual_debugger import REATTACH_SECONDS
+from taas_magic.kernel.debugging.debugger_router import RANK_IDS
+from taas_magic.kernel.debugging.visual_debugger import REATTACH_SECONDS
 
 MOSTLY_WAITS = True  # for the debugger's client and for paused ranks (tests/conftest.py)
 

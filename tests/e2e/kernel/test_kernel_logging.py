@@ -19,7 +19,7 @@ def test_taas_log_names_one_file_per_run_that_the_runs_processes_append_to(tmp_p
     try:
         fork = kernel.execute("#pragma taas --gpus 2 --start fork\nprint('hi')").ok()
         text = log_file(fork.stderr).read_text()
-        assert "taas_magic.kernel.controller INFO run " in text and "2 ranks on cpu, fork" in text
+        assert "taas_magic.kernel.running.controller INFO run " in text and "2 ranks on cpu, fork" in text
         assert "taas_magic.launch.supervisor.main INFO supervisor of run" in text
         assert re.search(r"supervisor\.ranks INFO 0 exited: 0", text) and "closed; exit statuses" in text
         served = kernel.execute("#pragma taas --gpus 2 --start forkserver\nprint('hi')").ok()

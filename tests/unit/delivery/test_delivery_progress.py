@@ -8,12 +8,12 @@ from taas_magic.delivery import transport
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.standin import StandIn
-from taas_magic.kernel.controller import Pump
-from taas_magic.kernel.front_end import CellFrontEnd
-from taas_magic.kernel.live_view import RunView
-from taas_magic.kernel.run_result import ONE_SHOT
-from taas_magic.kernel.run_state import RunState
-from taas_magic.kernel.streams import RankOutput
+from taas_magic.kernel.run.run_result import ONE_SHOT
+from taas_magic.kernel.run.run_state import RunState
+from taas_magic.kernel.running.controller import Pump
+from taas_magic.kernel.view.front_end import CellFrontEnd
+from taas_magic.kernel.view.live_view import RunView
+from taas_magic.kernel.view.streams import RankOutput
 from taas_magic.wire.events import Report
 from taas_magic.wire.records import DeliveryProgress
 

@@ -10,8 +10,8 @@ import pytest
 from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed, RunLost
-from taas_magic.kernel import controller
-from taas_magic.kernel.front_end import CellFrontEnd
+from taas_magic.kernel.running import controller
+from taas_magic.kernel.view.front_end import CellFrontEnd
 from taas_magic.wire.events import Exited, Output, Producer, Report
 from taas_magic.wire.records import CellEnded, Failed
 

@@ -11,10 +11,10 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taas_magic.kernel import debugger_focus
-from taas_magic.kernel.debugger_focus import Focus
-from taas_magic.kernel.debugger_router import Ids
-from taas_magic.kernel.rank_engines import RankEngine
+from taas_magic.kernel.debugging import debugger_focus
+from taas_magic.kernel.debugging.debugger_focus import Focus
+from taas_magic.kernel.debugging.debugger_router import Ids
+from taas_magic.kernel.debugging.rank_engines import RankEngine
 
 
 def ranks(count: int) -> list[RankEngine]:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taas_magic.kernel.debugger_router import ID_KEYS, KINDS, RANK_IDS, Router, translate, unanswered
+from taas_magic.kernel.debugging.debugger_router import ID_KEYS, KINDS, RANK_IDS, Router, translate, unanswered
 
 
 @dataclass(frozen=True)

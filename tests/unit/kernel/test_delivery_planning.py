@@ -12,8 +12,9 @@ from torch.utils.data import DataLoader
 
 import taas
 from taas_magic.configurations import load_catalog
-from taas_magic.kernel import delivery_planning, options, spec
+from taas_magic.kernel.header import options, spec
 from taas_magic.kernel.magics import TaasMagics
+from taas_magic.kernel.running import delivery_planning
 from taas_magic.process.machine import Machine
 
 

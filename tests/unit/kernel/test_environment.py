@@ -7,9 +7,9 @@ import os
 import pytest
 
 from taas_magic.configurations import load_catalog
-from taas_magic.kernel import environment
-from taas_magic.kernel.environment import TORCHRUN_VARIABLES, loopback_interface, rank_environments
-from taas_magic.kernel.spec import LaunchSpec
+from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.running import environment
+from taas_magic.kernel.running.environment import TORCHRUN_VARIABLES, loopback_interface, rank_environments
 
 RUN_ID = "run-1234"
 PORT = 41234

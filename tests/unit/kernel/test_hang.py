@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.kernel import ranks_in
 
-from taas_magic.kernel.hang import Process, cause, describe, doing, where_lines
-from taas_magic.kernel.stacks import parse_stacks
+from taas_magic.kernel.diagnosis.hang import Process, cause, describe, doing, where_lines
+from taas_magic.kernel.diagnosis.stacks import parse_stacks
 from taas_magic.per_rank import span
 from taas_magic.process import child
 from taas_magic.rank import cell, vitals, worker

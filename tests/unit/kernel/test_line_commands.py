@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel import line_commands, options
-from taas_magic.kernel.line_commands import COMMANDS, help_text, read
+from taas_magic.kernel.header import line_commands, options
+from taas_magic.kernel.header.line_commands import COMMANDS, help_text, read
 from taas_magic.kernel.magics import TaasMagics
 
 CELL_OPTIONS = options.visible_options(TaasMagics.taas)

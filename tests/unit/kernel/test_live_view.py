@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from taas_magic.kernel.live_view import RunView
+from taas_magic.kernel.view.live_view import RunView
 from taas_magic.wire.records import (
     CellEnded,
     Collective,

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from support.notebook_values import SETUP, TORCH_WARNINGS_OF_TENSORS
 from support.notebook_values import values as notebook_values
 
-from taas_magic.kernel import names_back
-from taas_magic.kernel.run_result import ONE_SHOT
-from taas_magic.kernel.run_state import RunState
+from taas_magic.kernel.run.run_result import ONE_SHOT
+from taas_magic.kernel.run.run_state import RunState
+from taas_magic.kernel.running import names_back
 from taas_magic.per_rank import PerRank
 from taas_magic.wire import results
 

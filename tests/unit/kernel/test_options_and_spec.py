@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from taas_magic.configurations import load_catalog
-from taas_magic.kernel import option_values, options, spec
+from taas_magic.kernel.header import option_values, options, spec
 from taas_magic.kernel.magics import TaasMagics
 from taas_magic.process.machine import Machine
 
@@ -450,7 +450,7 @@ def test_any_option_like_line_gives_a_spec_or_a_usage_error(
 
 
 def test_quotes_group_words_and_are_removed():
-    from taas_magic.kernel import options as opts
+    from taas_magic.kernel.header import options as opts
     from taas_magic.kernel.magics import TaasMagics
 
     assert opts.parse(TaasMagics.taas, "--config 'g2.8' --return 'a, b'").config == "g2.8"
@@ -460,7 +460,7 @@ def test_quotes_group_words_and_are_removed():
 def test_abbreviated_options_are_not_guessed():
     from IPython.core.error import UsageError
 
-    from taas_magic.kernel import options as opts
+    from taas_magic.kernel.header import options as opts
     from taas_magic.kernel.magics import TaasMagics
 
     with pytest.raises(UsageError, match="unknown option '--gp'"):

@@ -12,7 +12,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from taas_magic.configurations import load_catalog
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.pragma import PragmaTransformer, parse_header, transform
+from taas_magic.kernel.header.pragma import PragmaTransformer, parse_header, transform
 
 CATALOG = load_catalog({})
 

@@ -1,5 +1,5 @@
-"""A --profile run's traces merged into one (kernel/profiling.py), and the picture of the ranks' time
-(kernel/time_picture.py), without a process."""
+"""A --profile run's traces merged into one (kernel/running/profiling.py), and the picture of the ranks' time
+(kernel/view/time_picture.py), without a process."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import xml.etree.ElementTree as ElementTree
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taas_magic.kernel.profiling import ROWS_PER_RANK, ProfileFolder, kept_traces, merge
-from taas_magic.kernel.time_picture import bundle
-from taas_magic.kernel.time_shares import Shares
+from taas_magic.kernel.running.profiling import ROWS_PER_RANK, ProfileFolder, kept_traces, merge
+from taas_magic.kernel.view.time_picture import bundle
+from taas_magic.kernel.view.time_shares import Shares
 from taas_magic.wire.records import Collective, RankActivity
 
 

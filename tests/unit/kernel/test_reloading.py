@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from IPython.extensions.autoreload import AutoreloadMagics
 
-from taas_magic.kernel.reloading import KernelReloads, describe, mode
+from taas_magic.kernel.sessions.reloading import KernelReloads, describe, mode
 from taas_magic.rank.reloading import RankReloads
 from taas_magic.wire.rank_control import Reload
 

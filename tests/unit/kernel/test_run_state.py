@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taas_magic.errors import RankFailed, RunInterrupted, RunTimedOut, SessionEnded
-from taas_magic.kernel import render
-from taas_magic.kernel.hang import Hang, Process
-from taas_magic.kernel.run_actions import (
+from taas_magic.kernel.diagnosis.hang import Hang, Process
+from taas_magic.kernel.diagnosis.stacks import stack_lines
+from taas_magic.kernel.run.run_actions import (
     Answer,
     AskLine,
     EndSession,
@@ -30,10 +30,10 @@ from taas_magic.kernel.run_actions import (
     TakeStacks,
     Why,
 )
-from taas_magic.kernel.run_result import ONE_SHOT, SESSION, EndCause, Outcome
-from taas_magic.kernel.run_state import Phase, RunState
-from taas_magic.kernel.run_stop import StopCause
-from taas_magic.kernel.stacks import stack_lines
+from taas_magic.kernel.run.run_result import ONE_SHOT, SESSION, EndCause, Outcome
+from taas_magic.kernel.run.run_state import Phase, RunState
+from taas_magic.kernel.run.run_stop import StopCause
+from taas_magic.kernel.view import render
 from taas_magic.rank import cell
 from taas_magic.wire.events import Producer
 from taas_magic.wire.records import (

@@ -13,11 +13,11 @@ import pytest
 from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
-from taas_magic.kernel import options
-from taas_magic.kernel.front_end import CellFrontEnd
+from taas_magic.kernel.header import options
 from taas_magic.kernel.magics import TaasMagics
-from taas_magic.kernel.session import Session
-from taas_magic.kernel.session_cells import check_fits_session
+from taas_magic.kernel.sessions.session import Session
+from taas_magic.kernel.sessions.session_cells import check_fits_session
+from taas_magic.kernel.view.front_end import CellFrontEnd
 from taas_magic.rank import session as rank_session
 from taas_magic.rank import worker
 from taas_magic.wire.events import Event, Exited, Output, Report

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from taas_magic.kernel.streams import (
+from taas_magic.kernel.view.streams import (
     PARTIAL_LINE_DELAY,
     PARTIAL_LINE_MAX,
     TAIL_LINE_MAX,

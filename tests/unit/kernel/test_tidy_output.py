@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taas_magic.kernel.tidy_output import COLLAPSE_WINDOW, TidyRankOutput, spans
+from taas_magic.kernel.view.tidy_output import COLLAPSE_WINDOW, TidyRankOutput, spans
 
 T0 = 1000.0
 LATER = T0 + COLLAPSE_WINDOW + 0.01
@@ -252,7 +252,7 @@ def test_an_interrupt_anywhere_in_feeding_leaves_the_held_lines_consistent():
     import random
     import sys
 
-    from taas_magic.kernel import tidy_output
+    from taas_magic.kernel.view import tidy_output
 
     for trial in range(150):
         pick = random.Random(trial)

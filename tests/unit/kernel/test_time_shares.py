@@ -1,4 +1,4 @@
-"""Where each rank's time went, and the rank the others waited for, from activity samples (kernel/time_shares.py)
+"""Where each rank's time went, and the rank the others waited for, from activity samples (kernel/view/time_shares.py)
 and as the live view's summary shows it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taas_magic.kernel.live_view import RunView
-from taas_magic.kernel.time_shares import Shares, waited_for
+from taas_magic.kernel.view.live_view import RunView
+from taas_magic.kernel.view.time_shares import Shares, waited_for
 from taas_magic.wire.records import Collective, RankActivity
 
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.spec import log_level
+from taas_magic.kernel.header.spec import log_level
 from taas_magic.process import logs
 
 
@@ -57,7 +57,7 @@ def test_the_kernels_side_logs_for_the_run_alone_and_is_silent_without_taas_log(
     with logs.kernel_side(None, "quiet") as path:
         assert path is None and logger.handlers == handlers
     with logs.kernel_side("debug", "loud") as path:
-        logging.getLogger("taas_magic.kernel.controller").debug("run loud")
+        logging.getLogger("taas_magic.kernel.running.controller").debug("run loud")
     assert path is not None and "run loud" in path.read_text()
     assert logger.handlers == handlers and logger.level == level, "the kernel's logging as it was"
 

@@ -1,0 +1,387 @@
+"""Sessions, in the kernel: ranks that stay alive from cell to cell (`--keep`), and the cells run in them.
+
+A session is the group of a run started with ``RankTask.keep``: its ranks run its first cell,
+then each cell they are sent (``rank/session.py``). A cell in a session ends when every rank
+it runs in has said so, not when they exit. Its outcomes:
+
+- the cell's code raised in a rank: the cell fails with that traceback, the ranks still in the
+  cell are interrupted (as a failing one-shot run stops them), and the session goes on;
+- an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank; the session
+  goes on;
+- a rank that does not come back from an interrupt within 5 s, or a rank that exits or dies,
+  ends the session: its process group cannot continue. Everything of it is closed, and the
+  cell says why.
+
+The notebook's names a cell reads are sent only when they changed since the ranks last had them
+(``shipping.fingerprint``); the ranks' own names stay theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import re
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from taas_magic.cell_names import names_reached
+from taas_magic.delivery.service import producer_labels
+from taas_magic.errors import SessionEnded, TaasRunError
+from taas_magic.kernel.diagnosis import hang, stacks
+from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.run.run_result import SESSION, RunResult
+from taas_magic.kernel.run.run_state import RunState
+from taas_magic.kernel.running.controller import LOST, STACK_SECONDS, Pump
+from taas_magic.kernel.sessions import reloading
+from taas_magic.kernel.view import render, streams
+from taas_magic.kernel.view.front_end import CellFrontEnd, ReadLine
+from taas_magic.kernel.view.streams import RankOutput
+from taas_magic.launch.backend import Cell, SessionGroup
+from taas_magic.process import cell_files, containment
+from taas_magic.wire import shipping
+from taas_magic.wire.events import Exited, Key, Output, Producer
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.records import split_position
+from taas_magic.wire.task import CellOrder, LoaderPlan
+
+IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
+
+
+@dataclass
+class Session:
+    """A live session: its ranks, what they were started with, and what they hold of the notebook."""
+
+    group: SessionGroup
+    spec: LaunchSpec
+    start: str  # "fork", "forkserver" or "cluster"
+    known: dict[str, shipping.Fingerprint]  # notebook name -> fingerprint of the value the ranks were given
+    sources_sent: set[str]  # the notebook's cells the ranks can quote in tracebacks
+    started: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    cells: int = 0
+    failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
+    ended: str = ""  # why the session is over, once it is
+    reloads: reloading.KernelReloads = field(default_factory=lambda: reloading.KernelReloads(_shell()))
+    served: dict[str, "weakref.ref[Any]"] = field(default_factory=dict)  # notebook name -> loader its producers serve
+    loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
+    labels: dict[Key, str] = field(default_factory=dict)  # the producers' names: "producer 0 of train_loader"
+
+    @property
+    def size(self) -> int:
+        return self.spec.world_size
+
+    def serve(self, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]) -> int:
+        """The session's producers serve these registered loaders from now on, as the notebook names them;
+        returns the number of the first among the session's loaders (producers are keyed by it)."""
+        first = self.loaders
+        self.loaders += len(plans)
+        self.served.update({plan.name: weakref.ref(namespace[plan.name]) for plan in plans})
+        self.labels.update(producer_labels(plans, first))
+        return first
+
+    def resend(self, names: list[str]) -> None:
+        """The next cell sends these names even if the ranks hold them as the notebook does."""
+        for name in names:
+            self.known.pop(name, None)
+
+    def serves(self, name: str, value: Any) -> bool:
+        """Whether the session's producers serve ``value`` under ``name``: the ranks hold its stand-in."""
+        loader = self.served.get(name)
+        return loader is not None and loader() is value
+
+    # -- cells ----------------------------------------------------------------------------------
+    def prepare(
+        self, analysed: Cell, order: CellOrder, command: str = ""
+    ) -> tuple[SessionCell, shipping.Shipment | None, dict[str, shipping.Fingerprint]]:
+        """The cell for the ranks: its order, and the notebook's names it reads that changed; and
+        the fingerprints of what it sends, for ``shipped`` once the ranks have it. The order's loaders
+        (registered since the session started) are served from this cell on: the supervisor starts their
+        producers as it passes the cell on, and the ranks make their stand-ins. ``command``: the line that
+        sends the names (``%taas push``) when no cell does."""
+        namespace = analysed.namespace
+        self._forget_rebound(namespace)
+        prints = _Fingerprints(namespace)  # each name's, once for this cell
+        # What the cell reads, and what the notebook's functions it calls read: a name changed in
+        # the notebook matters wherever it is read from.
+        needed = shipping.needed_names(names_reached(analysed.reads, namespace), namespace)
+        changed = [name for name in needed if self.known.get(name) != prints(name)]
+        shipment = None
+        if changed:
+            shipment = shipping.pack_for_session(
+                namespace,
+                changed,
+                lambda name, value: name in self.known and self.known[name] == prints(name),
+                command,
+            )
+        assert order.code is not None
+        sources = self._new_sources(order.code.co_filename, analysed.label)
+        first_loader = self.serve(order.loaders, namespace) if order.loaders else 0
+        cell = SessionCell(
+            order,
+            shipment.data if shipment else b"",
+            shipment.tensors_size if shipment else 0,
+            sources,
+            first_loader=first_loader,
+        )
+        sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
+        return cell, shipment, sent
+
+    def _forget_rebound(self, namespace: Mapping[str, Any]) -> None:
+        """Drop what the kernel holds of values the notebook let go of (a list, a dict: they take
+        no weak reference): such a name is sent again when a cell reads it."""
+        for name, known in list(self.known.items()):
+            if known.keeps_other_than(namespace.get(name, _UNBOUND)):
+                del self.known[name]
+
+    def shipped(self, sent: Mapping[str, shipping.Fingerprint]) -> None:
+        """The ranks now hold these names as the notebook has them (``prepare`` says which)."""
+        self.known.update(sent)
+
+    def took_back(self, values: Mapping[str, Any]) -> None:
+        """The ranks' names joined the notebook (one rank's, or a ``taas.PerRank``): every rank holds its
+        own value of each already, so they are not sent back to the ranks unless the notebook changes them."""
+        for name, value in values.items():
+            self.known[name] = shipping.fingerprint(value)
+
+    def _new_sources(self, filename: str, label: str) -> dict[str, tuple[str, str]]:
+        files = cell_files.cell_labels(_shell())
+        files[filename] = label
+        sources = {
+            name: (files[name], "".join(linecache.getlines(name))) for name in files if name not in self.sources_sent
+        }
+        self.sources_sent.update(sources)
+        return sources
+
+    def run(
+        self,
+        cell: SessionCell,
+        shipment: shipping.Shipment | None,
+        ranks: list[int],
+        spec: LaunchSpec,
+        front: CellFrontEnd,
+        notebook_cell: bool = True,
+    ) -> RunResult:
+        """Run ``cell`` in ``ranks`` for the cell ``front`` stands for; the sending ranks' pickled names on
+        success, else raise what the cell shows. ``notebook_cell`` False: ``%taas pull`` or ``push``, which is
+        not counted as a cell and leaves the ranks to debug as they were."""
+        fds = (shipment.tensors_fd,) if shipment is not None and shipment.tensors_fd is not None else ()
+        cell = dataclasses.replace(cell, reload=self.reloads.for_cell(_shell(), ranks))
+        return self._cell(lambda: self.group.run_cell(cell, ranks, fds), ranks, spec, front, notebook_cell)
+
+    def first_cell(self, spec: LaunchSpec, front: CellFrontEnd) -> RunResult:
+        """The cell that started the session, which every rank runs as it starts."""
+        return self._cell(lambda: None, list(range(self.size)), spec, front)
+
+    def debug(self, rank: int, write: Callable[[str, str], object], read_line: ReadLine) -> None:
+        """The post-mortem debugger in ``rank`` at its last cell's error, typed into from the notebook: every
+        line of it in the cell's output, no view."""
+        spec = dataclasses.replace(self.spec, output="all", timeout=None)
+        front = CellFrontEnd(write, read_line=read_line)
+        result = self._watch(lambda: self.group.run_cell(SessionCell.post_mortem(), [rank], ()), [rank], spec, front)
+        error = render.error(result, {})
+        if error is not None:
+            raise error
+
+    def _cell(
+        self,
+        send: Callable[[], None],
+        ranks: list[int],
+        spec: LaunchSpec,
+        front: CellFrontEnd,
+        notebook_cell: bool = True,
+    ) -> RunResult:
+        """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
+        if notebook_cell:
+            self.cells += 1
+            self.failed = []
+        try:
+            result = self._watch(send, ranks, spec, front)
+        except SessionEnded as e:
+            if notebook_cell:
+                self.failed = list(e.failed)  # for `%taas debug` to name: their errors went with the session
+            raise
+        if notebook_cell:
+            self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
+        for line in render.notices(result):
+            front.write("stderr", line + "\n")
+        error = render.error(result, front.cell_names)
+        if error is not None:
+            raise error
+        return result
+
+    def _watch(
+        self,
+        send: Callable[[], None],
+        ranks: list[int],
+        spec: LaunchSpec,
+        front: CellFrontEnd,
+    ) -> RunResult:
+        """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
+        if self.ended:
+            raise render.session_over(self.ended)
+        out, view = front.output(spec, ranks, self.labels)
+        state = RunState(
+            SESSION,
+            time.monotonic(),
+            ranks=ranks,
+            timeout=spec.timeout,
+            labels=self.labels,
+            hang_after=spec.hang_after,
+            ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
+            world=self.size,
+            deadline=None if spec.timeout is None else time.monotonic() + spec.timeout,
+        )
+        pump = Pump(self.group, state, out, front, view)
+        lost = False
+        try:
+            _send(pump, send)
+            pump.until_over()
+        except BaseException as e:
+            lost = isinstance(e, LOST)
+            self._end(e.why if isinstance(e, SessionEnded) else f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            out.finish()
+            pump.show_summary(lost)  # whatever ended the cell: no view is left saying "running"
+            self.last_used = time.monotonic()
+        return state.result()
+
+    # -- where its processes are ------------------------------------------------------------------
+    def where(self, cell_names: Mapping[str, str]) -> list[str]:
+        """``%taas stacks`` between cells: each place the session's ranks and producers are, once for all
+        at the same place. A rank waiting for the next cell is idle; the threads of the user's that it
+        runs still show, since one stuck there (in a collective, a loop) is what the next cell meets."""
+        if self.check():
+            return [f"taas: the session ended: {self.ended}"]
+        keys = self.group.running()
+        dumps = self.group.stacks(keys, STACK_SECONDS) if keys else {}
+        processes = []
+        for key in keys:
+            label = self.labels.get(key, f"rank {key}")
+            position, dump = split_position(dumps.get(key, ""))  # where its collectives were, with its stacks
+            idle = _idle(key, dump)  # then only the threads the user started are worth showing
+            processes.append(
+                hang.Process(key, label, activity=position, stack=dump)
+                if idle is None
+                else hang.Process(key, label, stack=stacks.other_threads(dump), ended=idle)
+            )
+        return hang.where_lines(processes, cell_names, self.spec.ranks_per_node if self.spec.nodes > 1 else 0)
+
+    # -- its end --------------------------------------------------------------------------------
+    def check(self) -> str:
+        """Why the session ended on its own since the last cell (idle limit, a rank died), or ''.
+
+        Between cells nothing reads its events; what a rank printed meanwhile is shown here.
+        """
+        if self.ended:
+            return self.ended
+        out = RankOutput(streams.write_to_cell, prefix=self.spec.show_rank_prefix, labels=self.labels)
+        try:
+            for event in self.group.events(0):
+                if isinstance(event, Output):
+                    out.feed(event.rank, event.stream, event.data)
+                elif isinstance(event, Exited) and isinstance(event.rank, Producer) and event.returncode == 0:
+                    pass  # its share of a stream cut by --units is built and sent
+                elif isinstance(event, Exited):
+                    who = self.labels.get(event.rank, f"rank {event.rank}")
+                    self._end(render.exited_between_cells(who, event.returncode))
+        except TaasRunError as e:
+            self._end(getattr(e, "detail", str(e)))
+        finally:
+            out.finish()
+        return self.ended
+
+    def stop(self, why: str = "stopped with %taas stop") -> None:
+        self._end(why)
+
+    def _end(self, why: str) -> None:
+        if not self.ended:
+            self.ended = why
+            containment.close_whole(self.group.close)
+
+    def describe(self) -> str:
+        if self.check():
+            return f"ended: {self.ended}"
+        idle = time.monotonic() - self.last_used
+        configuration = f", configuration {self.spec.configuration.name}" if self.spec.configuration else ""
+        where = "on the cluster" if self.start == "cluster" else f"started by {self.start}"
+        return (
+            f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
+            f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
+            f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)"
+        )
+
+
+def _idle(key: Key, dump: str) -> str | None:
+    """What a process does between cells when its main thread waits in taas's own code (and the standard
+    library calls that code made): a rank in its session loop for the next cell (``rank/session.py``), a
+    producer for the ranks (``delivery/producer.py``, building nothing). None when it runs anything else:
+    code of the user's or of a library."""
+    threads = stacks.parse_stacks(dump)
+    if not threads or not threads[0].main or not threads[0].frames:
+        return None
+    if not all("/taas_magic/" in frame.file or _STANDARD_LIBRARY.search(frame.file) for frame in threads[0].frames):
+        return None
+    return "idle, waiting for the next cell" if isinstance(key, int) else "idle, waiting for the ranks"
+
+
+# A module of Python's own standard library, on whichever machine the dump was taken (a cluster's node too).
+_STANDARD_LIBRARY = re.compile(r"/lib/python3\.\d+/(?!site-packages/|dist-packages/)")
+
+
+def _shell() -> Any:
+    """The kernel's IPython shell (None outside IPython)."""
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
+class _Fingerprints:
+    """The notebook's names' fingerprints, each taken once: a cell's check, its pickling and its
+    bookkeeping ask for the same names."""
+
+    def __init__(self, namespace: Mapping[str, Any]):
+        self.namespace = namespace
+        self.taken: dict[str, shipping.Fingerprint] = {}
+
+    def __call__(self, name: str) -> shipping.Fingerprint:
+        if name not in self.taken:
+            self.taken[name] = shipping.fingerprint(self.namespace[name])
+        return self.taken[name]
+
+
+_UNBOUND = object()  # what a name the notebook deleted is bound to, for _forget_rebound
+
+
+def _send(pump: Pump, send: Callable[[], None]) -> None:
+    """Send a cell (``send``) to its ranks whole, even if the user interrupts meanwhile: the interrupt
+    then interrupts the cell the ranks run.
+
+    Sending a cell must be whole or not at all, and known to be which: an interrupt that landed
+    just after the message went, and before the kernel noted it, would leave the ranks running a
+    cell the kernel believes it never sent.
+    """
+    try:
+        with containment.HeldInterrupts():
+            send()
+    except KeyboardInterrupt:
+        pump.interrupt()
+
+
+def debug_paused(
+    group: SessionGroup, rank: int, spec: LaunchSpec, write: Callable[[str, str], object], read_line: ReadLine
+) -> None:
+    """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
+    its error; the run is over once the user leaves it."""
+    spec = dataclasses.replace(spec, output="all", timeout=None)  # every line of the debugger, for as long as it takes
+    front = CellFrontEnd(write, read_line=read_line)
+    out, _ = front.output(spec, [rank])
+    pump = Pump(group, RunState(SESSION, time.monotonic(), ranks=[rank]), out, front)
+    try:
+        _send(pump, lambda: group.run_cell(SessionCell.post_mortem(), [rank], ()))
+        pump.until_over()
+    finally:
+        out.finish()
+        containment.close_whole(group.close)

@@ -1,0 +1,52 @@
+"""Where a run meets the cell it runs for: one object for the cell's output, live view, prompts, pictures and the
+names of the notebook's cells, handed from the magic to the pump that uses them.
+
+A run of any kind (a one-shot cell, a session's cell, ``%taas pull`` or ``push``, ``%taas debug``) is given its
+own: nothing of one cell's front end stays for the next (a later command drawing into an earlier cell's view).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.view.live_view import RunView
+from taas_magic.kernel.view.streams import RankOutput
+from taas_magic.kernel.view.tidy_output import TidyRankOutput
+from taas_magic.wire.events import Key
+
+Write = Callable[[str, str], object]  # (stream, text): where the ranks' output and taas's notices go
+Status = Callable[[dict[str, str], bool], object]  # shows the live view: (MIME bundle, final)
+Show = Callable[[dict[str, str]], object]  # shows a MIME bundle once, in a display of its own
+ReadLine = Callable[[str], str]  # asks the user for a line of input: the kernel's `input`
+
+
+@dataclass(frozen=True)
+class CellFrontEnd:
+    """``write``: the cell's streams. ``cell_names``: code file name -> "Cell In[5]", for stacks and tracebacks.
+    ``status``: the live view's display, redrawn in place (None: no view, the ranks' output as they write it).
+    ``read_line``: a line a rank's debugger waits for (``breakpoint()``; None: the rank is told there is none).
+    ``picture``: shows where the ranks' time went under the summary (``--profile``). ``stopped``: the ranks
+    stopped in the notebook's visual debugger now (a person's time, as at a pdb prompt)."""
+
+    write: Write
+    cell_names: Mapping[str, str] = field(default_factory=dict)
+    status: Status | None = None
+    read_line: ReadLine | None = None
+    picture: Show | None = None
+    stopped: Callable[[], frozenset[int]] = frozenset
+
+    def output(
+        self, spec: LaunchSpec, ranks: list[int], labels: Mapping[Key, str] | None = None
+    ) -> tuple[RankOutput, RunView | None]:
+        """Where the ranks' output goes: with a live view, tidied, bars into the view's rows."""
+        shown = None if spec.output == "all" else {0}
+        if self.status is None:
+            return RankOutput(self.write, prefix=spec.show_rank_prefix, shown=shown, labels=labels), None
+        view = RunView(
+            f"{len(ranks)} rank{'s' * (len(ranks) != 1)} on {spec.device}",
+            ranks,
+            spec.ranks_per_node if spec.nodes > 1 else 0,
+        )
+        return TidyRankOutput(self.write, spec.show_rank_prefix, len(ranks), view.bar, shown, labels), view
