@@ -23,6 +23,7 @@ from typing import Any, FrozenSet
 
 from taas_magic.process import containment, kernel_debugger
 from taas_magic.wire import records
+from taas_magic.wire.rank_control import STOP_TOGETHER
 from taas_magic.wire.records import Record
 
 EXIT_FAILED = 1
@@ -191,9 +192,15 @@ def _reset_signals(stack_fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
-    # The supervisor forked this process with interrupts and stack requests held: one sent while it started
+    signal.signal(STOP_TOGETHER, _as_an_interrupt)  # a session's rank takes it at a step (rank/stopping.py)
+    # The supervisor forked this process with interrupts, stack requests and stops held: one sent while it started
     # is taken now (a stack request, by then, is answered rather than ending the process).
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1, STOP_TOGETHER})
+
+
+def _as_an_interrupt(signum: int, frame: Any) -> None:
+    """``STOP_TOGETHER`` before a session's rank can stop at a step: the interrupt it stands for."""
+    signal.raise_signal(signal.SIGINT)
 
 
 def _detach_from_kernel() -> Any:

@@ -11,6 +11,7 @@ is never lost and a late one never lands in the next cell.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -22,10 +23,11 @@ from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger
 from taas_magic.rank.cell import run_cell, stopped_before_start
 from taas_magic.rank.reloading import RankReloads
+from taas_magic.rank.stopping import StepStops
 from taas_magic.wire import memfile, records, results, shipping
 from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
-from taas_magic.wire.records import CellEnded
+from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.task import CellOrder, LoaderPlan, RankTask
 
 
@@ -42,17 +44,21 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     ends the rank (and so the session), as it would end a script.
     """
     last_error: BaseException | None = None
-    order = task.order
+    order, number = task.order, 0
     served = order.loaders  # every loader the session serves, those registered since it started too
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
+    steps = StepStops()
+    steps.install()
     while True:
         if order.code is None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
             record: records.Record = _debug(last_error, control)
             names = None
         else:
-            status, record, names, error = _run(order, namespace, shell, task, served, interrupted)
+            with steps.running(number):
+                status, record, names, error = _run(order, namespace, shell, task, served, interrupted)
+            record = _with_steps(record, steps)
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -63,7 +69,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
         if received is None:
             return 0
         cell, tensors_fd, ends = received
-        order = cell.order
+        order, number = cell.order, cell.number
         held = _take_interrupts(control)
         register_sources(cell.sources)
         reloads.before_cell(cell.reload)  # before the names: the notebook's came from the new code
@@ -107,6 +113,15 @@ def _run(
         return (*stopped_before_start(e, shell, task), None, e)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt that comes late is for the cell just ended
+
+
+def _with_steps(record: records.Record, steps: StepStops) -> records.Record:
+    """An interrupted cell's record says where this rank stopped among its optimizer steps."""
+    progress = steps.progress()
+    if not isinstance(record, Failed) or not record.interrupted or progress is None:
+        return record
+    applied, inside = progress
+    return dataclasses.replace(record, steps=applied, inside_step=inside)
 
 
 def send_end(control: RankEnd, record: records.Record, names: results.Packed | None) -> None:

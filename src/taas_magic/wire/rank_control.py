@@ -12,12 +12,18 @@ the supervisor (``supervision.py``).
 
 from __future__ import annotations
 
+import signal
 import socket
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from taas_magic.wire.channel import Channel
 from taas_magic.wire.task import CellOrder
+
+# What a session's rank is sent first when its cell is interrupted (or its --timeout runs out): stop before the
+# optimizer step every rank agrees on, the replicas equal (``rank/stopping.py``); SIGINT follows for ranks that
+# do not get there. Before a rank takes its cell, it stands for an interrupt.
+STOP_TOGETHER = signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class SessionCell:
     # The number of the first of the order's loaders among those the session serves: the supervisor starts
     # their producers, the ranks make their stand-ins.
     first_loader: int = 0
+    number: int = 0  # the session's count of cells sent so far: it names the cell to its ranks (``rank/stopping.py``)
 
     @classmethod
     def post_mortem(cls) -> "SessionCell":

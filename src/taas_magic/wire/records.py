@@ -47,6 +47,10 @@ class Failed:
     hint: str = ""  # advice for a mistake the rank recognized
     peer_lost: bool = False  # the error says another process of the run went away (gloo's "connection closed by peer")
     stack: str = ""  # where such a rank was (its error's frames, as faulthandler writes a stack)
+    # A session cell's interrupt: the optimizer steps the cell applied in this rank (None: it began none), and
+    # whether the rank stopped inside one (``rank/stopping.py``).
+    steps: int | None = None
+    inside_step: bool = False
 
 
 @dataclass(frozen=True)

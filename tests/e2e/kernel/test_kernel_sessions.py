@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -120,6 +121,46 @@ def test_an_interrupt_stops_the_cell_in_every_rank_and_the_session_survives(kern
         )
         assert "KeyboardInterrupt" in r.traceback and "the session goes on" in r.traceback, r.traceback
         assert "[rank 0] cleaned" in r.each_rank() and "[rank 1] cleaned" in r.each_rank() and r.seconds < 6
+        assert_same_ranks_go_on(kernel, first)
+    finally:
+        stop(kernel)
+
+
+DDP = """model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+"""
+TRAIN = """#pragma taas
+print("training", flush=True)
+while True:
+    model(torch.randn(16, 32)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+REPLICAS = """#pragma taas
+total = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
+every = [torch.zeros_like(total) for _ in range(dist.get_world_size())]
+dist.all_gather(every, total)
+print("replicas", len({float(t) for t in every}), flush=True)
+"""
+
+
+@pytest.mark.timeout(300)  # four interrupts of training, each followed by a look at the replicas
+def test_interrupted_ddp_training_stops_every_rank_after_the_same_step_and_trains_on(kernel):
+    """An interrupt that landed wherever each rank was left DDP's replicas different (one more optimizer step in
+    one rank than in another, or one stopped inside a step): the ranks now stop before the same step, say so, and
+    the same DDP model trains on in the next cell."""
+    first = kernel.execute(START.format(start="fork") + DDP).ok()
+    rng = random.Random(5)
+    try:
+        for _ in range(4):
+            r = kernel.execute(TRAIN, interrupt_after=rng.uniform(0.3, 1.5), counted_from="training", timeout=60)
+            assert r.error is not None and r.error["ename"] == "RunInterrupted", r.traceback
+            said = re.search(
+                r"taas: ranks 0-1 stopped after optimizer step (\d+) of this cell, each with the same", r.traceback
+            )
+            assert said and int(said[1]) > 0, r.traceback
+            replicas = kernel.execute(REPLICAS).ok()
+            assert replicas.each_rank().count("replicas 1") == 2, replicas.stdout
         assert_same_ranks_go_on(kernel, first)
     finally:
         stop(kernel)

@@ -30,12 +30,13 @@ from taas_magic.kernel.run.run_actions import (
     TakeStacks,
     Why,
 )
-from taas_magic.kernel.run.run_result import ONE_SHOT, SESSION, EndCause, Outcome
+from taas_magic.kernel.run.run_result import ONE_SHOT, SESSION, STOP_SECONDS, EndCause, Outcome
 from taas_magic.kernel.run.run_state import Phase, RunState
 from taas_magic.kernel.run.run_stop import StopCause
 from taas_magic.kernel.view import render
 from taas_magic.rank import cell
 from taas_magic.wire.events import Producer
+from taas_magic.wire.rank_control import STOP_TOGETHER
 from taas_magic.wire.records import (
     CellEnded,
     Collective,
@@ -546,7 +547,7 @@ def test_a_session_cell_raising_keyboardinterrupt_itself_lets_the_others_finish(
 
 def test_an_interrupted_session_cell_says_what_taas_interrupted():
     state = session()
-    assert state.interrupt(1.0, BOTH) == [TakeStacks((0, 1), Why.STOP), Signal(signal.SIGINT, (0, 1))]
+    assert state.interrupt(1.0, BOTH) == [TakeStacks((0, 1), Why.STOP), Signal(STOP_TOGETHER, (0, 1))]
     for rank in (0, 1):
         state.reported(rank, failed(1.1, "KeyboardInterrupt", interrupted=True))
     error = render.error(state.result(), {})
@@ -556,12 +557,62 @@ def test_an_interrupted_session_cell_says_what_taas_interrupted():
     ]
 
 
+def test_a_session_cells_ranks_are_asked_to_stop_together_then_interrupted_where_they_are():
+    state = session()
+    state.interrupt(1.0, BOTH)
+    assert state.tick(1.0 + STOP_SECONDS - 0.1, BOTH) == [], "the ranks have a moment to reach a step together"
+    assert state.tick(1.0 + STOP_SECONDS, BOTH) == [Signal(signal.SIGINT, (0, 1))]
+    state.reported(0, failed(3.1, "KeyboardInterrupt", interrupted=True))  # rank 1 does not leave
+    assert state.tick(1.0 + STOP_SECONDS + 5.0, (1,)) == []
+    assert state.tick(1.0 + STOP_SECONDS + 5.1, (1,)) == [TakeStacks((1,), Why.STUCK)], "5 s after the SIGINT"
+
+
+def test_an_impatient_interrupt_while_the_ranks_stop_together_interrupts_them_where_they_are():
+    state = session()
+    state.interrupt(1.0, BOTH)
+    assert state.interrupt(1.5, BOTH) == [Signal(signal.SIGINT, (0, 1))]
+    assert state.tick(1.0 + STOP_SECONDS, BOTH) == [], "sent already"
+    assert state.interrupt(2.0, BOTH) == [EndSession()], "a third, once every signal went, ends the session"
+
+
+@pytest.mark.parametrize(
+    "reports, said",
+    [
+        (
+            {0: (596, False), 1: (596, False)},
+            "taas: ranks 0-1 stopped after optimizer step 596 of this cell, each with the same steps applied",
+        ),
+        (
+            {0: (596, False), 1: (595, False)},
+            "rank 0 after optimizer step 596 of this cell; rank 1 after optimizer step 595 of this cell",
+        ),
+        ({0: (3, True), 1: (3, True)}, "ranks 0-1 inside optimizer step 4"),
+        ({0: (None, False), 1: (7, False)}, "rank 0 before their first optimizer step; rank 1 after optimizer step 7"),
+        ({0: (None, False), 1: (None, False)}, None),
+    ],
+)
+def test_an_interrupted_session_cell_says_whether_its_ranks_stopped_at_the_same_optimizer_step(reports, said):
+    state = session()
+    state.interrupt(1.0, BOTH)
+    for rank, (steps, inside) in reports.items():
+        state.reported(
+            rank, dataclasses.replace(failed(1.1, "KeyboardInterrupt", True), steps=steps, inside_step=inside)
+        )
+    lines = render.error(state.result(), {}).lines
+    if said is None:
+        assert len(lines) == 1, lines
+    else:
+        assert said in lines[1], lines
+        agree = "each with the same steps applied" in lines[1]
+        assert agree == ("different points" not in lines[1]) and ("may differ" in lines[1]) == (not agree)
+
+
 def test_a_session_timeout_interrupts_the_late_ranks_and_the_session_goes_on():
     state = session(deadline=5.0, timeout=5.0)
     state.reported(0, CellEnded(4.0))
     asked = state.tick(5.0, BOTH)
     assert asked == [TakeStacks((1,), Why.LATE)]
-    assert state.stacks_taken(asked[0], {}, 5.1, BOTH) == [Signal(signal.SIGINT, (1,))]
+    assert state.stacks_taken(asked[0], {}, 5.1, BOTH) == [Signal(STOP_TOGETHER, (1,))]
     state.reported(1, failed(5.2, "KeyboardInterrupt", interrupted=True))
     error = render.error(state.result(), {})
     assert isinstance(error, RunTimedOut)
@@ -572,7 +623,8 @@ def test_a_session_timeout_interrupts_the_late_ranks_and_the_session_goes_on():
 def test_a_second_interrupt_while_the_ranks_leave_the_cell_ends_the_session():
     state = session()
     state.interrupt(1.0, BOTH)
-    assert state.interrupt(1.5, BOTH) == [EndSession()]
+    state.tick(1.0 + STOP_SECONDS, BOTH)  # the ranks are interrupted where they are: they leave the cell now
+    assert state.interrupt(3.5, BOTH) == [EndSession()]
     result = state.result()
     assert result.outcome is Outcome.SESSION_ENDED and result.end is not None
     assert result.end.cause is EndCause.INTERRUPTED_TWICE

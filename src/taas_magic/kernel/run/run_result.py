@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from taas_magic.kernel.diagnosis.hang import Process
 from taas_magic.wire.events import Key
+from taas_magic.wire.rank_control import STOP_TOGETHER
 from taas_magic.wire.records import CellEnded, Failed, SavedOnNode
 
 Step = tuple[float, int]  # (seconds after the stop began, signal to send)
@@ -51,11 +52,12 @@ class Policy:
     """How a run is steered and worded: the one-shot cell and the session cell differ here alone."""
 
     keep: bool  # the ranks outlive the cell: it is over once each said how it ended there; an exit ends the session
-    on_failure: tuple[Step, ...]  # the signals when a process failed, the ranks are done or the time ran out
+    on_failure: tuple[Step, ...]  # the signals when a process failed or the ranks are done
     on_interrupt: tuple[Step, ...]  # the signals when the user interrupted the cell or quit a debugger
-    again_ends: bool  # an interrupt while stopping ends the session (else: the next signal now)
+    on_timeout: tuple[Step, ...]  # the signals when --timeout ran out
+    again_ends: bool  # an interrupt once the last signal went ends the session (else, and before: the next one now)
     interrupt_at_once: bool  # an interrupt's first signal goes out at once (else: with the next tick)
-    leave_seconds: float | None  # ranks still in an interrupted cell after this long end the session
+    leave_seconds: float | None  # ranks still in an interrupted cell this long after the last signal end the session
     own_interrupt_stops: bool  # a KeyboardInterrupt a cell raised itself stops the other processes
     pauses: bool  # --debug keeps the first rank that raised, paused at its error
     order: tuple[Outcome, ...]  # which outcome the cell reports when several happened, the first that did
@@ -64,11 +66,14 @@ class Policy:
     timeout_end: str  # how the message of --timeout ends
 
 
+STOP_SECONDS = 2.0  # a session's ranks have this long to stop at a step together before they are interrupted
+
 ONE_SHOT = Policy(
     keep=False,
     on_failure=((0.0, signal.SIGTERM), (3.0, signal.SIGKILL)),
     # SIGINT first, so that `finally` blocks and Lightning's shutdown run.
     on_interrupt=((0.0, signal.SIGINT), (3.0, signal.SIGTERM), (6.0, signal.SIGKILL)),
+    on_timeout=((0.0, signal.SIGTERM), (3.0, signal.SIGKILL)),
     again_ends=False,
     interrupt_at_once=False,
     leave_seconds=None,
@@ -82,7 +87,10 @@ ONE_SHOT = Policy(
 SESSION = Policy(
     keep=True,
     on_failure=((0.0, signal.SIGINT),),  # the others may wait for the failed rank forever in a collective
-    on_interrupt=((0.0, signal.SIGINT),),
+    # The ranks stop before the same optimizer step, the replicas equal; those that do not get there in time stop
+    # where they are (rank/stopping.py).
+    on_interrupt=((0.0, STOP_TOGETHER), (STOP_SECONDS, signal.SIGINT)),
+    on_timeout=((0.0, STOP_TOGETHER), (STOP_SECONDS, signal.SIGINT)),
     again_ends=True,
     interrupt_at_once=True,
     leave_seconds=5.0,

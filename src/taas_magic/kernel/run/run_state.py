@@ -15,10 +15,11 @@ One-shot cells and session cells are two ``Policy`` values over this one machine
 - ``ONE_SHOT``: a stop sends SIGTERM, then SIGKILL 3 s later (an interrupt: SIGINT, SIGTERM after
   3 s, SIGKILL after 6 s; another interrupt sends the next one now); the work is over when every
   process has exited (but a rank paused at its error by ``--debug``).
-- ``SESSION``: the ranks outlive the cell. A stop interrupts the cell (SIGINT) in the ranks still
-  in it; the work is over when each rank of the cell has said how the cell ended there. A rank
-  that exits, a producer that dies, ranks that do not leave an interrupted cell within 5 s and a
-  second interrupt end the session.
+- ``SESSION``: the ranks outlive the cell. A stop interrupts the cell in the ranks still in it
+  (an interrupt or ``--timeout``: first ``STOP_TOGETHER``, before the same optimizer step, then SIGINT
+  2 s later; a failure: SIGINT); the work is over when each rank of the cell has said how the cell
+  ended there. A rank that exits, a producer that dies, ranks that do not leave an interrupted cell
+  within 5 s of their SIGINT and an interrupt after it end the session.
 """
 
 from __future__ import annotations
@@ -297,9 +298,12 @@ class RunState:
         self.interrupted = True
         self.paused.clear()  # an interrupt stops every rank, the paused one too
         if self.stop is not None and self.policy.again_ends:
+            ahead = self.stop.skip_ahead(now) if self.stop.cause in (StopCause.INTERRUPT, StopCause.TIMEOUT) else []
+            if ahead:  # an impatient interrupt while the ranks stop together: they stop where they are now
+                return [Signal(signum, self._targets()) for signum in ahead]
             return self._end_session(SessionEnd(EndCause.INTERRUPTED_TWICE))
         if self.stop is not None and self.stop.cause is StopCause.INTERRUPT:
-            return [Signal(signum, None) for signum in self.stop.skip_ahead()]
+            return [Signal(signum, None) for signum in self.stop.skip_ahead(now)]
         self._begin(StopCause.INTERRUPT, now)
         return self._where_stopped()
 
@@ -310,9 +314,8 @@ class RunState:
 
     def _begin(self, cause: StopCause, now: float) -> None:
         self.stopped |= set(self._targets())
-        self.stop = Stop(
-            cause, self.policy.on_interrupt if cause is StopCause.INTERRUPT else self.policy.on_failure, now
-        )
+        steps = {StopCause.INTERRUPT: self.policy.on_interrupt, StopCause.TIMEOUT: self.policy.on_timeout}
+        self.stop = Stop(cause, steps.get(cause, self.policy.on_failure), now)
 
     def _due(self, now: float) -> list[Action]:
         """The signals due by ``now``; the stacks of ranks that did not leave an interrupted cell in time."""
@@ -320,7 +323,7 @@ class RunState:
             return []
         actions: list[Action] = [Signal(signum, self._targets()) for signum in self.stop.due(now)]
         leave = self.policy.leave_seconds
-        if leave is not None and now - self.stop.started > leave and self._in_cell():
+        if leave is not None and self.stop.all_sent_before(now, leave) and self._in_cell():
             actions.append(TakeStacks(self._targets(), Why.STUCK))
         return actions
 

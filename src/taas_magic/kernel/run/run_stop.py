@@ -22,24 +22,32 @@ class StopCause(Enum):
 
 @dataclass
 class Stop:
-    """A stop under way since ``started``, for ``cause``: the signals of its ``steps`` (delay, signal) sent so far."""
+    """A stop under way since ``started``, for ``cause``: the signals of its ``steps`` (delay, signal) sent so far,
+    the last of them at ``last_sent``."""
 
     cause: StopCause
     steps: tuple[Step, ...]
     started: float
     sent: int = 0
+    last_sent: float = 0.0
 
     def due(self, now: float) -> list[int]:
         due = [signum for delay, signum in self.steps[self.sent :] if now - self.started >= delay]
         self.sent += len(due)
+        self.last_sent = now if due else self.last_sent
         return due
 
-    def skip_ahead(self) -> list[int]:
+    def skip_ahead(self, now: float) -> list[int]:
         """An impatient second interrupt: the next step now."""
         if self.sent >= len(self.steps):
             return []
         self.sent += 1
+        self.last_sent = now
         return [self.steps[self.sent - 1][1]]
+
+    def all_sent_before(self, now: float, seconds: float) -> bool:
+        """Every signal went, the last more than ``seconds`` ago: what it asked of the processes is overdue."""
+        return self.sent == len(self.steps) and now - self.last_sent > seconds
 
     def signals_sent(self) -> set[int]:
         """The signals sent so far: a process that died of one of them was stopped, not failing on its own."""

@@ -61,6 +61,7 @@ class Session:
     started: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     cells: int = 0
+    sent: int = 0  # cells sent to the ranks, the one that started the session not counted: the next one's number
     failed: list[int] = field(default_factory=list)  # ranks whose last cell raised, the first to fail first
     ended: str = ""  # why the session is over, once it is
     reloads: reloading.KernelReloads = field(default_factory=lambda: reloading.KernelReloads(_shell()))
@@ -118,12 +119,14 @@ class Session:
         assert order.code is not None
         sources = self._new_sources(order.code.co_filename, analysed.label)
         first_loader = self.serve(order.loaders, namespace) if order.loaders else 0
+        self.sent += 1
         cell = SessionCell(
             order,
             shipment.data if shipment else b"",
             shipment.tensors_size if shipment else 0,
             sources,
             first_loader=first_loader,
+            number=self.sent,
         )
         sent = {name: prints(name) for name in (shipment.sent if shipment else ()) if name in namespace}
         return cell, shipment, sent

@@ -184,13 +184,44 @@ def interrupted(result: RunResult) -> list[str]:
             if result.stopped
             else ""
         )
-        return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: {quit}{stopped}the session goes on"]
+        return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: {quit}{stopped}the session goes on", *steps_taken(result)]
     stops: dict[str, list[int]] = {}
     for rank, code in _in_order(result.exits):
         if isinstance(rank, int):
             stops.setdefault(_describe_stop(code, result.records.get(rank)), []).append(rank)
     how = "; ".join(f"{span(ranks)}: {what}" for what, ranks in stops.items())
     return [f"{RED}{BOLD}KeyboardInterrupt{RESET}: taas run interrupted; every rank stopped ({how})"]
+
+
+def steps_taken(result: RunResult) -> list[str]:
+    """Where a session's interrupted ranks stopped among their optimizer steps (``rank/stopping.py``): at the same
+    one, DDP's replicas alike; or not, and what to do. Nothing when no rank had begun a step."""
+    interrupted: dict[Key, Failed] = {
+        rank: record
+        for rank, record in result.records.items()
+        if isinstance(rank, int) and isinstance(record, Failed) and record.interrupted
+    }
+    if all(record.steps is None for record in interrupted.values()):
+        return []
+    places: dict[str, list[Key]] = {}
+    for rank, record in _in_order(interrupted):
+        places.setdefault(_step_place(record), []).append(rank)
+    if len(places) == 1 and not any(record.inside_step for record in interrupted.values()):
+        place, ranks = next(iter(places.items()))
+        return [f"taas: {names(result, ranks)} stopped {place}, each with the same steps applied"]
+    where = "; ".join(f"{names(result, ranks)} {place}" for place, ranks in places.items())
+    return [
+        f"{RED}taas: the ranks stopped at different points of their training ({where}): their models may differ "
+        f"now; broadcast rank 0's parameters and optimizer state to the others, or start the session again{RESET}"
+    ]
+
+
+def _step_place(record: Failed) -> str:
+    if record.steps is None:
+        return "before their first optimizer step"
+    if record.inside_step:
+        return f"inside optimizer step {record.steps + 1}"
+    return f"after optimizer step {record.steps} of this cell"
 
 
 def session_ended(result: RunResult, cell_names: Mapping[str, str]) -> SessionEnded:

@@ -29,6 +29,7 @@ from taas_magic.launch.supervisor.tasks import Received, StoreServer
 from taas_magic.process import containment, logs
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Key, Relayed, Report, ResultInFile, key_order
+from taas_magic.wire.rank_control import STOP_TOGETHER
 from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.supervision import (
     AnswerLine,
@@ -75,9 +76,10 @@ def supervise(
         log.info("supervisor of run %s: ranks %s", env.get("TAAS_RUN_ID"), sorted(envs))
         os.setpgid(0, 0)  # the kernel's interrupts are the kernel's to forward
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        # Held, not lost, in a rank until it can take them: an interrupt, and a request for its stacks (SIGUSR1,
-        # whose default ends a process), which the hang doctor or a failure's report may send as it starts.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR1})
+        # Held, not lost, in a rank until it can take them: an interrupt, a request for its stacks (SIGUSR1,
+        # whose default ends a process), which the hang doctor or a failure's report may send as it starts, and
+        # a session's stop (STOP_TOGETHER, whose default ends a process too).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGUSR1, STOP_TOGETHER})
         containment.become_subreaper()
         _Supervisor(channel, os.getppid()).serve(envs, make_task, store)
         status = 0

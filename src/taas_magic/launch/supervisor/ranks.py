@@ -24,7 +24,7 @@ from taas_magic.launch.supervisor.forking import ForkedProcess, ForkingGroup
 from taas_magic.process import containment, tempfiles
 from taas_magic.wire import channel, records
 from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
-from taas_magic.wire.rank_control import CellEnd, InCell, Line, Prompt, SessionCell, ToRank
+from taas_magic.wire.rank_control import STOP_TOGETHER, CellEnd, InCell, Line, Prompt, SessionCell, ToRank
 from taas_magic.wire.task import RankTask
 
 READ_SIZE = 1 << 16
@@ -283,18 +283,22 @@ class ForkedRanks(ForkingGroup):
 
     # -- acting on ranks --------------------------------------------------------------------
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
-        """An interrupt reaches a session's rank in its cell only: one for a cell on its way waits
-        until the rank takes it; one that comes after its cell ended is too late, and dropped."""
+        """An interrupt (or a stop, ``STOP_TOGETHER``) reaches a session's rank in its cell only: one for a cell
+        on its way waits until the rank takes it; one that comes after its cell ended is too late, and dropped."""
         chosen = self.running() if ranks is None else set(ranks) & self.running()
         for rank in sorted(chosen, key=key_order):
             state = self.ranks[rank]
-            if signum == signal.SIGINT and state.cell != "running":
+            if signum in (signal.SIGINT, STOP_TOGETHER) and state.cell != "running":
                 state.interrupt_waiting = state.cell == "sent"
                 continue
             self._signal(state, signum)
 
     def _signal(self, state: ForkedProcess, signum: int) -> None:
-        if state.returncode is None:  # a reaped rank's id may belong to someone else now
+        if state.returncode is not None:  # a reaped rank's id may belong to someone else now
+            return
+        if signum == STOP_TOGETHER:
+            containment.kill(state.pid, signum)  # the rank's own: its DataLoader's workers have no use for it
+        else:
             containment.signal_tree(state.pid, signum)
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:

@@ -1,0 +1,129 @@
+"""A session cell's interrupt, taken by every rank just before the same optimizer step.
+
+An interrupt that lands wherever each rank happens to be leaves DDP's replicas different: one rank has
+applied one more ``optimizer.step()`` than another, or stopped inside one, and the next cell trains on
+with models that are no longer copies of each other. So when the user interrupts a session's cell, or
+its ``--timeout`` runs out, the ranks are first sent ``STOP_TOGETHER`` (``kernel/run/run_result.py``'s
+``SESSION`` policy), not SIGINT:
+
+- a rank whose cell has not begun an optimizer step raises ``KeyboardInterrupt`` at once, as at SIGINT
+  (a cell that does not train is interrupted at once);
+- one that has goes on to its next step. There the ranks agree on the step every rank stops before: the
+  first to get there proposes one a little ahead (``MARGIN_SECONDS`` of its steps, at least the next) in
+  the run's store, and the first proposal is every rank's answer (``compare_set``). DDP keeps its ranks
+  within a step of each other, and the signal reaches each within far less than the margin, so none has
+  begun that step yet; each raises ``KeyboardInterrupt`` just before it, the same steps applied as the others.
+
+SIGINT follows a moment later for ranks that do not get there (a cell that stopped stepping, ranks that
+do not step together): they stop where they are, as before. Each rank's report says how many steps its
+cell applied and whether it stopped inside one (``Failed.steps``), and the kernel says whether they agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from datetime import timedelta
+from types import FrameType
+from typing import Any, Iterator
+
+from taas_magic.wire.rank_control import STOP_TOGETHER
+
+STORE_SECONDS = 5.0  # the run's store answers on this machine or the cluster's node 0: milliseconds
+# How far ahead of the first rank to get the signal the ranks stop: the signal reaches the others later (the
+# supervisor signals one rank after another; on a cluster, each node's in turn), and a rank that passed the step
+# before it knew would wait for ever for the others in its next collective.
+MARGIN_SECONDS = 0.25
+
+
+class StepStops:
+    """A session rank's optimizer steps in the running cell, and the interrupt that waits for the next one."""
+
+    def __init__(self) -> None:
+        self.cell: int | None = None  # the number of the cell whose code runs (``SessionCell.number``)
+        self.begun = 0  # optimizer steps the cell began in this rank
+        self.applied = 0  # and those that ended
+        self.first_step_at = 0.0  # when the cell began its first step
+        self.asked = False  # STOP_TOGETHER came: stop before the agreed step
+        self.stop_before: int | None = None  # the agreed step
+        self.store: Any = None  # a client of the run's store, made at the first interrupt that needs one
+        self.hooks: list[Any] = []
+
+    def install(self) -> None:
+        """For the session's life: the signal, and hooks around every optimizer's step (torch's global ones)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.hooks = [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
+        signal.signal(STOP_TOGETHER, self._on_signal)
+
+    def uninstall(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        signal.signal(STOP_TOGETHER, signal.SIG_DFL)
+
+    @contextlib.contextmanager
+    def running(self, cell: int) -> Iterator[None]:
+        """Around a cell's run: its steps counted from 0, an interrupt of it taken at a step."""
+        self.cell, self.begun, self.applied, self.asked, self.stop_before = cell, 0, 0, False, None
+        try:
+            yield
+        finally:
+            self.cell = None
+
+    def progress(self) -> tuple[int, bool] | None:
+        """The steps the cell applied, and whether it stopped inside one; None when it began none."""
+        if self.begun == 0:
+            return None
+        return self.applied, self.begun > self.applied
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.cell is None:  # as the interrupt it stands for: held while a cell starts, dropped between cells
+            signal.raise_signal(signal.SIGINT)
+        elif self.begun == 0:
+            raise KeyboardInterrupt
+        else:
+            self.asked = True
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.cell is None:
+            return
+        self.begun += 1
+        if self.begun == 1:
+            self.first_step_at = time.monotonic()
+        if not self.asked:
+            return
+        if self.stop_before is None:
+            self.stop_before = self._agree(self.begun + self._margin())
+        if self.begun >= self.stop_before:
+            self.begun -= 1  # this one does not begin
+            raise KeyboardInterrupt
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.cell is not None:
+            self.applied += 1
+
+    def _margin(self) -> int:
+        """``MARGIN_SECONDS`` in this cell's steps, at least one."""
+        if self.begun < 2:
+            return 1
+        step_seconds = (time.monotonic() - self.first_step_at) / (self.begun - 1)
+        return max(1, math.ceil(MARGIN_SECONDS / max(step_seconds, 1e-6)))
+
+    def _agree(self, proposed: int) -> int:
+        """The step every rank of the cell stops before: the first proposal in the run's store. Without the
+        store, this rank stops here (its report says where, and the kernel whether the others did too)."""
+        try:
+            if self.store is None:
+                from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public (documented), not in __all__
+
+                address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+                self.store = TCPStore(address, port, is_master=False, timeout=timedelta(seconds=STORE_SECONDS))
+            return int(self.store.compare_set(f"taas/stop-before/{self.cell}", "", str(proposed)))
+        except Exception:
+            return self.begun
