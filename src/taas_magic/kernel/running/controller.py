@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping, assert_never
 
 from taas_magic.errors import DeliveryLost, ForkServerDied, RunLost
@@ -27,7 +28,7 @@ from taas_magic.kernel.run.run_actions import (
     TakeStacks,
     Why,
 )
-from taas_magic.kernel.run.run_result import ONE_SHOT, Outcome, RunResult
+from taas_magic.kernel.run.run_result import ONE_SHOT, Outcome, Policy, RunResult
 from taas_magic.kernel.run.run_state import RunState
 from taas_magic.kernel.running import environment
 from taas_magic.kernel.view import render
@@ -111,21 +112,12 @@ def _attempt(
     keep_paused: Callable[[SessionGroup, int], None] | None,
 ) -> RunState:
     """One start of the run, pumped to its end; its state says how it went."""
-    output, view = front.output(spec, list(range(spec.world_size)), labels)
-    state = RunState(
-        ONE_SHOT,
-        time.monotonic(),
-        deadline=deadline,
-        debug=spec.debug,
-        timeout=spec.timeout,
-        labels=labels,
-        hang_after=spec.hang_after,
-        ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
-    )
+    watched = watch(ONE_SHOT, spec, front, labels, deadline=deadline)
+    state, output = watched.state, watched.output
     try:
         group = backend.start(plan, launch)
         try:
-            pump = Pump(group, state, output, front, view)
+            pump = watched.pump(group)
             lost = False
             try:
                 pump.until_over()
@@ -144,6 +136,47 @@ def _attempt(
         for line in render.notices(state.result()):
             front.write("stderr", line + "\n")
     return state
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A run's state machine, and where its output goes: what a pump needs besides the run's processes."""
+
+    state: RunState
+    output: RankOutput
+    front: CellFrontEnd
+    view: RunView | None
+
+    def pump(self, group: SessionGroup) -> "Pump":
+        return Pump(group, self.state, self.output, self.front, self.view)
+
+
+def watch(
+    policy: Policy,
+    spec: LaunchSpec,
+    front: CellFrontEnd,
+    labels: Mapping[Key, str],
+    ranks: list[int] | None = None,
+    *,
+    deadline: float | None = None,
+    world: int = 0,
+) -> Watched:
+    """The one place a run's state and its output are made, for a one-shot run (``ranks`` None: every rank) or a
+    session's cell (its ``ranks``, of the session's ``world``), from the cell's options."""
+    output, view = front.output(spec, list(range(spec.world_size)) if ranks is None else ranks, labels)
+    state = RunState(
+        policy,
+        time.monotonic(),
+        ranks=ranks or (),
+        deadline=deadline,
+        debug=spec.debug,
+        timeout=spec.timeout,
+        labels=labels,
+        hang_after=spec.hang_after,
+        ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
+        world=world,
+    )
+    return Watched(state, output, front, view)
 
 
 class Pump:

@@ -32,8 +32,7 @@ from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel.diagnosis import hang, stacks
 from taas_magic.kernel.header.spec import LaunchSpec
 from taas_magic.kernel.run.run_result import SESSION, RunResult
-from taas_magic.kernel.run.run_state import RunState
-from taas_magic.kernel.running.controller import LOST, STACK_SECONDS, Pump
+from taas_magic.kernel.running.controller import LOST, STACK_SECONDS, Pump, watch
 from taas_magic.kernel.sessions import reloading
 from taas_magic.kernel.view import render, streams
 from taas_magic.kernel.view.front_end import CellFrontEnd, ReadLine
@@ -224,19 +223,10 @@ class Session:
         """Send to ``ranks`` and watch until each has ended; a session that cannot go on is ended here."""
         if self.ended:
             raise render.session_over(self.ended)
-        out, view = front.output(spec, ranks, self.labels)
-        state = RunState(
-            SESSION,
-            time.monotonic(),
-            ranks=ranks,
-            timeout=spec.timeout,
-            labels=self.labels,
-            hang_after=spec.hang_after,
-            ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
-            world=self.size,
-            deadline=None if spec.timeout is None else time.monotonic() + spec.timeout,
-        )
-        pump = Pump(self.group, state, out, front, view)
+        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        watched = watch(SESSION, spec, front, self.labels, ranks, deadline=deadline, world=self.size)
+        state, out = watched.state, watched.output
+        pump = watched.pump(self.group)
         lost = False
         try:
             _send(pump, send)
@@ -378,10 +368,10 @@ def debug_paused(
 ) -> None:
     """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
     its error; the run is over once the user leaves it."""
-    spec = dataclasses.replace(spec, output="all", timeout=None)  # every line of the debugger, for as long as it takes
-    front = CellFrontEnd(write, read_line=read_line)
-    out, _ = front.output(spec, [rank])
-    pump = Pump(group, RunState(SESSION, time.monotonic(), ranks=[rank]), out, front)
+    # every line of the debugger, for as long as it takes, with no watchdog: a person is at its prompt
+    spec = dataclasses.replace(spec, output="all", timeout=None, hang_after=0)
+    watched = watch(SESSION, spec, CellFrontEnd(write, read_line=read_line), {}, [rank])
+    out, pump = watched.output, watched.pump(group)
     try:
         _send(pump, lambda: group.run_cell(SessionCell.post_mortem(), [rank], ()))
         pump.until_over()
