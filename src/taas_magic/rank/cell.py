@@ -48,6 +48,9 @@ def run_cell(
         finally:
             progress.flush()
     except SystemExit as e:
+        if isinstance(e.__context__, KeyboardInterrupt) and e.code not in (None, 0):
+            # PyTorch Lightning ends an interrupted fit with sys.exit(1), once it has shut down: an interrupt still
+            return _failure(e.__context__, shell, task, report_early=report_early) + (None, e.__context__)
         if e.code not in (None, 0):
             return _failure(e, shell, task, f"the cell called sys.exit({e.code!r})") + (None, e)
         exited = "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"

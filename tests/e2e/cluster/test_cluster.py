@@ -408,6 +408,26 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
         cluster_kernel.execute("offset = 'pushed'\n%taas push offset --ranks 2-3").ok()
         r = cluster_kernel.execute("#pragma taas --from all\nseen = str(offset)", timeout=60).ok()
         assert cluster_kernel.value("list(seen)") == ["tensor([100.])"] * 2 + ["pushed"] * 2
+        cluster_kernel.execute(
+            "#pragma taas\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.01)",
+            timeout=60,
+        ).ok()
+        r = cluster_kernel.execute(
+            "#pragma taas\nprint('training', flush=True)\nwhile True:\n"
+            "    model(torch.randn(4, 8)).square().sum().backward()\n    opt.step()\n    opt.zero_grad()",
+            interrupt_after=1.0,
+            counted_from="training",
+            timeout=60,
+        )
+        assert re.search(r"ranks 0-3 stopped after optimizer step \d+ of this cell, each with the same", r.traceback), (
+            r.traceback
+        )
+        cluster_kernel.execute(
+            "#pragma taas --from all\nsums = float(sum(p.detach().double().sum() for p in model.parameters()))",
+            timeout=60,
+        ).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the replicas on both nodes stopped at one step"
         r = cluster_kernel.execute("#pragma taas --ranks 3\nraise KeyError(f'on rank {mine}')", timeout=60)
         assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 3'" and "the session goes on" in r.traceback
         r = cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).ok()

@@ -144,15 +144,19 @@ print("replicas", len({float(t) for t in every}), flush=True)
 """
 
 
-@pytest.mark.timeout(300)  # four interrupts of training, each followed by a look at the replicas
-def test_interrupted_ddp_training_stops_every_rank_after_the_same_step_and_trains_on(kernel):
+@pytest.mark.timeout(300)  # interrupts of training, each followed by a look at the replicas
+@pytest.mark.parametrize("start, interrupts", [("fork", 4), ("forkserver", 2)])
+def test_interrupted_ddp_training_stops_every_rank_after_the_same_step_and_trains_on(kernel, start, interrupts):
     """An interrupt that landed wherever each rank was left DDP's replicas different (one more optimizer step in
     one rank than in another, or one stopped inside a step): the ranks now stop before the same step, say so, and
-    the same DDP model trains on in the next cell."""
-    first = kernel.execute(START.format(start="fork") + DDP).ok()
+    the same DDP model trains on in the next cell. --timeout stops them the same way."""
+    first = kernel.execute(START.format(start=start) + DDP).ok()
     rng = random.Random(5)
     try:
-        for _ in range(4):
+        timed_out = kernel.execute(TRAIN.replace("#pragma taas", "#pragma taas --timeout 1.5"), timeout=60)
+        assert timed_out.error is not None and timed_out.error["ename"] == "RunTimedOut", timed_out.traceback
+        assert "ranks 0-1 stopped after optimizer step" in timed_out.traceback, timed_out.traceback
+        for _ in range(interrupts):
             r = kernel.execute(TRAIN, interrupt_after=rng.uniform(0.3, 1.5), counted_from="training", timeout=60)
             assert r.error is not None and r.error["ename"] == "RunInterrupted", r.traceback
             said = re.search(

@@ -878,3 +878,17 @@ def test_an_interrupt_says_where_the_ranks_were_when_their_stacks_were_taken(beh
     where = [line for line in error.lines if line.startswith("rank")]
     assert where == ["ranks 0-1: rank 0 finished #1800, in no collective; rank 1 in all_reduce #1801 (4 KB float32):"]
     assert all(stack_line.startswith("    ") for stack_line in error.lines[error.lines.index(where[0]) + 1 :])
+
+
+def test_a_session_timeout_says_whether_its_ranks_stopped_at_the_same_optimizer_step():
+    state = session(deadline=5.0, timeout=5.0)
+    asked = state.tick(5.0, BOTH)
+    assert state.stacks_taken(asked[0], {}, 5.1, BOTH) == [Signal(STOP_TOGETHER, (0, 1))]
+    for rank in (0, 1):
+        state.reported(rank, dataclasses.replace(failed(5.3, "KeyboardInterrupt", True), steps=41))
+    error = render.error(state.result(), {})
+    assert isinstance(error, RunTimedOut)
+    assert (
+        error.lines[1]
+        == "taas: ranks 0-1 stopped after optimizer step 41 of this cell, each with the same steps applied"
+    )

@@ -68,3 +68,19 @@ def test_a_failure_of_its_own_is_reported_once_whole() -> None:
     record = _run("raise ValueError('bad value 1')", events, early)
     assert events == ["formatted"] and early == []
     assert not record.peer_lost and record.stack == "" and record.evalue == "bad value 1"
+
+
+LIGHTNING_SHUTDOWN = """
+import sys
+try:
+    raise KeyboardInterrupt
+except KeyboardInterrupt:
+    sys.exit(1)  # as PyTorch Lightning's trainer ends a fit it was interrupted in, after its graceful shutdown
+"""
+
+
+def test_an_exit_that_ends_an_interrupt_is_the_interrupt_and_any_other_exit_a_failure() -> None:
+    record = _run(LIGHTNING_SHUTDOWN, [], [])
+    assert record.interrupted and record.ename == "KeyboardInterrupt"
+    record = _run("import sys\nsys.exit(2)", [], [])
+    assert not record.interrupted and record.evalue == "the cell called sys.exit(2)"

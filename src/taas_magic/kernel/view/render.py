@@ -167,7 +167,7 @@ def timed_out(result: RunResult, cell_names: Mapping[str, str]) -> tuple[str, li
     message = (
         f"--timeout {result.timeout:g} s elapsed: {names(result, late)} still running, {result.policy.timeout_end}"
     )
-    lines = [f"{RED}{BOLD}taas: {message}{RESET}"]
+    lines = [f"{RED}{BOLD}taas: {message}{RESET}", *steps_taken(result)]
     ended = _ended_before(result, float("inf"))
     if ended:
         lines.append(f"{BOLD}before the time ran out: {ended}{RESET}")
