@@ -19,15 +19,15 @@ from taas_magic.wire.rank_control import STOP_TOGETHER
 ROUNDS = 6
 
 
-def _rank(rank: int, port: int, conn, train: bool) -> None:
+def _rank(rank: int, port: int, conn, train: bool, optimizers: int = 1) -> None:
     """A session's rank in miniature: cells that train a DDP model until interrupted, each reporting its steps and
-    parameters."""
+    parameters. Two optimizers: a GAN's two models in turn, each its own DDP."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    models = [torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16)) for _ in range(optimizers)]
+    pairs = [(model, torch.optim.SGD(model.parameters(), lr=0.01)) for model in models]
     steps = StepStops()
     steps.install()
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -40,21 +40,23 @@ def _rank(rank: int, port: int, conn, train: bool) -> None:
                     if not train:
                         time.sleep(0.01)
                         continue
-                    model(torch.randn(8, 16)).square().mean().backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
+                    for model, optimizer in pairs:
+                        model(torch.randn(8, 16)).square().mean().backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
         except KeyboardInterrupt:
-            total = sum(float(p.detach().double().sum()) for p in model.parameters())
+            total = sum(float(p.detach().double().sum()) for model in models for p in model.parameters())
             conn.send((steps.progress(), total))
     dist.destroy_process_group()
 
 
-def _ranks(train: bool):
+def _ranks(train: bool, optimizers: int = 1):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = multiprocessing.get_context("fork")
     pipes = [context.Pipe() for _ in range(2)]
     processes = [
-        context.Process(target=_rank, args=(rank, store.port, pipes[rank][1], train), daemon=True) for rank in (0, 1)
+        context.Process(target=_rank, args=(rank, store.port, pipes[rank][1], train, optimizers), daemon=True)
+        for rank in (0, 1)
     ]
     for process in processes:
         process.start()
@@ -85,8 +87,9 @@ def _interrupt(processes, conns, after: float, skew: float) -> list:
 
 
 @pytest.mark.timeout(180)
-def test_ranks_interrupted_at_random_moments_stop_after_the_same_step_with_equal_replicas():
-    store, processes, conns = _ranks(train=True)
+@pytest.mark.parametrize("optimizers", [1, 2])
+def test_ranks_interrupted_at_random_moments_stop_after_the_same_step_with_equal_replicas(optimizers):
+    store, processes, conns = _ranks(train=True, optimizers=optimizers)
     rng = random.Random(11)
     try:
         for _ in range(ROUNDS):
