@@ -192,14 +192,15 @@ def _reset_signals(stack_fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
-    signal.signal(STOP_TOGETHER, _as_an_interrupt)  # a session's rank takes it at a step (rank/stopping.py)
+    signal.signal(STOP_TOGETHER, as_an_interrupt)  # a session's rank takes it at a step (rank/stopping.py)
     # The supervisor forked this process with interrupts, stack requests and stops held: one sent while it started
     # is taken now (a stack request, by then, is answered rather than ending the process).
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1, STOP_TOGETHER})
 
 
-def _as_an_interrupt(signum: int, frame: Any) -> None:
-    """``STOP_TOGETHER`` before a session's rank can stop at a step: the interrupt it stands for."""
+def as_an_interrupt(signum: int, frame: Any) -> None:
+    """``STOP_TOGETHER`` where a rank cannot stop at a step (before its session, between its cells): the interrupt
+    it stands for, raised as SIGINT, so held, ignored or taken as SIGINT is there."""
     signal.raise_signal(signal.SIGINT)
 
 

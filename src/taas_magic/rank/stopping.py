@@ -30,6 +30,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, Iterator
 
+from taas_magic.process.child import as_an_interrupt
 from taas_magic.wire.rank_control import STOP_TOGETHER
 
 STORE_SECONDS = 5.0  # the run's store answers on this machine or the cluster's node 0: milliseconds
@@ -51,6 +52,7 @@ class StepStops:
         self.stop_before: int | None = None  # the agreed step
         self.store: Any = None  # a client of the run's store, made at the first interrupt that needs one
         self.hooks: list[Any] = []
+        self.before: Any = signal.SIG_DFL  # the handler ``install`` replaced
 
     def install(self) -> None:
         """For the session's life: the signal, and hooks around every optimizer's step (torch's global ones)."""
@@ -60,12 +62,12 @@ class StepStops:
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        signal.signal(STOP_TOGETHER, self._on_signal)
+        self.before = signal.signal(STOP_TOGETHER, self._on_signal)
 
     def uninstall(self) -> None:
         for hook in self.hooks:
             hook.remove()
-        signal.signal(STOP_TOGETHER, signal.SIG_DFL)
+        signal.signal(STOP_TOGETHER, self.before)
 
     @contextlib.contextmanager
     def running(self, cell: int) -> Iterator[None]:
@@ -83,8 +85,8 @@ class StepStops:
         return self.applied, self.begun > self.applied
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.cell is None:  # as the interrupt it stands for: held while a cell starts, dropped between cells
-            signal.raise_signal(signal.SIGINT)
+        if self.cell is None:  # held while a cell starts, dropped between cells, as an interrupt is
+            as_an_interrupt(signum, frame)
         elif self.begun == 0:
             raise KeyboardInterrupt
         else:
