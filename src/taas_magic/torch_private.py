@@ -22,6 +22,14 @@ torch's version and the function; each caller has a way on without it, so a user
   apart from the optimizer's.
 - ``Tensor._version``: a tensor's in-place change counter, by which a session knows its ranks' copy is current.
   Without it: every tensor is sent again each cell.
+- ``torch.distributed.distributed_c10d._new_process_group_helper``, through which ``init_process_group`` and
+  ``new_group`` make every group, and ``_reconfigure``, which connects a group anew in place: a session rank
+  knows its groups' connections, cuts them when its cell fails so that no peer waits for it, and the group is
+  connected again under the user's objects (``rank/group_links.py``). Without them: a rank's failure in a
+  collective leaves its peers waiting, and the session ends, as before.
+- ``DistributedDataParallel._comm_hooks``: the communication hooks a DDP model was given, registered again on the
+  reducer it is given when its group is connected anew. Without it: such a model trains on with DDP's own
+  all-reduce.
 """
 
 from __future__ import annotations
@@ -107,6 +115,38 @@ def version_counter(tensor: Any) -> int:
 _UNKNOWN_VERSIONS = itertools.count(-1, -1)
 
 
+GROUP_MAKER = "_new_process_group_helper"
+
+
+def wrap_group_maker(dist: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None] | None:
+    """Make every process group through ``wrap(maker)`` from now on; returns what puts the maker back (None where
+    this torch has no such function)."""
+    c10d = dist.distributed_c10d
+    maker = getattr(c10d, GROUP_MAKER, None)
+    if maker is None:
+        return None
+    setattr(c10d, GROUP_MAKER, wrap(maker))
+    return lambda: setattr(c10d, GROUP_MAKER, maker)
+
+
+def reconfigure(dist: Any, group: Any, uuid: int, handles: list[str], timeout: Any) -> None:
+    """Connect ``group`` anew to the peers whose handles (``group.get_reconfigure_handle()``) are given in rank
+    order, as communicator ``uuid``; the user's objects that hold the group (DDP's reducer) keep working."""
+    dist.distributed_c10d._reconfigure(uuid=uuid, handles=handles, group=group, timeout=timeout).wait()
+
+
+def renew_reducer(model: Any) -> None:
+    """Give DDP ``model`` a new reducer, as a copy of it unpickled has: every rank's then starts from its first
+    iteration together, whatever iteration a collective that failed left the old one in. Its communication hooks
+    are registered on the new one."""
+    hooks = list(getattr(model, "_comm_hooks", ()))
+    model.__setstate__(model.__getstate__())
+    if hasattr(model, "_comm_hooks"):
+        model._comm_hooks = []
+    for hook, state in hooks:
+        model.register_comm_hook(state, hook)
+
+
 def missing(torch: Any) -> list[str]:
     """The private functions and attributes of this module that ``torch`` lacks."""
     absent = [] if hasattr(torch.cuda, "_device_count_nvml") else ["torch.cuda._device_count_nvml"]
@@ -118,6 +158,14 @@ def missing(torch: Any) -> list[str]:
         absent.append("torch.distributed.distributed_c10d._get_default_group")
     if not hasattr(getattr(c10d, "_world", None), "pg_map"):
         absent.append("torch.distributed.distributed_c10d._world.pg_map")
+    absent += [
+        f"torch.distributed.distributed_c10d.{name}"
+        for name in (GROUP_MAKER, "_reconfigure")
+        if not hasattr(c10d, name)
+    ]
+    ddp = getattr(getattr(getattr(torch, "nn", None), "parallel", None), "DistributedDataParallel", None)
+    if ddp is not None and "_comm_hooks" not in ddp.__init__.__code__.co_names:
+        absent.append("torch.nn.parallel.DistributedDataParallel._comm_hooks")
     module_class = getattr(getattr(torch, "nn", None), "Module", None)
     if module_class is not None:
         module = module_class()

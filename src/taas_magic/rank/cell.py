@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -61,8 +62,9 @@ def run_cell(
     return 0, CellEnded(ended, skipped, _delivery_summaries(served, namespace), exited or ""), data, None
 
 
-def stopped_before_start(error: KeyboardInterrupt, shell: Any, task: RankTask) -> tuple[int, Failed]:
-    """How a session's cell ended that an interrupt stopped before its code began."""
+def failed_outside_code(error: BaseException, shell: Any, task: RankTask) -> tuple[int, Failed]:
+    """How a session's cell ended that failed outside its code: an interrupt before the code began, the process
+    group not connected again."""
     return _failure(error, shell, task)
 
 
@@ -102,6 +104,10 @@ def _failure(
     other ranks doing the same on a busy machine); where it was must reach the kernel all the same."""
     global _held_termination
     when = time.monotonic()  # before formatting: the earliest failure is the root cause
+    if task.keep:
+        # A session's interrupt that comes now is for a cell already over: what this rank says of it must not
+        # be cut short (the ranks a failed peer released are interrupted a moment after it).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     peer_lost = _peer_lost(error)
     if not isinstance(error, KeyboardInterrupt) and not task.keep and _held_termination is None:
         # Until its failure is reported (see release_termination): a rank broken by another's failure too,

@@ -15,13 +15,15 @@ import dataclasses
 import os
 import signal
 import socket
+import time
 from typing import Any
 
 from taas_magic.process import containment
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger
-from taas_magic.rank.cell import run_cell, stopped_before_start
+from taas_magic.rank.cell import failed_outside_code, run_cell
+from taas_magic.rank.group_links import GroupLinks
 from taas_magic.rank.reloading import RankReloads
 from taas_magic.rank.stopping import StepStops
 from taas_magic.wire import memfile, records, results, shipping
@@ -44,21 +46,25 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     ends the rank (and so the session), as it would end a script.
     """
     last_error: BaseException | None = None
-    order, number = task.order, 0
+    order, number, regroup = task.order, 0, False
     served = order.loaders  # every loader the session serves, those registered since it started too
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
-    steps = StepStops()
+    steps, links = StepStops(), GroupLinks()
     steps.install()
+    links.install()
     while True:
-        if order.code is None:
+        if regroup:
+            record: records.Record = _regroup(links, number, shell, task)
+            names = None
+        elif order.code is None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
-            record: records.Record = _debug(last_error, control)
+            record = _debug(last_error, control)
             names = None
         else:
             with steps.running(number):
                 status, record, names, error = _run(order, namespace, shell, task, served, interrupted)
-            record = _with_steps(record, steps)
+            record = _leaving(record, steps, links)
             last_error = error if error is not None else last_error
             reloads.after_cell()
             if isinstance(record, CellEnded) and record.exited:
@@ -69,7 +75,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
         if received is None:
             return 0
         cell, tensors_fd, ends = received
-        order, number = cell.order, cell.number
+        order, number, regroup = cell.order, cell.number, cell.regroup
         held = _take_interrupts(control)
         register_sources(cell.sources)
         reloads.before_cell(cell.reload)  # before the names: the notebook's came from the new code
@@ -110,18 +116,32 @@ def _run(
             raise KeyboardInterrupt
         return run_cell(order, namespace, shell, task, served)
     except KeyboardInterrupt as e:  # outside the cell's code: before it began
-        return (*stopped_before_start(e, shell, task), None, e)
+        return (*failed_outside_code(e, shell, task), None, e)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt that comes late is for the cell just ended
 
 
-def _with_steps(record: records.Record, steps: StepStops) -> records.Record:
-    """An interrupted cell's record says where this rank stopped among its optimizer steps."""
-    progress = steps.progress()
-    if not isinstance(record, Failed) or not record.interrupted or progress is None:
+def _leaving(record: records.Record, steps: StepStops, links: GroupLinks) -> records.Record:
+    """A cell that failed or was interrupted: its record says where this rank stopped among its optimizer steps;
+    and unless the ranks stopped together before one step, the rank cuts its groups' connections, so that no
+    peer waits for it in a collective (``group_links.py``), and says so."""
+    if not isinstance(record, Failed):
         return record
-    applied, inside = progress
-    return dataclasses.replace(record, steps=applied, inside_step=inside)
+    progress = steps.progress()
+    if progress is not None:
+        record = dataclasses.replace(record, steps=progress[0], inside_step=progress[1])
+    if not (record.interrupted and steps.stopped_there) and links.cut():
+        record = dataclasses.replace(record, left_group=True)
+    return record
+
+
+def _regroup(links: GroupLinks, number: int, shell: Any, task: RankTask) -> records.Record:
+    """The kernel's word after a cell that a rank left its group in: connect it anew, with every peer."""
+    try:
+        links.regroup(number)
+    except Exception as e:
+        return failed_outside_code(e, shell, task)[1]
+    return CellEnded(time.monotonic())
 
 
 def send_end(control: RankEnd, record: records.Record, names: results.Packed | None) -> None:

@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import time
-from datetime import timedelta
 from types import FrameType
 from typing import Any, Iterator
 
 from taas_magic.process.child import as_an_interrupt
+from taas_magic.rank import run_store
 from taas_magic.wire.rank_control import STOP_TOGETHER
 
-STORE_SECONDS = 5.0  # the run's store answers on this machine or the cluster's node 0: milliseconds
 # How far ahead of the first rank to get the signal the ranks stop: the signal reaches the others later (the
 # supervisor signals one rank after another; on a cluster, each node's in turn), and a rank that passed the step
 # before it knew would wait for ever for the others in its next collective.
@@ -50,7 +48,7 @@ class StepStops:
         self.first_step_at = 0.0  # when the cell began its first step
         self.asked = False  # STOP_TOGETHER came: stop before the agreed step
         self.stop_before: int | None = None  # the agreed step
-        self.store: Any = None  # a client of the run's store, made at the first interrupt that needs one
+        self.stopped_there = False  # the cell's KeyboardInterrupt came at the agreed step: no peer waits for it
         self.hooks: list[Any] = []
         self.before: Any = signal.SIG_DFL  # the handler ``install`` replaced
 
@@ -73,6 +71,7 @@ class StepStops:
     def running(self, cell: int) -> Iterator[None]:
         """Around a cell's run: its steps counted from 0, an interrupt of it taken at a step."""
         self.cell, self.begun, self.applied, self.asked, self.stop_before = cell, 0, 0, False, None
+        self.stopped_there = False
         try:
             yield
         finally:
@@ -85,10 +84,8 @@ class StepStops:
         return self.applied, self.begun > self.applied
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.cell is None:  # held while a cell starts, dropped between cells, as an interrupt is
+        if self.cell is None or self.begun == 0:  # no step to stop at: an interrupt, held or dropped as one is
             as_an_interrupt(signum, frame)
-        elif self.begun == 0:
-            raise KeyboardInterrupt
         else:
             self.asked = True
 
@@ -104,6 +101,7 @@ class StepStops:
             self.stop_before = self._agree(self.begun + self._margin())
         if self.begun >= self.stop_before:
             self.begun -= 1  # this one does not begin
+            self.stopped_there = True
             raise KeyboardInterrupt
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -121,11 +119,6 @@ class StepStops:
         """The step every rank of the cell stops before: the first proposal in the run's store. Without the
         store, this rank stops here (its report says where, and the kernel whether the others did too)."""
         try:
-            if self.store is None:
-                from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public (documented), not in __all__
-
-                address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-                self.store = TCPStore(address, port, is_master=False, timeout=timedelta(seconds=STORE_SECONDS))
-            return int(self.store.compare_set(f"taas/stop-before/{self.cell}", "", str(proposed)))
+            return int(run_store.client().compare_set(f"taas/stop-before/{self.cell}", "", str(proposed)))
         except Exception:
             return self.begun

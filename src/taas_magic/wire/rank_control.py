@@ -52,11 +52,17 @@ class SessionCell:
     # their producers, the ranks make their stand-ins.
     first_loader: int = 0
     number: int = 0  # the session's count of cells sent so far: it names the cell to its ranks (``rank/stopping.py``)
+    regroup: bool = False  # connect the process group anew first: a rank left it as the last cell failed
 
     @classmethod
     def post_mortem(cls) -> "SessionCell":
         """``%taas debug``: no code; the rank opens its debugger at its last cell's error."""
         return cls(CellOrder(None))
+
+    @classmethod
+    def reconnect(cls, number: int) -> "SessionCell":
+        """No code: every rank connects its process group anew (``rank/group_links.py``)."""
+        return cls(CellOrder(None), number=number, regroup=True)
 
 
 @dataclass(frozen=True)

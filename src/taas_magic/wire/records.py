@@ -51,6 +51,9 @@ class Failed:
     # whether the rank stopped inside one (``rank/stopping.py``).
     steps: int | None = None
     inside_step: bool = False
+    # A session rank cut its process groups' connections as it left the cell, so that no peer waits for it
+    # (``rank/group_links.py``): the session connects the group anew before its next cell.
+    left_group: bool = False
 
 
 @dataclass(frozen=True)

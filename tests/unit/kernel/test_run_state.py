@@ -30,7 +30,7 @@ from taas_magic.kernel.run.run_actions import (
     TakeStacks,
     Why,
 )
-from taas_magic.kernel.run.run_result import ONE_SHOT, SESSION, STOP_SECONDS, EndCause, Outcome
+from taas_magic.kernel.run.run_result import ONE_SHOT, RELEASE_SECONDS, SESSION, STOP_SECONDS, EndCause, Outcome
 from taas_magic.kernel.run.run_state import Phase, RunState
 from taas_magic.kernel.run.run_stop import StopCause
 from taas_magic.kernel.view import render
@@ -511,7 +511,9 @@ def test_a_failure_in_a_session_interrupts_the_ranks_still_in_the_cell_once():
     state = session(ranks=(0, 1, 2))
     state.reported(2, CellEnded(0.2))
     state.reported(1, failed(0.5))
-    assert state.tick(1.0, {0, 1, 2}) == [TakeStacks((0,), Why.STOP), Signal(signal.SIGINT, (0,))]
+    # Released from a collective it waited in, a rank says so in the moment it is given; then it is interrupted.
+    assert state.tick(1.0, {0, 1, 2}) == [TakeStacks((0,), Why.STOP)]
+    assert state.tick(1.0 + RELEASE_SECONDS, {0, 1, 2}) == [Signal(signal.SIGINT, (0,))]
     assert state.tick(3.0, {0, 1, 2}) == []
     state.reported(0, failed(1.5, "KeyboardInterrupt", interrupted=True))
     assert state.over({0, 1, 2})
@@ -636,9 +638,10 @@ def test_a_second_interrupt_while_the_ranks_leave_the_cell_ends_the_session():
 def test_ranks_that_do_not_leave_an_interrupted_cell_in_5_s_end_the_session_with_where_they_were():
     state = session()
     state.reported(1, failed(0.5))
-    assert state.tick(1.0, BOTH) == [TakeStacks((0,), Why.STOP), Signal(signal.SIGINT, (0,))]
-    assert state.tick(6.0, BOTH) == []
-    asked = state.tick(6.1, BOTH)
+    assert state.tick(1.0, BOTH) == [TakeStacks((0,), Why.STOP)]
+    assert state.tick(1.0 + RELEASE_SECONDS, BOTH) == [Signal(signal.SIGINT, (0,))]
+    assert state.tick(6.5, BOTH) == []
+    asked = state.tick(6.6, BOTH)
     assert asked == [TakeStacks((0,), Why.STUCK)]
     assert state.stacks_taken(asked[0], {0: dump(*ALL_REDUCE)}, 8.0, BOTH) == [EndSession()]
     error = render.session_ended(state.result(), {CELL: "Cell In[3]"})

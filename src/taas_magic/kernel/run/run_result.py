@@ -67,6 +67,7 @@ class Policy:
 
 
 STOP_SECONDS = 2.0  # a session's ranks have this long to stop at a step together before they are interrupted
+RELEASE_SECONDS = 0.5  # a session rank released from its collective by a failed peer has this long to say so
 
 ONE_SHOT = Policy(
     keep=False,
@@ -86,7 +87,9 @@ ONE_SHOT = Policy(
 )
 SESSION = Policy(
     keep=True,
-    on_failure=((0.0, signal.SIGINT),),  # the others may wait for the failed rank forever in a collective
+    # Those waiting for the failed rank in a collective leave it at once as it cuts its connections
+    # (rank/group_links.py), and report where they were; those at work elsewhere are interrupted.
+    on_failure=((RELEASE_SECONDS, signal.SIGINT),),
     # The ranks stop before the same optimizer step, the replicas equal; those that do not get there in time stop
     # where they are (rank/stopping.py).
     on_interrupt=((0.0, STOP_TOGETHER), (STOP_SECONDS, signal.SIGINT)),

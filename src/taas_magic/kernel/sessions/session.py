@@ -5,9 +5,12 @@ then each cell they are sent (``rank/session.py``). A cell in a session ends whe
 it runs in has said so, not when they exit. Its outcomes:
 
 - the cell's code raised in a rank: the cell fails with that traceback, the ranks still in the
-  cell are interrupted (as a failing one-shot run stops them), and the session goes on;
-- an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank; the session
-  goes on;
+  cell are interrupted (as a failing one-shot run stops them), and the session goes on; those that
+  waited for it in a collective are released as it cuts its process group's connections, and every
+  rank then connects the group anew (``rank/group_links.py``), so that the next cell's collectives
+  and DDP work;
+- an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank, before the same
+  optimizer step where they train (``rank/stopping.py``); the session goes on;
 - a rank that does not come back from an interrupt within 5 s, or a rank that exits or dies,
   ends the session: its process group cannot continue. Everything of it is closed, and the
   cell says why.
@@ -42,10 +45,11 @@ from taas_magic.process import cell_files, containment
 from taas_magic.wire import shipping
 from taas_magic.wire.events import Exited, Key, Output, Producer
 from taas_magic.wire.rank_control import SessionCell
-from taas_magic.wire.records import split_position
+from taas_magic.wire.records import Failed, split_position
 from taas_magic.wire.task import CellOrder, LoaderPlan
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
+REGROUP_SECONDS = 60.0  # every rank is between cells: connecting the group anew takes milliseconds
 
 
 @dataclass
@@ -206,12 +210,28 @@ class Session:
             raise
         if notebook_cell:
             self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
+        if any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
+            self._regroup(front)
         for line in render.notices(result):
             front.write("stderr", line + "\n")
         error = render.error(result, front.cell_names)
         if error is not None:
             raise error
         return result
+
+    def _regroup(self, front: CellFrontEnd) -> None:
+        """A rank left the process group as the cell failed: every rank connects it anew, so that the next
+        cell's collectives work, DDP's too. A group that cannot be connected again ends the session."""
+        self.sent += 1
+        cell, ranks = SessionCell.reconnect(self.sent), list(range(self.size))
+        spec = dataclasses.replace(self.spec, output="all", timeout=REGROUP_SECONDS, hang_after=0)
+        result = self._watch(lambda: self.group.run_cell(cell, ranks, ()), ranks, spec, CellFrontEnd(front.write))
+        if result.failures:
+            failure = result.failures[0]
+            self._end(
+                f"its process group could not be connected again after the cell failed: "
+                f"{render.name(result, failure.rank)}: {render.summary(failure)}"
+            )
 
     def _watch(
         self,

@@ -31,6 +31,7 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
     if result.outcome is Outcome.FAILED:
         message, lines = failure(result, result.policy.others_were, cell_names)
         if result.policy.keep:
+            lines += steps_taken(result)
             lines.append(
                 f"taas: the session goes on (%taas debug opens the debugger in "
                 f"{name(result, result.failures[0].rank)} at the error)"
@@ -84,8 +85,13 @@ def failure(result: RunResult, others_were: str, cell_names: Mapping[str, str] |
     stopped = sorted((result.stopped | broken) - {f.rank for f in failures}, key=key_order)
     if others:
         lines.append(f"also failed, after {who}: " + "; ".join(others))
+    released = sorted(broken, key=key_order) if result.policy.keep else []  # rank/group_links.py
+    if released:
+        lines.append(f"released from their collectives as {who} left them: {names(result, released)}")
+    interrupted = [key for key in stopped if key not in released]
+    if interrupted:
+        lines.append(f"{others_were} after the failure: {names(result, interrupted)}")
     if stopped:
-        lines.append(f"{others_were} after the failure: {names(result, stopped)}")
         peers = _peers_waiting(result)
         if peers:
             lines += [f"{BOLD}where they were when {who} failed:{RESET}"] + where_lines(
@@ -194,19 +200,18 @@ def interrupted(result: RunResult) -> list[str]:
 
 
 def steps_taken(result: RunResult) -> list[str]:
-    """Where a session's interrupted ranks stopped among their optimizer steps (``rank/stopping.py``): at the same
-    one, DDP's replicas alike; or not, and what to do. Nothing when no rank had begun a step."""
-    interrupted: dict[Key, Failed] = {
-        rank: record
-        for rank, record in result.records.items()
-        if isinstance(rank, int) and isinstance(record, Failed) and record.interrupted
+    """Where a session's ranks that left the cell early stopped among their optimizer steps (interrupted at one step
+    together, ``rank/stopping.py``; or failed, and released from their collectives, ``rank/group_links.py``): at the
+    same one, DDP's replicas alike; or not, and what to do. Nothing when no rank had begun a step."""
+    left: dict[Key, Failed] = {
+        rank: record for rank, record in result.records.items() if isinstance(rank, int) and isinstance(record, Failed)
     }
-    if all(record.steps is None for record in interrupted.values()):
+    if all(record.steps is None for record in left.values()):
         return []
     places: dict[str, list[Key]] = {}
-    for rank, record in _in_order(interrupted):
+    for rank, record in _in_order(left):
         places.setdefault(_step_place(record), []).append(rank)
-    if len(places) == 1 and not any(record.inside_step for record in interrupted.values()):
+    if len(places) == 1 and not any(record.inside_step for record in left.values()):
         place, ranks = next(iter(places.items()))
         return [f"taas: {names(result, ranks)} stopped {place}, each with the same steps applied"]
     where = "; ".join(f"{names(result, ranks)} {place}" for place, ranks in places.items())
