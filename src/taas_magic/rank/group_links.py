@@ -84,14 +84,14 @@ class GroupLinks:
         self.cut_since |= bool(self.sockets)
         return bool(self.sockets)
 
-    def regroup(self, number: int) -> None:
+    def regroup(self, number: int, newcomers: tuple[int, ...] = ()) -> None:
         """Connect the default group anew with every peer of the run, as communicator ``number`` (each regroup
-        of a run has its own). Every rank of the session calls it at once, between cells."""
-        dist = _distributed()
-        group = _default_group(dist)
-        store = run_store.client()
+        of a run has its own); ``newcomers``, in place of ranks that died, join it. Every rank of the session calls
+        it at once, between cells."""
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        key = f"taas/regroup/{number}/"
+        store, key = run_store.client(), f"taas/regroup/{number}/"
+        group = _default_group(_distributed()) if rank not in newcomers else _join(store, key, newcomers, world)
+        dist = _distributed()
         store.set(key + str(rank), NO_GROUP if group is None else group.get_reconfigure_handle())
         handles = [store.get(key + str(peer)).decode() for peer in range(world)]
         if group is None and all(handle == NO_GROUP for handle in handles):
@@ -108,6 +108,23 @@ class GroupLinks:
         self.sockets -= old  # gone with the group's old communicator
         self.cut_since = False
         _renew_reducers(dist, group)
+
+    def grouped(self) -> bool:
+        """Whether this rank is in a process group of the session's ranks."""
+        return _default_group(_distributed()) is not None
+
+
+def _join(store: Any, key: str, newcomers: tuple[int, ...], world: int) -> Any:
+    """A newcomer's default group, made to be connected by ``reconfigure`` with the same backend as the others'
+    (a peer's handle names it); None when they have none."""
+    survivor = next(peer for peer in range(world) if peer not in newcomers)
+    handle = store.get(key + str(survivor)).decode()
+    if handle == NO_GROUP:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group(handle.split(":")[0], init_method="env://", enable_reconfigure=True)
+    return _default_group(dist)
 
 
 def _renew_reducers(dist: Any, group: Any) -> None:

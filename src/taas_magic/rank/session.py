@@ -21,7 +21,7 @@ from typing import Any
 from taas_magic.process import containment
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.process.tracebacks import register_sources
-from taas_magic.rank import debugger
+from taas_magic.rank import debugger, healing
 from taas_magic.rank.cell import failed_outside_code, run_cell
 from taas_magic.rank.group_links import GroupLinks
 from taas_magic.rank.reloading import RankReloads
@@ -43,47 +43,46 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     """Run the first cell, then every cell the kernel sends, until it closes the channel.
 
     A cell that raised keeps its error for ``%taas debug``; a cell that called ``sys.exit()``
-    ends the rank (and so the session), as it would end a script.
+    ends the rank (and so the session), as it would end a script. A rank that ``joins`` the session in place
+    of one that died runs no first cell: its first is the one that heals it.
     """
     last_error: BaseException | None = None
-    order, number, regroup = task.order, 0, False
-    served = order.loaders  # every loader the session serves, those registered since it started too
+    cell: SessionCell | None = None if task.joins else SessionCell(task.order)
+    served = task.order.loaders  # every loader the session serves, those registered since it started too
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     steps, links = StepStops(), GroupLinks()
     steps.install()
     links.install()
     while True:
-        if regroup:
-            record: records.Record = _regroup(links, number, shell, task)
-            names = None
-        elif order.code is None:
+        if cell is None:
+            pass  # a newcomer, before its first cell
+        elif cell.regroup:
+            send_end(control, _regroup(links, cell, namespace, shell, task), None)
+        elif cell.order.code is None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
-            record = _debug(last_error, control)
-            names = None
+            send_end(control, _debug(last_error, control), None)
         else:
-            with steps.running(number):
-                status, record, names, error = _run(order, namespace, shell, task, served, interrupted)
+            with steps.running(cell.number):
+                status, record, names, error = _run(cell.order, namespace, shell, task, served, interrupted)
             record = _leaving(record, steps, links)
             last_error = error if error is not None else last_error
             reloads.after_cell()
+            send_end(control, record, names)
             if isinstance(record, CellEnded) and record.exited:
-                send_end(control, record, names)
                 return status
-        send_end(control, record, names)
         received = _next_cell(control)
         if received is None:
             return 0
         cell, tensors_fd, ends = received
-        order, number, regroup = cell.order, cell.number, cell.regroup
         held = _take_interrupts(control)
         register_sources(cell.sources)
         reloads.before_cell(cell.reload)  # before the names: the notebook's came from the new code
         if cell.names:
             shipping.unpack_into(namespace, cell.names, tensors_fd, cell.tensors_size)
-        if order.loaders:
-            _stand_in_for_new_loaders(task, order.loaders, ends, namespace)
-            served += order.loaders
+        if cell.order.loaders:
+            _stand_in_for_new_loaders(task, cell.order.loaders, ends, namespace)
+            served += cell.order.loaders
         interrupted = held.came
 
 
@@ -135,10 +134,15 @@ def _leaving(record: records.Record, steps: StepStops, links: GroupLinks) -> rec
     return record
 
 
-def _regroup(links: GroupLinks, number: int, shell: Any, task: RankTask) -> records.Record:
-    """The kernel's word after a cell that a rank left its group in: connect it anew, with every peer."""
+def _regroup(
+    links: GroupLinks, cell: SessionCell, namespace: dict[str, Any], shell: Any, task: RankTask
+) -> records.Record:
+    """The kernel's word after a cell that a rank left its group in, or died in: connect the group anew with every
+    peer, the newcomers joining it, and give them what the others hold alike."""
     try:
-        links.regroup(number)
+        links.regroup(cell.number, cell.newcomers)
+        if cell.newcomers and links.grouped():
+            healing.heal(namespace, cell.newcomers)
     except Exception as e:
         return failed_outside_code(e, shell, task)[1]
     return CellEnded(time.monotonic())

@@ -53,6 +53,7 @@ class SessionCell:
     first_loader: int = 0
     number: int = 0  # the session's count of cells sent so far: it names the cell to its ranks (``rank/stopping.py``)
     regroup: bool = False  # connect the process group anew first: a rank left it as the last cell failed
+    newcomers: tuple[int, ...] = ()  # ranks new in place of those that died: they join the group, and are healed
 
     @classmethod
     def post_mortem(cls) -> "SessionCell":
@@ -60,9 +61,10 @@ class SessionCell:
         return cls(CellOrder(None))
 
     @classmethod
-    def reconnect(cls, number: int) -> "SessionCell":
-        """No code: every rank connects its process group anew (``rank/group_links.py``)."""
-        return cls(CellOrder(None), number=number, regroup=True)
+    def reconnect(cls, number: int, newcomers: tuple[int, ...] = ()) -> "SessionCell":
+        """No code: every rank connects its process group anew (``rank/group_links.py``), ``newcomers`` joining it,
+        and they are given what the others hold alike (``rank/healing.py``). The supervisor starts them first."""
+        return cls(CellOrder(None), number=number, regroup=True, newcomers=newcomers)
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,9 @@ class RankTask:
     # kernel's (``CellOrder.profile``); set by the agent. None: the ranks write into the kernel's folder.
     node_traces: str | None = None
     keep: bool = False  # a session: the ranks stay, running the cells they are sent (rank/session.py)
+    # In place of a session's rank that died: it waits for the cell that heals it (rank/healing.py) instead of
+    # running the first cell.
+    joins: bool = False
     idle_limit: float | None = None  # a session ends after this many seconds without a cell
     debug: bool = False  # a rank whose cell raised stays, paused, for the debugger (``%taas debug``)
     track: bool = True  # the rank samples its activity for the hang watchdog (off with --hang-after 0)

@@ -8,6 +8,8 @@ import time
 
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.kernel import Kernel, view_rows
 
 MOSTLY_WAITS = True  # for ranks to end, sessions to stop, timeouts (tests/conftest.py)
@@ -343,21 +345,79 @@ def test_a_rank_that_does_not_leave_an_interrupted_cell_ends_the_session_with_it
     stop(kernel)
 
 
-def test_a_rank_that_dies_ends_the_session_and_leaves_nothing(kernel):
-    first = kernel.execute(START.format(start="fork")).ok()
-    run_id = kernel.value("run_id")
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_rank_that_dies_is_replaced_by_a_new_process_and_the_session_goes_on(kernel, start):
+    """The cell fails saying which rank died and how; a new process takes its place (the same RANK), given every
+    name the other ranks hold alike, and the process group works with it in the next cell."""
+    first = kernel.execute(START.format(start=start) + "shared = {'lr': 0.1}\n").ok()
     r = kernel.execute("#pragma taas\nimport time\nif mine == 1:\n    os._exit(3)\ntime.sleep(30)")
-    assert r.error["evalue"] == (
-        "taas: the session ended: rank 1 exited with code 3 before the cell finished: its process group cannot continue"
-    ), r.error
-    assert gone(pids(first).values(), 0)  # and the fixture checks that nothing else is left
-    r = kernel.execute("#pragma taas\nprint(os.environ['TAAS_RUN_ID'])")  # meant for the session: refused
-    assert r.error["evalue"] == (
-        "the session ended: rank 1 exited with code 3 before the cell finished: its process group cannot continue"
-    ), r.error
-    assert "This cell did not run: run it again to run it as a one-shot cell" in r.traceback and not r.stdout
-    r = kernel.execute("#pragma taas\nprint(os.environ['TAAS_RUN_ID'])").ok()  # a one-shot cell again
-    assert run_id not in r.stdout
+    try:
+        assert r.error["evalue"] == "rank 1 failed: exited with code 3 before the cell finished", r.error
+        assert "taas: the session goes on, a new process in place of rank 1" in r.traceback, r.traceback
+        assert r.seconds < 10, r.seconds
+        healed = re.search(
+            r"\[rank 1\] taas: rank 1 is a new process in place of the one that died: (\d+) names", r.stderr
+        )
+        assert healed and "taas: rank 0 is the only other rank, so nothing tells its own values" in r.stderr, r.stderr
+        again = kernel.execute(
+            "#pragma taas\nprint('pid', os.getpid(), flush=True)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+            "print('rank', dist.get_rank(), os.environ['RANK'], os.environ['TAAS_RUN_ID'] == run_id, shared, t.item(),"
+            " mine)"
+        ).ok()
+        assert pids(again)[0] == pids(first)[0] and pids(again)[1] != pids(first)[1], "a new process, rank 0 the same"
+        # rank 0's own `mine` came with the rest, as the line above said
+        assert "[rank 1] rank 1 1 True {'lr': 0.1} 2.0 0" in again.each_rank(), again.each_rank()
+        assert gone([pids(first)[1]], 0)
+        assert "session:             up: 2 ranks on cpu" in kernel.execute("%taas").ok().stdout
+        assert kernel.execute("%taas debug").error["evalue"].startswith("nothing to debug"), "its death is no error"
+    finally:
+        stop(kernel)
+    assert gone(pids(again).values(), 5)  # and the fixture checks that nothing else is left
+
+
+DYING = """#pragma taas
+import signal
+print("training", flush=True)
+for step in range(1_000_000):
+    if dist.get_rank() == {rank} and step == {step}:
+        {how}
+    model(torch.randn(16, 32)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+HOW = {
+    "raise": ("raise ValueError('bad batch')", "ValueError: bad batch"),
+    "SIGKILL": ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal SIGKILL"),
+    "exit": ("os._exit(7)", "exited with code 7 before the cell finished"),
+}
+
+
+@pytest.mark.timeout(300)
+def test_ddp_training_survives_any_rank_raising_or_dying_at_any_step_with_equal_replicas(kernel):
+    """One session through several failures in a row: whichever rank raises, is killed or exits, at whichever step,
+    the cell says so, a dead rank is replaced within seconds, and the same DDP training goes on with equal
+    replicas."""
+
+    @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(rank=st.integers(0, 3), step=st.integers(0, 40), how=st.sampled_from(list(HOW)))
+    def one_failure(rank: int, step: int, how: str) -> None:
+        before = pids(kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+        r = kernel.execute(DYING.format(rank=rank, step=step, how=HOW[how][0]), timeout=60)
+        assert r.error["evalue"] == f"rank {rank} failed: {HOW[how][1]}", r.traceback
+        assert "the session goes on" in r.traceback and r.seconds < 10, (r.seconds, r.traceback)
+        after = pids(kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+        replaced = {peer for peer in range(4) if after[peer] != before[peer]}
+        assert replaced == (set() if how == "raise" else {rank}), (replaced, how, rank)
+        replicas = kernel.execute(REPLICAS).ok()
+        assert replicas.each_rank().count("replicas 1") == 4, replicas.stdout
+        trained = kernel.execute(TRAIN, interrupt_after=0.5, counted_from="training", timeout=60)
+        assert "each with the same steps applied" in trained.traceback, trained.traceback
+
+    kernel.execute(START.format(start="fork").replace("--gpus 2", "--gpus 4") + DDP).ok()
+    try:
+        one_failure()
+    finally:
+        stop(kernel)
 
 
 def forget_the_ended_session(kernel) -> None:

@@ -6,6 +6,7 @@ its ranks, its count of cells, the ranks to debug next and its group's end."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Callable, Iterable
 
@@ -35,6 +36,7 @@ class ScriptedSessionGroup:
         self.alive: set = set(range(world_size))
         self.waiting: list[Event] = []
         self.cells: list[list[int]] = []
+        self.sent: list[SessionCell] = []
         self.signals: list[tuple[int, tuple[int, ...] | None]] = []
         self.on_signal: Callable[[ScriptedSessionGroup, int, Iterable[int] | None], list[Event]] = (
             lambda group, signum, ranks: []
@@ -44,6 +46,8 @@ class ScriptedSessionGroup:
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         self.cells.append(list(ranks))
+        self.sent.append(cell)
+        self.alive |= set(cell.newcomers)
         self.waiting += self.script(self, list(ranks))
 
     def events(self, timeout: float) -> list[Event]:
@@ -125,9 +129,25 @@ def test_a_rank_that_raises_fails_the_cell_interrupts_the_others_and_the_session
     assert session.failed == [], "a cell that succeeds leaves no rank to debug"
 
 
-def test_a_rank_that_dies_in_a_cell_ends_the_session_and_closes_its_group():
+def test_a_rank_that_dies_in_a_cell_is_replaced_and_every_rank_reconnects_the_group():
+    dying = [Report(0, CellEnded(1.0)), Exited(1, -signal.SIGKILL)]
+    group = ScriptedSessionGroup(
+        lambda g, ranks: dying if len(g.cells) == 1 else [Report(r, CellEnded(2.0)) for r in ranks]
+    )
+    session = session_of(group)
+    with pytest.raises(RankFailed) as caught:
+        run(session)
+    assert str(caught.value) == "rank 1 failed: killed by signal SIGKILL"
+    assert caught.value.lines[-1] == "taas: the session goes on, a new process in place of rank 1"
+    reconnect = group.sent[-1]
+    assert (reconnect.regroup, reconnect.newcomers, group.cells[-1]) == (True, (1,), [0, 1]), "every rank, rank 1 new"
+    assert not session.ended and not group.closed and session.failed == [], "a death leaves no error to debug"
+
+
+def test_a_rank_that_dies_where_it_cannot_be_replaced_ends_the_session_and_closes_its_group():
     group = ScriptedSessionGroup(lambda g, ranks: [Report(0, CellEnded(1.0)), Exited(1, -signal.SIGKILL)])
     session = session_of(group)
+    session.spec = dataclasses.replace(session.spec, device="cuda")  # NCCL: nothing releases its peers
     with pytest.raises(SessionEnded) as caught:
         run(session)
     assert (

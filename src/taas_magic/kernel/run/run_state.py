@@ -95,6 +95,7 @@ class RunState:
         hang_after: float | None = None,
         ranks_per_node: int = 0,
         world: int = 0,
+        heals: bool = False,
     ):
         self.policy = policy
         self.started = now
@@ -118,6 +119,8 @@ class RunState:
         self.hang_after = hang_after or None  # --hang-after: the watchdog (None or 0: off)
         self.ranks_per_node = ranks_per_node  # > 0 on a cluster: stacks are grouped with their node
         self.world = world  # a session's ranks, those of the cell and the others (--ranks)
+        self.heals = heals  # a session whose rank dies goes on, a new process in its place (rank/healing.py)
+        self.died: set[int] = set()  # such ranks, dead in this cell
         self.clock = now  # the latest time the machine was told
         self.moved_at = now  # when a process last made progress
         self.hang_shown = False  # the watchdog spoke about the current stall
@@ -185,7 +188,19 @@ class RunState:
             self.ledger.exits[key] = (code, now)
             self.ledger.tails[key] = tuple(tail)
             return self._end_session(SessionEnd(EndCause.PRODUCER_DIED, (key,), code))
+        if self.heals and isinstance(key, int) and code != 0 and not self.ledger.exiting():
+            return self._died(key, code, now, tail)
         return self._end_session(SessionEnd(EndCause.RANK_EXITED, (key,), code, tuple(tail) if code else ()))
+
+    def _died(self, rank: int, code: int, now: float, tail: Iterable[str]) -> list[Action]:
+        """A session's rank died (killed, crashed, ``os._exit``): the cell fails with its death, the session goes on
+        once a new process is in its place. Its peers leave their collectives with it (its connections closed)."""
+        self.ledger.exits[rank] = (code, now)
+        self.ledger.tails[rank] = tuple(tail)
+        self.died.add(rank)
+        if rank in self.stopped and code < 0 and -code not in self._signals_sent():
+            self.ledger.own_deaths.add(rank)
+        return [MarkEnded(rank, "failed")]
 
     def input_requested(self, key: Key, prompt: str) -> list[Action]:
         """``key``'s debugger waits for a line: the user's, or "quit" once the cell is being stopped."""
@@ -377,7 +392,7 @@ class RunState:
         return self._in_cell() if self.policy.keep else set(self.running - set(self.ledger.records))
 
     def _in_cell(self) -> set[Key]:
-        return {rank for rank in self.ranks if rank not in self.ledger.records}
+        return {rank for rank in self.ranks if rank not in self.ledger.records and rank not in self.died}
 
     def _failing(self) -> bool:
         """A process failed on its own: the others are stopped."""
@@ -393,8 +408,9 @@ class RunState:
 
     def _failures(self) -> tuple[list[Failure], list[Failure]]:
         """The processes that failed on their own, the root cause first; and those a failure only broke."""
-        if self.policy.keep:  # a session's ranks stay: their cell ended when they said so
+        if self.policy.keep:  # a session's ranks stay: their cell ended when they said so, or as they died
             ended = {key: (0, self.started) for key in self.ledger.records}
+            ended.update({rank: self.ledger.exits[rank] for rank in self.died})
         else:
             ended = dict(self.ledger.exits)
             ended.update({rank: (0, self.started) for rank in self.paused})  # it failed, and waits

@@ -160,9 +160,11 @@ def watch(
     *,
     deadline: float | None = None,
     world: int = 0,
+    heals: bool = False,
 ) -> Watched:
     """The one place a run's state and its output are made, for a one-shot run (``ranks`` None: every rank) or a
-    session's cell (its ``ranks``, of the session's ``world``), from the cell's options."""
+    session's cell (its ``ranks``, of the session's ``world``; ``heals``: a rank that dies is replaced), from the
+    cell's options."""
     output, view = front.output(spec, list(range(spec.world_size)) if ranks is None else ranks, labels)
     state = RunState(
         policy,
@@ -175,6 +177,7 @@ def watch(
         hang_after=spec.hang_after,
         ranks_per_node=spec.ranks_per_node if spec.nodes > 1 else 0,
         world=world,
+        heals=heals,
     )
     return Watched(state, output, front, view)
 

@@ -208,10 +208,11 @@ class Session:
             if notebook_cell:
                 self.failed = list(e.failed)  # for `%taas debug` to name: their errors went with the session
             raise
-        if notebook_cell:
-            self.failed = [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
-        if any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
-            self._regroup(front)
+        if notebook_cell:  # a rank that died has no error to debug: a new process is in its place
+            self.failed = [rank for rank in _failed_ranks(result) if rank not in result.exits]
+        died = tuple(sorted(key for key in result.exits if isinstance(key, int)))
+        if died or any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
+            self._regroup(front, died)
         for line in render.notices(result):
             front.write("stderr", line + "\n")
         error = render.error(result, front.cell_names)
@@ -219,18 +220,27 @@ class Session:
             raise error
         return result
 
-    def _regroup(self, front: CellFrontEnd) -> None:
-        """A rank left the process group as the cell failed: every rank connects it anew, so that the next
-        cell's collectives work, DDP's too. A group that cannot be connected again ends the session."""
+    def heals(self) -> bool:
+        """Whether a rank that dies is replaced (``rank/healing.py``): on this machine, on CPU (gloo: its peers leave
+        their collectives as its connections close), where no registered loader is served (a new rank would lack
+        its share)."""
+        return self.start != "cluster" and self.spec.device == "cpu" and not self.served
+
+    def _regroup(self, front: CellFrontEnd, died: tuple[int, ...] = ()) -> None:
+        """A rank left the process group as the cell failed, or died: every rank connects it anew, a new process in
+        place of each that died, given what the others hold alike; so that the next cell's collectives work, DDP's
+        too. A group that cannot be connected again ends the session."""
         self.sent += 1
-        cell, ranks = SessionCell.reconnect(self.sent), list(range(self.size))
+        cell, ranks = SessionCell.reconnect(self.sent, died), list(range(self.size))
+        if died:  # the new processes know no cell's source, for tracebacks: every one goes with the next cell
+            self.sources_sent.clear()
         spec = dataclasses.replace(self.spec, output="all", timeout=REGROUP_SECONDS, hang_after=0)
         result = self._watch(lambda: self.group.run_cell(cell, ranks, ()), ranks, spec, CellFrontEnd(front.write))
-        if result.failures:
-            failure = result.failures[0]
+        if result.failures or result.exits:
+            failure = result.failures[0] if result.failures else None
             self._end(
-                f"its process group could not be connected again after the cell failed: "
-                f"{render.name(result, failure.rank)}: {render.summary(failure)}"
+                "its process group could not be connected again after the cell failed"
+                + (f": {render.name(result, failure.rank)}: {render.summary(failure)}" if failure else "")
             )
 
     def _watch(
@@ -244,7 +254,9 @@ class Session:
         if self.ended:
             raise render.session_over(self.ended)
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
-        watched = watch(SESSION, spec, front, self.labels, ranks, deadline=deadline, world=self.size)
+        watched = watch(
+            SESSION, spec, front, self.labels, ranks, deadline=deadline, world=self.size, heals=self.heals()
+        )
         state, out = watched.state, watched.output
         pump = watched.pump(self.group)
         lost = False
@@ -325,6 +337,10 @@ class Session:
             f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
             f"(ends after {self.spec.idle_limit:g} s idle; %taas stop ends it now)"
         )
+
+
+def _failed_ranks(result: RunResult) -> list[int]:
+    return [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
 
 
 def _idle(key: Key, dump: str) -> str | None:

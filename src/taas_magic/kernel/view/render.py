@@ -32,9 +32,11 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
         message, lines = failure(result, result.policy.others_were, cell_names)
         if result.policy.keep:
             lines += steps_taken(result)
+            root = name(result, result.failures[0].rank)
             lines.append(
-                f"taas: the session goes on (%taas debug opens the debugger in "
-                f"{name(result, result.failures[0].rank)} at the error)"
+                f"taas: the session goes on, a new process in place of {root}"
+                if result.failures[0].raised is None  # it died
+                else f"taas: the session goes on (%taas debug opens the debugger in {root} at the error)"
             )
         broken = sorted((f.rank, summary(f)) for f in result.broken if isinstance(f.rank, int))
         return RankFailed(message, lines, dict(broken))

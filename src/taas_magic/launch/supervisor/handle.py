@@ -203,6 +203,7 @@ class SupervisedRanks:
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         self._send(RunCell(cell, tuple(sorted(ranks))), fds=fds)
+        self.alive |= set(cell.newcomers)  # the supervisor starts them first, in place of ranks that died
 
     def answer(self, rank: Key, line: str | None) -> None:
         self._send(AnswerLine(rank, line))

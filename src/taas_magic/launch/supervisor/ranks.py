@@ -41,6 +41,10 @@ class ForkedRanks(ForkingGroup):
     # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
     # for loaders it begins to serve while it runs.
     later_loaders: tuple[dict[str, Any], int, str] | None = None
+    # A session's on this machine, for a rank started in place of one that died: each rank's environment, and
+    # the task its ranks started with.
+    envs: dict[int, dict[str, str]] = field(default_factory=dict)
+    task: RankTask | None = None
 
     @property
     def names(self) -> dict[str, Any]:
@@ -81,6 +85,7 @@ class ForkedRanks(ForkingGroup):
                 task = dataclasses.replace(task, order=dataclasses.replace(task.order, loaders=plans), delivery=None)
             if task.keep and envs and attached is None:  # not a cluster node's
                 group.later_loaders = (group.names, len(envs), run_id)
+                group.envs, group.task = envs, task
             for rank, env in sorted(envs.items()):
                 group.fork(
                     rank,
@@ -206,6 +211,7 @@ class ForkedRanks(ForkingGroup):
         The producers of loaders the session begins to serve with the cell start first, and each
         rank gets its ends of them with the cell.
         """
+        self._replace(cell.newcomers)
         service = self._serve_new_loaders(cell, fds)
         try:
             for rank in sorted(ranks):
@@ -216,6 +222,19 @@ class ForkedRanks(ForkingGroup):
         finally:
             if service is not None:
                 service.close()
+
+    def _replace(self, ranks: tuple[int, ...]) -> None:
+        """Start a new process for each of ``ranks``, a session's that died: it joins the session with the cell
+        that heals it (``rank/healing.py``). Forked from this supervisor, as the first were: no CUDA here."""
+        if self.task is None:
+            return  # a cluster node's session: the kernel heals none
+        try:
+            for rank in ranks:
+                if rank in self.ranks and self.ranks[rank].returncode is None:
+                    continue  # alive after all: the cell tells it so
+                self.fork(rank, self.envs[rank], dataclasses.replace(self.task, joins=True))
+        finally:
+            self._open_gates(b"")
 
     def _serve_new_loaders(self, cell: SessionCell, fds: tuple[int, ...]) -> DataService | None:
         """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
