@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-live-view screenshots clean
+.PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-session-faults bench-live-view screenshots clean
 
 # Bytecode is written as modules are first imported, by the first process that imports them, not compiled ahead
 # (compiling all 13,709 modules of the environment at install takes 36 s of one core). Where PYTHONDONTWRITEBYTECODE
@@ -89,6 +89,9 @@ bench-cluster: $(VENV)/.installed-bench
 
 bench-sessions: $(VENV)/.installed-bench
 	$(PY) benchmarks/sessions.py
+
+bench-session-faults: $(VENV)/.installed-bench
+	$(PY) benchmarks/session_faults.py
 
 bench-live-view: $(VENV)/.installed-bench
 	$(PY) benchmarks/live_view.py

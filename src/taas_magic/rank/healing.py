@@ -90,11 +90,12 @@ def _state(*what: Any) -> None:
 def heal(namespace: dict[str, Any], newcomers: tuple[int, ...]) -> None:
     """In every rank of the session at once, its group connected anew: the lowest survivor gives each newcomer the
     names every survivor holds alike."""
-    import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     survivors = [peer for peer in range(world) if peer not in newcomers]
+    if not survivors:
+        return  # the kernel heals no session that lost every rank
     every: list[Any] = [None] * world
     dist.all_gather_object(every, {} if rank in newcomers else digests(namespace))
     same = sorted(
@@ -104,18 +105,10 @@ def heal(namespace: dict[str, Any], newcomers: tuple[int, ...]) -> None:
     )
     donor = survivors[0]
     if rank == donor:
-        payload = cloudpickle.dumps(({name: namespace[name] for name in same}, sorted(sys.modules)), protocol=5)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        for newcomer in newcomers:
-            dist.send(torch.tensor([data.numel()], dtype=torch.int64), newcomer)
-            dist.send(data, newcomer)
+        _give({name: namespace[name] for name in same}, newcomers)
     elif rank in newcomers:
         started = time.monotonic()
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, donor)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, donor)
-        names, modules = pickle.loads(data.numpy().tobytes())
+        (names, modules), size = _take(donor)
         namespace.update(names)
         copied = time.monotonic()
         _import(modules)
@@ -123,7 +116,7 @@ def heal(namespace: dict[str, Any], newcomers: tuple[int, ...]) -> None:
         lost = sorted(held - set(same))
         for name in lost:  # what the process was forked with (the notebook's) would be no rank's value
             namespace.pop(name, None)
-        _say_healed(rank, donor, len(same), int(size), copied - started, time.monotonic() - copied, lost)
+        _say_healed(rank, donor, len(same), size, copied - started, time.monotonic() - copied, lost)
         if len(survivors) == 1:
             print(
                 f"taas: rank {donor} is the only other rank, so nothing tells its own values (its RANK, its data "
@@ -131,6 +124,82 @@ def heal(namespace: dict[str, Any], newcomers: tuple[int, ...]) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _give(names: dict[str, Any], newcomers: tuple[int, ...]) -> None:
+    """The donor's side: the names' pickle, with each tensor in it replaced by its number, then each tensor's
+    elements as they lie in memory, sent straight from it (no copy into the pickle and out again)."""
+    import torch
+    import torch.distributed as dist
+
+    out = io.BytesIO()
+    pickler = _Giving(out)
+    pickler.dump((names, sorted(sys.modules)))
+    tensors = [tensor.detach().cpu().contiguous() for tensor in pickler.tensors]
+    head = pickle.dumps((out.getvalue(), [(str(tensor.dtype), tuple(tensor.shape)) for tensor in tensors]))
+    for newcomer in newcomers:
+        dist.send(torch.tensor([len(head)], dtype=torch.int64), newcomer)
+        dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8), newcomer)
+        for tensor in tensors:
+            if tensor.numel():
+                dist.send(tensor.reshape(-1).view(torch.uint8), newcomer)
+
+
+def _take(donor: int) -> tuple[Any, int]:
+    """A newcomer's side of ``_give``: what the pickle holds, and how many bytes came."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, donor)
+    head = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(head, donor)
+    data, layouts = pickle.loads(head.numpy().tobytes())
+    tensors = []
+    for dtype, shape in layouts:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        if tensor.numel():
+            dist.recv(tensor.reshape(-1).view(torch.uint8), donor)
+        tensors.append(tensor)
+    received = int(size) + sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    return _Taking(io.BytesIO(data), tensors).load(), received
+
+
+class _Giving(cloudpickle.Pickler):
+    """Pickles every tensor as its number among those sent beside the pickle; one tensor met twice (a parameter
+    tied to two modules, an optimizer's reference to a model's) is one number, and one tensor again."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=5)
+        self.tensors: list[Any] = []
+        self.numbers: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        torch = sys.modules["torch"]
+        if not isinstance(obj, torch.Tensor) or obj.layout != torch.strided or obj.is_quantized:
+            return None  # a sparse or quantized tensor goes in the pickle, as torch pickles it
+        if id(obj) not in self.numbers:
+            self.numbers[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return ("tensor", self.numbers[id(obj)], isinstance(obj, torch.nn.Parameter), obj.requires_grad)
+
+
+class _Taking(pickle.Unpickler):
+    def __init__(self, file: Any, tensors: list[Any]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+        self.made: dict[int, Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        import torch
+
+        _, number, parameter, requires_grad = pid
+        if number not in self.made:
+            tensor = self.tensors[number]
+            self.made[number] = (
+                torch.nn.Parameter(tensor, requires_grad) if parameter else tensor.requires_grad_(requires_grad)
+            )
+        return self.made[number]
 
 
 def _import(modules: list[str]) -> None:

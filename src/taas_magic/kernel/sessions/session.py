@@ -211,6 +211,9 @@ class Session:
         if notebook_cell:  # a rank that died has no error to debug: a new process is in its place
             self.failed = [rank for rank in _failed_ranks(result) if rank not in result.exits]
         died = tuple(sorted(key for key in result.exits if isinstance(key, int)))
+        if len(died) == self.size:  # no rank to heal them from
+            self._end(f"every rank died ({render.summary(result.failures[0])})")
+            raise render.session_over(self.ended)
         if died or any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
             self._regroup(front, died)
         for line in render.notices(result):
@@ -224,7 +227,7 @@ class Session:
         """Whether a rank that dies is replaced (``rank/healing.py``): on this machine, on CPU (gloo: its peers leave
         their collectives as its connections close), where no registered loader is served (a new rank would lack
         its share)."""
-        return self.start != "cluster" and self.spec.device == "cpu" and not self.served
+        return self.start != "cluster" and self.spec.device == "cpu" and not self.served and self.size > 1
 
     def _regroup(self, front: CellFrontEnd, died: tuple[int, ...] = ()) -> None:
         """A rank left the process group as the cell failed, or died: every rank connects it anew, a new process in
