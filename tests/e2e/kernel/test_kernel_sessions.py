@@ -354,7 +354,7 @@ def test_a_rank_that_dies_is_replaced_by_a_new_process_and_the_session_goes_on(k
     try:
         assert r.error["evalue"] == "rank 1 failed: exited with code 3 before the cell finished", r.error
         assert "taas: the session goes on, a new process in place of rank 1" in r.traceback, r.traceback
-        assert r.seconds < 10, r.seconds
+        assert r.seconds < 30, r.seconds  # about 2 s here (benchmarks/session_faults.py); far more on a loaded machine
         healed = re.search(
             r"\[rank 1\] taas: rank 1 is a new process in place of the one that died: (\d+) names", r.stderr
         )
@@ -404,7 +404,7 @@ def test_ddp_training_survives_any_rank_raising_or_dying_at_any_step_with_equal_
         before = pids(kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
         r = kernel.execute(DYING.format(rank=rank, step=step, how=HOW[how][0]), timeout=60)
         assert r.error["evalue"] == f"rank {rank} failed: {HOW[how][1]}", r.traceback
-        assert "the session goes on" in r.traceback and r.seconds < 10, (r.seconds, r.traceback)
+        assert "the session goes on" in r.traceback and r.seconds < 30, (r.seconds, r.traceback)  # a loaded machine
         after = pids(kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
         replaced = {peer for peer in range(4) if after[peer] != before[peer]}
         assert replaced == (set() if how == "raise" else {rank}), (replaced, how, rank)

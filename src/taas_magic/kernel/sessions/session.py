@@ -11,8 +11,11 @@ it runs in has said so, not when they exit. Its outcomes:
   and DDP work;
 - an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank, before the same
   optimizer step where they train (``rank/stopping.py``); the session goes on;
-- a rank that does not come back from an interrupt within 5 s, or a rank that exits or dies,
-  ends the session: its process group cannot continue. Everything of it is closed, and the
+- a rank that dies in a cell (on this machine, on CPU, with no loader served: ``heals``): the cell
+  fails with its death, a new process takes its place, given what the other ranks hold alike
+  (``rank/healing.py``), and the session goes on;
+- a rank that does not come back from an interrupt within 5 s, a cell that calls ``sys.exit()``,
+  a death elsewhere or between cells: the session ends. Everything of it is closed, and the
   cell says why.
 
 The notebook's names a cell reads are sent only when they changed since the ranks last had them
