@@ -225,7 +225,8 @@ def test_a_session_cell_that_times_out_releases_a_rank_waiting_for_another_and_t
             f"taas: --timeout {timeout} s elapsed: ranks 0-1 still running, now interrupted; the session goes on"
         ), lines
         assert "rank 0: in barrier #1" in r.traceback and "time.sleep(30)" in r.traceback, r.traceback
-        assert "KeyboardInterrupt" not in r.traceback and r.seconds < float(timeout) + 5, r.traceback
+        # stacks taken, reports formatted, the group connected anew: seconds more on a loaded machine
+        assert "KeyboardInterrupt" not in r.traceback and r.seconds < float(timeout) + 15, r.traceback
         summary = r.displays[-1]["text/plain"].splitlines()
         assert re.fullmatch(r"taas: \d ranks? on cpu · timed out after [\d.]+ s", summary[0]), summary
         assert r.display_messages[-1][0] == "update_display_data" and "running" not in str(r.displays[-1])
