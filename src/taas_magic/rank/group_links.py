@@ -41,11 +41,10 @@ NO_GROUP = "-"  # the handle of a rank that has no group to reconnect
 
 
 class GroupLinks:
-    """The sockets of the process groups this rank made, and whether they were cut since."""
+    """The sockets of the process groups this rank made."""
 
     def __init__(self) -> None:
         self.sockets: set[str] = set()  # each one's identity, as /proc names it: "socket:[123]"
-        self.cut_since = False  # cut since the group was last connected: the session reconnects it
         self.undo: Callable[[], None] | None = None
 
     def install(self) -> None:
@@ -81,7 +80,6 @@ class GroupLinks:
         for name, fd in _sockets().items():
             if name in self.sockets:
                 _shut(fd)
-        self.cut_since |= bool(self.sockets)
         return bool(self.sockets)
 
     def regroup(self, number: int, newcomers: tuple[int, ...] = ()) -> None:
@@ -106,7 +104,6 @@ class GroupLinks:
         with self.noting():
             torch_private.reconfigure(dist, group, number, handles, timedelta(seconds=REGROUP_SECONDS))
         self.sockets -= old  # gone with the group's old communicator
-        self.cut_since = False
         _renew_reducers(dist, group)
 
     def grouped(self) -> bool:
