@@ -133,6 +133,8 @@ class TaasMagics(Magics):
             self.kept.stop_command(rest)
         elif command == "debug":
             self.kept.debug_command(rest)
+        elif command == "resize":
+            self.kept.resize_command(rest)
         elif command == "stacks":
             self._stacks_command(rest)
         elif command in ("pull", "push"):

@@ -147,8 +147,9 @@ def _distributed() -> Any:
 
 
 def _default_group(dist: Any) -> Any:
-    """The default group where it can be connected anew; None where there is none (or one of one rank)."""
-    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+    """The default group where it can be connected anew (one of one rank too: a session resized to one grows
+    again); None where there is none."""
+    if dist is None or not dist.is_initialized():
         return None
     group = torch_private.default_group(dist)
     return group if group.supports_reconfigure else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import io
+import os
 import pickle
 import re
 import sys
@@ -87,9 +88,9 @@ def _state(*what: Any) -> None:
     """What a digest writes a module or an optimizer as (never called: a digest's pickle is never loaded)."""
 
 
-def heal(namespace: dict[str, Any], newcomers: tuple[int, ...]) -> None:
+def heal(namespace: dict[str, Any], newcomers: tuple[int, ...], joined: bool = False) -> None:
     """In every rank of the session at once, its group connected anew: the lowest survivor gives each newcomer the
-    names every survivor holds alike."""
+    names every survivor holds alike. ``joined``: the newcomers are new ranks of a resize, in place of none."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -116,7 +117,8 @@ def heal(namespace: dict[str, Any], newcomers: tuple[int, ...]) -> None:
         lost = sorted(held - set(same))
         for name in lost:  # what the process was forked with (the notebook's) would be no rank's value
             namespace.pop(name, None)
-        _say_healed(rank, donor, len(same), size, copied - started, time.monotonic() - copied, lost)
+        why = "a new rank of the session" if joined else "a new process in place of the one that died"
+        _say_healed(rank, why, donor, len(same), size, copied - started, time.monotonic() - copied, lost)
         if len(survivors) == 1:
             print(
                 f"taas: rank {donor} is the only other rank, so nothing tells its own values (its RANK, its data "
@@ -213,9 +215,23 @@ def _import(modules: list[str]) -> None:
                 continue
 
 
-def _say_healed(rank: int, donor: int, names: int, size: int, seconds: float, imports: float, lost: list[str]) -> None:
+def say_ungrouped(joined: bool) -> None:
+    """A newcomer where the ranks have no process group to copy names over (none called ``init_process_group``)."""
+    rank = os.environ.get("RANK", "?")
+    why = "a new rank of the session" if joined else "a new process in place of the one that died"
+    print(
+        f"taas: rank {rank} is {why}: the ranks have no process group to copy names over, so it holds the "
+        "notebook's names as they were when the session started",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _say_healed(
+    rank: int, why: str, donor: int, names: int, size: int, seconds: float, imports: float, lost: list[str]
+) -> None:
     line = (
-        f"taas: rank {rank} is a new process in place of the one that died: {names} name{'s' * (names != 1)} "
+        f"taas: rank {rank} is {why}: {names} name{'s' * (names != 1)} "
         f"copied from rank {donor} ({size / 1e6:.1f} MB in {seconds:.2f} s), its modules imported ({imports:.1f} s)"
     )
     if lost:

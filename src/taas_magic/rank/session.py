@@ -28,7 +28,7 @@ from taas_magic.rank.reloading import RankReloads
 from taas_magic.rank.stopping import StepStops
 from taas_magic.wire import memfile, records, results, shipping
 from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
-from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end
+from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end, world_variables
 from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.task import CellOrder, LoaderPlan, RankTask
 
@@ -137,12 +137,16 @@ def _leaving(record: records.Record, steps: StepStops, links: GroupLinks) -> rec
 def _regroup(
     links: GroupLinks, cell: SessionCell, namespace: dict[str, Any], shell: Any, task: RankTask
 ) -> records.Record:
-    """The kernel's word after a cell that a rank left its group in, or died in: connect the group anew with every
-    peer, the newcomers joining it, and give them what the others hold alike."""
+    """The kernel's word after a cell that a rank left its group in, or died in, or as the session is resized:
+    connect the group anew with every peer, the newcomers joining it, and give them what the others hold alike."""
+    if cell.world is not None:
+        os.environ.update(world_variables(cell.world))  # a newcomer was started with them
     try:
         links.regroup(cell.number, cell.newcomers)
         if cell.newcomers and links.grouped():
-            healing.heal(namespace, cell.newcomers)
+            healing.heal(namespace, cell.newcomers, joined=cell.world is not None)
+        elif int(os.environ["RANK"]) in cell.newcomers:
+            healing.say_ungrouped(joined=cell.world is not None)
     except Exception as e:
         return failed_outside_code(e, shell, task)[1]
     return CellEnded(time.monotonic())

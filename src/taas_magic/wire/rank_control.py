@@ -53,7 +53,8 @@ class SessionCell:
     first_loader: int = 0
     number: int = 0  # the session's count of cells sent so far: it names the cell to its ranks (``rank/stopping.py``)
     regroup: bool = False  # connect the process group anew first: a rank left it as the last cell failed
-    newcomers: tuple[int, ...] = ()  # ranks new in place of those that died: they join the group, and are healed
+    newcomers: tuple[int, ...] = ()  # new ranks (in place of dead ones, or added): they join the group, are healed
+    world: int | None = None  # `%taas resize`: the session's new number of ranks (those from it on end first)
 
     @classmethod
     def post_mortem(cls) -> "SessionCell":
@@ -65,6 +66,23 @@ class SessionCell:
         """No code: every rank connects its process group anew (``rank/group_links.py``), ``newcomers`` joining it,
         and they are given what the others hold alike (``rank/healing.py``). The supervisor starts them first."""
         return cls(CellOrder(None), number=number, regroup=True, newcomers=newcomers)
+
+    @classmethod
+    def resize(cls, number: int, world: int, size: int) -> "SessionCell":
+        """``%taas resize``: a session of ``size`` ranks becomes one of ``world``: the supervisor ends ranks
+        ``world`` and up, or starts the new ones; every rank then connects the process group anew, as ``world``
+        ranks, and the new ones are given what the others hold alike."""
+        return cls(CellOrder(None), number=number, regroup=True, newcomers=tuple(range(size, world)), world=world)
+
+    def leaves(self, rank: object) -> bool:
+        """Whether ``rank`` (a rank's number, or a producer) ends with this cell: a resize's to fewer ranks."""
+        return self.world is not None and isinstance(rank, int) and rank >= self.world
+
+
+def world_variables(world: int) -> dict[str, str]:
+    """The variables of a rank's environment that say how many ranks a session on one machine has: what a
+    resize to ``world`` ranks changes in every rank."""
+    return {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world)}
 
 
 @dataclass(frozen=True)

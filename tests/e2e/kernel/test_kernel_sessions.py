@@ -464,9 +464,9 @@ def test_options_that_would_change_the_session_are_refused_before_anything_runs(
     kernel.execute(START.format(start="fork")).ok()
     try:
         r = kernel.execute("#pragma taas --gpus 4\nx = 1")
-        assert r.error["evalue"].startswith(
-            "--gpus would change the running session (2 ranks on cpu): %taas stop first"
-        )
+        assert r.error["evalue"].startswith("--gpus 4: the session has 2 ranks: %taas resize 4 changes them")
+        r = kernel.execute("#pragma taas --gpus 4 --start forkserver\nx = 1")
+        assert r.error["evalue"].startswith("--gpus, --start would change the running session (2 ranks on cpu)")
         r = kernel.execute("#pragma taas --cpus 2\nx = 1")
         assert r.error["evalue"].startswith("--cpus cannot apply to a cell in a session")
         assert kernel.execute("#pragma taas --gpus 2 --keep\nx = 1").error["evalue"].startswith("a session is running")

@@ -28,6 +28,7 @@ def test_each_help_word_is_the_help(word):
         ("statu", "status"),
         ("stack", "stacks"),
         ("STOP", "stop"),
+        ("resise", "resize"),
     ],
 )
 def test_a_typo_names_the_command_it_is_closest_to_and_every_command(typed, meant):
@@ -35,7 +36,7 @@ def test_a_typo_names_the_command_it_is_closest_to_and_every_command(typed, mean
         read([typed, "x"], CELL_OPTIONS)
     assert str(raised.value) == (
         f"%taas {typed} is not a command (did you mean %taas {meant}?): %taas takes status, stop, debug, pull, "
-        "push, stacks, cluster, version, help (%taas help says what each does)"
+        "push, resize, stacks, cluster, version, help (%taas help says what each does)"
     )
 
 

@@ -47,7 +47,7 @@ class ScriptedSessionGroup:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         self.cells.append(list(ranks))
         self.sent.append(cell)
-        self.alive |= set(cell.newcomers)
+        self.alive = {key for key in self.alive if not cell.leaves(key)} | set(cell.newcomers)
         self.waiting += self.script(self, list(ranks))
 
     def events(self, timeout: float) -> list[Event]:
@@ -221,7 +221,8 @@ def test_where_of_an_ended_session_says_why():
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("--gpus 4", "--gpus would change the running session (2 ranks on cpu): %taas stop first"),
+        ("--gpus 4", "--gpus 4: the session has 2 ranks: %taas resize 4 changes them (its names kept)"),
+        ("--gpus 4 --start forkserver", "--gpus, --start would change the running session (2 ranks on cpu)"),
         ("--device cuda --start fork", "--device would change the running session"),
         ("--start forkserver", "--start would change the running session"),
         (

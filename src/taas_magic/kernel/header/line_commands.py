@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
     "debug": Command("%taas debug [RANK]", "pdb in a rank whose cell raised (in a session, or paused by --debug)"),
     "pull": Command("%taas pull NAMES [--ranks RANKS]", "the session's values of NAMES into the notebook"),
     "push": Command("%taas push NAMES [--ranks RANKS]", "the notebook's values of NAMES into the session's ranks"),
+    "resize": Command(
+        "%taas resize N", "the session goes on with N ranks: the last ones end, or new ones join with its names"
+    ),
     "stacks": Command("%taas stacks", "where the session's ranks and producers are, between cells"),
     "cluster": Command(
         "%taas cluster [ADDRESS | off | release]",

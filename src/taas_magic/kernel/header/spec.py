@@ -7,6 +7,7 @@ environment. Errors name the bad value and what is allowed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, NoReturn, Sequence
 
@@ -128,6 +129,25 @@ def _built(
         log=log_level(environ),
         profile=options.profile,
         **_session_options(options),
+    )
+
+
+def resized(spec: LaunchSpec, world: int) -> LaunchSpec:
+    """A session's ``spec`` as ``%taas resize WORLD`` makes it, on this machine's CPUs: at most what its
+    configuration holds on one node, and ``MAX_CPU_RANKS``. A one-line error names what is allowed."""
+    configuration = spec.configuration
+    per_node = (configuration.gpus or configuration.cpus) if configuration is not None else 0
+    high = min(per_node or MAX_CPU_RANKS, MAX_CPU_RANKS)
+    if not 1 <= world <= high:
+        of = f" (its configuration {configuration.name} has {per_node} per node)" if configuration and per_node else ""
+        raise TaasUsageError(f"%taas resize {world}: the session can have 1 to {high} ranks{of}")
+    return dataclasses.replace(
+        spec,
+        world_size=world,
+        nodes=1,
+        ranks_per_node=world,
+        return_from=tuple(rank for rank in spec.return_from if rank < world) or (0,),
+        debug_ranks=None if spec.debug_ranks is None else tuple(rank for rank in spec.debug_ranks if rank < world),
     )
 
 

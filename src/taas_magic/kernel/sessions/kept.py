@@ -14,6 +14,7 @@ from taas_magic.kernel.header.option_values import count
 from taas_magic.kernel.header.spec import LaunchSpec
 from taas_magic.kernel.sessions.session import Session, debug_paused
 from taas_magic.kernel.view import streams
+from taas_magic.kernel.view.front_end import CellFrontEnd
 from taas_magic.launch.backend import SessionGroup
 from taas_magic.per_rank import span
 from taas_magic.process import containment
@@ -140,6 +141,16 @@ class Kept:
                 f"{'' if len(session.failed) == 1 else ' (one of them)'}"
             )
         session.debug(rank, streams.write_to_cell, read_line)
+
+    def resize_command(self, words: list[str]) -> None:
+        """`%taas resize N`: the session goes on with N ranks, its names kept."""
+        if len(words) != 1 or not re.fullmatch(r"[0-9]{1,9}", words[0]):
+            got = f"; got {' '.join(words)[:40]!r}" if words else ""
+            raise TaasUsageError(f"%taas resize takes the session's new number of ranks, as in %taas resize 4{got}")
+        session = self.live_session("resize")
+        if session is None:
+            raise TaasUsageError("%taas resize: no session is running (a taas cell with --keep starts one)")
+        print(session.resize(int(words[0]), CellFrontEnd(streams.write_to_cell)))
 
     # -- on the cluster -------------------------------------------------------------------------
     def refuse_leaving_the_cluster(self) -> None:

@@ -34,9 +34,10 @@ from typing import Any, Callable, Mapping
 
 from taas_magic.cell_names import names_reached
 from taas_magic.delivery.service import producer_labels
-from taas_magic.errors import SessionEnded, TaasRunError
+from taas_magic.errors import SessionEnded, TaasRunError, TaasUsageError
 from taas_magic.kernel.diagnosis import hang, stacks
-from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.header.option_values import count
+from taas_magic.kernel.header.spec import LaunchSpec, resized
 from taas_magic.kernel.run.run_result import SESSION, RunResult
 from taas_magic.kernel.running.controller import LOST, STACK_SECONDS, Pump, watch
 from taas_magic.kernel.sessions import reloading
@@ -44,6 +45,7 @@ from taas_magic.kernel.view import render, streams
 from taas_magic.kernel.view.front_end import CellFrontEnd, ReadLine
 from taas_magic.kernel.view.streams import RankOutput
 from taas_magic.launch.backend import Cell, SessionGroup
+from taas_magic.per_rank import span
 from taas_magic.process import cell_files, containment
 from taas_magic.wire import shipping
 from taas_magic.wire.events import Exited, Key, Output, Producer
@@ -53,6 +55,7 @@ from taas_magic.wire.task import CellOrder, LoaderPlan
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
 REGROUP_SECONDS = 60.0  # every rank is between cells: connecting the group anew takes milliseconds
+INTERRUPT_WAITED = "taas: the interrupt came as the ranks connected their process group anew: it waited until they had"
 
 
 @dataclass
@@ -232,22 +235,69 @@ class Session:
         its share)."""
         return self.start != "cluster" and self.spec.device == "cpu" and not self.served and self.size > 1
 
-    def _regroup(self, front: CellFrontEnd, died: tuple[int, ...] = ()) -> None:
-        """A rank left the process group as the cell failed, or died: every rank connects it anew, a new process in
-        place of each that died, given what the others hold alike; so that the next cell's collectives work, DDP's
-        too. A group that cannot be connected again ends the session."""
+    # -- its process group, its size --------------------------------------------------------------
+    def _regroup(self, front: CellFrontEnd, died: tuple[int, ...] = (), resized_from: int = 0) -> None:
+        """A rank left the process group as the cell failed, or died, or the session was resized (from
+        ``resized_from`` ranks): every rank connects it anew, a new process in place of each that died and for each
+        new rank, given what the others hold alike; so that the next cell's collectives work, DDP's too. A group
+        that cannot be connected again ends the session."""
         self.sent += 1
-        cell, ranks = SessionCell.reconnect(self.sent, died), list(range(self.size))
-        if died:  # the new processes know no cell's source, for tracebacks: every one goes with the next cell
+        cell = (
+            SessionCell.resize(self.sent, self.size, resized_from)
+            if resized_from
+            else SessionCell.reconnect(self.sent, died)
+        )
+        ranks = list(range(self.size))
+        if cell.newcomers:  # the new processes know no cell's source, for tracebacks: every one goes with the next cell
             self.sources_sent.clear()
         spec = dataclasses.replace(self.spec, output="all", timeout=REGROUP_SECONDS, hang_after=0)
-        result = self._watch(lambda: self.group.run_cell(cell, ranks, ()), ranks, spec, CellFrontEnd(front.write))
+        with containment.HeldInterrupts() as held:  # cut short, it would leave ranks in and out of the group
+            result = self._watch(lambda: self.group.run_cell(cell, ranks, ()), ranks, spec, CellFrontEnd(front.write))
+            interrupted, held.came = held.came, False
+        if interrupted:
+            front.write("stderr", INTERRUPT_WAITED + "\n")
         if result.failures or result.exits:
             failure = result.failures[0] if result.failures else None
             self._end(
-                "its process group could not be connected again after the cell failed"
+                "its process group could not be connected again "
+                + (f"as it was resized to {self.size} ranks" if resized_from else "after the cell failed")
                 + (f": {render.name(result, failure.rank)}: {render.summary(failure)}" if failure else "")
             )
+
+    def resize(self, world: int, front: CellFrontEnd) -> str:
+        """``%taas resize``: the session goes on with ``world`` ranks, its process group and DDP models around them
+        all: ranks ``world`` and up end, or new ones join, given what the others hold alike; what changed, in a
+        line. Refused in one line, before anything changes, where it cannot be done."""
+        refusal = self.resize_refusal()
+        if refusal:
+            raise TaasUsageError(
+                f"%taas resize {world}: {refusal}: %taas stop, then start a session of {world} with --keep"
+            )
+        resized_spec = resized(self.spec, world)
+        old, started = self.size, time.monotonic()
+        if world == old:
+            return f"taas: the session has {count(old, 'rank')} already"
+        self.spec, self.failed = resized_spec, [rank for rank in self.failed if rank < world]
+        self._regroup(front, resized_from=old)
+        if self.ended:
+            raise render.session_over(self.ended)
+        took = f"({time.monotonic() - started:.1f} s)"
+        if world < old:
+            return f"taas: the session has {count(world, 'rank')} now: {span(range(world, old))} ended {took}"
+        return f"taas: the session has {count(world, 'rank')} now: {span(range(old, world))} joined {took}"
+
+    def resize_refusal(self) -> str:
+        """Why ``%taas resize`` cannot change this session, or ''."""
+        if self.start == "cluster":
+            return "the session runs on the cluster, and only a session on this machine can be resized"
+        if self.spec.device != "cpu":
+            return f"its ranks are on {self.spec.device}, and only a CPU session (gloo) can be resized"
+        if self.served:
+            return (
+                f"it serves registered loaders ({', '.join(sorted(self.served))}) whose shares are planned for "
+                f"{count(self.size, 'rank')}"
+            )
+        return ""
 
     def _watch(
         self,

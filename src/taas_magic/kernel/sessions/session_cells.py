@@ -42,6 +42,11 @@ def check_fits_session(args: argparse.Namespace, session: Session) -> None:
         "--idle": args.idle is not None,
     }
     changed = [name for name, ok in same.items() if not ok]
+    if changed == ["--gpus"] and not session.resize_refusal():
+        raise TaasUsageError(
+            f"--gpus {args.gpus}: the session has {session.size} ranks: %taas resize {args.gpus} changes them "
+            "(its names kept), or drop --gpus from the cell"
+        )
     if changed:
         raise TaasUsageError(
             f"{', '.join(changed)} would change the running session ({session.size} ranks on "

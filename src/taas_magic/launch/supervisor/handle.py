@@ -203,7 +203,9 @@ class SupervisedRanks:
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         self._send(RunCell(cell, tuple(sorted(ranks))), fds=fds)
-        self.alive |= set(cell.newcomers)  # the supervisor starts them first, in place of ranks that died
+        # The supervisor ends the ranks a resize leaves out, and starts the new ones, first.
+        self.alive = {key for key in self.alive if not cell.leaves(key)} | set(cell.newcomers)
+        self.pending = [event for event in self.pending if not cell.leaves(event.rank)]
 
     def answer(self, rank: Key, line: str | None) -> None:
         self._send(AnswerLine(rank, line))

@@ -24,7 +24,16 @@ from taas_magic.launch.supervisor.forking import ForkedProcess, ForkingGroup
 from taas_magic.process import containment, tempfiles
 from taas_magic.wire import channel, records
 from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
-from taas_magic.wire.rank_control import STOP_TOGETHER, CellEnd, InCell, Line, Prompt, SessionCell, ToRank
+from taas_magic.wire.rank_control import (
+    STOP_TOGETHER,
+    CellEnd,
+    InCell,
+    Line,
+    Prompt,
+    SessionCell,
+    ToRank,
+    world_variables,
+)
 from taas_magic.wire.task import RankTask
 
 READ_SIZE = 1 << 16
@@ -211,6 +220,8 @@ class ForkedRanks(ForkingGroup):
         The producers of loaders the session begins to serve with the cell start first, and each
         rank gets its ends of them with the cell.
         """
+        if cell.world is not None:
+            self._resize(cell)
         self._replace(cell.newcomers)
         service = self._serve_new_loaders(cell, fds)
         try:
@@ -235,6 +246,38 @@ class ForkedRanks(ForkingGroup):
                 self.fork(rank, self.envs[rank], dataclasses.replace(self.task, joins=True))
         finally:
             self._open_gates(b"")
+
+    def _resize(self, cell: SessionCell) -> None:
+        """``%taas resize``: end the ranks that leave the session (killed and reaped, as a session's end does:
+        nothing of theirs stays, and nobody is told they exited), and make the environment of every rank to come
+        say the new number of ranks; ``_replace`` then starts the new ones."""
+        assert cell.world is not None and self.task is not None, "the kernel resizes sessions of this machine only"
+        for state in [state for key, state in self.ranks.items() if cell.leaves(key)]:
+            self._retire(state)
+        first = self.envs[min(self.envs)]
+        self.envs = {
+            rank: {**self.envs.get(rank, first), **world_variables(cell.world)}
+            | {name: str(rank) for name in ("RANK", "LOCAL_RANK", "ROLE_RANK")}
+            for rank in range(cell.world)
+        }
+        if self.later_loaders is not None:
+            namespace, _, run_id = self.later_loaders
+            self.later_loaders = (namespace, cell.world, run_id)
+
+    def _retire(self, state: ForkedProcess) -> None:
+        """A rank the session no longer has: gone with whatever it started, its descriptors closed, its events
+        dropped."""
+        if state.returncode is None:
+            self._on_exit(state)  # kills its process group, reaps it, reads its pipes to their end
+        self._pending = [event for event in self._pending if event.rank != state.rank]
+        for fd in state.fds.values():  # held open by something that left its process group
+            self._selector.unregister(fd)
+            os.close(fd)
+        state.fds.clear()
+        if state.ask is not None:
+            os.close(state.ask)
+            state.ask = None
+        del self.ranks[state.rank]
 
     def _serve_new_loaders(self, cell: SessionCell, fds: tuple[int, ...]) -> DataService | None:
         """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among

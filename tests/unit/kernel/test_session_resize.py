@@ -1,0 +1,167 @@
+"""`%taas resize N` in the kernel, driven by a scripted group of kept ranks: the one cell every rank is sent,
+the session's new size, and the one-line refusals before anything changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import weakref
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from support.specs import cpu_spec
+from test_session import ScriptedSessionGroup, session_of
+
+from taas_magic.configurations import Configuration
+from taas_magic.errors import SessionEnded, TaasUsageError
+from taas_magic.kernel.header import spec as launch_spec
+from taas_magic.kernel.sessions.kept import Kept
+from taas_magic.kernel.sessions.session import Session
+from taas_magic.kernel.view.front_end import CellFrontEnd
+from taas_magic.wire.events import Event, Exited, Report
+from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.records import CellEnded
+
+
+def every_rank_ends(group: ScriptedSessionGroup, ranks: list[int]) -> list[Event]:
+    return [Report(rank, CellEnded(1.0)) for rank in ranks]
+
+
+def resize(session: Session, world: int) -> str:
+    return session.resize(world, CellFrontEnd(lambda stream, text: None))
+
+
+def test_fewer_ranks_end_those_beyond_and_the_others_connect_their_group_anew():
+    group = ScriptedSessionGroup(every_rank_ends, world_size=4)
+    session = session_of(group)
+    session.failed = [1, 3]
+    said = resize(session, 2)
+    assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended ("), said
+    cell = group.sent[-1]
+    assert (cell.regroup, cell.world, cell.newcomers, group.cells[-1]) == (True, 2, (), [0, 1])
+    assert group.alive == {0, 1} and session.size == 2 and session.spec.ranks_per_node == 2
+    assert session.failed == [1], "rank 3's error went with it"
+    assert not session.ended and not group.closed
+
+
+def test_more_ranks_join_as_newcomers_and_every_rank_takes_the_cell():
+    group = ScriptedSessionGroup(every_rank_ends, world_size=2)
+    session = session_of(group)
+    session.sources_sent.add("cell-1.py")
+    said = resize(session, 5)
+    assert said.startswith("taas: the session has 5 ranks now: ranks 2-4 joined ("), said
+    cell = group.sent[-1]
+    assert (cell.world, cell.newcomers, group.cells[-1]) == (5, (2, 3, 4), [0, 1, 2, 3, 4])
+    assert group.alive == set(range(5)) and session.size == 5
+    assert session.sources_sent == set(), "the new ranks are sent every cell's source with the next cell"
+
+
+def test_the_same_size_changes_nothing():
+    group = ScriptedSessionGroup(every_rank_ends, world_size=3)
+    session = session_of(group)
+    assert resize(session, 3) == "taas: the session has 3 ranks already"
+    assert group.sent == []
+
+
+def test_a_rank_that_dies_as_the_session_is_resized_ends_it_saying_so():
+    dying = [Report(0, CellEnded(1.0)), Exited(1, -signal.SIGKILL), Report(2, CellEnded(1.0))]
+    group = ScriptedSessionGroup(lambda g, ranks: dying, world_size=2)
+    session = session_of(group)
+    with pytest.raises(SessionEnded) as caught:
+        resize(session, 3)
+    assert "could not be connected again as it was resized to 3 ranks" in str(caught.value), str(caught.value)
+    assert session.ended and group.closed
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"start": "cluster"}, "the session runs on the cluster, and only a session on this machine can be resized"),
+        ({"device": "cuda"}, "its ranks are on cuda, and only a CPU session (gloo) can be resized"),
+        (
+            {"served": "train_loader"},
+            "it serves registered loaders (train_loader) whose shares are planned for 2 ranks",
+        ),
+    ],
+)
+def test_a_session_that_cannot_be_resized_is_refused_in_one_line_before_anything_is_sent(change, refusal):
+    group = ScriptedSessionGroup(every_rank_ends, world_size=2)
+    session = session_of(group)
+    if "start" in change:
+        session.start = change["start"]
+    if "device" in change:
+        session.spec = dataclasses.replace(session.spec, device=change["device"])
+    if "served" in change:
+        session.served[change["served"]] = weakref.ref(session)
+    with pytest.raises(TaasUsageError) as caught:
+        resize(session, 4)
+    assert str(caught.value) == f"%taas resize 4: {refusal}: %taas stop, then start a session of 4 with --keep"
+    assert group.sent == [] and session.size == 2 and not session.ended
+
+
+CONFIGURATIONS = st.one_of(
+    st.none(),
+    st.builds(Configuration, st.just("g2.8"), gpus=st.just(8), cpus=st.just(28)),
+    st.builds(Configuration, st.just("c1.4"), gpus=st.just(0), cpus=st.just(4)),
+)
+
+
+@given(
+    size=st.integers(1, 8),
+    world=st.integers(-3, 300),
+    configuration=CONFIGURATIONS,
+    return_from=st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True),
+    debug_ranks=st.one_of(st.none(), st.lists(st.integers(0, 7), max_size=3, unique=True)),
+)
+def test_the_resized_spec_has_the_new_size_on_one_node_and_names_only_its_ranks_or_the_error_names_the_range(
+    size, world, configuration, return_from, debug_ranks
+):
+    spec = dataclasses.replace(
+        cpu_spec(size),
+        configuration=configuration,
+        return_from=tuple(return_from),
+        debug_ranks=None if debug_ranks is None else tuple(debug_ranks),
+    )
+    high = min(configuration.gpus or configuration.cpus, 256) if configuration else 256
+    try:
+        resized = launch_spec.resized(spec, world)
+    except TaasUsageError as e:
+        assert not 1 <= world <= high
+        assert str(e).startswith(f"%taas resize {world}: the session can have 1 to {high} ranks") and "\n" not in str(e)
+        return
+    assert 1 <= world <= high
+    assert (resized.world_size, resized.nodes, resized.ranks_per_node) == (world, 1, world)
+    assert resized.return_from and all(rank < world for rank in resized.return_from)
+    assert resized.debug_ranks is None or all(rank < world for rank in resized.debug_ranks)
+    assert (resized.device, resized.configuration) == (spec.device, spec.configuration)
+
+
+@given(words=st.lists(st.text(max_size=12), max_size=3))
+def test_any_words_after_resize_are_a_number_or_one_line_saying_what_it_takes(words):
+    kept = Kept()
+    group = ScriptedSessionGroup(every_rank_ends, world_size=2)
+    kept.session = session_of(group)
+    number = len(words) == 1 and words[0].isascii() and words[0].isdigit() and len(words[0]) <= 9
+    try:
+        kept.resize_command(words)
+    except TaasUsageError as e:
+        message = str(e)
+        assert "\n" not in message and message.startswith("%taas resize")
+        assert not number or not 1 <= int(words[0]) <= 256
+        return
+    assert number and kept.session.size == int(words[0])
+
+
+def test_resize_without_a_session_says_how_to_start_one():
+    with pytest.raises(TaasUsageError, match="^%taas resize: no session is running"):
+        Kept().resize_command(["2"])
+
+
+def test_the_cell_names_who_leaves_and_who_joins():
+    cell = SessionCell.resize(7, world=2, size=4)
+    assert (cell.number, cell.world, cell.newcomers) == (7, 2, ())
+    assert [cell.leaves(key) for key in (0, 1, 2, 3)] == [False, False, True, True]
+    grown = SessionCell.resize(8, world=4, size=2)
+    assert grown.newcomers == (2, 3) and not any(grown.leaves(key) for key in range(4))
+    assert not SessionCell.reconnect(9, (1,)).leaves(1), "a heal keeps every rank"
