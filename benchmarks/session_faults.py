@@ -7,7 +7,8 @@ the cell (the new process healed), as the wall clock says; the state copy's rate
 and the next training cell's first steps run. Then one rank raises in the middle of training: from the raise to
 the end of the cell (every rank released from its collective, the group connected anew). The alternative a user
 has without healing: ``%taas stop`` and the cell that starts the session again (the model built, the group
-joined, its training lost); its time is measured in the same kernel, in alternating rounds.
+joined, its training lost); its time is measured in the same kernel, in alternating rounds. And ``%taas resize``:
+to half the ranks and back, each timed to the end of its line, the new ranks given the others' state.
 
 Run: ``python benchmarks/session_faults.py`` (``--quick``: 3 rounds instead of 10). The target: healed within 5 s
 of the death, and the state copied at 1 GB/s or more.
@@ -69,6 +70,17 @@ def fault(kernel: Kernel, how: str, rng: random.Random) -> tuple[float, float | 
     return ended - float(said[1]), rate
 
 
+def resize(kernel: Kernel, world: int, rates: list[float]) -> float:
+    """``%taas resize WORLD``: seconds to the end of the line; the new ranks' copy rates join ``rates``; the
+    session trains on."""
+    started = time.time()
+    cell = kernel.run(f"%taas resize {world}")
+    took = time.time() - started
+    rates += [float(mb) / max(float(seconds), 1e-3) for mb, seconds in COPIED.findall(cell.stderr)]
+    kernel.run(TRAIN)
+    return took
+
+
 def restart(kernel: Kernel) -> float:
     """What a user does without healing: end the session and start it again."""
     started = time.time()
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     released: list[float] = []
     rates: list[float] = []
     restarted: list[float] = []
+    shrunk: list[float] = []
+    grown: list[float] = []
     try:
         kernel.run("%load_ext taas_magic")
         kernel.run(START, timeout=300)
@@ -102,16 +116,25 @@ def main(argv: list[str] | None = None) -> None:
             rates += [rate] if rate is not None else []
             released.append(fault(kernel, "raise ValueError('bad batch')", rng)[0])
             restarted.append(restart(kernel))
+            shrunk.append(resize(kernel, RANKS // 2, []))
+            grown.append(resize(kernel, RANKS, rates))
         kernel.run("%taas stop")
     finally:
         left = kernel.shutdown()
         if left:
             print(f"left behind and killed: {left}")
-    report(healed, released, rates, restarted, args.results, args.plot, rounds)
+    report(healed, released, rates, restarted, (shrunk, grown), args.results, args.plot, rounds)
 
 
 def report(
-    healed: list[float], released: list[float], rates: list[float], restarted: list[float], results, plot, rounds: int
+    healed: list[float],
+    released: list[float],
+    rates: list[float],
+    restarted: list[float],
+    resized: tuple[list[float], list[float]],
+    results,
+    plot,
+    rounds: int,
 ) -> None:
     heal, release, restart_ = statistics.median(healed), statistics.median(released), statistics.median(restarted)
     rate = statistics.median(rates) if rates else 0.0
@@ -120,7 +143,10 @@ def report(
     print(f"{'a rank killed: death -> healed, cell over':44} {heal:7.2f} s {max(healed):6.2f} s")
     print(f"{'a rank raised: raise -> group reconnected':44} {release:7.2f} s {max(released):6.2f} s")
     print(f"{'%taas stop + the session started again':44} {restart_:7.2f} s {max(restarted):6.2f} s")
-    print(f"state copied to the new process: {rate:.0f} MB/s (median)")
+    shrunk, grown = resized
+    print(f"{f'%taas resize {RANKS // 2} (from {RANKS})':44} {statistics.median(shrunk):7.2f} s {max(shrunk):6.2f} s")
+    print(f"{f'%taas resize {RANKS} (from {RANKS // 2})':44} {statistics.median(grown):7.2f} s {max(grown):6.2f} s")
+    print(f"state copied to a new process (healed or joined): {rate:.0f} MB/s (median)")
     print(f"starting again / healing: {restart_ / heal:.1f}x")
     print_checks(
         [
@@ -139,17 +165,25 @@ def report(
                 "released_s": released,
                 "copy_mb_s": rates,
                 "restarted_s": restarted,
+                "resized_down_s": shrunk,
+                "resized_up_s": grown,
             },
             indent=1,
         )
         + "\n"
     )
-    figure, axes = plot_axes(7, 2.8)
+    figure, axes = plot_axes(7, 3.4)
     axes.boxplot(
-        [healed, released, restarted],
+        [healed, released, shrunk, grown, restarted],
         orientation="horizontal",
         showfliers=False,
-        tick_labels=["rank killed: healed", "rank raised: released", "stop + start again"],
+        tick_labels=[
+            "rank killed: healed",
+            "rank raised: released",
+            f"resize {RANKS} -> {RANKS // 2}",
+            f"resize {RANKS // 2} -> {RANKS}",
+            "stop + start again",
+        ],
     )
     axes.axvline(HEAL_TARGET_S, color="tab:red", linestyle="--", linewidth=1, label=f"target {HEAL_TARGET_S:g} s")
     axes.set_xlabel(f"seconds until the session trains on ({RANKS} CPU ranks)")

@@ -7,16 +7,25 @@ alternating rounds; the same body run in the kernel itself is the baseline. Over
 cell time less the median baseline, on the kernel's own busy→idle stamps (what a notebook shows
 as the cell's time); the client's request→idle times are printed beside them.
 
-Run: ``python benchmarks/sessions.py`` (``--quick``: fewer rounds). The target: a warm session
-cell costs at most 20 ms over the plain cell at 8 CPU ranks.
+Then what a session costs a training loop while nothing fails (it stops ranks together at an optimizer
+step, notes its process group's sockets, heals dead ranks): the same DDP loop, timed inside, in a session's
+cell and in a script started by ``torchrun`` (outside any notebook), in alternating rounds, on
+``TRAIN_RANKS`` CPU ranks with the same intra-op threads each.
+
+Run: ``python benchmarks/sessions.py`` (``--quick``: fewer rounds). The targets: a warm session
+cell costs at most 20 ms over the plain cell at 8 CPU ranks; DDP steps/s in a session at least 0.98x
+torchrun's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -24,6 +33,7 @@ from pathlib import Path
 
 import psutil
 from harness import (
+    BENCH_ENV,
     ROOT,
     BenchError,
     Kernel,
@@ -164,7 +174,7 @@ def _stop(runner: Contender) -> None:
             print(f"{runner.name}: left behind and killed: {left}", file=sys.stderr)
 
 
-def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> None:
+def report(runners: list[Contender], results: Path, plot: Path, rounds: int, training: "Training") -> None:
     overhead = {r.name: statistics.median(r.kernel_ms) - statistics.median(r.plain_ms) for r in runners}
     print(
         f"warm cell `{BODY}` in {RANKS} workers, {rounds} rounds; busy->idle as the kernel stamps it, "
@@ -190,6 +200,7 @@ def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> 
             )
             for name in ("taas fork", "taas forkserver")
         ]
+        + [training.report()]
     )
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(
@@ -207,6 +218,7 @@ def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> 
                     }
                     for r in runners
                 },
+                "training": training.as_json(),
             },
             indent=1,
         )
@@ -214,6 +226,118 @@ def report(runners: list[Contender], results: Path, plot: Path, rounds: int) -> 
     )
     _plot(runners, plot)
     print(f"results: {shown(results)}; plot: {shown(plot)}")
+
+
+# -- a training loop: a session's cell against torchrun ------------------------------------------------
+TRAIN_RANKS = 2
+TRAIN_TARGET = 0.98  # a session's steps/s at least this much of torchrun's
+SETUP = """import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+batch = torch.randn(64, 512)
+"""
+LOOP = """def steps(count):
+    for _ in range(count):
+        optimizer.zero_grad()
+        model(batch).square().mean().backward()
+        optimizer.step()
+steps(30)
+dist.barrier()
+began = time.perf_counter()
+steps(300)
+rate = 300 / (time.perf_counter() - began)
+if dist.get_rank() == 0:
+    print("steps/s", rate, "threads", torch.get_num_threads(), flush=True)
+"""
+
+
+@dataclass
+class Training:
+    """DDP steps/s of the same loop, each round in a session's cell and in a fresh ``torchrun``."""
+
+    session: list[float] = field(default_factory=list)
+    torchrun: list[float] = field(default_factory=list)
+    threads: set[str] = field(default_factory=set)  # each side's intra-op threads, as its rank 0 said
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.session) / statistics.median(self.torchrun)
+
+    def report(self) -> tuple[bool, str]:
+        print(
+            f"DDP training, {TRAIN_RANKS} CPU ranks, {len(self.session)} rounds of 300 steps: session "
+            f"{statistics.median(self.session):.1f} steps/s, torchrun {statistics.median(self.torchrun):.1f} steps/s "
+            f"(intra-op threads {', '.join(sorted(self.threads))})"
+        )
+        return (
+            self.ratio >= TRAIN_TARGET,
+            f"a session's DDP steps/s are {self.ratio:.3f}x torchrun's on the same loop (target >= {TRAIN_TARGET})",
+        )
+
+    def as_json(self) -> dict:
+        return {"ranks": TRAIN_RANKS, "session": self.session, "torchrun": self.torchrun, "ratio": self.ratio}
+
+
+def measure_training(rounds: int, progress: Progress) -> Training:
+    """The loop in a session of ``TRAIN_RANKS`` (its model made once) and in ``torchrun`` (made each time),
+    taking turns; both on loopback."""
+    training = Training()
+    folder = Path(tempfile.mkdtemp(prefix="taas-bench-training-"))
+    script = folder / "train.py"
+    script.write_text(SETUP + LOOP)
+    kernel = Kernel()
+    try:
+        kernel.check_module("taas_magic")
+        kernel.run("%load_ext taas_magic")
+        kernel.run(f"#pragma taas --gpus {TRAIN_RANKS} --keep --start fork --return none\n{SETUP}", timeout=300)
+        threads = kernel.run("#pragma taas --return none\nprint(torch.get_num_threads())").stdout.split()[-1]
+
+        def in_session() -> float:
+            return _rate(kernel.run(f"#pragma taas --return none\n{LOOP}", timeout=300).stdout, training)
+
+        def by_torchrun() -> float:
+            return _rate(_torchrun(script, threads), training)
+
+        for round_number in range(rounds):
+            progress(f"training round {round_number + 1} of {rounds}")
+            if round_number % 2:  # each goes first every other round: neither always follows the other's end
+                training.torchrun.append(by_torchrun())
+                training.session.append(in_session())
+            else:
+                training.session.append(in_session())
+                training.torchrun.append(by_torchrun())
+    finally:
+        kernel.run("%taas stop")
+        left = kernel.shutdown()
+        if left:
+            print(f"training: left behind and killed: {left}", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+    return training
+
+
+def _torchrun(script: Path, threads: str) -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(TRAIN_RANKS)]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(script)]
+    env = {**os.environ, **BENCH_ENV, "OMP_NUM_THREADS": threads}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise BenchError(f"torchrun failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def _rate(said: str, training: Training) -> float:
+    found = re.search(r"steps/s ([0-9.]+) threads (\d+)", said)
+    if found is None:
+        raise BenchError(f"no steps/s in:\n{said}")
+    training.threads.add(found[2])
+    return float(found[1])
 
 
 def _plot(runners: list[Contender], path: Path) -> None:
@@ -239,8 +363,10 @@ def main(argv: list[str] | None = None) -> None:
         argv,
     )
     rounds = 20 if args.quick else 100
-    runners = measure(rounds, Progress())
-    report(runners, args.results, args.plot, rounds)
+    progress = Progress()
+    runners = measure(rounds, progress)
+    training = measure_training(3 if args.quick else 9, progress)
+    report(runners, args.results, args.plot, rounds, training)
 
 
 if __name__ == "__main__":
