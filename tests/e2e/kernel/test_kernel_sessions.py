@@ -376,6 +376,27 @@ def test_a_rank_that_dies_is_replaced_by_a_new_process_and_the_session_goes_on(k
     assert gone(pids(again).values(), 5)  # and the fixture checks that nothing else is left
 
 
+def test_a_rank_killed_between_cells_is_replaced_as_the_next_cell_begins(kernel):
+    """Nothing runs when it dies (the out-of-memory killer picked it, someone typed kill -9): the next line of taas
+    says so, and the next cell first puts a new process in its place, given the others' names."""
+    first = kernel.execute(START.format(start="fork").replace("--gpus 2", "--gpus 3") + "shared = [1, 2]\n").ok()
+    try:
+        psutil.Process(pids(first)[2]).kill()
+        assert gone([pids(first)[2]], 5)
+        shown = kernel.execute("%taas").ok()
+        assert "taas: rank 2 killed by signal SIGKILL between cells: a new process takes its place" in shown.stderr
+        assert "session:             up: 3 ranks on cpu" in shown.stdout, shown.stdout
+        r = kernel.execute(
+            "#pragma taas\nprint('pid', os.getpid(), flush=True)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+            "print('sum', t.item(), shared, flush=True)"
+        ).ok()
+        assert "[rank 2] taas: rank 2 is a new process in place of the one that died" in r.stderr, r.stderr
+        assert r.each_rank().count("sum 3.0 [1, 2]") == 3, r.each_rank()
+        assert pids(r)[2] != pids(first)[2] and (pids(r)[0], pids(r)[1]) == (pids(first)[0], pids(first)[1])
+    finally:
+        stop(kernel)
+
+
 DYING = """#pragma taas
 import signal
 print("training", flush=True)

@@ -7,6 +7,7 @@ its ranks, its count of cells, the ranks to debug next and its group's end."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 from collections.abc import Callable, Iterable
 
@@ -135,10 +136,14 @@ def test_a_rank_that_dies_in_a_cell_is_replaced_and_every_rank_reconnects_the_gr
         lambda g, ranks: dying if len(g.cells) == 1 else [Report(r, CellEnded(2.0)) for r in ranks]
     )
     session = session_of(group)
+    shown: list[dict[str, str]] = []
+    front = CellFrontEnd(lambda stream, text: None, read_line=input, status=lambda view, over: shown.append(view))
     with pytest.raises(RankFailed) as caught:
-        run(session)
+        session.run(SessionCell.post_mortem(), None, [0, 1], session.spec, front)
     assert str(caught.value) == "rank 1 failed: killed by signal SIGKILL"
     assert caught.value.lines[-1] == "taas: the session goes on, a new process in place of rank 1"
+    summary = shown[-1]["text/plain"]
+    assert re.search(r"rank 1 +replaced", summary) and re.search(r"rank 0 +done", summary), summary
     reconnect = group.sent[-1]
     assert (reconnect.regroup, reconnect.newcomers, group.cells[-1]) == (True, (1,), [0, 1]), "every rank, rank 1 new"
     assert not session.ended and not group.closed and session.failed == [], "a death leaves no error to debug"
@@ -160,15 +165,36 @@ def test_a_rank_that_dies_where_it_cannot_be_replaced_ends_the_session_and_close
     assert group.cells == [[0, 1]]
 
 
-def test_between_cells_what_a_rank_prints_shows_and_its_death_ends_the_session(capsys):
+def test_between_cells_what_a_rank_prints_shows_and_its_death_where_it_cannot_be_replaced_ends_the_session(capsys):
     group = ScriptedSessionGroup(each_rank_says("unused"))
     session = session_of(group)
+    session.spec = dataclasses.replace(session.spec, device="cuda")  # NCCL: no rank is replaced
     group.waiting = [Output(1, "stdout", b"late line\n"), Exited(1, 3)]
     assert session.check() == "rank 1 exited with code 3 between cells"
     assert "[rank 1] late line" in capsys.readouterr().out
     assert group.closed and session.describe() == "ended: rank 1 exited with code 3 between cells"
     session.stop()  # stopping an ended session changes nothing
     assert session.ended == "rank 1 exited with code 3 between cells"
+
+
+def test_a_rank_that_dies_between_cells_is_replaced_as_the_next_cell_begins(capsys):
+    group = ScriptedSessionGroup(lambda g, ranks: [Report(rank, CellEnded(1.0)) for rank in ranks], world_size=3)
+    session = session_of(group)
+    session.failed = [1]
+    group.waiting = [Exited(1, -signal.SIGKILL)]
+    assert session.check() == "" and not group.closed
+    assert capsys.readouterr().err == (
+        "taas: rank 1 killed by signal SIGKILL between cells: a new process takes its place as the next taas cell "
+        "begins\n"
+    )
+    assert session.failed == [], "its error went with it"
+    run(session, [0, 2])
+    reconnect, cell = group.sent
+    assert (reconnect.regroup, reconnect.newcomers, group.cells[0]) == (True, (1,), [0, 1, 2]), "every rank heals it"
+    assert cell == SessionCell.post_mortem() and group.cells[1] == [0, 2] and not session.dead
+    group.waiting = [Exited(rank, -signal.SIGKILL) for rank in range(3)]
+    assert session.check() == "every rank died between cells (rank 2 killed by signal SIGKILL between cells)"
+    assert group.closed
 
 
 def test_stop_ends_the_session_once_and_closes_its_group():

@@ -218,7 +218,7 @@ class Pump:
         try:
             result = self.state.result()
             broken, failed = {f.rank: "stopped" for f in result.broken}, {f.rank: "failed" for f in result.failures}
-            self.view.settle({**broken, **failed})
+            self.view.settle({**broken, **failed, **self._replaced(result)})
             outcome = Outcome.LOST if lost else result.seen_as
             self.front.status(self.view.summary(outcome.value, time.monotonic() - self.state.started), True)
             shown = self.view.picture() if self.front.picture is not None else None
@@ -226,6 +226,14 @@ class Pump:
                 self.front.picture(shown)
         except Exception:
             pass  # the cell's error says how the run ended; the view's last drawing stays
+
+    def _replaced(self, result: RunResult) -> dict[Key, str]:
+        """The rows of a session's ranks that died and that a new process replaces (``RunState.heals``), unless
+        every rank died: nobody is left to heal them from."""
+        died = [key for key, code in result.exits.items() if isinstance(key, int) and code != 0]
+        if not self.state.heals or len(died) >= self.state.world:
+            return {}
+        return dict.fromkeys(died, "replaced")
 
     def _step(self) -> None:
         self._count_debugger_time()

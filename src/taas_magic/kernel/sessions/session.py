@@ -77,6 +77,7 @@ class Session:
     served: dict[str, "weakref.ref[Any]"] = field(default_factory=dict)  # notebook name -> loader its producers serve
     loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
     labels: dict[Key, str] = field(default_factory=dict)  # the producers' names: "producer 0 of train_loader"
+    dead: set[int] = field(default_factory=set)  # ranks that died between cells: replaced as the next cell begins
 
     @property
     def size(self) -> int:
@@ -205,6 +206,7 @@ class Session:
         notebook_cell: bool = True,
     ) -> RunResult:
         """A cell of the notebook's in ``ranks``: the ranks it fails in are the ones to debug next."""
+        self.replace_the_dead(front)
         if notebook_cell:
             self.cells += 1
             self.failed = []
@@ -274,6 +276,7 @@ class Session:
                 f"%taas resize {world}: {refusal}: %taas stop, then start a session of {world} with --keep"
             )
         resized_spec = resized(self.spec, world)
+        self.replace_the_dead(front)
         old, started = self.size, time.monotonic()
         if world == old:
             return f"taas: the session has {count(old, 'rank')} already"
@@ -365,6 +368,8 @@ class Session:
                     out.feed(event.rank, event.stream, event.data)
                 elif isinstance(event, Exited) and isinstance(event.rank, Producer) and event.returncode == 0:
                     pass  # its share of a stream cut by --units is built and sent
+                elif isinstance(event, Exited) and isinstance(event.rank, int) and self.heals():
+                    self._died_between_cells(event)
                 elif isinstance(event, Exited):
                     who = self.labels.get(event.rank, f"rank {event.rank}")
                     self._end(render.exited_between_cells(who, event.returncode))
@@ -373,6 +378,27 @@ class Session:
         finally:
             out.finish()
         return self.ended
+
+    def _died_between_cells(self, death: Exited) -> None:
+        """A rank that died while no cell ran (killed, out of memory) is replaced as the next cell begins
+        (``replace_the_dead``); the session ends only when no rank is left to heal it from."""
+        assert isinstance(death.rank, int)
+        self.dead.add(death.rank)
+        self.failed = [rank for rank in self.failed if rank != death.rank]  # its error went with it
+        how = render.exited_between_cells(f"rank {death.rank}", death.returncode)
+        if len(self.dead) == self.size:
+            self._end(f"every rank died between cells ({how})")
+            return
+        streams.write_to_cell("stderr", f"taas: {how}: a new process takes its place as the next taas cell begins\n")
+
+    def replace_the_dead(self, front: CellFrontEnd) -> None:
+        """Before a cell: a new process in place of each rank that died between cells, given what the others
+        hold alike."""
+        if self.dead and not self.ended:
+            died, self.dead = tuple(sorted(self.dead)), set()
+            self._regroup(front, died)
+            if self.ended:
+                raise render.session_over(self.ended)
 
     def stop(self, why: str = "stopped with %taas stop") -> None:
         self._end(why)

@@ -32,13 +32,14 @@ from taas_magic.per_rank import span
 from taas_magic.wire.events import Key
 from taas_magic.wire.records import CellEnded, DeliveryProgress, Failed, RankActivity, RankProgress, RankVitals, Record
 
-STATES = ("starting", "running", "done", "failed", "stopped")
+STATES = ("starting", "running", "done", "failed", "stopped", "replaced")  # replaced: it died, a new one took over
 _COLOURS = {
     "starting": "#888",
     "running": "#1f6feb",
     "done": "#1a7f37",
     "failed": "#cf222e",
     "stopped": "#bc4c00",
+    "replaced": "#9a6700",
     "paused": "#8250df",
 }
 _BAR_RATE = re.compile(r"([0-9.]+)\s*([A-Za-z]*)/s\b")
