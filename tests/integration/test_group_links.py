@@ -1,11 +1,12 @@
-"""A session rank's process-group connections (``rank/group_links.py``), with three real DDP ranks on gloo: the rank
+"""A session rank's process-group connections (``rank/group_links.py``), with real DDP ranks on gloo: the rank
 that fails cuts them and its peers leave their collective at once; every rank connects the same group anew, and the
-same DDP models train on together."""
+same DDP models train on together. A rank held in a collective when interrupted cuts its own (``rank/release.py``)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from taas_magic.rank import run_store
 from taas_magic.rank.group_links import GroupLinks
+from taas_magic.rank.release import GRACE_SECONDS, Release
 
 WORLD = 3
 
@@ -103,3 +105,70 @@ def test_a_failing_rank_releases_its_peers_at_once_and_the_group_trains_on(faili
                 process.kill()
                 process.join(10)
         del store
+
+
+def _held(rank: int, port: int, conn, in_collective: bool) -> None:
+    """Rank 0 waits in a barrier that rank 1 never joins (or sleeps in Python), armed for its interrupt."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    links = GroupLinks()
+    links.install()
+    release = Release(links)
+    release.install()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank, world_size=2)
+    if rank == 0:
+        with release.armed():
+            conn.send("waiting")
+            try:
+                if in_collective:
+                    dist.barrier()
+                else:
+                    time.sleep(60)
+            except KeyboardInterrupt:
+                conn.send(time.monotonic())
+        time.sleep(GRACE_SECONDS + 0.5)  # a cut would come by now
+    assert conn.recv() == "together"
+    total = torch.ones(1)
+    try:
+        dist.all_reduce(total)
+        conn.send(float(total))
+    except RuntimeError as e:
+        conn.send(str(e)[:100])
+    links.uninstall()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_collective", [True, False], ids=["in a barrier", "in Python"])
+def test_an_interrupted_rank_held_in_a_collective_is_released_by_its_own_thread_and_only_then(in_collective):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("fork")
+    pipes = [context.Pipe() for _ in range(2)]
+    processes = [
+        context.Process(target=_held, args=(rank, store.port, pipes[rank][1], in_collective)) for rank in (0, 1)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        ours = [conn for conn, _ in pipes]
+        assert ours[0].poll(30) and ours[0].recv() == "waiting"
+        time.sleep(0.3)  # into the barrier
+        interrupted = time.monotonic()
+        os.kill(processes[0].pid, signal.SIGINT)
+        assert ours[0].poll(10), "rank 0 stayed in its barrier"
+        left = ours[0].recv() - interrupted
+        if in_collective:
+            assert GRACE_SECONDS <= left < GRACE_SECONDS + 3, left
+        else:
+            assert left < GRACE_SECONDS, left  # the interrupt came at once: nothing was cut
+        for conn in ours:
+            conn.send("together")
+        after = [conn.recv() if conn.poll(30) else "no answer" for conn in ours]
+        if in_collective:  # its connections are cut: the next collective fails (a session reconnects it first)
+            assert all(isinstance(said, str) for said in after), after
+        else:
+            assert after == [2.0, 2.0], after
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()

@@ -24,6 +24,7 @@ from taas_magic.process.tracebacks import register_sources
 from taas_magic.rank import debugger, healing
 from taas_magic.rank.cell import failed_outside_code, run_cell
 from taas_magic.rank.group_links import GroupLinks
+from taas_magic.rank.release import Release
 from taas_magic.rank.reloading import RankReloads
 from taas_magic.rank.stopping import StepStops
 from taas_magic.wire import memfile, records, results, shipping
@@ -52,8 +53,10 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     steps, links = StepStops(), GroupLinks()
+    release = Release(links)
     steps.install()
     links.install()
+    release.install()
     while True:
         if cell is None:
             pass  # a newcomer, before its first cell
@@ -63,7 +66,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the debugger's own quit ends it
             send_end(control, _debug(last_error, control), None)
         else:
-            with steps.running(cell.number):
+            with steps.running(cell.number), release.armed():
                 status, record, names, error = _run(cell.order, namespace, shell, task, served, interrupted)
             record = _leaving(record, steps, links)
             last_error = error if error is not None else last_error
