@@ -127,7 +127,13 @@ def _failure(
     )
     if peer_lost and report_early is not None:
         report_early(dataclasses.replace(record, traceback=_plain_traceback(error)))
-    record = dataclasses.replace(record, traceback=format_traceback(error, shell))
+    if task.keep and (interrupted or peer_lost):
+        # A session's rank taas interrupted, or one released as a peer left: nobody reads its traceback (the cell
+        # shows where it was), and the kernel gives it 5 s to leave the cell, which IPython's formatting of the
+        # collective it left (torch's distributed_c10d.py) can take on a busy machine.
+        record = dataclasses.replace(record, traceback=_plain_traceback(error))
+    else:
+        record = dataclasses.replace(record, traceback=format_traceback(error, shell))
     return (EXIT_INTERRUPTED if interrupted else EXIT_FAILED), record
 
 

@@ -536,7 +536,9 @@ def test_a_failure_at_once_still_shows_the_collective_a_rank_waited_in(kernel):
     # No rank has sampled its activity yet: the stack says which collective a rank is in, and the position read
     # with it, for a rank still waiting when taas asked, its number and tensors.
     waiting = [p for p in found if p.at == (7, "<module>", "dist.all_reduce(torch.ones(1))")]
-    said = {re.sub(r"^ranks? [\d,-]+ | #1 \(4 B float32\)", "", part) for p in waiting for part in p.doing.split("; ")}
+    # Whether a rank's place came with its number and how long it waited depends on when it was asked.
+    noted = r"^ranks? [\d,-]+ | #1 \(4 B float32\)| for N s"
+    said = {re.sub(noted, "", part) for p in waiting for part in p.doing.split("; ")}
     assert waiting and said == {"in all_reduce"}, found
 
 
