@@ -52,7 +52,9 @@ class ClusterLink:
         """The backend for one run of ``spec`` on the cluster: its nodes, and those for its producers."""
         assert spec.configuration is not None, "the spec refuses a cluster run without one"
         producer_node = catalog.get(PRODUCER_NODE) if PRODUCER_NODE in catalog.names() else None
-        return ClusterBackend(self.connected(), spec.configuration, spec.nodes, _to_stderr, producer_node)
+        return ClusterBackend(
+            self.connected(), spec.configuration, spec.nodes, _to_stderr, producer_node, keep=spec.keep
+        )
 
     def command(self, words: list[str], kept: Kept) -> None:
         """`%taas cluster [ADDRESS | off | release]`: connect, show the nodes, go back to this machine."""

@@ -143,7 +143,7 @@ def _regroup(
     """The kernel's word after a cell that a rank left its group in, or died in, or as the session is resized:
     connect the group anew with every peer, the newcomers joining it, and give them what the others hold alike."""
     if cell.world is not None:
-        os.environ.update(world_variables(cell.world))  # a newcomer was started with them
+        os.environ.update(world_variables(cell.world, cell.nodes))  # a newcomer was started with them
     try:
         links.regroup(cell.number, cell.newcomers)
         if cell.newcomers and links.grouped():

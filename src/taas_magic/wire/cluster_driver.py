@@ -90,6 +90,7 @@ class StartOnNodes:
     loaders: tuple[LoaderPlan, ...]
     profile: str | None
     versions: tuple[str, str, str]
+    keep: bool = False  # a session: it goes on without a lost node (but node 0)
 
 
 # -- kernel → driver: one run (the RankGroup contract) ----------------------------------------------

@@ -70,6 +70,11 @@ class ResultInFile:
     fd: int = -1  # in the supervisor: the file, until the message that carries it is sent
 
 
+# An exit status no process has: a cluster session's rank whose node was lost (its driver says so), the session
+# going on without that node's ranks.
+NODE_LOST = 1 << 16
+
+
 @dataclass(frozen=True)
 class Exited:
     """A rank or producer is gone; its output and reports have all been delivered before this event."""

@@ -54,7 +54,8 @@ class SessionCell:
     number: int = 0  # the session's count of cells sent so far: it names the cell to its ranks (``rank/stopping.py``)
     regroup: bool = False  # connect the process group anew first: a rank left it as the last cell failed
     newcomers: tuple[int, ...] = ()  # new ranks (in place of dead ones, or added): they join the group, are healed
-    world: int | None = None  # `%taas resize`: the session's new number of ranks (those from it on end first)
+    world: int | None = None  # `%taas resize`, a lost node: the session's new number of ranks (those from it on end)
+    nodes: int = 1  # the nodes the session's ranks are on, with ``world``
 
     @classmethod
     def post_mortem(cls) -> "SessionCell":
@@ -68,21 +69,24 @@ class SessionCell:
         return cls(CellOrder(None), number=number, regroup=True, newcomers=newcomers)
 
     @classmethod
-    def resize(cls, number: int, world: int, size: int) -> "SessionCell":
-        """``%taas resize``: a session of ``size`` ranks becomes one of ``world``: the supervisor ends ranks
-        ``world`` and up, or starts the new ones; every rank then connects the process group anew, as ``world``
-        ranks, and the new ones are given what the others hold alike."""
-        return cls(CellOrder(None), number=number, regroup=True, newcomers=tuple(range(size, world)), world=world)
+    def resize(cls, number: int, world: int, size: int, nodes: int = 1) -> "SessionCell":
+        """``%taas resize``: a session of ``size`` ranks becomes one of ``world`` (on ``nodes`` nodes): the
+        supervisor ends ranks ``world`` and up, or starts the new ones; every rank then connects the process group
+        anew, as ``world`` ranks, and the new ones are given what the others hold alike. A cluster session that
+        lost its last nodes goes on the same way, with the ranks of the nodes it has."""
+        newcomers = tuple(range(size, world))
+        return cls(CellOrder(None), number=number, regroup=True, newcomers=newcomers, world=world, nodes=nodes)
 
     def leaves(self, rank: object) -> bool:
         """Whether ``rank`` (a rank's number, or a producer) ends with this cell: a resize's to fewer ranks."""
         return self.world is not None and isinstance(rank, int) and rank >= self.world
 
 
-def world_variables(world: int) -> dict[str, str]:
-    """The variables of a rank's environment that say how many ranks a session on one machine has: what a
-    resize to ``world`` ranks changes in every rank."""
-    return {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world)}
+def world_variables(world: int, nodes: int = 1) -> dict[str, str]:
+    """The variables of a rank's environment that say how many ranks a session has, on how many nodes (as many
+    on each): what a resize to ``world`` ranks, or the loss of a node, changes in every rank."""
+    sizes = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // nodes), "ROLE_WORLD_SIZE": str(world)}
+    return sizes | {"GROUP_WORLD_SIZE": str(nodes)}
 
 
 @dataclass(frozen=True)

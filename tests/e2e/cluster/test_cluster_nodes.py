@@ -242,17 +242,20 @@ taas.register(slow)
 def test_a_node_lost_mid_session_or_idle_leaves_nothing_of_taas_there_and_the_session_says_so_at_once(
     cluster, cluster_kernel
 ):
-    """Raylets killed by pid, as the out-of-memory killer does: first one under a session's ranks between cells
-    (``%taas`` tells the session ended, naming the node, at once), then the other, whose agent and fork server
-    had nothing to do. Each time nothing of taas stays on the node. Two nodes are added back for what follows."""
+    """Raylets killed by pid, as the out-of-memory killer does: first the one under a session's ranks 0-1 between
+    cells, which serves the run's store (``%taas`` tells the session ended, naming the node, at once), then the
+    other, whose agent and fork server had nothing to do. Each time nothing of taas stays on the node. Two nodes
+    are added back for what follows."""
     local, _ = cluster
     cluster_kernel.execute("%taas cluster release").ok()
-    cluster_kernel.execute(SESSION, timeout=240).ok()
+    started = cluster_kernel.execute(SESSION + "print('store on', os.environ['MASTER_ADDR'], flush=True)", timeout=240)
+    node_0 = re.search(r"store on (\S+)", started.ok().stdout)[1]
     serving = {node: raylet for node, raylet in raylets(local.addresses[1:]).items() if taas_on(raylet)}
     killed: list[str] = []
     try:
-        assert len(serving) == 2, serving
-        (first, _), (second, raylet) = sorted(serving.items())
+        assert len(serving) == 2 and node_0 in serving, (serving, node_0)
+        second, raylet = node_0, serving[node_0]
+        (first,) = set(serving) - {node_0}
         there = taas_on(raylet)
         assert len(there) >= 5, there  # the agent, its fork server, the session's supervisor, two ranks
         raylet.kill()
@@ -276,6 +279,68 @@ def test_a_node_lost_mid_session_or_idle_leaves_nothing_of_taas_there_and_the_se
             local.remove_node(node)  # the rest of the node's Ray, as the machine's end would take it
             local.add_node("t.2", cpus=2)
     cluster_kernel.execute(HEADER + "print('on new nodes')", timeout=240).ok()
+    assert not leftovers(cluster_kernel)
+
+
+DDP = """model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 32))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+print('store on', os.environ['MASTER_ADDR'], flush=True)
+"""
+TRAIN = """#pragma taas
+print("training", flush=True)
+while True:
+    model(torch.randn(16, 32)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+REPLICAS = """#pragma taas
+total = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
+every = [torch.zeros_like(total) for _ in range(dist.get_world_size())]
+dist.all_gather(every, total)
+print("replicas", len({float(t) for t in every}), "world", dist.get_world_size(), os.environ["WORLD_SIZE"], flush=True)
+"""
+
+
+def test_a_node_lost_mid_session_the_session_goes_on_with_the_other_nodes_ranks(cluster, cluster_kernel):
+    """A 2-node session trains a DDP model; the node of ranks 2-3 is lost (its raylet killed by pid) mid-training:
+    the cell fails naming it, and the session goes on with ranks 0-1, the same DDP model training on, its
+    replicas equal. Nothing of taas stays on the lost node; a node is added back for what follows."""
+    local, _ = cluster
+    cluster_kernel.execute("%taas cluster release").ok()
+    started = cluster_kernel.execute(SESSION + "import torch\n" + DDP, timeout=240).ok()
+    node_0 = re.search(r"store on (\S+)", started.stdout)[1]
+    serving = {node: raylet for node, raylet in raylets(local.addresses[1:]).items() if taas_on(raylet)}
+    (node_1,) = set(serving) - {node_0}
+    there = taas_on(serving[node_1])
+    lost = False
+    try:
+        msg_id = cluster_kernel.client.execute(TRAIN)
+        assert first_match(cluster_kernel, msg_id, "training") is not None
+        time.sleep(1.0)
+        killed = time.monotonic()
+        serving[node_1].kill()
+        lost = True
+        error, seconds = error_of(cluster_kernel, msg_id, since=killed)
+        assert error is not None and error["evalue"] == "rank 2 failed: lost with its node", error
+        said = "\n".join(error["traceback"])
+        assert "the session goes on without ranks 2-3, lost with their node" in said, said
+        assert seconds < 30, seconds
+        _, left = psutil.wait_procs(there, timeout=15)
+        assert not [p for p in left if alive(p)], left
+        replicas = cluster_kernel.execute(REPLICAS, timeout=120).ok()
+        assert replicas.each_rank().count("replicas 1 world 2 2") == 2, replicas.each_rank()
+        shown = cluster_kernel.execute("%taas").ok().stdout
+        assert "session:             up: 2 ranks on cpu" in shown, shown
+        trained = cluster_kernel.execute(TRAIN, interrupt_after=1.0, counted_from="training", timeout=120)
+        assert "ranks 0-1 stopped after optimizer step" in trained.traceback, trained.traceback
+        replicas = cluster_kernel.execute(REPLICAS, timeout=120).ok()
+        assert replicas.each_rank().count("replicas 1 world 2 2") == 2, replicas.each_rank()
+    finally:
+        cluster_kernel.execute("%taas stop", timeout=60).ok()
+        if lost:
+            local.remove_node(node_1)  # the rest of the node's Ray, as the machine's end would take it
+            local.add_node("t.2", cpus=2)
+    cluster_kernel.execute(HEADER + "print('on a new node')", timeout=240).ok()
     assert not leftovers(cluster_kernel)
 
 

@@ -1,4 +1,5 @@
-"""`%taas resize N` in the kernel, driven by a scripted group of kept ranks: the one cell every rank is sent,
+"""`%taas resize N`, and a cluster session's lost node, in the kernel, driven by a scripted group of kept ranks: the one
+cell every rank is sent,
 the session's new size, and the one-line refusals before anything changes."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import weakref
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -14,12 +16,12 @@ from support.specs import cpu_spec
 from test_session import ScriptedSessionGroup, session_of
 
 from taas_magic.configurations import Configuration
-from taas_magic.errors import SessionEnded, TaasUsageError
+from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
 from taas_magic.kernel.header import spec as launch_spec
 from taas_magic.kernel.sessions.kept import Kept
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.view.front_end import CellFrontEnd
-from taas_magic.wire.events import Event, Exited, Report
+from taas_magic.wire.events import NODE_LOST, Event, Exited, Report
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.records import CellEnded
 
@@ -165,3 +167,55 @@ def test_the_cell_names_who_leaves_and_who_joins():
     grown = SessionCell.resize(8, world=4, size=2)
     assert grown.newcomers == (2, 3) and not any(grown.leaves(key) for key in range(4))
     assert not SessionCell.reconnect(9, (1,)).leaves(1), "a heal keeps every rank"
+
+
+def cluster_session(group: ScriptedSessionGroup, nodes: int) -> Session:
+    size = len(group.alive)
+    spec = dataclasses.replace(cpu_spec(size), nodes=nodes, ranks_per_node=size // nodes, on_cluster=True)
+    return Session(group, spec, "cluster", known={}, sources_sent=set())
+
+
+def losing(*lost: int) -> Callable[[ScriptedSessionGroup, list[int]], list[Event]]:
+    """The first cell: ``lost`` ranks go with their node, the others end it; every later cell ends at once."""
+
+    def script(group: ScriptedSessionGroup, ranks: list[int]) -> list[Event]:
+        if len(group.cells) > 1:
+            return every_rank_ends(group, ranks)
+        return [Exited(rank, NODE_LOST) if rank in lost else Report(rank, CellEnded(1.0)) for rank in ranks]
+
+    return script
+
+
+def test_a_cluster_session_that_loses_its_last_node_goes_on_with_the_other_nodes_ranks():
+    group = ScriptedSessionGroup(losing(2, 3), world_size=4)
+    session = cluster_session(group, nodes=2)
+    with pytest.raises(RankFailed) as caught:
+        session.run(SessionCell.post_mortem(), None, [0, 1, 2, 3], session.spec, CellFrontEnd(lambda s, t: None))
+    assert str(caught.value) == "rank 2 failed: lost with its node"
+    assert caught.value.lines[-1] == "taas: the session goes on without ranks 2-3, lost with their node"
+    cell = group.sent[-1]
+    assert (cell.regroup, cell.world, cell.nodes, cell.newcomers, group.cells[-1]) == (True, 2, 1, (), [0, 1])
+    assert (session.size, session.spec.nodes, session.spec.ranks_per_node) == (2, 1, 2)
+    assert not session.ended and not group.closed
+
+
+def test_a_cluster_session_that_loses_a_node_whose_ranks_are_not_the_last_ends():
+    group = ScriptedSessionGroup(losing(2, 3), world_size=6)
+    session = cluster_session(group, nodes=3)
+    with pytest.raises(SessionEnded, match="ranks 2-3 were lost with their node, and a session goes on only without"):
+        session.run(SessionCell.post_mortem(), None, list(range(6)), session.spec, CellFrontEnd(lambda s, t: None))
+    assert session.ended and group.closed
+
+
+def test_a_cluster_session_whose_last_node_is_lost_between_cells_goes_on_without_it_at_the_next_cell(capsys):
+    group = ScriptedSessionGroup(every_rank_ends, world_size=4)
+    session = cluster_session(group, nodes=2)
+    group.waiting = [Exited(2, NODE_LOST), Exited(3, NODE_LOST)]
+    assert session.check() == ""
+    assert "taas: rank 3 lost with its node between cells: it goes on without it as the next taas cell" in (
+        capsys.readouterr().err
+    )
+    session.run(SessionCell.post_mortem(), None, [0, 1], session.spec, CellFrontEnd(lambda s, t: None))
+    resized, cell = group.sent
+    assert (resized.world, resized.nodes, group.cells) == (2, 1, [[0, 1], [0, 1]])
+    assert session.size == 2

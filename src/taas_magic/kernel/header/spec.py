@@ -141,11 +141,20 @@ def resized(spec: LaunchSpec, world: int) -> LaunchSpec:
     if not 1 <= world <= high:
         of = f" (its configuration {configuration.name} has {per_node} per node)" if configuration and per_node else ""
         raise TaasUsageError(f"%taas resize {world}: the session can have 1 to {high} ranks{of}")
+    return _with_ranks(spec, world, 1)
+
+
+def without_last_nodes(spec: LaunchSpec, world: int) -> LaunchSpec:
+    """A cluster session's ``spec`` once it lost its last nodes: ``world`` ranks, as many on each node as before."""
+    return _with_ranks(spec, world, world // spec.ranks_per_node)
+
+
+def _with_ranks(spec: LaunchSpec, world: int, nodes: int) -> LaunchSpec:
     return dataclasses.replace(
         spec,
         world_size=world,
-        nodes=1,
-        ranks_per_node=world,
+        nodes=nodes,
+        ranks_per_node=world // nodes,
         return_from=tuple(rank for rank in spec.return_from if rank < world) or (0,),
         debug_ranks=None if spec.debug_ranks is None else tuple(rank for rank in spec.debug_ranks if rank < world),
     )

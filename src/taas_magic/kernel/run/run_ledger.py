@@ -61,10 +61,10 @@ class Ledger:
         stopped: Collection[Key],
         quit: Collection[Key],
     ) -> list[Failure]:
-        """The failures among the processes that ``ended`` (exit status, when), earliest first: a reported
-        error, or an exit status of its own. Not failures: ``left_out`` (producers retired once the ranks
-        were done), a rank that taas interrupted (``stopped``) or whose debugger the user quit (``quit``), and
-        a death by taas's own signal."""
+        """The failures among the processes that ``ended`` (exit status, when), earliest first, those that say a
+        peer went away after the others: a reported error, or an exit status of its own. Not failures:
+        ``left_out`` (producers retired once the ranks were done), a rank that taas interrupted (``stopped``) or
+        whose debugger the user quit (``quit``), and a death by taas's own signal."""
         failures = []
         for key, (code, when) in sorted(ended.items(), key=lambda item: key_order(item[0])):
             record = self.records.get(key)
@@ -87,7 +87,9 @@ class Ledger:
                 )
             elif code != 0 and (key not in stopped or key in self.own_deaths):
                 failures.append(Failure(key, when - SEEN_LATE, self.tails.get(key, ()), code=code))
-        return sorted(failures, key=lambda failure: failure.time)
+        # A failure that says a peer went away is a consequence: another, even one seen later (a node's loss, told
+        # by Ray seconds after its ranks' peers lost their connections), is the cause.
+        return sorted(failures, key=lambda failure: (failure.peer_lost, failure.time))
 
     def how_left(self, key: Key, running: Collection[Key], stopped: Collection[Key]) -> str:
         """How a process that is not at work now left its work, as the stacks' listing says it."""

@@ -53,7 +53,7 @@ from taas_magic.kernel.run.run_result import (
     quit_debugger,
 )
 from taas_magic.kernel.run.run_stop import Stop, StopCause
-from taas_magic.wire.events import Key, Producer, key_order
+from taas_magic.wire.events import NODE_LOST, Key, Producer, key_order
 from taas_magic.wire.records import (
     CellEnded,
     Failed,
@@ -188,7 +188,7 @@ class RunState:
             self.ledger.exits[key] = (code, now)
             self.ledger.tails[key] = tuple(tail)
             return self._end_session(SessionEnd(EndCause.PRODUCER_DIED, (key,), code))
-        if self.heals and isinstance(key, int) and code != 0 and not self.ledger.exiting():
+        if (self.heals or code == NODE_LOST) and isinstance(key, int) and code != 0 and not self.ledger.exiting():
             return self._died(key, code, now, tail)
         return self._end_session(SessionEnd(EndCause.RANK_EXITED, (key,), code, tuple(tail) if code else ()))
 

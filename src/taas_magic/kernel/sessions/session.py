@@ -37,7 +37,7 @@ from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import SessionEnded, TaasRunError, TaasUsageError
 from taas_magic.kernel.diagnosis import hang, stacks
 from taas_magic.kernel.header.option_values import count
-from taas_magic.kernel.header.spec import LaunchSpec, resized
+from taas_magic.kernel.header.spec import LaunchSpec, resized, without_last_nodes
 from taas_magic.kernel.run.run_result import SESSION, RunResult
 from taas_magic.kernel.running.controller import LOST, STACK_SECONDS, Pump, watch
 from taas_magic.kernel.sessions import reloading
@@ -48,7 +48,7 @@ from taas_magic.launch.backend import Cell, SessionGroup
 from taas_magic.per_rank import span
 from taas_magic.process import cell_files, containment
 from taas_magic.wire import shipping
-from taas_magic.wire.events import Exited, Key, Output, Producer
+from taas_magic.wire.events import NODE_LOST, Exited, Key, Output, Producer
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.records import Failed, split_position
 from taas_magic.wire.task import CellOrder, LoaderPlan
@@ -222,7 +222,10 @@ class Session:
         if len(died) == self.size:  # no rank to heal them from
             self._end(f"every rank died ({render.summary(result.failures[0])})")
             raise render.session_over(self.ended)
-        if died or any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
+        lost = tuple(rank for rank in died if result.exits[rank] == NODE_LOST)
+        if lost:
+            self._go_on_without(front, lost)
+        elif died or any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
             self._regroup(front, died)
         for line in render.notices(result):
             front.write("stderr", line + "\n")
@@ -245,7 +248,7 @@ class Session:
         that cannot be connected again ends the session."""
         self.sent += 1
         cell = (
-            SessionCell.resize(self.sent, self.size, resized_from)
+            SessionCell.resize(self.sent, self.size, resized_from, self.spec.nodes)
             if resized_from
             else SessionCell.reconnect(self.sent, died)
         )
@@ -288,6 +291,20 @@ class Session:
         if world < old:
             return f"taas: the session has {count(world, 'rank')} now: {span(range(world, old))} ended {took}"
         return f"taas: the session has {count(world, 'rank')} now: {span(range(old, world))} joined {took}"
+
+    def _go_on_without(self, front: CellFrontEnd, lost: tuple[int, ...]) -> None:
+        """A cluster session's last node was lost (its ranks exited ``NODE_LOST``): it goes on with the ranks of the
+        nodes it has, as a resize to fewer ranks does. A lost node whose ranks are not the last ends it: the others
+        would need new numbers."""
+        world = self.size - len(lost)
+        if lost != tuple(range(world, self.size)):
+            self._end(f"{span(lost)} were lost with their node, and a session goes on only without its last nodes")
+            raise render.session_over(self.ended)
+        old = self.size
+        self.spec, self.failed = without_last_nodes(self.spec, world), [rank for rank in self.failed if rank < world]
+        self._regroup(front, resized_from=old)
+        if self.ended:
+            raise render.session_over(self.ended)
 
     def resize_refusal(self) -> str:
         """Why ``%taas resize`` cannot change this session, or ''."""
@@ -368,7 +385,7 @@ class Session:
                     out.feed(event.rank, event.stream, event.data)
                 elif isinstance(event, Exited) and isinstance(event.rank, Producer) and event.returncode == 0:
                     pass  # its share of a stream cut by --units is built and sent
-                elif isinstance(event, Exited) and isinstance(event.rank, int) and self.heals():
+                elif isinstance(event, Exited) and isinstance(event.rank, int) and self._outlives(event.returncode):
                     self._died_between_cells(event)
                 elif isinstance(event, Exited):
                     who = self.labels.get(event.rank, f"rank {event.rank}")
@@ -378,6 +395,10 @@ class Session:
         finally:
             out.finish()
         return self.ended
+
+    def _outlives(self, code: int) -> bool:
+        """Whether the session goes on after a rank's exit with ``code`` between cells."""
+        return self.heals() or code == NODE_LOST
 
     def _died_between_cells(self, death: Exited) -> None:
         """A rank that died while no cell ran (killed, out of memory) is replaced as the next cell begins
@@ -389,14 +410,18 @@ class Session:
         if len(self.dead) == self.size:
             self._end(f"every rank died between cells ({how})")
             return
-        streams.write_to_cell("stderr", f"taas: {how}: a new process takes its place as the next taas cell begins\n")
+        then = "it goes on without it" if death.returncode == NODE_LOST else "a new process takes its place"
+        streams.write_to_cell("stderr", f"taas: {how}: {then} as the next taas cell begins\n")
 
     def replace_the_dead(self, front: CellFrontEnd) -> None:
         """Before a cell: a new process in place of each rank that died between cells, given what the others
         hold alike."""
         if self.dead and not self.ended:
             died, self.dead = tuple(sorted(self.dead)), set()
-            self._regroup(front, died)
+            if self.start == "cluster":  # its ranks were lost with their node
+                self._go_on_without(front, died)
+            else:
+                self._regroup(front, died)
             if self.ended:
                 raise render.session_over(self.ended)
 

@@ -16,7 +16,7 @@ from taas_magic.kernel.diagnosis.hang import Hang, Process, cause, doing, where_
 from taas_magic.kernel.diagnosis.stacks import reporting_failure
 from taas_magic.kernel.run.run_result import EndCause, Failure, Notice, Outcome, RunResult, quit_debugger
 from taas_magic.per_rank import span
-from taas_magic.wire.events import Key, key_order
+from taas_magic.wire.events import NODE_LOST, Key, key_order
 from taas_magic.wire.records import CellEnded, DeliverySummary, Failed
 
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
@@ -32,12 +32,7 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
         message, lines = failure(result, result.policy.others_were, cell_names)
         if result.policy.keep:
             lines += steps_taken(result)
-            root = name(result, result.failures[0].rank)
-            lines.append(
-                f"taas: the session goes on, a new process in place of {root}"
-                if result.failures[0].raised is None  # it died
-                else f"taas: the session goes on (%taas debug opens the debugger in {root} at the error)"
-            )
+            lines.append(_goes_on(result))
         broken = sorted((f.rank, summary(f)) for f in result.broken if isinstance(f.rank, int))
         return RankFailed(message, lines, dict(broken))
     if result.outcome is Outcome.TIMED_OUT:
@@ -47,6 +42,17 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
             interrupted(result) + _where(result, cell_names, "where the ranks were when interrupted:")
         )
     return session_ended(result, cell_names)
+
+
+def _goes_on(result: RunResult) -> str:
+    """What a session whose cell failed does next, in a line."""
+    root = result.failures[0]
+    if root.raised is not None:
+        return f"taas: the session goes on (%taas debug opens the debugger in {name(result, root.rank)} at the error)"
+    lost = [failure_.rank for failure_ in result.failures if failure_.code == NODE_LOST]
+    if lost:
+        return f"taas: the session goes on without {span(lost)}, lost with their node"
+    return f"taas: the session goes on, a new process in place of {name(result, root.rank)}"
 
 
 def failure(result: RunResult, others_were: str, cell_names: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
@@ -380,11 +386,13 @@ def summary(failure_: Failure) -> str:
 
 def describe_exit(code: int) -> str:
     """How a process left during a cell."""
-    return exit_status(code) if code < 0 else f"{exit_status(code)} before the cell finished"
+    return exit_status(code) if code < 0 or code == NODE_LOST else f"{exit_status(code)} before the cell finished"
 
 
 def exit_status(code: int) -> str:
     """How a process left, whenever it did: "killed by signal SIGKILL", "exited with code 3"."""
+    if code == NODE_LOST:
+        return "lost with its node"
     if code < 0:
         try:
             signame = signal.Signals(-code).name

@@ -74,12 +74,14 @@ class ClusterBackend:
         nodes: int,
         notify: Callable[[str], object],
         producer_node: Configuration | None = None,
+        keep: bool = False,
     ):
         self.cluster = cluster
         self.configuration = configuration
         self.nodes = nodes
         self.notify = notify  # one line to the cell's stderr: files copied back
         self.producer_node = producer_node
+        self.keep = keep  # a session's ranks: they go on without a lost node
 
     def prepare(self, make_task: MakeTask, cell: Cell) -> ClusterPlan:
         """The run's payload in Ray's object store: the shipped names and tensors (registered loaders
@@ -114,6 +116,7 @@ class ClusterBackend:
             plan.loaders,
             plan.profile,
             agent.versions(),  # looked up here: a test makes the kernel claim others
+            self.keep,
         )
         group = ClusterRanks(self.cluster, launch.run_id, self.notify, plan.profile)
         try:

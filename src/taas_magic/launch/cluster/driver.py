@@ -83,7 +83,7 @@ class Driver:
                 return None
             case StartOnNodes(run_id=run_id, payload=payload):
                 shipped, folder = self.payloads[payload]
-                run = runs.start(self.connected(), message, shipped, folder)
+                run = runs.start(self.connected(), message, shipped, folder, self.notify)
                 self.runs[run_id] = run
                 return run.nodes()
             case Poll(run_id, timeout):

@@ -25,18 +25,25 @@ from taas_magic.launch.cluster.agent import RunFiles
 from taas_magic.launch.cluster.connection import Cluster, Placement, ray_module
 from taas_magic.launch.cluster.nodes import Node
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
+from taas_magic.per_rank import span
 from taas_magic.process import containment
 from taas_magic.wire.cluster_driver import StartOnNodes
-from taas_magic.wire.events import Event, Key, Report, key_order
+from taas_magic.wire.events import NODE_LOST, Event, Exited, Key, Report, key_order
 from taas_magic.wire.rank_control import SessionCell
 
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
 START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
 
 
-def start(cluster: Cluster, request: StartOnNodes, payload: object, folder: notebook_folder.Listing) -> "ClusterRanks":
+def start(
+    cluster: Cluster,
+    request: StartOnNodes,
+    payload: object,
+    folder: notebook_folder.Listing,
+    notify: Callable[[str], object] = lambda line: None,
+) -> "ClusterRanks":
     """The run ``request`` asks for, started on its nodes over ``payload`` (a reference in Ray's object store),
-    with the notebook's ``folder`` as it travelled."""
+    with the notebook's ``folder`` as it travelled; ``notify`` tells the notebook a line (a session's lost node)."""
     producers = sum(loader.producers for loader in request.loaders)
     placement = cluster.place(request.configuration, request.nodes, producers, request.producer_node)
     try:
@@ -57,7 +64,7 @@ def start(cluster: Cluster, request: StartOnNodes, payload: object, folder: note
         if request.loaders
         else None
     )
-    group = ClusterRanks(cluster, placement, agents, node_shares, request.profile, folder)
+    group = ClusterRanks(cluster, placement, agents, node_shares, request.profile, folder, request.keep, notify)
     try:
         group.start(request.run_id, per_node, payload)
     except BaseException:
@@ -88,6 +95,8 @@ class ClusterRanks:
         shares: list[NodeShare] | None = None,
         profile: str | None = None,
         folder: notebook_folder.Listing | None = None,
+        keep: bool = False,
+        notify: Callable[[str], object] = lambda line: None,
     ):
         self.cluster = cluster
         self.placement = placement
@@ -99,6 +108,10 @@ class ClusterRanks:
         self.closed: RunFiles | None = None
         self.folder = folder  # the notebook's folder as it travelled with the run
         self.told = ""  # the folder's fingerprint when a session's cell last said it changed
+        self.keep = keep  # a session: it goes on without a lost node but node 0 (which serves the run's store)
+        self.notify = notify
+        self.ranks_on: list[frozenset[int]] = [frozenset() for _ in agents]  # each node's ranks, once started
+        self.lost: list[Event] = []  # the exits of a lost node's ranks, not handed out yet
 
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
         """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
@@ -116,6 +129,7 @@ class ClusterRanks:
         ]
         for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
             self.alive[index] = set(keys)
+        self.ranks_on = [frozenset(node) for node in envs] + self.ranks_on[len(envs) :]
 
     def nodes(self) -> frozenset[str]:
         return frozenset(node.node_id for node in self.placement.nodes)
@@ -128,11 +142,14 @@ class ClusterRanks:
         answers = self._call(live, lambda index: self.agents[index].events.remote(timeout), timeout + CALL_SECONDS)
         events: list[Event] = []
         for index, answer in zip(live, answers):
+            if answer is None:
+                continue  # its node was lost: its ranks' exits follow
             events += answer.events
             self.alive[index] = set(answer.running)
             traces.write_into(self.profile, answer.traces)
             if self.progress is not None and answer.snapshots:
                 events += [Report(key, record) for key, record in self.progress.take(index, answer.snapshots)]
+        events, self.lost = events + self.lost, []
         return events
 
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
@@ -188,7 +205,7 @@ class ClusterRanks:
             timeout + CALL_SECONDS,
         )
         for answer in asked:
-            stacks.update(answer)
+            stacks.update(answer or {})
         return stacks
 
     def close(self) -> RunFiles:
@@ -234,26 +251,51 @@ class ClusterRanks:
                 refs.append(request(index))
             except Exception as e:  # Ray could not even send it: the agent's actor, or the connection, is gone
                 self.cluster.forget(self.placement.nodes[index].node_id)
-                self._lose(index, f"its agent cannot be reached ({first_line(e)})", None)
+                self._lost(index, f"its agent cannot be reached ({first_line(e)})")
+                refs.append(None)
         return self._wait(indexes, refs, timeout)
 
     def _wait(self, indexes: list[int], refs: list[Any], timeout: float) -> list[Any]:
-        """The agents' answers; a node that died or does not answer ends the whole run."""
+        """The agents' answers (None for a node lost meanwhile that a session goes on without); a node that died
+        or does not answer ends the whole run, or else a session loses its ranks (``_lost``)."""
         ray = ray_module()
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         answers = []
         for index, ref in zip(indexes, refs):
+            answer = None
             try:
-                answers.append(ray.get(ref, timeout=timeout))
+                answer = ray.get(ref, timeout=timeout) if ref is not None else None
             except RayTaskError as e:  # the agent raised: its own run was lost, or could not start
                 cause = e.cause if isinstance(e.cause, Exception) else e
                 self._lose(index, f"{type(cause).__name__}: {cause}", cause)
             except RayActorError as e:
-                self._lose(index, f"its agent died ({first_line(e)})", None)
+                self._lost(index, f"its agent died ({first_line(e)})")
             except GetTimeoutError:
-                self._lose(index, f"its agent did not answer within {timeout:g} s", None)
+                self._lost(index, f"its agent did not answer within {timeout:g} s")
+            answers.append(answer)
         return answers
+
+    def _lost(self, index: int, detail: str) -> None:
+        """Node ``index`` is gone or does not answer. A session goes on without it when it held ranks but not
+        node 0's (the run's store is there) and serves no loader (the node's share of the data would be lost):
+        its agent is ended (with it, whatever of the node's still runs), and each of its ranks is said to have
+        exited ``NODE_LOST``. Else the run ends (``_lose``)."""
+        ranks = sorted(self.ranks_on[index]) if index < len(self.ranks_on) else []
+        if not (self.keep and index > 0 and ranks and self.shares is None):
+            self._lose(index, detail, None)
+        node = self.placement.nodes[index]
+        self.cluster.forget(node.node_id)
+        try:
+            ray_module().kill(self.agents[index])
+        except Exception:
+            pass  # gone with its node
+        self.alive[index], self.ranks_on[index] = set(), frozenset()
+        self.lost += [Exited(rank, NODE_LOST) for rank in ranks]
+        self.notify(
+            f"taas: node {node.address} (node {index} of the run) was lost: {detail}; the session goes on without "
+            f"its ranks ({span(ranks)})"
+        )
 
     def _lose(self, index: int, detail: str, cause: Exception | None) -> None:
         node = self.placement.nodes[index]

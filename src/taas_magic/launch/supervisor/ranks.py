@@ -250,10 +250,13 @@ class ForkedRanks(ForkingGroup):
     def _resize(self, cell: SessionCell) -> None:
         """``%taas resize``: end the ranks that leave the session (killed and reaped, as a session's end does:
         nothing of theirs stays, and nobody is told they exited), and make the environment of every rank to come
-        say the new number of ranks; ``_replace`` then starts the new ones."""
-        assert cell.world is not None and self.task is not None, "the kernel resizes sessions of this machine only"
+        say the new number of ranks; ``_replace`` then starts the new ones. On a cluster's node (a lost node's ranks
+        left the session) there is nothing to start: its ranks set their own variables."""
+        assert cell.world is not None
         for state in [state for key, state in self.ranks.items() if cell.leaves(key)]:
             self._retire(state)
+        if not self.envs:
+            return
         first = self.envs[min(self.envs)]
         self.envs = {
             rank: {**self.envs.get(rank, first), **world_variables(cell.world)}
