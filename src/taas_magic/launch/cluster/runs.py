@@ -283,7 +283,7 @@ class ClusterRanks:
         exited ``NODE_LOST``. Else the run ends (``_lose``)."""
         ranks = sorted(self.ranks_on[index]) if index < len(self.ranks_on) else []
         if not (self.keep and index > 0 and ranks and self.shares is None):
-            self._lose(index, detail, None)
+            self._lose(index, detail + self._why_the_session_cannot_go_on(index, ranks), None)
         node = self.placement.nodes[index]
         self.cluster.forget(node.node_id)
         try:
@@ -296,6 +296,16 @@ class ClusterRanks:
             f"taas: node {node.address} (node {index} of the run) was lost: {detail}; the session goes on without "
             f"its ranks ({span(ranks)})"
         )
+
+    def _why_the_session_cannot_go_on(self, index: int, ranks: list[int]) -> str:
+        """What a session's notice of a lost node adds: why the session ends with it ('' for a one-shot run)."""
+        if not self.keep:
+            return ""
+        if index == 0:
+            return "; node 0 serves the run's store, and the session cannot go on without it"
+        if self.shares is not None:
+            return "; the session serves registered loaders, and cannot go on without the node's share"
+        return "" if ranks else "; it held none of the session's ranks any more"
 
     def _lose(self, index: int, detail: str, cause: Exception | None) -> None:
         node = self.placement.nodes[index]
