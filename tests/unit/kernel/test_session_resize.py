@@ -18,6 +18,7 @@ from test_session import ScriptedSessionGroup, session_of
 from taas_magic.configurations import Configuration
 from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
 from taas_magic.kernel.header import spec as launch_spec
+from taas_magic.kernel.sessions import resizing
 from taas_magic.kernel.sessions.kept import Kept
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.view.front_end import CellFrontEnd
@@ -31,7 +32,7 @@ def every_rank_ends(group: ScriptedSessionGroup, ranks: list[int]) -> list[Event
 
 
 def resize(session: Session, world: int) -> str:
-    return session.resize(world, CellFrontEnd(lambda stream, text: None))
+    return resizing.resize(session, world, CellFrontEnd(lambda stream, text: None))
 
 
 def test_fewer_ranks_end_those_beyond_and_the_others_connect_their_group_anew():

@@ -12,6 +12,7 @@ from taas_magic.errors import SessionEnded, TaasUsageError
 from taas_magic.kernel.header import line_commands
 from taas_magic.kernel.header.option_values import count
 from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.sessions import resizing
 from taas_magic.kernel.sessions.session import Session, debug_paused
 from taas_magic.kernel.view import streams
 from taas_magic.kernel.view.front_end import CellFrontEnd
@@ -150,7 +151,7 @@ class Kept:
         session = self.live_session("resize")
         if session is None:
             raise TaasUsageError("%taas resize: no session is running (a taas cell with --keep starts one)")
-        print(session.resize(int(words[0]), CellFrontEnd(streams.write_to_cell)))
+        print(resizing.resize(session, int(words[0]), CellFrontEnd(streams.write_to_cell)))
 
     # -- on the cluster -------------------------------------------------------------------------
     def refuse_leaving_the_cluster(self) -> None:

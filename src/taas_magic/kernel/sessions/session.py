@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
-import re
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -34,13 +33,11 @@ from typing import Any, Callable, Mapping
 
 from taas_magic.cell_names import names_reached
 from taas_magic.delivery.service import producer_labels
-from taas_magic.errors import SessionEnded, TaasRunError, TaasUsageError
-from taas_magic.kernel.diagnosis import hang, stacks
-from taas_magic.kernel.header.option_values import count
-from taas_magic.kernel.header.spec import LaunchSpec, resized, without_last_nodes
+from taas_magic.errors import SessionEnded, TaasRunError
+from taas_magic.kernel.header.spec import LaunchSpec, without_last_nodes
 from taas_magic.kernel.run.run_result import SESSION, RunResult
-from taas_magic.kernel.running.controller import LOST, STACK_SECONDS, Pump, watch
-from taas_magic.kernel.sessions import reloading
+from taas_magic.kernel.running.controller import LOST, Pump, watch
+from taas_magic.kernel.sessions import reloading, session_stacks
 from taas_magic.kernel.view import render, streams
 from taas_magic.kernel.view.front_end import CellFrontEnd, ReadLine
 from taas_magic.kernel.view.streams import RankOutput
@@ -50,7 +47,7 @@ from taas_magic.process import cell_files, containment
 from taas_magic.wire import shipping
 from taas_magic.wire.events import NODE_LOST, Exited, Key, Output, Producer
 from taas_magic.wire.rank_control import SessionCell
-from taas_magic.wire.records import Failed, split_position
+from taas_magic.wire.records import Failed
 from taas_magic.wire.task import CellOrder, LoaderPlan
 
 IDLE_SECONDS = 3600.0  # the default --idle: a forgotten session gives its GPUs back after an hour
@@ -224,9 +221,9 @@ class Session:
             raise render.session_over(self.ended)
         lost = tuple(rank for rank in died if result.exits[rank] == NODE_LOST)
         if lost:
-            self._go_on_without(front, lost)
+            self.go_on_without(front, lost)
         elif died or any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
-            self._regroup(front, died)
+            self.regroup(front, died)
         for line in render.notices(result):
             front.write("stderr", line + "\n")
         error = render.error(result, front.cell_names)
@@ -241,7 +238,7 @@ class Session:
         return self.start != "cluster" and self.spec.device == "cpu" and not self.served and self.size > 1
 
     # -- its process group, its size --------------------------------------------------------------
-    def _regroup(self, front: CellFrontEnd, died: tuple[int, ...] = (), resized_from: int = 0) -> None:
+    def regroup(self, front: CellFrontEnd, died: tuple[int, ...] = (), resized_from: int = 0) -> None:
         """A rank left the process group as the cell failed, or died, or the session was resized (from
         ``resized_from`` ranks): every rank connects it anew, a new process in place of each that died and for each
         new rank, given what the others hold alike; so that the next cell's collectives work, DDP's too. A group
@@ -269,55 +266,17 @@ class Session:
                 + (f": {render.name(result, failure.rank)}: {render.summary(failure)}" if failure else "")
             )
 
-    def resize(self, world: int, front: CellFrontEnd) -> str:
-        """``%taas resize``: the session goes on with ``world`` ranks, its process group and DDP models around them
-        all: ranks ``world`` and up end, or new ones join, given what the others hold alike; what changed, in a
-        line. Refused in one line, before anything changes, where it cannot be done."""
-        refusal = self.resize_refusal()
-        if refusal:
-            raise TaasUsageError(
-                f"%taas resize {world}: {refusal}: %taas stop, then start a session of {world} with --keep"
-            )
-        resized_spec = resized(self.spec, world)
-        self.replace_the_dead(front)
-        old, started = self.size, time.monotonic()
-        if world == old:
-            return f"taas: the session has {count(old, 'rank')} already"
-        self.spec, self.failed = resized_spec, [rank for rank in self.failed if rank < world]
-        self._regroup(front, resized_from=old)
-        if self.ended:
-            raise render.session_over(self.ended)
-        took = f"({time.monotonic() - started:.1f} s)"
-        if world < old:
-            return f"taas: the session has {count(world, 'rank')} now: {span(range(world, old))} ended {took}"
-        return f"taas: the session has {count(world, 'rank')} now: {span(range(old, world))} joined {took}"
-
-    def _go_on_without(self, front: CellFrontEnd, lost: tuple[int, ...]) -> None:
-        """A cluster session's last node was lost (its ranks exited ``NODE_LOST``): it goes on with the ranks of the
-        nodes it has, as a resize to fewer ranks does. A lost node whose ranks are not the last ends it: the others
-        would need new numbers."""
-        world = self.size - len(lost)
-        if lost != tuple(range(world, self.size)):
+    def go_on_without(self, front: CellFrontEnd, lost: tuple[int, ...]) -> None:
+        """A cluster session's last node was lost (its ranks exited ``NODE_LOST``): it goes on with the other nodes'
+        ranks, as a resize to fewer does. A lost node whose ranks are not the last ends it: ranks keep their numbers."""
+        world, old = self.size - len(lost), self.size
+        if lost != tuple(range(world, old)):
             self._end(f"{span(lost)} were lost with their node, and a session goes on only without its last nodes")
             raise render.session_over(self.ended)
-        old = self.size
         self.spec, self.failed = without_last_nodes(self.spec, world), [rank for rank in self.failed if rank < world]
-        self._regroup(front, resized_from=old)
+        self.regroup(front, resized_from=old)
         if self.ended:
             raise render.session_over(self.ended)
-
-    def resize_refusal(self) -> str:
-        """Why ``%taas resize`` cannot change this session, or ''."""
-        if self.start == "cluster":
-            return "the session runs on the cluster, and only a session on this machine can be resized"
-        if self.spec.device != "cpu":
-            return f"its ranks are on {self.spec.device}, and only a CPU session (gloo) can be resized"
-        if self.served:
-            return (
-                f"it serves registered loaders ({', '.join(sorted(self.served))}) whose shares are planned for "
-                f"{count(self.size, 'rank')}"
-            )
-        return ""
 
     def _watch(
         self,
@@ -351,24 +310,10 @@ class Session:
 
     # -- where its processes are ------------------------------------------------------------------
     def where(self, cell_names: Mapping[str, str]) -> list[str]:
-        """``%taas stacks`` between cells: each place the session's ranks and producers are, once for all
-        at the same place. A rank waiting for the next cell is idle; the threads of the user's that it
-        runs still show, since one stuck there (in a collective, a loop) is what the next cell meets."""
+        """``%taas stacks`` between cells (``session_stacks.py``)."""
         if self.check():
             return [f"taas: the session ended: {self.ended}"]
-        keys = self.group.running()
-        dumps = self.group.stacks(keys, STACK_SECONDS) if keys else {}
-        processes = []
-        for key in keys:
-            label = self.labels.get(key, f"rank {key}")
-            position, dump = split_position(dumps.get(key, ""))  # where its collectives were, with its stacks
-            idle = _idle(key, dump)  # then only the threads the user started are worth showing
-            processes.append(
-                hang.Process(key, label, activity=position, stack=dump)
-                if idle is None
-                else hang.Process(key, label, stack=stacks.other_threads(dump), ended=idle)
-            )
-        return hang.where_lines(processes, cell_names, self.spec.ranks_per_node if self.spec.nodes > 1 else 0)
+        return session_stacks.where(self.group, self.labels, self.spec, cell_names)
 
     # -- its end --------------------------------------------------------------------------------
     def check(self) -> str:
@@ -385,7 +330,7 @@ class Session:
                     out.feed(event.rank, event.stream, event.data)
                 elif isinstance(event, Exited) and isinstance(event.rank, Producer) and event.returncode == 0:
                     pass  # its share of a stream cut by --units is built and sent
-                elif isinstance(event, Exited) and isinstance(event.rank, int) and self._outlives(event.returncode):
+                elif isinstance(event, Exited) and isinstance(event.rank, int) and self._goes_on_after(event):
                     self._died_between_cells(event)
                 elif isinstance(event, Exited):
                     who = self.labels.get(event.rank, f"rank {event.rank}")
@@ -396,9 +341,8 @@ class Session:
             out.finish()
         return self.ended
 
-    def _outlives(self, code: int) -> bool:
-        """Whether the session goes on after a rank's exit with ``code`` between cells."""
-        return self.heals() or code == NODE_LOST
+    def _goes_on_after(self, death: Exited) -> bool:
+        return self.heals() or death.returncode == NODE_LOST  # replaced, or left out as its node was lost
 
     def _died_between_cells(self, death: Exited) -> None:
         """A rank that died while no cell ran (killed, out of memory) is replaced as the next cell begins
@@ -419,9 +363,9 @@ class Session:
         if self.dead and not self.ended:
             died, self.dead = tuple(sorted(self.dead)), set()
             if self.start == "cluster":  # its ranks were lost with their node
-                self._go_on_without(front, died)
+                self.go_on_without(front, died)
             else:
-                self._regroup(front, died)
+                self.regroup(front, died)
             if self.ended:
                 raise render.session_over(self.ended)
 
@@ -448,23 +392,6 @@ class Session:
 
 def _failed_ranks(result: RunResult) -> list[int]:
     return [failure.rank for failure in result.failures if isinstance(failure.rank, int)]
-
-
-def _idle(key: Key, dump: str) -> str | None:
-    """What a process does between cells when its main thread waits in taas's own code (and the standard
-    library calls that code made): a rank in its session loop for the next cell (``rank/session.py``), a
-    producer for the ranks (``delivery/producer.py``, building nothing). None when it runs anything else:
-    code of the user's or of a library."""
-    threads = stacks.parse_stacks(dump)
-    if not threads or not threads[0].main or not threads[0].frames:
-        return None
-    if not all("/taas_magic/" in frame.file or _STANDARD_LIBRARY.search(frame.file) for frame in threads[0].frames):
-        return None
-    return "idle, waiting for the next cell" if isinstance(key, int) else "idle, waiting for the ranks"
-
-
-# A module of Python's own standard library, on whichever machine the dump was taken (a cluster's node too).
-_STANDARD_LIBRARY = re.compile(r"/lib/python3\.\d+/(?!site-packages/|dist-packages/)")
 
 
 def _shell() -> Any:

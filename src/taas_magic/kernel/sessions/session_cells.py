@@ -13,6 +13,7 @@ from typing import Any, Collection
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.header.option_values import rank_text, ranks_as_typed
 from taas_magic.kernel.running import delivery_planning
+from taas_magic.kernel.sessions import resizing
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.launch.backend import Cell
 from taas_magic.per_rank import span
@@ -42,7 +43,7 @@ def check_fits_session(args: argparse.Namespace, session: Session) -> None:
         "--idle": args.idle is not None,
     }
     changed = [name for name, ok in same.items() if not ok]
-    if changed == ["--gpus"] and not session.resize_refusal():
+    if changed == ["--gpus"] and not resizing.refusal(session):
         raise TaasUsageError(
             f"--gpus {args.gpus}: the session has {session.size} ranks: %taas resize {args.gpus} changes them "
             "(its names kept), or drop --gpus from the cell"

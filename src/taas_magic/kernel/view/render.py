@@ -44,12 +44,10 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
     return session_ended(result, cell_names)
 
 
-def _goes_on(result: RunResult) -> str:
-    """What a session whose cell failed does next, in a line."""
-    root = result.failures[0]
+def _goes_on(result: RunResult) -> str:  # what a session whose cell failed does next, in a line
+    root, lost = result.failures[0], [failure_.rank for failure_ in result.failures if failure_.code == NODE_LOST]
     if root.raised is not None:
         return f"taas: the session goes on (%taas debug opens the debugger in {name(result, root.rank)} at the error)"
-    lost = [failure_.rank for failure_ in result.failures if failure_.code == NODE_LOST]
     if lost:
         return f"taas: the session goes on without {span(lost)}, lost with their node"
     return f"taas: the session goes on, a new process in place of {name(result, root.rank)}"
