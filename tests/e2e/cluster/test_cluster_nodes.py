@@ -310,7 +310,10 @@ def test_a_node_lost_mid_session_the_session_goes_on_with_the_other_nodes_ranks(
     replicas equal. Nothing of taas stays on the lost node; a node is added back for what follows."""
     local, _ = cluster
     cluster_kernel.execute("%taas cluster release").ok()
-    started = cluster_kernel.execute(SESSION + "import torch\n" + DDP, timeout=240).ok()
+    # --cpus 0: loaders an earlier test registered in this kernel are not served (a session that serves them
+    # cannot go on without a node's share, and says so)
+    alone = SESSION.replace("--keep", "--keep --cpus 0")
+    started = cluster_kernel.execute(alone + "import torch\n" + DDP, timeout=240).ok()
     node_0 = re.search(r"store on (\S+)", started.stdout)[1]
     serving = {node: raylet for node, raylet in raylets(local.addresses[1:]).items() if taas_on(raylet)}
     (node_1,) = set(serving) - {node_0}
