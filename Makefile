@@ -14,10 +14,11 @@ export PYTHONDONTWRITEBYTECODE :=
 
 # uv installs: it unpacks wheels on every core (20 s for torch's CUDA build and the rest, against pip's 44 s on one)
 # and links them from its cache on later installs (3 s); .ci/uv_options.py hands it pip's configured indexes,
-# find-links and constraints, so that it installs what pip would on this machine.
-INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) $$($(PY) .ci/uv_options.py $(PY))
+# find-links and constraints, so that it installs what pip would on this machine; .ci/excludes.txt names what it
+# leaves out, and why.
+INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) --excludes .ci/excludes.txt $$($(PY) .ci/uv_options.py $(PY))
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml .ci/excludes.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet 'uv>=0.9'
 	$(INSTALL) -e '.[test]'

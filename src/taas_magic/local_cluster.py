@@ -27,9 +27,13 @@ real cluster should: a notebook connects with ``cluster.variables`` in its envir
 
 from __future__ import annotations
 
+import errno
+import glob
 import os
 import secrets
 import shutil
+import socket
+import sys
 import tempfile
 import time
 import weakref
@@ -61,8 +65,11 @@ QUIET = {
 # here or by torchrun do not; on a busy machine a first cluster cell took minutes. Here they run as those do.
 USUAL_PRIORITY = {"RAY_worker_niceness": "0"}
 FIRST_ADDRESS = "127.0.0.2"  # 127.0.0.1 is what Ray replaces by the machine's address
-START_ATTEMPTS = 3  # Ray gives a new node a fixed 30 s to register; a machine with every core busy can take longer
+START_ATTEMPTS = 3  # a new node's agents have a fixed time to start; a machine with every core busy can take longer
 START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the third
+START_TURN = "\0taas-local-cluster-node-start"  # a name in Linux's abstract socket namespace: _start_turn
+START_TURN_WAIT_SECONDS = 600.0  # a node starts in 10-60 s; a holder that has not finished by then has hung
+START_TURN_POLL_SECONDS = 0.2
 
 
 @contextmanager
@@ -220,20 +227,69 @@ def _loopback_block(first_address: object, nodes: int) -> tuple[str, int]:
 
 
 def _start_node(start: Callable[[], Any]) -> Any:
-    """``start()`` a node, again when Ray says it "timed out during startup": Ray waits a fixed 30 s for a
-    new node's raylet to register, and on a machine whose every core is busy it can take longer. What a
-    failed start left running (its raylet, its store, the head's GCS: children of this process) is ended
-    first, and after the last attempt too; the next attempt waits a little longer each time, for the
-    machine to calm down."""
+    """``start()`` a node in this machine's turn (``_start_turn``), again when Ray says it "timed out during
+    startup": a new node's raylet waits 15 s for its agents to report their ports and aborts when they have not
+    (each agent imports Ray: seconds of CPU, more on a busy machine), and Ray waits 30 s for the raylet to
+    register. What a failed start left running (its raylet, its store, the head's GCS: children of this
+    process) is ended first, and after the last attempt too; the next attempt waits a little longer each time,
+    for the machine to calm down. The last failure says what the raylet said, where it said anything."""
     attempt = 1
     while True:
         before = set(containment.children())
+        began = time.time()
         try:
-            return start()
+            with _start_turn():
+                return start()
         except Exception as e:
             for pid in set(containment.children()) - before:
                 containment.end_child(pid)
-            if attempt == START_ATTEMPTS or "timed out during startup" not in str(e):
+            if "timed out during startup" not in str(e):
                 raise
+            if attempt == START_ATTEMPTS:
+                complaint = _raylet_complaint(since=began)
+                if complaint is None:
+                    raise
+                raise RuntimeError(f"{e} Its raylet said: {complaint}") from e
         time.sleep(START_PAUSE_SECONDS * attempt)
         attempt += 1
+
+
+@contextmanager
+def _start_turn() -> Iterator[None]:
+    """This machine's turn to start a Ray node, held by one process at a time: nodes that start together (two
+    clusters, or attempts again in step) share the cores while each raylet gives its agents a fixed time. The
+    turn is ``START_TURN`` bound in Linux's abstract socket namespace, which the operating system frees when
+    its holder closes it or dies: no file is left, and no holder that died keeps it. Elsewhere, or after
+    ``START_TURN_WAIT_SECONDS``, the start goes ahead without it."""
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) if sys.platform.startswith("linux") else None
+    deadline = time.monotonic() + START_TURN_WAIT_SECONDS
+    try:
+        while holder is not None:
+            try:
+                holder.bind(START_TURN)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    break
+                time.sleep(START_TURN_POLL_SECONDS)
+        yield
+    finally:
+        if holder is not None:
+            holder.close()
+
+
+def _raylet_complaint(since: float) -> str | None:
+    """What a raylet that started after ``since`` (a ``time.time()``) said as it aborted (Ray's "Check failed"
+    line, its cause), or None."""
+    from taas_magic.launch.cluster import ray_private
+
+    logs = glob.glob(os.path.join(ray_private.sessions_folder(), "session_2*", "logs", "raylet*.out"))
+    for log in sorted(logs, key=os.path.getmtime, reverse=True):
+        if os.path.getmtime(log) < since:
+            break
+        with open(log, errors="replace") as lines:
+            for line in lines:
+                _, found, cause = line.partition("Check failed: ")
+                if found:
+                    return cause.strip()
+    return None

@@ -34,6 +34,9 @@ version and the module; what each is for, and what happens without it:
   statistics on or off, unless the cluster's launch configuration (``~/ray_bootstrap_config.yaml``) names
   its provider; ``LocalCluster`` gives the dashboard a home whose configuration says "local". Without it, a
   local cluster's head asks those servers as it starts.
+- ``ray._common.utils.get_default_ray_temp_dir``: the folder of Ray's sessions on this machine, where a node
+  that a local cluster could not start left its raylet's last words, to say why. Without it, the failure says
+  only what Ray's start said ("timed out during startup").
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ PRIVATE = {
     "ray._private.worker": ("global_worker", "_global_node"),
     "ray._private.services": ("start_ray_process",),
     "ray._private.ray_constants": ("PROCESS_TYPE_DASHBOARD", "ENABLE_RAY_CLUSTER"),
+    "ray._common.utils": ("get_default_ray_temp_dir",),
 }
 # Where Ray has token authentication (2.52 and later: ``ray.exceptions.AuthenticationError``), these too.
 TOKEN_AUTHENTICATION = {"ray._raylet": ("GcsClient", "Config", "AuthenticationTokenLoader")}
@@ -87,6 +91,11 @@ def worker() -> Any:
 def runtime_env_folder() -> str:
     """Where this node of Ray keeps the runtime environments' files (those of working directories among them)."""
     return str(worker()._global_node.get_runtime_env_dir_path())
+
+
+def sessions_folder() -> str:
+    """Where Ray keeps the sessions (and their logs) of the nodes this process starts."""
+    return str(importlib.import_module("ray._common.utils").get_default_ray_temp_dir())
 
 
 def gcs_client() -> Any:
