@@ -67,6 +67,7 @@ def load_ipython_extension(ipython: Any) -> None:
         ipython.set_hook("complete_command", complete, str_key=key)
     # First, before IPython drops leading blank lines: line numbers stay the ones the user sees.
     ipython.input_transformers_cleanup.insert(0, transformer)
+    ipython.events.register("pre_run_cell", magics.between_cells)  # runs in the background bind their names
     _loaded[id(ipython)] = (magics, transformer)
     if magics.debugging is not None:
         magics.debugging.install()  # from now on: the debugger's requests for ranks, and a quick re-attach held
@@ -87,6 +88,8 @@ def unload_ipython_extension(ipython: Any) -> None:
         dispatcher.strs.pop(key, None)
     if transformer in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(transformer)
+    if magics.between_cells in ipython.events.callbacks["pre_run_cell"]:
+        ipython.events.unregister("pre_run_cell", magics.between_cells)
     manager = ipython.magics_manager
     for kind in ("line", "cell"):
         if manager.magics[kind].get("taas") == getattr(magics, "taas", None):

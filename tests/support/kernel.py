@@ -33,6 +33,7 @@ class CellResult:
     reply: dict = field(default_factory=dict)  # the execute_reply's content (status, payload)
     seconds: float = 0.0
     prompts: list[str] = field(default_factory=list)  # input requests' prompts, in order
+    msg_id: str = ""  # of the execute request: what a run in the background addresses its later messages to
 
     def text(self, name: str = "stdout") -> str:
         return "".join(text for stream, text, _ in self.streams if stream == name)
@@ -137,6 +138,9 @@ class Kernel:
                 self.manager.cleanup_resources()
         self.pid = self.manager.provisioner.process.pid
         self.debug_events: list[dict] = []  # every debug_event seen on iopub while a cell ran
+        # The messages addressed to a cell that had ended when they came (a run in the background's output and view),
+        # by the cell's msg_id: seen while later cells ran, or by ``drain``.
+        self.later: dict[str, CellResult] = {}
         self.execute(f"%load_ext taas_magic\n{imports}").ok()
 
     def execute(
@@ -155,7 +159,7 @@ class Kernel:
         result = CellResult()
         started = time.monotonic()
         began = None  # when the kernel said it runs the cell: an interrupt before that is lost by any kernel
-        msg_id = self.client.execute(code, allow_stdin=answers is not None)
+        msg_id = result.msg_id = self.client.execute(code, allow_stdin=answers is not None)
         pending = list(answers or [])
         asked: list[float] = []  # when the unanswered input request came
         interrupts = sorted(
@@ -182,6 +186,8 @@ class Kernel:
                 raise self._stuck(msg_id, f"cell did not finish in {timeout} s: {code[:200]!r}", result, started)
             if msg is not None and msg["msg_type"] == "debug_event":
                 self.debug_events.append(msg["content"])
+            if msg is not None and msg["parent_header"].get("msg_id") not in (msg_id, None):
+                self._record_later(msg, now - started)
             if msg is None or msg["parent_header"].get("msg_id") != msg_id:
                 continue
             if msg["msg_type"] == "execute_input" and counted_from is None:
@@ -196,6 +202,22 @@ class Kernel:
             reply = self.client.get_shell_msg(timeout=10)
         result.reply = reply["content"]
         return result
+
+    def _record_later(self, msg: dict, at: float) -> None:
+        if msg["msg_type"] != "status":
+            _record(msg, self.later.setdefault(msg["parent_header"]["msg_id"], CellResult()), at)
+
+    def drain(self, seconds: float) -> None:
+        """Read what the kernel sends for ``seconds`` while no cell runs: ``later`` keeps what was addressed to
+        a cell (a run in the background's output, its view's updates)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            try:
+                msg = self.client.get_iopub_msg(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id"):
+                self._record_later(msg, 0.0)
 
     def _stuck(self, msg_id: str, what: str, result: CellResult, started: float) -> TimeoutError:
         """A cell that did not finish: the error says where each of the kernel's threads was, and what the

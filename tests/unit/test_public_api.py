@@ -65,6 +65,7 @@ def test_the_options_are_the_documented_ones_in_their_order() -> None:
         "--keep",
         "--ranks",
         "--idle",
+        "--background",
     ]
 
 

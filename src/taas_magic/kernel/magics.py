@@ -23,6 +23,7 @@ from taas_magic.kernel.debugging.visual_debugger import RankDebugging
 from taas_magic.kernel.header import cell_source, line_commands, options
 from taas_magic.kernel.header.pragma import PragmaTransformer
 from taas_magic.kernel.runner import CellRunner
+from taas_magic.kernel.running.background import BackgroundRun
 from taas_magic.kernel.sessions.kept import Kept
 from taas_magic.launch.cluster import connection
 from taas_magic.launch.fork.backend import ForkBackend
@@ -92,7 +93,7 @@ class TaasMagics(Magics):
     @options.declare
     @no_var_expand  # done in the magic, only where there is something to expand (cell_source.expand_variables)
     @line_cell_magic
-    def taas(self, line: str, cell: str | None = None) -> None:
+    def taas(self, line: str, cell: str | None = None) -> BackgroundRun | None:
         """Run this cell as a distributed PyTorch job: one process (rank) per GPU.
 
         Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
@@ -108,10 +109,10 @@ class TaasMagics(Magics):
         line = cell_source.expand_variables(self.ipython, line)
         if cell is None:
             self._line(line.split(), line)
-            return
+            return None
         args = options.parse(TaasMagics.taas, line)
         cell_source.refuse_typed_internal_options(args, self.ipython, TaasMagics.taas)
-        self._runner().run(args, self._defaults(), line, cell)
+        return self._runner().run(args, self._defaults(), line, cell)  # a run in the background: its handle
 
     def _line(self, words: list[str], line: str) -> None:
         """`%taas ...` as a line: one of its commands (line_commands.py), each read before it acts."""
@@ -137,6 +138,12 @@ class TaasMagics(Magics):
             self.kept.resize_command(rest)
         elif command == "stacks":
             self._stacks_command(rest)
+        elif command == "runs":
+            line_commands.nothing_more(command, rest)
+            print(self.kept.background.describe())
+        elif command == "wait":
+            line_commands.nothing_more(command, rest)
+            self.kept.background.wait_all()
         elif command in ("pull", "push"):
             self._transfer_command(command, rest)
         elif command == "version":
@@ -182,6 +189,11 @@ class TaasMagics(Magics):
 
     def _defaults(self) -> settings.Defaults:
         return settings.Defaults.of(self.device, self.output, self.start, self.view, self.hang_after, self.config)
+
+    def between_cells(self, *_: Any) -> None:
+        """Before each cell of the notebook (IPython's ``pre_run_cell``): the runs in the background that ended
+        bind their names, each said in one line."""
+        self.kept.background.between_cells()
 
     # -- unloading and loading again ----------------------------------------------------------
     def take_over(self, old: Any) -> None:

@@ -29,7 +29,8 @@ from taas_magic.kernel.header import cell_source
 from taas_magic.kernel.header.pragma import PragmaTransformer
 from taas_magic.kernel.header.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
 from taas_magic.kernel.run.run_result import RunResult
-from taas_magic.kernel.running import controller, delivery_planning, environment, names_back, profiling
+from taas_magic.kernel.running import background, controller, delivery_planning, environment, names_back, profiling
+from taas_magic.kernel.running.background import BackgroundRun
 from taas_magic.kernel.sessions import session_cells
 from taas_magic.kernel.sessions.kept import Kept, read_line
 from taas_magic.kernel.sessions.session import Session
@@ -69,8 +70,11 @@ class CellRunner:
         self.fork_backend = fork_backend
         self.forkserver_backend = forkserver_backend
 
-    def run(self, args: argparse.Namespace, defaults: Defaults, line: str, cell: str) -> None:
-        """Run ``cell`` with the options ``args`` (``defaults`` for those it left out)."""
+    def run(self, args: argparse.Namespace, defaults: Defaults, line: str, cell: str) -> BackgroundRun | None:
+        """Run ``cell`` with the options ``args`` (``defaults`` for those it left out); with ``--background``,
+        start it and return its handle."""
+        if args.background:
+            background.refuse(args, in_session=self.kept.session is not None and not self.kept.session.ended)
         self.kept.let_paused_go()
         ended = self.kept.forget_ended() if args.keep else ""
         if ended:
@@ -78,7 +82,7 @@ class CellRunner:
         session = self.kept.live_session()
         if session is not None and not args.keep:
             self._run_in_session(session, args, defaults, line, cell)
-            return
+            return None
         if args.keep and session is not None:
             raise TaasUsageError(
                 f"a session is running ({session.size} ranks): %taas stop first, "
@@ -121,18 +125,53 @@ class CellRunner:
                 track=spec.hang_after > 0,
             )
 
+        if spec.on_cluster:
+            backend: Backend[Any] = self.link.backend(spec, catalog)
+        elif args.background:  # the kernel is not forked while other cells run in it
+            backend = self.forkserver_backend
+        elif self._choose_start(spec) == "fork":
+            backend = self.fork_backend
+        else:
+            backend = self.forkserver_backend
+        if args.background:
+            return self._in_background(backend, spec, make_task, analysed, loaders, defaults.view, traces)
         try:
-            if spec.on_cluster:
-                backend: Backend[Any] = self.link.backend(spec, catalog)
-            elif self._choose_start(spec) == "fork":
-                backend = self.fork_backend
-            else:
-                backend = self.forkserver_backend
             result = self._launch(backend, spec, make_task, analysed, loaders, defaults.view)
         finally:
             if traces is not None:
                 _merge_traces(traces, spec.world_size)
         self._take_back(result, spec.return_names, spec.return_from)
+        return None
+
+    def _in_background(
+        self,
+        backend: Backend[PlanT],
+        spec: LaunchSpec,
+        make_task: MakeTask,
+        cell: Cell,
+        loaders: tuple[LoaderPlan, ...],
+        view: bool,
+        traces: profiling.ProfileFolder | None,
+    ) -> BackgroundRun:
+        """A one-shot run in a thread of the kernel (``background``); the names it needs are taken from the
+        notebook now, and its names join the notebook between cells once it ended."""
+        plan = backend.prepare(make_task, cell)
+        run = self.kept.background.new(f"In[{self.shell.execution_count}]", f"{spec.world_size} ranks on {spec.device}")
+        # No prompt can be read from the cell once it has ended: a rank's breakpoint() is told there is none.
+        front = dataclasses.replace(self._front_end(view, spec.profile), read_line=None, stop_asked=run.stops.take)
+        environ = dict(os.environ)
+
+        def work() -> RunResult:
+            try:
+                return controller.run(spec, plan, backend, front, environ, labels=producer_labels(loaders))
+            finally:
+                plan.close()
+                streams.give_back_freed_memory()
+                if traces is not None:
+                    _merge_traces(traces, spec.world_size)
+
+        run.start(work, lambda result: self._take_back(result, spec.return_names, spec.return_from))
+        return run
 
     def _launch(
         self,
@@ -378,11 +417,12 @@ class CellRunner:
 
     def _take_back(
         self, result: RunResult, requested: tuple[str, ...] | None, from_ranks: tuple[int, ...], pulled: bool = False
-    ) -> None:
+    ) -> dict[str, Any]:
         """The sending ranks' names join the notebook (and the session's record of what the notebook has)."""
         values = names_back.take_back(self.shell.user_ns, result, requested, from_ranks, pulled)
         if self.kept.session is not None:
             self.kept.session.took_back(values)
+        return values
 
 
 class ViewDisplay:

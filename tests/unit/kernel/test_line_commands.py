@@ -36,7 +36,7 @@ def test_a_typo_names_the_command_it_is_closest_to_and_every_command(typed, mean
         read([typed, "x"], CELL_OPTIONS)
     assert str(raised.value) == (
         f"%taas {typed} is not a command (did you mean %taas {meant}?): %taas takes status, stop, debug, pull, "
-        "push, resize, stacks, cluster, version, help (%taas help says what each does)"
+        "push, resize, stacks, runs, wait, cluster, version, help (%taas help says what each does)"
     )
 
 

@@ -31,7 +31,9 @@ COMMANDS: dict[str, Command] = {
     "status": Command(
         "%taas [status]", "the version, the session, the cluster and each default, with where it came from"
     ),
-    "stop": Command("%taas stop", "end the session (and let a rank paused by --debug go)"),
+    "stop": Command(
+        "%taas stop", "end the session and the runs in the background (and let a rank paused by --debug go)"
+    ),
     "debug": Command("%taas debug [RANK]", "pdb in a rank whose cell raised (in a session, or paused by --debug)"),
     "pull": Command("%taas pull NAMES [--ranks RANKS]", "the session's values of NAMES into the notebook"),
     "push": Command("%taas push NAMES [--ranks RANKS]", "the notebook's values of NAMES into the session's ranks"),
@@ -39,6 +41,8 @@ COMMANDS: dict[str, Command] = {
         "%taas resize N", "the session goes on with N ranks: the last ones end, or new ones join with its names"
     ),
     "stacks": Command("%taas stacks", "where the session's ranks and producers are, between cells"),
+    "runs": Command("%taas runs", "the runs in the background (--background), each in one line"),
+    "wait": Command("%taas wait", "wait until every run in the background has ended; their names join the notebook"),
     "cluster": Command(
         "%taas cluster [ADDRESS | off | release]",
         "connect to a Ray cluster (auto, HOST:PORT), show it, leave it, end its idle agents",

@@ -214,6 +214,14 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             metavar="SECONDS",
             help="with --keep: end the session after this many seconds without a cell (default 3600).",
         ),
+        magic_arguments.argument_group("in the background"),
+        magic_arguments.argument(
+            "--background",
+            action="store_true",
+            help="the cell returns at once, with a handle to its run (.done(), .wait(), .stop(), .result), and the "
+            "notebook runs other cells while it trains; its view and output stay in this cell, and its names join "
+            "the notebook when it ends (%%taas runs lists such runs, %%taas wait waits for them). One-shot cells.",
+        ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
         # `#!NAME` alone while a cluster is connected: the cell as one process on such a node
         magic_arguments.argument("--alone", action="store_true", help=argparse.SUPPRESS),
@@ -249,6 +257,7 @@ class CellOptions:
     keep: bool
     ranks: Ranks | None
     idle: float | None
+    background: bool
     check: str | None
     alone: bool
 

@@ -201,6 +201,8 @@ class Pump:
     def until_over(self) -> None:
         while not self.state.over(self.group.running()):
             try:
+                if self.front.stop_asked():
+                    self.interrupt()
                 self._step()
             except KeyboardInterrupt:
                 self.interrupt()

@@ -12,6 +12,7 @@ from taas_magic.errors import SessionEnded, TaasUsageError
 from taas_magic.kernel.header import line_commands
 from taas_magic.kernel.header.option_values import count
 from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.running.background import BackgroundRuns
 from taas_magic.kernel.sessions import resizing
 from taas_magic.kernel.sessions.session import Session, debug_paused
 from taas_magic.kernel.view import streams
@@ -44,6 +45,7 @@ class Kept:
         # the next taas cell or command has said so
         self.paused: Paused | None = None
         self.ended: Session | None = None  # the session the last cell was refused for, for `%taas debug` to name
+        self.background = BackgroundRuns()  # the runs of --background cells, until their names are back
 
     # -- a paused rank ------------------------------------------------------------------------
     def keep_paused(self, spec: LaunchSpec, group: SessionGroup, rank: int) -> None:
@@ -91,9 +93,13 @@ class Kept:
 
     # -- %taas stop, %taas debug ----------------------------------------------------------------
     def stop_command(self, words: list[str]) -> None:
-        """`%taas stop`: end the session (and let a rank paused by --debug go)."""
+        """`%taas stop`: end the session and the runs in the background (and let a rank paused by --debug go)."""
         line_commands.nothing_more("stop", words)
         stopped = self.let_paused_go()
+        runs = self.background.stop_all()
+        for run in runs:
+            print(f"taas: {run.state()}")
+        self.background.between_cells()
         if self.session is not None:
             ended = self.session.check()
             size = self.session.size
@@ -106,7 +112,7 @@ class Kept:
             )
         elif stopped:
             print("taas: the paused rank is gone")
-        else:
+        elif not runs:
             print("taas: no session is running")
 
     def debug_command(self, words: list[str]) -> None:
@@ -177,8 +183,10 @@ class Kept:
 
     # -- the end ----------------------------------------------------------------------------------
     def close(self, why: str) -> None:
-        """End the paused rank and the session, ``why`` (in one line). An ended session stays, so that
-        the next taas cell says it ended instead of running as a one-shot cell."""
+        """End the paused rank, the runs in the background and the session, ``why`` (in one line). An ended
+        session stays, so that the next taas cell says it ended instead of running as a one-shot cell."""
+        for run in self.background.stop_all():
+            print(f"taas: {why}: {run.state()}", file=sys.stderr)
         if self.let_paused_go():
             print(f"taas: {why}: the paused rank is gone", file=sys.stderr)
         if self.session is not None and not self.session.check():

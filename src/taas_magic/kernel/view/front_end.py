@@ -28,7 +28,8 @@ class CellFrontEnd:
     ``status``: the live view's display, redrawn in place (None: no view, the ranks' output as they write it).
     ``read_line``: a line a rank's debugger waits for (``breakpoint()``; None: the rank is told there is none).
     ``picture``: shows where the ranks' time went under the summary (``--profile``). ``stopped``: the ranks
-    stopped in the notebook's visual debugger now (a person's time, as at a pdb prompt)."""
+    stopped in the notebook's visual debugger now (a person's time, as at a pdb prompt). ``stop_asked``: whether
+    a stop was asked from outside the cell since last asked (a background run's), taken as an interrupt."""
 
     write: Write
     cell_names: Mapping[str, str] = field(default_factory=dict)
@@ -36,6 +37,7 @@ class CellFrontEnd:
     read_line: ReadLine | None = None
     picture: Show | None = None
     stopped: Callable[[], frozenset[int]] = frozenset
+    stop_asked: Callable[[], bool] = bool  # bool(): never
 
     def output(
         self, spec: LaunchSpec, ranks: list[int], labels: Mapping[Key, str] | None = None

@@ -14,6 +14,7 @@ import dataclasses
 import linecache
 import os
 import subprocess
+import threading
 from dataclasses import dataclass
 
 from taas_magic.errors import ForkServerDied, RunLost
@@ -117,6 +118,9 @@ class ForkServerBackend:
 
     def __init__(self) -> None:
         self._server: ForkServer | None = None
+        # One start at a time: a background run's thread and a cell may both start runs, and each start is one
+        # message on the server's one control channel.
+        self._starting = threading.RLock()
 
     def prepare(self, make_task: MakeTask, cell: Cell) -> ForkServerRequest:
         """The task with the notebook's cells and the kernel's environment, folder, sys.path and torch
@@ -142,6 +146,10 @@ class ForkServerBackend:
         A run lost before its supervisor said "started" ran no code of the cell, so it can be
         handed to a fresh server without the user noticing a server that died while idle.
         """
+        with self._starting:
+            return self._start(plan, launch)
+
+    def _start(self, plan: ForkServerRequest, launch: Launch) -> SupervisedRanks:
         try:
             return self.start_node(launch.run_id, launch.envs, plan, RunStore(launch.envs))
         except (ForkServerDied, RunLost):
@@ -163,6 +171,17 @@ class ForkServerBackend:
         by this process, or with ``store_in_supervisor`` by the run's supervisor (a cluster node's agent
         has no torch of its own to serve it with: ``launch/rendezvous.py``).
         A cluster node that only hosts producers has no ranks (``envs`` is empty)."""
+        with self._starting:
+            return self._start_node(run_id, envs, request, store, store_in_supervisor)
+
+    def _start_node(
+        self,
+        run_id: str,
+        envs: dict[int, dict[str, str]],
+        request: ForkServerRequest,
+        store: RunStore | None,
+        store_in_supervisor: bool,
+    ) -> SupervisedRanks:
         self.warm_up()
         server = self._server
         assert server is not None

@@ -1,0 +1,150 @@
+"""Runs in the background (``--background``) in a real kernel: the cell returns at once with a handle, the notebook
+runs other cells while the ranks train, the run's output and live view go on arriving in its own cell, and its names
+join the notebook between cells; a stop, a failure, an interrupt of a wait and the kernel's shutdown leave nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+import pytest
+from support.kernel import Kernel, still_running
+
+TRAINING = """#pragma taas --gpus 2 --background --return losses,weights
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+torch.manual_seed(0)
+data, target = torch.randn(64, 8), torch.randn(64, 1)
+losses = []
+started = time.monotonic()
+while time.monotonic() - started < {seconds}:
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(data), target)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    if len(losses) % 50 == 0:
+        print("step", len(losses), flush=True)
+    time.sleep(0.005)
+dist.barrier()
+weights = model.module.weight.detach().clone()
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    yield k
+    k.shutdown()
+
+
+def run_processes(kernel: Kernel) -> list[psutil.Process]:
+    return kernel.children()
+
+
+def test_a_run_trains_in_the_background_while_other_cells_run_and_its_names_come_back(kernel):
+    started = kernel.execute(TRAINING.format(seconds=8), timeout=60).ok()
+    assert started.seconds < 10, "the cell returns as the run starts, not when it ends"
+    assert re.fullmatch(
+        r"taas run \d+ \(cell In\[\d+\], 2 ranks on cpu\): running for \d+ s", started.displays[-1]["text/plain"]
+    ), started.displays
+    handle = kernel.execute("handle = _\nprint(handle.done())").ok()
+    assert handle.stdout == "False\n"
+
+    others = [kernel.execute(f"numbers = [n * n for n in range({i} * 1000)]\nprint(len(numbers))") for i in range(10)]
+    assert [r.ok().stdout for r in others] == [f"{i * 1000}\n" for i in range(10)]
+    listed = kernel.execute("%taas runs").ok().stdout
+    assert re.search(r"^taas: run \d+ \(cell In\[\d+\], 2 ranks on cpu\): (running for|ended after) \d+ s", listed)
+    assert kernel.value("'losses' in globals()") is False, "no name changes while the run goes on"
+
+    waited = kernel.execute("%taas wait", timeout=90).ok()
+    assert re.search(r"ended after \d+ s; losses, weights back in the notebook", waited.stderr), waited.stderr
+    assert kernel.value("len(losses) > 50 and losses[-1] < losses[0]") is True
+    assert kernel.value("handle.done() and handle.result['weights'].shape == (1, 8)") is True
+
+    later = kernel.later[started.msg_id]
+    kinds = [kind for kind, _ in later.display_messages]
+    assert kinds[0] == "display_data" and set(kinds[1:]) == {"update_display_data"}, kinds
+    assert len({display_id for _, display_id in later.display_messages}) == 1, "one view, updated in place"
+    assert later.displays[-1]["text/plain"].startswith("taas: 2 ranks on cpu · done in "), later.displays[-1]
+    assert "step 50" in later.stdout, "the ranks' output goes to the run's own cell"
+    assert not any("step 50" in r.stdout for r in others), "and to no other cell"
+    assert not run_processes(kernel), "nothing of the run is left"
+
+
+def test_an_interrupted_wait_leaves_the_run_going_and_stop_ends_it_leaving_nothing(kernel):
+    kernel.execute(TRAINING.format(seconds=120), timeout=60).ok()
+    kernel.execute("long = _").ok()
+    waited = kernel.execute("long.wait()", interrupt_after=2, timeout=60)
+    assert waited.error is not None and waited.error["ename"] == "KeyboardInterrupt"
+    assert kernel.value("long.done()") is False, "an interrupt of the wait is not one of the run"
+    assert run_processes(kernel), "the ranks go on"
+
+    began = time.monotonic()
+    stopped = kernel.execute("long.stop()\nprint(long)", timeout=60).ok()
+    assert time.monotonic() - began < 20
+    assert re.fullmatch(r"<taas run \d+ \(cell In\[\d+\], 2 ranks on cpu\): stopped after \d+ s>\n", stopped.stdout)
+    assert not still_running(run_processes(kernel), timeout=10)
+
+
+def test_a_failing_run_says_so_in_its_cell_on_its_handle_and_before_the_next_cell(kernel):
+    failing = kernel.execute(
+        "#pragma taas --gpus 2 --background\nimport os, time\ntime.sleep(1)\n"
+        "if os.environ['RANK'] == '1':\n    raise ValueError('rank one gave up')\ntime.sleep(30)\n",
+        timeout=60,
+    ).ok()
+    kernel.execute("failed = _\nfailed.wait(60)").ok()
+    raised = kernel.execute("failed.result")
+    assert raised.error is not None and "rank one gave up" in raised.traceback
+    told = r"^taas: run \d+ \(cell In\[\d+\], 2 ranks on cpu\): failed after \d+ s: .*rank 1.*"
+    assert re.search(told, raised.stderr), "said before the first cell after it ended"
+    assert not kernel.execute("print('next')").ok().stderr, "and once"
+    assert "ValueError: rank one gave up" in kernel.later[failing.msg_id].stderr
+    assert not still_running(run_processes(kernel), timeout=10)
+
+
+def test_taas_cells_run_in_the_foreground_while_a_timed_run_goes_on_in_the_background(kernel):
+    timed = kernel.execute(
+        "#pragma taas --gpus 2 --background --timeout 6\nimport time\nwhile True:\n    time.sleep(0.1)\n", timeout=60
+    ).ok()
+    kernel.execute("timed = _").ok()
+    for i in range(3):
+        r = kernel.execute(f"#pragma taas --gpus 2 --return rank\nimport os\nrank = int(os.environ['RANK']) + {i}", 90)
+        assert r.ok() and kernel.value("rank") == i
+    kernel.execute("timed.wait(60)").ok()
+    said = kernel.later[timed.msg_id]
+    assert "--timeout 6 s elapsed" in said.stderr, said.stderr
+    assert said.displays[-1]["text/plain"].startswith("taas: 2 ranks on cpu · timed out"), said.displays[-1]
+    assert not still_running(run_processes(kernel), timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ("--keep", "--background runs a one-shot cell: a session (--keep)"),
+        ("--debug", "--debug keeps a failing rank paused for %taas debug"),
+        ("--start fork", "--background starts its ranks from the fork server"),
+    ],
+)
+def test_what_a_run_in_the_background_cannot_honour_is_refused_before_anything_starts(kernel, options, refusal):
+    r = kernel.execute(f"#pragma taas --gpus 2 --background {options}\nprint('ran')")
+    assert r.error is not None and refusal in r.error["evalue"] and "\n" not in r.error["evalue"]
+    assert "ran" not in r.stdout and not run_processes(kernel)
+
+
+def test_the_kernels_shutdown_ends_a_run_in_the_background_and_leaves_nothing():
+    own = Kernel()
+    try:
+        own.execute(TRAINING.format(seconds=120), timeout=60).ok()
+        deadline = time.monotonic() + 30
+        while len(own.children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        everything = psutil.Process(own.pid).children(recursive=True)
+        assert len(everything) >= 3, "the fork server, the run's supervisor and its ranks"
+    finally:
+        own.shutdown()
+    assert not still_running(everything, timeout=15)
