@@ -160,6 +160,7 @@ class TaasMagics(Magics):
     def _stacks_command(self, words: list[str]) -> None:
         """`%taas stacks`: where each process of the session is, between its cells."""
         line_commands.nothing_more("stacks", words)
+        self.kept.refuse_while_in_background("%taas stacks")
         session = self.kept.session
         if session is None:
             print("taas: no session is running (a taas cell with --keep starts one)")

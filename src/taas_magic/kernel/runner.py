@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 from types import CodeType
-from typing import Any
+from typing import Any, Callable
 
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -26,6 +26,7 @@ from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.cluster_link import ClusterLink
 from taas_magic.kernel.debugging.visual_debugger import RankDebugging
 from taas_magic.kernel.header import cell_source
+from taas_magic.kernel.header.option_values import count
 from taas_magic.kernel.header.pragma import PragmaTransformer
 from taas_magic.kernel.header.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
 from taas_magic.kernel.run.run_result import RunResult
@@ -36,7 +37,7 @@ from taas_magic.kernel.sessions.kept import Kept, read_line
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.settings import Defaults
 from taas_magic.kernel.view import streams
-from taas_magic.kernel.view.front_end import CellFrontEnd
+from taas_magic.kernel.view.front_end import CellFrontEnd, ViewDisplay, show_once
 from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
@@ -74,15 +75,14 @@ class CellRunner:
         """Run ``cell`` with the options ``args`` (``defaults`` for those it left out); with ``--background``,
         start it and return its handle."""
         if args.background:
-            background.refuse(args, in_session=self.kept.session is not None and not self.kept.session.ended)
+            background.refuse(args)
         self.kept.let_paused_go()
         ended = self.kept.forget_ended() if args.keep else ""
         if ended:
             print(f"taas: the last session ended ({ended}); this cell starts another", file=sys.stderr)
         session = self.kept.live_session()
         if session is not None and not args.keep:
-            self._run_in_session(session, args, defaults, line, cell)
-            return None
+            return self._run_in_session(session, args, defaults, line, cell)
         if args.keep and session is not None:
             raise TaasUsageError(
                 f"a session is running ({session.size} ranks): %taas stop first, "
@@ -125,6 +125,8 @@ class CellRunner:
                 track=spec.hang_after > 0,
             )
 
+        if spec.on_cluster and args.background:
+            background.refuse_on_cluster()
         if spec.on_cluster:
             backend: Backend[Any] = self.link.backend(spec, catalog)
         elif args.background:  # the kernel is not forked while other cells run in it
@@ -139,7 +141,7 @@ class CellRunner:
             result = self._launch(backend, spec, make_task, analysed, loaders, defaults.view)
         finally:
             if traces is not None:
-                _merge_traces(traces, spec.world_size)
+                profiling.merge_and_close(traces, spec.world_size)
         self._take_back(result, spec.return_names, spec.return_from)
         return None
 
@@ -153,24 +155,32 @@ class CellRunner:
         view: bool,
         traces: profiling.ProfileFolder | None,
     ) -> BackgroundRun:
-        """A one-shot run in a thread of the kernel (``background``); the names it needs are taken from the
-        notebook now, and its names join the notebook between cells once it ended."""
+        """A one-shot run in the background: the names it needs are taken from the notebook now."""
         plan = backend.prepare(make_task, cell)
-        run = self.kept.background.new(f"In[{self.shell.execution_count}]", f"{spec.world_size} ranks on {spec.device}")
-        # No prompt can be read from the cell once it has ended: a rank's breakpoint() is told there is none.
-        front = dataclasses.replace(self._front_end(view, spec.profile), read_line=None, stop_asked=run.stops.take)
         environ = dict(os.environ)
 
-        def work() -> RunResult:
+        def work(front: CellFrontEnd) -> RunResult:
             try:
                 return controller.run(spec, plan, backend, front, environ, labels=producer_labels(loaders))
             finally:
                 plan.close()
                 streams.give_back_freed_memory()
                 if traces is not None:
-                    _merge_traces(traces, spec.world_size)
+                    profiling.merge_and_close(traces, spec.world_size)
 
-        run.start(work, lambda result: self._take_back(result, spec.return_names, spec.return_from))
+        return self._background(
+            f"{spec.world_size} ranks on {spec.device}", self._front_end(view, spec.profile), work, spec
+        )
+
+    def _background(
+        self, what: str, front: CellFrontEnd, work: Callable[[CellFrontEnd], RunResult], spec: LaunchSpec
+    ) -> BackgroundRun:
+        """``work`` run in a thread of the kernel for this cell (``background``), with its front end: no prompt can
+        be read from a cell that has ended (a rank's breakpoint() is told there is none), and the handle's stops are
+        taken as interrupts. The names it sends back join the notebook between cells."""
+        run = self.kept.background.new(f"In[{self.shell.execution_count}]", what)
+        front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take)
+        run.start(lambda: work(front), lambda result: self._take_back(result, spec.return_names, spec.return_from))
         return run
 
     def _launch(
@@ -265,7 +275,7 @@ class CellRunner:
             self._cell_names(),
             status=ViewDisplay(live).show if view else None,
             read_line=read_line,
-            picture=_show_once if profile and view else None,
+            picture=show_once if profile and view else None,
             stopped=self.debugging.stopped_ranks if self.debugging is not None else frozenset,
         )
 
@@ -294,8 +304,10 @@ class CellRunner:
 
     def _run_in_session(
         self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str, cell: str
-    ) -> None:
+    ) -> BackgroundRun | None:
         session_cells.check_fits_session(args, session)
+        if args.background and session.start == "cluster":
+            background.refuse_on_cluster()
         ranks = session_cells.session_ranks(args.ranks, session)
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell
@@ -317,15 +329,9 @@ class CellRunner:
         new = session_cells.new_loaders(analysed.reads, session, ranks, self.shell.user_ns)
         session.resend([plan.name for plan in new])  # the ranks and the producers' supervisor need the loader
         wanted = results.wanted(analysed.binds, spec.return_names) if from_ranks else ()
-        self._in_session(
-            session,
-            analysed,
-            compiled.code,
-            ranks,
-            spec,
-            defaults.view,
-            new,
-            Returns(wanted, frozenset(from_ranks), session_cells.running_ranks(ranks, session)),
+        returns = Returns(wanted, frozenset(from_ranks), session_cells.running_ranks(ranks, session))
+        return self._in_session(
+            session, analysed, compiled.code, ranks, spec, defaults.view, new, returns, background=args.background
         )
 
     def pull(
@@ -397,23 +403,34 @@ class CellRunner:
         loaders: tuple[LoaderPlan, ...],
         returns: Returns,
         notebook_cell: bool = True,
-    ) -> None:
+        background: bool = False,
+    ) -> BackgroundRun | None:
         """Run ``code`` in the session's ``ranks``, then take back what ``returns`` asks for (``notebook_cell``
-        False: ``%taas pull`` or ``push``)."""
+        False: ``%taas pull`` or ``push``). In the ``background``, nothing else uses the session until it ends
+        (``Kept.refuse_while_in_background``); the names it needs are sent now."""
         traces = profiling.ProfileFolder() if spec.profile and notebook_cell else None
         order = self._order(spec, code, returns, loaders, traces, notebook_cell)
         prepared, shipment, sent = session.prepare(analysed, order, "" if notebook_cell else analysed.label)
+
+        def work(front: CellFrontEnd) -> RunResult:
+            try:
+                result = session.run(prepared, shipment, ranks, spec, front, notebook_cell)
+                session.shipped(sent)
+                return result
+            finally:
+                if shipment is not None:
+                    shipment.close()
+                if traces is not None:
+                    profiling.merge_and_close(traces, len(ranks))
+                streams.give_back_freed_memory()
+
         front = self._front_end(view, traces is not None)
-        try:
-            result = session.run(prepared, shipment, ranks, spec, front, notebook_cell)
-            session.shipped(sent)
-        finally:
-            if shipment is not None:
-                shipment.close()
-            if traces is not None:
-                _merge_traces(traces, len(ranks))
-            streams.give_back_freed_memory()
+        if background:
+            session.busy = self._background(f"{count(len(ranks), 'rank')} of the session", front, work, spec)
+            return session.busy
+        result = work(front)
         self._take_back(result, spec.return_names, spec.return_from, pulled=not notebook_cell)
+        return None
 
     def _take_back(
         self, result: RunResult, requested: tuple[str, ...] | None, from_ranks: tuple[int, ...], pulled: bool = False
@@ -423,48 +440,6 @@ class CellRunner:
         if self.kept.session is not None:
             self.kept.session.took_back(values)
         return values
-
-
-class ViewDisplay:
-    """A run's live view: one display in the cell, updated in place, left as the run's summary.
-
-    A terminal cannot redraw a display: there (``live`` False) only the summary is shown.
-    """
-
-    def __init__(self, live: bool) -> None:
-        self.live = live
-        self.handle: Any = None  # IPython's DisplayHandle, once shown
-
-    def show(self, bundle: dict[str, str], final: bool) -> None:
-        from IPython.display import display
-
-        if not self.live and not final:
-            return
-        if self.handle is None:
-            self.handle = display(bundle, raw=True, display_id=True)
-        else:
-            self.handle.update(bundle, raw=True)
-
-
-def _merge_traces(traces: profiling.ProfileFolder, world: int) -> None:
-    """A ``--profile`` run's traces, merged into one file in the notebook's folder, which the cell names."""
-    try:
-        written = traces.merge_into(os.getcwd())
-    except OSError as e:
-        print(f"taas: --profile: the merged trace could not be written in {os.getcwd()}: {e}", file=sys.stderr)
-        return
-    finally:
-        traces.close()
-    if written is None:
-        print("taas: --profile: no rank wrote its trace (each was killed before it could)", file=sys.stderr)
-    else:
-        print(written.notice(world), end="", file=sys.stderr)
-
-
-def _show_once(bundle: dict[str, str]) -> None:
-    from IPython.display import display
-
-    display(bundle, raw=True)
 
 
 def _import_torch_once() -> None:

@@ -20,8 +20,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05)
 torch.manual_seed(0)
 data, target = torch.randn(64, 8), torch.randn(64, 1)
 losses = []
-started = time.monotonic()
-while time.monotonic() - started < {seconds}:
+for step in range({seconds} * 100):  # about 100 steps a second; DDP's ranks take the same number of steps
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(data), target)
     loss.backward()
@@ -122,10 +121,55 @@ def test_taas_cells_run_in_the_foreground_while_a_timed_run_goes_on_in_the_backg
     assert not still_running(run_processes(kernel), timeout=10)
 
 
+SESSION_TRAINING = """#pragma taas --background --return losses
+for step in range({seconds} * 100):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(data), target)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    time.sleep(0.005)
+"""
+
+
+def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(kernel):
+    kernel.execute(
+        "#pragma taas --gpus 2 --keep --return none\n" + TRAINING.split("\n", 1)[1].split("for step in")[0], timeout=90
+    ).ok()
+    started = kernel.execute(SESSION_TRAINING.format(seconds=8), timeout=60).ok()
+    assert re.fullmatch(
+        r"taas run \d+ \(cell In\[\d+\], 2 ranks of the session\): running for \d+ s",
+        started.displays[-1]["text/plain"],
+    )
+    kernel.execute("training = _").ok()
+    assert kernel.execute("print(sum(range(10)))").ok().stdout == "45\n", "the notebook's own cells run"
+    for line in ("%taas pull losses", "%taas stacks", "#pragma taas\nprint(1)"):
+        refused = kernel.execute(line)
+        assert refused.error is not None and re.search(
+            r"did not run: the session is running cell In\[\d+\] in the background \(run \d+\); %taas wait waits for "
+            r"it, %taas stop stops it$",
+            refused.error["evalue"],
+        ), (line, refused.error)
+    assert "running cell In[" in kernel.execute("%taas").ok().stdout
+    kernel.execute("%taas wait", timeout=90).ok()
+    assert kernel.value("len(losses) > 50 and losses[-1] < losses[0]") is True
+    later = kernel.execute(SESSION_TRAINING.format(seconds=2).replace(" --background", ""), timeout=90).ok()
+    assert later.displays[-1]["text/plain"].startswith("taas: 2 ranks on cpu · done"), "the same session trains on"
+
+    stopped = kernel.execute(SESSION_TRAINING.format(seconds=120), timeout=60).ok()
+    kernel.execute("stopping = _\nstopping.stop()").ok()
+    assert kernel.value("stopping.done()") is True
+    said = kernel.later[stopped.msg_id]
+    assert "the session goes on" in said.stderr, said.stderr
+    kernel.execute("#pragma taas\nassert len(losses) > 0", timeout=90).ok()
+    kernel.execute("%taas stop").ok()
+    assert not still_running(run_processes(kernel), timeout=10)
+
+
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
-        ("--keep", "--background runs a one-shot cell: a session (--keep)"),
+        ("--keep", "--background runs a one-shot cell, or a cell in a running session: start the session"),
         ("--debug", "--debug keeps a failing rank paused for %taas debug"),
         ("--start fork", "--background starts its ranks from the fork server"),
     ],

@@ -122,26 +122,20 @@ def options(**given) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(
-    ("given", "in_session", "refusal"),
+    ("given", "refusal"),
     [
-        ({"keep": True}, False, "--background runs a one-shot cell: a session (--keep) and the cells"),
-        (
-            {},
-            True,
-            "--background runs a one-shot cell: a session (--keep) and the cells that run in it stay in the "
-            "foreground; %taas stop ends the session",
-        ),
-        ({"ranks": (0,)}, False, "--background runs a one-shot cell"),
-        ({"debug": True}, False, "--debug keeps a failing rank paused for %taas debug"),
-        ({"start": "fork"}, False, "--background starts its ranks from the fork server"),
+        ({"keep": True}, "--background runs a one-shot cell, or a cell in a running session: start the session"),
+        ({"debug": True}, "--debug keeps a failing rank paused for %taas debug"),
+        ({"start": "fork"}, "--background starts its ranks from the fork server"),
     ],
 )
-def test_what_a_run_in_the_background_cannot_honour_is_refused_in_one_line(given, in_session, refusal):
+def test_what_a_run_in_the_background_cannot_honour_is_refused_in_one_line(given, refusal):
     with pytest.raises(TaasUsageError) as refused:
-        refuse(options(**given), in_session)
+        refuse(options(**given))
     assert str(refused.value).startswith(refusal) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("start", [None, "auto", "forkserver"])
-def test_a_one_shot_cell_may_run_in_the_background(start):
-    refuse(options(start=start), in_session=False)
+def test_a_one_shot_cell_or_a_session_cell_may_run_in_the_background(start):
+    refuse(options(start=start))
+    refuse(options(start=start, ranks=(0,)))

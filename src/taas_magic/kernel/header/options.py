@@ -220,7 +220,8 @@ def declare(func: Callable[..., Any]) -> Callable[..., Any]:
             action="store_true",
             help="the cell returns at once, with a handle to its run (.done(), .wait(), .stop(), .result), and the "
             "notebook runs other cells while it trains; its view and output stay in this cell, and its names join "
-            "the notebook when it ends (%%taas runs lists such runs, %%taas wait waits for them). One-shot cells.",
+            "the notebook when it ends (%%taas runs lists such runs, %%taas wait waits for them). One-shot cells, "
+            "and cells in a running session (which waits for them).",
         ),
         magic_arguments.argument("--check", default=None, metavar="NAME", help=argparse.SUPPRESS),
         # `#!NAME` alone while a cluster is connected: the cell as one process on such a node

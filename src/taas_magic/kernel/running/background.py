@@ -29,16 +29,13 @@ STOP_WAIT_SECONDS = 30.0  # a run that was asked to stop ends within seconds: an
 WAIT_SLICE_SECONDS = 0.1  # a wait wakes this often, so that an interrupt of the kernel ends it at once
 
 
-def refuse(args: Any, in_session: bool) -> None:
+def refuse(args: Any) -> None:
     """A ``--background`` cell's options that a run in the background cannot honour, refused in one line before
     anything starts."""
-    if args.keep or in_session or args.ranks is not None:
+    if args.keep:
         raise TaasUsageError(
-            "--background runs a one-shot cell: a session (--keep) and the cells that run in it stay in the "
-            "foreground; %taas stop ends the session"
-            if in_session and not args.keep
-            else "--background runs a one-shot cell: a session (--keep) and the cells that run in it stay in the "
-            "foreground"
+            "--background runs a one-shot cell, or a cell in a running session: start the session (--keep) in the "
+            "foreground, then run its cells in the background"
         )
     if args.debug:
         raise TaasUsageError(
@@ -50,6 +47,13 @@ def refuse(args: Any, in_session: bool) -> None:
             "--background starts its ranks from the fork server (the kernel is not forked while other cells run "
             "in it): leave out --start fork"
         )
+
+
+def refuse_on_cluster() -> None:
+    raise TaasUsageError(
+        "--background runs ranks on this machine: the cluster's driver serves one cell at a time "
+        "(run the cell in the foreground, or with --on local)"
+    )
 
 
 class StopRequests:

@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -154,3 +155,18 @@ def _main_process(events: list[dict[str, Any]]) -> Any:
     counts = Counter(event.get("pid") for event in events if event.get("cat") == "cpu_op")
     counts = counts or Counter(event.get("pid") for event in events if event.get("pid") not in ("", None))
     return counts.most_common(1)[0][0] if counts else ""
+
+
+def merge_and_close(traces: ProfileFolder, world: int) -> None:
+    """A ``--profile`` run's traces, merged into one file in the notebook's folder, which the cell names."""
+    try:
+        written = traces.merge_into(os.getcwd())
+    except OSError as e:
+        print(f"taas: --profile: the merged trace could not be written in {os.getcwd()}: {e}", file=sys.stderr)
+        return
+    finally:
+        traces.close()
+    if written is None:
+        print("taas: --profile: no rank wrote its trace (each was killed before it could)", file=sys.stderr)
+    else:
+        print(written.notice(world), end="", file=sys.stderr)

@@ -71,6 +71,7 @@ class Kept:
         """The session the next cell (or ``%taas COMMAND``) runs in. One that ended since the last cell, between
         cells or during it, is forgotten, and the cell fails saying so: run in fresh ranks, a cell meant for the
         session would silently compute with the notebook's stale values."""
+        self.refuse_while_in_background(f"%taas {command}" if command else "this cell")
         if self.session is not None and self.session.check():
             ended, self.session = self.session, None
             self.ended = ended
@@ -84,9 +85,19 @@ class Kept:
         self.ended = None
         return self.session
 
+    def refuse_while_in_background(self, what: str) -> None:
+        """While a cell of the session runs in the background, nothing else uses the session: ``what`` (a cell, a
+        command) is refused in one line saying what to do."""
+        busy = self.session.running_in_background() if self.session is not None else None
+        if busy is not None:
+            raise TaasUsageError(
+                f"{what} did not run: the session is running cell {busy.cell} in the background (run {busy.number}); "
+                "%taas wait waits for it, %taas stop stops it"
+            )
+
     def forget_ended(self) -> str:
         """Let a session that ended go without a word (a cell with ``--keep`` starts another); why it ended, or ''."""
-        if self.session is None or not self.session.check():
+        if self.session is None or self.session.running_in_background() or not self.session.check():
             return ""
         self.ended, self.session = self.session, None
         return self.ended.ended
@@ -131,6 +142,7 @@ class Kept:
                 raise TaasUsageError(f"rank {wanted} did not fail: rank {paused.rank} was paused at its error")
             debug_paused(paused.group, paused.rank, paused.spec, streams.write_to_cell, read_line)
             return
+        self.refuse_while_in_background("%taas debug")
         session = self.session
         if session is not None and session.check():
             raise TaasUsageError(_ended_with(session))

@@ -36,6 +36,7 @@ from taas_magic.delivery.service import producer_labels
 from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel.header.spec import LaunchSpec, without_last_nodes
 from taas_magic.kernel.run.run_result import SESSION, RunResult
+from taas_magic.kernel.running.background import BackgroundRun
 from taas_magic.kernel.running.controller import LOST, Pump, watch
 from taas_magic.kernel.sessions import reloading, session_stacks
 from taas_magic.kernel.view import render, streams
@@ -75,6 +76,12 @@ class Session:
     loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
     labels: dict[Key, str] = field(default_factory=dict)  # the producers' names: "producer 0 of train_loader"
     dead: set[int] = field(default_factory=set)  # ranks that died between cells: replaced as the next cell begins
+    busy: BackgroundRun | None = None  # the run in the background whose cell the ranks run, if any
+
+    def running_in_background(self) -> BackgroundRun | None:
+        """The run in the background whose cell runs in the session now: nothing else may use the session (its
+        events are that run's to read) until it ends."""
+        return self.busy if self.busy is not None and not self.busy.done() else None
 
     @property
     def size(self) -> int:
@@ -378,6 +385,12 @@ class Session:
             containment.close_whole(self.group.close)
 
     def describe(self) -> str:
+        busy = self.running_in_background()
+        if busy is not None:
+            return (
+                f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}, running cell {busy.cell} in the "
+                f"background (run {busy.number}; %taas wait waits for it, %taas stop stops it)"
+            )
         if self.check():
             return f"ended: {self.ended}"
         idle = time.monotonic() - self.last_used

@@ -8,7 +8,7 @@ own: nothing of one cell's front end stays for the next (a later command drawing
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from taas_magic.kernel.header.spec import LaunchSpec
 from taas_magic.kernel.view.live_view import RunView
@@ -52,3 +52,31 @@ class CellFrontEnd:
             spec.ranks_per_node if spec.nodes > 1 else 0,
         )
         return TidyRankOutput(self.write, spec.show_rank_prefix, len(ranks), view.bar, shown, labels), view
+
+
+class ViewDisplay:
+    """A run's live view: one display in the cell, updated in place, left as the run's summary.
+
+    A terminal cannot redraw a display: there (``live`` False) only the summary is shown.
+    """
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.handle: Any = None  # IPython's DisplayHandle, once shown
+
+    def show(self, bundle: dict[str, str], final: bool) -> None:
+        from IPython.display import display
+
+        if not self.live and not final:
+            return
+        if self.handle is None:
+            self.handle = display(bundle, raw=True, display_id=True)
+        else:
+            self.handle.update(bundle, raw=True)
+
+
+def show_once(bundle: dict[str, str]) -> None:
+    """A MIME bundle shown once, in a display of its own (the picture under a ``--profile`` run's summary)."""
+    from IPython.display import display
+
+    display(bundle, raw=True)
