@@ -178,7 +178,7 @@ class CellRunner:
         """``work`` run in a thread of the kernel for this cell (``background``), with its front end: no prompt can
         be read from a cell that has ended (a rank's breakpoint() is told there is none), and the handle's stops are
         taken as interrupts. The names it sends back join the notebook between cells."""
-        run = self.kept.background.new(f"In[{self.shell.execution_count}]", what)
+        run = self.kept.background.new(f"In[{cell_files.running_cell_number(self.shell)}]", what)
         front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take)
         run.start(lambda: work(front), lambda result: self._take_back(result, spec.return_names, spec.return_from))
         return run

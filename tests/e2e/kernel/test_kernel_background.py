@@ -51,6 +51,7 @@ def test_a_run_trains_in_the_background_while_other_cells_run_and_its_names_come
     assert re.fullmatch(
         r"taas run \d+ \(cell In\[\d+\], 2 ranks on cpu\): running for \d+ s", started.displays[-1]["text/plain"]
     ), started.displays
+    assert f"(cell In[{started.reply['execution_count']}]," in started.displays[-1]["text/plain"], "the cell's number"
     handle = kernel.execute("handle = _\nprint(handle.done())").ok()
     assert handle.stdout == "False\n"
 
