@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from support.kernel import Kernel, still_running
+from support.kernel import Kernel, still_running, working_in
 
 TRAINING = """#pragma taas --gpus 2 --background --return losses,weights
 import os, time, torch, torch.distributed as dist
@@ -164,6 +164,30 @@ def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(ke
     assert "the session goes on" in said.stderr, said.stderr
     kernel.execute("#pragma taas\nassert len(losses) > 0", timeout=90).ok()
     kernel.execute("%taas stop").ok()
+    assert not still_running(run_processes(kernel), timeout=10)
+
+
+def test_a_run_in_the_background_restarts_profiles_and_outlives_a_reload_of_the_extension(kernel, tmp_path):
+    """What a cell in the foreground has, in the background: --max-restarts starts it again, --profile's trace is
+    written and named in its cell, and %reload_ext (the session, the cluster and the runs go on) keeps the run."""
+    cell = (
+        "#pragma taas --gpus 2 --background --max-restarts 1 --profile --return restarted\n"
+        "import os, time, torch\n"
+        "restarted = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "torch.ones(64, 64) @ torch.ones(64, 64)\n"
+        "time.sleep(3)\n"
+        "if restarted == 0 and os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('first try')\n"
+        "time.sleep(3)\n"
+    )
+    with working_in(kernel, tmp_path):
+        started = kernel.execute(cell, timeout=60).ok()
+        kernel.execute("restarting = _\n%reload_ext taas_magic").ok()
+        kernel.execute("%taas wait", timeout=120).ok()
+        assert kernel.value("restarted") == 1 and kernel.value("restarting.done()") is True
+    said = kernel.later[started.msg_id]
+    assert "every rank starts again (restart 1 of --max-restarts 1)" in said.stderr, said.stderr
+    assert "taas-profile-" in said.stderr and list(tmp_path.glob("taas-profile-*.json.gz")), said.stderr
     assert not still_running(run_processes(kernel), timeout=10)
 
 
