@@ -170,6 +170,10 @@ class TaasMagics(Magics):
     def _transfer_command(self, command: str, words: list[str]) -> None:
         """`%taas pull NAMES` / `%taas push NAMES`: names between the notebook and the session's ranks."""
         names, ranks = options.transfer(command, words)
+        running = self.kept.session.running_in_background() if self.kept.session is not None else None
+        if command == "pull" and running is not None and self.kept.session is not None:
+            self._runner().pull_while_running(self.kept.session, running, names, ranks)
+            return
         session = self.kept.live_session(command)
         if session is None:
             back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""

@@ -42,6 +42,7 @@ from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
+from taas_magic.per_rank import span
 from taas_magic.process import cell_files, containment, kernel_debugger, logs, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
@@ -179,7 +180,7 @@ class CellRunner:
         be read from a cell that has ended (a rank's breakpoint() is told there is none), and the handle's stops are
         taken as interrupts. The names it sends back join the notebook between cells."""
         run = self.kept.background.new(f"In[{cell_files.running_cell_number(self.shell)}]", what)
-        front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take)
+        front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take, pulls=run.pulls)
         run.start(lambda: work(front), lambda result: self._take_back(result, spec.return_names, spec.return_from))
         return run
 
@@ -361,6 +362,24 @@ class CellRunner:
             returns=Returns(names, frozenset(chosen)),
             notebook_cell=False,
         )
+
+    def pull_while_running(
+        self, session: Session, run: BackgroundRun, names: tuple[str, ...], from_ranks: tuple[int, ...] | None
+    ) -> None:
+        """``%taas pull`` while a cell of the session runs in the background: the ranks send the names between two
+        optimizer steps, every rank at the same one (at once in a cell that takes none), and go on."""
+        ranks = list(range(session.size))
+        chosen = tuple(ranks) if from_ranks is None else return_from(from_ranks, ranks, "the session", "--ranks")
+        request = run.pulls.ask(names, chosen)
+        request.wait()
+        if set(request.answers) < set(chosen):
+            raise TaasUsageError(
+                f"%taas pull {' '.join(names)}: the session's cell {run.cell} ended before "
+                f"{span(sorted(set(chosen) - set(request.answers)))} could answer: %taas pull again, now from the "
+                "session as the cell left it"
+            )
+        # The ranks hold their own (later) values of these: the next cell does not send the notebook's back.
+        session.took_back(names_back.take_back_pulled(self.shell.user_ns, request.answers, names, chosen))
 
     def push(
         self, session: Session, names: tuple[str, ...], to_ranks: tuple[int, ...] | None, defaults: Defaults

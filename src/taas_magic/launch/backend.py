@@ -59,6 +59,10 @@ class SessionGroup(RankGroup, Protocol):
     def answer(self, rank: Key, line: str | None) -> None:
         """Answer a rank's ``InputRequest``: a line of input, or None when none can be had."""
 
+    def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
+        """Ask ``ranks`` for ``names`` while their cell runs, each answering between two optimizer steps every rank
+        agrees on (``Result.pull``); False where the group cannot."""
+
 
 @dataclass(frozen=True)
 class Cell:

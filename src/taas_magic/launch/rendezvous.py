@@ -75,6 +75,13 @@ class RunStore:
         self._listener = None
         self._server = serve_on(fd, self.host, self.port, self.world_size)
 
+    def put(self, key: str, value: str) -> bool:
+        """``value`` under ``key`` for the run's processes to read; False if the store is not served here."""
+        if self._server is None:
+            return False
+        self._server.set(key, value)
+        return True
+
     def hand_over(self) -> int:
         """The listening socket's descriptor, for a process of the run to serve the store on
         (``serve_on``), after its last fork: the caller sends it and closes its own copy."""

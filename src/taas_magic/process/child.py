@@ -23,7 +23,7 @@ from typing import Any, FrozenSet
 
 from taas_magic.process import containment, kernel_debugger
 from taas_magic.wire import records
-from taas_magic.wire.rank_control import STOP_TOGETHER
+from taas_magic.wire.rank_control import PULL_TOGETHER, STOP_TOGETHER
 from taas_magic.wire.records import Record
 
 EXIT_FAILED = 1
@@ -193,6 +193,7 @@ def _reset_signals(stack_fd: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True, chain=False)
     signal.signal(STOP_TOGETHER, as_an_interrupt)  # a session's rank takes it at a step (rank/stopping.py)
+    signal.signal(PULL_TOGETHER, signal.SIG_IGN)  # a session's rank answers it in its cell (rank/stopping.py)
     # The supervisor forked this process with interrupts, stack requests and stops held: one sent while it started
     # is taken now (a stack request, by then, is answered rather than ending the process).
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGUSR1, STOP_TOGETHER})

@@ -21,14 +21,14 @@ from typing import Any
 from taas_magic.process import containment
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.process.tracebacks import register_sources
-from taas_magic.rank import debugger, healing
+from taas_magic.rank import debugger, healing, pulling
 from taas_magic.rank.cell import failed_outside_code, run_cell
 from taas_magic.rank.group_links import GroupLinks
 from taas_magic.rank.release import Release
 from taas_magic.rank.reloading import RankReloads
 from taas_magic.rank.stopping import StepStops
-from taas_magic.wire import memfile, records, results, shipping
-from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
+from taas_magic.wire import records, results, shipping
+from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.rank_control import CellEnd, InCell, Line, RankEnd, SessionCell, rank_end, world_variables
 from taas_magic.wire.records import CellEnded, Failed
 from taas_magic.wire.task import CellOrder, LoaderPlan, RankTask
@@ -53,6 +53,7 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
     interrupted = False  # before the cell's code began
     reloads = RankReloads(namespace)
     steps, links = StepStops(), GroupLinks()
+    steps.answer_pull = lambda asked: pulling.answer(asked, namespace, control)
     release = Release(links)
     steps.install()
     links.install()
@@ -159,30 +160,14 @@ def send_end(control: RankEnd, record: records.Record, names: results.Packed | N
     """The cell's end, with its names: small ones in the message, larger ones in a sealed memory file that
     the supervisor hands on to the kernel as it is (``events.ResultInFile``), and the kernel maps."""
     flush_all()
-    message, fds = CellEnd(records.encode(record), None), []
-    if names is not None and names.size <= INLINE_LIMIT:
-        message = CellEnd(message.record, names.to_bytes())
-    elif names is not None:
-        fds.append(_names_file(names))
-        message = CellEnd(message.record, None, names.size)
+    inline, in_file, fds = pulling.message_parts(names) if names is not None else (None, None, [])
     try:
-        control.send(message, fds)
+        control.send(CellEnd(records.encode(record), inline, in_file), fds)
     except ChannelBroken:
         pass  # the session is over: the next receive says so
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _names_file(names: results.Packed) -> int:
-    fd = memfile.new_file("taas-names", names.size)
-    try:
-        names.write(fd)
-        memfile.seal(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | None:

@@ -26,11 +26,12 @@ import math
 import signal
 import time
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from taas_magic.process.child import as_an_interrupt
-from taas_magic.rank import run_store
-from taas_magic.wire.rank_control import STOP_TOGETHER
+from taas_magic.rank import pulling, run_store
+from taas_magic.rank.pulling import PullRequest
+from taas_magic.wire.rank_control import PULL_TOGETHER, STOP_TOGETHER
 
 # How far ahead of the first rank to get the signal the ranks stop: the signal reaches the others later (the
 # supervisor signals one rank after another; on a cluster, each node's in turn), and a rank that passed the step
@@ -49,8 +50,13 @@ class StepStops:
         self.asked = False  # STOP_TOGETHER came: stop before the agreed step
         self.stop_before: int | None = None  # the agreed step
         self.stopped_there = False  # the cell's KeyboardInterrupt came at the agreed step: no peer waits for it
+        self.pull_asked = False  # PULL_TOGETHER came: answer the request before the agreed step
+        self.pull: PullRequest | None = None  # the request, read at the first step after it came
+        self.pull_before: int | None = None
+        self.answer_pull: Callable[[PullRequest], None] = lambda asked: None  # the session's: sends the names
         self.hooks: list[Any] = []
         self.before: Any = signal.SIG_DFL  # the handler ``install`` replaced
+        self.before_pull: Any = signal.SIG_IGN
 
     def install(self) -> None:
         """For the session's life: the signal, and hooks around every optimizer's step (torch's global ones)."""
@@ -61,17 +67,19 @@ class StepStops:
             register_optimizer_step_post_hook(self._after_step),
         ]
         self.before = signal.signal(STOP_TOGETHER, self._on_signal)
+        self.before_pull = signal.signal(PULL_TOGETHER, self._on_pull)
 
     def uninstall(self) -> None:
         for hook in self.hooks:
             hook.remove()
         signal.signal(STOP_TOGETHER, self.before)
+        signal.signal(PULL_TOGETHER, self.before_pull)
 
     @contextlib.contextmanager
     def running(self, cell: int) -> Iterator[None]:
         """Around a cell's run: its steps counted from 0, an interrupt of it taken at a step."""
         self.cell, self.begun, self.applied, self.asked, self.stop_before = cell, 0, 0, False, None
-        self.stopped_there = False
+        self.stopped_there, self.pull_asked, self.pull, self.pull_before = False, False, None, None
         try:
             yield
         finally:
@@ -89,20 +97,48 @@ class StepStops:
         else:
             self.asked = True
 
+    def _on_pull(self, signum: int, frame: FrameType | None) -> None:
+        """A pull while the cell runs: at the agreed step; at once in a cell that has begun none (nothing is
+        in the middle of a step then)."""
+        if self.cell is None:
+            return  # between cells: the kernel pulls with a cell of its own
+        if self.begun > 0:
+            self.pull_asked, self.pull_before = True, None  # read at the next step, outside the handler
+            return
+        asked = pulling.request()
+        if asked is not None:
+            self.answer_pull(asked)
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.cell is None:
             return
         self.begun += 1
         if self.begun == 1:
             self.first_step_at = time.monotonic()
+        if self.pull_asked and not self.asked:
+            self._pull_here()
         if not self.asked:
             return
         if self.stop_before is None:
-            self.stop_before = self._agree(self.begun + self._margin())
+            self.stop_before = self._agree(f"taas/stop-before/{self.cell}", self.begun + self._margin())
         if self.begun >= self.stop_before:
             self.begun -= 1  # this one does not begin
             self.stopped_there = True
             raise KeyboardInterrupt
+
+    def _pull_here(self) -> None:
+        """Answer the pull if this is the step the ranks agreed on (the values as they are after the steps before
+        it, in every rank alike), then let the step begin."""
+        if self.pull is None or self.pull_before is None:
+            self.pull = pulling.request()
+        if self.pull is None:
+            self.pull_asked = False
+            return
+        if self.pull_before is None:
+            self.pull_before = self._agree(f"taas/pull-before/{self.pull.number}", self.begun + self._margin())
+        if self.begun >= self.pull_before:
+            asked, self.pull, self.pull_before, self.pull_asked = self.pull, None, None, False
+            self.answer_pull(asked)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.cell is not None:
@@ -115,10 +151,11 @@ class StepStops:
         step_seconds = (time.monotonic() - self.first_step_at) / (self.begun - 1)
         return max(1, math.ceil(MARGIN_SECONDS / max(step_seconds, 1e-6)))
 
-    def _agree(self, proposed: int) -> int:
-        """The step every rank of the cell stops before: the first proposal in the run's store. Without the
-        store, this rank stops here (its report says where, and the kernel whether the others did too)."""
+    def _agree(self, key: str, proposed: int) -> int:
+        """The step every rank of the cell stops (or answers a pull) before: the first proposal under ``key`` in the
+        run's store. Without the store, this rank does it here (its report says where, and the kernel whether the
+        others did too)."""
         try:
-            return int(run_store.client().compare_set(f"taas/stop-before/{self.cell}", "", str(proposed)))
+            return int(run_store.client().compare_set(key, "", str(proposed)))
         except Exception:
             return self.begun

@@ -56,6 +56,7 @@ class Result:
 
     rank: Key  # always a rank: producers send no names
     data: bytes | Received
+    pull: int = 0  # > 0: the names a `%taas pull` took while the cell ran (the pull's number), not the cell's end
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ResultInFile:
     rank: Key
     size: int
     fd: int = -1  # in the supervisor: the file, until the message that carries it is sent
+    pull: int = 0  # as ``Result.pull``
 
 
 # An exit status no process has: a cluster session's rank whose node was lost (its driver says so), the session

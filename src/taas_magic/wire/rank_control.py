@@ -24,6 +24,11 @@ from taas_magic.wire.task import CellOrder
 # optimizer step every rank agrees on, the replicas equal (``rank/stopping.py``); SIGINT follows for ranks that
 # do not get there. Before a rank takes its cell, it stands for an interrupt.
 STOP_TOGETHER = signal.SIGUSR2
+# What a session's rank is sent when the notebook pulls names while its cell runs in the background: answer
+# before the optimizer step every rank agrees on (``rank/stopping.py``), the request in the run's store under
+# ``PULL_KEY``; at once in a cell that has begun no step. Ignored outside a session's cell.
+PULL_TOGETHER = signal.SIGRTMIN + 2
+PULL_KEY = "taas/pull"  # {"number": N, "names": [...], "ranks": [...]} as JSON, one request at a time
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,17 @@ class CellEnd:
 
 
 @dataclass(frozen=True)
+class Pulled:
+    """The names a `%taas pull` asked for while the cell runs, taken between two optimizer steps (``number``: the
+    pull's); as ``CellEnd``'s names, large ones in a memory file of ``in_file`` bytes."""
+
+    kind: ClassVar[str] = "pulled"
+    number: int
+    names: bytes | None
+    in_file: int | None = None
+
+
+@dataclass(frozen=True)
 class Prompt:
     """The rank's debugger reads a line: the kernel asks the notebook for one, showing ``prompt``."""
 
@@ -127,7 +143,7 @@ class Prompt:
 
 
 ToRank = Union[SessionCell, Line]
-FromRank = Union[InCell, CellEnd, Prompt]
+FromRank = Union[InCell, CellEnd, Prompt, Pulled]
 
 # Who sends what to whom: docs/architecture.md's table of messages lists exactly these (test_protocol.py).
 DIRECTIONS = (("supervisor", "rank", ToRank), ("rank", "supervisor", FromRank))

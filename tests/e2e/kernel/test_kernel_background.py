@@ -144,7 +144,15 @@ def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(ke
     )
     kernel.execute("training = _").ok()
     assert kernel.execute("print(sum(range(10)))").ok().stdout == "45\n", "the notebook's own cells run"
-    for line in ("%taas pull losses", "%taas stacks", "#pragma taas\nprint(1)"):
+    seen = 0
+    for _ in range(3):  # looking into the training: every rank at the same step, equal replicas, and on it goes
+        kernel.execute("%taas pull losses model", timeout=60).ok()
+        steps = kernel.value("[len(losses[0]), len(losses[1])]")
+        same = kernel.value("bool((model[0].weight == model[1].weight).all())")
+        assert steps[0] == steps[1] > seen and same is True, (steps, same)
+        assert kernel.value("training.done()") is False, "the cell trains on"
+        seen = steps[0]
+    for line in ("%taas stacks", "#pragma taas\nprint(1)"):
         refused = kernel.execute(line)
         assert refused.error is not None and re.search(
             r"did not run: the session is running cell In\[\d+\] in the background \(run \d+\); %taas wait waits for "

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.running.background import BackgroundRun, BackgroundRuns, StopRequests, refuse
+from taas_magic.kernel.running.background import BackgroundRun, BackgroundRuns, PullRequests, StopRequests, refuse
 
 RESULT = object()  # what the run's work returns: the handle hands it to take_back and never looks inside
 
@@ -139,3 +139,28 @@ def test_what_a_run_in_the_background_cannot_honour_is_refused_in_one_line(given
 def test_a_one_shot_cell_or_a_session_cell_may_run_in_the_background(start):
     refuse(options(start=start))
     refuse(options(start=start, ranks=(0,)))
+
+
+def test_pulls_go_to_the_ranks_one_at_a_time_and_settle_when_every_rank_answered():
+    pulls = PullRequests()
+    first, second = pulls.ask(("losses",), (0, 1)), pulls.ask(("model",), (0,))
+    assert pulls.take() == (1, ("losses",), (0, 1)) and pulls.take() is None, "one in flight at a time"
+    pulls.answered(1, 0, b"zero")
+    pulls.answered(1, "producer", b"?")  # producers send no names
+    assert not first.settled.is_set()
+    pulls.answered(1, 1, b"one")
+    assert first.settled.is_set() and first.answers == {0: b"zero", 1: b"one"}
+    assert pulls.take() == (2, ("model",), (0,))
+    pulls.refused(2)
+    assert second.settled.is_set() and second.answers == {}
+
+
+def test_pulls_asked_as_the_cell_ends_settle_with_what_came():
+    pulls = PullRequests()
+    asked, queued = pulls.ask(("x",), (0, 1)), pulls.ask(("y",), (0, 1))
+    pulls.take()
+    pulls.answered(1, 0, b"zero")
+    pulls.end()
+    assert asked.settled.is_set() and asked.answers == {0: b"zero"} and queued.settled.is_set()
+    late = pulls.ask(("z",), (0,))
+    assert late.settled.is_set() and pulls.take() is None, "after the end nothing is asked"

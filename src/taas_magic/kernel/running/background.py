@@ -77,6 +77,75 @@ class StopRequests:
         return asked
 
 
+class PullRequest:
+    """One `%taas pull` while a session's cell runs in the background: asked by the notebook, carried to the ranks
+    by the run's pump, answered by each rank between two steps."""
+
+    def __init__(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> None:
+        self.number, self.names, self.ranks = number, names, ranks
+        self.answers: dict[int, Any] = {}
+        self.settled = threading.Event()  # every rank answered, or no answer can come (the cell ended)
+
+    def wait(self) -> None:
+        """Until settled; an interrupt of the kernel ends the wait (the ranks' answers, if they come, are dropped)."""
+        while not self.settled.wait(WAIT_SLICE_SECONDS):
+            pass
+
+
+class PullRequests:
+    """The pulls of a background session cell: ``Pulls`` for its pump (``front_end.py``), ``ask`` for the notebook."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._queued: list[PullRequest] = []
+        self._asked: dict[int, PullRequest] = {}
+        self._ended = False
+
+    def ask(self, names: tuple[str, ...], ranks: tuple[int, ...]) -> PullRequest:
+        with self._lock:
+            self._count += 1
+            request = PullRequest(self._count, names, ranks)
+            if self._ended:
+                request.settled.set()
+            else:
+                self._queued.append(request)
+            return request
+
+    def take(self) -> tuple[int, tuple[str, ...], tuple[int, ...]] | None:
+        with self._lock:
+            if not self._queued or self._asked:  # one at a time: the ranks read one request from the store
+                return None
+            request = self._queued.pop(0)
+            self._asked[request.number] = request
+            return request.number, request.names, request.ranks
+
+    def answered(self, number: int, rank: Any, data: Any) -> None:
+        with self._lock:
+            request = self._asked.get(number)
+            if request is None or not isinstance(rank, int):
+                return
+            request.answers[rank] = data
+            if set(request.answers) >= set(request.ranks):
+                del self._asked[number]
+                request.settled.set()
+
+    def refused(self, number: int) -> None:
+        with self._lock:
+            request = self._asked.pop(number, None)
+        if request is not None:
+            request.settled.set()
+
+    def end(self) -> None:
+        """The cell ended: no answer comes any more; what was asked gets what came."""
+        with self._lock:
+            self._ended = True
+            waiting = [*self._queued, *self._asked.values()]
+            self._queued, self._asked = [], {}
+        for request in waiting:
+            request.settled.set()
+
+
 class BackgroundRun:
     """A taas cell's run going on in the background: what the cell returns, and what ``%taas runs`` lists.
 
@@ -89,6 +158,7 @@ class BackgroundRun:
         self.cell = cell  # "In[5]": the cell whose output shows the run
         self.what = what  # "4 ranks on cpu"
         self.stops = StopRequests()
+        self.pulls = PullRequests()  # a session cell's: `%taas pull` while it runs
         self._began = time.monotonic()
         self._ended_at: float | None = None
         self._ended = threading.Event()
@@ -118,6 +188,7 @@ class BackgroundRun:
             self._error = e
             _show_failure(e)
         finally:
+            self.pulls.end()
             self._ended_at = time.monotonic()
             self._ended.set()
 

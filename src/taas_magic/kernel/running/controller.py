@@ -238,11 +238,19 @@ class Pump:
         return dict.fromkeys(died, "replaced")
 
     def _step(self) -> None:
+        self._ask_pulls()
         self._count_debugger_time()
         self._take_events(POLL_SECONDS)
         self.output.flush_idle()
         self._do(self.state.view(time.monotonic(), self.view is not None and self.view.changed))
         self._do(self.state.tick(time.monotonic(), self.group.running()))
+
+    def _ask_pulls(self) -> None:
+        """A `%taas pull` asked meanwhile goes to the ranks, which answer between two steps (``Result.pull``)."""
+        pulls = self.front.pulls
+        asked = pulls.take() if pulls is not None else None
+        if pulls is not None and asked is not None and not self.group.ask_pull(*asked):
+            pulls.refused(asked[0])
 
     def _count_debugger_time(self) -> None:
         """Time a rank spends stopped in the notebook's visual debugger is a person's, as at a pdb prompt:
@@ -273,6 +281,9 @@ class Pump:
                     event.rank, event.record, now
                 )  # progress, delivery counters and vitals are the view's alone
             self.state.reported(event.rank, event.record, now)
+        elif isinstance(event, Result) and event.pull:
+            if self.front.pulls is not None:
+                self.front.pulls.answered(event.pull, event.rank, event.data)
         elif isinstance(event, Result):
             if isinstance(event.rank, int):  # always: producers send no names
                 self.state.result_sent(event.rank, event.data)

@@ -15,6 +15,9 @@ from taas_magic.per_rank import PerRank, span
 from taas_magic.wire import results
 
 NOT_IN_THE_RANK = "the rank has no such name"  # a name %taas pull asked for, which the rank never bound
+# A name the rank did not send while its cell runs in the background: it has none, or it cannot be sent without a
+# collective of its own (a sharded tensor), or it does not pickle.
+NOT_SENT_WHILE_RUNNING = "the rank has no such name, or cannot send it while its cell runs"
 
 
 def take_back(
@@ -42,6 +45,32 @@ def take_back(
     values = _one_per_name(taken, several=len(from_ranks) > 1)
     hiding = _hiding_builtins(values, namespace)
     namespace.update(values)  # each name that could be unpickled, whatever became of the others
+    if left:
+        print(f"taas: not copied back {_left_behind(left)}", file=sys.stderr)
+    if hiding:
+        print(_hiding_notice(hiding, from_ranks), file=sys.stderr)
+    return values
+
+
+def take_back_pulled(
+    namespace: dict[str, Any], answers: dict[int, Any], requested: tuple[str, ...], from_ranks: tuple[int, ...]
+) -> dict[str, Any]:
+    """``%taas pull`` while a cell runs: the names the ranks sent between two steps (``answers``) join ``namespace``,
+    as ``take_back`` puts a cell's; a name a rank did not send (it has none, or its value could not be sent while
+    its cell runs: a sharded tensor, a value that does not pickle) is said in one line."""
+    taken: dict[int, dict[str, Any]] = {}
+    left: dict[tuple[str, str], list[int]] = {}
+    for rank in from_ranks:
+        try:
+            taken[rank], lost = results.loads(answers.get(rank, b""))
+        except Exception as e:
+            taken[rank], lost = {}, {"(all)": f"could not be unpickled in the kernel: {type(e).__name__}: {e}"}
+        missing = {name: NOT_SENT_WHILE_RUNNING for name in requested if name not in taken[rank] and name not in lost}
+        for name, why in {**missing, **lost}.items():
+            left.setdefault((name, why), []).append(rank)
+    values = _one_per_name(taken, several=len(from_ranks) > 1)
+    hiding = _hiding_builtins(values, namespace)
+    namespace.update(values)
     if left:
         print(f"taas: not copied back {_left_behind(left)}", file=sys.stderr)
     if hiding:

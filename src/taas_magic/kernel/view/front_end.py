@@ -8,7 +8,7 @@ own: nothing of one cell's front end stays for the next (a later command drawing
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from taas_magic.kernel.header.spec import LaunchSpec
 from taas_magic.kernel.view.live_view import RunView
@@ -22,6 +22,19 @@ Show = Callable[[dict[str, str]], object]  # shows a MIME bundle once, in a disp
 ReadLine = Callable[[str], str]  # asks the user for a line of input: the kernel's `input`
 
 
+class Pulls(Protocol):
+    """`%taas pull` asked while a session's cell runs in the background, carried by the run's pump."""
+
+    def take(self) -> tuple[int, tuple[str, ...], tuple[int, ...]] | None:
+        """The next pull to ask the ranks for: its number, the names, the ranks that answer."""
+
+    def answered(self, number: int, rank: Key, data: Any) -> None:
+        """A rank's names for pull ``number`` (``results.loads`` reads them)."""
+
+    def refused(self, number: int) -> None:
+        """The ranks cannot be asked (the group has no store here): the pull gets nothing."""
+
+
 @dataclass(frozen=True)
 class CellFrontEnd:
     """``write``: the cell's streams. ``cell_names``: code file name -> "Cell In[5]", for stacks and tracebacks.
@@ -29,7 +42,8 @@ class CellFrontEnd:
     ``read_line``: a line a rank's debugger waits for (``breakpoint()``; None: the rank is told there is none).
     ``picture``: shows where the ranks' time went under the summary (``--profile``). ``stopped``: the ranks
     stopped in the notebook's visual debugger now (a person's time, as at a pdb prompt). ``stop_asked``: whether
-    a stop was asked from outside the cell since last asked (a background run's), taken as an interrupt."""
+    a stop was asked from outside the cell since last asked (a background run's), taken as an interrupt.
+    ``pulls``: the names the notebook pulls while the cell runs in the background."""
 
     write: Write
     cell_names: Mapping[str, str] = field(default_factory=dict)
@@ -38,6 +52,7 @@ class CellFrontEnd:
     picture: Show | None = None
     stopped: Callable[[], frozenset[int]] = frozenset
     stop_asked: Callable[[], bool] = bool  # bool(): never
+    pulls: Pulls | None = None  # a background session cell's: names pulled while it runs
 
     def output(
         self, spec: LaunchSpec, ranks: list[int], labels: Mapping[Key, str] | None = None

@@ -166,6 +166,10 @@ class ClusterRanks:
     def signal(self, signum: int, ranks: Iterable[Key] | None = None) -> None:
         self._ask(Signal(self.run_id, signum, None if ranks is None else tuple(ranks)))
 
+    def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
+        """Not on a cluster: its cells run in the foreground (``kernel/running/background.py``)."""
+        return False
+
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""

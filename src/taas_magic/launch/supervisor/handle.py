@@ -8,6 +8,7 @@ started it holds a ``SupervisorProcess`` to wait for and kill it, and talks to i
 from __future__ import annotations
 
 import _thread
+import json
 import os
 import select
 import signal
@@ -20,7 +21,7 @@ from taas_magic.process import containment
 from taas_magic.wire import memfile, results
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Event, Exited, Key, Relayed, Result, ResultInFile, key_order
-from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell
 from taas_magic.wire.supervision import (
     AnswerLine,
     AskStacks,
@@ -210,6 +211,15 @@ class SupervisedRanks:
     def answer(self, rank: Key, line: str | None) -> None:
         self._send(AnswerLine(rank, line))
 
+    def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
+        """Ask the ranks for ``names`` while their cell runs (``PULL_TOGETHER``): the request goes in the run's
+        store, served here; ``ranks`` answer (``Result.pull``). False where the store is not here to hold it."""
+        request = json.dumps({"number": number, "names": names, "ranks": ranks})
+        if self.store is None or not self.store.put(PULL_KEY, request):
+            return False
+        self.signal(PULL_TOGETHER, ranks)
+        return True
+
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         """Each of ``ranks``' stacks; none once the run is over. A supervisor leaves once it said the run is
         over, so a request that crosses that word finds the channel at its end, which is no lost run: on a
@@ -317,7 +327,7 @@ class SupervisedRanks:
                 fd = next(files, None)
                 if fd is None or os.fstat(fd).st_size != max(event.size, 1) or memfile.sealed(fd) is False:
                     self._lose(f"rank {event.rank}'s names arrived damaged")
-                event = Result(event.rank, results.receive_file(fd, event.size))
+                event = Result(event.rank, results.receive_file(fd, event.size), event.pull)
             opened.append(event)
         return tuple(opened)
 

@@ -25,11 +25,13 @@ from taas_magic.process import containment, tempfiles
 from taas_magic.wire import channel, records
 from taas_magic.wire.events import Exited, InputRequest, Key, Output, Relayed, Report, Result, ResultInFile, key_order
 from taas_magic.wire.rank_control import (
+    PULL_TOGETHER,
     STOP_TOGETHER,
     CellEnd,
     InCell,
     Line,
     Prompt,
+    Pulled,
     SessionCell,
     ToRank,
     world_variables,
@@ -178,7 +180,8 @@ class ForkedRanks(ForkingGroup):
         except channel.ChannelBroken:
             self._drop_control(state)  # the rank is ending: its exit says the rest
             return
-        names_file = fds.pop(0) if isinstance(message, CellEnd) and message.in_file is not None and fds else None
+        carries_file = isinstance(message, (CellEnd, Pulled)) and message.in_file is not None
+        names_file = fds.pop(0) if carries_file and fds else None
         for fd in fds:
             os.close(fd)
         self._drain(state)
@@ -195,6 +198,11 @@ class ForkedRanks(ForkingGroup):
                 elif in_file is not None and names_file is not None:  # handed on as it is: see ResultInFile
                     self._pending.append(ResultInFile(state.rank, in_file, fd=names_file))
                 self._pending.append(Report(state.rank, records.decode(record)))
+            case Pulled(number, names, in_file):
+                if names is not None:
+                    self._pending.append(Result(state.rank, names, pull=number))
+                elif in_file is not None and names_file is not None:
+                    self._pending.append(ResultInFile(state.rank, in_file, fd=names_file, pull=number))
             case Prompt(prompt):
                 self._pending.append(InputRequest(state.rank, prompt))
             case _:
@@ -361,7 +369,7 @@ class ForkedRanks(ForkingGroup):
     def _signal(self, state: ForkedProcess, signum: int) -> None:
         if state.returncode is not None:  # a reaped rank's id may belong to someone else now
             return
-        if signum == STOP_TOGETHER:
+        if signum in (STOP_TOGETHER, PULL_TOGETHER):
             containment.kill(state.pid, signum)  # the rank's own: its DataLoader's workers have no use for it
         else:
             containment.signal_tree(state.pid, signum)
