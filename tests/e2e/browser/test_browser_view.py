@@ -588,36 +588,40 @@ def test_jupyterlabs_debugger_stops_a_taas_cells_ranks_at_a_gutter_breakpoint(tm
             taas_cell.get_by_text(line).first.wait_for(timeout=10_000)
 
 
-BACKGROUND_CELL = """#pragma taas --gpus 2 --device cpu --background --return losses
+SESSION_CELL = """#pragma taas --gpus 2 --device cpu --keep --return none
 import time, taas
 from tqdm.auto import tqdm
-losses = []
+losses = []"""
+BACKGROUND_CELL = """#pragma taas --background --return losses
 for step in tqdm(range(150)):
     time.sleep(0.1)
     losses.append(1.0 / (step + 1))
     taas.progress(step=step, loss=losses[-1])"""
 MEANWHILE_CELL = """import time
-for second in range(10):
+for second in range(8):
     time.sleep(1)
 print("the notebook worked on")"""
-PLOT_CELL = """%taas wait
+PLOT_CELL = """%taas pull losses --ranks 0
 import matplotlib.pyplot as plt
 plt.plot(losses)
+plt.title(f"{len(losses)} steps so far")
 plt.show()"""
 
 
 @pytest.mark.timeout(240)
-def test_a_background_runs_view_goes_on_updating_in_its_cell_while_another_cell_runs(tmp_path: Path) -> None:
+def test_a_background_runs_view_goes_on_updating_while_another_cell_runs_and_its_pulled_values_plot(
+    tmp_path: Path,
+) -> None:
     reason = missing()
     if reason:
         pytest.skip(reason)
     shots = screenshot_dir(tmp_path)
-    cells = ["%load_ext taas_magic", BACKGROUND_CELL, MEANWHILE_CELL, PLOT_CELL]
+    cells = ["%load_ext taas_magic", SESSION_CELL, BACKGROUND_CELL, MEANWHILE_CELL, PLOT_CELL, "%taas wait"]
     with notebook_in_browser(cells, notebook="background.ipynb") as (page, lab):
         run_all_cells(page)
-        background, meanwhile, plot = cell(page, 1), cell(page, 2), cell(page, 3)
-        background.get_by_text(re.compile(r"taas run 1 \(cell In\[\d+\], 2 ranks on cpu\): running")).wait_for(
-            timeout=60_000
+        background, meanwhile, plot = cell(page, 2), cell(page, 3), cell(page, 4)
+        background.get_by_text(re.compile(r"taas run 1 \(cell In\[3\], 2 ranks of the session\): running")).wait_for(
+            timeout=90_000
         )
         view = background.locator(".jp-OutputArea .taas-view")
         view.first.wait_for(timeout=60_000)
@@ -626,10 +630,12 @@ def test_a_background_runs_view_goes_on_updating_in_its_cell_while_another_cell_
         assert first != second, f"the background run's view did not change while another cell ran:\n{first}"
         assert meanwhile.locator(".jp-InputArea-prompt", has_text="[*]").count() == 1, "the other cell still runs"
         assert view.count() == 1, "updates replace the view in its own cell"
-        background.screenshot(path=str(shots / "background-running.png"))
         meanwhile.get_by_text("the notebook worked on").wait_for(timeout=60_000)
-        plot.locator(".jp-OutputArea-output img").first.wait_for(timeout=120_000)
-        assert "losses back in the notebook" in text_outputs(plot), text_outputs(plot)
-        background.locator('.taas-view[data-state="summary"]').wait_for(timeout=30_000)
+        plot.locator(".jp-OutputArea-output img").first.wait_for(timeout=60_000)
+        assert background.locator('.taas-view[data-state="summary"]').count() == 0, "plotted while it trains"
+        page.screenshot(path=str(shots / "background-running.png"))
+        plot.screenshot(path=str(shots / "background-pulled-plot.png"))
+        background.locator('.taas-view[data-state="summary"]').wait_for(timeout=60_000)
         assert "done" in background.locator(".taas-view").last.inner_text()
-        page.screenshot(path=str(shots / "background-done.png"))
+        cell(page, 5).get_by_text(re.compile("losses back in the notebook")).wait_for(timeout=30_000)
+        background.screenshot(path=str(shots / "background-done.png"))
