@@ -199,6 +199,51 @@ def test_a_run_in_the_background_restarts_profiles_and_outlives_a_reload_of_the_
     assert not still_running(run_processes(kernel), timeout=10)
 
 
+def test_a_run_in_the_background_is_served_its_registered_loader_and_says_where_it_hangs(kernel):
+    """Data delivery and the hang doctor, in the background: the producers serve the ranks, and a hang's diagnosis
+    goes to the run's own cell."""
+    kernel.execute(
+        "import taas, torch\nfrom torch.utils.data import DataLoader\n"
+        "numbers = DataLoader(list(range(40)), batch_size=4)\ntaas.register(numbers)"
+    ).ok()
+    try:
+        served = kernel.execute(
+            "#pragma taas --gpus 2 --cpus 1 --background --return seen,late --from 0,1 --hang-after 3\n"
+            "import os, time, torch.distributed as dist\n"
+            "seen = sorted(int(i) for batch in numbers for i in batch)\n"
+            "dist.init_process_group('gloo')\n"
+            "if dist.get_rank() == 1:\n    time.sleep(8)\n"
+            "dist.barrier()\nlate = True\n",
+            timeout=60,
+        ).ok()
+        kernel.execute("%taas wait", timeout=90).ok()
+        assert kernel.value("sorted(seen[0] + seen[1])") == list(range(40)), "each element once, to one rank"
+        said = kernel.later[served.msg_id]
+        assert "taas: no progress for" in said.stderr and "barrier" in said.stderr, said.stderr
+    finally:
+        kernel.execute("taas.unregister(numbers)").ok()
+    assert not still_running(run_processes(kernel), timeout=10)
+
+
+def test_a_rank_that_dies_in_a_session_cell_in_the_background_is_replaced_and_the_session_goes_on(kernel):
+    # A new rank is given what the others hold alike, over their process group: three ranks, two survivors to compare
+    kernel.execute(
+        "#pragma taas --gpus 3 --keep --return none\nimport os, signal, time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\nbeats = 0"
+    ).ok()
+    dying = kernel.execute(
+        "#pragma taas --background\nfor _ in range(20):\n    beats += 1\n    time.sleep(0.1)\n"
+        "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+        timeout=60,
+    ).ok()
+    kernel.execute("dying = _\ndying.wait(60)").ok()
+    said = kernel.later[dying.msg_id]
+    assert "rank 1" in said.stderr and "SIGKILL" in said.stderr, said.stderr
+    healed = kernel.execute("#pragma taas --return beats --from 0-2\nbeats += 1", timeout=90).ok()
+    assert kernel.value("[beats[0], beats[1], beats[2]]") == [21, 21, 21], healed.stderr
+    kernel.execute("%taas stop").ok()
+
+
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
