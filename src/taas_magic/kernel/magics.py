@@ -153,7 +153,11 @@ class TaasMagics(Magics):
             line_commands.nothing_more("status", rest)
             print(
                 self._defaults().describe(
-                    self.forkserver_backend, self.kept.session, self.ipython, self.link.describe()
+                    self.forkserver_backend,
+                    self.kept.session,
+                    self.ipython,
+                    self.link.describe(),
+                    self.kept.background.summary(),
                 )
             )
 

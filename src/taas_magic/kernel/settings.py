@@ -79,6 +79,7 @@ class Defaults:
         session: Session | None,
         shell: InteractiveShell,
         cluster: str,
+        background: str = "none (--background starts one)",
     ) -> str:
         """`%taas` alone: how cells start, what runs, and each default with where it came from."""
         catalog = load_catalog()
@@ -95,6 +96,7 @@ class Defaults:
                 f"fork server:         {fork_server.describe()}",
                 "session:             " + (session.describe() if session is not None else "none (--keep starts one)"),
                 f"session modules:     {reloading.describe(shell)}",
+                f"in the background:   {background}",
                 f"cluster:             {cluster}",
                 f"configurations:      {'; '.join(catalog.sources)}",
                 f"                     {names}",

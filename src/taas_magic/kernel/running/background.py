@@ -291,6 +291,14 @@ class BackgroundRuns:
             run.bind()
             print(f"taas: {run.state()}", file=sys.stderr)
 
+    def summary(self) -> str:
+        """``%taas``'s line: how many runs are in the background."""
+        running = len(self.running())
+        if not self.runs:
+            return "none (--background starts one)"
+        ended = len(self.runs) - running
+        return f"{running} running, {ended} ended and not yet said (%taas runs lists them)"
+
     def describe(self) -> str:
         """``%taas runs``: a line for each run in the background."""
         if not self.runs:
