@@ -81,6 +81,13 @@ def _pull(store, processes, conns, number: int, skew: float) -> list:
     return answers
 
 
+def _kill(processes) -> None:
+    """Whatever happened: nothing of the test is left among this process's children (reaped)."""
+    for process in processes:
+        process.kill()
+        process.join(10)
+
+
 def _end(processes, conns) -> None:
     for process in processes:
         os.kill(process.pid, STOP_TOGETHER)
@@ -88,9 +95,6 @@ def _end(processes, conns) -> None:
         assert conn.poll(30) and conn.recv() == "stopped"
     for process in processes:
         process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join(10)
 
 
 @pytest.mark.timeout(180)
@@ -110,9 +114,7 @@ def test_ranks_pulled_at_random_moments_answer_before_the_same_step_with_equal_r
             seen = step0
         _end(processes, conns)
     finally:
-        for process in processes:
-            process.kill()
-            process.join(10)
+        _kill(processes)
         del store
 
 
@@ -125,9 +127,7 @@ def test_a_cell_that_steps_no_optimizer_answers_at_once():
         assert [step for _, _, step, _ in answers] == [0, 0] and time.monotonic() - started < 10
         _end(processes, conns)
     finally:
-        for process in processes:
-            process.kill()
-            process.join(10)
+        _kill(processes)
         del store
 
 

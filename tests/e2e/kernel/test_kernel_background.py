@@ -73,7 +73,7 @@ def test_a_run_trains_in_the_background_while_other_cells_run_and_its_names_come
     assert later.displays[-1]["text/plain"].startswith("taas: 2 ranks on cpu · done in "), later.displays[-1]
     assert "step 50" in later.stdout, "the ranks' output goes to the run's own cell"
     assert not any("step 50" in r.stdout for r in others), "and to no other cell"
-    assert not run_processes(kernel), "nothing of the run is left"
+    assert not still_running(run_processes(kernel), timeout=10), "nothing of the run is left"
 
 
 def test_an_interrupted_wait_leaves_the_run_going_and_stop_ends_it_leaving_nothing(kernel):
@@ -255,7 +255,7 @@ def test_a_rank_that_dies_in_a_session_cell_in_the_background_is_replaced_and_th
 def test_what_a_run_in_the_background_cannot_honour_is_refused_before_anything_starts(kernel, options, refusal):
     r = kernel.execute(f"#pragma taas --gpus 2 --background {options}\nprint('ran')")
     assert r.error is not None and refusal in r.error["evalue"] and "\n" not in r.error["evalue"]
-    assert "ran" not in r.stdout and not run_processes(kernel)
+    assert "ran" not in r.stdout and not still_running(run_processes(kernel), timeout=10)
 
 
 def test_the_kernels_shutdown_ends_a_run_in_the_background_and_leaves_nothing():

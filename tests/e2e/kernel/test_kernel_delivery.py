@@ -409,9 +409,13 @@ def leftovers(pids: set[int]) -> list[str]:
 
     import psutil
 
-    alive = [
-        f"pid {pid}" for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # gone, even between two questions about it
+            return False
+
+    alive = [f"pid {pid}" for pid in pids if running(pid)]
     return alive + [folder for pid in pids for folder in glob.glob(f"{tempfile.gettempdir()}/pymp-taas-{pid}-*")]
 
 

@@ -1,16 +1,17 @@
 """Taas cells that run in the background (``--background``): the cell returns at once with a handle, the run goes
 on in a thread of the kernel, and the notebook runs other cells meanwhile.
 
-The thread runs the whole of a one-shot run (``controller.run``): its ranks' output, live view, hang reports and
-summary go to the cell that started it, because ipykernel sends a thread's output to the cell it was told
-(``_to_this_cell``), whichever cell runs now. The names the run sends back join the notebook between cells (before
-the next cell runs, or in ``wait()``), never while another cell runs: a cell never sees a name change under it.
-A stop (``stop()``, ``%taas stop``, the kernel's shutdown) is taken by the run's pump as an interrupt of the cell
-would be: every rank is interrupted, then stopped, and nothing of the run is left.
+The thread runs the whole of a one-shot run (``controller.run``) or of a session's cell (``Session.run``): its ranks'
+output, live view, hang reports and summary go to the cell that started it, because ipykernel sends a thread's
+output to the cell it was told (``_to_this_cell``), whichever cell runs now. The names the run sends back join the
+notebook between cells (before the next cell runs, or in ``wait()``), never while another cell runs: a cell never
+sees a name change under it. A stop (``stop()``, ``%taas stop``, the kernel's shutdown) is taken by the run's pump
+as an interrupt of the cell would be. While a session's cell runs here, the session is the run's: `%taas pull` goes
+through its pump (``PullRequests``: the ranks answer between two optimizer steps), everything else waits for it.
 
-The ranks start from the fork server: the kernel is never forked while another cell runs in it (a thread holding
-a lock at that moment would leave it held in every rank), and the names they get are the notebook's as the cell
-ran, restarts (``--max-restarts``) included.
+A one-shot run's ranks start from the fork server: the kernel is never forked while another cell runs in it (a
+thread holding a lock at that moment would leave it held in every rank), and the names they get are the notebook's
+as the cell ran, restarts (``--max-restarts``) included.
 """
 
 from __future__ import annotations
