@@ -176,8 +176,9 @@ class TaasMagics(Magics):
         names, ranks = options.transfer(command, words)
         running = self.kept.session.running_in_background() if self.kept.session is not None else None
         if command == "pull" and running is not None and self.kept.session is not None:
-            self._runner().pull_while_running(self.kept.session, running, names, ranks)
-            return
+            if self._runner().pull_while_running(self.kept.session, running, names, ranks):
+                return
+            running.wait()  # its cell ended before every rank answered: from the session as the cell left it
         session = self.kept.live_session(command)
         if session is None:
             back = "; a one-shot cell sends names back with --return NAMES --from RANKS" if command == "pull" else ""

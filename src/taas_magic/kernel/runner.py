@@ -42,7 +42,6 @@ from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
 from taas_magic.launch.rendezvous import new_run_id
-from taas_magic.per_rank import span
 from taas_magic.process import cell_files, containment, kernel_debugger, logs, machine
 from taas_magic.rank import plugins
 from taas_magic.rank.state import draw_base_seed
@@ -365,21 +364,19 @@ class CellRunner:
 
     def pull_while_running(
         self, session: Session, run: BackgroundRun, names: tuple[str, ...], from_ranks: tuple[int, ...] | None
-    ) -> None:
+    ) -> bool:
         """``%taas pull`` while a cell of the session runs in the background: the ranks send the names between two
-        optimizer steps, every rank at the same one (at once in a cell that takes none), and go on."""
+        optimizer steps, every rank at the same one (at once in a cell that takes none), and go on. False when the
+        cell ended before every rank answered: nothing was bound, the session is the notebook's again."""
         ranks = list(range(session.size))
         chosen = tuple(ranks) if from_ranks is None else return_from(from_ranks, ranks, "the session", "--ranks")
         request = run.pulls.ask(names, chosen)
         request.wait()
         if set(request.answers) < set(chosen):
-            raise TaasUsageError(
-                f"%taas pull {' '.join(names)}: the session's cell {run.cell} ended before "
-                f"{span(sorted(set(chosen) - set(request.answers)))} could answer: %taas pull again, now from the "
-                "session as the cell left it"
-            )
+            return False
         # The ranks hold their own (later) values of these: the next cell does not send the notebook's back.
         session.took_back(names_back.take_back_pulled(self.shell.user_ns, request.answers, names, chosen))
+        return True
 
     def push(
         self, session: Session, names: tuple[str, ...], to_ranks: tuple[int, ...] | None, defaults: Defaults

@@ -226,6 +226,21 @@ def test_a_run_in_the_background_is_served_its_registered_loader_and_says_where_
     assert not still_running(run_processes(kernel), timeout=10)
 
 
+def test_a_pull_that_no_step_answers_waits_for_the_cell_and_takes_the_names_as_it_left_them(kernel):
+    kernel.execute(
+        "#pragma taas --gpus 2 --keep --return none\nimport time, torch\n"
+        "weight = torch.nn.Parameter(torch.ones(2))\nopt = torch.optim.SGD([weight], lr=0.1)"
+    ).ok()
+    kernel.execute(
+        "#pragma taas --background\nweight.sum().backward()\nopt.step()\ntime.sleep(4)\nfinished = 'yes'\n",
+        timeout=60,
+    ).ok()
+    time.sleep(1)  # the cell has taken its one step: the pull waits for another, which never comes
+    pulled = kernel.execute("%taas pull finished", timeout=60).ok()
+    assert kernel.value("[finished[0], finished[1]]") == ["yes", "yes"], pulled.stderr
+    kernel.execute("%taas stop").ok()
+
+
 def test_a_rank_that_dies_in_a_session_cell_in_the_background_is_replaced_and_the_session_goes_on(kernel):
     # A new rank is given what the others hold alike, over their process group: three ranks, two survivors to compare
     kernel.execute(

@@ -35,7 +35,9 @@ INITIALIZE = {
     "supportsRunInTerminalRequest": True,
     "locale": "en",
 }
-SECONDS = 10.0  # a 2-rank cell takes well under a second here; one that joined the debugger waits for ever
+# A 2-rank cell takes well under a second here (12 s once, with the kernel tier's six workers busy); one that joined
+# the debugger waits for ever.
+SECONDS = 30.0
 
 DEBUGGER_STATE = """import subprocess
 _debugger = get_ipython().kernel.debugger

@@ -127,11 +127,9 @@ def test_peers_stopped_while_their_traceback_is_formatted_still_say_where_they_w
         kernel.execute("_cell.format_traceback = _formatter").ok()
     tb = result.traceback
     after = tb.splitlines()[tb.splitlines().index("ValueError: bad value 1") + 1 :]
-    assert after[:3] == [
-        "stopped after the failure: ranks 0,2",
-        "where they were when rank 1 failed:",
-        "ranks 0,2: in all_reduce:",
-    ], tb
+    # Where they were, taken as rank 1 failed; on a busy machine a second or two later ("in all_reduce #1 (…) for 2 s")
+    assert after[:2] == ["stopped after the failure: ranks 0,2", "where they were when rank 1 failed:"], tb
+    assert after[2].startswith("ranks 0,2: in all_reduce"), tb
     assert result.seconds < 10, result.seconds  # the stop did not wait for the formatting
 
 
