@@ -4,7 +4,6 @@ same DDP models train on together. A rank held in a collective when interrupted 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.forked_ranks import forked_ranks
 
 from taas_magic.rank import run_store
 from taas_magic.rank.group_links import GroupLinks
@@ -66,20 +66,10 @@ def _rank(rank: int, port: int, conn, failing: int, at_step: int, after_backward
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(failing=st.integers(0, WORLD - 1), at_step=st.integers(0, 6), after_backward=st.booleans())
 def test_a_failing_rank_releases_its_peers_at_once_and_the_group_trains_on(failing, at_step, after_backward):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("fork")
-    pipes = [context.Pipe() for _ in range(WORLD)]
-    processes = [
-        context.Process(target=_rank, args=(rank, store.port, pipes[rank][1], failing, at_step, after_backward))
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        conns = [ours for ours, _ in pipes]
-        for conn in conns:
-            assert conn.poll(60), "a rank stayed in its collective"
-        left = [conn.recv() for conn in conns]
+    with forked_ranks(_rank, WORLD, failing, at_step, after_backward) as ranks:
+        answered = [conn.poll(60) for conn in ranks.conns]
+        assert all(answered), f"ranks that left their cell: {answered}"
+        left = [conn.recv() for conn in ranks.conns]
         first = min(moment for moment, *_ in left)
         assert max(moment for moment, *_ in left) - first < 5, "every rank left within moments of the failure"
         assert left[failing][2:4] == ("ValueError", "bad batch")
@@ -91,20 +81,13 @@ def test_a_failing_rank_releases_its_peers_at_once_and_the_group_trains_on(faili
         # Raised before its backward: the others wait for it in that backward, with the same steps applied. After
         # it: they applied that step and wait in the next backward.
         assert all(steps[peer] == at_step + after_backward for peer in set(range(WORLD)) - {failing}), steps
-        for conn in conns:
+        for conn in ranks.conns:
             conn.send("regroup")
-        for conn in conns:
+        for conn in ranks.conns:
             assert conn.poll(60), "the group was connected again and trains"
-        totals = [conn.recv() for conn in conns]
+        totals = [conn.recv() for conn in ranks.conns]
         assert all(seen == totals[0] for seen in totals)
         assert (len(set(totals[0])) == 1) is not after_backward, "equal replicas unless a step came between"
-    finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-                process.join(10)
-        del store
 
 
 def _held(rank: int, port: int, conn, in_collective: bool) -> None:
@@ -140,20 +123,12 @@ def _held(rank: int, port: int, conn, in_collective: bool) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("in_collective", [True, False], ids=["in a barrier", "in Python"])
 def test_an_interrupted_rank_held_in_a_collective_is_released_by_its_own_thread_and_only_then(in_collective):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("fork")
-    pipes = [context.Pipe() for _ in range(2)]
-    processes = [
-        context.Process(target=_held, args=(rank, store.port, pipes[rank][1], in_collective)) for rank in (0, 1)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        ours = [conn for conn, _ in pipes]
+    with forked_ranks(_held, 2, in_collective) as ranks:
+        ours = ranks.conns
         assert ours[0].poll(30) and ours[0].recv() == "waiting"
         time.sleep(0.3)  # into the barrier
         interrupted = time.monotonic()
-        os.kill(processes[0].pid, signal.SIGINT)
+        os.kill(ranks.processes[0].pid, signal.SIGINT)
         assert ours[0].poll(10), "rank 0 stayed in its barrier"
         left = ours[0].recv() - interrupted
         if in_collective:
@@ -167,8 +142,3 @@ def test_an_interrupted_rank_held_in_a_collective_is_released_by_its_own_thread_
             assert all(isinstance(said, str) for said in after), after
         else:
             assert after == [2.0, 2.0], after
-    finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive():
-                process.kill()

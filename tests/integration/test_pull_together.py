@@ -5,7 +5,6 @@ step with equal replicas, and train on; a cell that steps no optimizer answers a
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -14,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.forked_ranks import Ranks, forked_ranks
 
 from taas_magic.rank.stopping import StepStops
 from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, STOP_TOGETHER
@@ -54,81 +54,58 @@ def _rank(rank: int, port: int, conn, train: bool) -> None:
     dist.destroy_process_group()
 
 
-def _ranks(train: bool):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("fork")
-    pipes = [context.Pipe() for _ in range(2)]
-    processes = [
-        context.Process(target=_rank, args=(rank, store.port, pipes[rank][1], train), daemon=True) for rank in (0, 1)
-    ]
-    for process in processes:
-        process.start()
-    conns = [ours for ours, _ in pipes]
-    for conn in conns:
+def _ready(ranks: Ranks) -> None:
+    for conn in ranks.conns:
         assert conn.poll(60) and conn.recv() == "ready", "a rank did not get ready"
-    return store, processes, conns
 
 
-def _pull(store, processes, conns, number: int, skew: float) -> list:
-    store.set(PULL_KEY, json.dumps({"number": number, "names": ["model"], "ranks": [0, 1]}))
-    os.kill(processes[0].pid, PULL_TOGETHER)
+def _pull(ranks: Ranks, number: int, skew: float) -> list:
+    ranks.store.set(PULL_KEY, json.dumps({"number": number, "names": ["model"], "ranks": [0, 1]}))
+    os.kill(ranks.processes[0].pid, PULL_TOGETHER)
     time.sleep(skew)  # the supervisor signals one rank after the other
-    os.kill(processes[1].pid, PULL_TOGETHER)
+    os.kill(ranks.processes[1].pid, PULL_TOGETHER)
     answers = []
-    for conn in conns:
+    for conn in ranks.conns:
         assert conn.poll(30), "a rank did not answer"
         answers.append(conn.recv())
     return answers
 
 
-def _kill(processes) -> None:
-    """Whatever happened: nothing of the test is left among this process's children (reaped)."""
-    for process in processes:
-        process.kill()
-        process.join(10)
-
-
-def _end(processes, conns) -> None:
-    for process in processes:
+def _end(ranks: Ranks) -> None:
+    for process in ranks.processes:
         os.kill(process.pid, STOP_TOGETHER)
-    for conn in conns:
+    for conn in ranks.conns:
         assert conn.poll(30) and conn.recv() == "stopped"
-    for process in processes:
+    for process in ranks.processes:
         process.join(10)
 
 
 @pytest.mark.timeout(180)
 def test_ranks_pulled_at_random_moments_answer_before_the_same_step_with_equal_replicas_and_train_on():
-    store, processes, conns = _ranks(train=True)
     rng = random.Random(5)
-    try:
+    with forked_ranks(_rank, 2, True) as ranks:
+        _ready(ranks)
         seen = -1
         for number in range(1, ROUNDS + 1):
             time.sleep(rng.uniform(0.05, 0.5))
             (n0, names0, step0, total0), (n1, names1, step1, total1) = _pull(
-                store, processes, conns, number, rng.choice((0.0, 0.001, 0.01, 0.1))
+                ranks, number, rng.choice((0.0, 0.001, 0.01, 0.1))
             )
             assert n0 == n1 == number and names0 == names1 == ("model",)
             assert step0 == step1 > seen, "the same step in both ranks, later each time: they train on"
             assert total0 == total1, "the replicas are equal"
             seen = step0
-        _end(processes, conns)
-    finally:
-        _kill(processes)
-        del store
+        _end(ranks)
 
 
 @pytest.mark.timeout(120)
 def test_a_cell_that_steps_no_optimizer_answers_at_once():
-    store, processes, conns = _ranks(train=False)
-    try:
+    with forked_ranks(_rank, 2, False) as ranks:
+        _ready(ranks)
         started = time.monotonic()
-        answers = _pull(store, processes, conns, 1, 0.0)
+        answers = _pull(ranks, 1, 0.0)
         assert [step for _, _, step, _ in answers] == [0, 0] and time.monotonic() - started < 10
-        _end(processes, conns)
-    finally:
-        _kill(processes)
-        del store
+        _end(ranks)
 
 
 def test_a_pull_between_cells_is_ignored():

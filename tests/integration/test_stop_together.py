@@ -3,7 +3,6 @@ ranks (gloo, the run's store served here) interrupted at random moments keep equ
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
@@ -12,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from support.forked_ranks import Ranks, forked_ranks
 
 from taas_magic.rank.stopping import StepStops
 from taas_magic.wire.rank_control import STOP_TOGETHER
@@ -50,26 +50,8 @@ def _rank(rank: int, port: int, conn, train: bool, optimizers: int = 1) -> None:
     dist.destroy_process_group()
 
 
-def _ranks(train: bool, optimizers: int = 1):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    context = multiprocessing.get_context("fork")
-    pipes = [context.Pipe() for _ in range(2)]
-    processes = [
-        context.Process(target=_rank, args=(rank, store.port, pipes[rank][1], train, optimizers), daemon=True)
-        for rank in (0, 1)
-    ]
-    for process in processes:
-        process.start()
-    return store, processes, [ours for ours, _ in pipes]
-
-
-def _end(processes) -> None:
-    for process in processes:
-        process.kill()
-        process.join(10)  # reaped: nothing of this test is left among this process's children
-
-
-def _interrupt(processes, conns, after: float, skew: float) -> list:
+def _interrupt(ranks: Ranks, after: float, skew: float) -> list:
+    processes, conns = ranks.processes, ranks.conns
     for conn in conns:
         assert conn.poll(60), "a rank did not get ready"
         assert conn.recv() == "ready"
@@ -89,33 +71,25 @@ def _interrupt(processes, conns, after: float, skew: float) -> list:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("optimizers", [1, 2])
 def test_ranks_interrupted_at_random_moments_stop_after_the_same_step_with_equal_replicas(optimizers):
-    store, processes, conns = _ranks(train=True, optimizers=optimizers)
     rng = random.Random(11)
-    try:
+    with forked_ranks(_rank, 2, True, optimizers) as ranks:
         for _ in range(ROUNDS):
             (progress0, total0), (progress1, total1) = _interrupt(
-                processes, conns, rng.uniform(0.05, 0.6), rng.choice((0.0, 0.001, 0.01, 0.1))
+                ranks, rng.uniform(0.05, 0.6), rng.choice((0.0, 0.001, 0.01, 0.1))
             )
             assert progress0 is not None and progress0 == progress1, (progress0, progress1)
             assert progress0[1] is False, "stopped between steps, not inside one"
             assert total0 == total1, "the replicas are equal"
-    finally:
-        _end(processes)
-        del store
 
 
 @pytest.mark.timeout(120)
 def test_a_cell_that_steps_no_optimizer_is_interrupted_at_once():
-    store, processes, conns = _ranks(train=False)
-    try:
+    with forked_ranks(_rank, 2, False) as ranks:
         for _ in range(2):
             started = time.monotonic()
-            answers = _interrupt(processes, conns, 0.1, 0.0)
+            answers = _interrupt(ranks, 0.1, 0.0)
             assert [progress for progress, _ in answers] == [None, None]
             assert time.monotonic() - started < 10
-    finally:
-        _end(processes)
-        del store
 
 
 def test_a_stop_between_cells_stands_for_an_interrupt_which_is_dropped_there():

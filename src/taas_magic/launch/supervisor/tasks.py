@@ -33,7 +33,10 @@ class Received:
 @dataclass(frozen=True)
 class StoreServer:
     """The run's store (``store``), served by the supervisor on the listening socket ``fd`` once its ranks
-    are forked: its server thread is never forked with them."""
+    are forked: its server thread is never forked with them. A process forked while that thread named a
+    connection it accepted (``getnameinfo``) would inherit glibc's resolver lock held and hang at its own
+    first connection; the later forks of a session (a rank healed or added, a late loader's producers) come
+    between cells, when no process of the run connects to the store."""
 
     store: StoreToServe
     fd: int
