@@ -73,3 +73,15 @@ def test_asking_torch_whether_cuda_is_available_makes_forks_unable_to_use_it():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True", "False"], out.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("runs", [1, 3])
+def test_while_runs_go_on_in_the_background_the_kernel_is_not_forked(device, runs):
+    start, notice = resolve_start("auto", device, False, True, in_background=runs)
+    assert start == "forkserver" and "a run in the background has threads in this kernel" in notice
+    with pytest.raises(
+        UsageError, match=rf"^--start fork: {runs} runs? in the background ha(s|ve) threads.*%taas wait"
+    ):
+        resolve_start("fork", device, False, True, in_background=runs)
+    assert resolve_start("forkserver", device, False, True, in_background=runs) == ("forkserver", "")

@@ -257,7 +257,12 @@ class CellRunner:
             spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda()
         )
         start, notice = resolve_start(
-            spec.start, spec.device, unsafe, can_fork, grpc_threads=can_fork and machine.grpc_threads_in_kernel()
+            spec.start,
+            spec.device,
+            unsafe,
+            can_fork,
+            grpc_threads=can_fork and machine.grpc_threads_in_kernel(),
+            in_background=len(self.kept.background.running()),
         )
         if notice:
             print(notice, file=sys.stderr)

@@ -115,6 +115,8 @@ def test_taas_cells_run_in_the_foreground_while_a_timed_run_goes_on_in_the_backg
     for i in range(3):
         r = kernel.execute(f"#pragma taas --gpus 2 --return rank\nimport os\nrank = int(os.environ['RANK']) + {i}", 90)
         assert r.ok() and kernel.value("rank") == i
+        if i == 0:  # the kernel is not forked while the run's threads go on in it
+            assert "the ranks start from the fork server" in r.stderr, r.stderr
     kernel.execute("timed.wait(60)").ok()
     said = kernel.later[timed.msg_id]
     assert "--timeout 6 s elapsed" in said.stderr, said.stderr

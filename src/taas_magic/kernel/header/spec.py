@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping, NoReturn, Sequence
 
 from taas_magic.configurations import Catalog, Configuration
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.header.option_values import rank_text, ranks_as_typed
+from taas_magic.kernel.header.option_values import count, rank_text, ranks_as_typed
 from taas_magic.kernel.header.options import (
     CellOptions,
     Device,
@@ -306,17 +306,33 @@ def _threads_per_rank(environ: Mapping[str, str], cpus: int, ranks_per_node: int
 
 
 def resolve_start(
-    requested: Start | OldStart, device: str, fork_unsafe_for_cuda: bool, can_fork: bool, grpc_threads: bool = False
+    requested: Start | OldStart,
+    device: str,
+    fork_unsafe_for_cuda: bool,
+    can_fork: bool,
+    grpc_threads: bool = False,
+    in_background: int = 0,
 ) -> tuple[Literal["fork", "forkserver"], str]:
     """The start method a run uses, and a one-line notice when ``auto`` did not pick fork.
 
     Forking is the fast path; it is refused for GPU ranks once the kernel has touched CUDA,
     where the fork server takes over. ``auto`` also leaves it to the fork server while gRPC runs
     threads in the kernel, which a fork would restart in every rank (``--start fork`` still forks).
+    While ``in_background`` runs go on, their threads in the kernel hold locks at any moment (a run's
+    store names each connection it accepts under glibc's resolver lock), which a forked process
+    would inherit held and wait on for good: the ranks start from the fork server, and
+    ``--start fork`` is refused.
     """
     if requested == "fork":
         if not can_fork:
             raise TaasUsageError("--start fork: this platform cannot fork processes; use --start forkserver")
+        if in_background:
+            verb = "has" if in_background == 1 else "have"
+            raise TaasUsageError(
+                f"--start fork: {count(in_background, 'run')} in the background {verb} threads in this kernel, "
+                "which a fork would copy in the middle of what they do: use --start forkserver (or auto), "
+                "or %taas wait first"
+            )
         if device == "cuda" and fork_unsafe_for_cuda:
             raise TaasUsageError(
                 "--start fork: CUDA was already used in this kernel (an earlier cell initialized it or asked "
@@ -331,6 +347,11 @@ def resolve_start(
     if fork_unsafe_for_cuda:
         return "forkserver", (
             "taas: CUDA was already used in this kernel, so the ranks start from the fork server (--start forkserver)"
+        )
+    if in_background:
+        return "forkserver", (
+            "taas: a run in the background has threads in this kernel, which a fork would copy in the middle of "
+            "what they do, so the ranks start from the fork server (--start forkserver)"
         )
     if grpc_threads:
         return "forkserver", (
