@@ -174,9 +174,10 @@ class TaasMagics(Magics):
     def _transfer_command(self, command: str, words: list[str]) -> None:
         """`%taas pull NAMES` / `%taas push NAMES`: names between the notebook and the session's ranks."""
         names, ranks = options.transfer(command, words)
-        running = self.kept.session.running_in_background() if self.kept.session is not None else None
-        if command == "pull" and running is not None and self.kept.session is not None:
-            if self._runner().pull_while_running(self.kept.session, running, names, ranks):
+        kept = self.kept.session
+        running = kept.running_in_background() if kept is not None else None
+        if command == "pull" and kept is not None and running is not None:
+            if self._runner().pull_while_running(kept, running, names, ranks):
                 return
             running.wait()  # its cell ended before every rank answered: from the session as the cell left it
         session = self.kept.live_session(command)

@@ -135,17 +135,9 @@ class CellRunner:
             backend = self.fork_backend
         else:
             backend = self.forkserver_backend
-        if args.background:
-            return self._in_background(backend, spec, make_task, analysed, loaders, defaults.view, traces)
-        try:
-            result = self._launch(backend, spec, make_task, analysed, loaders, defaults.view)
-        finally:
-            if traces is not None:
-                profiling.merge_and_close(traces, spec.world_size)
-        self._take_back(result, spec.return_names, spec.return_from)
-        return None
+        return self._launch(backend, spec, make_task, analysed, loaders, defaults.view, traces, args.background)
 
-    def _in_background(
+    def _launch(
         self,
         backend: Backend[PlanT],
         spec: LaunchSpec,
@@ -154,23 +146,30 @@ class CellRunner:
         loaders: tuple[LoaderPlan, ...],
         view: bool,
         traces: profiling.ProfileFolder | None,
-    ) -> BackgroundRun:
-        """A one-shot run in the background: the names it needs are taken from the notebook now."""
+        background: bool,
+    ) -> BackgroundRun | None:
+        """Prepare ``backend``'s plan and run it: a one-shot run, or a session's first cell; in the background,
+        its handle (the names it needs are taken from the notebook now, and the environment as it is now)."""
         plan = backend.prepare(make_task, cell)
         environ = dict(os.environ)
 
         def work(front: CellFrontEnd) -> RunResult:
             try:
-                return controller.run(spec, plan, backend, front, environ, labels=producer_labels(loaders))
+                if spec.keep:
+                    return self._start_session(spec, backend, plan, loaders, front)
+                paused = None if background else functools.partial(self.kept.keep_paused, spec)
+                return controller.run(spec, plan, backend, front, environ, producer_labels(loaders), paused)
             finally:
-                plan.close()
+                plan.close()  # what the plan held here (a memory file of shipped tensors)
                 streams.give_back_freed_memory()
                 if traces is not None:
                     profiling.merge_and_close(traces, spec.world_size)
 
-        return self._background(
-            f"{spec.world_size} ranks on {spec.device}", self._front_end(view, spec.profile), work, spec
-        )
+        front = self._front_end(view, spec.profile)
+        if background:
+            return self._background(f"{spec.world_size} ranks on {spec.device}", front, work, spec)
+        self._take_back(work(front), spec.return_names, spec.return_from)
+        return None
 
     def _background(
         self, what: str, front: CellFrontEnd, work: Callable[[CellFrontEnd], RunResult], spec: LaunchSpec
@@ -182,33 +181,6 @@ class CellRunner:
         front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take, pulls=run.pulls)
         run.start(lambda: work(front), lambda result: self._take_back(result, spec.return_names, spec.return_from))
         return run
-
-    def _launch(
-        self,
-        backend: Backend[PlanT],
-        spec: LaunchSpec,
-        make_task: MakeTask,
-        cell: Cell,
-        loaders: tuple[LoaderPlan, ...],
-        view: bool,
-    ) -> RunResult:
-        """Prepare ``backend``'s plan and run it: a one-shot run, or a session's first cell."""
-        plan = backend.prepare(make_task, cell)
-        try:
-            if spec.keep:
-                return self._start_session(spec, backend, plan, loaders, view)
-            return controller.run(
-                spec,
-                plan,
-                backend,
-                self._front_end(view, spec.profile),
-                os.environ,
-                labels=producer_labels(loaders),
-                keep_paused=functools.partial(self.kept.keep_paused, spec),
-            )
-        finally:
-            plan.close()  # what the plan held here (a memory file of shipped tensors)
-            streams.give_back_freed_memory()
 
     def _order(
         self,
@@ -286,7 +258,12 @@ class CellRunner:
 
     # -- sessions -------------------------------------------------------------------------------
     def _start_session(
-        self, spec: LaunchSpec, backend: Backend[PlanT], plan: PlanT, loaders: tuple[LoaderPlan, ...], view: bool
+        self,
+        spec: LaunchSpec,
+        backend: Backend[PlanT],
+        plan: PlanT,
+        loaders: tuple[LoaderPlan, ...],
+        front: CellFrontEnd,
     ) -> RunResult:
         """Start the ranks of a session, and the producers of ``loaders``; they run this cell first, and stay."""
         launch = environment.launch(spec, new_run_id(), os.environ)
@@ -305,7 +282,7 @@ class CellRunner:
         group = backend.start(plan, launch)
         session = self.kept.session = Session(group, spec, backend.name, known, sources)
         session.serve(loaders, namespace)
-        return session.first_cell(spec, self._front_end(view, spec.profile))
+        return session.first_cell(spec, front)
 
     def _run_in_session(
         self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str, cell: str

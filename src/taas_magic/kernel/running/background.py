@@ -217,10 +217,15 @@ class BackgroundRun:
         sent any) join the notebook."""
         if not self._ended.is_set():
             self.stops.ask()
-            if not self.wait(STOP_WAIT_SECONDS):
-                self.stops.ask()  # a second stop: the ranks are stopped at once
-                self.wait(STOP_WAIT_SECONDS)
+            self.until_stopped()
         self.bind()
+
+    def until_stopped(self) -> None:
+        """Once a stop is asked: wait for the run's end, and ask again if it has not come in a while (a second
+        stop stops the ranks at once, as a second interrupt does)."""
+        if not self.wait(STOP_WAIT_SECONDS):
+            self.stops.ask()
+            self.wait(STOP_WAIT_SECONDS)
 
     @property
     def result(self) -> dict[str, Any]:
@@ -316,12 +321,10 @@ class BackgroundRuns:
         """End every run in the background, each as an interrupt would, then at once; the runs that were
         running, forgotten (the caller says what became of them)."""
         running = self.running()
-        for run in running:
+        for run in running:  # all asked first: they stop together
             run.stops.ask()
         for run in running:
-            if not run.wait(STOP_WAIT_SECONDS):
-                run.stops.ask()
-                run.wait(STOP_WAIT_SECONDS)
+            run.until_stopped()
             self.runs.remove(run)
         return running
 
