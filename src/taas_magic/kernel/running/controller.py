@@ -211,6 +211,20 @@ class Pump:
         """The user interrupted the cell."""
         self._do(self.state.interrupt(time.monotonic(), self.group.running()))
 
+    def send_whole(self, send: Callable[[], None]) -> None:
+        """Send a cell (``send``) to its ranks whole, even if the user interrupts meanwhile: the interrupt
+        then interrupts the cell the ranks run.
+
+        Sending a cell must be whole or not at all, and known to be which: an interrupt that landed
+        just after the message went, and before the kernel noted it, would leave the ranks running a
+        cell the kernel believes it never sent.
+        """
+        try:
+            with containment.HeldInterrupts():
+                send()
+        except KeyboardInterrupt:
+            self.interrupt()
+
     def show_summary(self, lost: bool = False) -> None:
         """The live view, once the run is over, whatever ended it: its summary, each row as the result says;
         ``lost``: taas lost the run's processes (``LOST``), and the run ends as lost, whatever its ranks had said.

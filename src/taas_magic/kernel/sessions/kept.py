@@ -4,22 +4,27 @@ or a one-shot run's rank paused at its error (`--debug`). `%taas stop` and `%taa
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from taas_magic.errors import SessionEnded, TaasUsageError
 from taas_magic.kernel.header import line_commands
 from taas_magic.kernel.header.option_values import count
 from taas_magic.kernel.header.spec import LaunchSpec
+from taas_magic.kernel.run.run_result import SESSION
 from taas_magic.kernel.running.background import BackgroundRuns
+from taas_magic.kernel.running.controller import watch
 from taas_magic.kernel.sessions import resizing
-from taas_magic.kernel.sessions.session import Session, debug_paused
+from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.view import streams
-from taas_magic.kernel.view.front_end import CellFrontEnd
+from taas_magic.kernel.view.front_end import CellFrontEnd, ReadLine
 from taas_magic.launch.backend import SessionGroup
 from taas_magic.per_rank import span
 from taas_magic.process import containment
+from taas_magic.wire.rank_control import SessionCell
 
 
 @dataclass(frozen=True)
@@ -221,3 +226,20 @@ def _ended_with(session: Session) -> str:
         "%taas debug while the session goes on; to keep one whatever happens, run the cell as a one-shot cell "
         "with --debug"
     )
+
+
+def debug_paused(
+    group: SessionGroup, rank: int, spec: LaunchSpec, write: Callable[[str, str], object], read_line: ReadLine
+) -> None:
+    """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
+    its error; the run is over once the user leaves it."""
+    # every line of the debugger, for as long as it takes, with no watchdog: a person is at its prompt
+    spec = dataclasses.replace(spec, output="all", timeout=None, hang_after=0)
+    watched = watch(SESSION, spec, CellFrontEnd(write, read_line=read_line), {}, [rank])
+    out, pump = watched.output, watched.pump(group)
+    try:
+        pump.send_whole(lambda: group.run_cell(SessionCell.post_mortem(), [rank], ()))
+        pump.until_over()
+    finally:
+        out.finish()
+        containment.close_whole(group.close)

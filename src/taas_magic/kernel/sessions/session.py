@@ -37,7 +37,7 @@ from taas_magic.errors import SessionEnded, TaasRunError
 from taas_magic.kernel.header.spec import LaunchSpec, without_last_nodes
 from taas_magic.kernel.run.run_result import SESSION, RunResult
 from taas_magic.kernel.running.background import BackgroundRun
-from taas_magic.kernel.running.controller import LOST, Pump, watch
+from taas_magic.kernel.running.controller import LOST, watch
 from taas_magic.kernel.sessions import reloading, session_stacks
 from taas_magic.kernel.view import render, streams
 from taas_magic.kernel.view.front_end import CellFrontEnd, ReadLine
@@ -303,7 +303,7 @@ class Session:
         pump = watched.pump(self.group)
         lost = False
         try:
-            _send(pump, send)
+            pump.send_whole(send)
             pump.until_over()
         except BaseException as e:
             lost = isinstance(e, LOST)
@@ -429,35 +429,3 @@ class _Fingerprints:
 
 
 _UNBOUND = object()  # what a name the notebook deleted is bound to, for _forget_rebound
-
-
-def _send(pump: Pump, send: Callable[[], None]) -> None:
-    """Send a cell (``send``) to its ranks whole, even if the user interrupts meanwhile: the interrupt
-    then interrupts the cell the ranks run.
-
-    Sending a cell must be whole or not at all, and known to be which: an interrupt that landed
-    just after the message went, and before the kernel noted it, would leave the ranks running a
-    cell the kernel believes it never sent.
-    """
-    try:
-        with containment.HeldInterrupts():
-            send()
-    except KeyboardInterrupt:
-        pump.interrupt()
-
-
-def debug_paused(
-    group: SessionGroup, rank: int, spec: LaunchSpec, write: Callable[[str, str], object], read_line: ReadLine
-) -> None:
-    """``%taas debug`` after a one-shot ``--debug`` cell of ``spec``: the debugger in the rank paused at
-    its error; the run is over once the user leaves it."""
-    # every line of the debugger, for as long as it takes, with no watchdog: a person is at its prompt
-    spec = dataclasses.replace(spec, output="all", timeout=None, hang_after=0)
-    watched = watch(SESSION, spec, CellFrontEnd(write, read_line=read_line), {}, [rank])
-    out, pump = watched.output, watched.pump(group)
-    try:
-        _send(pump, lambda: group.run_cell(SessionCell.post_mortem(), [rank], ()))
-        pump.until_over()
-    finally:
-        out.finish()
-        containment.close_whole(group.close)
