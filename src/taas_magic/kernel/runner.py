@@ -37,7 +37,7 @@ from taas_magic.kernel.sessions.kept import Kept, read_line
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.settings import Defaults
 from taas_magic.kernel.view import streams
-from taas_magic.kernel.view.front_end import CellFrontEnd, ViewDisplay, show_once
+from taas_magic.kernel.view.front_end import CellFrontEnd, ViewDisplay, picture_in_this_cell
 from taas_magic.launch.backend import Backend, Cell, MakeTask, PlanT, Sources
 from taas_magic.launch.fork.backend import ForkBackend
 from taas_magic.launch.forkserver.client import ForkServerBackend
@@ -248,11 +248,11 @@ class CellRunner:
         the picture of where the time went (``profile``, shown with the view)."""
         live = getattr(self.shell, "kernel", None) is not None  # a terminal redraws nothing: the summary alone
         return CellFrontEnd(
-            streams.write_to_cell,
+            streams.writer_to_this_cell(),
             self._cell_names(),
             status=ViewDisplay(live).show if view else None,
             read_line=read_line,
-            picture=show_once if profile and view else None,
+            picture=picture_in_this_cell() if profile and view else None,
             stopped=self.debugging.stopped_ranks if self.debugging is not None else frozenset,
         )
 

@@ -76,6 +76,22 @@ def test_a_run_trains_in_the_background_while_other_cells_run_and_its_names_come
     assert not still_running(run_processes(kernel), timeout=10), "nothing of the run is left"
 
 
+def test_a_cell_that_captures_its_output_while_a_run_goes_on_captures_none_of_the_runs(kernel):
+    started = kernel.execute(TRAINING.format(seconds=6), timeout=60).ok()
+    kernel.execute("run = _").ok()
+    captured = kernel.execute("%%capture cap\nimport time\nprint('mine')\ntime.sleep(3)", timeout=30).ok()
+    assert captured.stdout == "" and not captured.displays, "the capturing cell shows nothing of its own"
+    assert kernel.value("cap.stdout") == "mine\n", "it captured its own output, and none of the run's"
+    assert kernel.value("len(cap.outputs)") == 0, "nor the run's view"
+    kernel.execute("run.wait(60)").ok()
+    later = kernel.later[started.msg_id]
+    steps = re.findall(r"^\[ranks 0-1\] step (\d+)$", later.stdout, re.MULTILINE)
+    assert steps == [str(n) for n in range(50, 601, 50)], "every line of the run in its own cell"
+    kinds = [kind for kind, _ in later.display_messages]
+    assert kinds[0] == "display_data" and set(kinds[1:]) == {"update_display_data"} and len(kinds) > 3, kinds
+    assert later.displays[-1]["text/plain"].startswith("taas: 2 ranks on cpu · done in "), later.displays[-1]
+
+
 def test_an_interrupted_wait_leaves_the_run_going_and_stop_ends_it_leaving_nothing(kernel):
     kernel.execute(TRAINING.format(seconds=120), timeout=60).ok()
     kernel.execute("long = _").ok()

@@ -177,17 +177,20 @@ class BackgroundRun:
         route = _to_this_cell()
         context = contextvars.copy_context()
         self._thread = threading.Thread(
-            target=context.run, args=(self._run, work, route), name=f"taas background run {self.number}", daemon=True
+            target=context.run,
+            args=(self._run, work, route, sys.stderr),  # the cell's: another cell may swap sys.stderr meanwhile
+            name=f"taas background run {self.number}",
+            daemon=True,
         )
         self._thread.start()
 
-    def _run(self, work: Callable[[], RunResult], route: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], RunResult], route: Callable[[], None], stderr: Any) -> None:
         route()
         try:
             self._result = work()
         except BaseException as e:  # the run's failure, shown in its own cell and kept for .result
             self._error = e
-            _show_failure(e)
+            _show_failure(e, stderr)
         finally:
             self.pulls.end()
             self._ended_at = time.monotonic()
@@ -348,15 +351,15 @@ def _to_this_cell() -> Callable[[], None]:
     return route
 
 
-def _show_failure(error: BaseException) -> None:
-    """A background run's failure, in its own cell's output, as IPython would have shown it there."""
+def _show_failure(error: BaseException, stderr: Any) -> None:
+    """A background run's failure, in its own cell's output (``stderr``), as IPython would have shown it there."""
     render = getattr(error, "_render_traceback_", None)
     try:
         lines = render() if callable(render) else traceback.format_exception_only(type(error), error)
     except Exception:
         lines = traceback.format_exception_only(type(error), error)
-    sys.stderr.write("\n".join(line.rstrip("\n") for line in lines) + "\n")
-    sys.stderr.flush()
+    stderr.write("\n".join(line.rstrip("\n") for line in lines) + "\n")
+    stderr.flush()
 
 
 def _listed(names: dict[str, Any]) -> str:

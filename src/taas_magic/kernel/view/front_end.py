@@ -7,6 +7,7 @@ own: nothing of one cell's front end stays for the next (a later command drawing
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -72,26 +73,40 @@ class CellFrontEnd:
 class ViewDisplay:
     """A run's live view: one display in the cell, updated in place, left as the run's summary.
 
-    A terminal cannot redraw a display: there (``live`` False) only the summary is shown.
+    A terminal cannot redraw a display: there (``live`` False) only the summary is shown. The display goes
+    through the kernel's publisher as the cell had it when the run began: a run in the background goes on
+    drawing into its own cell while another cell has put its own publisher in place (``%%capture``).
     """
 
     def __init__(self, live: bool) -> None:
         self.live = live
-        self.handle: Any = None  # IPython's DisplayHandle, once shown
+        self.publisher = _display_publisher()
+        self.display_id: str | None = None  # once shown
 
     def show(self, bundle: dict[str, str], final: bool) -> None:
-        from IPython.display import display
-
         if not self.live and not final:
             return
-        if self.handle is None:
-            self.handle = display(bundle, raw=True, display_id=True)
-        else:
-            self.handle.update(bundle, raw=True)
+        first = self.display_id is None
+        if self.display_id is None:
+            self.display_id = uuid.uuid4().hex
+        self.publisher.publish(data=bundle, metadata={}, transient={"display_id": self.display_id}, update=not first)
 
 
-def show_once(bundle: dict[str, str]) -> None:
-    """A MIME bundle shown once, in a display of its own (the picture under a ``--profile`` run's summary)."""
-    from IPython.display import display
+def picture_in_this_cell() -> Show:
+    """What shows a MIME bundle once, in a display of its own, in the cell running now (the picture under a
+    ``--profile`` run's summary, drawn when the run ends, whatever cell runs then)."""
+    publisher = _display_publisher()
 
-    display(bundle, raw=True)
+    def show(bundle: dict[str, str]) -> None:
+        publisher.publish(data=bundle, metadata={})
+
+    return show
+
+
+def _display_publisher() -> Any:
+    """The kernel's display publisher, as the cell running now has it (outside IPython, one that prints)."""
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.getipython import get_ipython
+
+    shell = get_ipython()
+    return shell.display_pub if shell is not None else DisplayPublisher()

@@ -20,7 +20,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from taas_magic.wire.events import Key
 
@@ -188,7 +188,21 @@ def write_to_cell(stream: str, text: str) -> None:
     with what the kernel can send. A piece is at most ``WRITE_PIECE`` characters: the live view
     writes what several ranks printed within its window as one block, megabytes at times.
     """
-    target = sys.stdout if stream == "stdout" else sys.stderr
+    _write_in_pieces(sys.stdout if stream == "stdout" else sys.stderr, text)
+
+
+def writer_to_this_cell() -> Callable[[str, str], None]:
+    """``write_to_cell`` bound to the streams the cell has now: a run in the background goes on writing into its
+    own cell while another cell has swapped ``sys.stdout`` for its own (``%%capture``, ``redirect_stdout``)."""
+    out, err = sys.stdout, sys.stderr
+
+    def write(stream: str, text: str) -> None:
+        _write_in_pieces(out if stream == "stdout" else err, text)
+
+    return write
+
+
+def _write_in_pieces(target: Any, text: str) -> None:
     for start in range(0, len(text), WRITE_PIECE):  # a block of many lines of several ranks, in pieces
         type(target).write(target, text[start : start + WRITE_PIECE])
         target.flush()
