@@ -491,3 +491,27 @@ def test_pause_step_in_and_step_out_act_on_the_rank_they_name(attached):
     finally:
         attached.kernel.execute("import glob, os\nfor p in glob.glob('/tmp/taas-pause-*'): os.remove(p)").ok()
     assert attached.text().count("] result") == 2
+
+
+def test_a_run_in_the_background_stops_at_breakpoints_while_the_notebook_runs_on(attached):
+    kernel = attached.kernel
+    code = RANKS_CELL.format(start="forkserver").replace("--start forkserver", "--background --return twice --from 1")
+    attached.dump(code, 4)
+    attached.request("configurationDone")
+    kernel.execute(code, timeout=SECONDS).ok()
+    kernel.execute("stopped_run = _").ok()
+    deadline = time.monotonic() + SECONDS
+    while len(attached.events("stopped")) < 2:
+        assert time.monotonic() < deadline, f"stopped: {attached.events('stopped')}"
+        assert kernel.execute("print(1 + 1)").ok().stdout == "2\n", "the notebook runs on while the ranks wait"
+    threads = {event["body"]["threadId"] for event in attached.events("stopped")}
+    named = {t["id"]: t["name"] for t in attached.request("threads")["body"]["threads"]}
+    assert sorted(named[thread] for thread in threads) == ["rank 0", "rank 1"], named
+    for thread in threads:
+        frame = attached.top_frame(thread)
+        assert frame["line"] == 4 and attached.value(frame["id"], "r") == named[thread].split()[1], frame
+    assert kernel.value("stopped_run.done()") is False
+    for thread in threads:
+        assert attached.request("continue", {"threadId": thread})["success"]
+    kernel.execute("stopped_run.wait(60)", timeout=90).ok()
+    assert kernel.value("twice") == 2
