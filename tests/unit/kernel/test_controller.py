@@ -7,9 +7,11 @@ from __future__ import annotations
 import signal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.specs import cpu_spec
 
-from taas_magic.errors import RankFailed, RunLost
+from taas_magic.errors import RankFailed, RunInterrupted, RunLost
 from taas_magic.kernel.running import controller
 from taas_magic.kernel.view.front_end import CellFrontEnd
 from taas_magic.wire.events import Exited, Output, Producer, Report
@@ -162,3 +164,34 @@ def test_a_lost_runs_view_ends_as_lost_with_no_rank_still_running():
     summary, final = shown[-1]
     assert final and summary["text/plain"].startswith("taas: 2 ranks on cpu · lost after "), summary
     assert "running" not in summary["text/plain"] and group.closed
+
+
+class InterruptedGroup(ScriptedGroup):
+    """Two ranks that run until interrupted; the user's interrupt lands in the pump's call number ``at`` of
+    ``running()``, its test of whether the run is over among them."""
+
+    def __init__(self, at: int):
+        super().__init__([], on_signal=_stop_on_interrupt)
+        self.calls, self.at = 0, at
+
+    def running(self):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return super().running()
+
+
+def _stop_on_interrupt(group, signum):
+    if signum == signal.SIGINT and group.alive:
+        group.batches.append([error(rank, 1.0, "KeyboardInterrupt") for rank in sorted(group.alive)])
+        group.batches.append([Exited(rank, 1) for rank in sorted(group.alive)])
+
+
+@settings(max_examples=25, deadline=None)
+@given(at=st.integers(1, 12))
+def test_an_interrupt_that_lands_anywhere_in_the_pump_is_the_cells_interrupt(at):
+    group = InterruptedGroup(at)
+    group.batches = [[Output(0, "stdout", b"training\n")]] * 20  # the ranks train on until interrupted
+    with pytest.raises(RunInterrupted):
+        run(group)
+    assert signal.SIGINT in group.signals and group.closed
