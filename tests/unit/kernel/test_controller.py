@@ -168,17 +168,24 @@ def test_a_lost_runs_view_ends_as_lost_with_no_rank_still_running():
 
 class InterruptedGroup(ScriptedGroup):
     """Two ranks that run until interrupted; the user's interrupt lands in the pump's call number ``at`` of
-    ``running()``, its test of whether the run is over among them."""
+    ``running()``, its test of whether the run is over among them; ``again``: a second one lands as the first
+    is passed on to the ranks (a person who presses twice)."""
 
-    def __init__(self, at: int):
-        super().__init__([], on_signal=_stop_on_interrupt)
-        self.calls, self.at = 0, at
+    def __init__(self, at: int, again: bool):
+        super().__init__([[Output(0, "stdout", b"training\n")]] * 20, on_signal=_stop_on_interrupt)
+        self.calls, self.at, self.again = 0, at, again
 
     def running(self):
         self.calls += 1
         if self.calls == self.at:
             raise KeyboardInterrupt
         return super().running()
+
+    def signal(self, signum, ranks=None):
+        super().signal(signum, ranks)
+        if self.again:
+            self.again = False
+            raise KeyboardInterrupt
 
 
 def _stop_on_interrupt(group, signum):
@@ -187,11 +194,10 @@ def _stop_on_interrupt(group, signum):
         group.batches.append([Exited(rank, 1) for rank in sorted(group.alive)])
 
 
-@settings(max_examples=25, deadline=None)
-@given(at=st.integers(1, 12))
-def test_an_interrupt_that_lands_anywhere_in_the_pump_is_the_cells_interrupt(at):
-    group = InterruptedGroup(at)
-    group.batches = [[Output(0, "stdout", b"training\n")]] * 20  # the ranks train on until interrupted
+@settings(max_examples=30, deadline=None)
+@given(at=st.integers(1, 12), again=st.booleans())
+def test_an_interrupt_that_lands_anywhere_in_the_pump_is_the_cells_interrupt(at, again):
+    group = InterruptedGroup(at, again)
     with pytest.raises(RunInterrupted):
         run(group)
     assert signal.SIGINT in group.signals and group.closed

@@ -212,8 +212,15 @@ class Pump:
                 self.interrupt()
 
     def interrupt(self) -> None:
-        """The user interrupted the cell."""
-        self._do(self.state.interrupt(time.monotonic(), self.group.running()))
+        """The user interrupted the cell. Another interrupt that lands while this one is taken (a person who
+        presses twice) is taken after it: none leaves the cell as a bare KeyboardInterrupt."""
+        while True:
+            try:
+                self._do(self.state.interrupt(time.monotonic(), self.group.running()))
+                return
+            except KeyboardInterrupt as e:
+                if type(e) is not KeyboardInterrupt:
+                    raise  # the cell's own end (RunInterrupted), not the user's signal
 
     def send_whole(self, send: Callable[[], None]) -> None:
         """Send a cell (``send``) to its ranks whole, even if the user interrupts meanwhile: the interrupt
