@@ -523,9 +523,14 @@ def test_a_failure_shows_where_the_others_waited_for_it(failed_after_2s, kernel)
     found = where(failed_after_2s, "where they were when rank 1 failed:")
     # Whether a peer's collective broke as rank 1 exited (gloo tells its neighbours at once) or taas stopped it
     # still waiting, it is shown at the line it waited at: its broken collective's frames come with its error.
-    assert [(sorted(p.ranks), p.doing, p.at) for p in found] == [
-        ([0, 2, 3], "in all_reduce #1 (4 B float32) for N s", (7, "<module>", "dist.all_reduce(torch.ones(1))"))
-    ]
+    assert [(sorted(p.ranks), p.at) for p in found] == [([0, 2, 3], (7, "<module>", "dist.all_reduce(torch.ones(1))"))]
+    # The collective's number, tensors and time come from the rank's samples, about one a second: on a busy machine a
+    # rank whose collective broke at once may have sent none yet ("rank 0 in all_reduce; ranks 2-3 in all_reduce #1
+    # (4 B float32) for N s", seen once in the kernel tier).
+    [place] = found
+    said = place.doing.split("; ")
+    assert "in all_reduce #1 (4 B float32) for N s" in {re.sub(r"^ranks? [\d,-]+ ", "", part) for part in said}, said
+    assert all(re.fullmatch(r"(ranks? [\d,-]+ )?in all_reduce( #1 \(4 B float32\) for N s)?", part) for part in said)
     assert "taas_magic" not in failed_after_2s.traceback and "ultratb" not in failed_after_2s.traceback
     assert_usable(kernel)
 
