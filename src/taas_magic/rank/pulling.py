@@ -14,9 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from taas_magic.rank import run_store
-from taas_magic.wire import memfile, results
-from taas_magic.wire.channel import INLINE_LIMIT, ChannelBroken
+from taas_magic.rank import names_out, run_store
+from taas_magic.wire import results
 from taas_magic.wire.rank_control import PULL_KEY, Pulled, RankEnd
 
 
@@ -42,26 +41,4 @@ def answer(asked: PullRequest, namespace: dict[str, Any], control: RankEnd) -> N
         return
     present = {name: namespace[name] for name in asked.names if name in namespace}
     packed, _ = results.dumps(present)  # what cannot be sent stays out: the kernel says which names did not come
-    names, in_file, fds = message_parts(packed)
-    try:
-        control.send(Pulled(asked.number, names, in_file), fds)
-    except ChannelBroken:
-        pass  # the session is over: the kernel stops waiting as the cell ends
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def message_parts(packed: results.Packed) -> tuple[bytes | None, int | None, list[int]]:
-    """Names for a message: their bytes in it when small, else a sealed memory file beside it (its size, its
-    descriptor): the supervisor hands it on to the kernel as it is, and the kernel maps it."""
-    if packed.size <= INLINE_LIMIT:
-        return packed.to_bytes(), None, []
-    fd = memfile.new_file("taas-names", packed.size)
-    try:
-        packed.write(fd)
-        memfile.seal(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return None, packed.size, [fd]
+    names_out.send(control, lambda inline, in_file: Pulled(asked.number, inline, in_file), packed)

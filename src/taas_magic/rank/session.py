@@ -21,7 +21,7 @@ from typing import Any
 from taas_magic.process import containment
 from taas_magic.process.child import RankFds, flush_all
 from taas_magic.process.tracebacks import register_sources
-from taas_magic.rank import debugger, healing, pulling
+from taas_magic.rank import debugger, healing, names_out, pulling
 from taas_magic.rank.cell import failed_outside_code, run_cell
 from taas_magic.rank.group_links import GroupLinks
 from taas_magic.rank.release import Release
@@ -160,14 +160,7 @@ def send_end(control: RankEnd, record: records.Record, names: results.Packed | N
     """The cell's end, with its names: small ones in the message, larger ones in a sealed memory file that
     the supervisor hands on to the kernel as it is (``events.ResultInFile``), and the kernel maps."""
     flush_all()
-    inline, in_file, fds = pulling.message_parts(names) if names is not None else (None, None, [])
-    try:
-        control.send(CellEnd(records.encode(record), inline, in_file), fds)
-    except ChannelBroken:
-        pass  # the session is over: the next receive says so
-    finally:
-        for fd in fds:
-            os.close(fd)
+    names_out.send(control, lambda inline, in_file: CellEnd(records.encode(record), inline, in_file), names)
 
 
 def _next_cell(control: RankEnd) -> tuple[SessionCell, int | None, list[int]] | None:

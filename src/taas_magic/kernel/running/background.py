@@ -78,7 +78,7 @@ class StopRequests:
         return asked
 
 
-class PullRequest:
+class PendingPull:
     """One `%taas pull` while a session's cell runs in the background: asked by the notebook, carried to the ranks
     by the run's pump, answered by each rank between two steps."""
 
@@ -99,14 +99,14 @@ class PullRequests:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
-        self._queued: list[PullRequest] = []
-        self._asked: dict[int, PullRequest] = {}
+        self._queued: list[PendingPull] = []
+        self._asked: dict[int, PendingPull] = {}
         self._ended = False
 
-    def ask(self, names: tuple[str, ...], ranks: tuple[int, ...]) -> PullRequest:
+    def ask(self, names: tuple[str, ...], ranks: tuple[int, ...]) -> PendingPull:
         with self._lock:
             self._count += 1
-            request = PullRequest(self._count, names, ranks)
+            request = PendingPull(self._count, names, ranks)
             if self._ended:
                 request.settled.set()
             else:
