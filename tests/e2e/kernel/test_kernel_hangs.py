@@ -489,7 +489,8 @@ def test_an_interrupted_lock_step_loop_shows_its_ranks_at_one_moment(kernel):
     collectives apart on a busy machine), and every rank is named with its stack. Each rank answers from its own
     thread, within a scheduling delay of the other's: on a machine as busy as the test tiers make it, tens of
     milliseconds, a few steps of a fast loop; this one takes about 60 steps a second (5.5 steps apart, 90 ms, seen
-    once in the kernel tier: 8 still tells one moment from a sample a second old, 60 steps)."""
+    once in the kernel tier; 13 steps, about 220 ms, once in CI beside the other five workers: 20 still tells one
+    moment from a sample a second old, 60 steps)."""
     rng = random.Random(7)
     for _ in range(10):
         result = kernel.execute(LOCK_STEP, interrupt_after=rng.uniform(0.2, 1.2), timeout=40, counted_from="training")
@@ -497,7 +498,7 @@ def test_an_interrupted_lock_step_loop_shows_its_ranks_at_one_moment(kernel):
         found = where(result, "where the ranks were when interrupted:")
         assert all(place.stack for place in found), found
         at = positions(found)
-        assert set(at) == {0, 1} and abs(at[0] - at[1]) <= 8, f"{at}\n{result.traceback}"
+        assert set(at) == {0, 1} and abs(at[0] - at[1]) <= 20, f"{at}\n{result.traceback}"
     assert_usable(kernel)
 
 
