@@ -386,8 +386,11 @@ def kill_all(processes: list[psutil.Process]) -> list[str]:
 
 
 @contextmanager
-def notebook_in_browser(cells: list[str], notebook: str = NOTEBOOK) -> Iterator[tuple[Page, Lab]]:
-    """A notebook of ``cells`` open in JupyterLab in Chromium, its kernel idle; all of it gone after."""
+def notebook_in_browser(
+    cells: list[str], notebook: str = NOTEBOOK, traffic: DebugTraffic | None = None
+) -> Iterator[tuple[Page, Lab]]:
+    """A notebook of ``cells`` open in JupyterLab in Chromium, its kernel idle, its debug messages recorded in
+    ``traffic``; all of it gone after."""
     marker = secrets.token_hex(8)
     children_before = {c.pid for c in psutil.Process().children(recursive=True)}
     try:
@@ -400,6 +403,8 @@ def notebook_in_browser(cells: list[str], notebook: str = NOTEBOOK) -> Iterator[
             write_notebook(root / notebook, cells)
             lab = stack.enter_context(jupyter_lab(home, root, marker))
             page = stack.enter_context(chromium_page(home / "chromium-profile", marker))
+            if traffic is not None:
+                traffic.watch(page)
             open_notebook(page, lab, notebook)
             yield page, lab
     except BaseException as failure:
@@ -542,7 +547,72 @@ def shown_rank(page: Page) -> int:
     return int(match.group(1))
 
 
-def shown_rank_with_its_values(page: Page, within: float = 20) -> int:
+class DebugTraffic:
+    """The Debug Protocol messages between JupyterLab and the kernel, as the page's websocket carries them, each
+    summed up in one line: what a failure of the debugger test says the front end was sent, and in which order."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.started = time.monotonic()
+
+    def watch(self, page: Page) -> None:
+        """Record what ``page``'s websockets opened from now on carry (before the notebook opens its kernel's)."""
+        page.on("websocket", self._watch)
+
+    def _watch(self, socket_: Any) -> None:
+        socket_.on("framesent", lambda payload: self._take(">", payload))
+        socket_.on("framereceived", lambda payload: self._take("<", payload))
+
+    def _take(self, way: str, payload: str | bytes) -> None:
+        text = payload if isinstance(payload, str) else payload.decode("utf-8", "replace")
+        if '"debug_' not in text:
+            return
+        parts = json_documents(text)
+        if len(parts) >= 4 and parts[0].get("msg_type", "").startswith("debug_"):
+            said = summed_up(parts[3])
+            if said:
+                self.lines.append(f"{time.monotonic() - self.started:7.3f} {way} {said}")
+
+    def tail(self, count: int = 40) -> str:
+        return "\n".join(self.lines[-count:])
+
+
+def json_documents(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of one websocket frame of Jupyter's binary protocol, in order (header, parent, metadata,
+    content), the bytes between them skipped."""
+    decoder, found, at = json.JSONDecoder(), [], text.find("{")
+    while at != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        found.append(value)
+        at = text.find("{", end)
+    return found
+
+
+def summed_up(content: dict[str, Any]) -> str:
+    """One line for a debug request, reply or event about threads, frames and variables ('' for the others)."""
+    kind, body = content.get("type"), content.get("body") or {}
+    if kind == "event" and content.get("event") in ("stopped", "continued"):
+        return f"{content['event']} thread {body.get('threadId')}"
+    command = content.get("command")
+    if command not in ("stackTrace", "scopes", "variables", "continue"):
+        return ""
+    if kind == "request":
+        return f"#{content.get('seq')} {command} {content.get('arguments')}"
+    if command == "stackTrace":
+        said = [frame.get("name") for frame in body.get("stackFrames", [])[:1]]
+    elif command == "scopes":
+        said = [scope.get("variablesReference") for scope in body.get("scopes", [])]
+    elif command == "variables":
+        said = [f"{v['name']}={v['value']}" for v in body.get("variables", []) if v["name"] == "rank_seen"]
+    else:
+        said = []
+    return f"#{content.get('request_seq')} {command} -> {content.get('success')} {said} {content.get('message', '')}"
+
+
+def shown_rank_with_its_values(page: Page, traffic: DebugTraffic, within: float = 20) -> int:
     """The rank the panels show, once the variables panel shows that rank's values: when both ranks stop
     at once, JupyterLab redraws the call stack and the variables for each ``stopped`` event in turn."""
     deadline = time.monotonic() + within
@@ -552,7 +622,9 @@ def shown_rank_with_its_values(page: Page, within: float = 20) -> int:
         variables.get_by_text("rank_seen").first.wait_for(timeout=10_000)
         if re.search(rf"rank_seen\W+{rank}\b", variables.inner_text()):
             return rank
-        assert time.monotonic() < deadline, f"rank {rank}'s frame, other values: {variables.inner_text()}"
+        assert time.monotonic() < deadline, (
+            f"rank {rank}'s frame, other values: {variables.inner_text()}\nthe debug messages:\n{traffic.tail()}"
+        )
         time.sleep(0.25)
 
 
@@ -562,14 +634,15 @@ def test_jupyterlabs_debugger_stops_a_taas_cells_ranks_at_a_gutter_breakpoint(tm
     if reason:
         pytest.skip(reason)
     shots = screenshot_dir(tmp_path)
-    with notebook_in_browser(["%load_ext taas_magic", DEBUGGED_CELL], notebook="debugger.ipynb") as (page, lab):
+    traffic = DebugTraffic()
+    with notebook_in_browser(["%load_ext taas_magic", DEBUGGED_CELL], "debugger.ipynb", traffic) as (page, lab):
         switch_debugger_on(page)
         taas_cell = cell(page, 1)
         click_gutter(taas_cell, 4)
         run_all_cells(page)
         seen = []
         for _ in range(2):  # each rank stops; continuing one shows the other
-            rank = shown_rank_with_its_values(page)
+            rank = shown_rank_with_its_values(page, traffic)
             assert "Cell [*]:4" in page.locator(".jp-DebuggerCallstackFrame").first.inner_text()
             if not seen:
                 taas_cell.locator(f'tr.taas-row[data-rank="{rank}"][data-state="paused"]').wait_for(timeout=10_000)
