@@ -125,8 +125,6 @@ class CellRunner:
                 track=spec.hang_after > 0,
             )
 
-        if spec.on_cluster and args.background:
-            background.refuse_on_cluster()
         if spec.on_cluster:
             backend: Backend[Any] = self.link.backend(spec, catalog)
         elif args.background:  # the kernel is not forked while other cells run in it
@@ -177,7 +175,7 @@ class CellRunner:
         """``work`` run in a thread of the kernel for this cell (``background``), with its front end: no prompt can
         be read from a cell that has ended (a rank's breakpoint() is told there is none), and the handle's stops are
         taken as interrupts. The names it sends back join the notebook between cells."""
-        run = self.kept.background.new(f"In[{cell_files.running_cell_number(self.shell)}]", what)
+        run = self.kept.background.new(f"In[{cell_files.running_cell_number(self.shell)}]", what, spec.on_cluster)
         front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take, pulls=run.pulls)
         run.start(lambda: work(front), lambda result: self._take_back(result, spec.return_names, spec.return_from))
         return run
@@ -288,8 +286,6 @@ class CellRunner:
         self, session: Session, args: argparse.Namespace, defaults: Defaults, line: str, cell: str
     ) -> BackgroundRun | None:
         session_cells.check_fits_session(args, session)
-        if args.background and session.start == "cluster":
-            background.refuse_on_cluster()
         ranks = session_cells.session_ranks(args.ranks, session)
         compiled = cell_source.compile_cell(self.shell, self.transformer, line, cell)
         analysed = compiled.cell

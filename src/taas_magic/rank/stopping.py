@@ -53,6 +53,7 @@ class StepStops:
         self.pull_asked = False  # PULL_TOGETHER came: answer the request before the agreed step
         self.pull: PullRequest | None = None  # the request, read at the first step after it came
         self.pull_before: int | None = None
+        self.last_pull = 0  # the number of the last pull read (across cells: pulls are numbered across the kernel)
         self.answer_pull: Callable[[PullRequest], None] = lambda asked: None  # the session's: sends the names
         self.hooks: list[Any] = []
         self.before: Any = signal.SIG_DFL  # the handler ``install`` replaced
@@ -105,7 +106,7 @@ class StepStops:
         if self.begun > 0:
             self.pull_asked, self.pull_before = True, None  # read at the next step, outside the handler
             return
-        asked = pulling.request()
+        asked = self._read_pull()
         if asked is not None:
             self.answer_pull(asked)
 
@@ -130,7 +131,7 @@ class StepStops:
         """Answer the pull if this is the step the ranks agreed on (the values as they are after the steps before
         it, in every rank alike), then let the step begin."""
         if self.pull is None or self.pull_before is None:
-            self.pull = pulling.request()
+            self.pull = self._read_pull()
         if self.pull is None:
             self.pull_asked = False
             return
@@ -139,6 +140,12 @@ class StepStops:
         if self.begun >= self.pull_before:
             asked, self.pull, self.pull_before, self.pull_asked = self.pull, None, None, False
             self.answer_pull(asked)
+
+    def _read_pull(self) -> PullRequest | None:
+        asked = pulling.request(after=self.last_pull)
+        if asked is not None:
+            self.last_pull = asked.number
+        return asked
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.cell is not None:

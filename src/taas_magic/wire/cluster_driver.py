@@ -3,7 +3,8 @@ connection to a Ray cluster (``launch/cluster/driver.py``).
 
 Ray's driver ends its own process when the cluster's head is gone for a minute, and aborts it on a
 failed check in its C++ core; in a process of taas's own that costs the connection, not the notebook.
-The kernel asks one thing at a time and waits for its answer: ``Done`` with the value (and, for a
+The kernel asks one thing at a time and waits for its answer (a run in the background asks from a thread of
+its own, in turn with the notebook's cells): ``Done`` with the value (and, for a
 run, which of its processes still run), or ``Failed`` with the error to raise in the kernel; ``Notice``
 lines (the notebook's folder going to the cluster) may come before either, to show as they come.
 
@@ -136,6 +137,18 @@ class RunCell:
 
 
 @dataclass(frozen=True)
+class AskPull:
+    """`%taas pull` while a session's cell runs in the background: node 0 puts the request in the run's store,
+    then ``ranks`` are told to answer it between two steps (``rank/pulling.py``)."""
+
+    kind: ClassVar[str] = "pull"
+    run_id: str
+    number: int
+    names: tuple[str, ...]
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class AnswerLine:
     """A line typed in the notebook for a rank's debugger prompt (None: end of input)."""
 
@@ -182,7 +195,19 @@ class Failed:
 
 
 ToDriver = Union[
-    Connect, Describe, Release, Ship, Drop, StartOnNodes, Poll, Signal, AskStacks, RunCell, AnswerLine, CloseRun
+    Connect,
+    Describe,
+    Release,
+    Ship,
+    Drop,
+    StartOnNodes,
+    Poll,
+    Signal,
+    AskStacks,
+    RunCell,
+    AskPull,
+    AnswerLine,
+    CloseRun,
 ]
 FromDriver = Union[Notice, Done, Failed]
 

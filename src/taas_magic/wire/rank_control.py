@@ -12,6 +12,7 @@ the supervisor (``supervision.py``).
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 from dataclasses import dataclass, field
@@ -29,6 +30,11 @@ STOP_TOGETHER = signal.SIGUSR2
 # ``PULL_KEY``; at once in a cell that has begun no step. Ignored outside a session's cell.
 PULL_TOGETHER = signal.SIGRTMIN + 2
 PULL_KEY = "taas/pull"  # {"number": N, "names": [...], "ranks": [...]} as JSON, one request at a time
+
+
+def pull_request(number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> str:
+    """What ``PULL_KEY`` holds for a pull (``rank/pulling.py`` reads it)."""
+    return json.dumps({"number": number, "names": list(names), "ranks": list(ranks)})
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ run's supervisor, on the run's own channel.
 
 Requests go one way: ``Go`` first (the notebook's names for the functions ranks replace, found
 while the supervisor forks), then any of ``SignalRanks``, ``AskStacks``, a session's ``RunCell``
-(its tensors' memory file beside it), a debugger's ``AnswerLine``, and ``Close``. The supervisor
+(its tensors' memory file beside it), ``PutInStore`` where the supervisor serves the run's store, a debugger's
+``AnswerLine``, and ``Close``. The supervisor
 answers ``Started`` or ``StartFailed``, then sends ``Events`` and ``Stacks`` as they come, and
 ``Closed`` last, with the events that came with the end, once every process of the run has exited
 or it was asked to close; ``Lost`` instead when it had to end the run on its own.
@@ -56,6 +57,16 @@ class RunCell:
     kind: ClassVar[str] = "cell"
     cell: SessionCell
     ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PutInStore:
+    """Set ``key`` to ``value`` in the run's store, which this supervisor serves (a cluster run's node 0): what its
+    ranks read when told to (a pull's request), put before any rank is told."""
+
+    kind: ClassVar[str] = "put"
+    key: str
+    value: str
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ class Lost:
     why: str
 
 
-ToSupervisor = Union[Go, SignalRanks, AskStacks, RunCell, AnswerLine, Close]
+ToSupervisor = Union[Go, SignalRanks, AskStacks, RunCell, PutInStore, AnswerLine, Close]
 FromSupervisor = Union[Started, StartFailed, Events, Stacks, Closed, Lost]
 
 # Who sends what to whom: docs/architecture.md's table of messages lists exactly these (test_protocol.py).

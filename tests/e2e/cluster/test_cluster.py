@@ -438,6 +438,75 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
     assert not leftovers(cluster_kernel)
 
 
+BACKGROUND_TRAINING = """#pragma taas --background
+import time
+steps, checksum = 0, 0.0
+print('training', flush=True)
+while steps < {steps}:
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    steps += 1
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    time.sleep(0.02)
+"""
+
+
+def test_cells_run_in_the_background_on_the_cluster_while_the_notebook_works_and_pulls_read_every_node(
+    cluster_kernel,
+):
+    """A one-shot run and a session's cell in the background on the cluster: the notebook runs cells and asks the
+    cluster meanwhile (the run's thread and the notebook's cells take turns with the driver), leaving the cluster
+    is refused while a run holds agents there, `%taas pull` reads the ranks of both nodes at one optimizer step,
+    and the names come back."""
+    started = cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --background")
+        + INIT
+        + "import time\nfor tick in range(30):\n    time.sleep(0.2)\nranks_seen = dist.get_world_size()",
+        timeout=240,
+    ).ok()
+    assert re.fullmatch(
+        r"taas run \d+ \(cell In\[\d+\], 4 ranks on cpu\): running for \d+ s", started.displays[-1]["text/plain"]
+    )
+    assert cluster_kernel.execute("print(sum(range(10)))").ok().stdout == "45\n"
+    shown = cluster_kernel.execute("%taas cluster", timeout=60).ok().stdout
+    assert "nodes" in shown, "the notebook asks the cluster while the run's thread polls it"
+    refused = cluster_kernel.execute("%taas cluster off", timeout=60)
+    assert refused.error is not None and re.fullmatch(
+        r"run \d+ \(cell In\[\d+\]\) runs on the cluster in the background: %taas wait or %taas stop first, "
+        r"then change the cluster",
+        refused.error["evalue"],
+    ), refused.error
+    waited = cluster_kernel.execute("%taas wait", timeout=120).ok()
+    assert re.search(r"ended after \d+ s; .*ranks_seen.* back in the notebook", waited.stderr), waited.stderr
+    assert cluster_kernel.value("ranks_seen") == 4
+    assert not leftovers(cluster_kernel)
+
+    cluster_kernel.execute(
+        HEADER.replace("--device cpu", "--device cpu --keep") + INIT + "import torch\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)",
+        timeout=240,
+    ).ok()
+    try:
+        training = cluster_kernel.execute(BACKGROUND_TRAINING.format(steps=100_000), timeout=60).ok()
+        cluster_kernel.execute("run = _").ok()
+        time.sleep(3)  # a few steps in
+        cluster_kernel.execute("%taas pull steps checksum --ranks 0-3", timeout=60).ok()
+        steps, sums = cluster_kernel.value("(list(steps), list(checksum))")
+        assert steps[0] > 0 and len(set(steps)) == 1, f"every rank of both nodes at one step: {steps}"
+        assert len(set(sums)) == 1, f"and so the same weights: {sums}"
+        assert cluster_kernel.value("run.done()") is False, "the training goes on"
+        cluster_kernel.execute("run.stop()", timeout=90).ok()
+        later = cluster_kernel.later[training.msg_id]
+        assert "training" in later.stdout, "the ranks' output goes to the run's own cell"
+        cluster_kernel.execute("%taas pull steps", timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(steps)"))) == 1, "stopped together, the session goes on"
+    finally:
+        cluster_kernel.execute("%taas stop", timeout=120).ok()
+    assert not leftovers(cluster_kernel)
+
+
 def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cluster, registered):
     local, _ = cluster
     cluster_kernel = registered

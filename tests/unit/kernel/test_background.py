@@ -144,22 +144,30 @@ def test_a_one_shot_cell_or_a_session_cell_may_run_in_the_background(start):
 def test_pulls_go_to_the_ranks_one_at_a_time_and_settle_when_every_rank_answered():
     pulls = PullRequests()
     first, second = pulls.ask(("losses",), (0, 1)), pulls.ask(("model",), (0,))
-    assert pulls.take() == (1, ("losses",), (0, 1)) and pulls.take() is None, "one in flight at a time"
-    pulls.answered(1, 0, b"zero")
-    pulls.answered(1, "producer", b"?")  # producers send no names
+    assert pulls.take() == (first.number, ("losses",), (0, 1)) and pulls.take() is None, "one in flight at a time"
+    pulls.answered(first.number, 0, b"zero")
+    pulls.answered(first.number, "producer", b"?")  # producers send no names
     assert not first.settled.is_set()
-    pulls.answered(1, 1, b"one")
+    pulls.answered(first.number, 1, b"one")
     assert first.settled.is_set() and first.answers == {0: b"zero", 1: b"one"}
-    assert pulls.take() == (2, ("model",), (0,))
-    pulls.refused(2)
+    assert pulls.take() == (second.number, ("model",), (0,))
+    pulls.refused(second.number)
     assert second.settled.is_set() and second.answers == {}
+
+
+def test_pulls_are_numbered_across_the_kernel_so_a_later_cell_never_reuses_a_number():
+    """The ranks agree on the step that answers a pull under its number, in the session's store: a second background
+    cell of the session numbering from 1 again would find the first cell's agreement there."""
+    earlier, later = PullRequests(), PullRequests()
+    first, second = earlier.ask(("x",), (0,)), later.ask(("x",), (0,))
+    assert second.number > first.number
 
 
 def test_pulls_asked_as_the_cell_ends_settle_with_what_came():
     pulls = PullRequests()
     asked, queued = pulls.ask(("x",), (0, 1)), pulls.ask(("y",), (0, 1))
     pulls.take()
-    pulls.answered(1, 0, b"zero")
+    pulls.answered(asked.number, 0, b"zero")
     pulls.end()
     assert asked.settled.is_set() and asked.answers == {0: b"zero"} and queued.settled.is_set()
     late = pulls.ask(("z",), (0,))

@@ -9,14 +9,16 @@ sees a name change under it. A stop (``stop()``, ``%taas stop``, the kernel's sh
 as an interrupt of the cell would be. While a session's cell runs here, the session is the run's: `%taas pull` goes
 through its pump (``PullRequests``: the ranks answer between two optimizer steps), everything else waits for it.
 
-A one-shot run's ranks start from the fork server: the kernel is never forked while another cell runs in it (a
-thread holding a lock at that moment would leave it held in every rank), and the names they get are the notebook's
-as the cell ran, restarts (``--max-restarts``) included.
+A one-shot run's ranks start from the fork server (or on the cluster's nodes): the kernel is never forked while
+another cell runs in it (a thread holding a lock at that moment would leave it held in every rank), and the names
+they get are the notebook's as the cell ran, restarts (``--max-restarts``) included. On a cluster, the run's thread
+and the notebook's cells take turns with the cluster driver, one message at a time (``driver_link.py``).
 """
 
 from __future__ import annotations
 
 import contextvars
+import itertools
 import sys
 import threading
 import time
@@ -48,13 +50,6 @@ def refuse(args: Any) -> None:
             "--background starts its ranks from the fork server (the kernel is not forked while other cells run "
             "in it): leave out --start fork"
         )
-
-
-def refuse_on_cluster() -> None:
-    raise TaasUsageError(
-        "--background runs ranks on this machine: the cluster's driver serves one cell at a time "
-        "(run the cell in the foreground, or with --on local)"
-    )
 
 
 class StopRequests:
@@ -93,20 +88,24 @@ class PendingPull:
             pass
 
 
+# Pulls are numbered across the kernel: a rank reads the request that carries a number newer than the last it read
+# (on a cluster node, it may be told before node 0 has put the request in the store), and the ranks agree on the
+# step to answer one at under its number (``rank/stopping.py``), a key the run's store keeps for the session.
+_PULL_NUMBERS = itertools.count(1)
+
+
 class PullRequests:
     """The pulls of a background session cell: ``Pulls`` for its pump (``front_end.py``), ``ask`` for the notebook."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._count = 0
         self._queued: list[PendingPull] = []
         self._asked: dict[int, PendingPull] = {}
         self._ended = False
 
     def ask(self, names: tuple[str, ...], ranks: tuple[int, ...]) -> PendingPull:
         with self._lock:
-            self._count += 1
-            request = PendingPull(self._count, names, ranks)
+            request = PendingPull(next(_PULL_NUMBERS), names, ranks)
             if self._ended:
                 request.settled.set()
             else:
@@ -154,10 +153,11 @@ class BackgroundRun:
     Its names join the notebook at the first moment between cells after it ended, or in ``wait()``.
     """
 
-    def __init__(self, number: int, cell: str, what: str) -> None:
+    def __init__(self, number: int, cell: str, what: str, on_cluster: bool = False) -> None:
         self.number = number
         self.cell = cell  # "In[5]": the cell whose output shows the run
         self.what = what  # "4 ranks on cpu"
+        self.on_cluster = on_cluster  # its ranks run on the cluster's nodes: the connection must stay
         self.stops = StopRequests()
         self.pulls = PullRequests()  # a session cell's: `%taas pull` while it runs
         self._began = time.monotonic()
@@ -283,9 +283,9 @@ class BackgroundRuns:
         self.runs: list[BackgroundRun] = []
         self._count = 0
 
-    def new(self, cell: str, what: str) -> BackgroundRun:
+    def new(self, cell: str, what: str, on_cluster: bool = False) -> BackgroundRun:
         self._count += 1
-        run = BackgroundRun(self._count, cell, what)
+        run = BackgroundRun(self._count, cell, what, on_cluster)
         self.runs.append(run)
         return run
 

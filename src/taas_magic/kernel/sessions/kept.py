@@ -178,7 +178,9 @@ class Kept:
 
     # -- on the cluster -------------------------------------------------------------------------
     def refuse_leaving_the_cluster(self) -> None:
-        """Leaving the cluster ends its agents, and with them the ranks of a session or a paused rank there."""
+        """Leaving the cluster ends its agents, and with them the ranks of a session, a paused rank or a run in
+        the background there."""
+        self.refuse_while_on_the_cluster_in_background("change the cluster")
         if self.session is not None and self.session.start == "cluster" and not self.session.check():
             raise TaasUsageError(
                 f"a session runs on the cluster ({count(self.session.size, 'rank')}): "
@@ -190,8 +192,19 @@ class Kept:
                 "%taas stop first, then change the cluster"
             )
 
+    def refuse_while_on_the_cluster_in_background(self, then: str) -> None:
+        """A one-shot run in the background on the cluster holds agents there: nothing ends them while it runs."""
+        running = [run for run in self.background.running() if run.on_cluster]
+        if running:
+            raise TaasUsageError(
+                f"run {running[0].number} (cell {running[0].cell}) runs on the cluster in the background: "
+                f"%taas wait or %taas stop first, then {then}"
+            )
+
     def cluster_nodes_in_use(self) -> tuple[set[str], str]:
-        """The ids of the cluster nodes the session or the paused rank holds, and what holds them."""
+        """The ids of the cluster nodes the session or the paused rank holds, and what holds them (a run in the
+        background on the cluster is refused first: ``refuse_while_on_the_cluster_in_background``)."""
+        self.refuse_while_on_the_cluster_in_background("release the warm agents")
         if self.session is not None and not self.session.check():
             return set(self.session.group.nodes()), "the running session (%taas stop ends it)"
         if self.paused is not None:

@@ -248,6 +248,11 @@ class NodeAgent:
                 os.close(fd)
 
     @_call
+    def put_in_store(self, key: str, value: str) -> bool:
+        """``value`` under ``key`` in the run's store (node 0's supervisor serves it); False where it is not here."""
+        return self.group is not None and self.group.put_in_store(key, value)
+
+    @_call
     def answer(self, rank: Key, line: str | None) -> None:
         if self.group is not None:
             self.group.answer(rank, line)

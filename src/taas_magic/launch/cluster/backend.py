@@ -26,6 +26,7 @@ from taas_magic.launch.forkserver.client import notebook_cells, ship
 from taas_magic.process import containment
 from taas_magic.wire.cluster_driver import (
     AnswerLine,
+    AskPull,
     AskStacks,
     CloseRun,
     Drop,
@@ -167,8 +168,9 @@ class ClusterRanks:
         self._ask(Signal(self.run_id, signum, None if ranks is None else tuple(ranks)))
 
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
-        """Not on a cluster: its cells run in the foreground (``kernel/running/background.py``)."""
-        return False
+        """`%taas pull` while a session's cell runs in the background: node 0 puts the request in the run's store."""
+        asked = self._ask(AskPull(self.run_id, number, names, ranks))
+        return bool(asked)
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,

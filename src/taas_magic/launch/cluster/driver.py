@@ -35,6 +35,7 @@ from taas_magic.wire import memfile, pickler
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.cluster_driver import (
     AnswerLine,
+    AskPull,
     AskStacks,
     CloseRun,
     Connect,
@@ -98,6 +99,8 @@ class Driver:
                 run.tell_if_the_folder_changed(folder, self.notify)
                 run.run_cell(cell, ranks, _read(fds, cell.tensors_size))
                 return None
+            case AskPull(run_id, number, names, ranks):
+                return self._run(run_id).ask_pull(number, names, ranks)
             case AnswerLine(run_id, key, line):
                 self._run(run_id).answer(key, line)
                 return None

@@ -1,8 +1,9 @@
 """The kernel's end of its connection to a Ray cluster: the cluster driver process, and what the kernel asks it.
 
 The kernel imports no Ray and runs none of Ray's threads: its driver (``driver.py``) does, in a process
-of its own, and whatever ends that process (the head gone for a minute, an abort in Ray's C++ core)
-costs the connection: the next use says so in one line and ``%taas cluster ADDRESS`` connects again.
+of its own, answering one message at a time (the notebook's cells and the runs in the background take
+turns), and whatever ends that process (the head gone for a minute, an abort in Ray's C++ core) costs
+the connection: the next use says so in one line and ``%taas cluster ADDRESS`` connects again.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 from typing import Callable
 
 from taas_magic.configurations import Catalog
@@ -54,10 +56,20 @@ class DriverProcess:
         self.channel: KernelEnd = kernel_end(self.helper.sock, self.helper.secret)
         self.gone: str | None = None  # how it ended, once it did
         self.stopped = False
+        # One message at a time: a run in the background asks from its thread while the notebook's cells ask too.
+        self._turn = threading.Lock()
 
     def ask(self, message: ToDriver, fds: list[int] | tuple[int, ...] = ()) -> tuple[Done | Failed, bool]:
         """The driver's answer to ``message``, and whether an interrupt came meanwhile (passed on to the
-        driver, which may have answered with it). Raises DriverGone if the driver is gone."""
+        driver, which may have answered with it). Raises DriverGone if the driver is gone.
+
+        The driver works on one message at a time, so an interrupt passed on while this one is asked is this
+        one's. Only the kernel's main thread passes interrupts on (a run in the background is stopped through its
+        pump, with messages of its own); one that comes while it waits for its turn ends the wait, nothing sent."""
+        with self._turn:
+            return self._ask(message, fds)
+
+    def _ask(self, message: ToDriver, fds: list[int] | tuple[int, ...]) -> tuple[Done | Failed, bool]:
         if self.gone is not None:
             raise DriverGone(self.gone)
         with containment.ForwardedInterrupts(self.process.pid) as held:

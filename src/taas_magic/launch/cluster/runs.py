@@ -29,7 +29,7 @@ from taas_magic.per_rank import span
 from taas_magic.process import containment
 from taas_magic.wire.cluster_driver import StartOnNodes
 from taas_magic.wire.events import NODE_LOST, Event, Exited, Key, Report, key_order
-from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell, pull_request
 
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
 START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
@@ -176,6 +176,19 @@ class ClusterRanks:
             ),
             CALL_SECONDS,
         )
+
+    def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
+        """`%taas pull` while a session's cell runs: node 0's supervisor puts the request in the run's store, then
+        every node tells its asked ranks (one told before the request is there waits for it: ``rank/pulling.py``)."""
+        put = self._call(
+            [0],
+            lambda index: self.agents[index].put_in_store.remote(PULL_KEY, pull_request(number, names, ranks)),
+            CALL_SECONDS,
+        )
+        if not put or not put[0]:
+            return False
+        self.signal(PULL_TOGETHER, ranks)
+        return True
 
     def tell_if_the_folder_changed(self, folder: str, notify: Callable[[str], object]) -> None:
         """A session's ranks keep the notebook's files they started with: an edit of ``folder`` since then is

@@ -216,7 +216,12 @@ class ForkServerBackend:
             return f"{detail}; {server.describe_death()}" if not server.alive() else detail
 
         group = SupervisedRanks(
-            supervision.kernel_end(kernel_end, secret, run_id), None, envs, on_lost=lost, store=store
+            supervision.kernel_end(kernel_end, secret, run_id),
+            None,
+            envs,
+            on_lost=lost,
+            store=store,
+            store_in_supervisor=to_serve is not None,
         )
         try:
             group.go(request.aliases)

@@ -8,7 +8,6 @@ started it holds a ``SupervisorProcess`` to wait for and kill it, and talks to i
 from __future__ import annotations
 
 import _thread
-import json
 import os
 import select
 import signal
@@ -21,7 +20,7 @@ from taas_magic.process import containment
 from taas_magic.wire import memfile, results
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.events import Event, Exited, Key, Relayed, Result, ResultInFile, key_order
-from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell
+from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell, pull_request
 from taas_magic.wire.supervision import (
     AnswerLine,
     AskStacks,
@@ -32,6 +31,7 @@ from taas_magic.wire.supervision import (
     Go,
     KernelEnd,
     Lost,
+    PutInStore,
     RunCell,
     SignalRanks,
     Stacks,
@@ -124,10 +124,12 @@ class SupervisedRanks:
         ranks: Iterable[Key],
         on_lost: Callable[[str], str] | None = None,
         store: RunStore | None = None,
+        store_in_supervisor: bool = False,
     ):
         self.channel = channel
         self.process = process
         self.store = store  # the run's TCPStore, served from the kernel until the run is closed
+        self.store_in_supervisor = store_in_supervisor  # or served by the supervisor (a cluster run's node 0)
         self.alive = set(ranks)
         self.pending: list[Event] = []
         self.codes: dict[Key, int] = {}
@@ -213,12 +215,21 @@ class SupervisedRanks:
 
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
         """Ask the ranks for ``names`` while their cell runs (``PULL_TOGETHER``): the request goes in the run's
-        store, served here; ``ranks`` answer (``Result.pull``). False where the store is not here to hold it."""
-        request = json.dumps({"number": number, "names": names, "ranks": ranks})
-        if self.store is None or not self.store.put(PULL_KEY, request):
+        store; ``ranks`` answer (``Result.pull``). False where the store is not here to hold it."""
+        if not self.put_in_store(PULL_KEY, pull_request(number, names, ranks)):
             return False
         self.signal(PULL_TOGETHER, ranks)
         return True
+
+    def put_in_store(self, key: str, value: str) -> bool:
+        """``value`` under ``key`` in the run's store, for its processes to read: served here, or by the supervisor,
+        which puts it before it acts on anything sent after this. False where neither serves it."""
+        if self.store is not None:
+            return self.store.put(key, value)
+        if self.store_in_supervisor and self.alive:
+            self._send(PutInStore(key, value))
+            return True
+        return False
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
         """Each of ``ranks``' stacks; none once the run is over. A supervisor leaves once it said the run is

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 import traceback
-from typing import Callable, NoReturn, assert_never
+from typing import Any, Callable, NoReturn, assert_never
 
 from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.launch.supervisor.tasks import Received, StoreServer
@@ -40,6 +40,7 @@ from taas_magic.wire.supervision import (
     FromSupervisor,
     Go,
     Lost,
+    PutInStore,
     RunCell,
     SignalRanks,
     Stacks,
@@ -97,7 +98,7 @@ class _Supervisor:
     def __init__(self, channel: SupervisorEnd, parent: int):
         self.channel = channel
         self.parent = parent
-        self.store: object = None  # the run's store, when this supervisor serves it
+        self.store: Any = None  # the run's store (a TCPStore), when this supervisor serves it
 
     def serve(
         self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received], store: StoreServer | None
@@ -205,6 +206,9 @@ class _Supervisor:
             case RunCell(cell, ranks):  # a session's next cell, for some of its ranks
                 idle.busy.update(ranks)
                 group.run_cell(cell, ranks, fds)
+            case PutInStore(key, value):
+                if self.store is not None:
+                    self.store.set(key, value)
             case AnswerLine(rank, line):
                 group.answer(rank, line)
             case Go():
