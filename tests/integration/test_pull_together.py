@@ -4,7 +4,6 @@ step with equal replicas, and train on; a cell that steps no optimizer answers a
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from support.forked_ranks import Ranks, forked_ranks
 
 from taas_magic.rank.stopping import StepStops
-from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, STOP_TOGETHER
+from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, STOP_TOGETHER, pull_request
 
 ROUNDS = 6
 
@@ -59,11 +58,17 @@ def _ready(ranks: Ranks) -> None:
         assert conn.poll(60) and conn.recv() == "ready", "a rank did not get ready"
 
 
-def _pull(ranks: Ranks, number: int, skew: float) -> list:
-    ranks.store.set(PULL_KEY, json.dumps({"number": number, "names": ["model"], "ranks": [0, 1]}))
+def _pull(ranks: Ranks, number: int, skew: float, early: float = 0.0) -> list:
+    """Put pull ``number`` in the store and tell both ranks, ``skew`` apart; with ``early``, rank 1 is told that long
+    before the request is put (a rank on another node than node 0, which puts it)."""
+    if early:
+        os.kill(ranks.processes[1].pid, PULL_TOGETHER)
+        time.sleep(early)
+    ranks.store.set(PULL_KEY, pull_request(number, ("model",), (0, 1)))
     os.kill(ranks.processes[0].pid, PULL_TOGETHER)
     time.sleep(skew)  # the supervisor signals one rank after the other
-    os.kill(ranks.processes[1].pid, PULL_TOGETHER)
+    if not early:
+        os.kill(ranks.processes[1].pid, PULL_TOGETHER)
     answers = []
     for conn in ranks.conns:
         assert conn.poll(30), "a rank did not answer"
@@ -94,6 +99,22 @@ def test_ranks_pulled_at_random_moments_answer_before_the_same_step_with_equal_r
             assert n0 == n1 == number and names0 == names1 == ("model",)
             assert step0 == step1 > seen, "the same step in both ranks, later each time: they train on"
             assert total0 == total1, "the replicas are equal"
+            seen = step0
+        _end(ranks)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_told_before_the_request_is_in_the_store_answers_that_request_not_the_one_before():
+    """On a cluster, node 0's supervisor puts the request while the other nodes' ranks may be told already: they read
+    the request numbered after the last they read, not the previous one still in the store."""
+    with forked_ranks(_rank, 2, True) as ranks:
+        _ready(ranks)
+        seen = -1
+        for number, early in ((1, 0.0), (2, 0.3), (3, 0.05)):
+            time.sleep(0.2)
+            (n0, _, step0, total0), (n1, _, step1, total1) = _pull(ranks, number, 0.0, early)
+            assert n0 == n1 == number, f"rank 1 answered pull {n1}, rank 0 pull {n0}; asked {number}"
+            assert step0 == step1 >= seen and total0 == total1
             seen = step0
         _end(ranks)
 
