@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test test-fast wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-session-faults bench-live-view screenshots clean
+.PHONY: demo test test-fast test-cluster wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-session-faults bench-live-view screenshots clean
 
 # Bytecode is written as modules are first imported, by the first process that imports them, not compiled ahead
 # (compiling all 13,709 modules of the environment at install takes 36 s of one core). Where PYTHONDONTWRITEBYTECODE
@@ -45,15 +45,19 @@ E2E_WORKERS ?= 6
 # The tiers (docs/architecture.md#the-tests): the checks beside unit and integration on two workers, the
 # kernel and browser tiers on E2E_WORKERS (each module in one worker, the modules that mostly wait paired
 # with ones that compute: tests/conftest.py; on four workers, waits that met still left the two cores a fifth
-# idle, on six they are busy throughout), the cluster tier
-# on two workers, each with a Ray cluster of its own, apart from the others (Ray gives a node's raylet a
-# fixed 30 s to register, which three busy workers beside it can take), then the tests whose assertions
-# are about time, with nothing beside them.
+# idle, on six they are busy throughout), then the tests whose assertions are about time, with nothing beside
+# them. Everything on this machine with no Ray cluster: about nine minutes here from a fresh clone.
 test: $(VENV)/.installed
 	$(CHECKS_AND_FAST_TIERS)
 	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing and not cluster" tests/e2e
-	$(PYTEST) -n 2 --dist loadfile -m "cluster and not timing" tests/e2e/cluster
 	$(PYTEST) -m timing tests/e2e
+
+# Multi-node runs on real Ray clusters started on this machine (tests/e2e/cluster), on two workers, each with a
+# cluster of its own, apart from the other tiers (Ray gives a node's raylet a fixed 30 s to register, which busy
+# workers beside it can take): about five minutes here, as much CPU as the kernel tier. CI runs it after
+# `make test`; run it after changing anything under launch/cluster/ or what a cluster's nodes run.
+test-cluster: $(VENV)/.installed
+	$(PYTEST) -n 2 --dist loadfile -m "cluster and not timing" tests/e2e/cluster
 
 # What to run after each edit: the checks beside the tiers that start no kernel and no cluster (pure functions,
 # the state machine, the protocol, real supervisors and forks) on two workers: about a minute here.

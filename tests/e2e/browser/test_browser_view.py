@@ -573,8 +573,14 @@ class DebugTraffic:
             if said:
                 self.lines.append(f"{time.monotonic() - self.started:7.3f} {way} {said}")
 
-    def tail(self, count: int = 40) -> str:
-        return "\n".join(self.lines[-count:])
+    @contextmanager
+    def told_on_failure(self, count: int = 40) -> Iterator[None]:
+        """A failure inside lists the last ``count`` messages (what JupyterLab was sent, and in which order)."""
+        try:
+            yield
+        except BaseException as failure:
+            failure.add_note("the last debug messages:\n" + "\n".join(self.lines[-count:]))
+            raise
 
 
 def json_documents(text: str) -> list[dict[str, Any]]:
@@ -612,7 +618,7 @@ def summed_up(content: dict[str, Any]) -> str:
     return f"#{content.get('request_seq')} {command} -> {content.get('success')} {said} {content.get('message', '')}"
 
 
-def shown_rank_with_its_values(page: Page, traffic: DebugTraffic, within: float = 20) -> int:
+def shown_rank_with_its_values(page: Page, within: float = 20) -> int:
     """The rank the panels show, once the variables panel shows that rank's values: when both ranks stop
     at once, JupyterLab redraws the call stack and the variables for each ``stopped`` event in turn."""
     deadline = time.monotonic() + within
@@ -622,9 +628,7 @@ def shown_rank_with_its_values(page: Page, traffic: DebugTraffic, within: float 
         variables.get_by_text("rank_seen").first.wait_for(timeout=10_000)
         if re.search(rf"rank_seen\W+{rank}\b", variables.inner_text()):
             return rank
-        assert time.monotonic() < deadline, (
-            f"rank {rank}'s frame, other values: {variables.inner_text()}\nthe debug messages:\n{traffic.tail()}"
-        )
+        assert time.monotonic() < deadline, f"rank {rank}'s frame, other values: {variables.inner_text()}"
         time.sleep(0.25)
 
 
@@ -635,14 +639,17 @@ def test_jupyterlabs_debugger_stops_a_taas_cells_ranks_at_a_gutter_breakpoint(tm
         pytest.skip(reason)
     shots = screenshot_dir(tmp_path)
     traffic = DebugTraffic()
-    with notebook_in_browser(["%load_ext taas_magic", DEBUGGED_CELL], "debugger.ipynb", traffic) as (page, lab):
+    with (
+        notebook_in_browser(["%load_ext taas_magic", DEBUGGED_CELL], "debugger.ipynb", traffic) as (page, lab),
+        traffic.told_on_failure(),
+    ):
         switch_debugger_on(page)
         taas_cell = cell(page, 1)
         click_gutter(taas_cell, 4)
         run_all_cells(page)
         seen = []
         for _ in range(2):  # each rank stops; continuing one shows the other
-            rank = shown_rank_with_its_values(page, traffic)
+            rank = shown_rank_with_its_values(page)
             assert "Cell [*]:4" in page.locator(".jp-DebuggerCallstackFrame").first.inner_text()
             if not seen:
                 taas_cell.locator(f'tr.taas-row[data-rank="{rank}"][data-state="paused"]').wait_for(timeout=10_000)
@@ -652,8 +659,8 @@ def test_jupyterlabs_debugger_stops_a_taas_cells_ranks_at_a_gutter_breakpoint(tm
             if len(seen) < 2:
                 page.wait_for_function(
                     f"""() => {{
-                    const top = document.querySelector('.jp-DebuggerCallstackFrame');
-                    return top && !top.innerText.startsWith('rank {rank}:'); }}""",
+                        const top = document.querySelector('.jp-DebuggerCallstackFrame');
+                        return top && !top.innerText.startsWith('rank {rank}:'); }}""",
                     timeout=30_000,
                 )
         assert sorted(seen) == [0, 1]
