@@ -179,35 +179,39 @@ def _store_port() -> int:
         return 0
 
 
-def _peer_port(fd: int) -> int:
-    """The port at the other end of TCP socket ``fd``; 0 for any other socket."""
+@contextlib.contextmanager
+def _tcp_socket(fd: int) -> Iterator[socket.socket | None]:
+    """While inside, a socket object over a duplicate of ``fd`` when it is a TCP socket, else None; ``fd`` itself
+    stays its owner's (gloo's)."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return 0
+        yield None
+        return
     try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return 0
-        return int(sock.getpeername()[1])
-    except OSError:
-        return 0  # listening, or not connected
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+        yield sock if tcp else None
     finally:
         sock.close()
+
+
+def _peer_port(fd: int) -> int:
+    """The port at the other end of TCP socket ``fd``; 0 for any other socket."""
+    with _tcp_socket(fd) as sock:
+        try:
+            return int(sock.getpeername()[1]) if sock is not None else 0
+        except OSError:
+            return 0  # listening, or not connected
 
 
 def _shut(fd: int) -> bool:
     """Shut a connected TCP socket both ways (its descriptor stays gloo's, to close); whether it was one."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+    with _tcp_socket(fd) as sock:
+        if sock is None:
             return False
-        sock.getpeername()  # a listening socket has none, and stays: gloo's own, not a connection
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
+        try:
+            sock.getpeername()  # a listening socket has none, and stays: gloo's own, not a connection
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False

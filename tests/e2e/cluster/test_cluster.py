@@ -18,7 +18,18 @@ import tempfile
 import time
 
 import pytest
-from support.cluster import COLLECT, DATA, HEADER, INIT, collected, leftovers, network, node_agents, own_ray
+from support.cluster import (
+    COLLECT,
+    DATA,
+    HEADER,
+    INIT,
+    collected,
+    leftovers,
+    network,
+    node_agents,
+    own_ray,
+    rank_processes,
+)
 from support.kernel import ANSI, Kernel, view_notes
 from support.notebook_values import KINDS, SETUP, unpicklable
 
@@ -505,6 +516,26 @@ def test_cells_run_in_the_background_on_the_cluster_while_the_notebook_works_and
     finally:
         cluster_kernel.execute("%taas stop", timeout=120).ok()
     assert not leftovers(cluster_kernel)
+
+
+def test_the_kernels_shutdown_ends_a_run_in_the_background_on_the_cluster_and_leaves_nothing(cluster, cluster_kernel):
+    local, config = cluster
+    k = Kernel(
+        {"TAAS_CLUSTER": local.address, "TAAS_CONFIG": config, "GLOO_SOCKET_IFNAME": "lo"}, warm_fork_server=False
+    )
+    try:
+        k.execute(
+            HEADER.replace("--device cpu", "--device cpu --background")
+            + "import time\nprint('started', flush=True)\ntime.sleep(600)",
+            timeout=240,
+        ).ok()
+        deadline = time.monotonic() + 120
+        while not rank_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rank_processes(), "the run's ranks started on the nodes"
+    finally:
+        k.shutdown()
+    assert not leftovers(cluster_kernel), "the run ended with the kernel, on every node"
 
 
 def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cluster, registered):

@@ -185,7 +185,12 @@ def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(ke
     assert later.displays[-1]["text/plain"].startswith("taas: 2 ranks on cpu · done"), "the same session trains on"
 
     stopped = kernel.execute(SESSION_TRAINING.format(seconds=120), timeout=60).ok()
-    kernel.execute("stopping = _\nstopping.stop()").ok()
+    kernel.execute("stopping = _").ok()
+    time.sleep(2)  # past the step the first cell's first pull was answered at
+    kernel.execute("%taas pull losses", timeout=60).ok()
+    lengths = kernel.value("[len(losses[0]), len(losses[1])]")
+    assert lengths[0] == lengths[1], f"a later cell's pull is answered at a step of its own: {lengths}"
+    kernel.execute("stopping.stop()").ok()
     assert kernel.value("stopping.done()") is True
     said = kernel.later[stopped.msg_id]
     assert "the session goes on" in said.stderr, said.stderr
