@@ -13,7 +13,11 @@ headers; unloading removes exactly those. ``taas_magic.__version__`` is the inst
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import sys
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from taas_magic.configurations import load_catalog
@@ -39,6 +43,7 @@ _loaded: dict[int, tuple[Any, PragmaTransformer]] = {}
 # The unloaded magics of each shell, until the next load takes them over or the cell ends. %reload_ext
 # runs this module again in the same namespace: what is parked here survives it.
 _parked: "dict[int, TaasMagics]" = globals().get("_parked", {})
+_closes_at_exit: bool = globals().get("_closes_at_exit", False)  # once per process, whatever reloads this module
 COMPLETED = ("%taas", "%%taas")  # the words whose lines taas completes
 
 
@@ -53,8 +58,12 @@ def load_ipython_extension(ipython: Any) -> None:
     from taas_magic.kernel.header import completion
     from taas_magic.kernel.magics import TaasMagics
 
+    global _closes_at_exit
     if id(ipython) in _loaded:
         return
+    if not _closes_at_exit:
+        atexit.register(_close_at_exit)
+        _closes_at_exit = True
     transformer = PragmaTransformer(_is_configuration)
     magics = TaasMagics(ipython, transformer)
     transformer.on_cluster = lambda: magics.link.address is not None
@@ -73,6 +82,19 @@ def load_ipython_extension(ipython: Any) -> None:
         magics.debugging.install()  # from now on: the debugger's requests for ranks, and a quick re-attach held
     if magics.warm_fork_server:
         magics.forkserver_backend.warm_up()  # the fork server imports torch in the background from now on
+
+
+def _close_at_exit() -> None:
+    """The kernel's exit (a shutdown, a restart): what the extension runs ends as ``%unload_ext`` ends it, runs in
+    the background first. Without this, its processes ended with the kernel (each watches its parent), but a run on
+    a cluster left its nodes' run folders, and its placement until Ray noticed the driver gone. Lines go to the
+    kernel's own streams: the notebook's are closing."""
+    with contextlib.redirect_stdout(sys.__stdout__), contextlib.redirect_stderr(sys.__stderr__):
+        for magics in [magics for magics, _ in _loaded.values()] + list(_parked.values()):
+            try:
+                magics.close("the kernel is shutting down")
+            except Exception:
+                traceback.print_exc()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
