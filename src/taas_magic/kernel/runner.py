@@ -28,9 +28,17 @@ from taas_magic.kernel.debugging.visual_debugger import RankDebugging
 from taas_magic.kernel.header import cell_source
 from taas_magic.kernel.header.option_values import count
 from taas_magic.kernel.header.pragma import PragmaTransformer
-from taas_magic.kernel.header.spec import LaunchSpec, build, debug_ranks, resolve_start, return_from
+from taas_magic.kernel.header.spec import LaunchSpec, build, debug_ranks, return_from
 from taas_magic.kernel.run.run_result import RunResult
-from taas_magic.kernel.running import background, controller, delivery_planning, environment, names_back, profiling
+from taas_magic.kernel.running import (
+    background,
+    controller,
+    delivery_planning,
+    environment,
+    names_back,
+    profiling,
+    start_method,
+)
 from taas_magic.kernel.running.background import BackgroundRun
 from taas_magic.kernel.sessions import session_cells
 from taas_magic.kernel.sessions.kept import Kept, read_line
@@ -129,7 +137,7 @@ class CellRunner:
             backend: Backend[Any] = self.link.backend(spec, catalog)
         elif args.background:  # the kernel is not forked while other cells run in it
             backend = self.forkserver_backend
-        elif self._choose_start(spec) == "fork":
+        elif start_method.choose(spec, len(self.kept.background.running())) == "fork":
             backend = self.fork_backend
         else:
             backend = self.forkserver_backend
@@ -218,25 +226,6 @@ class CellRunner:
                 )
             return None
         return self.debugging.link(None if spec.debug_ranks is None else frozenset(spec.debug_ranks), cell_file)
-
-    def _choose_start(self, spec: LaunchSpec) -> str:
-        """Fork when it is safe, else the fork server."""
-        can_fork = hasattr(os, "fork")
-        # An initialized CUDA context makes any fork risky; a poisoned fork matters to GPU ranks only.
-        unsafe = machine.cuda_initialized_in_kernel() or (
-            spec.device == "cuda" and can_fork and machine.fork_poisoned_for_cuda()
-        )
-        start, notice = resolve_start(
-            spec.start,
-            spec.device,
-            unsafe,
-            can_fork,
-            grpc_threads=can_fork and machine.grpc_threads_in_kernel(),
-            in_background=len(self.kept.background.running()),
-        )
-        if notice:
-            print(notice, file=sys.stderr)
-        return start
 
     def _cell_names(self) -> dict[str, str]:
         return cell_files.cell_labels(self.shell)
