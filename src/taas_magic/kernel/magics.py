@@ -162,9 +162,9 @@ class TaasMagics(Magics):
             )
 
     def _stacks_command(self, words: list[str]) -> None:
-        """`%taas stacks`: where each process of the session is, between its cells."""
+        """`%taas stacks`: where each process of the session is, between its cells or while one runs in the
+        background."""
         line_commands.nothing_more("stacks", words)
-        self.kept.refuse_while_in_background("%taas stacks")
         session = self.kept.session
         if session is None:
             print("taas: no session is running (a taas cell with --keep starts one)")

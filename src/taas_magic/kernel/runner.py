@@ -184,7 +184,9 @@ class CellRunner:
         be read from a cell that has ended (a rank's breakpoint() is told there is none), and the handle's stops are
         taken as interrupts. The names it sends back join the notebook between cells."""
         run = self.kept.background.new(f"In[{cell_files.running_cell_number(self.shell)}]", what, spec.on_cluster)
-        front = dataclasses.replace(front, read_line=None, stop_asked=run.stops.take, pulls=run.pulls)
+        front = dataclasses.replace(
+            front, read_line=None, stop_asked=run.stops.take, pulls=run.pulls, errands=run.errands
+        )
         run.start(lambda: work(front), lambda result: self._take_back(result, spec.return_names, spec.return_from))
         return run
 

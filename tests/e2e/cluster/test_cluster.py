@@ -508,6 +508,8 @@ def test_cells_run_in_the_background_on_the_cluster_while_the_notebook_works_and
         assert steps[0] > 0 and len(set(steps)) == 1, f"every rank of both nodes at one step: {steps}"
         assert len(set(sums)) == 1, f"and so the same weights: {sums}"
         assert cluster_kernel.value("run.done()") is False, "the training goes on"
+        where = cluster_kernel.execute("%taas stacks", timeout=60).ok().stdout
+        assert "Cell In[" in where and "idle" not in where, f"the training cell's lines on both nodes: {where}"
         cluster_kernel.execute("run.stop()", timeout=90).ok()
         later = cluster_kernel.later[training.msg_id]
         assert "training" in later.stdout, "the ranks' output goes to the run's own cell"

@@ -171,13 +171,16 @@ def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(ke
         assert steps[0] == steps[1] > seen and same is True, (steps, same)
         assert kernel.value("training.done()") is False, "the cell trains on"
         seen = steps[0]
-    for line in ("%taas stacks", "#pragma taas\nprint(1)"):
-        refused = kernel.execute(line)
-        assert refused.error is not None and re.search(
-            r"did not run: the session is running cell In\[\d+\] in the background \(run \d+\); %taas wait waits for "
-            r"it, %taas stop stops it$",
-            refused.error["evalue"],
-        ), (line, refused.error)
+    where = kernel.execute("%taas stacks", timeout=60).ok().stdout
+    cell = f"Cell In[{started.reply['execution_count']}]"
+    assert where.startswith("rank") and cell in where and "idle" not in where, f"the training cell's lines: {where}"
+    assert kernel.value("training.done()") is False, "and the cell trains on"
+    refused = kernel.execute("#pragma taas\nprint(1)")
+    assert refused.error is not None and re.search(
+        r"did not run: the session is running cell In\[\d+\] in the background \(run \d+\); %taas wait waits for "
+        r"it, %taas stop stops it$",
+        refused.error["evalue"],
+    ), refused.error
     assert "running cell In[" in kernel.execute("%taas").ok().stdout
     kernel.execute("%taas wait", timeout=90).ok()
     assert kernel.value("len(losses) > 50 and losses[-1] < losses[0]") is True

@@ -13,7 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taas_magic.errors import TaasUsageError
-from taas_magic.kernel.running.background import BackgroundRun, BackgroundRuns, PullRequests, StopRequests, refuse
+from taas_magic.kernel.running.background import (
+    BackgroundRun,
+    BackgroundRuns,
+    Errands,
+    PullRequests,
+    StopRequests,
+    refuse,
+)
 
 RESULT = object()  # what the run's work returns: the handle hands it to take_back and never looks inside
 
@@ -172,3 +179,22 @@ def test_pulls_asked_as_the_cell_ends_settle_with_what_came():
     assert asked.settled.is_set() and asked.answers == {0: b"zero"} and queued.settled.is_set()
     late = pulls.ask(("z",), (0,))
     assert late.settled.is_set() and pulls.take() is None, "after the end nothing is asked"
+
+
+def test_an_errand_is_done_by_the_pump_over_its_group_and_its_value_or_error_reaches_the_notebook():
+    errands = Errands()
+    asked, failing = errands.ask(lambda group: f"stacks of {group}"), errands.ask(lambda group: 1 / 0)
+    errands.take().run("the group")  # the pump, in the run's thread
+    assert asked.wait() is True and asked.value == "stacks of the group"
+    errands.take().run("the group")
+    with pytest.raises(ZeroDivisionError):
+        failing.wait()
+    assert errands.take() is None
+
+
+def test_errands_the_run_could_not_do_settle_undone_when_it_ends():
+    errands = Errands()
+    queued = errands.ask(lambda group: "never")
+    errands.end()
+    late = errands.ask(lambda group: "never")
+    assert queued.wait() is False and late.wait() is False and errands.take() is None

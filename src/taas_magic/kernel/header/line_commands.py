@@ -40,7 +40,9 @@ COMMANDS: dict[str, Command] = {
     "resize": Command(
         "%taas resize N", "the session goes on with N ranks: the last ones end, or new ones join with its names"
     ),
-    "stacks": Command("%taas stacks", "where the session's ranks and producers are, between cells"),
+    "stacks": Command(
+        "%taas stacks", "where the session's ranks and producers are, between cells or as one runs in the background"
+    ),
     "runs": Command("%taas runs", "the runs in the background (--background), each in one line"),
     "wait": Command("%taas wait", "wait until every run in the background has ended; their names join the notebook"),
     "cluster": Command(

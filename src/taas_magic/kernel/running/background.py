@@ -146,6 +146,67 @@ class PullRequests:
             request.settled.set()
 
 
+class Errand:
+    """Work the notebook asks of a background run's group of processes (``%taas stacks``), done by the run's pump:
+    no other thread may read the group's channel while the pump does."""
+
+    def __init__(self, work: Callable[[Any], Any]) -> None:
+        self.work = work
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.ran = False
+        self.settled = threading.Event()  # done, or the run ended first
+
+    def run(self, group: Any) -> None:
+        """In the pump: the work, over the run's group; what it raises is the notebook's, not the run's."""
+        try:
+            self.value = self.work(group)
+            self.ran = True
+        except Exception as e:
+            self.error = e
+        finally:
+            self.settled.set()
+
+    def wait(self) -> bool:
+        """Until the pump did it, or the run ended first (False); its error raised here. An interrupt of the kernel
+        ends the wait."""
+        while not self.settled.wait(WAIT_SLICE_SECONDS):
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.ran
+
+
+class Errands:
+    """The errands of a background run: asked by the notebook, taken by the run's pump one at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued: list[Errand] = []
+        self._ended = False
+
+    def ask(self, work: Callable[[Any], Any]) -> Errand:
+        errand = Errand(work)
+        with self._lock:
+            if self._ended:
+                errand.settled.set()
+            else:
+                self._queued.append(errand)
+        return errand
+
+    def take(self) -> Errand | None:
+        with self._lock:
+            return self._queued.pop(0) if self._queued else None
+
+    def end(self) -> None:
+        """The run ended: what is still asked settles undone."""
+        with self._lock:
+            self._ended = True
+            waiting, self._queued = self._queued, []
+        for errand in waiting:
+            errand.settled.set()
+
+
 class BackgroundRun:
     """A taas cell's run going on in the background: what the cell returns, and what ``%taas runs`` lists.
 
@@ -160,6 +221,7 @@ class BackgroundRun:
         self.on_cluster = on_cluster  # its ranks run on the cluster's nodes: the connection must stay
         self.stops = StopRequests()
         self.pulls = PullRequests()  # a session cell's: `%taas pull` while it runs
+        self.errands = Errands()  # a session cell's: `%taas stacks` while it runs
         self._began = time.monotonic()
         self._ended_at: float | None = None
         self._ended = threading.Event()
@@ -193,6 +255,7 @@ class BackgroundRun:
             _show_failure(e, stderr)
         finally:
             self.pulls.end()
+            self.errands.end()
             self._ended_at = time.monotonic()
             self._ended.set()
 

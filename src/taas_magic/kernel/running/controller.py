@@ -264,6 +264,7 @@ class Pump:
 
     def _step(self) -> None:
         self._ask_pulls()
+        self._run_errands()
         self._count_debugger_time()
         self._take_events(POLL_SECONDS)
         self.output.flush_idle()
@@ -276,6 +277,12 @@ class Pump:
         asked = pulls.take() if pulls is not None else None
         if pulls is not None and asked is not None and not self.group.ask_pull(*asked):
             pulls.refused(asked[0])
+
+    def _run_errands(self) -> None:
+        """What the notebook asked of the group meanwhile (``%taas stacks``), done here: only the pump reads it."""
+        errand = self.front.errands.take() if self.front.errands is not None else None
+        if errand is not None:
+            errand.run(self.group)
 
     def _count_debugger_time(self) -> None:
         """Time a rank spends stopped in the notebook's visual debugger is a person's, as at a pdb prompt:

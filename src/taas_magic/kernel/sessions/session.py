@@ -317,7 +317,14 @@ class Session:
 
     # -- where its processes are ------------------------------------------------------------------
     def where(self, cell_names: Mapping[str, str]) -> list[str]:
-        """``%taas stacks`` between cells (``session_stacks.py``)."""
+        """``%taas stacks`` (``session_stacks.py``): between cells, or while a cell runs in the background, where the
+        run's pump takes the stacks (it alone reads the ranks' events then); at the cell's end if it ended first."""
+        running = self.running_in_background()
+        if running is not None:
+            errand = running.errands.ask(lambda group: session_stacks.where(group, self.labels, self.spec, cell_names))
+            if errand.wait():
+                return list(errand.value)
+            running.wait()
         if self.check():
             return [f"taas: the session ended: {self.ended}"]
         return session_stacks.where(self.group, self.labels, self.spec, cell_names)

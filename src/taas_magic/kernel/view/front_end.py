@@ -36,6 +36,17 @@ class Pulls(Protocol):
         """The ranks cannot be asked (the group has no store here): the pull gets nothing."""
 
 
+class Errand(Protocol):
+    """Work asked of the run's group while its cell runs in the background (``%taas stacks``), done by its pump."""
+
+    def run(self, group: Any) -> None: ...
+
+
+class Errands(Protocol):
+    def take(self) -> Errand | None:
+        """The next errand to do with the run's group, if one was asked."""
+
+
 @dataclass(frozen=True)
 class CellFrontEnd:
     """``write``: the cell's streams. ``cell_names``: code file name -> "Cell In[5]", for stacks and tracebacks.
@@ -44,7 +55,8 @@ class CellFrontEnd:
     ``picture``: shows where the ranks' time went under the summary (``--profile``). ``stopped``: the ranks
     stopped in the notebook's visual debugger now (a person's time, as at a pdb prompt). ``stop_asked``: whether
     a stop was asked from outside the cell since last asked (a background run's), taken as an interrupt.
-    ``pulls``: the names the notebook pulls while the cell runs in the background."""
+    ``pulls``: the names the notebook pulls while the cell runs in the background; ``errands``: what else it asks of
+    the run's group meanwhile (``%taas stacks``)."""
 
     write: Write
     cell_names: Mapping[str, str] = field(default_factory=dict)
@@ -54,6 +66,7 @@ class CellFrontEnd:
     stopped: Callable[[], frozenset[int]] = frozenset
     stop_asked: Callable[[], bool] = bool  # bool(): never
     pulls: Pulls | None = None  # a background session cell's: names pulled while it runs
+    errands: Errands | None = None  # a background session cell's: `%taas stacks` while it runs
 
     def output(
         self, spec: LaunchSpec, ranks: list[int], labels: Mapping[Key, str] | None = None
