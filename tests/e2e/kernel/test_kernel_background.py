@@ -173,7 +173,9 @@ def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(ke
         seen = steps[0]
     where = kernel.execute("%taas stacks", timeout=60).ok().stdout
     cell = f"Cell In[{started.reply['execution_count']}]"
-    assert where.startswith("rank") and cell in where and "idle" not in where, f"the training cell's lines: {where}"
+    assert where.startswith("rank") and cell in where and "waiting for the next cell" not in where, (
+        f"the training cell's lines: {where}"
+    )
     assert kernel.value("training.done()") is False, "and the cell trains on"
     refused = kernel.execute("#pragma taas\nprint(1)")
     assert refused.error is not None and re.search(

@@ -133,7 +133,7 @@ def assert_usable(kernel) -> None:
 # -- 1. a rank skips a barrier ---------------------------------------------------------------------------
 def test_a_rank_that_skipped_a_barrier_and_sleeps_is_named_with_its_line(kernel):
     result = kernel.execute(
-        """#pragma taas --gpus 4 --hang-after 2 --timeout 5
+        """#pragma taas --gpus 4 --hang-after 2 --timeout 10
 import time, torch.distributed as dist
 dist.init_process_group("gloo")
 dist.barrier()
@@ -224,7 +224,7 @@ else:
 # -- 2, 3. mismatched collectives ----------------------------------------------------------------------------
 def test_different_collectives_at_the_same_number_hang_in_gloo_and_are_named(kernel):
     result = kernel.execute(
-        """#pragma taas --gpus 4 --hang-after 2 --timeout 5
+        """#pragma taas --gpus 4 --hang-after 2 --timeout 10
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(10)
@@ -295,7 +295,7 @@ def test_every_rank_waiting_for_a_stuck_loader_is_said_with_the_producers_line(k
     kernel.execute(STALLING).ok()
     try:
         result = kernel.execute(
-            "#pragma taas --gpus 2 --cpus 1 --hang-after 2 --timeout 5\nfor batch in stalling:\n    pass\n", timeout=40
+            "#pragma taas --gpus 2 --cpus 1 --hang-after 2 --timeout 10\nfor batch in stalling:\n    pass\n", timeout=40
         )
     finally:
         kernel.execute("taas.unregister(stalling)").ok()
@@ -313,7 +313,7 @@ def test_every_rank_waiting_for_a_stuck_loader_is_said_with_the_producers_line(k
 
 
 # -- 5. process-group setup that cannot complete -------------------------------------------------------------
-SETUP_HANG = """#pragma taas --gpus 4 --hang-after 2 --timeout 5
+SETUP_HANG = """#pragma taas --gpus 4 --hang-after 2 --timeout 10
 import os, sys, torch.distributed as dist
 if int(os.environ["RANK"]) == 3:
     {leave}
@@ -402,7 +402,7 @@ dist.all_reduce(torch.ones(1))
 # -- 8. a long sleep before a barrier ---------------------------------------------------------------------------
 def test_a_rank_sleeping_before_a_barrier_is_named_at_its_sleep(kernel):
     result = kernel.execute(
-        """#pragma taas --gpus 4 --hang-after 2 --timeout 5
+        """#pragma taas --gpus 4 --hang-after 2 --timeout 10
 import time, torch.distributed as dist
 dist.init_process_group("gloo")
 if dist.get_rank() == 0:
