@@ -400,13 +400,13 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
     first = cluster_kernel.execute(
         HEADER.replace("--device cpu", "--device cpu --keep")
         + INIT
-        + "mine = dist.get_rank()\nprint('pid', os.getpid(), flush=True)",
+        + "mine = dist.get_rank()\nprint('pid ' + str(os.getpid()), flush=True)",
         timeout=240,
     ).ok()
     try:
         cluster_kernel.execute("offset = torch.tensor([100.0])").ok()
         r = cluster_kernel.execute(
-            "#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+            "#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)\n"
             "x = torch.ones(1) * mine + offset\ndist.all_reduce(x)\ntotal = x.item()",
             timeout=60,
         ).ok()

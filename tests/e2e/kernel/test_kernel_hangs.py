@@ -590,7 +590,7 @@ def test_a_bad_hang_after_is_a_one_line_usage_error_before_anything_starts(kerne
 def test_the_watchdog_speaks_in_a_session_cell_and_the_session_goes_on(kernel):
     first = kernel.execute(
         "#pragma taas --gpus 2 --keep\nimport os, time, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\nprint('pid', os.getpid())",
+        "dist.init_process_group('gloo')\nprint('pid ' + str(os.getpid()), flush=True)",
         timeout=60,
     ).ok()
     try:
@@ -600,7 +600,9 @@ def test_the_watchdog_speaks_in_a_session_cell_and_the_session_goes_on(kernel):
         assert [(sorted(p.ranks), p.at) for p in hang.places] == [([0, 1], (2, "<module>", "time.sleep(30)"))]
         assert result.error["ename"] == "RunTimedOut"
         assert "now interrupted; the session goes on" in result.error["evalue"]
-        again = kernel.execute("#pragma taas\ndist.barrier()\nprint('pid', os.getpid())", timeout=30).ok()
+        again = kernel.execute(
+            "#pragma taas\ndist.barrier()\nprint('pid ' + str(os.getpid()), flush=True)", timeout=30
+        ).ok()
         assert sorted(re.findall(r"pid (\d+)", again.each_rank())) == sorted(
             re.findall(r"pid (\d+)", first.each_rank())
         )

@@ -10,8 +10,10 @@ from test_kernel_sessions import DDP, DYING, REPLICAS, START, TRAIN, gone, pids,
 
 MOSTLY_WAITS = True  # for ranks to start, join and end (tests/conftest.py)
 
-SIZES_NOW = """print('pid', os.getpid(), flush=True)
-print('world', dist.get_world_size(), os.environ['WORLD_SIZE'], os.environ['LOCAL_WORLD_SIZE'], flush=True)
+# One write per line: a print of several values writes each apart, and another rank's output that comes between two
+# of them, on a busy machine, leaves the line in two pieces.
+SIZES_NOW = """print('pid ' + str(os.getpid()), flush=True)
+print('world %d %s %s' % (dist.get_world_size(), os.environ['WORLD_SIZE'], os.environ['LOCAL_WORLD_SIZE']), flush=True)
 """
 SIZES = "#pragma taas\n" + SIZES_NOW
 

@@ -14,12 +14,14 @@ from support.kernel import Kernel, view_rows
 
 MOSTLY_WAITS = True  # for ranks to end, sessions to stop, timeouts (tests/conftest.py)
 
+# A pid is printed in one write: a print of several values writes each apart, and another rank's output that comes
+# between two of them, on a busy machine, leaves the line in two pieces ("[rank 2] pid" and "[rank 2]  21905").
 START = """#pragma taas --gpus 2 --keep --start {start}
 import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 mine = int(os.environ["RANK"])
 run_id = os.environ["TAAS_RUN_ID"]
-print("pid", os.getpid(), flush=True)
+print("pid " + str(os.getpid()), flush=True)
 """
 
 
@@ -36,7 +38,7 @@ def gone(pid_list, within: float) -> bool:
 
 def assert_same_ranks_go_on(kernel: Kernel, first) -> None:
     """The next cell runs in the session's own processes, and their process group still works."""
-    again = kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)\ndist.barrier()").ok()
+    again = kernel.execute("#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)\ndist.barrier()").ok()
     assert pids(again) == pids(first)
 
 
@@ -49,7 +51,7 @@ def test_a_session_keeps_its_ranks_their_names_and_their_process_group(kernel, s
     first = kernel.execute(START.format(start=start)).ok()
     try:
         second = kernel.execute(
-            "#pragma taas\nprint('pid', os.getpid(), flush=True)\n"
+            "#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)\n"
             "t = torch.tensor([float(mine)])\ndist.all_reduce(t)\ntotal = t.item()"
         ).ok()
         assert pids(second) == pids(first) and len(pids(first)) == 2, "the same processes run every cell"
@@ -387,7 +389,7 @@ def test_a_rank_that_dies_is_replaced_by_a_new_process_and_the_session_goes_on(k
         )
         assert healed and "taas: rank 0 is the only other rank, so nothing tells its own values" in r.stderr, r.stderr
         again = kernel.execute(
-            "#pragma taas\nprint('pid', os.getpid(), flush=True)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+            "#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
             "print('rank', dist.get_rank(), os.environ['RANK'], os.environ['TAAS_RUN_ID'] == run_id, shared, t.item(),"
             " mine)"
         ).ok()
@@ -413,7 +415,7 @@ def test_a_rank_killed_between_cells_is_replaced_as_the_next_cell_begins(kernel)
         assert "taas: rank 2 killed by signal SIGKILL between cells: a new process takes its place" in shown.stderr
         assert "session:             up: 3 ranks on cpu" in shown.stdout, shown.stdout
         r = kernel.execute(
-            "#pragma taas\nprint('pid', os.getpid(), flush=True)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+            "#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
             "print('sum', t.item(), shared, flush=True)"
         ).ok()
         assert "[rank 2] taas: rank 2 is a new process in place of the one that died" in r.stderr, r.stderr
@@ -449,11 +451,11 @@ def test_ddp_training_survives_any_rank_raising_or_dying_at_any_step_with_equal_
     @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
     @given(rank=st.integers(0, 3), step=st.integers(0, 40), how=st.sampled_from(list(HOW)))
     def one_failure(rank: int, step: int, how: str) -> None:
-        before = pids(kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+        before = pids(kernel.execute("#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)").ok())
         r = kernel.execute(DYING.format(rank=rank, step=step, how=HOW[how][0]), timeout=60)
         assert r.error["evalue"] == f"rank {rank} failed: {HOW[how][1]}", r.traceback
         assert "the session goes on" in r.traceback and r.seconds < 30, (r.seconds, r.traceback)  # a loaded machine
-        after = pids(kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+        after = pids(kernel.execute("#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)").ok())
         replaced = {peer for peer in range(4) if after[peer] != before[peer]}
         assert replaced == (set() if how == "raise" else {rank}), (replaced, how, rank)
         replicas = kernel.execute(REPLICAS).ok()
@@ -605,7 +607,8 @@ def test_reload_ext_keeps_the_session_its_ranks_and_the_configured_defaults(kern
         kernel.execute("#pragma taas\nsteps = 100").ok()
         kernel.execute("%reload_ext taas_magic").ok()
         r = kernel.execute(
-            "#pragma taas\nsteps += 100\nprint('pid', os.getpid(), 'steps', steps, flush=True)\ndist.barrier()"
+            "#pragma taas\nsteps += 100\nprint('pid ' + str(os.getpid()) + ' steps ' + str(steps), flush=True)\n"
+            "dist.barrier()"
         ).ok()
         assert r.stdout == f"pid {pids(first)[0]} steps 200\n", "the session's own rank 0, alone (--output rank0 kept)"
         assert "session:             up: 2 ranks" in kernel.execute("%taas").ok().stdout
@@ -703,7 +706,8 @@ def test_a_prompt_that_comes_after_another_rank_failed_is_not_put_to_the_user(ke
         assert "[rank 1] after the prompt\n" not in r.each_rank() and r.seconds < 10, r.traceback
         if keep:
             assert "the session goes on" in r.traceback
-            assert_same_ranks_go_on(kernel, kernel.execute("#pragma taas\nprint('pid', os.getpid(), flush=True)").ok())
+            again = kernel.execute("#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)").ok()
+            assert_same_ranks_go_on(kernel, again)
     finally:
         if keep:
             stop(kernel)
