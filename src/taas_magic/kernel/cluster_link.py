@@ -61,7 +61,9 @@ class ClusterLink:
         if len(words) > 1:
             raise TaasUsageError(f"%taas cluster takes one of ADDRESS, off, release; got {' '.join(words)!r}")
         word = words[0] if words else ""
-        if word not in ("", "release"):
+        if word == "release":
+            kept.refuse_while_on_the_cluster_in_background("release the warm agents")
+        elif word:
             kept.refuse_leaving_the_cluster()
         if word == "off":
             self.disconnect()

@@ -202,9 +202,7 @@ class Kept:
             )
 
     def cluster_nodes_in_use(self) -> tuple[set[str], str]:
-        """The ids of the cluster nodes the session or the paused rank holds, and what holds them (a run in the
-        background on the cluster is refused first: ``refuse_while_on_the_cluster_in_background``)."""
-        self.refuse_while_on_the_cluster_in_background("release the warm agents")
+        """The ids of the cluster nodes the session or the paused rank holds, and what holds them."""
         if self.session is not None and not self.session.check():
             return set(self.session.group.nodes()), "the running session (%taas stop ends it)"
         if self.paused is not None:
