@@ -19,6 +19,13 @@ from support.cells import indices_loader
 from support.kernel import Kernel
 
 HEADER = "#!t.2\n#pragma taas --gpus 4 --device cpu\n"
+
+
+def header(options: str) -> str:
+    """``HEADER`` with more options: ``header("--keep")``."""
+    return HEADER.replace("--device cpu", f"--device cpu {options}")
+
+
 INIT = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
 
 

@@ -24,6 +24,7 @@ from support.cluster import (
     HEADER,
     INIT,
     collected,
+    header,
     leftovers,
     network,
     node_agents,
@@ -164,9 +165,7 @@ def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes_and_units_hol
 
 def test_more_producers_than_cpu_nodes_is_refused_in_one_line(registered):
     cluster_kernel = registered
-    r = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --cpus 2") + "print('never', len(loader))", timeout=30
-    )
+    r = cluster_kernel.execute(header("--cpus 2") + "print('never', len(loader))", timeout=30)
     assert r.error is not None and r.error["ename"] == "TaasUsageError"
     assert (
         "2 data producers need a node of c1.4 each, the cluster has 1: ask for fewer with --cpus" in r.error["evalue"]
@@ -295,7 +294,7 @@ def merged_rows(trace) -> dict[str, int]:
 def test_profile_brings_every_nodes_traces_back_into_one_merged_trace_one_shot_and_in_a_session(cluster_kernel):
     folder = cluster_kernel.value("os.getcwd()")
     before = set(glob.glob(os.path.join(folder, "taas-profile-*.json.gz")))
-    profiled = HEADER.replace("--device cpu", "--device cpu --profile")
+    profiled = header("--profile")
     r = cluster_kernel.execute(profiled + INIT + REDUCING, timeout=240).ok()
     (trace,) = {pathlib.Path(p) for p in glob.glob(os.path.join(folder, "taas-profile-*.json.gz"))} - before
     rows = merged_rows(trace)
@@ -361,9 +360,7 @@ def test_breakpoint_and_taas_debug_on_a_node_show_the_cells_lines_around_where_t
     shown = ANSI.sub("", r.each_rank())
     for line in ("    breakpoint()", "    x = 6", "y = x"):
         assert re.search(rf"^\[rank 3\] .*\d+ {re.escape(line)}$", shown, re.M), shown
-    first = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --keep") + "import os\nmine = int(os.environ['RANK'])", timeout=240
-    ).ok()
+    first = cluster_kernel.execute(header("--keep") + "import os\nmine = int(os.environ['RANK'])", timeout=240).ok()
     try:
         r = cluster_kernel.execute(
             "#pragma taas --ranks 3\nfactor = 7\nraise KeyError(f'on rank {mine}')\ndone = 1", timeout=60
@@ -379,7 +376,7 @@ def test_breakpoint_and_taas_debug_on_a_node_show_the_cells_lines_around_where_t
 
 def test_a_failed_run_starts_again_on_the_cluster_with_max_restarts(cluster_kernel):
     r = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --max-restarts 1")
+        header("--max-restarts 1")
         + INIT
         + """\
 restart = int(os.environ['TORCHELASTIC_RESTART_COUNT'])
@@ -398,9 +395,7 @@ dist.destroy_process_group()
 
 def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster_kernel):
     first = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --keep")
-        + INIT
-        + "mine = dist.get_rank()\nprint('pid ' + str(os.getpid()), flush=True)",
+        header("--keep") + INIT + "mine = dist.get_rank()\nprint('pid ' + str(os.getpid()), flush=True)",
         timeout=240,
     ).ok()
     try:
@@ -471,7 +466,7 @@ def test_cells_run_in_the_background_on_the_cluster_while_the_notebook_works_and
     is refused while a run holds agents there, `%taas pull` reads the ranks of both nodes at one optimizer step,
     and the names come back."""
     started = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --background")
+        header("--background")
         + INIT
         + "import time\nfor tick in range(30):\n    time.sleep(0.2)\nranks_seen = dist.get_world_size()",
         timeout=240,
@@ -494,7 +489,7 @@ def test_cells_run_in_the_background_on_the_cluster_while_the_notebook_works_and
     assert not leftovers(cluster_kernel)
 
     cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --keep") + INIT + "import torch\n"
+        header("--keep") + INIT + "import torch\n"
         "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.01)",
         timeout=240,
@@ -530,8 +525,7 @@ def test_the_kernels_shutdown_ends_a_run_in_the_background_on_the_cluster_and_le
     )
     try:
         k.execute(
-            HEADER.replace("--device cpu", "--device cpu --background")
-            + "import time\nprint('started', flush=True)\ntime.sleep(600)",
+            header("--background") + "import time\nprint('started', flush=True)\ntime.sleep(600)",
             timeout=240,
         ).ok()
         deadline = time.monotonic() + 120
@@ -554,9 +548,7 @@ def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cl
     here = collected(
         cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok()
     )
-    cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --keep --cpus 1") + "import json, taas", timeout=240
-    ).ok()
+    cluster_kernel.execute(header("--keep --cpus 1") + "import json, taas", timeout=240).ok()
     try:
         cells = [cluster_kernel.execute("#pragma taas\n" + COLLECT, timeout=120).ok() for _ in range(2)]
         got = [collected(r) for r in cells]
@@ -598,8 +590,7 @@ def test_a_module_edited_during_a_session_is_reloaded_on_every_node_with_autorel
     cluster_kernel.execute("%load_ext autoreload\n%autoreload 2\nimport on_nodes").ok()
     try:
         r = cluster_kernel.execute(
-            HEADER.replace("--device cpu", "--device cpu --keep")
-            + "held = on_nodes.f\nprint('before', held(), flush=True)",
+            header("--keep") + "held = on_nodes.f\nprint('before', held(), flush=True)",
             timeout=240,
         ).ok()
         assert r.each_rank().count("before 1") == 4, r.stdout
@@ -770,7 +761,7 @@ def test_timeout_shows_where_each_rank_of_each_node_was(cluster_kernel):
 
 def test_a_hang_across_nodes_is_diagnosed_with_each_rank_s_node(cluster_kernel):
     r = cluster_kernel.execute(
-        HEADER.replace("--device cpu", "--device cpu --hang-after 3 --timeout 15")
+        header("--hang-after 3 --timeout 15")
         + INIT
         + """\
 import time

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from support.cluster import HEADER, leftovers, own_ray
+from support.cluster import HEADER, header, leftovers, own_ray
 from support.kernel import Kernel
 
 ray = pytest.importorskip("ray")
@@ -194,7 +194,7 @@ def test_a_folder_too_large_fails_in_one_line_naming_its_biggest_items_before_an
 
 
 def test_a_session_keeps_the_package_it_started_with_and_says_the_folder_changed(kernel, notebook):
-    r = kernel.execute(HEADER.replace("--device cpu", "--device cpu --keep") + SHOW, timeout=240).ok()
+    r = kernel.execute(header("--keep") + SHOW, timeout=240).ok()
     try:
         assert {value for value, _, _ in shown(r)} == {"1"}
         (notebook / "mymod.py").write_text("VALUE = 2\n")

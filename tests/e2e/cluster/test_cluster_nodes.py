@@ -26,6 +26,7 @@ from support.cluster import (
     alive,
     error_of,
     first_match,
+    header,
     leftovers,
     network,
     node_agents,
@@ -80,7 +81,7 @@ def test_a_cluster_that_requires_a_token_says_in_one_line_what_a_notebook_lacks_
 
 
 # -- kernel-level commands while a session runs on the cluster ------------------------------------
-SESSION = HEADER.replace("--device cpu", "--device cpu --keep") + INIT + "mine = dist.get_rank()\n"
+SESSION = header("--keep") + INIT + "mine = dist.get_rank()\n"
 
 
 def test_cluster_commands_leave_a_running_session_alone_or_refuse_in_one_line(cluster, cluster_kernel):
