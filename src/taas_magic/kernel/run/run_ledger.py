@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 from taas_magic.kernel.run.run_result import Failure
 from taas_magic.wire.events import Key, Producer, key_order
@@ -36,6 +36,18 @@ class Ledger:
     exits: dict[Key, tuple[int, float]] = field(default_factory=dict)  # exit status, when taas saw it
     own_deaths: set[Key] = field(default_factory=set)  # stopped, but killed by a signal taas had not sent
     tails: dict[Key, tuple[str, ...]] = field(default_factory=dict)  # the last stderr lines of those that exited
+
+    def exited(self, key: Key, code: int, now: float, tail: Iterable[str], by_itself: bool = False) -> None:
+        """``key``'s process exited with ``code`` (seen at ``now``), its last stderr lines ``tail``; ``by_itself``:
+        taas had stopped it, but a signal it had not sent killed it (a crash, the OOM killer)."""
+        self.exits[key] = (code, now)
+        self.tails[key] = tuple(tail)
+        if by_itself:
+            self.own_deaths.add(key)
+
+    def keys(self) -> set[Key]:
+        """Every process the ledger has a word of: a report, or an exit."""
+        return set(self.records) | set(self.exits)
 
     def exiting(self) -> bool:
         """A rank's cell called sys.exit(): the rank is ending (in a session, its exit ends the session)."""

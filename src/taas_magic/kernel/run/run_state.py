@@ -177,16 +177,12 @@ class RunState:
     def exited(self, key: Key, code: int, now: float, tail: Iterable[str] = ()) -> list[Action]:
         """``key``'s process is gone, with exit status ``code``; ``tail``: the last lines it wrote to stderr."""
         if not self.policy.keep:
-            self.ledger.exits[key] = (code, now)
-            self.ledger.tails[key] = tuple(tail)
-            if key in self.stopped and code < 0 and -code not in self._signals_sent():
-                self.ledger.own_deaths.add(key)  # it died before taas's signal reached it (a crash, the OOM killer)
+            self.ledger.exited(key, code, now, tail, self._died_by_itself(key, code))
             return [MarkEnded(key, "stopped" if key in self.stopped else "failed" if code else "done")]
         if isinstance(key, Producer):
             if code == 0:
                 return []  # its share of a stream cut by --units is built and sent
-            self.ledger.exits[key] = (code, now)
-            self.ledger.tails[key] = tuple(tail)
+            self.ledger.exited(key, code, now, tail)
             return self._end_session(SessionEnd(EndCause.PRODUCER_DIED, (key,), code))
         if (self.heals or code == NODE_LOST) and isinstance(key, int) and code != 0 and not self.ledger.exiting():
             return self._died(key, code, now, tail)
@@ -195,12 +191,13 @@ class RunState:
     def _died(self, rank: int, code: int, now: float, tail: Iterable[str]) -> list[Action]:
         """A session's rank died (killed, crashed, ``os._exit``): the cell fails with its death, the session goes on
         once a new process is in its place. Its peers leave their collectives with it (its connections closed)."""
-        self.ledger.exits[rank] = (code, now)
-        self.ledger.tails[rank] = tuple(tail)
+        self.ledger.exited(rank, code, now, tail, self._died_by_itself(rank, code))
         self.died.add(rank)
-        if rank in self.stopped and code < 0 and -code not in self._signals_sent():
-            self.ledger.own_deaths.add(rank)
         return [MarkEnded(rank, "failed")]
+
+    def _died_by_itself(self, key: Key, code: int) -> bool:
+        """Whether ``key``, which taas was stopping, died before taas's signal reached it (a crash, the OOM killer)."""
+        return key in self.stopped and code < 0 and -code not in self._signals_sent()
 
     def input_requested(self, key: Key, prompt: str) -> list[Action]:
         """``key``'s debugger waits for a line: the user's, or "quit" once the cell is being stopped."""
@@ -353,14 +350,7 @@ class RunState:
     def processes(self, keys: Iterable[Key], stacks: Mapping[Key, str], now: float) -> tuple[Process, ...]:
         """``keys`` with their stacks and latest activity, and the ranks that already left, with how."""
         keys = set(keys)
-        known = (
-            keys
-            | set(self.activity)
-            | set(self.ledger.records)
-            | set(self.ledger.exits)
-            | set(self.ranks)
-            | set(range(self.world))
-        )
+        known = keys | set(self.activity) | self.ledger.keys() | set(self.ranks) | set(range(self.world))
         processes = []
         for key in sorted(known, key=key_order):
             if key not in keys and not isinstance(key, int):

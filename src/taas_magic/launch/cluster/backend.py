@@ -119,7 +119,7 @@ class ClusterBackend:
             agent.versions(),  # looked up here: a test makes the kernel claim others
             self.keep,
         )
-        group = ClusterRanks(self.cluster, launch.run_id, self.notify, plan.profile)
+        group = ClusterRanks(self.cluster, launch.run_id, self.notify)
         try:
             group.start(request)
         except BaseException:
@@ -136,13 +136,11 @@ class ClusterRanks:
         cluster: ConnectedCluster,
         run_id: str,
         notify: Callable[[str], object],
-        profile: str | None = None,
     ):
         self.cluster = cluster
         self.run_id = run_id
         self._nodes: frozenset[str] = frozenset()
         self.notify = notify
-        self.profile = profile
         self._running: set[Key] = set()
         self.closed = False
 
@@ -175,7 +173,6 @@ class ClusterRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
-        self.profile = cell.order.profile
         self._ask(RunCell(self.run_id, cell, tuple(ranks), os.getcwd()), fds[:1] if cell.tensors_size else ())
 
     def answer(self, rank: Key, line: str | None) -> None:

@@ -43,6 +43,19 @@ class ForkedProcess:
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
     ask: int | None = None  # write end of the pipe on which a rank is asked for its stacks (rank/vitals.py)
 
+    def close_descriptors(self) -> None:
+        """Close every descriptor the supervisor holds of this process (as the run ends; it was reaped)."""
+        for fd in list(self.fds.values()) + [fd for fd in (self.pidfd, self.ask) if fd is not None]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds.clear()
+        self.pidfd = self.ask = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+
 
 @dataclass
 class ForkingGroup:

@@ -426,16 +426,7 @@ class ForkedRanks(ForkingGroup):
                 except KeyboardInterrupt:
                     pending_interrupt = True  # finish cleaning up first
         for state in self.ranks.values():
-            for fd in list(state.fds.values()) + [fd for fd in (state.pidfd, state.ask) if fd is not None]:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            state.fds.clear()
-            state.pidfd = state.ask = None
-            if state.control is not None:
-                state.control.close()
-                state.control = None
+            state.close_descriptors()
         for fd in (self._lifeline_read, self._lifeline_write):
             os.close(fd)
         self._selector.close()
