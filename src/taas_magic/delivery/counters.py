@@ -31,24 +31,25 @@ class Counters:
         self._memory = mmap.mmap(fd, self.size(producers, ranks))  # MAP_SHARED (anonymous when fd is -1)
         values = memoryview(self._memory).cast("q")  # zeroed by the system
         self._values = values
-        cuts = [producers, producers * ranks] + [ranks] * _RANK_FIELDS
+        cuts = [producers, producers, producers * ranks] + [ranks] * _RANK_FIELDS
         fields, start = [], 0
         for size in cuts:
             fields.append(values[start : start + size])
             start += size
         self.produced = fields[0]  # elements built, per producer
-        self._sent = fields[1]  # elements sent, per producer and rank (producer-major)
-        self.position = fields[2]  # rounds of the stream each rank is past, skipped ones included
-        self.taken = fields[3]  # elements each rank's cell took
-        self.dropped = fields[4]  # elements a rank received, or held, and threw away
-        self.passes_over = fields[5]  # passes each rank has left or finished: none of them is sent any more
-        self.done = fields[6]  # 1 once a rank's cell has ended: send it nothing, wait for it no more
-        self.waited = fields[7]  # microseconds each rank's cell spent waiting for elements
-        self.asked = fields[8]  # 1 once a rank began a pass: a session's producers start building then
+        self.past = fields[1]  # elements of the stream each producer is past: sent, or passed over for good
+        self._sent = fields[2]  # elements sent, per producer and rank (producer-major)
+        self.position = fields[3]  # rounds of the stream each rank is past, skipped ones included
+        self.taken = fields[4]  # elements each rank's cell took
+        self.dropped = fields[5]  # elements a rank received, or held, and threw away
+        self.passes_over = fields[6]  # passes each rank has left or finished: none of them is sent any more
+        self.done = fields[7]  # 1 once a rank's cell has ended: send it nothing, wait for it no more
+        self.waited = fields[8]  # microseconds each rank's cell spent waiting for elements
+        self.asked = fields[9]  # 1 once a rank began a pass: a session's producers start building then
 
     @staticmethod
     def size(producers: int, ranks: int) -> int:
-        return 8 * (producers * (1 + ranks) + _RANK_FIELDS * ranks)
+        return 8 * (producers * (2 + ranks) + _RANK_FIELDS * ranks)
 
     # -- between machines: each row has one writer, so copies merge by who owns which rows -------
     def snapshot(self) -> list[int]:
@@ -60,10 +61,11 @@ class Counters:
         values = self._values
         for producer in producers:
             values[producer] = snapshot[producer]
-            start = self.producers + producer * self.ranks
+            values[self.producers + producer] = snapshot[self.producers + producer]
+            start = 2 * self.producers + producer * self.ranks
             for index in range(start, start + self.ranks):
                 values[index] = snapshot[index]
-        rank_fields = self.producers * (1 + self.ranks)
+        rank_fields = self.producers * (2 + self.ranks)
         for field in range(_RANK_FIELDS):
             for rank in ranks:
                 index = rank_fields + field * self.ranks + rank
@@ -71,6 +73,10 @@ class Counters:
 
     def count_sent(self, producer: int, rank: int) -> None:
         self._sent[producer * self.ranks + rank] += 1
+
+    def sent_to(self, rank: int) -> int:
+        """Elements the producers sent ``rank``, all of them together."""
+        return sum(self._sent[producer * self.ranks + rank] for producer in range(self.producers))
 
     def slowest_rank(self) -> int | float:
         """Rounds taken by the slowest rank still running (infinite when none is)."""
@@ -92,7 +98,7 @@ class Counters:
     def stats(self, name: str) -> DeliveryProgress:
         """The progress of one loader now: what the producers built and what became of it in each rank."""
         ranks = range(self.ranks)
-        sent = [sum(self._sent[p * self.ranks + r] for p in range(self.producers)) for r in ranks]
+        sent = [self.sent_to(r) for r in ranks]
         buffered = sum(max(0, sent[r] - self.taken[r] - self.dropped[r]) for r in ranks if not self.done[r])
         return DeliveryProgress(
             name,

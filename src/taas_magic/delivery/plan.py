@@ -20,6 +20,7 @@ class Pass:
     number: int
     real: int  # elements taken from the loader in this pass
     first_round: int  # rounds (one element per rank) before this pass, counted over the whole stream
+    first_element: int = 0  # elements of the stream before this pass: element i of it is element first_element + i
 
     def padded(self, world: int) -> int:
         return -(-self.real // world) * world
@@ -47,9 +48,13 @@ class StreamPlan:
         number, taken, rounds = 0, 0, 0
         while self.units is None or taken < self.units:
             real = self.pass_length if self.units is None else min(self.pass_length, self.units - taken)
-            current = Pass(number, real, rounds)
+            current = Pass(number, real, rounds, taken)
             yield current
             number, taken, rounds = number + 1, taken + real, rounds + current.rounds(self.world)
+
+    def first_pass_from(self, round_: int) -> Pass | None:
+        """The first pass that starts at round ``round_`` of the stream or after it; None: the stream ends before."""
+        return next((pass_ for pass_ in self.passes() if pass_.first_round >= round_), None)
 
     def destinations(self, pass_: Pass, index: int) -> list[tuple[int, int]]:
         """(rank, round in the stream) for every place element ``index`` of ``pass_`` is delivered."""

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Generator, Iterator
+from typing import Any, Callable, Collection, Generator, Iterator
 
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import Pass, StreamPlan
@@ -164,6 +164,7 @@ class ProducerTask:
                 for rank in takers:
                     send(self.channels[rank], pass_.number, index, element)
                     self.counters.count_sent(self.index, rank)
+                self.counters.past[self.index] = pass_.first_element + index + 1
         finally:
             fetched.close()  # its workers end now, on every way out, not whenever it is collected
 
@@ -177,7 +178,8 @@ class ProducerTask:
 
         loader = self.loader
         batched = loader.batch_sampler is not None
-        mine = _Keys(self, keys, batched)
+        # Every rank's cell has ended: stop. Every rank an element is for has left its pass: do not even build it.
+        mine = _Keys(self.my_elements, keys, batched, self.wanted, self.counters.all_done)
         options = dict(
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
@@ -203,25 +205,9 @@ class ProducerTask:
             with self.stop.held():
                 _shut_down_workers(elements)
 
-    def my_elements(self) -> Iterator[tuple[Pass, int, Any]]:
+    def my_elements(self) -> Iterator[ElementKey]:
         """(pass, index, sample indices) of this producer's elements, in stream order."""
-        import itertools
-
-        import torch
-
-        sampler = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
-        state = torch.get_rng_state()  # the same in every producer: seeded with the run's seed
-        number = 0
-        for pass_ in self.plan.passes():
-            saved = torch.get_rng_state()
-            torch.set_rng_state(state)
-            order = list(itertools.islice(iter(sampler), pass_.real))
-            state = torch.get_rng_state()
-            torch.set_rng_state(saved)
-            for index, indices in enumerate(order):
-                if (number + index) % self.count == self.index:
-                    yield pass_, index, indices
-            number += pass_.real
+        return stream_elements(self.loader, self.plan, self.index, self.count)
 
     def _wait_for_demand(self) -> None:
         """A session serves every registered loader, used or not: one no cell iterates costs an idle
@@ -309,24 +295,112 @@ def _past_taas(error: BaseException) -> BaseException:
 
 
 class _Keys:
-    """The sampler the producer's own DataLoader iterates: this producer's elements, keyed."""
+    """The sampler a DataLoader of this process iterates: the stream's elements it builds, keyed. ``wanted``:
+    whether to build an element; ``over``: whether to stop before the next one."""
 
-    def __init__(self, producer: ProducerTask, keys: collections.deque[ElementKey], batched: bool):
-        self.producer = producer
-        self.keys = keys
-        self.batched = batched
+    def __init__(
+        self,
+        elements: Callable[[], Iterator[ElementKey]],
+        keys: collections.deque[ElementKey],
+        batched: bool,
+        wanted: Callable[[Pass, int], bool],
+        over: Callable[[], bool],
+    ):
+        self.elements, self.keys, self.batched = elements, keys, batched
+        self.wanted, self.over = wanted, over
 
     def __iter__(self) -> Iterator[Any]:
-        for pass_, index, indices in self.producer.my_elements():
-            if self.producer.counters.all_done():
-                return  # every rank's cell has ended
-            if not self.producer.wanted(pass_, index):
-                continue  # every rank it is for has left this pass: do not even build it
+        for pass_, index, indices in self.elements():
+            if self.over():
+                return
+            if not self.wanted(pass_, index):
+                continue  # not this DataLoader's to build
             self.keys.append((pass_, index, indices))
             if self.batched:
                 yield [(pass_.number, index, sample) for sample in indices]
             else:
                 yield (pass_.number, index, indices)
+
+
+def stream_elements(loader: Any, plan: StreamPlan, index: int, count: int) -> Iterator[ElementKey]:
+    """(pass, index, sample indices) of the elements of producer ``index`` of ``count``, in stream order.
+
+    The sampler is replayed pass after pass from the global random state of the moment the first element is
+    asked for (seeded with the run's seed, the same in every producer), whatever else draws from it meanwhile.
+    """
+    import itertools
+
+    import torch
+
+    sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    state = torch.get_rng_state()
+    number = 0
+    for pass_ in plan.passes():
+        saved = torch.get_rng_state()
+        torch.set_rng_state(state)
+        order = list(itertools.islice(iter(sampler), pass_.real))
+        state = torch.get_rng_state()
+        torch.set_rng_state(saved)
+        for element, indices in enumerate(order):
+            if (number + element) % count == index:
+                yield pass_, element, indices
+        number += pass_.real
+
+
+def rebuild(loader: Any, plan: StreamPlan, seed: int, lost: Collection[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """Elements ``lost`` (pass number, index) of the stream, built again in this process as the producers built
+    them: a rank in place of one that died lacks those the dead process had received. The sampler's order is
+    replayed from the run's seed through a DataLoader made as a producer makes its own (its iterator draws from
+    the random state before the sampler does), and each sample is drawn under its own seed (``_Seeded``); the
+    loader's workers are not started for so few, and this process's random state is kept."""
+    from torch.utils.data import DataLoader
+
+    left = set(lost)
+    if not left:
+        return {}
+    last = max(number for number, _ in left)
+
+    def wanted(pass_: Pass, index: int) -> bool:
+        if pass_.number > last:
+            left.clear()  # past every pass asked for (the stream ends there)
+        if (pass_.number, index) not in left:
+            return False
+        left.discard((pass_.number, index))
+        return True
+
+    keys: collections.deque[ElementKey] = collections.deque()
+    batched = loader.batch_sampler is not None
+    mine = _Keys(lambda: stream_elements(loader, plan, 0, 1), keys, batched, wanted, lambda: not left)
+    dataset: Any = _Seeded(loader.dataset, seed)
+    fetcher: DataLoader[Any]
+    if batched:
+        fetcher = DataLoader(dataset, batch_sampler=mine, collate_fn=loader.collate_fn)
+    else:
+        fetcher = DataLoader(dataset, batch_size=None, sampler=mine, collate_fn=loader.collate_fn)
+    built = {}
+    with _random_state_kept():
+        _seed_everything(seed)
+        for element in fetcher:
+            pass_, index, _ = keys.popleft()
+            built[(pass_.number, index)] = element
+    return built
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """This process's random generators as they were, whatever the block seeds or draws."""
+    import torch
+
+    kept = torch.get_rng_state(), random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(kept[0])
+        random.setstate(kept[1])
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
 
 
 class _Seeded:

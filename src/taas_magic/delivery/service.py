@@ -8,15 +8,17 @@ registered while it runs: their ranks exist already, and get their ends with a c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
-from taas_magic.delivery.producer import ProducerTask
+from taas_magic.delivery.producer import ProducerTask, rebuild
 from taas_magic.delivery.standin import StandIn
 from taas_magic.delivery.transport import channel_pair
 from taas_magic.wire import memfile
@@ -52,9 +54,11 @@ class _LoaderRuntime:
 
 @dataclass(frozen=True)
 class RankLoader:
-    """A rank's view of one loader's delivery: builds its stand-in inside the rank."""
+    """A rank's view of one loader's delivery: builds its stand-in inside the rank. ``replaces``: the rank is a
+    new process in place of one that died, and takes over its share of the stream (``StandIn.take_over``)."""
 
     runtime: _LoaderRuntime
+    replaces: bool = False
 
     @property
     def plan(self) -> LoaderPlan:
@@ -66,7 +70,7 @@ class RankLoader:
 
     def stand_in(self, rank: int, loader: Any, device: str) -> StandIn:
         runtime = self.runtime
-        return StandIn(
+        stand_in = StandIn(
             self.name,
             loader,
             rank,
@@ -76,6 +80,10 @@ class RankLoader:
             runtime.plan.fastest,
             device,
         )
+        if self.replaces:
+            said = stand_in.take_over(lambda lost: rebuild(runtime.loader, runtime.stream, runtime.seed, lost))
+            print(f"taas: rank {rank}: {said}", file=sys.stderr, flush=True)
+        return stand_in
 
 
 class DataService:
@@ -142,15 +150,59 @@ class DataService:
             runtime.counters_fd for runtime in self.runtimes if runtime.counters_fd is not None
         )
 
-    def close(self) -> None:
-        """This process's copies of the channels; the producers and ranks keep theirs."""
+    def close(self, keep_rank_ends: bool = False) -> None:
+        """This process's copies of the channels; the producers and ranks keep theirs. ``keep_rank_ends``: but
+        the ranks' ends, for a rank started in place of one that died (``SessionLoaders``)."""
         for runtime in self.runtimes:
             for producers_end, ranks_end in runtime.channels:
                 producers_end.close()
-                ranks_end.close()
+                if not keep_rank_ends:
+                    ranks_end.close()
             if runtime.counters_fd is not None:
                 os.close(runtime.counters_fd)
                 runtime.counters_fd = None
+
+
+class SessionLoaders:
+    """A session's data delivery, in its supervisor on this machine: the loaders it serves, each rank's end of
+    their channels kept open (what producers send a rank that died waits there for the new process in its
+    place, which takes over its share), and the names producers find loaders in, for loaders the session
+    begins to serve while it runs."""
+
+    def __init__(self, namespace: dict[str, Any], world: int):
+        self.namespace = namespace
+        self.world = world
+        self._services: list[DataService] = []
+        self._serving: dict[str, RankLoader] = {}  # by name: a loader served under a name used before replaces it
+
+    def keep(self, service: DataService) -> None:
+        """``service``'s producers and ranks are forked (and late ranks sent their ends): keep the ranks' ends."""
+        service.close(keep_rank_ends=True)
+        self._services.append(service)
+        self._serving.update({loader.name: loader for loader in service.rank_loaders()})
+
+    def new_service(self, plans: tuple[LoaderPlan, ...], first: int) -> DataService:
+        """The producers' side of loaders the session begins to serve (its names unpacked into ``namespace``)."""
+        return DataService(plans, self.namespace, self.world, first=first, late=True)
+
+    def for_replacement(self, rank: int) -> tuple[set[int], tuple[RankLoader, ...]]:
+        """What a new process in place of rank ``rank`` keeps (its ends), and what builds its stand-ins."""
+        loaders = tuple(dataclasses.replace(loader, replaces=True) for loader in self._serving.values())
+        return {loader.runtime.channels[rank][1].fileno() for loader in loaders}, loaders
+
+    def sockets(self) -> set[int]:
+        """The ranks' ends this process keeps."""
+        return {
+            ranks_end.fileno()
+            for service in self._services
+            for runtime in service.runtimes
+            for _, ranks_end in runtime.channels
+        }
+
+    def close(self) -> None:
+        for service in self._services:
+            service.close()
+        self._services.clear()
 
 
 def late_stand_ins(

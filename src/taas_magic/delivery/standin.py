@@ -10,6 +10,7 @@ not have (``dataset``, ``batch_size``…) are the original loader's.
 from __future__ import annotations
 
 import collections
+import itertools
 import select
 import socket
 import time
@@ -123,6 +124,53 @@ class StandIn:
         except EOFError:
             pass  # every producer is done: nothing more will come
 
+    def take_over(self, rebuild: Callable[[set[tuple[int, int]]], dict[tuple[int, int], Any]]) -> str:
+        """In a new process in place of a rank that died: the stream goes on at the pass the other ranks go on with.
+
+        Producers wait for this rank meanwhile (its place in the stream stands still, and they stay within a
+        window of it), so what they sent it is settled: of its elements from that pass on, those a producer is
+        past are in the channel, taken as they are, or went with the dead process and are built again here
+        (``rebuild``, as the producers built them); the others come as usual. Says what it did, in words.
+        """
+        counters, rank, plan = self._counters, self._rank, self._plan
+        start = max(_next_pass(plan, counters, peer) for peer in range(plan.world) if peer != rank)
+        upcoming = next((pass_ for pass_ in self._passes if pass_.number >= start), None)
+        self._passes = itertools.chain([upcoming] if upcoming is not None else [], self._passes)
+        self._closed_pass = start - 1
+        self._delivered, self._dropped = int(counters.taken[rank]), int(counters.dropped[rank])
+        self._take_in_waiting()  # what belongs to passes before ``start`` is dropped, the rest kept
+        held = sum(len(elements) for elements in self._early.values())
+        self._dropped += max(0, counters.sent_to(rank) - self._delivered - self._dropped - held)  # lost with it
+        missing = {key for key in self._places_passed(start) if key not in self._early}
+        built = rebuild(missing)
+        for key, element in built.items():
+            self._early.setdefault(key, []).append(element)
+        if missing - set(built):
+            raise RuntimeError(f"{self._name}: elements {sorted(missing - set(built))} could not be built again")
+        if upcoming is not None:
+            self._position = upcoming.first_round
+        counters.dropped[rank] = self._dropped
+        counters.position[rank] = self._position
+        counters.passes_over[rank] = start
+        counters.done[rank] = 0 if upcoming is not None else 1  # a stream at its end sends it nothing more
+        if upcoming is None:
+            return f"{self._name!r} has no pass left"
+        again = f" ({len(built)} elements the process that died had received, built again here)" if built else ""
+        return f"its share of {self._name!r} goes on at pass {upcoming.number}{again}"
+
+    def _places_passed(self, start: int) -> Iterator[tuple[int, int]]:
+        """(pass number, index) of this rank's elements from pass ``start`` on that their producer is past."""
+        counters = self._counters
+        furthest = max(counters.past)
+        for pass_ in self._plan.passes():
+            if pass_.first_element >= furthest:
+                return
+            if pass_.number >= start:
+                for index in self._plan.sequence(pass_, self._rank):
+                    element = pass_.first_element + index
+                    if element < counters.past[element % counters.producers]:
+                        yield pass_.number, index
+
     def finish(self, report: Callable[[DeliveryProgress], object] | None = None) -> None:
         """The rank's cell has ended: producers send it nothing more, and what it holds is dropped.
 
@@ -207,6 +255,14 @@ class StandIn:
         self._summarized = (self._delivered, self._waited)
         self._started = self._last = self._first_wait = None
         return summary
+
+
+def _next_pass(plan: StreamPlan, counters: Counters, rank: int) -> int:
+    """The pass ``rank`` iterates next: the one after those it left or is in (its next ``iter()`` leaves the pass
+    it is in); the number of passes when the stream (cut by ``--units``) has no more."""
+    following = plan.first_pass_from(counters.position[rank])
+    after = following.number if following is not None else sum(1 for _ in plan.passes())
+    return max(int(counters.passes_over[rank]), after)
 
 
 def _left(channel: socket.socket, counters: Counters, rank: int) -> None:

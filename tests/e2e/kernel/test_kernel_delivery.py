@@ -611,3 +611,74 @@ def test_a_kernel_restart_ends_a_sessions_producers(fresh_kernel):
     while leftovers(builders | ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert leftovers(builders | ranks) == [], "a session's producers are gone within 3 s of the kernel's death"
+
+
+DRAWN = """
+class Drawn(Indices):  # element i: (i, a number drawn as it is built: the same wherever it is built)
+    def __getitem__(self, i):
+        return torch.tensor([i, torch.randint(0, 10**6, ()).item()])
+drawn = DataLoader(Drawn(60), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5))
+taas.register(drawn)
+"""
+
+
+def drawn_passes(result, word: str) -> dict[int, list]:
+    return {
+        int(rank): json.loads(found) for rank, found in re.findall(rf"\[rank (\d)\] {word} (.*)", result.each_rank())
+    }
+
+
+TAKE_PASS = """#pragma taas
+took = []
+try:
+    for b in drawn:
+        took.append(b.tolist())
+        if taas.rank() == 2 and len(took) == {kill_at}:
+            os.kill(os.getpid(), signal.SIGKILL)
+finally:
+    print("TOOK " + json.dumps(took), flush=True)
+print("PID", os.getpid(), flush=True)
+if taas.rank() == 2 and {after}:
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("moment", ["mid-pass", "after-the-pass", "between-cells"])
+def test_a_rank_that_dies_in_a_session_is_replaced_and_takes_over_its_share_of_the_stream(registered, moment):
+    """The new process goes on at the pass the others go on with, its elements the ones a one-shot run gives:
+    those the dead process had received (producers run ahead of the ranks, into the next pass) are built again in
+    it, the same samples under the same seeds."""
+    import psutil
+
+    registered.execute(DRAWN).ok()
+    reference = registered.execute("""#pragma taas --gpus 3 --cpus 2
+import json
+print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
+""").ok()
+    expected = drawn_passes(reference, "PASSES")
+    registered.execute("#pragma taas --gpus 3 --keep --cpus 2\nimport json, os, signal, taas").ok()
+    try:
+        cell = TAKE_PASS.format(kill_at=4 if moment == "mid-pass" else -1, after=moment == "after-the-pass")
+        first = registered.execute(cell, timeout=60)
+        took = drawn_passes(first, "TOOK")
+        assert all(took[rank] == expected[rank][0][: len(took[rank])] for rank in took), "in order until then"
+        if moment == "between-cells":
+            first.ok()
+            psutil.Process(int(re.search(r"\[rank 2\] PID (\d+)", first.each_rank())[1])).kill()
+            time.sleep(0.5)
+        else:
+            assert first.error is not None and "rank 2 failed: killed by signal SIGKILL" in first.error["evalue"]
+        after = registered.execute(
+            """#pragma taas
+print("NEXT " + json.dumps([[b.tolist() for b in drawn] for _ in range(2)]))
+""",
+            timeout=60,
+        ).ok()
+        healing = first if moment != "between-cells" else after
+        assert "[rank 2] taas: rank 2: its share of 'drawn' goes on at pass 1" in healing.each_rank("stderr")
+        assert drawn_passes(after, "NEXT") == {rank: expected[rank][1:3] for rank in range(3)}, (
+            "every rank, the new one too, gets the passes a one-shot run gives, element for element"
+        )
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("taas.unregister(drawn)").ok()

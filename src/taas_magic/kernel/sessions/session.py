@@ -11,9 +11,9 @@ it runs in has said so, not when they exit. Its outcomes:
   and DDP work;
 - an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank, before the same
   optimizer step where they train (``rank/stopping.py``); the session goes on;
-- a rank that dies in a cell (on this machine, on CPU, with no loader served: ``heals``): the cell
-  fails with its death, a new process takes its place, given what the other ranks hold alike
-  (``rank/healing.py``), and the session goes on;
+- a rank that dies in a cell (on this machine, on CPU: ``heals``): the cell fails with its death, a new
+  process takes its place, given what the other ranks hold alike (``rank/healing.py``) and the dead rank's
+  share of each served loader (``StandIn.take_over``), and the session goes on;
 - a rank that does not come back from an interrupt within 5 s, a cell that calls ``sys.exit()``,
   a death elsewhere or between cells: the session ends. Everything of it is closed, and the
   cell says why.
@@ -239,10 +239,10 @@ class Session:
         return result
 
     def heals(self) -> bool:
-        """Whether a rank that dies is replaced (``rank/healing.py``): on this machine, on CPU (gloo: its peers leave
-        their collectives as its connections close), where no registered loader is served (a new rank would lack
-        its share)."""
-        return self.start != "cluster" and self.spec.device == "cpu" and not self.served and self.size > 1
+        """Whether a rank that dies is replaced (``rank/healing.py``): on this machine (where its supervisor keeps
+        its end of each served loader's channel, for the new process to take over its share), on CPU (gloo: its
+        peers leave their collectives as its connections close)."""
+        return self.start != "cluster" and self.spec.device == "cpu" and self.size > 1
 
     # -- its process group, its size --------------------------------------------------------------
     def regroup(self, front: CellFrontEnd, died: tuple[int, ...] = (), resized_from: int = 0) -> None:

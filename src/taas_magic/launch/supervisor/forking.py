@@ -43,6 +43,18 @@ class ForkedProcess:
     interrupt_waiting: bool = False  # an interrupt for the cell it has not taken yet
     ask: int | None = None  # write end of the pipe on which a rank is asked for its stacks (rank/vitals.py)
 
+    def ask_for_stacks(self) -> bool:
+        """Ask a rank for its stacks on its ask pipe; False when it has none (a producer) or it is closed."""
+        if self.ask is None:
+            return False
+        try:
+            os.write(self.ask, b"?")
+        except BlockingIOError:
+            pass  # requests it has not read yet fill the pipe: it answers them all at once
+        except OSError:
+            return False
+        return True
+
     def close_descriptors(self) -> None:
         """Close every descriptor the supervisor holds of this process (as the run ends; it was reaped)."""
         for fd in list(self.fds.values()) + [fd for fd in (self.pidfd, self.ask) if fd is not None]:

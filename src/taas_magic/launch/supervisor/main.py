@@ -125,7 +125,7 @@ class _Supervisor:
         last: list[Relayed] = []
         try:
             # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
-            containment.drop_sockets({self.channel.fileno()} | group.control_fds() | _listening(store))
+            containment.drop_sockets({self.channel.fileno()} | group.own_sockets() | _listening(store))
             # After the last fork, and after the drop (the store's connections are not inherited ones).
             self.store = store.serve() if store is not None else None  # served while the supervisor lives
             group.watch(self.channel.fileno())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, assert_never
 
 from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
-from taas_magic.delivery.service import DataService, RankLoader
+from taas_magic.delivery.service import DataService, RankLoader, SessionLoaders
 from taas_magic.launch.supervisor import tasks
 from taas_magic.launch.supervisor.forking import ForkedProcess, ForkingGroup
 from taas_magic.process import containment, tempfiles
@@ -49,9 +49,10 @@ class ForkedRanks(ForkingGroup):
     _pending: list[Relayed] = field(default_factory=list)
     _closed: bool = False
     idle_limit: float | None = None  # a session's: the supervisor ends it after this long without a cell
-    # A session's on this machine: (the names producers find loaders in, the number of ranks, the run id),
-    # for loaders it begins to serve while it runs.
-    later_loaders: tuple[dict[str, Any], int, str] | None = None
+    # A session's on this machine: the loaders it serves, for loaders it begins to serve while it runs and for a
+    # rank started in place of one that died; and the run's id, which names its producers.
+    loaders: SessionLoaders | None = None
+    run_id: str = ""
     # A session's on this machine, for a rank started in place of one that died: each rank's environment, and
     # the task its ranks started with.
     envs: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -95,7 +96,7 @@ class ForkedRanks(ForkingGroup):
                 plans = tuple(loader.plan for loader in stand_ins)  # those this machine's ranks hold stand-ins of
                 task = dataclasses.replace(task, order=dataclasses.replace(task.order, loaders=plans), delivery=None)
             if task.keep and envs and attached is None:  # not a cluster node's
-                group.later_loaders = (group.names, len(envs), run_id)
+                group.loaders, group.run_id = SessionLoaders(group.names, len(envs)), run_id
                 group.envs, group.task = envs, task
             for rank, env in sorted(envs.items()):
                 group.fork(
@@ -111,7 +112,9 @@ class ForkedRanks(ForkingGroup):
             raise
         finally:
             group._open_gates(opening)
-            if service is not None:
+            if isinstance(service, DataService) and group.loaders is not None:
+                group.loaders.keep(service)
+            elif service is not None:
                 service.close()
         return group
 
@@ -219,8 +222,11 @@ class ForkedRanks(ForkingGroup):
             state.control.close()
             state.control = None
 
-    def control_fds(self) -> set[int]:
-        return {state.control.fileno() for state in self.ranks.values() if state.control is not None}
+    def own_sockets(self) -> set[int]:
+        """The sockets this supervisor holds for its ranks: their control channels, and a session's ends of the
+        channels of the loaders it serves."""
+        kept = self.loaders.sockets() if self.loaders is not None else set()
+        return kept | {state.control.fileno() for state in self.ranks.values() if state.control is not None}
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit.
@@ -239,8 +245,8 @@ class ForkedRanks(ForkingGroup):
                 ends = service.late_ends(rank) if service is not None else ()
                 self._tell(rank, cell, fds=fds + ends)
         finally:
-            if service is not None:
-                service.close()
+            if service is not None and self.loaders is not None:
+                self.loaders.keep(service)
 
     def _replace(self, ranks: tuple[int, ...]) -> None:
         """Start a new process for each of ``ranks``, a session's that died: it joins the session with the cell
@@ -251,7 +257,9 @@ class ForkedRanks(ForkingGroup):
             for rank in ranks:
                 if rank in self.ranks and self.ranks[rank].returncode is None:
                     continue  # alive after all: the cell tells it so
-                self.fork(rank, self.envs[rank], dataclasses.replace(self.task, joins=True))
+                sockets, stand_ins = self.loaders.for_replacement(rank) if self.loaders is not None else (set(), ())
+                task = dataclasses.replace(self.task, joins=True)
+                self.fork(rank, self.envs[rank], task, sockets=sockets, stand_ins=stand_ins)
         finally:
             self._open_gates(b"")
 
@@ -271,9 +279,8 @@ class ForkedRanks(ForkingGroup):
             | {name: str(rank) for name in ("RANK", "LOCAL_RANK", "ROLE_RANK")}
             for rank in range(cell.world)
         }
-        if self.later_loaders is not None:
-            namespace, _, run_id = self.later_loaders
-            self.later_loaders = (namespace, cell.world, run_id)
+        if self.loaders is not None:
+            self.loaders.world = cell.world
 
     def _retire(self, state: ForkedProcess) -> None:
         """A rank the session no longer has: gone with whatever it started, its descriptors closed, its events
@@ -294,16 +301,15 @@ class ForkedRanks(ForkingGroup):
         """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
         them) are unpacked here; None when it begins to serve none."""
         plans = cell.order.loaders
-        if not plans or self.later_loaders is None:
+        if not plans or self.loaders is None:
             return None
-        namespace, world, run_id = self.later_loaders
         from taas_magic.wire import shipping
 
-        shipping.unpack_into(namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
-        service = DataService(plans, namespace, world, first=cell.first_loader, late=True)
+        shipping.unpack_into(self.loaders.namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
+        service = self.loaders.new_service(plans, cell.first_loader)
         try:
             for key, producer in service.producers():
-                self.fork(key, tasks.producer_env(run_id), producer, sockets=service.producer_sockets(key))
+                self.fork(key, tasks.producer_env(self.run_id), producer, sockets=service.producer_sockets(key))
         except BaseException:
             service.close()
             raise
@@ -387,7 +393,7 @@ class ForkedRanks(ForkingGroup):
         for rank in chosen:
             state = self.ranks[rank]
             state.stack_text = ""
-            if not _ask(state):
+            if not state.ask_for_stacks():
                 containment.kill(state.pid, signal.SIGUSR1)  # the process alone: its children have no handler
                 signalled.add(rank)
         meanwhile: list[Relayed] = []
@@ -427,22 +433,11 @@ class ForkedRanks(ForkingGroup):
                     pending_interrupt = True  # finish cleaning up first
         for state in self.ranks.values():
             state.close_descriptors()
+        if self.loaders is not None:
+            self.loaders.close()
         for fd in (self._lifeline_read, self._lifeline_write):
             os.close(fd)
         self._selector.close()
         self._closed = True
         if pending_interrupt:
             raise KeyboardInterrupt
-
-
-def _ask(state: ForkedProcess) -> bool:
-    """Ask a rank for its stacks on its ask pipe; False when it has none (a producer) or it is closed."""
-    if state.ask is None:
-        return False
-    try:
-        os.write(state.ask, b"?")
-    except BlockingIOError:
-        pass  # requests it has not read yet fill the pipe: it answers them all at once
-    except OSError:
-        return False
-    return True
