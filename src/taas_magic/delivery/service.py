@@ -19,7 +19,7 @@ from typing import Any
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.producer import ProducerTask, rebuild
-from taas_magic.delivery.standin import StandIn
+from taas_magic.delivery.standin import StandIn, next_pass
 from taas_magic.delivery.transport import channel_pair
 from taas_magic.wire import memfile
 from taas_magic.wire.events import Key, Producer
@@ -181,9 +181,16 @@ class SessionLoaders:
         self._services.append(service)
         self._serving.update({loader.name: loader for loader in service.rank_loaders()})
 
-    def new_service(self, plans: tuple[LoaderPlan, ...], first: int) -> DataService:
-        """The producers' side of loaders the session begins to serve (its names unpacked into ``namespace``)."""
-        return DataService(plans, self.namespace, self.world, first=first, late=True)
+    def new_service(self, plans: tuple[LoaderPlan, ...], first: int, go_on: bool = False) -> DataService:
+        """The producers' side of loaders the session begins to serve (its names unpacked into ``namespace``).
+        ``go_on``: loaders it served, planned anew for a new number of ranks (``world``): each stream goes on at
+        the pass after those the ranks that stay have been in, and the producers that served it end."""
+        service = DataService(plans, self.namespace, self.world, first=first, late=True)
+        for runtime in service.runtimes:
+            earlier = self._serving.get(runtime.plan.name)
+            if go_on and earlier is not None:
+                _go_on(earlier.runtime, runtime)
+        return service
 
     def for_replacement(self, rank: int) -> tuple[set[int], tuple[RankLoader, ...]]:
         """What a new process in place of rank ``rank`` keeps (its ends), and what builds its stand-ins."""
@@ -205,17 +212,35 @@ class SessionLoaders:
         self._services.clear()
 
 
+def _go_on(earlier: _LoaderRuntime, later: _LoaderRuntime) -> None:
+    """``later`` serves ``earlier``'s stream from its next pass on, to a new number of ranks: every rank starts
+    there (its counters say where, for its stand-in and the producers); ``earlier``'s producers end."""
+    staying = range(min(earlier.stream.world, later.stream.world))
+    start = max(next_pass(earlier.stream, earlier.counters, rank) for rank in staying)
+    upcoming = next((pass_ for pass_ in later.stream.passes() if pass_.number >= start), None)
+    counters = later.counters
+    for rank in range(later.stream.world):
+        counters.passes_over[rank] = start
+        counters.position[rank] = upcoming.first_round if upcoming is not None else 0
+        counters.done[rank] = int(upcoming is None)  # a stream at its end: nothing more to send
+    counters.asked[0] = earlier.counters.any_asked()  # producers of a loader the ranks iterate build at once
+    for rank in range(earlier.stream.world):
+        earlier.counters.done[rank] = 1
+
+
 def late_stand_ins(
     plans: tuple[LoaderPlan, ...], fds: list[int], namespace: dict[str, Any], rank: int, world: int, device: str
 ) -> None:
-    """In a session's rank: stand-ins for loaders the session began to serve with this cell, over the ends
-    ``DataService.late_ends`` sent (the descriptors are this rank's to keep or close)."""
+    """In a session's rank: stand-ins for loaders the session began to serve with this cell, or serves anew as it
+    was resized (in place of their stand-ins, at the pass the counters say), over the ends ``DataService.late_ends``
+    sent (the descriptors are this rank's to keep or close)."""
     count = len(plans)
     for plan, channel_fd, counters_fd in zip(plans, fds[:count], fds[count:]):
         loader = namespace[plan.name]
+        loader = loader.original if isinstance(loader, StandIn) else loader
         counters = Counters(plan.producers, world, counters_fd)
         os.close(counters_fd)  # the mapping stays
-        namespace[plan.name] = StandIn(
+        stand_in = StandIn(
             plan.name,
             loader,
             rank,
@@ -225,3 +250,6 @@ def late_stand_ins(
             plan.fastest,
             device,
         )
+        if counters.passes_over[rank]:
+            stand_in.start_at(int(counters.passes_over[rank]))
+        namespace[plan.name] = stand_in

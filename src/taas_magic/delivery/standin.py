@@ -66,6 +66,11 @@ class StandIn:
         self._readable.register(channel, select.POLLIN)
         weakref.finalize(self, _left, channel, counters, rank)
 
+    @property
+    def original(self) -> Any:
+        """The notebook's loader this stand-in is served in place of."""
+        return self._loader
+
     def __len__(self) -> int:
         return self._plan.share()
 
@@ -124,6 +129,13 @@ class StandIn:
         except EOFError:
             pass  # every producer is done: nothing more will come
 
+    def start_at(self, number: int) -> None:
+        """This rank's stream begins at pass ``number``, where its counters were set to (a session resized: the
+        passes before went to the ranks it had)."""
+        self._passes = (pass_ for pass_ in self._passes if pass_.number >= number)
+        self._closed_pass = number - 1
+        self._position = int(self._counters.position[self._rank])
+
     def take_over(self, rebuild: Callable[[set[tuple[int, int]]], dict[tuple[int, int], Any]]) -> str:
         """In a new process in place of a rank that died: the stream goes on at the pass the other ranks go on with.
 
@@ -133,7 +145,7 @@ class StandIn:
         (``rebuild``, as the producers built them); the others come as usual. Says what it did, in words.
         """
         counters, rank, plan = self._counters, self._rank, self._plan
-        start = max(_next_pass(plan, counters, peer) for peer in range(plan.world) if peer != rank)
+        start = max(next_pass(plan, counters, peer) for peer in range(plan.world) if peer != rank)
         upcoming = next((pass_ for pass_ in self._passes if pass_.number >= start), None)
         self._passes = itertools.chain([upcoming] if upcoming is not None else [], self._passes)
         self._closed_pass = start - 1
@@ -257,7 +269,7 @@ class StandIn:
         return summary
 
 
-def _next_pass(plan: StreamPlan, counters: Counters, rank: int) -> int:
+def next_pass(plan: StreamPlan, counters: Counters, rank: int) -> int:
     """The pass ``rank`` iterates next: the one after those it left or is in (its next ``iter()`` leaves the pass
     it is in); the number of passes when the stream (cut by ``--units``) has no more."""
     following = plan.first_pass_from(counters.position[rank])

@@ -79,6 +79,8 @@ def serve(task: RankTask, namespace: dict[str, Any], shell: Any, fds: RankFds, c
         if received is None:
             return 0
         cell, tensors_fd, ends = received
+        if cell.world is not None:  # resized: the loaders' stand-ins below share among the new number of ranks
+            os.environ.update(world_variables(cell.world, cell.nodes))  # a newcomer was started with them
         held = _take_interrupts(control)
         register_sources(cell.sources)
         reloads.before_cell(cell.reload)  # before the names: the notebook's came from the new code
@@ -143,8 +145,6 @@ def _regroup(
 ) -> records.Record:
     """The kernel's word after a cell that a rank left its group in, or died in, or as the session is resized:
     connect the group anew with every peer, the newcomers joining it, and give them what the others hold alike."""
-    if cell.world is not None:
-        os.environ.update(world_variables(cell.world, cell.nodes))  # a newcomer was started with them
     try:
         links.regroup(cell.number, cell.newcomers)
         if cell.newcomers and links.grouped():

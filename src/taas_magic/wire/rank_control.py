@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from taas_magic.wire.channel import Channel
-from taas_magic.wire.task import CellOrder
+from taas_magic.wire.task import CellOrder, LoaderPlan
 
 # What a session's rank is sent first when its cell is interrupted (or its --timeout runs out): stop before the
 # optimizer step every rank agrees on, the replicas equal (``rank/stopping.py``); SIGINT follows for ranks that
@@ -80,13 +80,29 @@ class SessionCell:
         return cls(CellOrder(None), number=number, regroup=True, newcomers=newcomers)
 
     @classmethod
-    def resize(cls, number: int, world: int, size: int, nodes: int = 1) -> "SessionCell":
+    def resize(
+        cls,
+        number: int,
+        world: int,
+        size: int,
+        nodes: int = 1,
+        loaders: tuple[LoaderPlan, ...] = (),
+        first_loader: int = 0,
+    ) -> "SessionCell":
         """``%taas resize``: a session of ``size`` ranks becomes one of ``world`` (on ``nodes`` nodes): the
         supervisor ends ranks ``world`` and up, or starts the new ones; every rank then connects the process group
-        anew, as ``world`` ranks, and the new ones are given what the others hold alike. A cluster session that
-        lost its last nodes goes on the same way, with the ranks of the nodes it has."""
-        newcomers = tuple(range(size, world))
-        return cls(CellOrder(None), number=number, regroup=True, newcomers=newcomers, world=world, nodes=nodes)
+        anew, as ``world`` ranks, and the new ones are given what the others hold alike. The ``loaders`` it serves
+        go on at their next pass, shared among ``world`` ranks by new producers (numbered from ``first_loader``).
+        A cluster session that lost its last nodes goes on the same way, with the ranks of the nodes it has."""
+        return cls(
+            CellOrder(None, loaders=loaders),
+            first_loader=first_loader,
+            number=number,
+            regroup=True,
+            newcomers=tuple(range(size, world)),
+            world=world,
+            nodes=nodes,
+        )
 
     def leaves(self, rank: object) -> bool:
         """Whether ``rank`` (a rank's number, or a producer) ends with this cell: a resize's to fewer ranks."""

@@ -682,3 +682,31 @@ print("NEXT " + json.dumps([[b.tolist() for b in drawn] for _ in range(2)]))
     finally:
         registered.execute("%taas stop").ok()
         registered.execute("taas.unregister(drawn)").ok()
+
+
+def test_a_resized_session_serves_its_loaders_anew_from_the_next_pass(registered):
+    """Each pass after a resize is shared among the new number of ranks as a one-shot run of that size shares it."""
+    registered.execute(DRAWN).ok()
+    expected = {}
+    for world in (2, 3):
+        reference = registered.execute(f"""#pragma taas --gpus {world} --cpus 2
+import json
+print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
+""").ok()
+        expected[world] = drawn_passes(reference, "PASSES")
+    one_pass = """#pragma taas
+print("PASS " + json.dumps([len(drawn), [b.tolist() for b in drawn]]))
+"""
+    registered.execute("#pragma taas --gpus 2 --keep --cpus 2\nimport json, os, taas").ok()
+    try:
+        first = drawn_passes(registered.execute(one_pass).ok(), "PASS")
+        assert first == {rank: [15, expected[2][rank][0]] for rank in range(2)}
+        assert "the session has 3 ranks now" in registered.execute("%taas resize 3").ok().stdout
+        grown = drawn_passes(registered.execute(one_pass, timeout=60).ok(), "PASS")
+        assert grown == {rank: [10, expected[3][rank][1]] for rank in range(3)}, "pass 1 among 3 ranks"
+        assert "the session has 2 ranks now" in registered.execute("%taas resize 2").ok().stdout
+        shrunk = drawn_passes(registered.execute(one_pass, timeout=60).ok(), "PASS")
+        assert shrunk == {rank: [15, expected[2][rank][2]] for rank in range(2)}, "pass 2 among 2 again"
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("taas.unregister(drawn)").ok()

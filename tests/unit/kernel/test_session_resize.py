@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import weakref
 from collections.abc import Callable
 
 import pytest
@@ -22,9 +21,10 @@ from taas_magic.kernel.sessions import resizing
 from taas_magic.kernel.sessions.kept import Kept
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.view.front_end import CellFrontEnd
-from taas_magic.wire.events import NODE_LOST, Event, Exited, Report
+from taas_magic.wire.events import NODE_LOST, Event, Exited, Producer, Report
 from taas_magic.wire.rank_control import SessionCell
 from taas_magic.wire.records import CellEnded
+from taas_magic.wire.task import LoaderPlan
 
 
 def every_rank_ends(group: ScriptedSessionGroup, ranks: list[int]) -> list[Event]:
@@ -60,6 +60,23 @@ def test_more_ranks_join_as_newcomers_and_every_rank_takes_the_cell():
     assert session.sources_sent == set(), "the new ranks are sent every cell's source with the next cell"
 
 
+def test_the_loaders_a_session_serves_are_planned_anew_for_its_new_size_by_producers_numbered_after_the_others():
+    group = ScriptedSessionGroup(every_rank_ends, world_size=2)
+    session = session_of(group)
+
+    class Loader:  # what the notebook binds: the session keeps a weak reference to it
+        pass
+
+    loaders = {"train_loader": Loader(), "valid_loader": Loader()}
+    plans = tuple(LoaderPlan(name, 2, None, None, False, 7, on_demand=True) for name in loaders)
+    assert session.serve(plans, loaders) == 0
+    resize(session, 3)
+    cell = group.sent[-1]
+    assert (cell.world, cell.order.loaders, cell.first_loader) == (3, plans, 2), "numbered after the first two"
+    assert session.labels[Producer(3, 1)] == "producer 1 of valid_loader"
+    assert session.serves("train_loader", loaders["train_loader"]), "the notebook's loader is served as before"
+
+
 def test_the_same_size_changes_nothing():
     group = ScriptedSessionGroup(every_rank_ends, world_size=3)
     session = session_of(group)
@@ -82,10 +99,6 @@ def test_a_rank_that_dies_as_the_session_is_resized_ends_it_saying_so():
     [
         ({"start": "cluster"}, "the session runs on the cluster, and only a session on this machine can be resized"),
         ({"device": "cuda"}, "its ranks are on cuda, and only a CPU session (gloo) can be resized"),
-        (
-            {"served": "train_loader"},
-            "it serves registered loaders (train_loader) whose shares are planned for 2 ranks",
-        ),
     ],
 )
 def test_a_session_that_cannot_be_resized_is_refused_in_one_line_before_anything_is_sent(change, refusal):
@@ -95,8 +108,6 @@ def test_a_session_that_cannot_be_resized_is_refused_in_one_line_before_anything
         session.start = change["start"]
     if "device" in change:
         session.spec = dataclasses.replace(session.spec, device=change["device"])
-    if "served" in change:
-        session.served[change["served"]] = weakref.ref(session)
     with pytest.raises(TaasUsageError) as caught:
         resize(session, 4)
     assert str(caught.value) == f"%taas resize 4: {refusal}: %taas stop, then start a session of 4 with --keep"

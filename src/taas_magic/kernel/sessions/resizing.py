@@ -49,9 +49,4 @@ def refusal(session: Session) -> str:
         return "the session runs on the cluster, and only a session on this machine can be resized"
     if session.spec.device != "cpu":
         return f"its ranks are on {session.spec.device}, and only a CPU session (gloo) can be resized"
-    if session.served:
-        return (
-            f"it serves registered loaders ({', '.join(sorted(session.served))}) whose shares are planned for "
-            f"{count(session.size, 'rank')}"
-        )
     return ""

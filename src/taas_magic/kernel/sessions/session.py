@@ -74,6 +74,7 @@ class Session:
     reloads: reloading.KernelReloads = field(default_factory=lambda: reloading.KernelReloads(_shell()))
     served: dict[str, "weakref.ref[Any]"] = field(default_factory=dict)  # notebook name -> loader its producers serve
     loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
+    plans: dict[str, LoaderPlan] = field(default_factory=dict)  # how each name the producers serve is served
     labels: dict[Key, str] = field(default_factory=dict)  # the producers' names: "producer 0 of train_loader"
     dead: set[int] = field(default_factory=set)  # ranks that died between cells: replaced as the next cell begins
     busy: BackgroundRun | None = None  # the run in the background whose cell the ranks run, if any
@@ -90,9 +91,14 @@ class Session:
     def serve(self, plans: tuple[LoaderPlan, ...], namespace: Mapping[str, Any]) -> int:
         """The session's producers serve these registered loaders from now on, as the notebook names them;
         returns the number of the first among the session's loaders (producers are keyed by it)."""
+        self.served.update({plan.name: weakref.ref(namespace[plan.name]) for plan in plans})
+        self.plans.update({plan.name: plan for plan in plans})
+        return self._number(plans)
+
+    def _number(self, plans: tuple[LoaderPlan, ...]) -> int:
+        """Number ``plans`` after the session's other loaders and label their producers; returns the first number."""
         first = self.loaders
         self.loaders += len(plans)
-        self.served.update({plan.name: weakref.ref(namespace[plan.name]) for plan in plans})
         self.labels.update(producer_labels(plans, first))
         return first
 
@@ -251,11 +257,12 @@ class Session:
         new rank, given what the others hold alike; so that the next cell's collectives work, DDP's too. A group
         that cannot be connected again ends the session."""
         self.sent += 1
-        cell = (
-            SessionCell.resize(self.sent, self.size, resized_from, self.spec.nodes)
-            if resized_from
-            else SessionCell.reconnect(self.sent, died)
-        )
+        cell = SessionCell.reconnect(self.sent, died)
+        if resized_from:
+            # Served loaders go on at their next pass, planned for the new size by new producers.
+            replanned = tuple(self.plans.values()) if self.start != "cluster" else ()
+            first = self._number(replanned) if replanned else 0
+            cell = SessionCell.resize(self.sent, self.size, resized_from, self.spec.nodes, replanned, first)
         ranks = list(range(self.size))
         if cell.newcomers:  # the new processes know no cell's source, for tracebacks: every one goes with the next cell
             self.sources_sent.clear()

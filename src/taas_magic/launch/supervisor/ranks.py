@@ -236,7 +236,7 @@ class ForkedRanks(ForkingGroup):
         """
         if cell.world is not None:
             self._resize(cell)
-        self._replace(cell.newcomers)
+        self._replace(cell.newcomers, takes_over=cell.world is None)  # a resize's get new shares with the cell
         service = self._serve_new_loaders(cell, fds)
         try:
             for rank in sorted(ranks):
@@ -248,16 +248,20 @@ class ForkedRanks(ForkingGroup):
             if service is not None and self.loaders is not None:
                 self.loaders.keep(service)
 
-    def _replace(self, ranks: tuple[int, ...]) -> None:
-        """Start a new process for each of ``ranks``, a session's that died: it joins the session with the cell
-        that heals it (``rank/healing.py``). Forked from this supervisor, as the first were: no CUDA here."""
+    def _replace(self, ranks: tuple[int, ...], takes_over: bool = True) -> None:
+        """Start a new process for each of ``ranks``, a session's that died or new with a resize: it joins the
+        session with the cell that heals it (``rank/healing.py``); ``takes_over``: in place of a dead rank, its share
+        of each served loader too (a resize's new ranks get theirs with the cell). Forked from this supervisor, as the
+        first were: no CUDA here."""
         if self.task is None:
             return  # a cluster node's session: the kernel heals none
         try:
             for rank in ranks:
                 if rank in self.ranks and self.ranks[rank].returncode is None:
                     continue  # alive after all: the cell tells it so
-                sockets, stand_ins = self.loaders.for_replacement(rank) if self.loaders is not None else (set(), ())
+                sockets, stand_ins = (
+                    self.loaders.for_replacement(rank) if self.loaders is not None and takes_over else (set(), ())
+                )
                 task = dataclasses.replace(self.task, joins=True)
                 self.fork(rank, self.envs[rank], task, sockets=sockets, stand_ins=stand_ins)
         finally:
@@ -305,8 +309,9 @@ class ForkedRanks(ForkingGroup):
             return None
         from taas_magic.wire import shipping
 
-        shipping.unpack_into(self.loaders.namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
-        service = self.loaders.new_service(plans, cell.first_loader)
+        if cell.names:
+            shipping.unpack_into(self.loaders.namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
+        service = self.loaders.new_service(plans, cell.first_loader, go_on=cell.world is not None)
         try:
             for key, producer in service.producers():
                 self.fork(key, tasks.producer_env(self.run_id), producer, sockets=service.producer_sockets(key))
