@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import io
+import marshal
 import os
 import pickle
 import re
@@ -29,6 +30,7 @@ import cloudpickle
 # IPython's own names, and the notebook's output history: not state of the user's.
 _IPYTHON = frozenset({"In", "Out", "exit", "quit", "get_ipython", "_", "__", "___", "_i", "_ii", "_iii", "_ih", "_oh"})
 _HISTORY = re.compile(r"_i?\d+|_dh")
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def copied_names(namespace: dict[str, Any]) -> list[str]:
@@ -77,11 +79,37 @@ class _Digesting(cloudpickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
+        if isinstance(obj, type) and _defined_here(obj):
+            return _state, (obj.__module__, obj.__qualname__, _definition(obj))
         if torch is not None and isinstance(obj, torch.nn.Module):
             return _state, (type(obj).__qualname__, obj.training, list(obj.state_dict(keep_vars=True).items()))
         if torch is not None and isinstance(obj, torch.optim.Optimizer):
             return _state, (type(obj).__qualname__, obj.state_dict())
         return super().reducer_override(obj)
+
+
+def _defined_here(cls: type) -> bool:
+    """A class of the notebook's (or of a module nobody can import): cloudpickle writes it by value, with a number
+    each process draws for itself the first time it writes it, so its pickle differs from rank to rank."""
+    module = sys.modules.get(cls.__module__)
+    return module is None or cls.__module__ == "__main__" or getattr(module, cls.__qualname__, None) is not cls
+
+
+def _definition(cls: type) -> list[tuple[str, Any]]:
+    """What makes two ranks' copies of a class the same class: its bases and what it defines, functions by their
+    code (the same bytes in every rank that ran the same definition), a property by its functions' code; anything
+    else by its repr, less the addresses in it."""
+    parts: list[tuple[str, Any]] = [("__bases__", [base.__qualname__ for base in cls.__bases__])]
+    for name, value in sorted(vars(cls).items()):
+        if name in ("__dict__", "__weakref__", "__module__", "__qualname__"):
+            continue
+        functions = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [value]
+        codes = [getattr(getattr(function, "__func__", function), "__code__", None) for function in functions]
+        if any(code is not None for code in codes):
+            parts.append((name, [marshal.dumps(code) if code is not None else None for code in codes]))
+        else:
+            parts.append((name, _ADDRESS.sub("", repr(value))))
+    return parts
 
 
 def _state(*what: Any) -> None:

@@ -710,3 +710,102 @@ print("PASS " + json.dumps([len(drawn), [b.tolist() for b in drawn]]))
     finally:
         registered.execute("%taas stop").ok()
         registered.execute("taas.unregister(drawn)").ok()
+
+
+def test_ddp_training_on_a_served_loader_survives_a_killed_rank_with_equal_replicas_and_the_right_batches(registered):
+    """The session's use as it is meant: DDP training over a registered loader, a rank killed in the middle; the
+    next pass trains every rank, the new one too, on the batches a one-shot run gives, with equal replicas."""
+    registered.execute(DRAWN).ok()
+    reference = registered.execute("""#pragma taas --gpus 3 --cpus 2
+import json
+print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(2)]))
+""").ok()
+    expected = drawn_passes(reference, "PASSES")
+    registered.execute("""#pragma taas --gpus 3 --keep --cpus 2
+import json, os, signal, torch, taas
+import torch.distributed as dist
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+steps = 0
+""").ok()
+    train = """#pragma taas
+took = []
+for b in drawn:
+    took.append(b.tolist())
+    model((b.float() / 1e6)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    steps += 1
+    if taas.rank() == 1 and steps == KILL_AT:
+        os.kill(os.getpid(), signal.SIGKILL)
+print("TOOK " + json.dumps(took), flush=True)
+state = [steps, sum(p.sum().item() for p in model.parameters())]
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, state)
+print("STATE " + json.dumps(every), flush=True)
+"""
+    try:
+        died = registered.execute(train.replace("KILL_AT", "6"), timeout=60)
+        assert died.error is not None and "rank 1 failed: killed by signal SIGKILL" in died.error["evalue"]
+        assert "taas: the session goes on, a new process in place of rank 1" in died.traceback, died.traceback
+        assert "not copied (set them again in this rank): b, took" in died.stderr, "the notebook's classes are copied"
+        after = registered.execute(train.replace("KILL_AT", "-1"), timeout=60).ok()
+        assert drawn_passes(after, "TOOK") == {rank: expected[rank][1] for rank in range(3)}, "pass 1, whole"
+        states = set(re.findall(r"STATE (.*)", after.stdout))
+        assert len(states) == 1, states
+        (state,) = states
+        assert len({json.dumps(each) for each in json.loads(state)}) == 1, f"equal replicas and steps: {state}"
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("taas.unregister(drawn)").ok()
+
+
+def test_a_late_loader_in_a_forkserver_session_goes_through_a_resize_and_a_death_with_its_stream_whole(registered):
+    """The features together: a session started through the fork server, a loader registered while it runs,
+    `%taas resize 3`, then a rank killed in the middle of a pass: each next pass is a one-shot run's of its size."""
+    registered.execute(DRAWN).ok()
+    registered.execute(
+        "later = DataLoader(Drawn(36), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(9))"
+    ).ok()
+    both = """#pragma taas --gpus {world} --cpus 2
+import json
+print("PASSES " + json.dumps([[[b.tolist() for b in loader] for _ in range(3)] for loader in (drawn, later)]))
+"""
+    expected = {}
+    for world in (2, 3):
+        registered.execute("taas.register(later)").ok()
+        expected[world] = drawn_passes(registered.execute(both.format(world=world)).ok(), "PASSES")
+        registered.execute("taas.unregister(later)").ok()
+    one_pass = """#pragma taas
+took = {"drawn": [], "later": []}
+try:
+    for name, loader in (("drawn", drawn), ("later", later)):
+        for b in loader:
+            took[name].append(b.tolist())
+            if taas.rank() == 1 and DIES and name == "later" and len(took[name]) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+finally:
+    print("TOOK " + json.dumps([took["drawn"], took["later"]]), flush=True)
+"""
+    registered.execute(
+        "#pragma taas --gpus 2 --keep --cpus 2 --start forkserver\n"
+        "import json, os, signal, taas\nimport torch.distributed as dist\ndist.init_process_group('gloo')"
+    ).ok()
+    try:
+        registered.execute("taas.register(later)").ok()
+        first = drawn_passes(registered.execute(one_pass.replace("DIES", "False"), timeout=60).ok(), "TOOK")
+        assert first == {rank: [expected[2][rank][0][0], expected[2][rank][1][0]] for rank in range(2)}
+        assert "the session has 3 ranks now" in registered.execute("%taas resize 3").ok().stdout
+        died = registered.execute(one_pass.replace("DIES", "True"), timeout=60)
+        assert died.error is not None and "rank 1 failed: killed by signal SIGKILL" in died.error["evalue"]
+        took = drawn_passes(died, "TOOK")
+        assert all(took[rank][0] == expected[3][rank][0][1] for rank in took), "drawn's pass 1, among 3 ranks"
+        last = drawn_passes(registered.execute(one_pass.replace("DIES", "False"), timeout=60).ok(), "TOOK")
+        assert last == {rank: [expected[3][rank][0][2], expected[3][rank][1][2]] for rank in range(3)}, (
+            "drawn's pass 2 and later's pass 2 (its pass 1 was cut by the death), among 3 ranks, the new rank's too"
+        )
+    finally:
+        registered.execute("%taas stop").ok()
+        registered.execute("taas.unregister(drawn)\ntaas.unregister(later)").ok()

@@ -54,3 +54,39 @@ def test_a_model_and_its_optimizer_digest_alike_whatever_hooks_were_counted_befo
 def test_only_the_users_picklable_names_are_given():
     names = {"__name__": "__main__", "In": [], "_i3": "x = 1", "_7": 7, "_dh": [], "kept": 1, "lock": threading.Lock()}
     assert set(healing.digests(names)) == {"kept"}, "Python's, IPython's and what cannot be pickled are not"
+
+
+def _notebook_class(body: int) -> type:
+    """A class as a notebook cell defines it: of ``__main__``, pickled by value, with a method and a property."""
+    source = f"class Net:\n    scale = {body}\n    def forward(self, x):\n        return x * {body}\n"
+    source += "    @property\n    def twice(self):\n        return 2\n"
+    space: dict = {"__name__": "__main__"}
+    exec(compile(source, "<cell>", "exec"), space)
+    return space["Net"]
+
+
+def _digest_in_a_child(names: dict) -> dict:
+    """``digests(names)`` in a forked process: what another rank, forked from the same parent, says."""
+    import json
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(write, json.dumps(healing.digests(names)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        found = json.loads(answer.read())
+    os.waitpid(pid, 0)
+    return found
+
+
+def test_a_class_the_notebook_defined_digests_alike_in_every_rank_and_differs_when_redefined():
+    """cloudpickle writes such a class with a number each process draws the first time it writes it: the digest
+    must not depend on it, or a replaced rank would lack every class of the notebook's (a NameError later)."""
+    net = _notebook_class(3)
+    assert _digest_in_a_child({"Net": net}) == healing.digests({"Net": net}), "each process drew its own number"
+    assert healing.digests({"Net": _notebook_class(4)}) != healing.digests({"Net": net})
