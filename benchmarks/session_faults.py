@@ -8,7 +8,9 @@ and the next training cell's first steps run. Then one rank raises in the middle
 the end of the cell (every rank released from its collective, the group connected anew). The alternative a user
 has without healing: ``%taas stop`` and the cell that starts the session again (the model built, the group
 joined, its training lost); its time is measured in the same kernel, in alternating rounds. And ``%taas resize``:
-to half the ranks and back, each timed to the end of its line, the new ranks given the others' state.
+to half the ranks and back, each timed to the end of its line, the new ranks given the others' state. Last, the
+same deaths in a session that trains on a registered loader its producers serve: the new process also takes over
+the dead rank's share of the stream (``StandIn.take_over``).
 
 Run: ``python benchmarks/session_faults.py`` (``--quick``: 3 rounds instead of 10). The target: healed within 5 s
 of the death, and the state copied at 1 GB/s or more.
@@ -45,6 +47,25 @@ for step in range(1_000_000):
     optimizer.step()
     optimizer.zero_grad()
 """
+# The same training over a registered loader that the session's producers serve: a rank killed mid-pass is
+# replaced with its share of the stream (``StandIn.take_over``).
+SERVED = """import torch, taas
+from torch.utils.data import DataLoader, TensorDataset
+batches = DataLoader(TensorDataset(torch.randn(2048, 1024)), batch_size=8, shuffle=True)
+taas.register(batches)
+"""
+FAULT_SERVED = """#pragma taas --return none
+step = 0
+while True:
+    for (x,) in batches:
+        if dist.get_rank() == {rank} and step == {step}:
+            print("fault at", time.time(), flush=True)
+            {how}
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+"""
 TRAIN = """#pragma taas --return none
 for step in range(5):
     model(torch.randn(8, 1024)).square().mean().backward()
@@ -54,9 +75,9 @@ for step in range(5):
 COPIED = re.compile(r"names copied from rank \d+ \(([\d.]+) MB in ([\d.]+) s\)")
 
 
-def fault(kernel: Kernel, how: str, rng: random.Random) -> tuple[float, float | None]:
+def fault(kernel: Kernel, how: str, rng: random.Random, loop: str = FAULT) -> tuple[float, float | None]:
     """One rank raises or dies mid-training: (seconds from the fault to the cell's end, the copy's MB/s or None)."""
-    code = FAULT.format(rank=rng.randrange(RANKS), step=rng.randrange(5, 30), how=how)
+    code = loop.format(rank=rng.randrange(RANKS), step=rng.randrange(5, 30), how=how)
     cell = kernel.execute(code, timeout=120)
     ended = time.time()
     if cell.error is None:
@@ -106,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     restarted: list[float] = []
     shrunk: list[float] = []
     grown: list[float] = []
+    served: list[float] = []  # a rank killed while the session trains on a registered loader
     try:
         kernel.run("%load_ext taas_magic")
         kernel.run(START, timeout=300)
@@ -119,15 +141,22 @@ def main(argv: list[str] | None = None) -> None:
             shrunk.append(resize(kernel, RANKS // 2, []))
             grown.append(resize(kernel, RANKS, rates))
         kernel.run("%taas stop")
+        kernel.run(SERVED)
+        kernel.run(START, timeout=300)
+        for round_ in range(rounds):
+            progress(f"round {round_ + 1} of {rounds}, training on a served loader")
+            served.append(fault(kernel, "os.kill(os.getpid(), signal.SIGKILL)", rng, FAULT_SERVED)[0])
+        kernel.run("%taas stop")
     finally:
         left = kernel.shutdown()
         if left:
             print(f"left behind and killed: {left}")
-    report(healed, released, rates, restarted, (shrunk, grown), args.results, args.plot, rounds)
+    report(healed, served, released, rates, restarted, (shrunk, grown), args.results, args.plot, rounds)
 
 
 def report(
     healed: list[float],
+    served: list[float],
     released: list[float],
     rates: list[float],
     restarted: list[float],
@@ -141,6 +170,7 @@ def report(
     print(f"a {RANKS}-rank CPU session with a DDP model and Adam (about 37 MB of state per rank), {rounds} rounds")
     print(f"{'':44} {'median':>8} {'max':>8}")
     print(f"{'a rank killed: death -> healed, cell over':44} {heal:7.2f} s {max(healed):6.2f} s")
+    print(f"{'the same, training on a served loader':44} {statistics.median(served):7.2f} s {max(served):6.2f} s")
     print(f"{'a rank raised: raise -> group reconnected':44} {release:7.2f} s {max(released):6.2f} s")
     print(f"{'%taas stop + the session started again':44} {restart_:7.2f} s {max(restarted):6.2f} s")
     shrunk, grown = resized
@@ -162,6 +192,7 @@ def report(
                 "ranks": RANKS,
                 "rounds": rounds,
                 "healed_s": healed,
+                "healed_serving_a_loader_s": served,
                 "released_s": released,
                 "copy_mb_s": rates,
                 "restarted_s": restarted,
@@ -172,13 +203,14 @@ def report(
         )
         + "\n"
     )
-    figure, axes = plot_axes(7, 3.4)
+    figure, axes = plot_axes(7, 3.8)
     axes.boxplot(
-        [healed, released, shrunk, grown, restarted],
+        [healed, served, released, shrunk, grown, restarted],
         orientation="horizontal",
         showfliers=False,
         tick_labels=[
             "rank killed: healed",
+            "… on a served loader",
             "rank raised: released",
             f"resize {RANKS} -> {RANKS // 2}",
             f"resize {RANKS // 2} -> {RANKS}",
