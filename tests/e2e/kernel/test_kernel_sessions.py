@@ -428,12 +428,19 @@ def test_a_rank_killed_between_cells_is_replaced_as_the_next_cell_begins(kernel)
 DYING = """#pragma taas
 import signal
 print("training", flush=True)
-for step in range(1_000_000):
-    if dist.get_rank() == {rank} and step == {step}:
-        {how}
-    model(torch.randn(16, 32)).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
+step = 0
+while True:  # on batches that producers serve: 8 steps a pass
+    for (x,) in batches:
+        if dist.get_rank() == {rank} and step == {step}:
+            {how}
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+"""
+BATCHES = """from torch.utils.data import DataLoader, TensorDataset
+batches = DataLoader(TensorDataset(torch.randn(512, 32)), batch_size=16, shuffle=True)
+taas.register(batches)
 """
 HOW = {
     "raise": ("raise ValueError('bad batch')", "ValueError: bad batch"),
@@ -444,9 +451,9 @@ HOW = {
 
 @pytest.mark.timeout(300)
 def test_ddp_training_survives_any_rank_raising_or_dying_at_any_step_with_equal_replicas(kernel):
-    """One session through several failures in a row: whichever rank raises, is killed or exits, at whichever step,
-    the cell says so, a dead rank is replaced within seconds, and the same DDP training goes on with equal
-    replicas."""
+    """One session through several failures in a row, training on a registered loader its producers serve:
+    whichever rank raises, is killed or exits, at whichever step, the cell says so, a dead rank is replaced within
+    seconds (with its share of the loader), and the same DDP training goes on with equal replicas."""
 
     @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
     @given(rank=st.integers(0, 3), step=st.integers(0, 40), how=st.sampled_from(list(HOW)))
@@ -463,11 +470,13 @@ def test_ddp_training_survives_any_rank_raising_or_dying_at_any_step_with_equal_
         trained = kernel.execute(TRAIN, interrupt_after=0.5, counted_from="training", timeout=60)
         assert "each with the same steps applied" in trained.traceback, trained.traceback
 
+    kernel.execute("import torch, taas\n" + BATCHES).ok()
     kernel.execute(START.format(start="fork").replace("--gpus 2", "--gpus 4") + DDP).ok()
     try:
         one_failure()
     finally:
         stop(kernel)
+        kernel.execute("taas.unregister(batches)").ok()
 
 
 def forget_the_ended_session(kernel) -> None:
