@@ -9,6 +9,7 @@ import time
 import pytest
 from support.cells import indices_loader
 from support.kernel import processes_of_run
+from test_kernel_sessions import gone
 
 SETUP = indices_loader("os.getpid()")  # element i is (i, pid of the process that built it)
 
@@ -622,6 +623,23 @@ taas.register(drawn)
 """
 
 
+@pytest.fixture(scope="module")
+def drawn_expected(registered) -> dict[int, dict[int, list]]:
+    """What a one-shot run of 2 and of 3 ranks gives each rank of ``drawn`` in its first three passes."""
+    registered.execute(DRAWN).ok()
+    expected = {}
+    try:
+        for world in (2, 3):
+            reference = registered.execute(f"""#pragma taas --gpus {world} --cpus 2
+import json
+print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
+""").ok()
+            expected[world] = drawn_passes(reference, "PASSES")
+    finally:
+        registered.execute("taas.unregister(drawn)").ok()
+    return expected
+
+
 def drawn_passes(result, word: str) -> dict[int, list]:
     return {
         int(rank): json.loads(found) for rank, found in re.findall(rf"\[rank (\d)\] {word} (.*)", result.each_rank())
@@ -644,18 +662,16 @@ if taas.rank() == 2 and {after}:
 
 
 @pytest.mark.parametrize("moment", ["mid-pass", "after-the-pass", "between-cells"])
-def test_a_rank_that_dies_in_a_session_is_replaced_and_takes_over_its_share_of_the_stream(registered, moment):
+def test_a_rank_that_dies_in_a_session_is_replaced_and_takes_over_its_share_of_the_stream(
+    registered, drawn_expected, moment
+):
     """The new process goes on at the pass the others go on with, its elements the ones a one-shot run gives:
     those the dead process had received (producers run ahead of the ranks, into the next pass) are built again in
     it, the same samples under the same seeds."""
     import psutil
 
+    expected = drawn_expected[3]
     registered.execute(DRAWN).ok()
-    reference = registered.execute("""#pragma taas --gpus 3 --cpus 2
-import json
-print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
-""").ok()
-    expected = drawn_passes(reference, "PASSES")
     registered.execute("#pragma taas --gpus 3 --keep --cpus 2\nimport json, os, signal, taas").ok()
     try:
         cell = TAKE_PASS.format(kill_at=4 if moment == "mid-pass" else -1, after=moment == "after-the-pass")
@@ -664,8 +680,11 @@ print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
         assert all(took[rank] == expected[rank][0][: len(took[rank])] for rank in took), "in order until then"
         if moment == "between-cells":
             first.ok()
-            psutil.Process(int(re.search(r"\[rank 2\] PID (\d+)", first.each_rank())[1])).kill()
-            time.sleep(0.5)
+            pid = int(re.search(r"\[rank 2\] PID (\d+)", first.each_rank())[1])
+            psutil.Process(pid).kill()
+            assert gone([pid], 5)
+            shown = registered.execute("%taas").ok()
+            assert "taas: rank 2 killed by signal SIGKILL between cells" in shown.stderr, shown.stderr
         else:
             assert first.error is not None and "rank 2 failed: killed by signal SIGKILL" in first.error["evalue"]
         after = registered.execute(
@@ -684,16 +703,10 @@ print("NEXT " + json.dumps([[b.tolist() for b in drawn] for _ in range(2)]))
         registered.execute("taas.unregister(drawn)").ok()
 
 
-def test_a_resized_session_serves_its_loaders_anew_from_the_next_pass(registered):
+def test_a_resized_session_serves_its_loaders_anew_from_the_next_pass(registered, drawn_expected):
     """Each pass after a resize is shared among the new number of ranks as a one-shot run of that size shares it."""
+    expected = drawn_expected
     registered.execute(DRAWN).ok()
-    expected = {}
-    for world in (2, 3):
-        reference = registered.execute(f"""#pragma taas --gpus {world} --cpus 2
-import json
-print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
-""").ok()
-        expected[world] = drawn_passes(reference, "PASSES")
     one_pass = """#pragma taas
 print("PASS " + json.dumps([len(drawn), [b.tolist() for b in drawn]]))
 """
@@ -712,15 +725,13 @@ print("PASS " + json.dumps([len(drawn), [b.tolist() for b in drawn]]))
         registered.execute("taas.unregister(drawn)").ok()
 
 
-def test_ddp_training_on_a_served_loader_survives_a_killed_rank_with_equal_replicas_and_the_right_batches(registered):
+def test_ddp_training_on_a_served_loader_survives_a_killed_rank_with_equal_replicas_and_the_right_batches(
+    registered, drawn_expected
+):
     """The session's use as it is meant: DDP training over a registered loader, a rank killed in the middle; the
     next pass trains every rank, the new one too, on the batches a one-shot run gives, with equal replicas."""
+    expected = drawn_expected[3]
     registered.execute(DRAWN).ok()
-    reference = registered.execute("""#pragma taas --gpus 3 --cpus 2
-import json
-print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(2)]))
-""").ok()
-    expected = drawn_passes(reference, "PASSES")
     registered.execute("""#pragma taas --gpus 3 --keep --cpus 2
 import json, os, signal, torch, taas
 import torch.distributed as dist

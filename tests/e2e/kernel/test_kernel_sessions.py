@@ -428,6 +428,16 @@ def test_a_rank_killed_between_cells_is_replaced_as_the_next_cell_begins(kernel)
 DYING = """#pragma taas
 import signal
 print("training", flush=True)
+for step in range(1_000_000):
+    if dist.get_rank() == {rank} and step == {step}:
+        {how}
+    model(torch.randn(16, 32)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+DYING_ON_BATCHES = """#pragma taas
+import signal
+print("training", flush=True)
 step = 0
 while True:  # on batches that producers serve: 8 steps a pass
     for (x,) in batches:
@@ -459,7 +469,7 @@ def test_ddp_training_survives_any_rank_raising_or_dying_at_any_step_with_equal_
     @given(rank=st.integers(0, 3), step=st.integers(0, 40), how=st.sampled_from(list(HOW)))
     def one_failure(rank: int, step: int, how: str) -> None:
         before = pids(kernel.execute("#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)").ok())
-        r = kernel.execute(DYING.format(rank=rank, step=step, how=HOW[how][0]), timeout=60)
+        r = kernel.execute(DYING_ON_BATCHES.format(rank=rank, step=step, how=HOW[how][0]), timeout=60)
         assert r.error["evalue"] == f"rank {rank} failed: {HOW[how][1]}", r.traceback
         assert "the session goes on" in r.traceback and r.seconds < 30, (r.seconds, r.traceback)  # a loaded machine
         after = pids(kernel.execute("#pragma taas\nprint('pid ' + str(os.getpid()), flush=True)").ok())
