@@ -174,15 +174,11 @@ class ProducerTask:
 
     def _fetch(self, keys: collections.deque[ElementKey]) -> Generator[Any, None, None]:
         """The loader's own machinery (collate_fn, workers…) over this producer's share of the stream."""
-        from torch.utils.data import DataLoader
-
         loader = self.loader
-        batched = loader.batch_sampler is not None
         # Every rank's cell has ended: stop. Every rank an element is for has left its pass: do not even build it.
-        mine = _Keys(self.my_elements, keys, batched, self.wanted, self.counters.all_done)
-        options = dict(
+        mine = _Keys(self.my_elements, keys, loader.batch_sampler is not None, self.wanted, self.counters.all_done)
+        options: dict[str, Any] = dict(
             num_workers=loader.num_workers,
-            collate_fn=loader.collate_fn,
             pin_memory=False,
             worker_init_fn=loader.worker_init_fn,
             timeout=loader.timeout,
@@ -190,12 +186,7 @@ class ProducerTask:
         )
         if loader.num_workers:
             options.update(prefetch_factor=loader.prefetch_factor, persistent_workers=True)
-        dataset: Any = _Seeded(loader.dataset, self.seed)  # map-style: it has __getitem__, as DataLoader needs
-        fetcher: DataLoader[Any]
-        if batched:
-            fetcher = DataLoader(dataset, batch_sampler=mine, **options)
-        else:
-            fetcher = DataLoader(dataset, batch_size=None, sampler=mine, **options)
+        fetcher = _fetcher(loader, mine, self.seed, **options)
         with self.stop.held():
             elements = iter(fetcher)  # starts the workers
         try:
@@ -353,8 +344,6 @@ def rebuild(loader: Any, plan: StreamPlan, seed: int, lost: Collection[tuple[int
     replayed from the run's seed through a DataLoader made as a producer makes its own (its iterator draws from
     the random state before the sampler does), and each sample is drawn under its own seed (``_Seeded``); the
     loader's workers are not started for so few, and this process's random state is kept."""
-    from torch.utils.data import DataLoader
-
     left = set(lost)
     if not left:
         return {}
@@ -369,21 +358,28 @@ def rebuild(loader: Any, plan: StreamPlan, seed: int, lost: Collection[tuple[int
         return True
 
     keys: collections.deque[ElementKey] = collections.deque()
-    batched = loader.batch_sampler is not None
-    mine = _Keys(lambda: stream_elements(loader, plan, 0, 1), keys, batched, wanted, lambda: not left)
-    dataset: Any = _Seeded(loader.dataset, seed)
-    fetcher: DataLoader[Any]
-    if batched:
-        fetcher = DataLoader(dataset, batch_sampler=mine, collate_fn=loader.collate_fn)
-    else:
-        fetcher = DataLoader(dataset, batch_size=None, sampler=mine, collate_fn=loader.collate_fn)
+    mine = _Keys(
+        lambda: stream_elements(loader, plan, 0, 1), keys, loader.batch_sampler is not None, wanted, lambda: not left
+    )
     built = {}
     with _random_state_kept():
         _seed_everything(seed)
-        for element in fetcher:
+        for element in _fetcher(loader, mine, seed):
             pass_, index, _ = keys.popleft()
             built[(pass_.number, index)] = element
     return built
+
+
+def _fetcher(loader: Any, keys: _Keys, seed: int, **options: Any) -> Any:
+    """A DataLoader over ``keys``' elements of ``loader``'s dataset, each sample under its own seed, collated as the
+    loader collates: one construction for a producer and for ``rebuild``, whose order replays a producer's only
+    while their iterators draw from the random state alike."""
+    from torch.utils.data import DataLoader
+
+    dataset: Any = _Seeded(loader.dataset, seed)  # map-style: it has __getitem__, as DataLoader needs
+    if keys.batched:
+        return DataLoader(dataset, batch_sampler=keys, collate_fn=loader.collate_fn, **options)
+    return DataLoader(dataset, batch_size=None, sampler=keys, collate_fn=loader.collate_fn, **options)
 
 
 @contextlib.contextmanager
