@@ -444,6 +444,71 @@ def test_a_session_spans_the_nodes_and_keeps_its_ranks_from_cell_to_cell(cluster
     assert not leftovers(cluster_kernel)
 
 
+WHERE = "#pragma taas\nprint('at', dist.get_rank(), os.getpid(), os.environ['TAAS_NODE_ADDRESS'], flush=True)\n"
+DYING_RANK_3 = """#pragma taas
+import signal
+print("training", flush=True)
+for step in range(1_000_000):
+    if dist.get_rank() == 3 and step == 20:
+        os.kill(os.getpid(), signal.SIGKILL)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+TRAINING = (
+    "#pragma taas\nprint('training', flush=True)\nwhile True:\n"
+    "    model(torch.randn(4, 8)).square().sum().backward()\n    opt.step()\n    opt.zero_grad()"
+)
+SUMS = "#pragma taas --from all\nsums = float(sum(p.detach().double().sum() for p in model.parameters()))"
+
+
+def where(result) -> dict[int, tuple[int, str]]:
+    """Each rank's process id and node, as ``WHERE`` printed them."""
+    return {int(rank): (int(pid), node) for rank, pid, node in re.findall(r"at (\d) (\d+) (\S+)", result.stdout)}
+
+
+def test_a_rank_killed_in_a_session_is_replaced_on_its_node_and_ddp_trains_on(cluster_kernel):
+    """A 2-node session trains a DDP model. Rank 3 (node 1) is killed with SIGKILL mid-training: the cell says so,
+    a new process takes its place on the same node, given the model from a live peer, and the same DDP model
+    trains on with equal replicas. Then rank 1 (node 0, beside the run's store) is killed between cells: %taas
+    says so, and the next cell runs with a new process in its place."""
+    cluster_kernel.execute(
+        header("--keep") + INIT + "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n",
+        timeout=240,
+    ).ok()
+    try:
+        first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert len(first) == 4 and first[0][1] != first[3][1], first
+        r = cluster_kernel.execute(DYING_RANK_3, timeout=120)
+        assert r.error["evalue"] == "rank 3 failed: killed by signal SIGKILL", r.traceback
+        assert "the session goes on" in r.traceback and r.seconds < 30, (r.seconds, r.traceback)
+        after = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert after[3][0] != first[3][0] and after[3][1] == first[3][1], (first, after)  # a new one, on its node
+        assert all(after[rank] == first[rank] for rank in range(3)), (first, after)
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the new rank was given the live peers' model"
+        trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
+        assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
+        assert "each with the same steps applied" in trained.traceback, trained.traceback
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "DDP trained on in every rank"
+        os.kill(after[1][0], 9)
+        told = "taas: rank 1 killed by signal SIGKILL between cells: a new process takes its place"
+        deadline = time.monotonic() + 20  # its node's supervisor reaps it, its agent tells the kernel when asked
+        while told not in (shown := cluster_kernel.execute("%taas", timeout=60).ok()).stderr:
+            assert time.monotonic() < deadline, shown.stderr
+            time.sleep(0.5)
+        again = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert again[1][0] != after[1][0] and again[1][1] == after[1][1], (after, again)
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        assert "session:             up: 4 ranks" in cluster_kernel.execute("%taas").ok().stdout
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
 BACKGROUND_TRAINING = """#pragma taas --background
 import time
 steps, checksum = 0, 0.0

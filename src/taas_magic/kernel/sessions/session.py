@@ -11,12 +11,12 @@ it runs in has said so, not when they exit. Its outcomes:
   and DDP work;
 - an interrupt or ``--timeout``: KeyboardInterrupt in the cell's code in every rank, before the same
   optimizer step where they train (``rank/stopping.py``); the session goes on;
-- a rank that dies in a cell (on this machine, on CPU: ``heals``): the cell fails with its death, a new
-  process takes its place, given what the other ranks hold alike (``rank/healing.py``) and the dead rank's
-  share of each served loader (``StandIn.take_over``), and the session goes on;
-- a rank that does not come back from an interrupt within 5 s, a cell that calls ``sys.exit()``,
-  a death elsewhere or between cells: the session ends. Everything of it is closed, and the
-  cell says why.
+- a rank that dies, in a cell or between cells (on CPU: ``heals``): the cell fails with its death, a new
+  process takes its place (on its own node, on a cluster), given what the other ranks hold alike
+  (``rank/healing.py``) and the dead rank's share of each served loader (``StandIn.take_over``), and the
+  session goes on; a cluster session's ranks lost with their node are left out (``go_on_without``);
+- a rank that does not come back from an interrupt within 5 s, a cell that calls ``sys.exit()``, a death
+  that cannot be healed: the session ends. Everything of it is closed, and the cell says why.
 
 The notebook's names a cell reads are sent only when they changed since the ranks last had them
 (``shipping.fingerprint``); the ranks' own names stay theirs.
@@ -76,7 +76,9 @@ class Session:
     loaders: int = 0  # how many loaders the session's producers serve (the next one's number)
     plans: dict[str, LoaderPlan] = field(default_factory=dict)  # how each name the producers serve is served
     labels: dict[Key, str] = field(default_factory=dict)  # the producers' names: "producer 0 of train_loader"
-    dead: set[int] = field(default_factory=set)  # ranks that died between cells: replaced as the next cell begins
+    # Ranks that died between cells, with how they ended: replaced (or left out, lost with their node) as the next
+    # cell begins.
+    dead: dict[int, int] = field(default_factory=dict)
     busy: BackgroundRun | None = None  # the run in the background whose cell the ranks run, if any
 
     def running_in_background(self) -> BackgroundRun | None:
@@ -235,7 +237,8 @@ class Session:
         lost = tuple(rank for rank in died if result.exits[rank] == NODE_LOST)
         if lost:
             self.go_on_without(front, lost)
-        elif died or any(isinstance(record, Failed) and record.left_group for record in result.records.values()):
+            died = tuple(rank for rank in died if rank < self.size and rank not in lost)  # and then any other death
+        if died or (not lost and any(isinstance(r, Failed) and r.left_group for r in result.records.values())):
             self.regroup(front, died)
         for line in render.notices(result):
             front.write("stderr", line + "\n")
@@ -245,10 +248,12 @@ class Session:
         return result
 
     def heals(self) -> bool:
-        """Whether a rank that dies is replaced (``rank/healing.py``): on this machine (where its supervisor keeps
-        its end of each served loader's channel, for the new process to take over its share), on CPU (gloo: its
-        peers leave their collectives as its connections close)."""
-        return self.start != "cluster" and self.spec.device == "cpu" and self.size > 1
+        """Whether a rank that dies is replaced (``rank/healing.py``): on CPU (gloo: its peers leave their
+        collectives as its connections close); on this machine, whose supervisor keeps its end of each served
+        loader's channel for the new process to take over its share, or on a cluster whose session serves no
+        loader (each node's share of one is relayed through its agent, which keeps no rank's end)."""
+        served = self.start == "cluster" and bool(self.plans)
+        return self.spec.device == "cpu" and self.size > 1 and not served
 
     # -- its process group, its size --------------------------------------------------------------
     def regroup(self, front: CellFrontEnd, died: tuple[int, ...] = (), resized_from: int = 0) -> None:
@@ -369,7 +374,7 @@ class Session:
         """A rank that died while no cell ran (killed, out of memory) is replaced as the next cell begins
         (``replace_the_dead``); the session ends only when no rank is left to heal it from."""
         assert isinstance(death.rank, int)
-        self.dead.add(death.rank)
+        self.dead[death.rank] = death.returncode
         self.failed = [rank for rank in self.failed if rank != death.rank]  # its error went with it
         how = render.exited_between_cells(f"rank {death.rank}", death.returncode)
         if len(self.dead) == self.size:
@@ -382,10 +387,12 @@ class Session:
         """Before a cell: a new process in place of each rank that died between cells, given what the others
         hold alike."""
         if self.dead and not self.ended:
-            died, self.dead = tuple(sorted(self.dead)), set()
-            if self.start == "cluster":  # its ranks were lost with their node
-                self.go_on_without(front, died)
-            else:
+            dead, self.dead = self.dead, {}
+            lost = tuple(sorted(rank for rank, code in dead.items() if code == NODE_LOST))
+            if lost:
+                self.go_on_without(front, lost)
+            died = tuple(sorted(rank for rank in dead if rank not in lost and rank < self.size))
+            if died and not self.ended:
                 self.regroup(front, died)
             if self.ended:
                 raise render.session_over(self.ended)

@@ -164,18 +164,25 @@ class ClusterRanks:
         )
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], tensors: bytes) -> None:
-        """A session's next cell, to the nodes of ``ranks``; its tensors travel once, through Ray's object store."""
+        """A session's next cell, to the nodes of ``ranks``: each node's ranks among them, a rank that died there
+        included (the cell names it among its newcomers, for the node's supervisor to start a new process in its
+        place); its tensors travel once, through Ray's object store."""
         chosen = set(ranks)
         self.profile = cell.order.profile
         shared = ray_module().put(tensors)
-        live = [index for index, keys in enumerate(self.alive) if keys & chosen]
+        on_node = [chosen & (self.ranks_on[index] | self.alive[index]) for index in range(len(self.agents))]
+        live = [index for index, keys in enumerate(on_node) if keys]
         self._call(
             live,
             lambda index: self.agents[index].run_cell.remote(
-                cell, sorted(key for key in chosen & self.alive[index] if isinstance(key, int)), shared
+                cell, sorted(key for key in on_node[index] if isinstance(key, int)), shared
             ),
             CALL_SECONDS,
         )
+        for index in [index for index in live if self.ranks_on[index]]:  # not lost meanwhile: as its supervisor
+            # does, so that the next events ask every node that has ranks
+            self.alive[index] = {key for key in self.alive[index] if not cell.leaves(key)}
+            self.alive[index] |= set(cell.newcomers) & on_node[index]
 
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
         """`%taas pull` while a session's cell runs: node 0's supervisor puts the request in the run's store, then

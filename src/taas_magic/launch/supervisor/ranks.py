@@ -234,12 +234,15 @@ class ForkedRanks(ForkingGroup):
         The producers of loaders the session begins to serve with the cell start first, and each
         rank gets its ends of them with the cell.
         """
+        ranks = sorted(ranks)
         if cell.world is not None:
             self._resize(cell)
-        self._replace(cell.newcomers, takes_over=cell.world is None)  # a resize's get new shares with the cell
+        # This supervisor's newcomers: on a cluster's node, the cell names every node's. A resize's get their
+        # new shares with the cell.
+        self._replace(tuple(rank for rank in cell.newcomers if rank in ranks), takes_over=cell.world is None)
         service = self._serve_new_loaders(cell, fds)
         try:
-            for rank in sorted(ranks):
+            for rank in ranks:
                 if rank in self.ranks:
                     self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
                 ends = service.late_ends(rank) if service is not None else ()
@@ -254,7 +257,7 @@ class ForkedRanks(ForkingGroup):
         of each served loader too (a resize's new ranks get theirs with the cell). Forked from this supervisor, as the
         first were: no CUDA here."""
         if self.task is None:
-            return  # a cluster node's session: the kernel heals none
+            return  # a cluster node's that takes part in data delivery: the kernel heals none there
         try:
             for rank in ranks:
                 if rank in self.ranks and self.ranks[rank].returncode is None:
@@ -270,18 +273,19 @@ class ForkedRanks(ForkingGroup):
     def _resize(self, cell: SessionCell) -> None:
         """``%taas resize``: end the ranks that leave the session (killed and reaped, as a session's end does:
         nothing of theirs stays, and nobody is told they exited), and make the environment of every rank to come
-        say the new number of ranks; ``_replace`` then starts the new ones. On a cluster's node (a lost node's ranks
-        left the session) there is nothing to start: its ranks set their own variables."""
+        (a new one, or one in place of a rank that dies later) say the new number of ranks; ``_replace`` then
+        starts the new ones. A cluster's node only ever loses ranks so (a lost node's ranks left the session)."""
         assert cell.world is not None
         for state in [state for key, state in self.ranks.items() if cell.leaves(key)]:
             self._retire(state)
         if not self.envs:
             return
-        first = self.envs[min(self.envs)]
-        self.envs = {
-            rank: {**self.envs.get(rank, first), **world_variables(cell.world)}
-            | {name: str(rank) for name in ("RANK", "LOCAL_RANK", "ROLE_RANK")}
-            for rank in range(cell.world)
+        sizes = world_variables(cell.world, cell.nodes)
+        kept = {rank: {**env, **sizes} for rank, env in self.envs.items() if rank < cell.world}
+        first = kept[min(kept)] if kept else {**self.envs[min(self.envs)], **sizes}
+        added = range(max(self.envs) + 1, cell.world) if cell.nodes == 1 else range(0)
+        self.envs = kept | {
+            rank: first | {name: str(rank) for name in ("RANK", "LOCAL_RANK", "ROLE_RANK")} for rank in added
         }
         if self.loaders is not None:
             self.loaders.world = cell.world
