@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import Iterable, Protocol, TypeVar
+from typing import Iterable, Protocol, TypeVar, runtime_checkable
 
 from taas_magic.cell_names import names_read, top_level_bindings
 from taas_magic.wire.events import Event, Key
@@ -62,6 +62,16 @@ class SessionGroup(RankGroup, Protocol):
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
         """Ask ``ranks`` for ``names`` while their cell runs, each answering between two optimizer steps every rank
         agrees on (``Result.pull``); False where the group cannot."""
+
+
+@runtime_checkable
+class GrowingGroup(Protocol):
+    """A session's group whose new ranks are started apart from the cell that makes them join (a cluster's: on the
+    nodes its placement holds); where a group has no ``grow``, its supervisor starts them with that cell."""
+
+    def grow(self, world: int, nodes: int) -> None:
+        """Start ranks up to ``world``, on ``nodes`` nodes in all, to join with the next cell; a one-line
+        ``TaasUsageError``, and nothing started, where they cannot."""
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,17 @@ class RunCell:
 
 
 @dataclass(frozen=True)
+class Grow:
+    """`%taas resize` to more ranks: a session's new ranks started on their nodes, waiting for the cell that
+    heals them; ``world`` ranks on ``nodes`` nodes in all. A one-line refusal where the nodes are not there."""
+
+    kind: ClassVar[str] = "grow"
+    run_id: str
+    world: int
+    nodes: int
+
+
+@dataclass(frozen=True)
 class AskPull:
     """`%taas pull` while a session's cell runs in the background: node 0 puts the request in the run's store,
     then ``ranks`` are told to answer it between two steps (``rank/pulling.py``)."""
@@ -205,6 +216,7 @@ ToDriver = Union[
     Signal,
     AskStacks,
     RunCell,
+    Grow,
     AskPull,
     AnswerLine,
     CloseRun,

@@ -509,6 +509,51 @@ def test_a_rank_killed_in_a_session_is_replaced_on_its_node_and_ddp_trains_on(cl
     assert not leftovers(cluster_kernel)
 
 
+def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the_nodes_it_holds(cluster_kernel):
+    """`%taas resize 2` ends node 1's ranks (its node stays held for the session), `%taas resize 4` starts new ones
+    there, given the model from a live peer: each time the same DDP model trains on, its replicas equal.
+    Sizes that are not whole nodes, or more nodes than the session holds, are refused in one line."""
+    cluster_kernel.execute(
+        header("--keep") + INIT + "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n",
+        timeout=240,
+    ).ok()
+    try:
+        first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        for refused, why in ((3, "whole nodes of 2 ranks: 2, 4, 6, …"), (6, "grows back to at most that")):
+            said = cluster_kernel.execute(f"%taas resize {refused}").error["evalue"]
+            assert said.startswith(f"%taas resize {refused}: ") and why in said, said
+        said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
+        assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended"), said
+        assert not [pid for pid, _ in (first[2], first[3]) if alive_pid(pid)], "node 1's ranks are gone"
+        trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
+        assert "ranks 0-1 stopped after optimizer step" in trained.traceback, trained.traceback
+        said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
+        assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
+        grown = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert grown[2][1] == first[2][1] and grown[2][0] != first[2][0], (first, grown)  # new, on the held node
+        assert (grown[0], grown[1]) == (first[0], first[1])
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the new ranks were given the live peers' model"
+        trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
+        assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        r = cluster_kernel.execute("#pragma taas\nprint('world', os.environ['WORLD_SIZE'], dist.get_world_size())")
+        assert r.ok().each_rank().count("world 4 4") == 4, r.each_rank()
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def alive_pid(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 BACKGROUND_TRAINING = """#pragma taas --background
 import time
 steps, checksum = 0, 0.0

@@ -308,7 +308,8 @@ SYNC = "#pragma taas\nfor parameter in model.parameters():\n    dist.broadcast(p
 def test_a_node_lost_mid_session_the_session_goes_on_with_the_other_nodes_ranks(cluster, cluster_kernel):
     """A 2-node session trains a DDP model; the node of ranks 2-3 is lost (its raylet killed by pid) mid-training:
     the cell fails naming it, and the session goes on with ranks 0-1, the same DDP model training on, its
-    replicas equal. Nothing of taas stays on the lost node; a node is added back for what follows."""
+    replicas equal. Nothing of taas stays on the lost node. A node added to the cluster then takes its place:
+    `%taas resize 4` grows the session back onto it, the same model training on over four ranks."""
     local, _ = cluster
     cluster_kernel.execute("%taas cluster release").ok()
     # --cpus 0: loaders an earlier test registered in this kernel are not served (a session that serves them
@@ -346,6 +347,22 @@ def test_a_node_lost_mid_session_the_session_goes_on_with_the_other_nodes_ranks(
         assert "ranks 0-1 stopped after optimizer step" in trained.traceback, trained.traceback
         replicas = cluster_kernel.execute(REPLICAS, timeout=120).ok()
         assert replicas.each_rank().count("replicas 1 world 2 2") == 2, replicas.each_rank()
+        # A node joins the cluster: Ray gives it the lost node's share of the session's placement, and the session
+        # grows back onto it.
+        said = cluster_kernel.execute("%taas resize 4", timeout=60).error["evalue"]
+        assert said.startswith("%taas resize 4: node 1 of the session has no node of the cluster now"), said
+        local.remove_node(node_1)  # the rest of the node's Ray, as the machine's end would take it
+        local.add_node("t.2", cpus=2)
+        lost, deadline = False, time.monotonic() + 60
+        while (grown := cluster_kernel.execute("%taas resize 4", timeout=240)).error is not None:
+            assert "has no node of the cluster now" in grown.error["evalue"], grown.error
+            assert time.monotonic() < deadline, "Ray placed no share of the session on the new node"
+            time.sleep(2)
+        assert grown.stdout.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), grown.stdout
+        replicas = cluster_kernel.execute(REPLICAS, timeout=120).ok()
+        assert replicas.each_rank().count("replicas 1 world 4 4") == 4, replicas.each_rank()
+        trained = cluster_kernel.execute(TRAIN, interrupt_after=1.0, counted_from="training", timeout=120)
+        assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
     finally:
         cluster_kernel.execute("%taas stop", timeout=60).ok()
         if lost:

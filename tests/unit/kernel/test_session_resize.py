@@ -60,13 +60,13 @@ def test_more_ranks_join_as_newcomers_and_every_rank_takes_the_cell():
     assert session.sources_sent == set(), "the new ranks are sent every cell's source with the next cell"
 
 
+class Loader:  # what the notebook binds: the session keeps a weak reference to it
+    pass
+
+
 def test_the_loaders_a_session_serves_are_planned_anew_for_its_new_size_by_producers_numbered_after_the_others():
     group = ScriptedSessionGroup(every_rank_ends, world_size=2)
     session = session_of(group)
-
-    class Loader:  # what the notebook binds: the session keeps a weak reference to it
-        pass
-
     loaders = {"train_loader": Loader(), "valid_loader": Loader()}
     plans = tuple(LoaderPlan(name, 2, None, None, False, 7, on_demand=True) for name in loaders)
     assert session.serve(plans, loaders) == 0
@@ -97,7 +97,10 @@ def test_a_rank_that_dies_as_the_session_is_resized_ends_it_saying_so():
 @pytest.mark.parametrize(
     "change, refusal",
     [
-        ({"start": "cluster"}, "the session runs on the cluster, and only a session on this machine can be resized"),
+        (
+            {"start": "cluster"},
+            "the session on the cluster serves registered loaders, whose producers were placed for its nodes",
+        ),
         ({"device": "cuda"}, "its ranks are on cuda, and only a CPU session (gloo) can be resized"),
     ],
 )
@@ -106,6 +109,7 @@ def test_a_session_that_cannot_be_resized_is_refused_in_one_line_before_anything
     session = session_of(group)
     if "start" in change:
         session.start = change["start"]
+        session.serve((LoaderPlan("batches", 2, None, None, False, 7),), {"batches": Loader()})
     if "device" in change:
         session.spec = dataclasses.replace(session.spec, device=change["device"])
     with pytest.raises(TaasUsageError) as caught:
@@ -231,3 +235,42 @@ def test_a_cluster_session_whose_last_node_is_lost_between_cells_goes_on_without
     resized, cell = group.sent
     assert (resized.world, resized.nodes, group.cells) == (2, 1, [[0, 1], [0, 1]])
     assert session.size == 2
+
+
+class GrowingScriptedGroup(ScriptedSessionGroup):
+    """A cluster's group: its new ranks are started (``grow``) before the cell that makes them join; or it refuses."""
+
+    def __init__(self, script: Callable[[ScriptedSessionGroup, list[int]], list[Event]], world_size: int, held: int):
+        super().__init__(script, world_size)
+        self.held = held  # the ranks its nodes can hold
+        self.grown: list[tuple[int, int]] = []
+
+    def grow(self, world: int, nodes: int) -> None:
+        if world > self.held:
+            raise TaasUsageError(f"the session holds nodes for {self.held} ranks: it grows back to at most that")
+        self.grown.append((world, nodes))
+
+
+@given(nodes=st.integers(1, 4), per_node=st.integers(1, 4), held=st.integers(1, 4), to=st.integers(0, 17))
+def test_a_cluster_session_is_resized_by_whole_nodes_grown_onto_its_nodes_first_or_refused_in_one_line(
+    nodes, per_node, held, to
+):
+    held = max(held, nodes)
+    group = GrowingScriptedGroup(every_rank_ends, world_size=nodes * per_node, held=held * per_node)
+    session = cluster_session(group, nodes=nodes)
+    size = session.size
+    if to < per_node or to % per_node or to > held * per_node:
+        with pytest.raises(TaasUsageError) as caught:
+            resize(session, to)
+        assert str(caught.value).startswith(f"%taas resize {to}: ") and "\n" not in str(caught.value)
+        assert (group.sent, group.grown, session.size) == ([], [], size), "nothing changed"
+        return
+    said = resize(session, to)
+    if to == size:
+        assert said == f"taas: the session has {size} rank{'s' * (size > 1)} already" and group.sent == []
+        return
+    cell = group.sent[-1]
+    assert (cell.world, cell.nodes, group.cells[-1]) == (to, to // per_node, list(range(to)))
+    assert (session.size, session.spec.nodes, session.spec.ranks_per_node) == (to, to // per_node, per_node)
+    assert group.grown == ([(to, to // per_node)] if to > size else []), "started before the cell, only to grow"
+    assert cell.newcomers == tuple(range(size, to)) and group.alive == set(range(to))

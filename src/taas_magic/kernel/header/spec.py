@@ -144,6 +144,18 @@ def resized(spec: LaunchSpec, world: int) -> LaunchSpec:
     return _with_ranks(spec, world, 1)
 
 
+def resized_on_nodes(spec: LaunchSpec, world: int) -> LaunchSpec:
+    """A cluster session's ``spec`` as ``%taas resize WORLD`` makes it: whole nodes of as many ranks as before. A
+    one-line error names what is allowed."""
+    per_node = spec.ranks_per_node
+    if world < per_node or world % per_node:
+        raise TaasUsageError(
+            f"%taas resize {world}: a session on the cluster has whole nodes of {per_node} ranks: "
+            f"{', '.join(str(per_node * nodes) for nodes in range(1, 4))}, …"
+        )
+    return without_last_nodes(spec, world)
+
+
 def without_last_nodes(spec: LaunchSpec, world: int) -> LaunchSpec:
     """A cluster session's ``spec`` once it lost its last nodes: ``world`` ranks, as many on each node as before."""
     return _with_ranks(spec, world, world // spec.ranks_per_node)

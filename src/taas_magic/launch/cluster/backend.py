@@ -31,6 +31,7 @@ from taas_magic.wire.cluster_driver import (
     CloseRun,
     Drop,
     Failed,
+    Grow,
     Poll,
     RunCell,
     Ship,
@@ -174,6 +175,11 @@ class ClusterRanks:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
         self._ask(RunCell(self.run_id, cell, tuple(ranks), os.getcwd()), fds[:1] if cell.tensors_size else ())
+
+    def grow(self, world: int, nodes: int) -> None:
+        """``%taas resize`` to more ranks: the driver starts the new ones on their nodes, to join with the next
+        cell; a one-line error, and nothing started, where it cannot."""
+        self._ask(Grow(self.run_id, world, nodes))
 
     def answer(self, rank: Key, line: str | None) -> None:
         self._ask(AnswerLine(self.run_id, rank, line))

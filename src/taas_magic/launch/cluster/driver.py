@@ -16,6 +16,7 @@ parent dies.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -31,7 +32,7 @@ from taas_magic.launch.cluster.connection import Cluster, ray_module
 from taas_magic.launch.cluster.runs import ClusterRanks
 from taas_magic.launch.supervisor.main import PARENT_CHECK_SECONDS
 from taas_magic.process import containment, helper
-from taas_magic.wire import memfile, pickler
+from taas_magic.wire import memfile, pickler, shipping
 from taas_magic.wire.channel import ChannelBroken
 from taas_magic.wire.cluster_driver import (
     AnswerLine,
@@ -44,6 +45,7 @@ from taas_magic.wire.cluster_driver import (
     DriverEnd,
     Drop,
     Failed,
+    Grow,
     Notice,
     Poll,
     Release,
@@ -64,6 +66,7 @@ class Driver:
         self.channel = channel
         self.cluster: Cluster | None = None
         self.payloads: dict[int, tuple[object, notebook_folder.Listing]] = {}  # number -> (in Ray's store, folder)
+        self.joining: dict[int, NodePayload] = {}  # number -> a session's, for ranks that join it later
         self.shipped = 0
         self.runs: dict[str, ClusterRanks] = {}
 
@@ -81,10 +84,12 @@ class Driver:
                 return self._ship(message, fds)
             case Drop(payload):
                 self.payloads.pop(payload, None)
+                self.joining.pop(payload, None)
                 return None
             case StartOnNodes(run_id=run_id, payload=payload):
                 shipped, folder = self.payloads[payload]
-                run = runs.start(self.connected(), message, shipped, folder, self.notify)
+                joining = self.joining.get(payload)
+                run = runs.start(self.connected(), message, shipped, folder, self.notify, joining)
                 self.runs[run_id] = run
                 return run.nodes()
             case Poll(run_id, timeout):
@@ -98,6 +103,9 @@ class Driver:
                 run = self._run(run_id)
                 run.tell_if_the_folder_changed(folder, self.notify)
                 run.run_cell(cell, ranks, _read(fds, cell.tensors_size))
+                return None
+            case Grow(run_id, world, nodes):
+                self._run(run_id).grow(world, nodes)
                 return None
             case AskPull(run_id, number, names, ranks):
                 return self._run(run_id).ask_pull(number, names, ranks)
@@ -136,6 +144,9 @@ class Driver:
         payload = NodePayload(message.task, message.data, _read(fds, message.tensors_size), message.aliases, package)
         self.shipped += 1
         self.payloads[self.shipped] = (ray_module().put(payload), folder)
+        if message.task.keep:  # ranks that join the session later are given its names by their peers
+            task = dataclasses.replace(message.task, joins=True)
+            self.joining[self.shipped] = NodePayload(task, shipping.pack({}, []).data, b"", (), package)
         return self.shipped
 
     def _close(self, run_id: str) -> tuple[object, bool] | None:

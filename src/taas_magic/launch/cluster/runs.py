@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 from taas_magic.delivery.cluster_share import NodeShare, RunProgress, shares
 from taas_magic.errors import RunLost, TaasUsageError, first_line
 from taas_magic.launch.cluster import notebook_folder, traces
-from taas_magic.launch.cluster.agent import RunFiles
+from taas_magic.launch.cluster.agent import NodePayload, RunFiles
 from taas_magic.launch.cluster.connection import Cluster, Placement, ray_module
 from taas_magic.launch.cluster.nodes import Node
 from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
@@ -29,7 +29,7 @@ from taas_magic.per_rank import span
 from taas_magic.process import containment
 from taas_magic.wire.cluster_driver import StartOnNodes
 from taas_magic.wire.events import NODE_LOST, Event, Exited, Key, Report, key_order
-from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell, pull_request
+from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell, pull_request, world_variables
 
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
 START_SECONDS = 150.0  # a cold agent imports torch before its ranks start
@@ -41,9 +41,11 @@ def start(
     payload: object,
     folder: notebook_folder.Listing,
     notify: Callable[[str], object] = lambda line: None,
+    joining: NodePayload | None = None,
 ) -> "ClusterRanks":
     """The run ``request`` asks for, started on its nodes over ``payload`` (a reference in Ray's object store),
-    with the notebook's ``folder`` as it travelled; ``notify`` tells the notebook a line (a session's lost node)."""
+    with the notebook's ``folder`` as it travelled; ``notify`` tells the notebook a line (a session's lost node);
+    ``joining``: a session's task and folder without its names, for ranks that join it (``grow``)."""
     producers = sum(loader.producers for loader in request.loaders)
     placement = cluster.place(request.configuration, request.nodes, producers, request.producer_node)
     try:
@@ -65,6 +67,7 @@ def start(
         else None
     )
     group = ClusterRanks(cluster, placement, agents, node_shares, request.profile, folder, request.keep, notify)
+    group.run_id, group.versions, group.joining = request.run_id, request.versions, joining
     try:
         group.start(request.run_id, per_node, payload)
     except BaseException:
@@ -112,6 +115,12 @@ class ClusterRanks:
         self.notify = notify
         self.ranks_on: list[frozenset[int]] = [frozenset() for _ in agents]  # each node's ranks, once started
         self.lost: list[Event] = []  # the exits of a lost node's ranks, not handed out yet
+        # A session's, for ``grow``: every rank's environment as the run started, and what its new ranks start with.
+        self.envs: dict[int, dict[str, str]] = {}
+        self.run_id = ""
+        self.versions: tuple[str, str, str] = ("", "", "")
+        self.joining: NodePayload | None = None
+        self.gone: set[str] = set()  # the ids of the nodes it lost: Ray may still count one as alive a while
 
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
         """Node 0 opens the store first (its port goes to every node), then every node starts at once."""
@@ -130,6 +139,7 @@ class ClusterRanks:
         for index, keys in enumerate(self._wait(list(range(len(self.agents))), refs, START_SECONDS)):
             self.alive[index] = set(keys)
         self.ranks_on = [frozenset(node) for node in envs] + self.ranks_on[len(envs) :]
+        self.envs = {rank: env for node in envs for rank, env in node.items()}
 
     def nodes(self) -> frozenset[str]:
         return frozenset(node.node_id for node in self.placement.nodes)
@@ -171,7 +181,9 @@ class ClusterRanks:
         self.profile = cell.order.profile
         shared = ray_module().put(tensors)
         on_node = [chosen & (self.ranks_on[index] | self.alive[index]) for index in range(len(self.agents))]
-        live = [index for index, keys in enumerate(on_node) if keys]
+        # A resize's goes to the nodes whose ranks leave too: their supervisors end them.
+        leaving = [any(cell.leaves(rank) for rank in self.ranks_on[index]) for index in range(len(self.agents))]
+        live = [index for index, keys in enumerate(on_node) if keys or leaving[index]]
         self._call(
             live,
             lambda index: self.agents[index].run_cell.remote(
@@ -183,6 +195,67 @@ class ClusterRanks:
             # does, so that the next events ask every node that has ranks
             self.alive[index] = {key for key in self.alive[index] if not cell.leaves(key)}
             self.alive[index] |= set(cell.newcomers) & on_node[index]
+            self.ranks_on[index] = frozenset(rank for rank in self.ranks_on[index] if not cell.leaves(rank))
+
+    def grow(self, world: int, nodes: int) -> None:
+        """``%taas resize`` to ``world`` ranks on ``nodes`` nodes: the new ranks start on the nodes the session's
+        placement holds for them (one a resize emptied, or the node Ray placed there after one was lost), as
+        ranks that join it (``RankTask.joins``), and wait for the resize's cell, which heals them. Refused in one
+        line, before any starts, where the session has no such node now."""
+        if world > len(self.envs):
+            raise TaasUsageError(
+                f"the session holds {len(self.placement.nodes) - self.placement.hosts} nodes of the cluster, for "
+                f"{len(self.envs)} ranks: it grows back to at most that (%taas stop, then start a larger session)"
+            )
+        sizes = world_variables(world, nodes)
+        wanted: dict[int, dict[int, dict[str, str]]] = {}  # node index -> its new ranks' environments
+        for rank in range(world):
+            if not any(rank in ranks for ranks in self.ranks_on):
+                wanted.setdefault(int(self.envs[rank]["GROUP_RANK"]), {})[rank] = {**self.envs[rank], **sizes}
+        placed = {index: self._node_for(index) for index in sorted(wanted)}  # every one, before any starts
+        started: list[int] = []
+        try:
+            for index, node in placed.items():
+                started.append(index)
+                self._start_joining(index, node, wanted[index])
+        except BaseException:
+            for index in started:  # none of the resize's ranks stay
+                _sent(lambda: ray_module().get(self.agents[index].close.remote(False), timeout=CLOSE_SECONDS))
+                self.alive[index], self.ranks_on[index] = set(), frozenset()
+            raise
+
+    def _start_joining(self, index: int, node: Node, envs: dict[int, dict[str, str]]) -> None:
+        """Ranks ``envs`` on ``node``, as node ``index`` of the session, to join it with the next cell."""
+        assert self.joining is not None
+        try:
+            (agent,) = self.cluster.agents_on([node], self.versions)
+        except TaasUsageError:
+            raise
+        except Exception as e:  # the node went since Ray last said it was there
+            self.gone.add(node.node_id)
+            raise TaasUsageError(f"node {index} of the session, {node.address}, is gone ({first_line(e)})") from None
+        self.agents[index], self.placement.nodes[index] = agent, node
+        try:
+            keys = ray_module().get(agent.start.remote(self.run_id, envs, self.joining, None), timeout=START_SECONDS)
+        except Exception as e:
+            raise TaasUsageError(
+                f"the new ranks could not start on node {index} of the session, {node.address} ({first_line(e)})"
+            ) from None
+        self.alive[index], self.ranks_on[index] = set(keys), frozenset(envs)
+
+    def _node_for(self, index: int) -> Node:
+        """The node the session's placement holds as its node ``index`` now: Ray places a lost node's share on a
+        node that joins the cluster later. A one-line refusal while it has none."""
+        from ray.util.placement_group import placement_group_table
+
+        node_id = placement_group_table(self.placement.group)["bundles_to_node_id"].get(index)
+        alive = {node.node_id: node for node in self.cluster.nodes() if node.node_id not in self.gone}
+        if node_id not in alive:
+            raise TaasUsageError(
+                f"node {index} of the session has no node of the cluster now (one was lost): Ray gives it the next "
+                "node of its configuration that joins the cluster; %taas resize again once one has"
+            )
+        return alive[node_id]
 
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
         """`%taas pull` while a session's cell runs: node 0's supervisor puts the request in the run's store, then
@@ -306,6 +379,7 @@ class ClusterRanks:
             self._lose(index, detail + self._why_the_session_cannot_go_on(index, ranks), None)
         node = self.placement.nodes[index]
         self.cluster.forget(node.node_id)
+        self.gone.add(node.node_id)
         try:
             ray_module().kill(self.agents[index])
         except Exception:
