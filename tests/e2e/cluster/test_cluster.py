@@ -541,6 +541,23 @@ def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the
         assert len(set(cluster_kernel.value("list(sums)"))) == 1
         r = cluster_kernel.execute("#pragma taas\nprint('world', os.environ['WORLD_SIZE'], dist.get_world_size())")
         assert r.ok().each_rank().count("world 4 4") == 4, r.each_rank()
+        # What meets the grown ranks: a pull, a failure and its debugger, a death between cells, a shrink, a stop.
+        cluster_kernel.execute("#pragma taas\nmine = dist.get_rank() * 10", timeout=60).ok()
+        cluster_kernel.execute("%taas pull mine", timeout=60).ok()
+        assert cluster_kernel.value("list(mine)") == [0, 10, 20, 30]
+        r = cluster_kernel.execute("#pragma taas --ranks 3\nraise KeyError(f'on rank {mine}')", timeout=60)
+        assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 30'", r.error
+        assert "[rank 3] 30" in cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).each_rank()
+        os.kill(grown[2][0], 9)
+        told = "taas: rank 2 killed by signal SIGKILL between cells: a new process takes its place"
+        deadline = time.monotonic() + 20
+        while told not in (shown := cluster_kernel.execute("%taas", timeout=60).ok()).stderr:
+            assert time.monotonic() < deadline, shown.stderr
+            time.sleep(0.5)
+        healed = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert healed[2][1] == grown[2][1] and healed[2][0] != grown[2][0], (grown, healed)
+        said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
+        assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended"), said
     finally:
         cluster_kernel.execute("%taas stop").ok()
     assert not leftovers(cluster_kernel)
