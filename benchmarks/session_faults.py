@@ -102,11 +102,11 @@ def resize(kernel: Kernel, world: int, rates: list[float]) -> float:
     return took
 
 
-def restart(kernel: Kernel) -> float:
-    """What a user does without healing: end the session and start it again."""
+def restart(kernel: Kernel, start: str = START) -> float:
+    """What a user does without healing: end the session and start it again (with ``start``)."""
     started = time.time()
     kernel.run("%taas stop")
-    kernel.run(START, timeout=300)
+    kernel.run(start, timeout=300)
     return time.time() - started
 
 

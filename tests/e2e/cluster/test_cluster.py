@@ -459,7 +459,22 @@ TRAINING = (
     "#pragma taas\nprint('training', flush=True)\nwhile True:\n"
     "    model(torch.randn(4, 8)).square().sum().backward()\n    opt.step()\n    opt.zero_grad()"
 )
+# --cpus 0: loaders the module's other tests registered in this kernel are not served (a session on the cluster
+# serves every loader registered before it starts, and one that does is neither healed nor resized)
+DDP_SESSION = (
+    header("--keep --cpus 0") + INIT + "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+)
 SUMS = "#pragma taas --from all\nsums = float(sum(p.detach().double().sum() for p in model.parameters()))"
+
+
+def told_between_cells(kernel, death: str) -> None:
+    """Until ``%taas`` tells ``death`` and that a new process takes the rank's place: its node's supervisor reaps
+    it, and its agent tells the kernel when next asked."""
+    told, deadline = f"{death}: a new process takes its place", time.monotonic() + 20
+    while told not in (shown := kernel.execute("%taas", timeout=60).ok()).stderr:
+        assert time.monotonic() < deadline, shown.stderr
+        time.sleep(0.5)
 
 
 def where(result) -> dict[int, tuple[int, str]]:
@@ -472,11 +487,7 @@ def test_a_rank_killed_in_a_session_is_replaced_on_its_node_and_ddp_trains_on(cl
     a new process takes its place on the same node, given the model from a live peer, and the same DDP model
     trains on with equal replicas. Then rank 1 (node 0, beside the run's store) is killed between cells: %taas
     says so, and the next cell runs with a new process in its place."""
-    cluster_kernel.execute(
-        header("--keep") + INIT + "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n",
-        timeout=240,
-    ).ok()
+    cluster_kernel.execute(DDP_SESSION, timeout=240).ok()
     try:
         first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert len(first) == 4 and first[0][1] != first[3][1], first
@@ -494,11 +505,7 @@ def test_a_rank_killed_in_a_session_is_replaced_on_its_node_and_ddp_trains_on(cl
         cluster_kernel.execute(SUMS, timeout=60).ok()
         assert len(set(cluster_kernel.value("list(sums)"))) == 1, "DDP trained on in every rank"
         os.kill(after[1][0], 9)
-        told = "taas: rank 1 killed by signal SIGKILL between cells: a new process takes its place"
-        deadline = time.monotonic() + 20  # its node's supervisor reaps it, its agent tells the kernel when asked
-        while told not in (shown := cluster_kernel.execute("%taas", timeout=60).ok()).stderr:
-            assert time.monotonic() < deadline, shown.stderr
-            time.sleep(0.5)
+        told_between_cells(cluster_kernel, "taas: rank 1 killed by signal SIGKILL between cells")
         again = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert again[1][0] != after[1][0] and again[1][1] == after[1][1], (after, again)
         cluster_kernel.execute(SUMS, timeout=60).ok()
@@ -513,11 +520,7 @@ def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the
     """`%taas resize 2` ends node 1's ranks (its node stays held for the session), `%taas resize 4` starts new ones
     there, given the model from a live peer: each time the same DDP model trains on, its replicas equal.
     Sizes that are not whole nodes, or more nodes than the session holds, are refused in one line."""
-    cluster_kernel.execute(
-        header("--keep") + INIT + "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
-        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n",
-        timeout=240,
-    ).ok()
+    cluster_kernel.execute(DDP_SESSION, timeout=240).ok()
     try:
         first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         for refused, why in ((3, "whole nodes of 2 ranks: 2, 4, 6, …"), (6, "grows back to at most that")):
@@ -549,11 +552,7 @@ def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the
         assert r.error["evalue"] == "rank 3 failed: KeyError: 'on rank 30'", r.error
         assert "[rank 3] 30" in cluster_kernel.execute("%taas debug", answers=["p mine", "q"], timeout=60).each_rank()
         os.kill(grown[2][0], 9)
-        told = "taas: rank 2 killed by signal SIGKILL between cells: a new process takes its place"
-        deadline = time.monotonic() + 20
-        while told not in (shown := cluster_kernel.execute("%taas", timeout=60).ok()).stderr:
-            assert time.monotonic() < deadline, shown.stderr
-            time.sleep(0.5)
+        told_between_cells(cluster_kernel, "taas: rank 2 killed by signal SIGKILL between cells")
         healed = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert healed[2][1] == grown[2][1] and healed[2][0] != grown[2][0], (grown, healed)
         said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout

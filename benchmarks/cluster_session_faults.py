@@ -1,0 +1,101 @@
+"""A session on a Ray cluster through a rank's death and a resize, beside what a user does without them: start it again.
+
+A Ray cluster of two ``t.2`` nodes on loopback addresses (``LocalCluster``), a session of 4 CPU ranks, 2 on each
+node, training the DDP model of ``session_faults.py`` (three 1024x1024 layers with Adam: about 37 MB of state per
+rank). Each round: one rank is killed with SIGKILL in the middle of training, and a new process takes its place on
+its node, given the others' common state over the process group (timed from the death to the end of the cell);
+``%taas resize 2`` ends node 1's ranks (the node stays held for the session) and ``%taas resize 4`` starts new ones
+there (each timed to the end of its line); and the alternative, ``%taas stop`` and the cell that starts the session
+again on the cluster (its nodes placed, its agents' fork servers warm), in the same kernel, in alternating rounds.
+
+Run: ``python benchmarks/cluster_session_faults.py`` (``--quick``: 2 rounds instead of 5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from harness import ROOT, Kernel, Progress, arguments, machine_info, print_checks, shown
+from session_faults import HEAL_TARGET_S, RANKS, START, fault, resize, restart
+
+CONFIG = "configurations:\n  t.2: {cpus: 2, gpus: 2, memory_gb: 4}\n"
+ON_THE_CLUSTER = START.replace(
+    f"#pragma taas --gpus {RANKS} --keep --start fork", f"#!t.2\n#pragma taas --gpus {RANKS} --keep --device cpu"
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments(
+        __doc__ or "",
+        "2 rounds instead of 5",
+        ROOT / "benchmarks/results/cluster_session_faults.json",
+        ROOT / "docs/images/cluster_session_faults.png",  # no plot: the table says it
+        argv,
+    )
+    rounds = 2 if args.quick else 5
+    progress, rng = Progress(), random.Random(7)
+    folder = Path(tempfile.mkdtemp(prefix="taas-bench-cluster-sessions-"))
+    (folder / "configurations.yaml").write_text(CONFIG)
+    (folder / "notebook").mkdir()
+    os.environ.update({"TAAS_CONFIG": str(folder / "configurations.yaml"), "GLOO_SOCKET_IFNAME": "lo"})
+    from taas_magic.local_cluster import LocalCluster
+
+    progress("starting a 2-node Ray cluster on loopback addresses")
+    cluster = LocalCluster({"t.2": 2}, cpus_per_node=2)
+    kernel = None
+    figures: dict[str, list[float]] = {"healed_s": [], "resized_down_s": [], "resized_up_s": [], "restarted_s": []}
+    try:
+        os.environ["TAAS_CLUSTER"] = cluster.address
+        os.environ.update(cluster.variables)
+        kernel = Kernel()
+        kernel.run(f"import os\nos.chdir({str(folder / 'notebook')!r})")  # the folder that travels: an empty one
+        kernel.run("%load_ext taas_magic")
+        kernel.run(ON_THE_CLUSTER, timeout=300)
+        for round_ in range(rounds):
+            progress(f"round {round_ + 1} of {rounds}")
+            figures["healed_s"].append(fault(kernel, "os.kill(os.getpid(), signal.SIGKILL)", rng)[0])
+            figures["resized_down_s"].append(resize(kernel, RANKS // 2, []))
+            figures["resized_up_s"].append(resize(kernel, RANKS, []))
+            figures["restarted_s"].append(restart(kernel, ON_THE_CLUSTER))
+        kernel.run("%taas stop")
+    finally:
+        if kernel is not None:
+            left = kernel.shutdown()
+            if left:
+                print(f"left behind and killed: {left}")
+        cluster.shutdown()
+    report(figures, args.results, rounds)
+
+
+def report(figures: dict[str, list[float]], results: Path, rounds: int) -> None:
+    rows = {
+        "healed_s": "a rank killed: death -> healed on its node",
+        "resized_down_s": f"%taas resize {RANKS // 2} (node 1's ranks end)",
+        "resized_up_s": f"%taas resize {RANKS} (new ranks on node 1)",
+        "restarted_s": "%taas stop + the session started again",
+    }
+    median = {key: statistics.median(values) for key, values in figures.items()}
+    print(
+        f"a {RANKS}-rank CPU session on 2 nodes of a local Ray cluster, DDP and Adam (37 MB per rank), {rounds} rounds"
+    )
+    print(f"{'':46} {'median':>8} {'max':>8}")
+    for key, label in rows.items():
+        print(f"{label:46} {median[key]:7.2f} s {max(figures[key]):6.2f} s")
+    print(f"starting again / healing: {median['restarted_s'] / median['healed_s']:.1f}x")
+    print(f"starting again / growing back: {median['restarted_s'] / median['resized_up_s']:.1f}x")
+    heal = median["healed_s"]
+    print_checks([(heal <= HEAL_TARGET_S, f"healed {heal:.2f} s after the death (target <= {HEAL_TARGET_S:g} s)")])
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(
+        json.dumps({"machine": machine_info("ray"), "ranks": RANKS, "rounds": rounds, **figures}, indent=1) + "\n"
+    )
+    print(f"results: {shown(results)}")
+
+
+if __name__ == "__main__":
+    main()
