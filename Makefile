@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 GPUS ?= 2
 
-.PHONY: demo test test-fast test-cluster wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-session-faults bench-live-view screenshots clean
+.PHONY: demo test test-fast test-cluster wheel-check test-min test-extras-min bench bench-cluster bench-sessions bench-session-faults bench-cluster-session-faults bench-live-view screenshots clean
 
 # Bytecode is written as modules are first imported, by the first process that imports them, not compiled ahead
 # (compiling all 13,709 modules of the environment at install takes 36 s of one core). Where PYTHONDONTWRITEBYTECODE
@@ -97,6 +97,11 @@ bench-sessions: $(VENV)/.installed-bench
 
 bench-session-faults: $(VENV)/.installed-bench
 	$(PY) benchmarks/session_faults.py
+
+# The same on a Ray cluster of two nodes started on this machine: a rank's death healed on its node, a resize by a
+# node, against starting the session again.
+bench-cluster-session-faults: $(VENV)/.installed-bench
+	$(PY) benchmarks/cluster_session_faults.py
 
 bench-live-view: $(VENV)/.installed-bench
 	$(PY) benchmarks/live_view.py

@@ -12,16 +12,22 @@ ready by the time they need it, at no cost to the start. A store served by a pro
 run would be started only after the last fork (its server thread must never be forked).
 
 On a cluster, node 0's supervisor serves it (``hand_over``): the node's agent, a Ray worker, would
-import torch only for that (2 s of CPU and about 500 MB), and a node's supervisor forks nothing after
-its ranks, whose peers on other nodes wait in the socket's backlog until it serves.
+import torch only for that (2 s of CPU and about 500 MB). It serves it from a process of its own, forked
+after its ranks (``serve_apart``): a session's supervisor forks again while the run goes on (a rank healed
+or added, as the other nodes' ranks connect to the store), and a process forked while a server thread of
+its own named a connection it accepted (``getnameinfo``) would inherit glibc's resolver lock held and hang
+at its first connection. The ranks of every node wait in the socket's backlog until it serves.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import uuid
 from typing import Any
+
+from taas_magic.process import containment
 
 STORE_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -114,3 +120,49 @@ def serve_on(fd: int, host: str, port: int, world_size: int) -> Any:
         timeout=STORE_TIMEOUT,
         use_libuv=False,
     )
+
+
+class StoreProcess:
+    """A run's store served by a process of its own (``serve_apart``), which ends with the process that forked it;
+    ``set`` puts a key in it as one of its clients."""
+
+    def __init__(self, pid: int, lifeline: int, host: str, port: int):
+        self.pid = pid
+        self.lifeline = lifeline  # its write end: the store process ends when it closes
+        self.host, self.port = host, port
+        self._client: Any = None
+
+    def set(self, key: str, value: str) -> None:
+        if self._client is None:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            self._client = TCPStore(self.host, self.port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=False)
+        self._client.set(key, value)
+
+    def close(self) -> None:
+        """The store ends, its port closed, its process reaped."""
+        self._client = None
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
+            containment.end_child(self.pid)
+
+
+def serve_apart(fd: int, host: str, port: int, world_size: int) -> StoreProcess:
+    """Serve a run's store on the listening socket ``fd`` from a process forked here, which keeps nothing of this
+    one's but that socket, and ends when this one closes the store or dies."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the store's process: the socket and the lifeline, nothing else
+        try:
+            os.close(write_end)
+            containment.drop_all_but({fd, read_end})
+            server = serve_on(fd, host, port, world_size)
+            while os.read(read_end, 1):
+                pass
+            del server
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    os.close(fd)
+    return StoreProcess(pid, write_end, host, port)

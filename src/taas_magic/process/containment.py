@@ -280,6 +280,12 @@ def drop_inherited(keep: Collection[int], also: Collection[int] = (), targets: C
     _replace_with_dead_end(keep, lambda fd: fd in also or _ties_to_the_kernel(fd, targets))
 
 
+def drop_all_but(keep: Collection[int]) -> None:
+    """Make a dead end of every descriptor but ``keep`` and the standard three: for a process forked to do one thing
+    (a run's store), which must hold nothing of its parent's open."""
+    _replace_with_dead_end(keep, lambda fd: True)
+
+
 def _replace_with_dead_end(keep: Collection[int], drop: Callable[[int], bool]) -> None:
     """``dup2`` a dead end onto each descriptor to drop: every read, write or poll on it fails with
     EBADF (an ``O_PATH`` descriptor; /dev/null where there is none), so a stale object of the

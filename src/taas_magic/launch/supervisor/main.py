@@ -22,8 +22,9 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Callable, NoReturn, assert_never
+from typing import Callable, NoReturn, assert_never
 
+from taas_magic.launch.rendezvous import StoreProcess
 from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.launch.supervisor.tasks import Received, StoreServer
 from taas_magic.process import containment, logs
@@ -98,7 +99,7 @@ class _Supervisor:
     def __init__(self, channel: SupervisorEnd, parent: int):
         self.channel = channel
         self.parent = parent
-        self.store: Any = None  # the run's store (a TCPStore), when this supervisor serves it
+        self.store: StoreProcess | None = None  # the run's store, when this supervisor serves it
 
     def serve(
         self, envs: dict[int, dict[str, str]], make_task: Callable[[], Received], store: StoreServer | None
@@ -126,7 +127,7 @@ class _Supervisor:
         try:
             # The kernel's, and the ranks' control channels: only now, not to delay the ranks.
             containment.drop_sockets({self.channel.fileno()} | group.own_sockets() | _listening(store))
-            # After the last fork, and after the drop (the store's connections are not inherited ones).
+            # After the ranks' forks and the drop: the store's own process holds its listening socket alone.
             self.store = store.serve() if store is not None else None  # served while the supervisor lives
             group.watch(self.channel.fileno())
             self._send(Started(os.getpid(), tuple(sorted(group.ranks, key=key_order))))
@@ -142,8 +143,10 @@ class _Supervisor:
             self._tell_lost(f"the session was idle for {idle.args[0]:g} s, its limit (--idle)")
         finally:
             group.close()
+        if self.store is not None:  # its port closes before the run is said to be over: the kernel does not wait
+            self.store.close()  # for this exit
+            self.store = None
         containment.end_all_children(STOP_SECONDS)
-        self.store = None  # its port closes before the run is said to be over: the kernel does not wait for this exit
         codes = {rank: state.returncode for rank, state in group.ranks.items() if state.returncode is not None}
         log.info("closed; exit statuses %s", codes)
         try:
@@ -180,7 +183,8 @@ class _Supervisor:
                 raise _Orphaned()
             if idle.expired():
                 raise _Idle(idle.limit)
-            containment.reap_strays({state.pid for state in group.ranks.values()})  # reaped by the group itself
+            # The group reaps its own; the store's process is reaped as it is closed.
+            containment.reap_strays({state.pid for state in group.ranks.values()} | _pid(self.store))
             while self.channel.ready(0):
                 message, fds = self.channel.receive()
                 try:
@@ -270,6 +274,10 @@ class _IdleClock:
         if self.limit is None or self.busy:
             return False
         return time.monotonic() - self.since > self.limit
+
+
+def _pid(store: StoreProcess | None) -> set[int]:
+    return set() if store is None else {store.pid}
 
 
 def _listening(store: StoreServer | None) -> set[int]:

@@ -32,18 +32,17 @@ class Received:
 
 @dataclass(frozen=True)
 class StoreServer:
-    """The run's store (``store``), served by the supervisor on the listening socket ``fd`` once its ranks
-    are forked: its server thread is never forked with them. A process forked while that thread named a
-    connection it accepted (``getnameinfo``) would inherit glibc's resolver lock held and hang at its own
-    first connection; the later forks of a session (a rank healed or added, a late loader's producers) come
-    between cells, when no process of the run connects to the store."""
+    """The run's store (``store``), served on the listening socket ``fd`` once the supervisor's ranks are forked,
+    by a process forked for it (``rendezvous.serve_apart``): no server thread is ever in the supervisor, which
+    forks again in a session (a rank healed or added, a late loader's producers) while other nodes' ranks may
+    connect to the store."""
 
     store: StoreToServe
     fd: int
 
-    def serve(self) -> object:
-        """Start serving; the store serves while what is returned is kept."""
-        return rendezvous.serve_on(self.fd, self.store.host, self.store.port, self.store.world_size)
+    def serve(self) -> rendezvous.StoreProcess:
+        """Start serving; the store serves until the returned process is closed, or the supervisor ends."""
+        return rendezvous.serve_apart(self.fd, self.store.host, self.store.port, self.store.world_size)
 
 
 def kernel_namespace() -> dict[str, Any]:
