@@ -16,9 +16,10 @@ import json
 import signal
 import socket
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar, Iterable, Union
 
 from taas_magic.wire.channel import Channel
+from taas_magic.wire.events import Key
 from taas_magic.wire.task import CellOrder, LoaderPlan
 
 # What a session's rank is sent first when its cell is interrupted (or its --timeout runs out): stop before the
@@ -107,6 +108,11 @@ class SessionCell:
     def leaves(self, rank: object) -> bool:
         """Whether ``rank`` (a rank's number, or a producer) ends with this cell: a resize's to fewer ranks."""
         return self.world is not None and isinstance(rank, int) and rank >= self.world
+
+    def alive_after(self, alive: set[Key], ranks: Iterable[int]) -> set[Key]:
+        """The processes of ``alive`` left once this cell is sent to ``ranks``: those a resize ends gone, the
+        newcomers among ``ranks`` (their supervisor starts them first) in."""
+        return {key for key in alive if not self.leaves(key)} | (set(self.newcomers) & set(ranks))
 
 
 def world_variables(world: int, nodes: int = 1) -> dict[str, str]:

@@ -48,8 +48,8 @@ class ScriptedSessionGroup:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         self.cells.append(list(ranks))
         self.sent.append(cell)
-        self.alive = {key for key in self.alive if not cell.leaves(key)} | set(cell.newcomers)
-        self.waiting += self.script(self, list(ranks))
+        self.alive = cell.alive_after(self.alive, self.cells[-1])
+        self.waiting += self.script(self, self.cells[-1])
 
     def events(self, timeout: float) -> list[Event]:
         batch, self.waiting = self.waiting, []

@@ -193,8 +193,7 @@ class ClusterRanks:
         )
         for index in [index for index in live if self.ranks_on[index]]:  # not lost meanwhile: as its supervisor
             # does, so that the next events ask every node that has ranks
-            self.alive[index] = {key for key in self.alive[index] if not cell.leaves(key)}
-            self.alive[index] |= set(cell.newcomers) & on_node[index]
+            self.alive[index] = cell.alive_after(self.alive[index], on_node[index])
             self.ranks_on[index] = frozenset(rank for rank in self.ranks_on[index] if not cell.leaves(rank))
 
     def grow(self, world: int, nodes: int) -> None:

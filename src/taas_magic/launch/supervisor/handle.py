@@ -207,8 +207,7 @@ class SupervisedRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         ranks = tuple(sorted(ranks))
         self._send(RunCell(cell, ranks), fds=fds)
-        # The supervisor ends the ranks a resize leaves out, and starts the new ones among ``ranks``, first.
-        self.alive = {key for key in self.alive if not cell.leaves(key)} | (set(cell.newcomers) & set(ranks))
+        self.alive = cell.alive_after(self.alive, ranks)
         self.pending = [event for event in self.pending if not cell.leaves(event.rank)]
 
     def answer(self, rank: Key, line: str | None) -> None:
