@@ -147,12 +147,25 @@ class Debugged:
             for m in self.seen
         ):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the cell did not end; output: {self.text()!r}")
+                raise TimeoutError(
+                    f"the cell did not end; output: {self.text()!r}\n"
+                    f"where the kernel's threads were:\n{self.kernel.stacks()}\nits processes:\n{self._processes()}"
+                )
             self._next_iopub(deadline)
         reply = self.kernel.client.get_shell_msg(timeout=10)
         while reply["parent_header"].get("msg_id") != self.cell:
             reply = self.kernel.client.get_shell_msg(timeout=10)
         return reply["content"]
+
+    def _processes(self) -> str:
+        """The kernel's descendants, each with its state and command line: ranks stopped, gone or stuck."""
+        lines = []
+        for child in psutil.Process(self.kernel.pid).children(recursive=True):
+            try:
+                lines.append(f"{child.pid} {child.status()} {' '.join(child.cmdline())[:120]}")
+            except psutil.Error:
+                continue
+        return "\n".join(lines) or "(none)"
 
     def text(self, stream: str = "stdout") -> str:
         return "".join(
