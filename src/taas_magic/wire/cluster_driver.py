@@ -139,7 +139,8 @@ class RunCell:
 @dataclass(frozen=True)
 class Grow:
     """`%taas resize` to more ranks: a session's new ranks started on their nodes, waiting for the cell that
-    heals them; ``world`` ranks on ``nodes`` nodes in all. A one-line refusal where the nodes are not there."""
+    heals them; ``world`` ranks on ``nodes`` nodes in all. Answered with the ids of the nodes the run holds now
+    (a resize may add some); a one-line refusal where the nodes are not there."""
 
     kind: ClassVar[str] = "grow"
     run_id: str

@@ -523,7 +523,7 @@ def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the
     cluster_kernel.execute(DDP_SESSION, timeout=240).ok()
     try:
         first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
-        for refused, why in ((3, "whole nodes of 2 ranks: 2, 4, 6, …"), (6, "grows back to at most that")):
+        for refused, why in ((3, "whole nodes of 2 ranks: 2, 4, 6, …"), (6, "needs 1 more, the cluster has 2 in all")):
             said = cluster_kernel.execute(f"%taas resize {refused}").error["evalue"]
             assert said.startswith(f"%taas resize {refused}: ") and why in said, said
         said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
@@ -557,6 +557,48 @@ def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the
         assert healed[2][1] == grown[2][1] and healed[2][0] != grown[2][0], (grown, healed)
         said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
         assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended"), said
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_lets_it_go_when_it_stops(
+    cluster_kernel,
+):
+    """A one-node session `%taas resize 4`: the cluster's other t.2 node is held for it (a placement group of its
+    own), its new ranks there are given the model from a live peer, and the same DDP model trains on over both nodes
+    with equal replicas and torchrun's numbers. `%taas cluster release` spares the added node's agent; more nodes
+    than the cluster has are refused in one line; shrunk and grown again, the session comes back onto the node it
+    added; stopped, it leaves no placement group."""
+    one_node = DDP_SESSION.replace("--gpus 4", "--gpus 2")
+    cluster_kernel.execute(one_node, timeout=240).ok()
+    try:
+        first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
+        assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
+        grown = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert grown[2][1] == grown[3][1] != first[0][1] and (grown[0], grown[1]) == (first[0], first[1]), grown
+        numbers = "print('numbers', *(os.environ[n] for n in ('RANK', 'LOCAL_RANK', 'GROUP_RANK', 'GROUP_WORLD_SIZE')))"
+        r = cluster_kernel.execute(f"#pragma taas\n{numbers}\nprint('world', dist.get_world_size())").ok()
+        assert sorted(re.findall(r"numbers (\d \d \d \d)", r.stdout)) == ["0 0 0 2", "1 1 0 2", "2 0 1 2", "3 1 1 2"]
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the new ranks were given the live peers' model"
+        trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
+        assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        said = cluster_kernel.execute("%taas cluster release", timeout=60).ok().stdout
+        assert "2 kept: they serve the running session" in said, said
+        said = cluster_kernel.execute("%taas resize 6", timeout=60).error["evalue"]
+        assert said.startswith("%taas resize 6: the session holds 2 nodes of t.2 and needs 1 more, the cluster has 2")
+        said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
+        assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended"), said
+        said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
+        assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
+        again = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert again[2][1] == grown[2][1] and again[2][0] != grown[2][0], (grown, again)
+        cluster_kernel.execute(SUMS, timeout=60).ok()
+        assert len(set(cluster_kernel.value("list(sums)"))) == 1
     finally:
         cluster_kernel.execute("%taas stop").ok()
     assert not leftovers(cluster_kernel)

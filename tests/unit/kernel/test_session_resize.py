@@ -242,12 +242,12 @@ class GrowingScriptedGroup(ScriptedSessionGroup):
 
     def __init__(self, script: Callable[[ScriptedSessionGroup, list[int]], list[Event]], world_size: int, held: int):
         super().__init__(script, world_size)
-        self.held = held  # the ranks its nodes can hold
+        self.held = held  # the ranks the cluster's nodes can hold
         self.grown: list[tuple[int, int]] = []
 
     def grow(self, world: int, nodes: int) -> None:
         if world > self.held:
-            raise TaasUsageError(f"the session holds nodes for {self.held} ranks: it grows back to at most that")
+            raise TaasUsageError(f"the cluster has nodes for {self.held} ranks in all")
         self.grown.append((world, nodes))
 
 

@@ -5,7 +5,7 @@ that leave, or starts the new ones, and every rank connects the process group an
 others hold alike (``Session.regroup``, ``rank/group_links.py``, ``rank/healing.py``). A cluster session that lost
 its last node shrinks the same way (``Session.go_on_without``). On a cluster a session has whole nodes: its last
 ones leave (their nodes stay held for it), or the cluster's driver starts the new ranks on the nodes its placement
-holds for them first (``ClusterRanks.grow``), up to those it started with.
+holds for them first, then on nodes it adds (``ClusterRanks.grow``, ``launch/cluster/growth.py``).
 """
 
 from __future__ import annotations

@@ -179,7 +179,9 @@ class ClusterRanks:
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to more ranks: the driver starts the new ones on their nodes, to join with the next
         cell; a one-line error, and nothing started, where it cannot."""
-        self._ask(Grow(self.run_id, world, nodes))
+        nodes_held = self._ask(Grow(self.run_id, world, nodes))
+        assert isinstance(nodes_held, frozenset)
+        self._nodes = nodes_held  # what %taas cluster release spares: the nodes a resize added too
 
     def answer(self, rank: Key, line: str | None) -> None:
         self._ask(AnswerLine(self.run_id, rank, line))

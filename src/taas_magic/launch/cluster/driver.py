@@ -105,8 +105,9 @@ class Driver:
                 run.run_cell(cell, ranks, _read(fds, cell.tensors_size))
                 return None
             case Grow(run_id, world, nodes):
-                self._run(run_id).grow(world, nodes)
-                return None
+                run = self._run(run_id)
+                run.grow(world, nodes)
+                return run.nodes()
             case AskPull(run_id, number, names, ranks):
                 return self._run(run_id).ask_pull(number, names, ranks)
             case AnswerLine(run_id, key, line):

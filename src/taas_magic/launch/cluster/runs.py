@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from taas_magic.delivery.cluster_share import NodeShare, RunProgress, shares
 from taas_magic.errors import RunLost, TaasUsageError, first_line
-from taas_magic.launch.cluster import notebook_folder, traces
+from taas_magic.launch.cluster import growth, notebook_folder, traces
 from taas_magic.launch.cluster.agent import NodePayload, RunFiles
 from taas_magic.launch.cluster.connection import Cluster, Placement, ray_module
 from taas_magic.launch.cluster.nodes import Node
@@ -66,8 +66,10 @@ def start(
         if request.loaders
         else None
     )
-    group = ClusterRanks(cluster, placement, agents, node_shares, request.profile, folder, request.keep, notify)
-    group.run_id, group.versions, group.joining = request.run_id, request.versions, joining
+    joiners = growth.Joiners(request.run_id, request.versions, joining, request.configuration) if joining else None
+    group = ClusterRanks(
+        cluster, placement, agents, node_shares, request.profile, folder, request.keep, notify, joiners
+    )
     try:
         group.start(request.run_id, per_node, payload)
     except BaseException:
@@ -100,6 +102,7 @@ class ClusterRanks:
         folder: notebook_folder.Listing | None = None,
         keep: bool = False,
         notify: Callable[[str], object] = lambda line: None,
+        joiners: growth.Joiners | None = None,
     ):
         self.cluster = cluster
         self.placement = placement
@@ -112,14 +115,12 @@ class ClusterRanks:
         self.folder = folder  # the notebook's folder as it travelled with the run
         self.told = ""  # the folder's fingerprint when a session's cell last said it changed
         self.keep = keep  # a session: it goes on without a lost node but node 0 (which serves the run's store)
+        self.joiners = joiners  # a session's, for the ranks a resize adds
         self.notify = notify
         self.ranks_on: list[frozenset[int]] = [frozenset() for _ in agents]  # each node's ranks, once started
         self.lost: list[Event] = []  # the exits of a lost node's ranks, not handed out yet
-        # A session's, for ``grow``: every rank's environment as the run started, and what its new ranks start with.
-        self.envs: dict[int, dict[str, str]] = {}
-        self.run_id = ""
-        self.versions: tuple[str, str, str] = ("", "", "")
-        self.joining: NodePayload | None = None
+        self.envs: dict[int, dict[str, str]] = {}  # every rank's environment as it started, for ``grow``
+        self.added: list[Placement] = []  # the placement groups of the nodes a session's resizes added
         self.gone: set[str] = set()  # the ids of the nodes it lost: Ray may still count one as alive a while
 
     def start(self, run_id: str, envs: list[dict[int, dict[str, str]]], payload: object) -> None:
@@ -198,63 +199,78 @@ class ClusterRanks:
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to ``world`` ranks on ``nodes`` nodes: the new ranks start on the nodes the session's
-        placement holds for them (one a resize emptied, or the node Ray placed there after one was lost), as
-        ranks that join it (``RankTask.joins``), and wait for the resize's cell, which heals them. Refused in one
-        line, before any starts, where the session has no such node now."""
-        if world > len(self.envs):
-            raise TaasUsageError(
-                f"the session holds {len(self.placement.nodes) - self.placement.hosts} nodes of the cluster, for "
-                f"{len(self.envs)} ranks: it grows back to at most that (%taas stop, then start a larger session)"
-            )
-        sizes = world_variables(world, nodes)
+        placement groups hold for them first (one a resize emptied, or the node Ray placed there after one was lost),
+        then on nodes a placement group of their own adds (``growth.py``), as ranks that join it
+        (``RankTask.joins``), and wait for the resize's cell, which heals them. Refused in one line, before any
+        starts, where the cluster has no such node now; a failure to start them lets go of what the resize took."""
+        sizes, per_node, held = world_variables(world, nodes), world // nodes, self._rank_nodes()
         wanted: dict[int, dict[int, dict[str, str]]] = {}  # node index -> its new ranks' environments
         for rank in range(world):
             if not any(rank in ranks for ranks in self.ranks_on):
-                wanted.setdefault(int(self.envs[rank]["GROUP_RANK"]), {})[rank] = {**self.envs[rank], **sizes}
-        placed = {index: self._node_for(index) for index in sorted(wanted)}  # every one, before any starts
+                env = {**growth.environment(self.envs, rank, per_node), **sizes}
+                wanted.setdefault(int(env["GROUP_RANK"]), {})[rank] = env
+        holding = [self.placement, *self.added]
+        placed = {i: growth.node_for(self.cluster, holding, i, self.gone) for i in sorted(wanted) if i < held}
+        placed |= self._hold_more(nodes - held) if nodes > held else {}
         started: list[int] = []
         try:
             for index, node in placed.items():
                 started.append(index)
                 self._start_joining(index, node, wanted[index])
         except BaseException:
-            for index in started:  # none of the resize's ranks stay
+            for index in [index for index in started if index < len(self.agents)]:  # none of the resize's stay
                 _sent(lambda: ray_module().get(self.agents[index].close.remote(False), timeout=CLOSE_SECONDS))
                 self.alive[index], self.ranks_on[index] = set(), frozenset()
+            if nodes > held:
+                self._let_go(held)
             raise
+        self.envs |= {rank: env for envs in wanted.values() for rank, env in envs.items()}
+
+    def _rank_nodes(self) -> int:
+        """How many nodes the session holds for ranks, with ranks on them or not."""
+        return len(self.placement.nodes) - self.placement.hosts
+
+    def _hold_more(self, count: int) -> dict[int, Node]:
+        """``count`` nodes more for the session, by the index each gets: a placement group of their own."""
+        assert self.joiners is not None  # a session's: a one-shot run is never resized
+        if self.placement.hosts:  # never: it serves registered loaders, and the kernel refuses to resize it
+            raise TaasUsageError("the session holds nodes for data producers, and grows onto no other node")
+        held = self._rank_nodes()
+        more = growth.place_more(self.cluster, self.joiners.configuration, held, count)
+        self.added.append(more)
+        return {held + offset: node for offset, node in enumerate(more.nodes)}
+
+    def _let_go(self, held: int) -> None:
+        """A resize that failed lets go of the nodes it added beyond the ``held`` the session had."""
+        del self.agents[held:], self.alive[held:], self.ranks_on[held:], self.placement.nodes[held:]
+        self.added.pop().release()
 
     def _start_joining(self, index: int, node: Node, envs: dict[int, dict[str, str]]) -> None:
         """Ranks ``envs`` on ``node``, as node ``index`` of the session, to join it with the next cell."""
-        assert self.joining is not None
+        joiners = self.joiners
+        assert joiners is not None
         try:
-            (agent,) = self.cluster.agents_on([node], self.versions)
+            (agent,) = self.cluster.agents_on([node], joiners.versions)
         except TaasUsageError:
             raise
         except Exception as e:  # the node went since Ray last said it was there
             self.gone.add(node.node_id)
             raise TaasUsageError(f"node {index} of the session, {node.address}, is gone ({first_line(e)})") from None
-        self.agents[index], self.placement.nodes[index] = agent, node
+        if index == len(self.agents):  # a node the resize added
+            self.agents.append(agent)
+            self.placement.nodes.append(node)
+            self.alive.append(set())
+            self.ranks_on.append(frozenset())
+        else:
+            self.agents[index], self.placement.nodes[index] = agent, node
         try:
-            keys = ray_module().get(agent.start.remote(self.run_id, envs, self.joining, None), timeout=START_SECONDS)
+            started = agent.start.remote(joiners.run_id, envs, joiners.payload, None)
+            keys = ray_module().get(started, timeout=START_SECONDS)
         except Exception as e:
             raise TaasUsageError(
                 f"the new ranks could not start on node {index} of the session, {node.address} ({first_line(e)})"
             ) from None
         self.alive[index], self.ranks_on[index] = set(keys), frozenset(envs)
-
-    def _node_for(self, index: int) -> Node:
-        """The node the session's placement holds as its node ``index`` now: Ray places a lost node's share on a
-        node that joins the cluster later. A one-line refusal while it has none."""
-        from ray.util.placement_group import placement_group_table
-
-        node_id = placement_group_table(self.placement.group)["bundles_to_node_id"].get(index)
-        alive = {node.node_id: node for node in self.cluster.nodes() if node.node_id not in self.gone}
-        if node_id not in alive:
-            raise TaasUsageError(
-                f"node {index} of the session has no node of the cluster now (one was lost): Ray gives it the next "
-                "node of its configuration that joins the cluster; %taas resize again once one has"
-            )
-        return alive[node_id]
 
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
         """`%taas pull` while a session's cell runs: node 0's supervisor puts the request in the run's store, then
@@ -327,10 +343,11 @@ class ClusterRanks:
         finally:
             self.alive = [set() for _ in self.agents]
             self.closed = files
-            try:
-                self.placement.release()
-            except Exception:
-                pass  # the cluster is gone, and its placement groups with it
+            for placement in (self.placement, *self.added):
+                try:
+                    placement.release()
+                except Exception:
+                    pass  # the cluster is gone, and its placement groups with it
         if interrupted:
             raise KeyboardInterrupt
         return files
