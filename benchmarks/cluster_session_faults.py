@@ -1,12 +1,14 @@
 """A session on a Ray cluster through a rank's death and a resize, beside what a user does without them: start it again.
 
-A Ray cluster of two ``t.2`` nodes on loopback addresses (``LocalCluster``), a session of 4 CPU ranks, 2 on each
-node, training the DDP model of ``session_faults.py`` (three 1024x1024 layers with Adam: about 37 MB of state per
-rank). Each round: one rank is killed with SIGKILL in the middle of training, and a new process takes its place on
-its node, given the others' common state over the process group (timed from the death to the end of the cell);
-``%taas resize 2`` ends node 1's ranks (the node stays held for the session) and ``%taas resize 4`` starts new ones
-there (each timed to the end of its line); and the alternative, ``%taas stop`` and the cell that starts the session
-again on the cluster (its nodes placed, its agents' fork servers warm), in the same kernel, in alternating rounds.
+A Ray cluster of three ``t.2`` nodes on loopback addresses (``LocalCluster``), a session of 4 CPU ranks, 2 on each
+of two nodes, training the DDP model of ``session_faults.py`` (three 1024x1024 layers with Adam: about 37 MB of
+state per rank). Each round: one rank is killed with SIGKILL in the middle of training, and a new process takes its
+place on its node, given the others' common state over the process group (timed from the death to the end of the
+cell); ``%taas resize 2`` ends node 1's ranks (the node stays held for the session) and ``%taas resize 4`` starts
+new ones there (each timed to the end of its line); ``%taas resize 6`` grows the session onto the third node, which
+it did not start with (held for it in a placement group of its own; its agent is cold in the first round only); and
+the alternative, ``%taas stop`` and the cell that starts the session again on the cluster (its nodes placed, its
+agents' fork servers warm), in the same kernel, in every round.
 
 Run: ``python benchmarks/cluster_session_faults.py`` (``--quick``: 2 rounds instead of 5).
 """
@@ -45,10 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update({"TAAS_CONFIG": str(folder / "configurations.yaml"), "GLOO_SOCKET_IFNAME": "lo"})
     from taas_magic.local_cluster import LocalCluster
 
-    progress("starting a 2-node Ray cluster on loopback addresses")
-    cluster = LocalCluster({"t.2": 2}, cpus_per_node=2)
+    progress("starting a 3-node Ray cluster on loopback addresses")
+    cluster = LocalCluster({"t.2": 3}, cpus_per_node=2)
     kernel = None
-    figures: dict[str, list[float]] = {"healed_s": [], "resized_down_s": [], "resized_up_s": [], "restarted_s": []}
+    figures: dict[str, list[float]] = {
+        "healed_s": [],
+        "resized_down_s": [],
+        "resized_up_s": [],
+        "grown_onto_a_new_node_s": [],
+        "restarted_s": [],
+    }
     try:
         os.environ["TAAS_CLUSTER"] = cluster.address
         os.environ.update(cluster.variables)
@@ -61,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             figures["healed_s"].append(fault(kernel, "os.kill(os.getpid(), signal.SIGKILL)", rng)[0])
             figures["resized_down_s"].append(resize(kernel, RANKS // 2, []))
             figures["resized_up_s"].append(resize(kernel, RANKS, []))
+            figures["grown_onto_a_new_node_s"].append(resize(kernel, RANKS + RANKS // 2, []))
             figures["restarted_s"].append(restart(kernel, ON_THE_CLUSTER))
         kernel.run("%taas stop")
     finally:
@@ -77,11 +86,13 @@ def report(figures: dict[str, list[float]], results: Path, rounds: int) -> None:
         "healed_s": "a rank killed: death -> healed on its node",
         "resized_down_s": f"%taas resize {RANKS // 2} (node 1's ranks end)",
         "resized_up_s": f"%taas resize {RANKS} (new ranks on node 1)",
+        "grown_onto_a_new_node_s": f"%taas resize {RANKS + RANKS // 2} (onto a node it did not hold)",
         "restarted_s": "%taas stop + the session started again",
     }
     median = {key: statistics.median(values) for key, values in figures.items()}
     print(
-        f"a {RANKS}-rank CPU session on 2 nodes of a local Ray cluster, DDP and Adam (37 MB per rank), {rounds} rounds"
+        f"a {RANKS}-rank CPU session on 2 of 3 nodes of a local Ray cluster, DDP and Adam (37 MB per rank), "
+        f"{rounds} rounds"
     )
     print(f"{'':46} {'median':>8} {'max':>8}")
     for key, label in rows.items():
