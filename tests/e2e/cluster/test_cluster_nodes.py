@@ -305,17 +305,24 @@ print("replicas", len({float(t) for t in every}), "world", dist.get_world_size()
 SYNC = "#pragma taas\nfor parameter in model.parameters():\n    dist.broadcast(parameter.data, 0)\n"
 
 
-def test_a_node_lost_mid_session_the_session_goes_on_with_the_other_nodes_ranks(cluster, cluster_kernel):
+@pytest.mark.parametrize("grown", [False, True], ids=["started on both nodes", "grown onto the second"])
+def test_a_node_lost_mid_session_the_session_goes_on_with_the_other_nodes_ranks(cluster, cluster_kernel, grown):
     """A 2-node session trains a DDP model; the node of ranks 2-3 is lost (its raylet killed by pid) mid-training:
     the cell fails naming it, and the session goes on with ranks 0-1, the same DDP model training on, its
     replicas equal. Nothing of taas stays on the lost node. A node added to the cluster then takes its place:
-    `%taas resize 4` grows the session back onto it, the same model training on over four ranks."""
+    `%taas resize 4` grows the session back onto it, the same model training on over four ranks. The same where
+    the session started on one node and `%taas resize 4` gave it the second (a placement group of its own, whose
+    node Ray replaces as it does the first group's)."""
     local, _ = cluster
     cluster_kernel.execute("%taas cluster release").ok()
     # --cpus 0: loaders an earlier test registered in this kernel are not served (a session that serves them
     # cannot go on without a node's share, and says so)
     alone = SESSION.replace("--keep", "--keep --cpus 0")
+    alone = alone.replace("--gpus 4", "--gpus 2") if grown else alone
     started = cluster_kernel.execute(alone + "import torch\n" + DDP, timeout=240).ok()
+    if grown:
+        said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
+        assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
     node_0 = re.search(r"store on (\S+)", started.stdout)[1]
     serving = {node: raylet for node, raylet in raylets(local.addresses[1:]).items() if taas_on(raylet)}
     (node_1,) = set(serving) - {node_0}
