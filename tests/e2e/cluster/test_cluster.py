@@ -578,6 +578,8 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
         assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
         grown = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert grown[2][1] == grown[3][1] != first[0][1] and (grown[0], grown[1]) == (first[0], first[1]), grown
+        shown = cluster_kernel.execute("%taas").ok().stdout
+        assert "up: 4 ranks on cpu, configuration t.2, on 2 nodes of the cluster" in shown, shown
         numbers = "print('numbers', *(os.environ[n] for n in ('RANK', 'LOCAL_RANK', 'GROUP_RANK', 'GROUP_WORLD_SIZE')))"
         r = cluster_kernel.execute(f"#pragma taas\n{numbers}\nprint('world', dist.get_world_size())").ok()
         assert sorted(re.findall(r"numbers (\d \d \d \d)", r.stdout)) == ["0 0 0 2", "1 1 0 2", "2 0 1 2", "3 1 1 2"]

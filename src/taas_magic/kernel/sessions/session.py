@@ -416,7 +416,8 @@ class Session:
             return f"ended: {self.ended}"
         idle = time.monotonic() - self.last_used
         configuration = f", configuration {self.spec.configuration.name}" if self.spec.configuration else ""
-        where = "on the cluster" if self.start == "cluster" else f"started by {self.start}"
+        nodes = f"{self.spec.nodes} node{'s' * (self.spec.nodes != 1)}"
+        where = f"on {nodes} of the cluster" if self.start == "cluster" else f"started by {self.start}"
         return (
             f"up: {self.size} rank{'s' * (self.size != 1)} on {self.spec.device}{configuration}, "
             f"{where}, {self.cells} cell{'s' * (self.cells != 1)} run, idle for {idle:.0f} s "
