@@ -477,6 +477,20 @@ def told_between_cells(kernel, death: str) -> None:
         time.sleep(0.5)
 
 
+def trains_on_with_equal_replicas(kernel, ranks: str) -> None:
+    """The session's replicas are equal (a new rank was given the live peers' model), its DDP training stops
+    together when interrupted, and they are equal after."""
+    assert equal_replicas(kernel), "a new rank was given the live peers' model"
+    cell = kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
+    assert f"{ranks} stopped after optimizer step" in cell.traceback, cell.traceback
+    assert equal_replicas(kernel)
+
+
+def equal_replicas(kernel) -> bool:
+    kernel.execute(SUMS, timeout=60).ok()
+    return len(set(kernel.value("list(sums)"))) == 1
+
+
 def where(result) -> dict[int, tuple[int, str]]:
     """Each rank's process id and node, as ``WHERE`` printed them."""
     return {int(rank): (int(pid), node) for rank, pid, node in re.findall(r"at (\d) (\d+) (\S+)", result.stdout)}
@@ -497,19 +511,16 @@ def test_a_rank_killed_in_a_session_is_replaced_on_its_node_and_ddp_trains_on(cl
         after = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert after[3][0] != first[3][0] and after[3][1] == first[3][1], (first, after)  # a new one, on its node
         assert all(after[rank] == first[rank] for rank in range(3)), (first, after)
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the new rank was given the live peers' model"
+        assert equal_replicas(cluster_kernel), "the new rank was given the live peers' model"
         trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
         assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
         assert "each with the same steps applied" in trained.traceback, trained.traceback
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "DDP trained on in every rank"
+        assert equal_replicas(cluster_kernel), "DDP trained on in every rank"
         os.kill(after[1][0], 9)
         told_between_cells(cluster_kernel, "taas: rank 1 killed by signal SIGKILL between cells")
         again = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert again[1][0] != after[1][0] and again[1][1] == after[1][1], (after, again)
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        assert equal_replicas(cluster_kernel)
         assert "session:             up: 4 ranks" in cluster_kernel.execute("%taas").ok().stdout
     finally:
         cluster_kernel.execute("%taas stop").ok()
@@ -536,12 +547,7 @@ def test_a_session_on_the_cluster_shrinks_by_whole_nodes_and_grows_back_onto_the
         grown = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert grown[2][1] == first[2][1] and grown[2][0] != first[2][0], (first, grown)  # new, on the held node
         assert (grown[0], grown[1]) == (first[0], first[1])
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the new ranks were given the live peers' model"
-        trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
-        assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        trains_on_with_equal_replicas(cluster_kernel, "ranks 0-3")
         r = cluster_kernel.execute("#pragma taas\nprint('world', os.environ['WORLD_SIZE'], dist.get_world_size())")
         assert r.ok().each_rank().count("world 4 4") == 4, r.each_rank()
         # What meets the grown ranks: a pull, a failure and its debugger, a death between cells, a shrink, a stop.
@@ -581,14 +587,9 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
         shown = cluster_kernel.execute("%taas").ok().stdout
         assert "up: 4 ranks on cpu, configuration t.2, on 2 nodes of the cluster" in shown, shown
         numbers = "print('numbers', *(os.environ[n] for n in ('RANK', 'LOCAL_RANK', 'GROUP_RANK', 'GROUP_WORLD_SIZE')))"
-        r = cluster_kernel.execute(f"#pragma taas\n{numbers}\nprint('world', dist.get_world_size())").ok()
+        r = cluster_kernel.execute(f"#pragma taas\n{numbers}").ok()
         assert sorted(re.findall(r"numbers (\d \d \d \d)", r.stdout)) == ["0 0 0 2", "1 1 0 2", "2 0 1 2", "3 1 1 2"]
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1, "the new ranks were given the live peers' model"
-        trained = cluster_kernel.execute(TRAINING, interrupt_after=1.0, counted_from="training", timeout=60)
-        assert "ranks 0-3 stopped after optimizer step" in trained.traceback, trained.traceback
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        trains_on_with_equal_replicas(cluster_kernel, "ranks 0-3")
         said = cluster_kernel.execute("%taas cluster release", timeout=60).ok().stdout
         assert "2 kept: they serve the running session" in said, said
         said = cluster_kernel.execute("%taas resize 6", timeout=60).error["evalue"]
@@ -599,8 +600,7 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
         assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
         again = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert again[2][1] == grown[2][1] and again[2][0] != grown[2][0], (grown, again)
-        cluster_kernel.execute(SUMS, timeout=60).ok()
-        assert len(set(cluster_kernel.value("list(sums)"))) == 1
+        assert equal_replicas(cluster_kernel)
     finally:
         cluster_kernel.execute("%taas stop").ok()
     assert not leftovers(cluster_kernel)
