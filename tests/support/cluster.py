@@ -114,15 +114,21 @@ def own_ray_of_environment() -> str:
 def leftovers(k: Kernel) -> str:
     """What a run may not leave: placement groups, run folders, processes of a run (seen from the kernel, whose
     own connection to Ray, beside its cluster driver's, goes to the cluster of its $TAAS_CLUSTER)."""
-    k.execute(own_ray_of_environment()).ok()
-    groups = k.value(
-        "[g['placement_group_id'] for g in ray.util.placement_group_table().values() if g['state'] != 'REMOVED']"
-    )
+    groups = placement_groups(k)
     deadline = time.monotonic() + 3.0  # a run's supervisor is let go as it exits, not waited for
     while (processes := rank_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
     found = {"placement groups": groups, "run folders": run_folders(), "rank processes": processes}
     return "; ".join(f"{what}: {items}" for what, items in found.items() if items)
+
+
+def placement_groups(k: Kernel) -> list[str]:
+    """The ids of the cluster's placement groups that are not removed (a run's, a session's and those its resizes
+    added), as the kernel's own connection to Ray sees them."""
+    k.execute(own_ray_of_environment()).ok()
+    return k.value(
+        "[g['placement_group_id'] for g in ray.util.placement_group_table().values() if g['state'] != 'REMOVED']"
+    )
 
 
 def node_agents() -> list[psutil.Process]:

@@ -29,6 +29,7 @@ from support.cluster import (
     network,
     node_agents,
     own_ray,
+    placement_groups,
     rank_processes,
 )
 from support.kernel import ANSI, Kernel, view_notes
@@ -574,8 +575,8 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
     """A one-node session `%taas resize 4`: the cluster's other t.2 node is held for it (a placement group of its
     own), its new ranks there are given the model from a live peer, and the same DDP model trains on over both nodes
     with equal replicas and torchrun's numbers. `%taas cluster release` spares the added node's agent; more nodes
-    than the cluster has are refused in one line; shrunk and grown again, the session comes back onto the node it
-    added; stopped, it leaves no placement group."""
+    than the cluster has are refused in one line; shrunk, the session lets the node it added go back to the
+    cluster, and grown again, holds it anew; stopped, it leaves no placement group."""
     one_node = DDP_SESSION.replace("--gpus 4", "--gpus 2")
     cluster_kernel.execute(one_node, timeout=240).ok()
     try:
@@ -594,12 +595,14 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
         assert "2 kept: they serve the running session" in said, said
         said = cluster_kernel.execute("%taas resize 6", timeout=60).error["evalue"]
         assert said.startswith("%taas resize 6: the session holds 2 nodes of t.2 and needs 1 more, the cluster has 2")
+        assert len(placement_groups(cluster_kernel)) == 2, "the session's first, and the one its resize added"
         said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
         assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended"), said
+        assert len(placement_groups(cluster_kernel)) == 1, "the node the resize added went back to the cluster"
         said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
         assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
         again = where(cluster_kernel.execute(WHERE, timeout=60).ok())
-        assert again[2][1] == grown[2][1] and again[2][0] != grown[2][0], (grown, again)
+        assert again[2][1] == grown[2][1] and again[2][0] != grown[2][0], (grown, again)  # the only other t.2 node
         assert equal_replicas(cluster_kernel)
     finally:
         cluster_kernel.execute("%taas stop").ok()

@@ -61,10 +61,13 @@ def _bundle(placements: Sequence[Placement], index: int) -> tuple[Any, int]:
     raise IndexError(f"the session has no node {index}")
 
 
-def place_more(cluster: Cluster, configuration: Configuration, held: int, count: int) -> Placement:
+def place_more(
+    cluster: Cluster, configuration: Configuration, held: int, count: int, gone: Collection[str] = ()
+) -> Placement:
     """``count`` whole nodes of ``configuration`` more, in a placement group of their own, for a session that holds
-    ``held``; refused in one line, nothing held, where the cluster has too few nodes of it, or too few free."""
-    have = sum(node.fits(configuration) for node in cluster.nodes())
+    ``held``; refused in one line, nothing held, where the cluster has too few nodes of it (``gone``: the nodes the
+    session lost, which Ray may count alive a while), or too few free."""
+    have = sum(node.fits(configuration) and node.node_id not in gone for node in cluster.nodes())
     if held + count > have:
         raise TaasUsageError(
             f"the session holds {held} node{'s' * (held != 1)} of {configuration.name} and needs {count} more, the "

@@ -196,6 +196,8 @@ class ClusterRanks:
             # does, so that the next events ask every node that has ranks
             self.alive[index] = cell.alive_after(self.alive[index], on_node[index])
             self.ranks_on[index] = frozenset(rank for rank in self.ranks_on[index] if not cell.leaves(rank))
+        while self.added and not any(self.ranks_on[self._first_added() :]):  # a shrink emptied the nodes it added
+            self._let_go_of_last_added()
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to ``world`` ranks on ``nodes`` nodes: the new ranks start on the nodes the session's
@@ -218,11 +220,11 @@ class ClusterRanks:
                 started.append(index)
                 self._start_joining(index, node, wanted[index])
         except BaseException:
-            for index in [index for index in started if index < len(self.agents)]:  # none of the resize's stay
+            for index in [index for index in started if index < held]:  # none of the resize's ranks stay
                 _sent(lambda: ray_module().get(self.agents[index].close.remote(False), timeout=CLOSE_SECONDS))
                 self.alive[index], self.ranks_on[index] = set(), frozenset()
             if nodes > held:
-                self._let_go(held)
+                self._let_go_of_last_added()
             raise
         self.envs |= {rank: env for envs in wanted.values() for rank, env in envs.items()}
 
@@ -236,13 +238,23 @@ class ClusterRanks:
         if self.placement.hosts:  # never: it serves registered loaders, and the kernel refuses to resize it
             raise TaasUsageError("the session holds nodes for data producers, and grows onto no other node")
         held = self._rank_nodes()
-        more = growth.place_more(self.cluster, self.joiners.configuration, held, count)
+        more = growth.place_more(self.cluster, self.joiners.configuration, held, count, self.gone)
         self.added.append(more)
         return {held + offset: node for offset, node in enumerate(more.nodes)}
 
-    def _let_go(self, held: int) -> None:
-        """A resize that failed lets go of the nodes it added beyond the ``held`` the session had."""
-        del self.agents[held:], self.alive[held:], self.ranks_on[held:], self.placement.nodes[held:]
+    def _first_added(self) -> int:
+        """The index of the first node of the last placement group a resize added."""
+        first_group = len(self.placement.bundles) - self.placement.hosts
+        return first_group + sum(len(added.bundles) for added in self.added[:-1])
+
+    def _let_go_of_last_added(self) -> None:
+        """The nodes of the last placement group a resize added go back to the cluster, whatever of the session's
+        ran there ended: a resize that emptied them, or one that failed to start its ranks there. Those of the
+        group the session started with stay held (Ray cannot make a placement group smaller)."""
+        first = self._first_added()
+        for agent in self.agents[first:]:
+            _sent(lambda: ray_module().get(agent.close.remote(False), timeout=CLOSE_SECONDS))
+        del self.agents[first:], self.alive[first:], self.ranks_on[first:], self.placement.nodes[first:]
         self.added.pop().release()
 
     def _start_joining(self, index: int, node: Node, envs: dict[int, dict[str, str]]) -> None:
