@@ -195,7 +195,7 @@ class Cluster:
         matching = [node for node in nodes if node.fits(configuration)]
         if len(matching) < count:
             raise TaasUsageError(
-                f"{count} nodes of {configuration.name} needed, the cluster has {len(matching)}"
+                f"{count} node{'s' * (count != 1)} of {configuration.name} needed, the cluster has {len(matching)}"
                 + (f" ({', '.join(node.address for node in matching)})" if matching else "")
                 + f": add nodes that declare the Ray resource {LABEL}{configuration.name}, or ask for fewer ranks"
             )
@@ -209,7 +209,7 @@ class Cluster:
         if not group.wait(timeout_seconds=PLACEMENT_SECONDS):  # asks the control store: no task, no worker
             ray.util.remove_placement_group(group)
             free = free_count([node for node in self.nodes() if node.fits(configuration)], configuration)
-            message = f"{count} nodes of {configuration.name} needed, " + (
+            message = f"{count} node{'s' * (count != 1)} of {configuration.name} needed, " + (
                 f"{free} of the cluster's {len(matching)} are free now"
                 if free is not None
                 else f"the cluster did not say which of its {len(matching)} are free"
