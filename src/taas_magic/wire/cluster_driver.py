@@ -127,7 +127,8 @@ class AskStacks:
 @dataclass(frozen=True)
 class RunCell:
     """A session's next cell for ``ranks``; its tensors' memory file comes beside it, when it has any. ``folder``:
-    the notebook's folder now, whose changes since the session began are told (its ranks keep their copy)."""
+    the notebook's folder now, whose changes since the session began are told (its ranks keep their copy).
+    Answered with the ids of the nodes the run holds now (a shrink may give some back)."""
 
     kind: ClassVar[str] = "cell"
     run_id: str

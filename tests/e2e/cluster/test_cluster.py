@@ -599,6 +599,8 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
         said = cluster_kernel.execute("%taas resize 2", timeout=120).ok().stdout
         assert said.startswith("taas: the session has 2 ranks now: ranks 2-3 ended"), said
         assert len(placement_groups(cluster_kernel)) == 1, "the node the resize added went back to the cluster"
+        said = cluster_kernel.execute("%taas cluster release", timeout=60).ok().stdout
+        assert "1 kept: it serves the running session" in said, said  # the given-back node's agent is idle
         said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
         assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
         again = where(cluster_kernel.execute(WHERE, timeout=60).ok())

@@ -174,7 +174,10 @@ class ClusterRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
-        self._ask(RunCell(self.run_id, cell, tuple(ranks), os.getcwd()), fds[:1] if cell.tensors_size else ())
+        sent = RunCell(self.run_id, cell, tuple(ranks), os.getcwd())
+        nodes_held = self._ask(sent, fds[:1] if cell.tensors_size else ())
+        assert isinstance(nodes_held, frozenset)
+        self._nodes = nodes_held  # what %taas cluster release spares: not the nodes a shrink gave back
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to more ranks: the driver starts the new ones on their nodes, to join with the next

@@ -103,7 +103,7 @@ class Driver:
                 run = self._run(run_id)
                 run.tell_if_the_folder_changed(folder, self.notify)
                 run.run_cell(cell, ranks, _read(fds, cell.tensors_size))
-                return None
+                return run.nodes()
             case Grow(run_id, world, nodes):
                 run = self._run(run_id)
                 run.grow(world, nodes)
