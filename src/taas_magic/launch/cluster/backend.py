@@ -147,9 +147,7 @@ class ClusterRanks:
 
     def start(self, request: StartOnNodes) -> None:
         """The driver places the run and starts its ranks on their nodes."""
-        nodes = self._ask(request)
-        assert isinstance(nodes, frozenset)
-        self._nodes = nodes
+        self._ask_holding(request)
 
     # -- the RankGroup contract ---------------------------------------------------------------
     def nodes(self) -> frozenset[str]:
@@ -174,17 +172,12 @@ class ClusterRanks:
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
         """A session's next cell, to the nodes of ``ranks``; its tensors (a memory file here) travel once,
         through Ray's object store."""
-        sent = RunCell(self.run_id, cell, tuple(ranks), os.getcwd())
-        nodes_held = self._ask(sent, fds[:1] if cell.tensors_size else ())
-        assert isinstance(nodes_held, frozenset)
-        self._nodes = nodes_held  # what %taas cluster release spares: not the nodes a shrink gave back
+        self._ask_holding(RunCell(self.run_id, cell, tuple(ranks), os.getcwd()), fds[:1] if cell.tensors_size else ())
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to more ranks: the driver starts the new ones on their nodes, to join with the next
         cell; a one-line error, and nothing started, where it cannot."""
-        nodes_held = self._ask(Grow(self.run_id, world, nodes))
-        assert isinstance(nodes_held, frozenset)
-        self._nodes = nodes_held  # what %taas cluster release spares: the nodes a resize added too
+        self._ask_holding(Grow(self.run_id, world, nodes))
 
     def answer(self, rank: Key, line: str | None) -> None:
         self._ask(AnswerLine(self.run_id, rank, line))
@@ -215,6 +208,13 @@ class ClusterRanks:
             raise KeyboardInterrupt
 
     # -- the driver's answers -------------------------------------------------------------------
+    def _ask_holding(self, message: ToDriver, fds: tuple[int, ...] = ()) -> None:
+        """Ask what the driver answers with the nodes the run holds now: its start, a session's cell (a shrink may
+        give some back) and a resize's growth (which may add some). They are what `%taas cluster release` spares."""
+        nodes = self._ask(message, fds)
+        assert isinstance(nodes, frozenset)
+        self._nodes = nodes
+
     def _ask(self, message: ToDriver, fds: tuple[int, ...] = ()) -> object:
         """The driver's answer to ``message`` about this run, and which of the run's processes still run."""
         try:
