@@ -107,6 +107,42 @@ def test_a_rank_that_ends_before_it_answers_went_on_if_told_to_and_failed_anythi
         assert reply["success"] is False and reply["message"] == "rank 2: rank 2 left the debugger", reply
 
 
+def a_joined_rank(hub: RankDebugging, run: str, number: int, thread: int) -> socket.socket:
+    """A rank of ``run`` connected to ``hub`` as ``_welcome`` leaves it, its thread announced; the rank's end."""
+    ours, theirs = socket.socketpair()
+    rank = RankEngine(ours, hub.focus.rank_event, hub._gone)
+    rank.name(run, number)
+    with hub.lock:
+        hub.ranks.append(rank)
+    hub.focus.rank_event(rank, {"event": "thread", "body": {"reason": "started", "threadId": thread}})
+    assert hub.focus.settle()
+    return theirs
+
+
+def exited(debugger: FakeDebugger) -> list[int]:
+    threads = [e["body"] for e in debugger.events if e["event"] == "thread"]
+    return [body["threadId"] for body in threads if body["reason"] == "exited"]
+
+
+def test_a_cells_end_waits_until_the_front_end_was_told_its_ranks_threads_exited():
+    """The sockets close as the ranks end, but the threads that read them may run later than the cell's end (a
+    busy machine): the front end would be told the threads exited after the cell ended, or showed them still."""
+    debugger = FakeDebugger()
+    hub = RankDebugging(debugger)
+    ends = [a_joined_rank(hub, "cell", number, 1) for number in (0, 1)]
+    other = a_joined_rank(hub, "session", 0, 1)  # another run's rank stays
+    threading.Timer(0.3, lambda: [end.close() for end in ends]).start()
+    started = time.monotonic()
+    hub.ranks_left("cell", timeout=10)
+    assert time.monotonic() - started < 5
+    assert len(exited(debugger)) == 2 and len(set(exited(debugger))) == 2
+    assert [rank.run for rank in hub.ranks] == ["session"]
+    started = time.monotonic()
+    hub.ranks_left("session", timeout=0.3)  # a rank whose process lives on is not waited for beyond the timeout
+    assert 0.25 < time.monotonic() - started < 3 and len(exited(debugger)) == 2
+    other.close()
+
+
 def test_a_taas_cells_header_lines_are_counted_when_the_history_holds_it():
     cell = "x = 1\n"  # what the magic gets: the header became its %%taas line
     assert cell_source._header_lines("#pragma taas --gpus 2\nx = 1\n", cell) == 1

@@ -141,7 +141,9 @@ class CellRunner:
             backend = self.fork_backend
         else:
             backend = self.forkserver_backend
-        return self._launch(backend, spec, make_task, analysed, loaders, defaults.view, traces, args.background)
+        return self._launch(
+            backend, spec, make_task, analysed, loaders, defaults.view, traces, args.background, order.debugging
+        )
 
     def _launch(
         self,
@@ -153,6 +155,7 @@ class CellRunner:
         view: bool,
         traces: profiling.ProfileFolder | None,
         background: bool,
+        debugged: DebugLink | None,
     ) -> BackgroundRun | None:
         """Prepare ``backend``'s plan and run it: a one-shot run, or a session's first cell; in the background,
         its handle (the names it needs are taken from the notebook now, and the environment as it is now)."""
@@ -170,6 +173,8 @@ class CellRunner:
                 streams.give_back_freed_memory()
                 if traces is not None:
                     profiling.merge_and_close(traces, spec.world_size)
+                if debugged is not None and not spec.keep and not self.kept.holds_paused(spec):
+                    self._debugger_told_ranks_left(debugged)
 
         front = self._front_end(view, spec.profile)
         if background:
@@ -228,6 +233,12 @@ class CellRunner:
                 )
             return None
         return self.debugging.link(None if spec.debug_ranks is None else frozenset(spec.debug_ranks), cell_file)
+
+    def _debugger_told_ranks_left(self, link: DebugLink) -> None:
+        """A one-shot run's processes ended: the visual debugger is told that their threads exited before the cell
+        ends (its connections close as the processes end; their reader threads may not have run yet)."""
+        if self.debugging is not None:
+            self.debugging.ranks_left(link.run)
 
     def _cell_names(self) -> dict[str, str]:
         return cell_files.cell_labels(self.shell)

@@ -38,6 +38,9 @@ HANDSHAKE_SECONDS = 10.0
 # ``initialize``, and every later request waits behind it. Ending a session takes the adapter milliseconds
 # (a busy machine: more); a client that attaches again sooner than this after detaching waits out the rest.
 REATTACH_SECONDS = 1.0
+# How long a cell's end waits for its ranks' connections to be seen closed: the sockets close as the processes
+# end, so this is the reader threads' wake-up on a busy machine.
+LEAVE_SECONDS = 2.0
 # Where taas's own code is: stepping does not go into it, as ipykernel keeps stepping out of its own.
 _OWN_CODE = [str(Path(__file__).resolve().parents[2] / name) for name in ("taas_magic", "taas")]
 
@@ -55,6 +58,7 @@ class RankDebugging:
         self.breakpoints: dict[str, Message] = {}  # the front end's setBreakpoints arguments, by source path
         self.exception_breakpoints: Message = {"filters": []}
         self.lock = threading.Lock()
+        self.left = threading.Condition(self.lock)  # a rank's connection ended
         self.original: Callable[[Message], Any] | None = None
         self.event_numbers = itertools.count(1)
         self.cell_file = ""  # the file of the cell that runs now (cells run one at a time)
@@ -102,6 +106,15 @@ class RankDebugging:
         """A client is attached and breakpoints are set (for cells whose ranks cannot join: a cluster's)."""
         return self.attached() and any(arguments.get("breakpoints") for arguments in self._breakpoints().values())
 
+    def ranks_left(self, run: str, timeout: float = LEAVE_SECONDS) -> None:
+        """The processes of ``run`` (a link's) ended: wait, ``timeout`` at most, until their connections are seen
+        closed and the front end is told their threads exited, so that the cell ends after those events and not
+        before (a front end would otherwise show threads of ranks that are gone)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            self.left.wait_for(lambda: all(rank.run != run for rank in self.ranks), timeout)
+        self.focus.settle(max(0.0, deadline - time.monotonic()))
+
     def close(self) -> None:
         """The client detached: stopped ranks go on, untraced; no rank joins any more."""
         listener, self.listener = self.listener, None
@@ -109,6 +122,7 @@ class RankDebugging:
             hang_up(listener)  # its accepting thread ends
         with self.lock:
             ranks, self.ranks = self.ranks, []
+            self.left.notify_all()
         for rank in ranks:
             rank.send("disconnect", {"restart": False, "terminateDebuggee": False})
             rank.close()
@@ -255,7 +269,8 @@ class RankDebugging:
             if rank not in self.ranks:
                 return
             self.ranks.remove(rank)
-        self.focus.rank_gone(rank)
+            self.focus.rank_gone(rank)
+            self.left.notify_all()
 
     def _send_event(self, kind: str, body: Message) -> None:
         """A debug event to the front end (from the focus thread alone)."""

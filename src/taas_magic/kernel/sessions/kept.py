@@ -62,6 +62,10 @@ class Kept:
             file=sys.stderr,
         )
 
+    def holds_paused(self, spec: LaunchSpec) -> bool:
+        """Whether the run of ``spec`` left a rank paused at its error (its processes live on)."""
+        return self.paused is not None and self.paused.spec is spec
+
     def let_paused_go(self) -> bool:
         """End the paused rank's run, if there is one; whether there was."""
         if self.paused is None:
