@@ -611,6 +611,51 @@ def test_a_session_on_the_cluster_grows_onto_a_node_it_did_not_start_with_and_le
     assert not leftovers(cluster_kernel)
 
 
+NOTEBOOK_VALUES = (
+    "nothing, nan, inf, empty = None, float('nan'), float('-inf'), {'a': [], 'b': (None,), 'c': set()}\n"
+    "odd = torch.tensor([float('nan'), 0.0, float('inf')])"
+)
+SEEN = (
+    "#pragma taas\n"
+    "seen = (nothing is None, nan != nan, inf, empty, bool(odd[0].isnan()), float(odd[2]), dist.get_rank())\n"
+    "print('seen', seen[:-1])\n"
+    "nothing = None if dist.get_rank() == 0 else float('nan')"
+)
+
+
+def test_a_grown_cluster_session_meets_a_timeout_odd_notebook_values_and_a_reloaded_extension(cluster_kernel):
+    """What a user does next in a session grown onto a node it did not start with: --timeout stops training in
+    every rank after the same step, the grown ranks' too; notebook values that are None, NaN, infinite or empty
+    reach every rank, the grown ones too, and what each rank bound comes back; %reload_ext keeps the grown session
+    on its two nodes, and DDP trains on with equal replicas."""
+    cluster_kernel.execute(DDP_SESSION.replace("--gpus 4", "--gpus 2"), timeout=240).ok()
+    try:
+        said = cluster_kernel.execute("%taas resize 4", timeout=180).ok().stdout
+        assert said.startswith("taas: the session has 4 ranks now: ranks 2-3 joined"), said
+        timed = cluster_kernel.execute(TRAINING.replace("#pragma taas", "#pragma taas --timeout 2"), timeout=60)
+        assert timed.error is not None and timed.error["ename"] == "RunTimedOut", timed.traceback
+        assert "ranks 0-3 stopped after optimizer step" in timed.traceback, timed.traceback
+        assert equal_replicas(cluster_kernel)
+        cluster_kernel.execute(NOTEBOOK_VALUES).ok()
+        seen = cluster_kernel.execute(SEEN, timeout=60).ok().each_rank()
+        expected = "seen (True, True, -inf, {'a': [], 'b': (None,), 'c': set()}, True, inf)"
+        assert sorted(re.findall(r"\[rank (\d)\] (.*)", seen)) == [(str(r), expected) for r in range(4)], seen
+        cluster_kernel.execute("%taas pull seen nothing", timeout=60).ok()
+        assert cluster_kernel.value("[s[-1] for s in seen]") == [0, 1, 2, 3]
+        assert cluster_kernel.value("[n is None for n in nothing]") == [True, False, False, False]
+        assert cluster_kernel.value("[n != n for n in nothing]") == [False, True, True, True]
+        cluster_kernel.execute("nothing = None\n%taas push nothing", timeout=60).ok()
+        r = cluster_kernel.execute("#pragma taas\nprint('none', nothing is None)", timeout=60).ok()
+        assert r.each_rank().count("none True") == 4, r.each_rank()
+        cluster_kernel.execute("%reload_ext taas_magic").ok()
+        shown = cluster_kernel.execute("%taas").ok().stdout
+        assert "up: 4 ranks on cpu, configuration t.2, on 2 nodes of the cluster" in shown, shown
+        trains_on_with_equal_replicas(cluster_kernel, "ranks 0-3")
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
 def alive_pid(pid: int) -> bool:
     try:
         os.kill(pid, 0)
