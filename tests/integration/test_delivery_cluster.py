@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import random
 import socket
 import threading
 import time
@@ -14,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.descriptors import open_descriptors, opened_since
 
 from taas_magic.delivery import relay
@@ -203,6 +206,60 @@ def test_the_kernel_s_progress_line_changes_only_when_a_merged_count_does():
     node0.position[0] = node0.taken[0] = 1
     [(_, line)] = progress.take(0, [node0.snapshot()])
     assert line.taken == [1, 0] and line.buffered == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(1, 3), min_size=1, max_size=3),  # ranks on each node of ranks
+    st.booleans(),  # producers on nodes of their own (CPU nodes), else taking turns on the nodes of ranks
+    st.lists(st.integers(1, 3), min_size=1, max_size=2),  # producers of each loader
+    st.integers(0, 2**31),
+)
+def test_a_node_copies_in_every_row_it_does_not_write_from_the_merged_counters_and_keeps_its_own(
+    ranks_per_node, cpu_nodes, producers, seed
+):
+    """Before a new process takes over a dead rank's share on its node, the node's counters get the rows other
+    nodes write (their producers', their ranks') from the kernel's merge of every node's copy; the rows its own
+    processes write stay as they are, newer than any copy that went round."""
+    rng = random.Random(seed)
+    first, ranks_by_node = 0, []
+    for count in ranks_per_node:
+        ranks_by_node.append(tuple(range(first, first + count)))
+        first += count
+    hosts = sum(producers) if cpu_nodes else 0
+    nodes = len(ranks_by_node) + hosts
+    loaders = tuple(plan(f"l{n}", count) for n, count in enumerate(producers))
+    found = shares("run", loaders, ranks_by_node, hosts, [f"n{i}" for i in range(nodes)], ["127.0.0.1"] * nodes)
+    world = found[0].world
+    truth = [[rng.randrange(1, 1000) for _ in range(Counters.size(p, world) // 8)] for p in producers]
+
+    def owned(node: int, number: int, stale: bool) -> list[int]:
+        """What node ``node``'s copy of loader ``number``'s counters holds: its own rows true, others stale."""
+        copy = Counters(producers[number], world)
+        copy.take_rows([-1] * len(truth[number]) if stale else truth[number], range(producers[number]), range(world))
+        copy.take_rows(truth[number], found[node].hosted[number], found[node].ranks)
+        return copy.snapshot()
+
+    progress = RunProgress(found)
+    for node in range(nodes):
+        progress.merge(node, [owned(node, number, stale=True) for number in range(len(loaders))])
+    assert progress.snapshots() == truth
+    for node in range(len(ranks_by_node)):
+        delivery = NodeDelivery(dataclasses.replace(found[node], listen=""))
+        try:
+            for number, loader in enumerate(delivery.loaders):
+                loader.counters.take_rows(owned(node, number, stale=True), range(producers[number]), range(world))
+            newer = [[value + 1 for value in copy] for copy in truth]  # its own rows moved on since the merge
+            for number, loader in enumerate(delivery.loaders):
+                loader.counters.take_rows(newer[number], found[node].hosted[number], found[node].ranks)
+            delivery.take_counters(progress.snapshots())
+            for number, loader in enumerate(delivery.loaders):
+                expected = Counters(producers[number], world)
+                expected.take_rows(truth[number], range(producers[number]), range(world))
+                expected.take_rows(newer[number], found[node].hosted[number], found[node].ranks)
+                assert loader.counters.snapshot() == expected.snapshot()
+        finally:
+            delivery.close()
 
 
 @pytest.mark.parametrize("splice", [True, False], ids=["spliced", "through a buffer"])

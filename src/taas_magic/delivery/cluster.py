@@ -291,6 +291,16 @@ class NodeDelivery:
     def snapshots(self) -> list[list[int]]:
         return [loader.counters.snapshot() for loader in self.loaders]
 
+    def take_counters(self, merged: list[list[int]]) -> None:
+        """Copy in, from every node's counters ``merged``, the rows this node only reads: its copy has its own
+        ranks' and producers' rows fresh, the others' only where they went up a stream to a host. A new process in
+        place of a rank that died takes over its share from them (``StandIn.take_over``)."""
+        share = self.share
+        for number, (loader, snapshot) in enumerate(zip(self.loaders, merged)):
+            producers = [p for p in range(loader.counters.producers) if p not in share.hosted[number]]
+            ranks = [rank for rank in range(share.world) if rank not in share.ranks]
+            loader.counters.take_rows(snapshot, producers=producers, ranks=ranks)
+
     def close(self) -> None:
         self.stopped.set()
         if self.listener is not None:

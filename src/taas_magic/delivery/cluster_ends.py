@@ -7,6 +7,7 @@ them (``AttachedDelivery``, ``FedLoader``), as a local run's data service makes 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -17,7 +18,7 @@ from taas_magic.delivery.cluster_share import NodeShare
 from taas_magic.delivery.counters import Counters
 from taas_magic.delivery.plan import StreamPlan
 from taas_magic.delivery.producer import ProducerTask
-from taas_magic.delivery.service import default_prefetch
+from taas_magic.delivery.service import default_prefetch, take_over
 from taas_magic.delivery.standin import StandIn
 from taas_magic.wire.events import Producer
 from taas_magic.wire.task import LoaderPlan
@@ -90,11 +91,23 @@ class AttachedDelivery:
             for plan, ends, counters in zip(self.share.loaders, self.rank_ends, self.counters)
         )
 
-    def close(self) -> None:
+    def for_replacement(self, rank: int) -> tuple[set[int], tuple["FedLoader", ...]]:
+        """What a session's new process in place of ``rank`` keeps (its ends, which this supervisor kept open: what
+        was sent the rank that died waits there), and what builds its stand-ins, which take over its share."""
+        loaders = tuple(dataclasses.replace(loader, replaces=True) for loader in self.rank_loaders())
+        return self.rank_sockets(rank), loaders
+
+    def sockets(self) -> set[int]:
+        """The ranks' ends this process keeps for a session's new processes."""
+        return {end.fileno() for by_rank in self.rank_ends for end in by_rank.values() if end.fileno() >= 0}
+
+    def close(self, keep_rank_ends: bool = False) -> None:
+        """This process's copies of the channels; the producers and ranks keep theirs. ``keep_rank_ends``: but the
+        ranks' ends, for a session's rank started in place of one that died."""
         for ends in self.producers_ends:
             for end in ends:
                 end.close()
-        for by_rank in self.rank_ends:
+        for by_rank in self.rank_ends if not keep_rank_ends else ():
             for end in by_rank.values():
                 end.close()
 
@@ -107,20 +120,17 @@ class FedLoader:
     world: int
     ends: dict[int, socket.socket]
     counters: Counters
+    replaces: bool = False  # in a new process in place of a rank that died: it takes over that rank's share
 
     @property
     def name(self) -> str:
         return self.plan.name
 
     def stand_in(self, rank: int, loader: Any, device: str) -> StandIn:
-        return StandIn(
-            self.name,
-            loader,
-            rank,
-            StreamPlan(len(loader), self.world, self.plan.units),
-            self.ends[rank],
-            self.counters,
-            self.plan.fastest,
-            device,
-            reports=False,
+        stream = StreamPlan(len(loader), self.world, self.plan.units)
+        stand_in = StandIn(
+            self.name, loader, rank, stream, self.ends[rank], self.counters, self.plan.fastest, device, reports=False
         )
+        if self.replaces:  # the node's counters hold every node's rows, copied in before it started
+            take_over(stand_in, rank, loader, stream, self.plan.seed)
+        return stand_in

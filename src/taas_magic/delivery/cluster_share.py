@@ -98,16 +98,25 @@ class RunProgress:
 
     def take(self, node: int, snapshots: list[list[int]]) -> list[tuple[Producer, DeliveryProgress]]:
         """Merge one node's copies; (key, progress) of each loader whose line changed."""
-        share = self.shares[node]
+        self.merge(node, snapshots)
         changed = []
-        for number, snapshot in enumerate(snapshots):
-            self.counters[number].take_rows(snapshot, producers=share.hosted[number], ranks=share.ranks)
+        for number in range(len(snapshots)):
             stats = self.counters[number].stats(self.loaders[number].name)
             shown = self.shown[number]
             if shown is None or _differs(stats, shown):
                 self.shown[number] = stats
                 changed.append((Producer(number, 0), stats))
         return changed
+
+    def merge(self, node: int, snapshots: list[list[int]]) -> None:
+        """Copy in the rows node ``node`` writes (its producers', its ranks') from its copies."""
+        share = self.shares[node]
+        for number, snapshot in enumerate(snapshots):
+            self.counters[number].take_rows(snapshot, producers=share.hosted[number], ranks=share.ranks)
+
+    def snapshots(self) -> list[list[int]]:
+        """Every loader's counters as merged so far."""
+        return [counters.snapshot() for counters in self.counters]
 
 
 def _differs(a: DeliveryProgress, b: DeliveryProgress) -> bool:

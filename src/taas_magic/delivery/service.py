@@ -81,9 +81,16 @@ class RankLoader:
             device,
         )
         if self.replaces:
-            said = stand_in.take_over(lambda lost: rebuild(runtime.loader, runtime.stream, runtime.seed, lost))
-            print(f"taas: rank {rank}: {said}", file=sys.stderr, flush=True)
+            take_over(stand_in, rank, runtime.loader, runtime.stream, runtime.seed)
         return stand_in
+
+
+def take_over(stand_in: StandIn, rank: int, loader: Any, stream: StreamPlan, seed: int) -> None:
+    """In a new process in place of rank ``rank``, which died: its share of the stream, the elements the dead
+    process had received built again as the producers built them (from ``loader`` and the run's ``seed``); the
+    cell says what it did."""
+    said = stand_in.take_over(lambda lost: rebuild(loader, stream, seed, lost))
+    print(f"taas: rank {rank}: {said}", file=sys.stderr, flush=True)
 
 
 class DataService:

@@ -1051,6 +1051,80 @@ def test_localhost_where_the_head_is_on_another_loopback_address_is_one_line_and
     assert f"connected to the Ray cluster at {local.address}" in shown, shown
 
 
+SERVED_TRAINING = """#pragma taas
+took = []
+for b in loader:
+    took.append(b[:, 0].tolist())
+    model(b.float()).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    steps += 1
+    if dist.get_rank() == 3 and len(took) == KILL_AT:
+        time.sleep(1)  # the producers fill its window: then it takes in what waits, which dies with it
+        loader._take_in_waiting()
+        os.kill(os.getpid(), signal.SIGKILL)
+print("TOOK " + json.dumps(took), flush=True)
+state = [steps, sum(p.sum().item() for p in model.parameters())]
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, state)
+print("STATE " + json.dumps(every), flush=True)
+"""
+
+
+def took(result) -> dict[int, list]:
+    return {int(rank): json.loads(found) for rank, found in re.findall(r"\[rank (\d)\] TOOK (.*)", result.each_rank())}
+
+
+@pytest.mark.parametrize("producers", ["cpu node", "rank nodes"])
+def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over_its_share(registered, producers):
+    """DDP training over a registered loader fed from the CPU node (or by producers on both nodes of ranks), rank
+    3 (node 1) killed in the middle of a pass, holding elements of the next pass that arrived early: a new process
+    takes its place on its node and its share of the stream, the elements the dead process had received built again
+    there (their producers' counters, on other nodes, copied in first), and the next pass trains every rank on the
+    batches a one-shot run gives it, with equal replicas. Killed again between cells: the same."""
+    cluster_kernel = registered
+    options = "--keep --cpus 1"
+    if producers == "rank nodes":  # a configuration the cluster lacks for producer nodes: they take turns on these
+        cluster_kernel.execute("import taas_magic.kernel.cluster_link as _link\n_link.PRODUCER_NODE = 'c1.80'").ok()
+        options = "--keep --cpus 2"
+    reference = "#pragma taas --gpus 4 --device cpu --on local\nimport json\n"
+    reference += "print('PASSES ' + json.dumps([[b[:, 0].tolist() for b in loader] for _ in range(3)]))"
+    passes = {
+        int(rank): json.loads(found)
+        for rank, found in re.findall(r"\[rank (\d)\] PASSES (.*)", cluster_kernel.execute(reference).ok().each_rank())
+    }
+    start = header(options) + INIT + "import json, signal, time\ntorch.manual_seed(0)\n"
+    start += "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+    start += "opt = torch.optim.SGD(model.parameters(), lr=1e-6)\nsteps = 0"
+    cluster_kernel.execute(start, timeout=240).ok()
+    try:
+        first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        died = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "2"), timeout=120)
+        assert died.error is not None and "rank 3 failed: killed by signal SIGKILL" in died.error["evalue"], died.error
+        assert "taas: the session goes on, a new process in place of rank 3" in died.traceback, died.traceback
+        rebuilt = re.search(
+            r"taas: rank 3: its share of 'loader' goes on at pass 1 \((\d+) elements the process", died.stderr
+        )
+        assert rebuilt and int(rebuilt[1]) > 0, died.stderr
+        after = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert took(after) == {rank: passes[rank][1] for rank in range(4)}, "pass 1, whole, as a one-shot run's"
+        (state,) = set(re.findall(r"STATE (.*)", after.stdout))
+        assert len({json.dumps(each) for each in json.loads(state)}) == 1, f"equal replicas and steps: {state}"
+        healed = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert healed[3][1] == first[3][1] and healed[3][0] != first[3][0], (first, healed)
+        os.kill(healed[3][0], 9)
+        told_between_cells(cluster_kernel, "taas: rank 3 killed by signal SIGKILL between cells")
+        again = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert took(again) == {rank: passes[rank][2] for rank in range(4)}, "pass 2, whole"
+        (state,) = set(re.findall(r"STATE (.*)", again.stdout))
+        assert len({json.dumps(each) for each in json.loads(state)}) == 1, f"equal replicas and steps: {state}"
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+        if producers == "rank nodes":
+            cluster_kernel.execute("_link.PRODUCER_NODE = 'c1.4'").ok()
+    assert not leftovers(cluster_kernel)
+
+
 @pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
 def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
     """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel

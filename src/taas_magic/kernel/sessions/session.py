@@ -249,11 +249,9 @@ class Session:
 
     def heals(self) -> bool:
         """Whether a rank that dies is replaced (``rank/healing.py``): on CPU (gloo: its peers leave their
-        collectives as its connections close); on this machine, whose supervisor keeps its end of each served
-        loader's channel for the new process to take over its share, or on a cluster whose session serves no
-        loader (each node's share of one is relayed through its agent, which keeps no rank's end)."""
-        served = self.start == "cluster" and bool(self.plans)
-        return self.spec.device == "cpu" and self.size > 1 and not served
+        collectives as its connections close). The supervisor of its ranks (this machine's, or its node's) keeps
+        its end of each served loader's channel for the new process to take over its share."""
+        return self.spec.device == "cpu" and self.size > 1
 
     # -- its process group, its size --------------------------------------------------------------
     def regroup(self, front: CellFrontEnd, died: tuple[int, ...] = (), resized_from: int = 0) -> None:

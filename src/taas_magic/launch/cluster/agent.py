@@ -233,10 +233,21 @@ class NodeAgent:
             self.group.signal(signum, ranks)
 
     @_call
-    def run_cell(self, cell: SessionCell, ranks: list[int], tensors: bytes) -> None:
-        """A session's next cell for this node's ``ranks``, with its shipped tensors' data."""
+    def counters(self) -> list[list[int]]:
+        """This node's copy of each registered loader's counters, now (``events`` sends them too)."""
+        return self.delivery.snapshots() if self.delivery is not None else []
+
+    @_call
+    def run_cell(
+        self, cell: SessionCell, ranks: list[int], tensors: bytes, counters: list[list[int]] | None = None
+    ) -> None:
+        """A session's next cell for this node's ``ranks``, with its shipped tensors' data. ``counters``: every
+        node's merged, for the new processes the cell starts here in place of ranks that died: the rows of the
+        producers and ranks of other nodes are copied in first, for them to take over the dead ranks' shares."""
         if self.group is None:
             return
+        if counters and self.delivery is not None:
+            self.delivery.take_counters(counters)
         fd = None
         if tensors:
             fd = memfile.new_file("taas-tensors", len(tensors))

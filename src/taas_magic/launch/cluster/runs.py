@@ -185,10 +185,14 @@ class ClusterRanks:
         # A resize's goes to the nodes whose ranks leave too: their supervisors end them.
         leaving = [any(cell.leaves(rank) for rank in self.ranks_on[index]) for index in range(len(self.agents))]
         live = [index for index, keys in enumerate(on_node) if keys or leaving[index]]
+        merged = self._merged_counters() if cell.newcomers and cell.world is None else None
         self._call(
             live,
             lambda index: self.agents[index].run_cell.remote(
-                cell, sorted(key for key in on_node[index] if isinstance(key, int)), shared
+                cell,
+                sorted(key for key in on_node[index] if isinstance(key, int)),
+                shared,
+                merged if set(cell.newcomers) & self.ranks_on[index] else None,
             ),
             CALL_SECONDS,
         )
@@ -198,6 +202,18 @@ class ClusterRanks:
             self.ranks_on[index] = frozenset(rank for rank in self.ranks_on[index] if not cell.leaves(rank))
         while self.added and not any(self.ranks_on[self._first_added() :]):  # a shrink emptied the nodes it added
             self._let_go_of_last_added()
+
+    def _merged_counters(self) -> list[list[int]] | None:
+        """Every node's counters of the registered loaders a session serves, merged now (its ranks stopped, the
+        producers waiting for the dead ranks): what the nodes of new processes in place of dead ranks copy in, for
+        them to take over their shares. None when the session serves none."""
+        if self.progress is None:
+            return None
+        asked = [index for index in range(len(self.agents)) if self.alive[index] or self.ranks_on[index]]
+        for index, snapshots in zip(asked, self._call(asked, lambda i: self.agents[i].counters.remote(), CALL_SECONDS)):
+            if snapshots:
+                self.progress.merge(index, snapshots)
+        return self.progress.snapshots()
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to ``world`` ranks on ``nodes`` nodes: the new ranks start on the nodes the session's

@@ -53,6 +53,9 @@ class ForkedRanks(ForkingGroup):
     # rank started in place of one that died; and the run's id, which names its producers.
     loaders: SessionLoaders | None = None
     run_id: str = ""
+    # A session's on a cluster's node: its share of the run's delivery, each local rank's ends kept open for a new
+    # process in place of one that died (what the node's agent put in for the dead one waits there).
+    attached: AttachedDelivery | None = None
     # A session's on this machine, for a rank started in place of one that died: each rank's environment, and
     # the task its ranks started with.
     envs: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -95,9 +98,12 @@ class ForkedRanks(ForkingGroup):
                 stand_ins = service.rank_loaders()
                 plans = tuple(loader.plan for loader in stand_ins)  # those this machine's ranks hold stand-ins of
                 task = dataclasses.replace(task, order=dataclasses.replace(task.order, loaders=plans), delivery=None)
-            if task.keep and envs and attached is None:  # not a cluster node's
-                group.loaders, group.run_id = SessionLoaders(group.names, len(envs)), run_id
+            if task.keep and envs:
                 group.envs, group.task = envs, task
+                if attached is None:
+                    group.loaders, group.run_id = SessionLoaders(group.names, len(envs)), run_id
+                else:
+                    group.attached = attached
             for rank, env in sorted(envs.items()):
                 group.fork(
                     rank,
@@ -115,7 +121,7 @@ class ForkedRanks(ForkingGroup):
             if isinstance(service, DataService) and group.loaders is not None:
                 group.loaders.keep(service)
             elif service is not None:
-                service.close()
+                service.close(keep_rank_ends=service is group.attached)
         return group
 
     # -- watching ---------------------------------------------------------------------------
@@ -226,6 +232,7 @@ class ForkedRanks(ForkingGroup):
         """The sockets this supervisor holds for its ranks: their control channels, and a session's ends of the
         channels of the loaders it serves."""
         kept = self.loaders.sockets() if self.loaders is not None else set()
+        kept |= self.attached.sockets() if self.attached is not None else set()
         return kept | {state.control.fileno() for state in self.ranks.values() if state.control is not None}
 
     def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
@@ -257,14 +264,13 @@ class ForkedRanks(ForkingGroup):
         of each served loader too (a resize's new ranks get theirs with the cell). Forked from this supervisor, as the
         first were: no CUDA here."""
         if self.task is None:
-            return  # a cluster node's that takes part in data delivery: the kernel heals none there
+            return  # not a session's
+        served = self.loaders if self.loaders is not None else self.attached
         try:
             for rank in ranks:
                 if rank in self.ranks and self.ranks[rank].returncode is None:
                     continue  # alive after all: the cell tells it so
-                sockets, stand_ins = (
-                    self.loaders.for_replacement(rank) if self.loaders is not None and takes_over else (set(), ())
-                )
+                sockets, stand_ins = served.for_replacement(rank) if served is not None and takes_over else (set(), ())
                 task = dataclasses.replace(self.task, joins=True)
                 self.fork(rank, self.envs[rank], task, sockets=sockets, stand_ins=stand_ins)
         finally:
@@ -444,6 +450,8 @@ class ForkedRanks(ForkingGroup):
             state.close_descriptors()
         if self.loaders is not None:
             self.loaders.close()
+        if self.attached is not None:
+            self.attached.close()
         for fd in (self._lifeline_read, self._lifeline_write):
             os.close(fd)
         self._selector.close()
