@@ -46,7 +46,8 @@ E2E_WORKERS ?= 6
 # kernel and browser tiers on E2E_WORKERS (each module in one worker, the modules that mostly wait paired
 # with ones that compute: tests/conftest.py; on four workers, waits that met still left the two cores a fifth
 # idle, on six they are busy throughout), then the tests whose assertions are about time, with nothing beside
-# them. Everything on this machine with no Ray cluster: about nine minutes here from a fresh clone.
+# them. Everything on this machine with no Ray cluster: 15 to 18 minutes here from a fresh clone, the install
+# included (the kernel tier alone 12 to 14, its two cores busy throughout: docs/performance.md#the-tests).
 test: $(VENV)/.installed
 	$(CHECKS_AND_FAST_TIERS)
 	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing and not cluster" tests/e2e
@@ -54,7 +55,7 @@ test: $(VENV)/.installed
 
 # Multi-node runs on real Ray clusters started on this machine (tests/e2e/cluster), on two workers, each with a
 # cluster of its own, apart from the other tiers (Ray gives a node's raylet a fixed 30 s to register, which busy
-# workers beside it can take): about five minutes here, as much CPU as the kernel tier. CI runs it after
+# workers beside it can take): about nine and a half minutes here. CI runs it after
 # `make test`; run it after changing anything under launch/cluster/ or what a cluster's nodes run.
 test-cluster: $(VENV)/.installed
 	$(PYTEST) -n 2 --dist loadfile -m "cluster and not timing" tests/e2e/cluster
