@@ -461,7 +461,7 @@ TRAINING = (
     "    model(torch.randn(4, 8)).square().sum().backward()\n    opt.step()\n    opt.zero_grad()"
 )
 # --cpus 0: loaders the module's other tests registered in this kernel are not served (a session on the cluster
-# serves every loader registered before it starts, and one that does is neither healed nor resized)
+# serves every loader registered before it starts, and one that does is not resized)
 DDP_SESSION = (
     header("--keep --cpus 0") + INIT + "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))\n"
     "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
