@@ -1,7 +1,11 @@
 """Notebook cells that tests of more than one module run: a Lightning regression module with its
 data (the Lightning and CUDA tests), a small transformer with its training step (the sharded
-models' tests, on CPU and on GPUs), and a registered loader whose elements say where they were built
-(the delivery tests, on this machine and on a cluster)."""
+models' tests, on CPU and on GPUs), a registered loader whose elements say where they were built
+(the delivery tests, on this machine and on a cluster), and the lines that end a training cell with every
+rank's steps and parameters gathered (the healing tests with served loaders, on this machine and on a cluster)."""
+
+import json
+import re
 
 
 def indices_loader(origin: str) -> str:
@@ -102,3 +106,18 @@ torch.manual_seed(0)
 initial = Transformer()
 data = torch.randint(0, 32, (3, 2, 4, 9))  # steps, ranks, sequences, tokens
 """
+
+
+# The end of a training cell: every rank's optimizer steps and the sum of its parameters, gathered and printed
+# (``replicas_equal``). The cell defines ``model`` and counts ``steps``; ``dist`` and ``json`` are imported.
+GATHERED_STATE = """state = [steps, sum(p.sum().item() for p in model.parameters())]
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, state)
+print("STATE " + json.dumps(every), flush=True)
+"""
+
+
+def replicas_equal(result) -> bool:
+    """Whether a cell ending with ``GATHERED_STATE`` found the same steps and parameters in every rank."""
+    states = set(re.findall(r"STATE (.*)", result.stdout))
+    return len(states) == 1 and len({json.dumps(each) for each in json.loads(states.pop())}) == 1

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import pytest
+from support.cells import GATHERED_STATE, replicas_equal
 from support.cluster import (
     COLLECT,
     DATA,
@@ -1051,7 +1052,8 @@ def test_localhost_where_the_head_is_on_another_loopback_address_is_one_line_and
     assert f"connected to the Ray cluster at {local.address}" in shown, shown
 
 
-SERVED_TRAINING = """#pragma taas
+SERVED_TRAINING = (
+    """#pragma taas
 took = []
 for b in loader:
     took.append(b[:, 0].tolist())
@@ -1064,11 +1066,9 @@ for b in loader:
         loader._take_in_waiting()
         os.kill(os.getpid(), signal.SIGKILL)
 print("TOOK " + json.dumps(took), flush=True)
-state = [steps, sum(p.sum().item() for p in model.parameters())]
-every = [None] * dist.get_world_size()
-dist.all_gather_object(every, state)
-print("STATE " + json.dumps(every), flush=True)
 """
+    + GATHERED_STATE
+)
 
 
 def took(result) -> dict[int, list]:
@@ -1108,16 +1108,14 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
         assert rebuilt and int(rebuilt[1]) > 0, died.stderr
         after = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
         assert took(after) == {rank: passes[rank][1] for rank in range(4)}, "pass 1, whole, as a one-shot run's"
-        (state,) = set(re.findall(r"STATE (.*)", after.stdout))
-        assert len({json.dumps(each) for each in json.loads(state)}) == 1, f"equal replicas and steps: {state}"
+        assert replicas_equal(after), after.stdout
         healed = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert healed[3][1] == first[3][1] and healed[3][0] != first[3][0], (first, healed)
         os.kill(healed[3][0], 9)
         told_between_cells(cluster_kernel, "taas: rank 3 killed by signal SIGKILL between cells")
         again = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
         assert took(again) == {rank: passes[rank][2] for rank in range(4)}, "pass 2, whole"
-        (state,) = set(re.findall(r"STATE (.*)", again.stdout))
-        assert len({json.dumps(each) for each in json.loads(state)}) == 1, f"equal replicas and steps: {state}"
+        assert replicas_equal(again), again.stdout
     finally:
         cluster_kernel.execute("%taas stop").ok()
         if producers == "rank nodes":

@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from support.cells import indices_loader
+from support.cells import GATHERED_STATE, indices_loader, replicas_equal
 from support.kernel import processes_of_run
 from test_kernel_sessions import gone
 
@@ -744,7 +744,8 @@ model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 steps = 0
 """).ok()
-    train = """#pragma taas
+    train = (
+        """#pragma taas
 took = []
 for b in drawn:
     took.append(b.tolist())
@@ -755,11 +756,9 @@ for b in drawn:
     if taas.rank() == 1 and steps == KILL_AT:
         os.kill(os.getpid(), signal.SIGKILL)
 print("TOOK " + json.dumps(took), flush=True)
-state = [steps, sum(p.sum().item() for p in model.parameters())]
-every = [None] * dist.get_world_size()
-dist.all_gather_object(every, state)
-print("STATE " + json.dumps(every), flush=True)
 """
+        + GATHERED_STATE
+    )
     try:
         died = registered.execute(train.replace("KILL_AT", "6"), timeout=60)
         assert died.error is not None and "rank 1 failed: killed by signal SIGKILL" in died.error["evalue"]
@@ -767,10 +766,7 @@ print("STATE " + json.dumps(every), flush=True)
         assert "not copied (set them again in this rank): b, took" in died.stderr, "the notebook's classes are copied"
         after = registered.execute(train.replace("KILL_AT", "-1"), timeout=60).ok()
         assert drawn_passes(after, "TOOK") == {rank: expected[rank][1] for rank in range(3)}, "pass 1, whole"
-        states = set(re.findall(r"STATE (.*)", after.stdout))
-        assert len(states) == 1, states
-        (state,) = states
-        assert len({json.dumps(each) for each in json.loads(state)}) == 1, f"equal replicas and steps: {state}"
+        assert replicas_equal(after), after.stdout
     finally:
         registered.execute("%taas stop").ok()
         registered.execute("taas.unregister(drawn)").ok()
