@@ -1081,14 +1081,15 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
     3 (node 1) killed in the middle of a pass, holding elements of the next pass that arrived early: a new process
     takes its place on its node and its share of the stream, the elements the dead process had received built again
     there (their producers' counters, on other nodes, copied in first), and the next pass trains every rank on the
-    batches a one-shot run gives it, with equal replicas. Rank 1 (node 0) killed between cells: the same."""
+    batches a one-shot run gives it, with equal replicas. Rank 1 (node 0) killed between cells, and rank 3 in a cell
+    that trains in the background: the same."""
     cluster_kernel = registered
     options = "--keep --cpus 1"
     if producers == "rank nodes":  # a configuration the cluster lacks for producer nodes: they take turns on these
         cluster_kernel.execute("import taas_magic.kernel.cluster_link as _link\n_link.PRODUCER_NODE = 'c1.80'").ok()
         options = "--keep --cpus 2"
     reference = "#pragma taas --gpus 4 --device cpu --on local\nimport json\n"
-    reference += "print('PASSES ' + json.dumps([[b[:, 0].tolist() for b in loader] for _ in range(3)]))"
+    reference += "print('PASSES ' + json.dumps([[b[:, 0].tolist() for b in loader] for _ in range(5)]))"
     passes = {
         int(rank): json.loads(found)
         for rank, found in re.findall(r"\[rank (\d)\] PASSES (.*)", cluster_kernel.execute(reference).ok().each_rank())
@@ -1117,6 +1118,13 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
         assert took(again) == {rank: passes[rank][2] for rank in range(4)}, "pass 2, whole"
         assert replicas_equal(again), again.stdout
         assert where(cluster_kernel.execute(WHERE, timeout=60).ok())[1][1] == first[1][1], "on its node"
+        background = SERVED_TRAINING.replace("#pragma taas", "#pragma taas --background").replace("KILL_AT", "2")
+        cluster_kernel.execute(background, timeout=60).ok()
+        waited = cluster_kernel.execute("%taas wait", timeout=120)
+        assert "rank 3 failed: killed by signal SIGKILL" in waited.stderr, waited.stderr
+        last = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert took(last) == {rank: passes[rank][4] for rank in range(4)}, "pass 4, whole"
+        assert replicas_equal(last), last.stdout
     finally:
         cluster_kernel.execute("%taas stop").ok()
         if producers == "rank nodes":
