@@ -67,6 +67,9 @@ USUAL_PRIORITY = {"RAY_worker_niceness": "0"}
 FIRST_ADDRESS = "127.0.0.2"  # 127.0.0.1 is what Ray replaces by the machine's address
 START_ATTEMPTS = 3  # a new node's agents have a fixed time to start; a machine with every core busy can take longer
 START_PAUSE_SECONDS = 5.0  # before the second attempt; twice that before the third
+# A file's modification time is the kernel's clock as of its last tick, which lags time.time() by up to a tick: a
+# log written just after a start began can look older than the start by milliseconds.
+MTIME_LAG_SECONDS = 1.0
 START_TURN = "\0taas-local-cluster-node-start"  # a name in Linux's abstract socket namespace: _start_turn
 START_TURN_WAIT_SECONDS = 600.0  # a node starts in 10-60 s; a holder that has not finished by then has hung
 START_TURN_POLL_SECONDS = 0.2
@@ -285,7 +288,7 @@ def _raylet_complaint(since: float) -> str | None:
 
     logs = glob.glob(os.path.join(ray_private.sessions_folder(), "session_2*", "logs", "raylet*.out"))
     for log in sorted(logs, key=os.path.getmtime, reverse=True):
-        if os.path.getmtime(log) < since:
+        if os.path.getmtime(log) < since - MTIME_LAG_SECONDS:
             break
         with open(log, errors="replace") as lines:
             for line in lines:
