@@ -2,7 +2,8 @@
 data (the Lightning and CUDA tests), a small transformer with its training step (the sharded
 models' tests, on CPU and on GPUs), a registered loader whose elements say where they were built
 (the delivery tests, on this machine and on a cluster), and the lines that end a training cell with every
-rank's steps and parameters gathered (the healing tests with served loaders, on this machine and on a cluster)."""
+rank's steps and parameters gathered, with what each rank printed of its passes (the healing tests with served
+loaders, on this machine and on a cluster)."""
 
 import json
 import re
@@ -121,3 +122,10 @@ def replicas_equal(result) -> bool:
     """Whether a cell ending with ``GATHERED_STATE`` found the same steps and parameters in every rank."""
     states = set(re.findall(r"STATE (.*)", result.stdout))
     return len(states) == 1 and len({json.dumps(each) for each in json.loads(states.pop())}) == 1
+
+
+def drawn_passes(result, word: str) -> dict[int, list]:
+    """What each rank printed as JSON after ``word`` (``print("TOOK " + json.dumps(took))``), by rank."""
+    return {
+        int(rank): json.loads(found) for rank, found in re.findall(rf"\[rank (\d)\] {word} (.*)", result.each_rank())
+    }

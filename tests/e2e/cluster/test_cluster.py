@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import pytest
-from support.cells import GATHERED_STATE, replicas_equal
+from support.cells import GATHERED_STATE, drawn_passes, replicas_equal
 from support.cluster import (
     COLLECT,
     DATA,
@@ -1071,10 +1071,6 @@ print("TOOK " + json.dumps(took), flush=True)
 )
 
 
-def took(result) -> dict[int, list]:
-    return {int(rank): json.loads(found) for rank, found in re.findall(r"\[rank (\d)\] TOOK (.*)", result.each_rank())}
-
-
 @pytest.mark.parametrize("producers", ["cpu node", "rank nodes"])
 def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over_its_share(registered, producers):
     """DDP training over a registered loader fed from the CPU node (or by producers on both nodes of ranks), rank
@@ -1090,10 +1086,7 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
         options = "--keep --cpus 2"
     reference = "#pragma taas --gpus 4 --device cpu --on local\nimport json\n"
     reference += "print('PASSES ' + json.dumps([[b[:, 0].tolist() for b in loader] for _ in range(5)]))"
-    passes = {
-        int(rank): json.loads(found)
-        for rank, found in re.findall(r"\[rank (\d)\] PASSES (.*)", cluster_kernel.execute(reference).ok().each_rank())
-    }
+    passes = drawn_passes(cluster_kernel.execute(reference).ok(), "PASSES")
     start = header(options) + INIT + "import json, signal, time\ntorch.manual_seed(0)\n"
     start += "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
     start += "opt = torch.optim.SGD(model.parameters(), lr=1e-6)\nsteps = 0"
@@ -1108,14 +1101,16 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
         )
         assert rebuilt and int(rebuilt[1]) > 0, died.stderr
         after = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
-        assert took(after) == {rank: passes[rank][1] for rank in range(4)}, "pass 1, whole, as a one-shot run's"
+        assert drawn_passes(after, "TOOK") == {rank: passes[rank][1] for rank in range(4)}, (
+            "pass 1, whole, as a one-shot run's"
+        )
         assert replicas_equal(after), after.stdout
         healed = where(cluster_kernel.execute(WHERE, timeout=60).ok())
         assert healed[3][1] == first[3][1] and healed[3][0] != first[3][0], (first, healed)
         os.kill(healed[1][0], 9)  # on node 0, which serves the run's store (and hosts a producer, or not)
         told_between_cells(cluster_kernel, "taas: rank 1 killed by signal SIGKILL between cells")
         again = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
-        assert took(again) == {rank: passes[rank][2] for rank in range(4)}, "pass 2, whole"
+        assert drawn_passes(again, "TOOK") == {rank: passes[rank][2] for rank in range(4)}, "pass 2, whole"
         assert replicas_equal(again), again.stdout
         assert where(cluster_kernel.execute(WHERE, timeout=60).ok())[1][1] == first[1][1], "on its node"
         background = SERVED_TRAINING.replace("#pragma taas", "#pragma taas --background").replace("KILL_AT", "2")
@@ -1123,7 +1118,7 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
         waited = cluster_kernel.execute("%taas wait", timeout=120)
         assert "rank 3 failed: killed by signal SIGKILL" in waited.stderr, waited.stderr
         last = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
-        assert took(last) == {rank: passes[rank][4] for rank in range(4)}, "pass 4, whole"
+        assert drawn_passes(last, "TOOK") == {rank: passes[rank][4] for rank in range(4)}, "pass 4, whole"
         assert replicas_equal(last), last.stdout
     finally:
         cluster_kernel.execute("%taas stop").ok()

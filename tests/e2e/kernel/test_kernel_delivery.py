@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from support.cells import GATHERED_STATE, indices_loader, replicas_equal
+from support.cells import GATHERED_STATE, drawn_passes, indices_loader, replicas_equal
 from support.kernel import processes_of_run
 from test_kernel_sessions import gone
 
@@ -638,12 +638,6 @@ print("PASSES " + json.dumps([[b.tolist() for b in drawn] for _ in range(3)]))
     finally:
         registered.execute("taas.unregister(drawn)").ok()
     return expected
-
-
-def drawn_passes(result, word: str) -> dict[int, list]:
-    return {
-        int(rank): json.loads(found) for rank, found in re.findall(rf"\[rank (\d)\] {word} (.*)", result.each_rank())
-    }
 
 
 TAKE_PASS = """#pragma taas
