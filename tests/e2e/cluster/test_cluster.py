@@ -1127,6 +1127,54 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
     assert not leftovers(cluster_kernel)
 
 
+def test_a_served_cluster_session_meets_an_interrupt_two_deaths_at_once_and_a_pull_in_the_background(registered):
+    """What a user of a cluster session fed by producers meets beside a death: an interrupt in the middle of a pass
+    (the rest of that pass skipped, the next one whole), ranks on both nodes killed at once (each replaced on its
+    node, taking over its share), and `%taas pull` while the session trains in the background (every rank at one
+    step); after each, the next pass gives every rank a one-shot run's batches, and the replicas are equal."""
+    cluster_kernel = registered
+    reference = "#pragma taas --gpus 4 --device cpu --on local\nimport json\n"
+    reference += "print('PASSES ' + json.dumps([[b[:, 0].tolist() for b in loader] for _ in range(6)]))"
+    passes = drawn_passes(cluster_kernel.execute(reference).ok(), "PASSES")
+    start = header("--keep --cpus 1") + INIT + "import json, signal, time\ntorch.manual_seed(0)\n"
+    start += "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+    start += "opt = torch.optim.SGD(model.parameters(), lr=1e-6)\nsteps = 0"
+    cluster_kernel.execute(start, timeout=240).ok()
+    slow = SERVED_TRAINING.replace("KILL_AT", "-1").replace("steps += 1", "steps += 1\n    time.sleep(1.0)")
+    whole = SERVED_TRAINING.replace("KILL_AT", "-1")
+
+    def next_pass_whole(number: int) -> None:
+        after = cluster_kernel.execute(whole, timeout=120).ok()
+        assert drawn_passes(after, "TOOK") == {rank: passes[rank][number] for rank in range(4)}, f"pass {number}"
+        assert replicas_equal(after), after.stdout
+
+    try:
+        first = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        cut = cluster_kernel.execute(slow, timeout=60, interrupt_after=1.5)
+        assert cut.error is not None and cut.error["ename"] == "RunInterrupted", cut.error
+        assert "the session goes on" in cut.error["evalue"], cut.error
+        next_pass_whole(1)
+        two = SERVED_TRAINING.replace("dist.get_rank() == 3", "dist.get_rank() in (1, 3)").replace("KILL_AT", "2")
+        died = cluster_kernel.execute(two, timeout=120)
+        assert died.error is not None and "killed by signal SIGKILL" in died.error["evalue"], died.error
+        assert "taas: the session goes on, a new process in place of ranks 1,3" in died.traceback, died.traceback
+        for rank in (1, 3):
+            assert f"[rank {rank}] taas: rank {rank}: its share of 'loader' goes on at pass 3" in died.stderr, rank
+        next_pass_whole(3)
+        healed = where(cluster_kernel.execute(WHERE, timeout=60).ok())
+        assert all(healed[rank][0] != first[rank][0] and healed[rank][1] == first[rank][1] for rank in (1, 3))
+        cluster_kernel.execute(slow.replace("#pragma taas", "#pragma taas --background"), timeout=60).ok()
+        time.sleep(1.5)
+        cluster_kernel.execute("%taas pull steps --ranks 0-3", timeout=60).ok()
+        steps = cluster_kernel.value("list(steps)")
+        assert len(set(steps)) == 1, f"every rank at one step: {steps}"
+        cluster_kernel.execute("%taas wait", timeout=120).ok()
+        next_pass_whole(5)
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+    assert not leftovers(cluster_kernel)
+
+
 @pytest.mark.timeout(300)  # a first Ray Client connection starts a server and a worker on the head
 def test_a_notebook_off_the_cluster_connects_through_ray_client(cluster, registered, tmp_path):
     """Ray Client (ray://HOST:PORT): the same cells, the notebook's folder on the nodes (the kernel

@@ -12,6 +12,8 @@ import signal
 from collections.abc import Callable, Iterable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.specs import cpu_spec
 
 from taas_magic.errors import RankFailed, SessionEnded, TaasUsageError
@@ -20,6 +22,7 @@ from taas_magic.kernel.magics import TaasMagics
 from taas_magic.kernel.sessions.session import Session
 from taas_magic.kernel.sessions.session_cells import check_fits_session
 from taas_magic.kernel.view.front_end import CellFrontEnd
+from taas_magic.per_rank import span
 from taas_magic.rank import session as rank_session
 from taas_magic.rank import worker
 from taas_magic.wire.events import Event, Exited, Output, Report
@@ -128,6 +131,44 @@ def test_a_rank_that_raises_fails_the_cell_interrupts_the_others_and_the_session
     group.script = each_rank_says("again")
     assert run(session) == [("stdout", "[rank 0] again 0\n"), ("stdout", "[rank 1] again 1\n")]
     assert session.failed == [], "a cell that succeeds leaves no rank to debug"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    world=st.integers(2, 6),
+    data=st.data(),
+)
+def test_the_cells_last_line_names_every_rank_a_new_process_replaces_and_the_one_to_debug(world, data):
+    """Ranks killed together (an OOM killer's round), first or after a rank raised: the line that says the session
+    goes on names each of them, and the raising rank for %taas debug; the group is reconnected with all of them
+    new."""
+    killed = data.draw(st.sets(st.integers(0, world - 1), min_size=0, max_size=world - 1), label="killed")
+    raising = data.draw(st.sampled_from([None, *sorted(set(range(world)) - killed)]), label="raising")
+    if not killed and raising is None:
+        killed = {world - 1}
+    events: list[Event] = [Exited(rank, -signal.SIGKILL) for rank in sorted(killed)]
+    if raising is not None:
+        events.insert(0, Report(raising, Failed(1.0, "ValueError", "bad batch", ["tb"])))
+    survivors = [rank for rank in range(world) if rank not in killed and rank != raising]
+    events += [Report(rank, CellEnded(2.0)) for rank in survivors]
+    group = ScriptedSessionGroup(
+        lambda g, ranks: events if len(g.cells) == 1 else [Report(r, CellEnded(3.0)) for r in ranks], world
+    )
+    group.on_signal = lambda g, signum, ranks: []
+    session = session_of(group)
+    front = CellFrontEnd(lambda stream, text: None, read_line=input)
+    with pytest.raises(RankFailed) as caught:
+        session.run(SessionCell.post_mortem(), None, list(range(world)), session.spec, front)
+    line = caught.value.lines[-1]
+    assert line.startswith("taas: the session goes on"), line
+    if killed:
+        assert f", a new process in place of {span(killed)}" in line, line
+        assert group.sent[-1].newcomers == tuple(sorted(killed)), "each killed rank's place taken anew"
+    else:
+        assert "a new process" not in line, line
+    if raising is not None:
+        assert line.endswith(f"(%taas debug opens the debugger in rank {raising} at the error)"), line
+    assert not session.ended
 
 
 def test_a_rank_that_dies_in_a_cell_is_replaced_and_every_rank_reconnects_the_group():

@@ -44,13 +44,21 @@ def error(result: RunResult, cell_names: Mapping[str, str]) -> BaseException | N
     return session_ended(result, cell_names)
 
 
-def _goes_on(result: RunResult) -> str:  # what a session whose cell failed does next, in a line
-    root, lost = result.failures[0], [failure_.rank for failure_ in result.failures if failure_.code == NODE_LOST]
-    if root.raised is not None:
-        return f"taas: the session goes on (%taas debug opens the debugger in {name(result, root.rank)} at the error)"
+def _goes_on(result: RunResult) -> str:
+    """What a session whose cell failed does next, in a line: every rank that died is named, whether it died first
+    or after another rank failed, since a new process takes the place of each."""
+    root = result.failures[0]
+    exited = {rank: code for rank, code in result.exits.items() if isinstance(rank, int)}
+    lost = [rank for rank, code in exited.items() if code == NODE_LOST]
+    died = [rank for rank, code in exited.items() if code != NODE_LOST]
+    line = "taas: the session goes on"
     if lost:
-        return f"taas: the session goes on without {span(lost)}, lost with their node"
-    return f"taas: the session goes on, a new process in place of {name(result, root.rank)}"
+        line += f" without {span(lost)}, lost with their node"
+    if died:
+        line += f"{';' if lost else ','} a new process in place of {span(died)}"
+    if root.raised is not None:
+        line += f" (%taas debug opens the debugger in {name(result, root.rank)} at the error)"
+    return line
 
 
 def failure(result: RunResult, others_were: str, cell_names: Mapping[str, str] | None = None) -> tuple[str, list[str]]:
