@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, FrozenSet
+from typing import Any, Callable, FrozenSet
 
 from taas_magic.process import containment, kernel_debugger
 from taas_magic.wire import records
@@ -81,6 +81,7 @@ def become_child(fds: RankFds, env: dict[str, str]) -> Any:
     containment.drop_inherited(_own(fds), *_the_kernels_own_files())
     _tie_life_to_supervisor(fds.lifeline)
     _redirect_output(fds.stdout, fds.stderr)
+    builtins.print = print_in_one_write(builtins.print, (sys.stdout, sys.stderr))
     _reset_signals(fds.stack)
     os.environ.update(env)
     shell = _detach_from_kernel()
@@ -169,6 +170,33 @@ def _redirect_output(stdout_fd: int, stderr_fd: int) -> None:
                 setattr(old, name, getattr(new, name))
             except (AttributeError, TypeError):
                 pass
+
+
+def print_in_one_write(original: Callable[..., None], streams: tuple[Any, ...]) -> Callable[..., None]:
+    """``print`` that hands ``streams`` (the process's own stdout and stderr) each call's text in one write.
+
+    The built-in writes each value and separator on its own, and the streams write through to the pipes: a rank
+    descheduled between those writes (a busy machine, a slow ``__str__``) sends the kernel a partial line, which
+    the kernel shows on its own after a moment of quiet, and the line reaches the notebook in two pieces. Formatted
+    first by the built-in itself, the text is exactly what it would have written, errors included. Any other file
+    (a redirection, a log file) is printed to as the built-in does."""
+
+    def print(
+        *values: object, sep: str | None = " ", end: str | None = "\n", file: Any = None, flush: bool = False
+    ) -> None:
+        stream = sys.stdout if file is None else file
+        if not any(stream is own for own in streams):
+            original(*values, sep=sep, end=end, file=file, flush=flush)
+            return
+        text = io.StringIO()
+        original(*values, sep=sep, end=end, file=text)
+        if text.tell():
+            stream.write(text.getvalue())
+        if flush:
+            stream.flush()
+
+    print.__doc__ = original.__doc__
+    return print
 
 
 def _text_stream(fd: int) -> io.TextIOWrapper:

@@ -133,6 +133,22 @@ sys.stdout.write("no newline at the end")
     assert "to stderr" not in result.stdout
 
 
+def test_a_print_whose_values_take_time_to_format_arrives_as_one_line(kernel):
+    """``print(a, b)`` writes each value and separator on its own: a rank paused between them (a busy machine, here a
+    slow ``__str__``) must not show the line in two pieces."""
+    result = kernel.execute("""#pragma taas --gpus 2
+import os, time
+class Slow:
+    def __str__(self):
+        time.sleep(0.5)
+        return "formatted"
+print("pid", os.getpid(), Slow(), "done")
+""").ok()
+    for rank in (0, 1):
+        (line,) = [line for line in result.each_rank().splitlines() if line.startswith(f"[rank {rank}]")]
+        assert re.fullmatch(rf"\[rank {rank}\] pid \d+ formatted done", line), result.each_rank()
+
+
 def test_output_rank0_shows_rank_0_alone_without_prefix(kernel):
     result = kernel.execute("#pragma taas --gpus 2 --output rank0\nimport taas\nprint('I am', taas.rank())").ok()
     assert result.stdout == "I am 0\n"
