@@ -26,7 +26,18 @@ from taas_magic.launch.supervisor.handle import SupervisedRanks
 from taas_magic.process import containment
 from taas_magic.wire.channel import new_secret, socket_pair
 from taas_magic.wire.events import Exited, Output, Producer
-from taas_magic.wire.supervision import Close, Closed, Events, Lost, Started, StartFailed, kernel_end, supervisor_end
+from taas_magic.wire.supervision import (
+    Close,
+    Closed,
+    Events,
+    Lost,
+    PutInStore,
+    Started,
+    StartFailed,
+    Stored,
+    kernel_end,
+    supervisor_end,
+)
 from taas_magic.wire.task import CellOrder, RankTask
 
 PRODUCER = Producer(0, 0)  # a data producer of the run
@@ -132,6 +143,43 @@ def test_close_waits_for_the_supervisor_to_say_everything_is_gone(ends):
     helper.join()
     assert time.monotonic() - began >= 0.3
     assert group.codes == {0: 0, 1: -9}
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_a_value_put_in_the_store_a_supervisor_serves_is_there_once_the_put_returns(ends, served):
+    """On a cluster, node 0's supervisor serves the run's store, and a `%taas pull` tells the ranks of every node to
+    read its request right after putting it: the put returns once the supervisor said it is there (a rank told
+    through another node read the request before it, and answered that one), keeping what came before the answer."""
+    group, supervisor = ends
+    group.store_in_supervisor = True
+    supervisor.send(Started(group.stand_in_pid, (0, 1)))
+    group.wait_started(5)
+
+    def answer() -> None:
+        message, _ = supervisor.receive()
+        assert message == PutInStore("taas/pull", "{}")
+        time.sleep(0.3)
+        supervisor.send(Events((Output(0, "stdout", b"meanwhile\n"),)))
+        supervisor.send(Stored("taas/pull", served))
+
+    helper = threading.Thread(target=answer)
+    helper.start()
+    began = time.monotonic()
+    assert group.put_in_store("taas/pull", "{}") is served
+    helper.join()
+    assert time.monotonic() - began >= 0.3, "not before the supervisor's word"
+    assert group.events(0) == [Output(0, "stdout", b"meanwhile\n")], "what came first is kept"
+
+
+def test_a_supervisor_that_never_says_the_value_is_stored_is_no_put(ends, monkeypatch):
+    group, supervisor = ends
+    group.store_in_supervisor = True
+    supervisor.send(Started(group.stand_in_pid, (0, 1)))
+    group.wait_started(5)
+    monkeypatch.setattr("taas_magic.launch.supervisor.handle.STORE_SECONDS", 0.2)
+    assert group.put_in_store("taas/pull", "{}") is False
+    supervisor.send(Stored("taas/pull", True))  # too late: taken as a stale answer, not a lost run
+    assert group.events(0.2) == [] and not group.closed
 
 
 # -- the whole path --------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """A `%taas pull` while a session's cell runs in the background: the asked ranks send the names between two optimizer
 steps, every rank at the same one, and the cell goes on.
 
-The kernel puts the request in the run's store (``PULL_KEY``; on a cluster, node 0's supervisor puts it, and the ranks
-of other nodes may be told first: a rank reads the request numbered after the last it read) and sends
-``PULL_TOGETHER``; ``stopping.StepStops``
+The kernel puts the request in the run's store (``PULL_KEY``; on a cluster, node 0's supervisor puts it and says when
+it is there) and then sends ``PULL_TOGETHER``; a rank reads the request numbered after the last it read (one that
+reads too early waits for it). ``stopping.StepStops``
 takes it at the step the ranks agree on, as it takes an interrupt, and this module answers: the names as the cell
 has them then, pickled as a cell's end pickles them (``Pulled``, large ones in a memory file). A sharded tensor is
 left out: gathering it would be a collective, in the middle of the cell's own.

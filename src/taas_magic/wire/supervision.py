@@ -62,7 +62,7 @@ class RunCell:
 @dataclass(frozen=True)
 class PutInStore:
     """Set ``key`` to ``value`` in the run's store, which this supervisor serves (a cluster run's node 0): what its
-    ranks read when told to (a pull's request), put before any rank is told."""
+    ranks read when told to (a pull's request), put before any rank is told. Answered by ``Stored``."""
 
     kind: ClassVar[str] = "put"
     key: str
@@ -120,6 +120,16 @@ class Stacks:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """The answer to ``PutInStore``: the value is in the run's store (``done``; False where this supervisor serves
+    none), so that a rank told of it afterwards, through another node, reads it and not the one before."""
+
+    kind: ClassVar[str] = "stored"
+    key: str
+    done: bool
+
+
+@dataclass(frozen=True)
 class Closed:
     """Every process of the run is gone: their exit codes, and the events that came with the end."""
 
@@ -137,7 +147,7 @@ class Lost:
 
 
 ToSupervisor = Union[Go, SignalRanks, AskStacks, RunCell, PutInStore, AnswerLine, Close]
-FromSupervisor = Union[Started, StartFailed, Events, Stacks, Closed, Lost]
+FromSupervisor = Union[Started, StartFailed, Events, Stacks, Stored, Closed, Lost]
 
 # Who sends what to whom: docs/architecture.md's table of messages lists exactly these (test_protocol.py).
 DIRECTIONS = (("kernel or agent", "supervisor", ToSupervisor), ("supervisor", "kernel or agent", FromSupervisor))

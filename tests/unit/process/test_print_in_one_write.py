@@ -32,7 +32,9 @@ class CountingFile(io.RawIOBase):
 def own_stream() -> tuple[io.TextIOWrapper, CountingFile]:
     """A stream made as a rank's are: line buffered, writing through."""
     raw = CountingFile()
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True), raw
+    return io.TextIOWrapper(
+        raw, encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True
+    ), raw
 
 
 class Slow:

@@ -301,8 +301,8 @@ class ClusterRanks:
         self.alive[index], self.ranks_on[index] = set(keys), frozenset(envs)
 
     def ask_pull(self, number: int, names: tuple[str, ...], ranks: tuple[int, ...]) -> bool:
-        """`%taas pull` while a session's cell runs: node 0's supervisor puts the request in the run's store, then
-        every node tells its asked ranks (one told before the request is there waits for it: ``rank/pulling.py``)."""
+        """`%taas pull` while a session's cell runs: node 0's supervisor puts the request in the run's store and says
+        when it is there, then every node tells its asked ranks (``rank/pulling.py``)."""
         put = self._call(
             [0],
             lambda index: self.agents[index].put_in_store.remote(PULL_KEY, pull_request(number, names, ranks)),

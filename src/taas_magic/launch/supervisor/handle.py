@@ -12,7 +12,7 @@ import os
 import select
 import signal
 import time
-from typing import Callable, Iterable, NoReturn, assert_never
+from typing import Callable, Iterable, NoReturn, TypeVar, assert_never
 
 from taas_magic.errors import RunLost, TaasRunError
 from taas_magic.launch.rendezvous import RunStore
@@ -37,11 +37,14 @@ from taas_magic.wire.supervision import (
     Stacks,
     Started,
     StartFailed,
+    Stored,
     ToSupervisor,
 )
 
 CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
+STORE_SECONDS = 5.0  # the most a supervisor that serves the run's store takes to say a value is in it
 UNCONFIRMED_SECONDS = 2.0  # how long a supervisor that did not say the run is over has to exit on its own
+Answer = TypeVar("Answer", Stacks, Stored)
 
 
 class SupervisorProcess:
@@ -223,12 +226,14 @@ class SupervisedRanks:
 
     def put_in_store(self, key: str, value: str) -> bool:
         """``value`` under ``key`` in the run's store, for its processes to read: served here, or by the supervisor,
-        which puts it before it acts on anything sent after this. False where neither serves it."""
+        which says when it is there (a rank of another node may be told to read it right after). False where
+        neither serves it, or the supervisor did not say so within ``STORE_SECONDS``."""
         if self.store is not None:
             return self.store.put(key, value)
         if self.store_in_supervisor and self.alive:
             self._send(PutInStore(key, value))
-            return True
+            stored = self._answer(Stored, STORE_SECONDS)
+            return stored is not None and stored.done
         return False
 
     def stacks(self, ranks: Iterable[Key], timeout: float) -> dict[Key, str]:
@@ -238,14 +243,20 @@ class SupervisedRanks:
         if self.finished:
             return {}
         self._send(AskStacks(tuple(sorted(ranks, key=key_order)), timeout))
-        deadline = time.monotonic() + timeout + CLOSE_SECONDS
+        answer = self._answer(Stacks, timeout + CLOSE_SECONDS)
+        return dict(answer.stacks) if answer is not None else {}
+
+    def _answer(self, kind: type[Answer], seconds: float) -> Answer | None:
+        """The supervisor's answer of ``kind`` to the request just sent, taking what comes before it; None once the
+        run is over or after ``seconds``."""
+        deadline = time.monotonic() + seconds
         while not self.finished and time.monotonic() < deadline:
             if self._readable(max(0.0, deadline - time.monotonic())):
                 message = self._receive()
-                if isinstance(message, Stacks):
-                    return dict(message.stacks)
+                if isinstance(message, kind):
+                    return message
                 self._take(message)
-        return {}
+        return None
 
     def close(self) -> None:
         """Ask the supervisor to end the run and wait until it has; kill it if it does not answer."""
@@ -354,7 +365,7 @@ class SupervisedRanks:
                 self.finished = True  # every process exited: the run is over
             case Lost(why):  # the supervisor ended the run without being asked
                 self._lose(why)
-            case Stacks():
+            case Stacks() | Stored():
                 pass  # a reply that came after its request timed out
             case Started() | StartFailed():
                 self._lose(f"unexpected message {message.kind!r}")

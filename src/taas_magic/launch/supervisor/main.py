@@ -47,6 +47,7 @@ from taas_magic.wire.supervision import (
     Stacks,
     Started,
     StartFailed,
+    Stored,
     SupervisorEnd,
     ToSupervisor,
 )
@@ -213,6 +214,7 @@ class _Supervisor:
             case PutInStore(key, value):
                 if self.store is not None:
                     self.store.set(key, value)
+                self._send(Stored(key, self.store is not None))
             case AnswerLine(rank, line):
                 group.answer(rank, line)
             case Go():
