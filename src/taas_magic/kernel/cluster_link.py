@@ -5,12 +5,12 @@ cell's run."""
 from __future__ import annotations
 
 import os
-import sys
 
 from taas_magic.configurations import Catalog, load_catalog
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.header.spec import LaunchSpec
 from taas_magic.kernel.sessions.kept import Kept
+from taas_magic.kernel.view import streams
 from taas_magic.launch.cluster import connection
 from taas_magic.launch.cluster.backend import ClusterBackend
 from taas_magic.launch.cluster.driver_link import ConnectedCluster, lost_message
@@ -99,5 +99,6 @@ class ClusterLink:
 
 
 def _to_stderr(line: str) -> None:
-    """A line of taas's for the running cell: the notebook's folder going to the cluster, rank 0's files back."""
-    print(line, file=sys.stderr)
+    """A line of taas's for the running cell: the notebook's folder going to the cluster, rank 0's files back (a
+    run in the background's, in its own cell)."""
+    streams.say(line)

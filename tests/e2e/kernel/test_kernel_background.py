@@ -206,7 +206,8 @@ def test_a_session_cell_trains_in_the_background_and_the_session_waits_for_it(ke
 
 def test_a_run_in_the_background_restarts_profiles_and_outlives_a_reload_of_the_extension(kernel, tmp_path):
     """What a cell in the foreground has, in the background: --max-restarts starts it again, --profile's trace is
-    written and named in its cell, and %reload_ext (the session, the cluster and the runs go on) keeps the run."""
+    written and named in its cell, even while another cell captures its own output (``%%capture``), and %reload_ext
+    (the session, the cluster and the runs go on) keeps the run."""
     cell = (
         "#pragma taas --gpus 2 --background --max-restarts 1 --profile --return restarted\n"
         "import os, time, torch\n"
@@ -220,6 +221,8 @@ def test_a_run_in_the_background_restarts_profiles_and_outlives_a_reload_of_the_
     with working_in(kernel, tmp_path):
         started = kernel.execute(cell, timeout=60).ok()
         kernel.execute("restarting = _\n%reload_ext taas_magic").ok()
+        kernel.execute("%%capture cap\nrestarting.wait(120)", timeout=150).ok()
+        assert "taas-profile-" not in kernel.value("cap.stderr"), "the run's lines stay out of the capturing cell"
         kernel.execute("%taas wait", timeout=120).ok()
         assert kernel.value("restarted") == 1 and kernel.value("restarting.done()") is True
     said = kernel.later[started.msg_id]

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from taas_magic.errors import TaasUsageError
 from taas_magic.kernel.run.run_result import RunResult
+from taas_magic.kernel.view import streams
 
 STOP_WAIT_SECONDS = 30.0  # a run that was asked to stop ends within seconds: an interrupt, then SIGTERM, SIGKILL
 WAIT_SLICE_SECONDS = 0.1  # a wait wakes this often, so that an interrupt of the kernel ends it at once
@@ -248,6 +249,7 @@ class BackgroundRun:
 
     def _run(self, work: Callable[[], RunResult], route: Callable[[], None], stderr: Any) -> None:
         route()
+        streams.pin_stderr(stderr)
         try:
             self._result = work()
         except BaseException as e:  # the run's failure, shown in its own cell and kept for .result

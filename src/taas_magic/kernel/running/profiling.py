@@ -18,12 +18,12 @@ import gzip
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from taas_magic.kernel.view import streams
 from taas_magic.per_rank import span
 from taas_magic.rank.profiling import TRACE_FILE, TRACE_NAME
 
@@ -45,7 +45,7 @@ class Written:
         kept = f"; {count} traces in this folder, {size / 1e6:.1f} MB" if count > 1 else ""
         return (
             f"taas: --profile: the ranks' trace is {self.path} ({self.size / 1e6:.1f} MB{lacking}{kept}): "
-            "open it in https://ui.perfetto.dev or chrome://tracing\n"
+            "open it in https://ui.perfetto.dev or chrome://tracing"
         )
 
 
@@ -162,11 +162,11 @@ def merge_and_close(traces: ProfileFolder, world: int) -> None:
     try:
         written = traces.merge_into(os.getcwd())
     except OSError as e:
-        print(f"taas: --profile: the merged trace could not be written in {os.getcwd()}: {e}", file=sys.stderr)
+        streams.say(f"taas: --profile: the merged trace could not be written in {os.getcwd()}: {e}")
         return
     finally:
         traces.close()
     if written is None:
-        print("taas: --profile: no rank wrote its trace (each was killed before it could)", file=sys.stderr)
-    else:
-        print(written.notice(world), end="", file=sys.stderr)
+        streams.say("taas: --profile: no rank wrote its trace (each was killed before it could)")
+    else:  # in a run in the background's thread, into its own cell
+        streams.say(written.notice(world))

@@ -13,6 +13,7 @@ to the kernel's stream at once, without IPython keeping a copy (see there).
 from __future__ import annotations
 
 import codecs
+import contextvars
 import ctypes
 import functools
 import re
@@ -30,6 +31,7 @@ TAIL_LINES = 20  # recent stderr lines kept per rank for crash reports
 TAIL_LINE_MAX = 2000  # characters kept of each of those lines
 WRITE_PIECE = 32 * 1024  # characters handed to the kernel's stream at once (see write_to_cell)
 _BREAKS = re.compile(r"(\r\n|\n|\r)")
+_OWN_STDERR: contextvars.ContextVar[Any] = contextvars.ContextVar("taas_own_stderr", default=None)
 
 
 @dataclass
@@ -200,6 +202,19 @@ def writer_to_this_cell() -> Callable[[str, str], None]:
         _write_in_pieces(out if stream == "stdout" else err, text)
 
     return write
+
+
+def pin_stderr(stderr: Any) -> None:
+    """From now on, in this thread's context (a run in the background's), taas's lines (``say``) go to ``stderr``,
+    the run's own cell's, whatever another cell swaps ``sys.stderr`` for meanwhile (``%%capture``)."""
+    _OWN_STDERR.set(stderr)
+
+
+def say(line: str) -> None:
+    """A line of taas's for the cell that runs now, on its stderr: a run in the background's own cell's
+    (``pin_stderr``), else the notebook's current one."""
+    target = _OWN_STDERR.get()
+    _write_in_pieces(sys.stderr if target is None else target, line + "\n")
 
 
 def _write_in_pieces(target: Any, text: str) -> None:
