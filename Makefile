@@ -46,8 +46,8 @@ E2E_WORKERS ?= 6
 # kernel and browser tiers on E2E_WORKERS (each module in one worker, the modules that mostly wait paired
 # with ones that compute: tests/conftest.py; on four workers, waits that met still left the two cores a fifth
 # idle, on six they are busy throughout), then the tests whose assertions are about time, with nothing beside
-# them. Everything on this machine with no Ray cluster: 16 to 18 minutes here from a fresh clone, the install
-# included (the kernel tier alone 12 to 14, its two cores busy throughout: docs/performance.md#the-test-suites-time).
+# them. Everything on this machine with no Ray cluster: 15 to 18 minutes here from a fresh clone, the install
+# included (the kernel tier alone 10 to 14, its two cores busy throughout: docs/performance.md#the-test-suites-time).
 test: $(VENV)/.installed
 	$(CHECKS_AND_FAST_TIERS)
 	$(PYTEST) -n $(E2E_WORKERS) --dist loadfile -m "not timing and not cluster" tests/e2e
