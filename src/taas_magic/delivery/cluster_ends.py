@@ -50,9 +50,9 @@ class AttachedDelivery:
         self.share = share
         self.loaders = [namespace[plan.name] for plan in share.loaders]
         self.counters = []
-        for plan, position in zip(share.loaders, ends.counters):
-            self.counters.append(Counters(plan.producers, share.world, fds[position]))
-            os.close(fds[position])  # the mapping stays, and forked processes inherit it
+        self.counters_fds = [fds[position] for position in ends.counters]  # for ranks that run already (late_ends)
+        for plan, fd in zip(share.loaders, self.counters_fds):
+            self.counters.append(Counters(plan.producers, share.world, fd))
         self.producers_ends = [[socket.socket(fileno=fds[p]) for p in positions] for positions in ends.producers_ends]
         self.rank_ends = [
             dict(zip(share.ranks, (socket.socket(fileno=fds[p]) for p in positions))) for positions in ends.rank_ends
@@ -76,11 +76,11 @@ class AttachedDelivery:
                     reports_stats=False,  # the kernel makes the progress line from every node's counters
                     on_demand=plan.on_demand,
                 )
-                tasks.append((Producer(number, index), task))
+                tasks.append((Producer(self.share.first + number, index), task))
         return tasks
 
     def producer_sockets(self, key: Producer) -> set[int]:
-        return {end.fileno() for end in self.producers_ends[key.loader]}
+        return {end.fileno() for end in self.producers_ends[key.loader - self.share.first]}
 
     def rank_sockets(self, rank: int) -> set[int]:
         return {ends[rank].fileno() for ends in self.rank_ends}
@@ -90,6 +90,11 @@ class AttachedDelivery:
             FedLoader(plan, self.share.world, ends, counters)
             for plan, ends, counters in zip(self.share.loaders, self.rank_ends, self.counters)
         )
+
+    def late_ends(self, rank: int) -> tuple[int, ...]:
+        """For a rank that runs already, which begins to take these loaders with a cell: its end of each loader's
+        channel, then each loader's counters file (``service.late_stand_ins`` takes them in that order)."""
+        return tuple(ends[rank].fileno() for ends in self.rank_ends) + tuple(self.counters_fds)
 
     def for_replacement(self, rank: int) -> tuple[set[int], tuple["FedLoader", ...]]:
         """What a session's new process in place of ``rank`` keeps (its ends, which this supervisor kept open: what
@@ -110,6 +115,9 @@ class AttachedDelivery:
         for by_rank in self.rank_ends if not keep_rank_ends else ():
             for end in by_rank.values():
                 end.close()
+        for fd in self.counters_fds:  # the mappings stay, and forked processes inherit them
+            os.close(fd)
+        self.counters_fds = []
 
 
 @dataclass(frozen=True)

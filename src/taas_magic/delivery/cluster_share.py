@@ -29,6 +29,7 @@ class NodeShare:
     sources: tuple[tuple[tuple[Any, str], ...], ...] = ()
     secret: bytes = b""  # the run's, proven by both ends of every stream between nodes
     listen: str = ""  # where a host accepts streams: loopback when its only reader is itself
+    first: int = 0  # the session's number of its first loader: a session's later shares serve loaders after it
 
     def active(self) -> bool:
         return any(self.hosted) or bool(self.ranks and self.loaders)
@@ -41,20 +42,23 @@ def shares(
     hosts: int,
     agents: list[Any],
     addresses: list[str],
+    first: int = 0,
 ) -> list[NodeShare]:
     """Each node's share: the run's nodes with ranks first, then ``hosts`` nodes for producers alone
     (``agents`` and ``addresses`` in that order).
 
     With host nodes, every producer has one to itself (the service's ``--cpus K``: K CPU nodes per
-    loader); without, producers take turns on the rank nodes.
+    loader), or takes turns on them with more producers than nodes (a session's loaders registered since it
+    started: numbered from ``first``); without, producers take turns on the rank nodes.
     """
     world = sum(len(ranks) for ranks in ranks_by_node)
     nodes = len(ranks_by_node) + hosts
     hosted: list[list[list[int]]] = [[[] for _ in loaders] for _ in range(nodes)]
     number = 0
+    with_ranks = [node for node, ranks in enumerate(ranks_by_node) if ranks]  # a session's may have lost some
     for index, plan in enumerate(loaders):
         for producer in range(plan.producers):
-            node = len(ranks_by_node) + number if hosts else number % len(ranks_by_node)
+            node = len(ranks_by_node) + number % hosts if hosts else with_ranks[number % len(with_ranks)]
             hosted[node][index].append(producer)
             number += 1
     sources = tuple(
@@ -73,6 +77,7 @@ def shares(
             sources if every_node[node] else (),
             secret,
             _listen(node, hosted[node], addresses, len(ranks_by_node)),
+            first,
         )
         for node in range(nodes)
     ]

@@ -236,11 +236,18 @@ def _go_on(earlier: _LoaderRuntime, later: _LoaderRuntime) -> None:
 
 
 def late_stand_ins(
-    plans: tuple[LoaderPlan, ...], fds: list[int], namespace: dict[str, Any], rank: int, world: int, device: str
+    plans: tuple[LoaderPlan, ...],
+    fds: list[int],
+    namespace: dict[str, Any],
+    rank: int,
+    world: int,
+    device: str,
+    reports: bool = True,
 ) -> None:
     """In a session's rank: stand-ins for loaders the session began to serve with this cell, or serves anew as it
-    was resized (in place of their stand-ins, at the pass the counters say), over the ends ``DataService.late_ends``
-    sent (the descriptors are this rank's to keep or close)."""
+    was resized (in place of their stand-ins, at the pass the counters say), over the ends ``late_ends`` sent (the
+    descriptors are this rank's to keep or close). ``reports``: False on a cluster's node, where the kernel makes
+    the progress line of every node's counters."""
     count = len(plans)
     for plan, channel_fd, counters_fd in zip(plans, fds[:count], fds[count:]):
         loader = namespace[plan.name]
@@ -256,6 +263,7 @@ def late_stand_ins(
             counters,
             plan.fastest,
             device,
+            reports=reports,
         )
         if counters.passes_over[rank]:
             stand_in.start_at(int(counters.passes_over[rank]))

@@ -69,10 +69,11 @@ def failed_outside_code(error: BaseException, shell: Any, task: RankTask) -> tup
 
 
 def _delivery_summaries(served: tuple[LoaderPlan, ...], namespace: dict[str, Any]) -> dict[str, DeliverySummary]:
-    """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting."""
-    summaries = {
-        plan.name: namespace[plan.name].summary() for plan in served if hasattr(namespace.get(plan.name), "summary")
-    }
+    """How each stand-in loader the cell iterated fared in this rank: elements received, time spent waiting. A name
+    served twice (rebound to another registered loader) is asked once: its stand-in's summary is taken as it is
+    read."""
+    names = dict.fromkeys(plan.name for plan in served)
+    summaries = {name: namespace[name].summary() for name in names if hasattr(namespace.get(name), "summary")}
     return {name: summary for name, summary in summaries.items() if summary is not None}
 
 

@@ -182,7 +182,9 @@ def _stand_in_for_new_loaders(
     """Loaders registered since the session started: their names become stand-ins from this cell on."""
     from taas_magic.delivery.service import late_stand_ins
 
-    late_stand_ins(plans, ends, namespace, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), task.device)
+    on_a_node = "TAAS_NODE_ADDRESS" in os.environ  # a cluster's: the kernel makes the progress line of every node's
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    late_stand_ins(plans, ends, namespace, rank, world, task.device, reports=not on_a_node)
 
 
 def _debug(error: BaseException | None, control: RankEnd) -> records.Record:

@@ -21,6 +21,7 @@ from typing import ClassVar, Union
 from taas_magic.wire.channel import Channel
 from taas_magic.wire.events import Key, Relayed
 from taas_magic.wire.rank_control import SessionCell
+from taas_magic.wire.task import NodeDeliveryEnds
 
 
 # -- kernel → supervisor ------------------------------------------------------------------------
@@ -52,11 +53,13 @@ class AskStacks:
 
 @dataclass(frozen=True)
 class RunCell:
-    """A session's next cell, for some of its ranks."""
+    """A session's next cell, for some of its ranks; on a cluster's node, with the node's share of the loaders the
+    cell begins to serve (``delivery``: which of the descriptors that come last with it is what)."""
 
     kind: ClassVar[str] = "cell"
     cell: SessionCell
     ranks: tuple[int, ...]
+    delivery: NodeDeliveryEnds | None = None
 
 
 @dataclass(frozen=True)

@@ -769,6 +769,7 @@ def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cl
     here = collected(
         cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + COLLECT, timeout=120).ok()
     )
+    late = "seen = [[b.tolist() for b in late] for _ in range(2)]\nprint('LATE ' + json.dumps(seen), flush=True)"
     cluster_kernel.execute(header("--keep --cpus 1") + "import json, taas", timeout=240).ok()
     try:
         cells = [cluster_kernel.execute("#pragma taas\n" + COLLECT, timeout=120).ok() for _ in range(2)]
@@ -785,12 +786,25 @@ def test_a_session_is_fed_from_the_cpu_node_pass_after_pass_from_cell_to_cell(cl
             "built on the CPU node alone"
         )
         assert re.search(r"taas: loader: 48 elements delivered to 4 ranks", cells[1].stderr), cells[1].stderr
-        cluster_kernel.execute("late = DataLoader(Indices(8), batch_size=2)\ntaas.register(late)").ok()
-        r = cluster_kernel.execute("#pragma taas\nfor batch in late:\n    pass", timeout=60)
-        assert r.error["evalue"] == (
-            "registered loader 'late' was registered after the session started, and on a "
-            "cluster a session's producers start with it: %taas stop, then start the "
-            "session again with --keep to have it served"
+        cluster_kernel.execute("late = DataLoader(Indices(20), batch_size=2, shuffle=True)\ntaas.register(late)").ok()
+        served = cluster_kernel.execute("#pragma taas\n" + late, timeout=120).ok()
+        batches = drawn_passes(served, "LATE")
+
+        origins = {node for passes in batches.values() for p in passes for batch in p for _, node in batch}
+        assert origins == {head}, "built on the CPU node"
+        assert re.search(r"taas: late: 24 elements delivered to 4 ranks", served.stderr), served.stderr
+        again = drawn_passes(cluster_kernel.execute("#pragma taas\n" + COLLECT.replace("loader", "late")).ok(), "GOT")
+        assert again, "the next cell goes on with its stream"
+        cluster_kernel.execute("%taas stop").ok()
+        one_shot = drawn_passes(
+            cluster_kernel.execute("#pragma taas --gpus 4 --device cpu --on local\n" + late, timeout=120).ok(), "LATE"
+        )
+
+        def indices(drawn: dict[int, list]) -> dict[int, list]:
+            return {rank: [[[i for i, _ in batch] for batch in p] for p in passes] for rank, passes in drawn.items()}
+
+        assert indices(batches) == indices(one_shot), (
+            "a loader registered since the session started is served from its first pass, as a one-shot cell's"
         )
     finally:
         cluster_kernel.execute("%taas stop").ok()
@@ -1124,6 +1138,55 @@ def test_a_cluster_session_fed_by_producers_heals_a_killed_rank_which_takes_over
         cluster_kernel.execute("%taas stop").ok()
         if producers == "rank nodes":
             cluster_kernel.execute("_link.PRODUCER_NODE = 'c1.4'").ok()
+    assert not leftovers(cluster_kernel)
+
+
+def test_a_loader_registered_during_a_cluster_session_is_served_on_the_ranks_nodes_and_heals_with_the_session(
+    registered,
+):
+    """A loader registered after a cluster session started, whose producers take turns on the nodes of its ranks (no
+    CPU node to host them): the cell that first uses it starts them, each node's share of its channels made by the
+    node's agent; DDP trains over it beside the session's first loader; rank 3 killed in the middle of one of its
+    passes takes over its share of both loaders; every pass is a one-shot run's, and the replicas stay equal."""
+    cluster_kernel = registered
+    cluster_kernel.execute("import taas_magic.kernel.cluster_link as _link\n_link.PRODUCER_NODE = 'c1.80'").ok()
+    start = header("--keep --cpus 1") + INIT + "import json, signal, time\ntorch.manual_seed(0)\n"
+    start += "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+    start += "opt = torch.optim.SGD(model.parameters(), lr=1e-6)\nsteps = 0"
+    training = SERVED_TRAINING.replace("for b in loader:", "for b in late:")
+    try:
+        cluster_kernel.execute(start, timeout=240).ok()
+        cluster_kernel.execute("late = DataLoader(Indices(30), batch_size=3, shuffle=True)\ntaas.register(late)").ok()
+        first = cluster_kernel.execute(training.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert replicas_equal(first), first.stdout
+        died = cluster_kernel.execute(training.replace("KILL_AT", "2"), timeout=120)
+        assert died.error is not None and "rank 3 failed: killed by signal SIGKILL" in died.error["evalue"], died.error
+        assert "[rank 3] taas: rank 3: its share of 'late' goes on at pass 2" in died.stderr, died.stderr
+        after = cluster_kernel.execute(training.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert replicas_equal(after), after.stdout
+        served = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert replicas_equal(served), "the session's first loader goes on too"
+        passes_seen = cluster_kernel.execute(training.replace("KILL_AT", "-1"), timeout=120).ok()
+        rebind = "old_late = late\nlate = DataLoader(Indices(12), batch_size=2)\ntaas.register(late)"
+        cluster_kernel.execute(rebind).ok()  # the next cell is served the new loader, the old one's producers end
+        rebound = cluster_kernel.execute(training.replace("KILL_AT", "-1"), timeout=120).ok()
+        drawn = drawn_passes(rebound, "TOOK")  # 6 batches among 4 ranks, 2 each: the pass is padded with 2 of them
+        assert sorted(drawn) == [0, 1, 2, 3]
+        assert {i for took in drawn.values() for batch in took for i in batch} == set(range(12))
+        assert "taas: late: 8 elements delivered to 4 ranks" in rebound.stderr, rebound.stderr
+        again = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
+        assert replicas_equal(again), "the rebound name's old producers ended, and the session goes on"
+        cluster_kernel.execute("%taas stop").ok()
+        cluster_kernel.execute("taas.unregister(late)\nlate = old_late").ok()
+        reference = "#pragma taas --gpus 4 --device cpu --on local\nimport json\n"
+        reference += "print('PASSES ' + json.dumps([[b[:, 0].tolist() for b in late] for _ in range(4)]))"
+        passes = drawn_passes(cluster_kernel.execute(reference).ok(), "PASSES")
+        assert drawn_passes(first, "TOOK") == {rank: passes[rank][0] for rank in range(4)}, "pass 0, a one-shot's"
+        assert drawn_passes(after, "TOOK") == {rank: passes[rank][2] for rank in range(4)}, "pass 2, whole"
+        assert drawn_passes(passes_seen, "TOOK") == {rank: passes[rank][3] for rank in range(4)}, "pass 3"
+    finally:
+        cluster_kernel.execute("%taas stop").ok()
+        cluster_kernel.execute("_link.PRODUCER_NODE = 'c1.4'\ntaas.unregister(late)").ok()
     assert not leftovers(cluster_kernel)
 
 

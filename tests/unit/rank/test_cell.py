@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from taas_magic.rank.cell import release_termination, run_cell
-from taas_magic.wire.records import Failed
-from taas_magic.wire.task import CellOrder, RankTask
+from taas_magic.rank.cell import _delivery_summaries, release_termination, run_cell
+from taas_magic.wire.records import DeliverySummary, Failed
+from taas_magic.wire.task import CellOrder, LoaderPlan, RankTask
 
 SOURCE = """
 def all_reduce():
@@ -98,3 +98,26 @@ def test_an_exit_that_ends_an_interrupt_is_the_interrupt_and_any_other_exit_a_fa
     assert record.interrupted and record.ename == "KeyboardInterrupt"
     record = _run("import sys\nsys.exit(2)", [], [])
     assert not record.interrupted and record.evalue == "the cell called sys.exit(2)"
+
+
+class SummingStandIn:
+    """A stand-in's summary, as ``StandIn.summary`` gives it: what it took since it was last asked."""
+
+    def __init__(self, taken: int) -> None:
+        self.taken = taken
+
+    def summary(self) -> DeliverySummary | None:
+        taken, self.taken = self.taken, 0
+        return DeliverySummary(taken, 0.0, 0.0, 1.0) if taken else None
+
+
+def test_a_name_served_twice_rebound_to_another_loader_is_summed_up_once() -> None:
+    """A session serves ``late``, then the notebook binds the name to another registered loader: the rank serves
+    both plans under one name, and the cell's summary is the stand-in's, not lost to a second reading."""
+
+    def plan(name: str, seed: int) -> LoaderPlan:
+        return LoaderPlan(name, producers=1, units=None, prefetch=None, fastest=False, seed=seed)
+
+    namespace: dict[str, Any] = {"late": SummingStandIn(8), "other": object()}
+    summaries = _delivery_summaries((plan("late", 1), plan("other", 2), plan("late", 3)), namespace)
+    assert summaries == {"late": DeliverySummary(8, 0.0, 0.0, 1.0)}

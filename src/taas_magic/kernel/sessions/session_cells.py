@@ -106,10 +106,4 @@ def new_loaders(
             "serve to every rank of the session: run it in every rank (leave out --ranks)"
         )
     new = [name for name in names if not session.serves(name, namespace[name])]
-    if new and session.start == "cluster":
-        raise TaasUsageError(
-            f"registered loader {new[0]!r} was registered after the session started, and on a "
-            "cluster a session's producers start with it: %taas stop, then start the session "
-            "again with --keep to have it served"
-        )
     return delivery_planning.plans(session.spec, new, namespace)

@@ -117,7 +117,9 @@ class NodeAgent:
         _remove_orphaned_folders()
         self.store: RunStore | None = None
         self.group: SupervisedRanks | None = None
-        self.delivery: NodeDelivery | None = None  # this node's part in the run's data delivery
+        # This node's part in the run's data delivery: the share it started with, then those of a session's cells
+        # that began to serve loaders registered since (each keyed by its first loader's number).
+        self.deliveries: list[NodeDelivery] = []
         self.folder: str | None = None
         self.copies: notebook_folder.Stamps = {}  # the notebook's files as the run's folder started with them
         self.traces = NodeTraces(f"{FOLDER_PREFIX}{os.getpid()}-traces-")  # --profile's, on their way back
@@ -171,17 +173,22 @@ class NodeAgent:
         package = notebook_folder.unpacked(payload.package, self.node_id) if payload.package else None
         if package is not None:
             self.copies = notebook_folder.copy_into(package, self.folder)
-        self.delivery = NodeDelivery(share) if share is not None and share.active() else None
-        request = self._request(payload, self.folder, self.delivery, package)
+        delivery = NodeDelivery(share) if share is not None and share.active() else None
+        self.deliveries = [delivery] if delivery is not None else []
+        request = self._request(payload, self.folder, delivery, package)
         try:
             # Node 0's supervisor serves the run's store: this process never imports torch.
             self.group = self.backend.start_node(run_id, envs, request, store, store_in_supervisor=True)
         finally:
             request.close()
-        if self.delivery is not None:
-            self.delivery.handed_over()
-            self.delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
+        if delivery is not None:
+            self._feed(delivery)
         return sorted(self.group.running(), key=key_order)
+
+    def _feed(self, delivery: NodeDelivery) -> None:
+        """The fork server's processes have their ends of ``delivery``'s channels: it streams from now on."""
+        delivery.handed_over()
+        delivery.start_feeding(lambda ref, timeout: self.ray.get(ref, timeout=timeout))
 
     def _request(
         self, payload: NodePayload, folder: str, delivery: NodeDelivery | None, package: str | None
@@ -207,10 +214,10 @@ class NodeAgent:
         """Where rank nodes connect for the elements this node's producers make: None while the run
         has not started here, ("", 0) when this node serves none (not a ``_call``: asked by rank
         nodes' feeding threads while the kernel's calls wait for events)."""
-        delivery = self.delivery
-        if delivery is None or delivery.share.run_id != run_id:  # not started yet, or over
+        delivery = next((d for d in list(self.deliveries) if d.share.run_id == run_id), None)
+        if delivery is None:  # not started yet, or over
             time.sleep(0.05)
-            return ("", 0) if self.group is not None and delivery is None else None
+            return ("", 0) if self.group is not None and not self.deliveries else None
         return delivery.relay_address()
 
     # -- the RankGroup contract, relayed ---------------------------------------------------------
@@ -219,11 +226,12 @@ class NodeAgent:
         """Events so far (waiting up to ``timeout`` for the first), the processes still running, this
         node's copy of each registered loader's counters, and the ``--profile`` traces written since."""
         if self.group is None:
-            return NodeEvents([], [], [], {})
-        if self.delivery is not None and self.delivery.failure is not None:
-            raise DeliveryLost(self.delivery.failure)
+            return NodeEvents([], [], {}, {})
+        for delivery in self.deliveries:
+            if delivery.failure is not None:
+                raise DeliveryLost(delivery.failure)
         events = self.group.events(timeout)
-        snapshots = self.delivery.snapshots() if self.delivery is not None else []
+        snapshots = self._snapshots()
         # Listed after the events: a rank writes its trace before it reports its cell's end
         return NodeEvents(events, sorted(self.group.running(), key=key_order), snapshots, self.traces.take())
 
@@ -233,27 +241,47 @@ class NodeAgent:
             self.group.signal(signum, ranks)
 
     @_call
-    def counters(self) -> list[list[int]]:
+    def counters(self) -> dict[int, list[list[int]]]:
         """This node's copy of each registered loader's counters, now (``events`` sends them too)."""
-        return self.delivery.snapshots() if self.delivery is not None else []
+        return self._snapshots()
+
+    def _snapshots(self) -> dict[int, list[list[int]]]:
+        """Each share's counters, by the number of its first loader."""
+        return {delivery.share.first: delivery.snapshots() for delivery in self.deliveries}
 
     @_call
     def run_cell(
-        self, cell: SessionCell, ranks: list[int], tensors: bytes, counters: list[list[int]] | None = None
+        self,
+        cell: SessionCell,
+        ranks: list[int],
+        tensors: bytes,
+        counters: dict[int, list[list[int]]] | None = None,
+        share: NodeShare | None = None,
     ) -> None:
         """A session's next cell for this node's ``ranks``, with its shipped tensors' data. ``counters``: every
         node's merged, for the new processes the cell starts here in place of ranks that died: the rows of the
-        producers and ranks of other nodes are copied in first, for them to take over the dead ranks' shares."""
+        producers and ranks of other nodes are copied in first, for them to take over the dead ranks' shares.
+        ``share``: this node's part in serving the loaders the cell begins to serve."""
         if self.group is None:
             return
-        if counters and self.delivery is not None:
-            self.delivery.take_counters(counters)
+        for delivery in self.deliveries:
+            if counters and delivery.share.first in counters:
+                delivery.take_counters(counters[delivery.share.first])
         fd = None
         if tensors:
             fd = memfile.new_file("taas-tensors", len(tensors))
             memfile.write_bytes(fd, tensors)
+        new = NodeDelivery(share) if share is not None and share.active() else None
         try:
-            self.group.run_cell(cell, ranks, (fd,) if fd is not None else ())
+            ends, fds = new.ends() if new is not None else (None, [])
+            self.group.run_cell(cell, ranks, ((fd,) if fd is not None else ()) + tuple(fds), ends)
+            if new is not None:
+                self._feed(new)
+                self.deliveries.append(new)
+        except BaseException:
+            if new is not None:
+                new.close()
+            raise
         finally:
             if fd is not None:
                 os.close(fd)
@@ -289,13 +317,13 @@ class NodeAgent:
         store, self.store = self.store, None
         folder, self.folder = self.folder, None
         self.copies = {}
-        delivery, self.delivery = self.delivery, None
+        deliveries, self.deliveries = self.deliveries, []
         self.traces.close()
         try:
             if group is not None:
                 group.close()
         finally:
-            if delivery is not None:
+            for delivery in deliveries:
                 delivery.close()
             if store is not None:
                 store.close()
@@ -352,7 +380,7 @@ class NodeEvents:
 
     events: list[Event]
     running: list[Key]  # the processes still running
-    snapshots: list[list[int]]  # this node's copy of each registered loader's counters
+    snapshots: dict[int, list[list[int]]]  # this node's copy of each registered loader's counters, by share
     traces: dict[str, bytes]  # --profile traces written since the last answer, by file name
 
 

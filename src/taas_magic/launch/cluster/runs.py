@@ -28,7 +28,7 @@ from taas_magic.launch.supervisor.handle import CLOSE_SECONDS
 from taas_magic.per_rank import span
 from taas_magic.process import containment
 from taas_magic.wire.cluster_driver import StartOnNodes
-from taas_magic.wire.events import NODE_LOST, Event, Exited, Key, Report, key_order
+from taas_magic.wire.events import NODE_LOST, Event, Exited, Key, Producer, Report, key_order
 from taas_magic.wire.rank_control import PULL_KEY, PULL_TOGETHER, SessionCell, pull_request, world_variables
 
 CALL_SECONDS = 15.0  # the longest an agent may take to answer beyond what was asked of it
@@ -108,7 +108,9 @@ class ClusterRanks:
         self.placement = placement
         self.agents = agents  # in node-rank order, then the nodes that host producers alone
         self.shares = shares  # each node's part in data delivery, when the cell uses registered loaders
-        self.progress = RunProgress(shares) if shares else None
+        # Each share's progress line, by the number of its first loader: the run's, then those of the loaders a
+        # session began to serve since.
+        self.progress: dict[int, RunProgress] = {0: RunProgress(shares)} if shares else {}
         self.alive: list[set[Key]] = [set() for _ in agents]
         self.profile = profile  # the running cell's --profile folder on this machine: where the nodes' traces go
         self.closed: RunFiles | None = None
@@ -158,8 +160,10 @@ class ClusterRanks:
             events += answer.events
             self.alive[index] = set(answer.running)
             traces.write_into(self.profile, answer.traces)
-            if self.progress is not None and answer.snapshots:
-                events += [Report(key, record) for key, record in self.progress.take(index, answer.snapshots)]
+            for first, snapshots in answer.snapshots.items():
+                if first in self.progress and snapshots:
+                    taken = self.progress[first].take(index, snapshots)
+                    events += [Report(Producer(first + key.loader, key.index), record) for key, record in taken]
         events, self.lost = events + self.lost, []
         return events
 
@@ -186,6 +190,9 @@ class ClusterRanks:
         leaving = [any(cell.leaves(rank) for rank in self.ranks_on[index]) for index in range(len(self.agents))]
         live = [index for index, keys in enumerate(on_node) if keys or leaving[index]]
         merged = self._merged_counters() if cell.newcomers and cell.world is None else None
+        new_shares = self._new_shares(cell)
+        if new_shares:  # a node that hosts the new loaders' producers alone gets the cell too
+            live = sorted(set(live) | {index for index, share in enumerate(new_shares) if share.active()})
         self._call(
             live,
             lambda index: self.agents[index].run_cell.remote(
@@ -193,6 +200,7 @@ class ClusterRanks:
                 sorted(key for key in on_node[index] if isinstance(key, int)),
                 shared,
                 merged if set(cell.newcomers) & self.ranks_on[index] else None,
+                new_shares[index] if new_shares else None,
             ),
             CALL_SECONDS,
         )
@@ -203,17 +211,38 @@ class ClusterRanks:
         while self.added and not any(self.ranks_on[self._first_added() :]):  # a shrink emptied the nodes it added
             self._let_go_of_last_added()
 
-    def _merged_counters(self) -> list[list[int]] | None:
+    def _new_shares(self, cell: SessionCell) -> list[NodeShare] | None:
+        """Each node's part in serving the loaders a session's cell begins to serve (registered since it started):
+        producers on the nodes that host the session's producers, or taking turns on the nodes of its ranks, as
+        for the session's first loaders; None when it begins to serve none."""
+        if not cell.order.loaders or self.joiners is None:
+            return None
+        first = cell.first_loader
+        rank_nodes = self._rank_nodes()
+        made = shares(
+            f"{self.joiners.run_id}/{first}",
+            cell.order.loaders,
+            [tuple(sorted(ranks)) for ranks in self.ranks_on[:rank_nodes]],
+            self.placement.hosts,
+            self.agents,
+            [node.address for node in self.placement.nodes],
+            first=first,
+        )
+        self.progress[first] = RunProgress(made)
+        return made
+
+    def _merged_counters(self) -> dict[int, list[list[int]]] | None:
         """Every node's counters of the registered loaders a session serves, merged now (its ranks stopped, the
         producers waiting for the dead ranks): what the nodes of new processes in place of dead ranks copy in, for
-        them to take over their shares. None when the session serves none."""
-        if self.progress is None:
+        them to take over their shares (by share). None when the session serves none."""
+        if not self.progress:
             return None
         asked = [index for index in range(len(self.agents)) if self.alive[index] or self.ranks_on[index]]
-        for index, snapshots in zip(asked, self._call(asked, lambda i: self.agents[i].counters.remote(), CALL_SECONDS)):
-            if snapshots:
-                self.progress.merge(index, snapshots)
-        return self.progress.snapshots()
+        for index, answer in zip(asked, self._call(asked, lambda i: self.agents[i].counters.remote(), CALL_SECONDS)):
+            for first, snapshots in (answer or {}).items():
+                if first in self.progress and snapshots:
+                    self.progress[first].merge(index, snapshots)
+        return {first: progress.snapshots() for first, progress in self.progress.items()}
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to ``world`` ranks on ``nodes`` nodes: the new ranks start on the nodes the session's
@@ -419,7 +448,7 @@ class ClusterRanks:
         its agent is ended (with it, whatever of the node's still runs), and each of its ranks is said to have
         exited ``NODE_LOST``. Else the run ends (``_lose``)."""
         ranks = sorted(self.ranks_on[index]) if index < len(self.ranks_on) else []
-        if not (self.keep and index > 0 and ranks and self.shares is None):
+        if not (self.keep and index > 0 and ranks and not self.progress):
             self._lose(index, detail + self._why_the_session_cannot_go_on(index, ranks), None)
         node = self.placement.nodes[index]
         self.cluster.forget(node.node_id)
@@ -441,7 +470,7 @@ class ClusterRanks:
             return ""
         if index == 0:
             return "; node 0 serves the run's store, and the session cannot go on without it"
-        if self.shares is not None:
+        if self.progress:
             return "; the session serves registered loaders, and cannot go on without the node's share"
         return "" if ranks else "; it held none of the session's ranks any more"
 

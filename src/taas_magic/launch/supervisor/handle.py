@@ -40,6 +40,7 @@ from taas_magic.wire.supervision import (
     Stored,
     ToSupervisor,
 )
+from taas_magic.wire.task import NodeDeliveryEnds
 
 CLOSE_SECONDS = 10.0  # the most a run's end may take before the kernel kills the supervisor
 STORE_SECONDS = 5.0  # the most a supervisor that serves the run's store takes to say a value is in it
@@ -207,9 +208,17 @@ class SupervisedRanks:
             chosen = None if ranks is None else tuple(sorted(set(ranks) & self.alive, key=key_order))
             self._send(SignalRanks(signum, chosen))
 
-    def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+    def run_cell(
+        self,
+        cell: SessionCell,
+        ranks: Iterable[int],
+        fds: tuple[int, ...] = (),
+        delivery: NodeDeliveryEnds | None = None,
+    ) -> None:
+        """A session's next cell; ``delivery``: a cluster node's share of the loaders it begins to serve, whose
+        descriptors come last in ``fds``."""
         ranks = tuple(sorted(ranks))
-        self._send(RunCell(cell, ranks), fds=fds)
+        self._send(RunCell(cell, ranks, delivery), fds=fds)
         self.alive = cell.alive_after(self.alive, ranks)
         self.pending = [event for event in self.pending if not cell.leaves(event.rank)]
 

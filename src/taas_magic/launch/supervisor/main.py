@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Callable, NoReturn, assert_never
 
+from taas_magic.delivery.cluster_ends import NodeEnds
 from taas_magic.launch.rendezvous import StoreProcess
 from taas_magic.launch.supervisor.ranks import ForkedRanks
 from taas_magic.launch.supervisor.tasks import Received, StoreServer
@@ -208,9 +209,9 @@ class _Supervisor:
                 stacks = group.stacks(ranks, timeout)
                 self._send(Events(tuple(group.events(0))))
                 self._send(Stacks(stacks))
-            case RunCell(cell, ranks):  # a session's next cell, for some of its ranks
+            case RunCell(cell, ranks, delivery):  # a session's next cell, for some of its ranks
                 idle.busy.update(ranks)
-                group.run_cell(cell, ranks, fds)
+                group.run_cell(cell, ranks, fds, delivery if isinstance(delivery, NodeEnds) else None)
             case PutInStore(key, value):
                 if self.store is not None:
                     self.store.set(key, value)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, assert_never
 
-from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader
+from taas_magic.delivery.cluster_ends import AttachedDelivery, FedLoader, NodeEnds
 from taas_magic.delivery.service import DataService, RankLoader, SessionLoaders
 from taas_magic.launch.supervisor import tasks
 from taas_magic.launch.supervisor.forking import ForkedProcess, ForkingGroup
@@ -53,9 +53,10 @@ class ForkedRanks(ForkingGroup):
     # rank started in place of one that died; and the run's id, which names its producers.
     loaders: SessionLoaders | None = None
     run_id: str = ""
-    # A session's on a cluster's node: its share of the run's delivery, each local rank's ends kept open for a new
-    # process in place of one that died (what the node's agent put in for the dead one waits there).
-    attached: AttachedDelivery | None = None
+    # A session's on a cluster's node: its shares of the run's delivery (the one it started with, then one per cell
+    # that began to serve loaders), each local rank's ends kept open for a new process in place of one that died
+    # (what the node's agent put in for the dead one waits there).
+    attached: list[AttachedDelivery] = field(default_factory=list)
     # A session's on this machine, for a rank started in place of one that died: each rank's environment, and
     # the task its ranks started with.
     envs: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -100,10 +101,11 @@ class ForkedRanks(ForkingGroup):
                 task = dataclasses.replace(task, order=dataclasses.replace(task.order, loaders=plans), delivery=None)
             if task.keep and envs:
                 group.envs, group.task = envs, task
+                group.run_id = run_id
                 if attached is None:
-                    group.loaders, group.run_id = SessionLoaders(group.names, len(envs)), run_id
+                    group.loaders = SessionLoaders(group.names, len(envs))
                 else:
-                    group.attached = attached
+                    group.attached = [attached]
             for rank, env in sorted(envs.items()):
                 group.fork(
                     rank,
@@ -121,7 +123,7 @@ class ForkedRanks(ForkingGroup):
             if isinstance(service, DataService) and group.loaders is not None:
                 group.loaders.keep(service)
             elif service is not None:
-                service.close(keep_rank_ends=service is group.attached)
+                service.close(keep_rank_ends=service in group.attached)
         return group
 
     # -- watching ---------------------------------------------------------------------------
@@ -232,14 +234,17 @@ class ForkedRanks(ForkingGroup):
         """The sockets this supervisor holds for its ranks: their control channels, and a session's ends of the
         channels of the loaders it serves."""
         kept = self.loaders.sockets() if self.loaders is not None else set()
-        kept |= self.attached.sockets() if self.attached is not None else set()
+        kept = kept.union(*(attached.sockets() for attached in self.attached))
         return kept | {state.control.fileno() for state in self.ranks.values() if state.control is not None}
 
-    def run_cell(self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = ()) -> None:
+    def run_cell(
+        self, cell: SessionCell, ranks: Iterable[int], fds: tuple[int, ...] = (), delivery: NodeEnds | None = None
+    ) -> None:
         """Send a session's next cell to ``ranks``; a rank that is gone says so by its exit.
 
         The producers of loaders the session begins to serve with the cell start first, and each
-        rank gets its ends of them with the cell.
+        rank gets its ends of them with the cell. On a cluster's node, ``delivery`` says which of the last of
+        ``fds`` are the node's share of those loaders' channels, which its agent made.
         """
         ranks = sorted(ranks)
         if cell.world is not None:
@@ -247,16 +252,21 @@ class ForkedRanks(ForkingGroup):
         # This supervisor's newcomers: on a cluster's node, the cell names every node's. A resize's get their
         # new shares with the cell.
         self._replace(tuple(rank for rank in cell.newcomers if rank in ranks), takes_over=cell.world is None)
-        service = self._serve_new_loaders(cell, fds)
+        shares = fds[len(fds) - delivery.fd_count() :] if delivery is not None else ()
+        fds = fds[: len(fds) - len(shares)]
+        service = self._serve_new_loaders(cell, fds, delivery, shares)
         try:
             for rank in ranks:
                 if rank in self.ranks:
                     self.ranks[rank].cell, self.ranks[rank].interrupt_waiting = "sent", False
-                ends = service.late_ends(rank) if service is not None else ()
+                ends = service.late_ends(rank) if service is not None and rank in self.ranks else ()
                 self._tell(rank, cell, fds=fds + ends)
         finally:
-            if service is not None and self.loaders is not None:
+            if isinstance(service, DataService) and self.loaders is not None:
                 self.loaders.keep(service)
+            elif isinstance(service, AttachedDelivery):
+                service.close(keep_rank_ends=True)
+                self.attached.append(service)
 
     def _replace(self, ranks: tuple[int, ...], takes_over: bool = True) -> None:
         """Start a new process for each of ``ranks``, a session's that died or new with a resize: it joins the
@@ -265,16 +275,27 @@ class ForkedRanks(ForkingGroup):
         first were: no CUDA here."""
         if self.task is None:
             return  # not a session's
-        served = self.loaders if self.loaders is not None else self.attached
         try:
             for rank in ranks:
                 if rank in self.ranks and self.ranks[rank].returncode is None:
                     continue  # alive after all: the cell tells it so
-                sockets, stand_ins = served.for_replacement(rank) if served is not None and takes_over else (set(), ())
+                sockets, stand_ins = self._served_to(rank) if takes_over else (set(), ())
                 task = dataclasses.replace(self.task, joins=True)
                 self.fork(rank, self.envs[rank], task, sockets=sockets, stand_ins=stand_ins)
         finally:
             self._open_gates(b"")
+
+    def _served_to(self, rank: int) -> tuple[set[int], tuple[RankLoader | FedLoader, ...]]:
+        """What a new process in place of ``rank`` keeps of the loaders the session serves (its ends), and what
+        builds its stand-ins, which take over the dead rank's share of each."""
+        if self.loaders is not None:
+            return self.loaders.for_replacement(rank)
+        sockets: set[int] = set()
+        stand_ins: tuple[RankLoader | FedLoader, ...] = ()
+        for attached in self.attached:
+            theirs, loaders = attached.for_replacement(rank)
+            sockets, stand_ins = sockets | theirs, stand_ins + loaders
+        return sockets, stand_ins
 
     def _resize(self, cell: SessionCell) -> None:
         """``%taas resize``: end the ranks that leave the session (killed and reaped, as a session's end does:
@@ -311,17 +332,26 @@ class ForkedRanks(ForkingGroup):
             state.ask = None
         del self.ranks[state.rank]
 
-    def _serve_new_loaders(self, cell: SessionCell, fds: tuple[int, ...]) -> DataService | None:
+    def _serve_new_loaders(
+        self, cell: SessionCell, fds: tuple[int, ...], delivery: NodeEnds | None, shares: tuple[int, ...]
+    ) -> DataService | AttachedDelivery | None:
         """Fork the producers of the loaders ``cell`` begins to serve, once its names (the loaders among
-        them) are unpacked here; None when it begins to serve none."""
+        them) are unpacked here; None when it begins to serve none. On a cluster's node, its share of them
+        (``delivery``, over the descriptors ``shares``)."""
         plans = cell.order.loaders
-        if not plans or self.loaders is None:
+        if not plans or (self.loaders is None and delivery is None):
             return None
         from taas_magic.wire import shipping
 
+        namespace = self.loaders.namespace if self.loaders is not None else self.names
         if cell.names:
-            shipping.unpack_into(self.loaders.namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
-        service = self.loaders.new_service(plans, cell.first_loader, go_on=cell.world is not None)
+            shipping.unpack_into(namespace, cell.names, os.dup(fds[0]) if fds else None, cell.tensors_size)
+        service: DataService | AttachedDelivery
+        if delivery is not None:
+            service = delivery.attach([os.dup(fd) for fd in shares], namespace)
+        else:
+            assert self.loaders is not None
+            service = self.loaders.new_service(plans, cell.first_loader, go_on=cell.world is not None)
         try:
             for key, producer in service.producers():
                 self.fork(key, tasks.producer_env(self.run_id), producer, sockets=service.producer_sockets(key))
@@ -450,8 +480,8 @@ class ForkedRanks(ForkingGroup):
             state.close_descriptors()
         if self.loaders is not None:
             self.loaders.close()
-        if self.attached is not None:
-            self.attached.close()
+        for attached in self.attached:
+            attached.close()
         for fd in (self._lifeline_read, self._lifeline_write):
             os.close(fd)
         self._selector.close()
