@@ -55,6 +55,18 @@ def test_without_cpu_nodes_producers_take_turns_on_the_run_s_nodes():
     assert found[0].sources == found[1].sources == ((("n0", "a0"), ("n1", "a1")),)
 
 
+def test_a_sessions_later_loaders_take_turns_on_its_cpu_nodes_or_on_the_nodes_it_still_has_ranks_on():
+    """Loaders a session begins to serve after it started: more producers than the session's CPU nodes take turns on
+    them; without CPU nodes, on the nodes that still have ranks (a node lost, or emptied by a resize, has none). Each
+    share is numbered from its first loader and named apart from the run's first, for the streams between nodes."""
+    on_hosts = shares("run/2", (plan("c", 3),), [(0, 1), (2, 3)], 2, ["n0", "n1", "h0", "h1"], ["a0"] * 4, first=2)
+    assert [s.hosted for s in on_hosts] == [((),), ((),), ((0, 2),), ((1,),)]
+    assert all(s.first == 2 and s.run_id == "run/2" for s in on_hosts)
+    without = shares("run/1", (plan("c", 3),), [(0, 1), (), (4, 5)], 0, ["n0", "n1", "n2"], ["a0"] * 3, first=1)
+    assert [s.hosted for s in without] == [((0, 2),), ((),), ((1,),)], "none on the node without ranks"
+    assert not without[1].active() and without[0].sources == ((("n0", "a0"), ("n2", "a0")),)
+
+
 def test_counters_merge_only_the_rows_another_copy_owns():
     host, rank_node, kernel = Counters(2, 3), Counters(2, 3), Counters(2, 3)
     host.produced[1] = 5
