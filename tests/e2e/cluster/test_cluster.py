@@ -1167,6 +1167,7 @@ def test_a_loader_registered_during_a_cluster_session_is_served_on_the_ranks_nod
         served = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
         assert replicas_equal(served), "the session's first loader goes on too"
         passes_seen = cluster_kernel.execute(training.replace("KILL_AT", "-1"), timeout=120).ok()
+        running = len(rank_processes())  # supervisors, ranks, producers on both nodes
         rebind = "old_late = late\nlate = DataLoader(Indices(12), batch_size=2)\ntaas.register(late)"
         cluster_kernel.execute(rebind).ok()  # the next cell is served the new loader, the old one's producers end
         rebound = cluster_kernel.execute(training.replace("KILL_AT", "-1"), timeout=120).ok()
@@ -1175,7 +1176,11 @@ def test_a_loader_registered_during_a_cluster_session_is_served_on_the_ranks_nod
         assert {i for took in drawn.values() for batch in took for i in batch} == set(range(12))
         assert "taas: late: 8 elements delivered to 4 ranks" in rebound.stderr, rebound.stderr
         again = cluster_kernel.execute(SERVED_TRAINING.replace("KILL_AT", "-1"), timeout=120).ok()
-        assert replicas_equal(again), "the rebound name's old producers ended, and the session goes on"
+        assert replicas_equal(again), "the session goes on"
+        deadline = time.monotonic() + 10
+        while len(rank_processes()) != running and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(rank_processes()) == running, "the rebound name's old producer ended, its new one runs"
         cluster_kernel.execute("%taas stop").ok()
         cluster_kernel.execute("taas.unregister(late)\nlate = old_late").ok()
         reference = "#pragma taas --gpus 4 --device cpu --on local\nimport json\n"
