@@ -160,10 +160,9 @@ class ClusterRanks:
             events += answer.events
             self.alive[index] = set(answer.running)
             traces.write_into(self.profile, answer.traces)
-            for first, snapshots in answer.snapshots.items():
-                if first in self.progress and snapshots:
-                    taken = self.progress[first].take(index, snapshots)
-                    events += [Report(Producer(first + key.loader, key.index), record) for key, record in taken]
+            for first, progress, snapshots in self._by_share(answer.snapshots):
+                taken = progress.take(index, snapshots)
+                events += [Report(Producer(first + key.loader, key.index), record) for key, record in taken]
         events, self.lost = events + self.lost, []
         return events
 
@@ -239,10 +238,15 @@ class ClusterRanks:
             return None
         asked = [index for index in range(len(self.agents)) if self.alive[index] or self.ranks_on[index]]
         for index, answer in zip(asked, self._call(asked, lambda i: self.agents[i].counters.remote(), CALL_SECONDS)):
-            for first, snapshots in (answer or {}).items():
-                if first in self.progress and snapshots:
-                    self.progress[first].merge(index, snapshots)
+            for _, progress, snapshots in self._by_share(answer or {}):
+                progress.merge(index, snapshots)
         return {first: progress.snapshots() for first, progress in self.progress.items()}
+
+    def _by_share(self, answer: dict[int, list[list[int]]]) -> list[tuple[int, RunProgress, list[list[int]]]]:
+        """A node's counters, as its agent answers them by share: each with the share's first loader's number and
+        progress line (a share the kernel does not know of yet, or an empty copy, left out)."""
+        known = [(first, snapshots) for first, snapshots in answer.items() if first in self.progress and snapshots]
+        return [(first, self.progress[first], snapshots) for first, snapshots in known]
 
     def grow(self, world: int, nodes: int) -> None:
         """``%taas resize`` to ``world`` ranks on ``nodes`` nodes: the new ranks start on the nodes the session's
